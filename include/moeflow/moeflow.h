@@ -1,0 +1,8 @@
+// The whole public API of moeflow.
+#pragma once
+
+#include "moeflow/error.h"
+#include "moeflow/permute.h"
+#include "moeflow/plan.h"
+#include "moeflow/tensor.h"
+#include "moeflow/version.h"

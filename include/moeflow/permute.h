@@ -1,0 +1,62 @@
+// Permute (token order -> expert-major padded rows) and unpermute (back, with
+// the copies of each token summed in float32), forward and backward, driven by
+// a RoutingPlan. No host synchronisation; outputs are caller-allocated.
+//
+// Row ranges: rows < plan.total_rows hold data or pad rows (pad rows are
+// written as zeros, only those); rows >= total_rows are never read or written.
+#pragma once
+
+#include "moeflow/plan.h"
+#include "moeflow/tensor.h"
+
+namespace moeflow {
+
+// Optional per-slot and per-row side data that travels with the tokens.
+struct PermuteExtras {
+  // probs:           [T,K] float32 (routing probability of each slot), contiguous.
+  // permuted_probs:  [capacity] float32 out: probs of each row, 0 on pad rows.
+  TensorView probs;
+  TensorView permuted_probs;
+  // scales:          [T,S] any dtype (e.g. float32 1x128 blockwise scales, uint8
+  //                  e8m0 MXFP8 1x32 scales), contiguous.
+  // permuted_scales: [capacity,S] same dtype out: scales of each row, 0 on pad rows.
+  TensorView scales;
+  TensorView permuted_scales;
+};
+
+// y[dest_row[t,k]] = x[t] for every kept slot; pad rows of y are zeroed.
+//   x: [T,H] float32/float16/bfloat16/float8 (bytes moved as they are);
+//      rows may be strided (stride(1) must be 1).
+//   y: [capacity,H] same dtype; stride(1) must be 1.
+void permute(TensorView x, const RoutingPlan& plan, TensorView y, const PermuteExtras& extras = {},
+             cudaStream_t stream = nullptr);
+
+// out[t] = sum over k of w[t,k] * y[dest_row[t,k]], accumulated in float32 in
+// ascending k order (bitwise deterministic); dropped/unrouted slots add nothing.
+//   y:           [capacity,H] float32/float16/bfloat16.
+//   out:         [T,H] float32/float16/bfloat16.
+//   merge_probs: optional [T,K] float32 weights w (omitted: w = 1).
+void unpermute(TensorView y, const RoutingPlan& plan, TensorView out, TensorView merge_probs = {},
+               cudaStream_t stream = nullptr);
+
+// Gradient of permute: dx[t] = sum over k of dy[dest_row[t,k]] (float32 accumulation,
+// ascending k), and, when given, dprobs[t,k] = dpermuted_probs[dest_row[t,k]] (0 if none).
+//   dy: [capacity,H]; dx: [T,H] (float32/float16/bfloat16)
+//   dpermuted_probs: optional [capacity] float32; dprobs: [T,K] float32 (with it).
+void permute_backward(TensorView dy, const RoutingPlan& plan, TensorView dx,
+                      TensorView dpermuted_probs = {}, TensorView dprobs = {},
+                      cudaStream_t stream = nullptr);
+
+// Gradient of unpermute with merge_probs:
+//   dy[dest_row[t,k]] = w[t,k] * dout[t]   (w = 1 when probs is omitted; pad rows zeroed)
+//   dprobs[t,k]       = <dout[t], y_fwd[dest_row[t,k]]>  (float32; 0 for dropped slots)
+//   dout:   [T,H] float32/float16/bfloat16
+//   y_fwd:  [capacity,H] the forward input of unpermute (needed for dprobs)
+//   probs:  optional [T,K] float32 (the forward merge_probs)
+//   dy:     [capacity,H] out, dtype of y_fwd (or any float dtype without y_fwd)
+//   dprobs: optional [T,K] float32 out (needs y_fwd)
+void unpermute_backward(TensorView dout, const RoutingPlan& plan, TensorView y_fwd,
+                        TensorView probs, TensorView dy, TensorView dprobs = {},
+                        cudaStream_t stream = nullptr);
+
+}  // namespace moeflow

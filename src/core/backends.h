@@ -1,0 +1,69 @@
+// The backend entry points behind the public functions. Arguments arrive
+// validated (shapes, dtypes, devices); the public function picks the backend
+// from the device of its inputs, once.
+#pragma once
+
+#include "moeflow/permute.h"
+#include "moeflow/plan.h"
+
+#if defined(__CUDACC__)
+#define MOEFLOW_HD __host__ __device__
+#else
+#define MOEFLOW_HD
+#endif
+
+namespace moeflow {
+
+// One routing input in either form. For kMask, topk == num_experts and slot
+// (t,k) is routed to expert k when mask[t,k] != 0.
+struct RoutingInput {
+  enum Kind { kIds32, kIds64, kMask } kind = kIds32;
+  const void* data = nullptr;
+  int64_t num_tokens = 0;
+  int topk = 0;
+};
+
+// The plan's scalar bookkeeping computed from the raw per-expert counts:
+// shared by both backends so that drop order and padding are defined once.
+struct ExpertLayout {
+  int32_t kept;           // rows kept for this expert
+  int32_t padded;         // kept rounded up to align
+  int64_t offset;         // start row of its segment
+};
+// offset_in: sum of padded *routed* counts of the experts before this one
+// (a multiple of align). Returns where the expert lands given the capacity.
+MOEFLOW_HD inline ExpertLayout layout_expert(int64_t routed, int64_t offset_in, int64_t capacity,
+                                  int align) {
+  ExpertLayout l;
+  l.offset = offset_in < capacity ? offset_in : capacity;
+  int64_t room = capacity - l.offset;
+  int64_t kept = routed < room ? routed : room;
+  l.kept = static_cast<int32_t>(kept);
+  l.padded = static_cast<int32_t>((kept + align - 1) / align * align);
+  return l;
+}
+
+namespace cpu {
+void build_plan(const RoutingInput& in, RoutingPlan& plan);
+void permute(TensorView x, const RoutingPlan& plan, TensorView y, const PermuteExtras& extras);
+// out[t] = sum_k w[t,k] * y[dest(t,k)]; and, when row_vals is given,
+// slot_vals[t,k] = row_vals[dest(t,k)] (0 when dest is -1).
+void unpermute(TensorView y, const RoutingPlan& plan, TensorView out, TensorView weights,
+               TensorView row_vals, TensorView slot_vals);
+void unpermute_backward(TensorView dout, const RoutingPlan& plan, TensorView y_fwd,
+                        TensorView probs, TensorView dy, TensorView dprobs);
+}  // namespace cpu
+
+namespace cuda {
+size_t plan_workspace_bytes(int64_t num_tokens, int topk, const PlanConfig& config);
+void build_plan(const RoutingInput& in, RoutingPlan& plan, TensorView workspace,
+                cudaStream_t stream);
+void permute(TensorView x, const RoutingPlan& plan, TensorView y, const PermuteExtras& extras,
+             cudaStream_t stream);
+void unpermute(TensorView y, const RoutingPlan& plan, TensorView out, TensorView weights,
+               TensorView row_vals, TensorView slot_vals, cudaStream_t stream);
+void unpermute_backward(TensorView dout, const RoutingPlan& plan, TensorView y_fwd,
+                        TensorView probs, TensorView dy, TensorView dprobs, cudaStream_t stream);
+}  // namespace cuda
+
+}  // namespace moeflow

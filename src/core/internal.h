@@ -1,0 +1,50 @@
+// Internal helpers shared by the core, the CPU reference and the CUDA backend.
+#pragma once
+
+#include <cstdint>
+#include <initializer_list>
+#include <string>
+#include <vector>
+
+#include "moeflow/tensor.h"
+
+namespace moeflow::detail {
+
+// --- CUDA runtime shims (src/cuda/runtime.cu; they throw without CUDA) ------
+void* cuda_alloc(size_t bytes, int device);
+void cuda_free(void* ptr, int device) noexcept;
+// Copies bytes between any two places (host or device); waits when `sync`.
+void cuda_copy(void* dst, const void* src, size_t bytes, cudaStream_t stream, bool sync);
+void cuda_fill(void* dst, uint8_t byte, size_t bytes, cudaStream_t stream);
+void cuda_stream_sync(cudaStream_t stream);
+int cuda_count() noexcept;
+std::string cuda_error_string(int code);
+// Makes `device` current for this thread (the public functions call this once).
+void cuda_set_device(int device);
+
+// --- Host scalar conversions (round to nearest even, as CUDA's _rn) ---------
+float bf16_to_float(uint16_t v);
+uint16_t float_to_bf16(float f);
+float half_to_float(uint16_t v);
+uint16_t float_to_half(float f);
+// Element `i` (linear, of a contiguous array) of an arithmetic float dtype.
+float load_float(const void* base, DType dtype, int64_t i);
+void store_float(void* base, DType dtype, int64_t i, float v);
+
+// --- Argument checks ---------------------------------------------------------
+// Checks a view at the API boundary and throws a message of the form
+//   "<name> must be <dtypes> [<shape>] on <device>, got <dtype> [<shape>] on <device>".
+// shape entries of -1 match any size; an empty `dtypes` matches any dtype.
+struct Expect {
+  std::vector<DType> dtypes;
+  std::vector<int64_t> shape;
+  Device device;
+  bool contiguous = true;   // require a contiguous view
+  bool inner_unit = false;  // require only stride(last) == 1 (rows may be strided)
+};
+void expect(const TensorView& v, const char* name, const Expect& e);
+// A required argument must be a defined view.
+void expect_defined(const TensorView& v, const char* name);
+std::string shape_str(const std::vector<int64_t>& shape);
+
+}  // namespace moeflow::detail

@@ -1,0 +1,61 @@
+// Device helpers shared by the CUDA kernels: packed vector loads/stores,
+// float conversions, warp utilities, launch checks, device properties.
+#pragma once
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+#include "core/internal.h"
+#include "moeflow/error.h"
+
+namespace moeflow::cuda {
+
+constexpr int kWarpSize = 32;
+
+// Checks the launch that just happened (configuration errors surface here).
+#define MOEFLOW_CUDA_LAUNCH_CHECK() MOEFLOW_CUDA_CHECK(cudaGetLastError())
+
+__device__ __forceinline__ unsigned lanemask_lt() {
+  unsigned m;
+  asm("mov.u32 %0, %%lanemask_lt;" : "=r"(m));
+  return m;
+}
+
+// N elements of T moved as one aligned access (N * sizeof(T) <= 16 in one
+// instruction; 32 bytes become two).
+template <typename T, int N>
+struct alignas(sizeof(T) * N) Pack {
+  T v[N];
+};
+
+__device__ __forceinline__ float to_float(float v) { return v; }
+__device__ __forceinline__ float to_float(__nv_bfloat16 v) { return __bfloat162float(v); }
+__device__ __forceinline__ float to_float(__half v) { return __half2float(v); }
+
+template <typename T>
+__device__ __forceinline__ T from_float(float v);
+template <>
+__device__ __forceinline__ float from_float<float>(float v) { return v; }
+template <>
+__device__ __forceinline__ __nv_bfloat16 from_float<__nv_bfloat16>(float v) {
+  return __float2bfloat16_rn(v);
+}
+template <>
+__device__ __forceinline__ __half from_float<__half>(float v) { return __float2half_rn(v); }
+
+// Number of SMs of the current device (cached per device).
+int sm_count();
+
+inline int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
+
+// True when every pointer/stride given is a multiple of `bytes`.
+inline bool aligned_to(int64_t bytes, std::initializer_list<int64_t> values) {
+  for (int64_t v : values)
+    if (v % bytes != 0) return false;
+  return true;
+}
+
+}  // namespace moeflow::cuda

@@ -1,0 +1,494 @@
+// CUDA permute / unpermute and their backward ops.
+//
+// All kernels map one warp to one token (8 warps a block). A lane holds the
+// destination row of one slot (k = lane within a group of 32 slots) and the
+// warp walks the routed slots with a ballot mask, lowest k first.
+//   permute:            load a slice of the token's row (U 16-byte vectors per
+//                       lane), store it to every destination row; x is read
+//                       once, each copy written once.
+//   unpermute:          per slice, fma the routed rows into float32
+//                       accumulators in ascending k, convert, store once.
+//   unpermute_backward: per slice, load dout once, store w*dout to every
+//                       destination row and fold <dout, y_fwd[row]> into a
+//                       per-slot float32 dot (fixed-order warp tree).
+// Extra blocks past the token blocks zero the pad rows of every expert
+// segment (and only those). No host sync; sizes come from shapes.
+#include "core/backends.h"
+#include "cuda/common.cuh"
+
+namespace moeflow::cuda {
+namespace {
+
+constexpr int kWarps = 8;
+constexpr int kThreads = kWarps * kWarpSize;
+constexpr int kUnroll = 4;  // vectors in flight per lane
+
+// The pad rows of all experts, (expert, r) flattened, walked by `pad_warps`
+// warps starting at `pad_warp`. fn(row) is called by the whole warp.
+struct PadRows {
+  const int32_t* kept;
+  const int32_t* padded;
+  const int64_t* offsets;
+  int num_experts;
+  int align;
+
+  template <typename Fn>
+  __device__ void for_each(int64_t pad_warp, int64_t pad_warps, Fn fn) const {
+    const int64_t per = align - 1;
+    for (int64_t i = pad_warp; i < num_experts * per; i += pad_warps) {
+      const int e = static_cast<int>(i / per);
+      const int64_t r = i % per;
+      if (r >= padded[e] - kept[e]) continue;
+      fn(offsets[e] + kept[e] + r);
+    }
+  }
+};
+
+// Byte rows: `n` vectors of V per row.
+template <typename V>
+__device__ __forceinline__ void zero_row(uint8_t* row, int64_t n, int lane) {
+  V* dst = reinterpret_cast<V*>(row);
+  V zero;
+  memset(&zero, 0, sizeof(V));
+  for (int64_t v = lane; v < n; v += kWarpSize) dst[v] = zero;
+}
+
+// Small side rows (scales): 4-byte words when aligned, bytes otherwise.
+__device__ __forceinline__ void copy_small_row(const uint8_t* src, uint8_t* dst, int64_t bytes,
+                                               bool words, int lane) {
+  if (words) {
+    for (int64_t v = lane; v < bytes / 4; v += kWarpSize)
+      reinterpret_cast<uint32_t*>(dst)[v] = reinterpret_cast<const uint32_t*>(src)[v];
+  } else {
+    for (int64_t v = lane; v < bytes; v += kWarpSize) dst[v] = src[v];
+  }
+}
+
+__device__ __forceinline__ void zero_small_row(uint8_t* dst, int64_t bytes, int lane) {
+  for (int64_t v = lane; v < bytes; v += kWarpSize) dst[v] = 0;
+}
+
+struct PermuteArgs {
+  const uint8_t* x;
+  int64_t x_stride;  // bytes
+  uint8_t* y;
+  int64_t y_stride;  // bytes
+  int64_t row_vecs;  // vectors per row
+  const int64_t* dest_row;
+  int64_t num_tokens;
+  int topk;
+  const float* probs;      // [T,K] or null
+  float* permuted_probs;   // [capacity] or null
+  const uint8_t* scales;   // [T,S] or null
+  uint8_t* permuted_scales;
+  int64_t scale_bytes;     // bytes per scales row
+  bool scale_words;        // scale rows 4-byte aligned
+  PadRows pads;
+  int64_t token_blocks;
+};
+
+template <typename V>
+__global__ void __launch_bounds__(kThreads) permute_kernel(PermuteArgs a) {
+  const int lane = threadIdx.x % kWarpSize;
+  const int warp = threadIdx.x / kWarpSize;
+  if (blockIdx.x >= a.token_blocks) {
+    // Pad rows: zeros in y, probs and scales.
+    const int64_t pad_warp = (blockIdx.x - a.token_blocks) * kWarps + warp;
+    const int64_t pad_warps = (gridDim.x - a.token_blocks) * kWarps;
+    a.pads.for_each(pad_warp, pad_warps, [&](int64_t row) {
+      zero_row<V>(a.y + row * a.y_stride, a.row_vecs, lane);
+      if (a.permuted_probs && lane == 0) a.permuted_probs[row] = 0.0f;
+      if (a.permuted_scales) zero_small_row(a.permuted_scales + row * a.scale_bytes, a.scale_bytes, lane);
+    });
+    return;
+  }
+  const int64_t t = blockIdx.x * kWarps + warp;
+  if (t >= a.num_tokens) return;
+  const V* src = reinterpret_cast<const V*>(a.x + t * a.x_stride);
+
+  for (int kg = 0; kg < a.topk; kg += kWarpSize) {
+    // Step 1: this group's destinations (lane = k - kg), probs.
+    const int k = kg + lane;
+    const int64_t slot = t * a.topk + k;
+    const int64_t row = k < a.topk ? a.dest_row[slot] : -1;
+    if (row >= 0 && a.permuted_probs) a.permuted_probs[row] = a.probs[slot];
+    const unsigned routed = __ballot_sync(0xffffffffu, row >= 0);
+    if (routed == 0) continue;
+
+    // Step 2: the row, slice by slice, to every destination.
+    for (int64_t v0 = 0; v0 < a.row_vecs; v0 += kUnroll * kWarpSize) {
+      V vals[kUnroll];
+#pragma unroll
+      for (int u = 0; u < kUnroll; ++u) {
+        const int64_t v = v0 + u * kWarpSize + lane;
+        if (v < a.row_vecs) vals[u] = src[v];
+      }
+      for (unsigned m = routed; m != 0; m &= m - 1) {
+        const int64_t r = __shfl_sync(0xffffffffu, row, __ffs(m) - 1);
+        V* dst = reinterpret_cast<V*>(a.y + r * a.y_stride);
+#pragma unroll
+        for (int u = 0; u < kUnroll; ++u) {
+          const int64_t v = v0 + u * kWarpSize + lane;
+          if (v < a.row_vecs) dst[v] = vals[u];
+        }
+      }
+    }
+
+    // Step 3: the scales row travels with the token.
+    if (a.scales) {
+      for (unsigned m = routed; m != 0; m &= m - 1) {
+        const int64_t r = __shfl_sync(0xffffffffu, row, __ffs(m) - 1);
+        copy_small_row(a.scales + t * a.scale_bytes, a.permuted_scales + r * a.scale_bytes,
+                       a.scale_bytes, a.scale_words, lane);
+      }
+    }
+  }
+}
+
+// Grid: token blocks, then pad blocks (enough warps for the pad rows, at most
+// two waves).
+struct Grid {
+  int64_t token_blocks;
+  int64_t blocks;
+};
+
+Grid make_grid(const RoutingPlan& plan) {
+  Grid g;
+  g.token_blocks = ceil_div(plan.num_tokens, kWarps);
+  int64_t pad_blocks = 0;
+  if (plan.config.align > 1 && plan.num_tokens > 0) {
+    const int64_t pad_items = static_cast<int64_t>(plan.config.num_experts) * (plan.config.align - 1);
+    pad_blocks = ceil_div(pad_items, kWarps);
+    const int64_t cap = 2 * static_cast<int64_t>(sm_count());
+    if (pad_blocks > cap) pad_blocks = cap;
+  }
+  g.blocks = g.token_blocks + pad_blocks;
+  return g;
+}
+
+PadRows pad_rows_of(const RoutingPlan& plan) {
+  return PadRows{plan.tokens_per_expert.data_ptr<int32_t>(),
+                 plan.padded_tokens_per_expert.data_ptr<int32_t>(),
+                 plan.expert_row_offsets.data_ptr<int64_t>(), plan.config.num_experts,
+                 plan.config.align};
+}
+
+int64_t row_stride_bytes(const TensorView& v) {
+  return v.strides[0] * static_cast<int64_t>(dtype_size(v.dtype));
+}
+
+// Calls fn(V{}) with the widest vector type that divides all the byte counts
+// and addresses given.
+template <typename Fn>
+void with_vector(std::initializer_list<int64_t> values, Fn fn) {
+  if (aligned_to(16, values)) return fn(uint4{});
+  if (aligned_to(8, values)) return fn(uint2{});
+  if (aligned_to(4, values)) return fn(uint32_t{});
+  if (aligned_to(2, values)) return fn(uint16_t{});
+  return fn(uint8_t{});
+}
+
+// --- unpermute ------------------------------------------------------------
+
+struct UnpermuteArgs {
+  const void* y;
+  int64_t y_stride;  // elements
+  void* out;
+  int64_t out_stride;  // elements
+  int64_t hidden;
+  const int64_t* dest_row;
+  int64_t num_tokens;
+  int topk;
+  const float* weights;   // [T,K] or null
+  const float* row_vals;  // [capacity] or null
+  float* slot_vals;       // [T,K] or null
+};
+
+template <typename TIn, typename TOut, int N>
+__global__ void __launch_bounds__(kThreads) unpermute_kernel(UnpermuteArgs a) {
+  const int lane = threadIdx.x % kWarpSize;
+  const int warp = threadIdx.x / kWarpSize;
+  const int64_t t = blockIdx.x * kWarps + warp;
+  if (t >= a.num_tokens) return;
+  using InPack = Pack<TIn, N>;
+  using OutPack = Pack<TOut, N>;
+  const int64_t packs = a.hidden / N;
+  const TIn* y = static_cast<const TIn*>(a.y);
+
+  // Slots of the first group stay in registers (the whole token when K <= 32).
+  int64_t row0 = lane < a.topk ? a.dest_row[t * a.topk + lane] : -1;
+  float w0 = (lane < a.topk && a.weights) ? a.weights[t * a.topk + lane] : 1.0f;
+
+  if (a.row_vals) {  // permute_backward: gather the permuted-probs gradient
+    for (int kg = 0; kg < a.topk; kg += kWarpSize) {
+      const int k = kg + lane;
+      if (k < a.topk) {
+        const int64_t r = a.dest_row[t * a.topk + k];
+        a.slot_vals[t * a.topk + k] = r >= 0 ? a.row_vals[r] : 0.0f;
+      }
+    }
+  }
+
+  for (int64_t p0 = 0; p0 < packs; p0 += kUnroll * kWarpSize) {
+    float acc[kUnroll][N];
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u)
+#pragma unroll
+      for (int j = 0; j < N; ++j) acc[u][j] = 0.0f;
+
+    for (int kg = 0; kg < a.topk; kg += kWarpSize) {
+      int64_t row = row0;
+      float w = w0;
+      if (kg > 0) {
+        const int k = kg + lane;
+        row = k < a.topk ? a.dest_row[t * a.topk + k] : -1;
+        w = (k < a.topk && a.weights) ? a.weights[t * a.topk + k] : 1.0f;
+      }
+      // NOTE: ascending k (lowest set bit first) fixes the summation order.
+      for (unsigned m = __ballot_sync(0xffffffffu, row >= 0); m != 0; m &= m - 1) {
+        const int src = __ffs(m) - 1;
+        const int64_t r = __shfl_sync(0xffffffffu, row, src);
+        const float wk = __shfl_sync(0xffffffffu, w, src);
+        const InPack* in = reinterpret_cast<const InPack*>(y + r * a.y_stride);
+        InPack vals[kUnroll];
+#pragma unroll
+        for (int u = 0; u < kUnroll; ++u) {
+          const int64_t p = p0 + u * kWarpSize + lane;
+          if (p < packs) vals[u] = in[p];
+        }
+#pragma unroll
+        for (int u = 0; u < kUnroll; ++u)
+#pragma unroll
+          for (int j = 0; j < N; ++j) acc[u][j] = fmaf(wk, to_float(vals[u].v[j]), acc[u][j]);
+      }
+    }
+
+    OutPack* out = reinterpret_cast<OutPack*>(static_cast<TOut*>(a.out) + t * a.out_stride);
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u) {
+      const int64_t p = p0 + u * kWarpSize + lane;
+      if (p < packs) {
+        OutPack o;
+#pragma unroll
+        for (int j = 0; j < N; ++j) o.v[j] = from_float<TOut>(acc[u][j]);
+        out[p] = o;
+      }
+    }
+  }
+}
+
+// --- unpermute_backward ---------------------------------------------------
+
+struct UnpermuteBwdArgs {
+  const void* dout;
+  int64_t dout_stride;  // elements
+  const void* y_fwd;    // or null
+  int64_t y_stride;     // elements
+  void* dy;
+  int64_t dy_stride;  // elements
+  int64_t dy_row_bytes;
+  int64_t hidden;
+  const int64_t* dest_row;
+  int64_t num_tokens;
+  int topk;
+  const float* probs;  // or null
+  float* dprobs;       // or null
+  PadRows pads;
+  int64_t token_blocks;
+};
+
+template <typename TG, typename TY, int N>
+__global__ void __launch_bounds__(kThreads) unpermute_bwd_kernel(UnpermuteBwdArgs a) {
+  const int lane = threadIdx.x % kWarpSize;
+  const int warp = threadIdx.x / kWarpSize;
+  using GPack = Pack<TG, N>;
+  using YPack = Pack<TY, N>;
+  if (blockIdx.x >= a.token_blocks) {
+    const int64_t pad_warp = (blockIdx.x - a.token_blocks) * kWarps + warp;
+    const int64_t pad_warps = (gridDim.x - a.token_blocks) * kWarps;
+    a.pads.for_each(pad_warp, pad_warps, [&](int64_t row) {
+      zero_row<uint8_t>(static_cast<uint8_t*>(a.dy) + row * a.dy_stride * sizeof(TY),
+                        a.dy_row_bytes, lane);
+    });
+    return;
+  }
+  const int64_t t = blockIdx.x * kWarps + warp;
+  if (t >= a.num_tokens) return;
+  const int64_t packs = a.hidden / N;
+  const GPack* g = reinterpret_cast<const GPack*>(static_cast<const TG*>(a.dout) + t * a.dout_stride);
+
+  for (int kg = 0; kg < a.topk; kg += kWarpSize) {
+    const int k = kg + lane;
+    const int64_t slot = t * a.topk + k;
+    const int64_t row = k < a.topk ? a.dest_row[slot] : -1;
+    const float w = (k < a.topk && a.probs) ? a.probs[slot] : 1.0f;
+    const unsigned routed = __ballot_sync(0xffffffffu, row >= 0);
+    float dot = 0.0f;  // lane j: <dout, y_fwd[row of slot kg+j]>
+
+    for (int64_t p0 = 0; p0 < packs; p0 += kUnroll * kWarpSize) {
+      GPack gv[kUnroll];
+#pragma unroll
+      for (int u = 0; u < kUnroll; ++u) {
+        const int64_t p = p0 + u * kWarpSize + lane;
+        if (p < packs) gv[u] = g[p];
+      }
+      for (unsigned m = routed; m != 0; m &= m - 1) {
+        const int src = __ffs(m) - 1;
+        const int64_t r = __shfl_sync(0xffffffffu, row, src);
+        const float wk = __shfl_sync(0xffffffffu, w, src);
+        YPack* dst = reinterpret_cast<YPack*>(static_cast<TY*>(a.dy) + r * a.dy_stride);
+        const YPack* yf = a.y_fwd ? reinterpret_cast<const YPack*>(
+                                        static_cast<const TY*>(a.y_fwd) + r * a.y_stride)
+                                  : nullptr;
+        float part = 0.0f;
+#pragma unroll
+        for (int u = 0; u < kUnroll; ++u) {
+          const int64_t p = p0 + u * kWarpSize + lane;
+          if (p < packs) {
+            YPack o;
+#pragma unroll
+            for (int j = 0; j < N; ++j) o.v[j] = from_float<TY>(wk * to_float(gv[u].v[j]));
+            dst[p] = o;
+            if (a.dprobs) {
+              const YPack yv = yf[p];
+#pragma unroll
+              for (int j = 0; j < N; ++j) part = fmaf(to_float(gv[u].v[j]), to_float(yv.v[j]), part);
+            }
+          }
+        }
+        if (a.dprobs) {
+#pragma unroll
+          for (int d = kWarpSize / 2; d > 0; d /= 2) part += __shfl_xor_sync(0xffffffffu, part, d);
+          if (lane == src) dot += part;
+        }
+      }
+    }
+    if (a.dprobs && k < a.topk) a.dprobs[slot] = row >= 0 ? dot : 0.0f;
+  }
+}
+
+// --- dtype dispatch ---------------------------------------------------------
+
+template <typename Fn>
+void with_float_type(DType dtype, Fn fn) {
+  switch (dtype) {
+    case DType::kFloat32: return fn(float{});
+    case DType::kBFloat16: return fn(__nv_bfloat16{});
+    case DType::kFloat16: return fn(__half{});
+    default: MOEFLOW_CHECK(false, "unsupported dtype ", dtype_name(dtype));
+  }
+}
+
+int64_t addr(const void* p) { return static_cast<int64_t>(reinterpret_cast<uintptr_t>(p)); }
+
+}  // namespace
+
+void permute(TensorView x, const RoutingPlan& plan, TensorView y, const PermuteExtras& ex,
+             cudaStream_t stream) {
+  const Grid grid = make_grid(plan);
+  if (grid.blocks == 0) return;
+  PermuteArgs a{};
+  a.x = static_cast<const uint8_t*>(x.data);
+  a.x_stride = row_stride_bytes(x);
+  a.y = static_cast<uint8_t*>(y.data);
+  a.y_stride = row_stride_bytes(y);
+  const int64_t row_bytes = x.shape[1] * static_cast<int64_t>(dtype_size(x.dtype));
+  a.dest_row = plan.dest_row.data_ptr<int64_t>();
+  a.num_tokens = plan.num_tokens;
+  a.topk = plan.topk;
+  if (ex.probs.defined()) {
+    a.probs = ex.probs.data_ptr<float>();
+    a.permuted_probs = ex.permuted_probs.data_ptr<float>();
+  }
+  if (ex.scales.defined()) {
+    a.scale_bytes = ex.scales.shape[1] * static_cast<int64_t>(dtype_size(ex.scales.dtype));
+    if (a.scale_bytes > 0) {
+      a.scales = static_cast<const uint8_t*>(ex.scales.data);
+      a.permuted_scales = static_cast<uint8_t*>(ex.permuted_scales.data);
+      a.scale_words = aligned_to(4, {a.scale_bytes, addr(a.scales), addr(a.permuted_scales)});
+    }
+  }
+  a.pads = pad_rows_of(plan);
+  a.token_blocks = grid.token_blocks;
+  with_vector({row_bytes, a.x_stride, a.y_stride, addr(a.x), addr(a.y)}, [&](auto v) {
+    using V = decltype(v);
+    a.row_vecs = row_bytes / static_cast<int64_t>(sizeof(V));
+    permute_kernel<V><<<grid.blocks, kThreads, 0, stream>>>(a);
+  });
+  MOEFLOW_CUDA_LAUNCH_CHECK();
+}
+
+void unpermute(TensorView y, const RoutingPlan& plan, TensorView out, TensorView weights,
+               TensorView row_vals, TensorView slot_vals, cudaStream_t stream) {
+  const int64_t blocks = ceil_div(plan.num_tokens, kWarps);
+  if (blocks == 0) return;
+  UnpermuteArgs a{};
+  a.y = y.data;
+  a.y_stride = y.strides[0];
+  a.out = out.data;
+  a.out_stride = out.strides[0];
+  a.hidden = y.shape[1];
+  a.dest_row = plan.dest_row.data_ptr<int64_t>();
+  a.num_tokens = plan.num_tokens;
+  a.topk = plan.topk;
+  a.weights = weights.defined() ? weights.data_ptr<float>() : nullptr;
+  a.row_vals = row_vals.defined() ? row_vals.data_ptr<float>() : nullptr;
+  a.slot_vals = slot_vals.defined() ? slot_vals.data_ptr<float>() : nullptr;
+  with_float_type(y.dtype, [&](auto tin) {
+    with_float_type(out.dtype, [&](auto tout) {
+      using TIn = decltype(tin);
+      using TOut = decltype(tout);
+      constexpr int kN = 16 / sizeof(TIn);
+      const int64_t in_bytes = kN * sizeof(TIn), out_bytes = kN * sizeof(TOut);
+      const bool vec = a.hidden % kN == 0 &&
+                       aligned_to(in_bytes, {addr(a.y), a.y_stride * int64_t(sizeof(TIn))}) &&
+                       aligned_to(out_bytes, {addr(a.out), a.out_stride * int64_t(sizeof(TOut))});
+      if (vec)
+        unpermute_kernel<TIn, TOut, kN><<<blocks, kThreads, 0, stream>>>(a);
+      else
+        unpermute_kernel<TIn, TOut, 1><<<blocks, kThreads, 0, stream>>>(a);
+    });
+  });
+  MOEFLOW_CUDA_LAUNCH_CHECK();
+}
+
+void unpermute_backward(TensorView dout, const RoutingPlan& plan, TensorView y_fwd,
+                        TensorView probs, TensorView dy, TensorView dprobs, cudaStream_t stream) {
+  const Grid grid = make_grid(plan);
+  if (grid.blocks == 0) return;
+  UnpermuteBwdArgs a{};
+  a.dout = dout.data;
+  a.dout_stride = dout.strides[0];
+  a.y_fwd = y_fwd.defined() ? y_fwd.data : nullptr;
+  a.y_stride = y_fwd.defined() ? y_fwd.strides[0] : 0;
+  a.dy = dy.data;
+  a.dy_stride = dy.strides[0];
+  a.hidden = dout.shape[1];
+  a.dy_row_bytes = a.hidden * static_cast<int64_t>(dtype_size(dy.dtype));
+  a.dest_row = plan.dest_row.data_ptr<int64_t>();
+  a.num_tokens = plan.num_tokens;
+  a.topk = plan.topk;
+  a.probs = probs.defined() ? probs.data_ptr<float>() : nullptr;
+  a.dprobs = dprobs.defined() ? dprobs.data_ptr<float>() : nullptr;
+  a.pads = pad_rows_of(plan);
+  a.token_blocks = grid.token_blocks;
+  with_float_type(dout.dtype, [&](auto tg) {
+    with_float_type(dy.dtype, [&](auto ty) {
+      using TG = decltype(tg);
+      using TY = decltype(ty);
+      constexpr int kN = 8;  // 16 bytes of a 16-bit type
+      const bool vec =
+          a.hidden % kN == 0 &&
+          aligned_to(kN * sizeof(TG), {addr(a.dout), a.dout_stride * int64_t(sizeof(TG))}) &&
+          aligned_to(kN * sizeof(TY), {addr(a.dy), a.dy_stride * int64_t(sizeof(TY)), addr(a.y_fwd),
+                                       a.y_stride * int64_t(sizeof(TY))});
+      if (vec)
+        unpermute_bwd_kernel<TG, TY, kN><<<grid.blocks, kThreads, 0, stream>>>(a);
+      else
+        unpermute_bwd_kernel<TG, TY, 1><<<grid.blocks, kThreads, 0, stream>>>(a);
+    });
+  });
+  MOEFLOW_CUDA_LAUNCH_CHECK();
+}
+
+}  // namespace moeflow::cuda

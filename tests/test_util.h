@@ -1,0 +1,194 @@
+// Test helpers: random routings, tensor fill and comparison, and a naive plan
+// builder independent of src/cpu (stable sort of the slots by expert).
+#pragma once
+
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <numeric>
+#include <random>
+#include <vector>
+
+#include "core/internal.h"
+#include "moeflow/moeflow.h"
+#include "tolerance.h"
+
+namespace moeflow::test {
+
+inline Tensor make_tensor(const std::vector<int64_t>& shape, DType dtype) {
+  return Tensor::empty(shape, dtype, Device::cpu());
+}
+
+// Top-k ids [T,K] with distinct experts per token; `skew` > 0 favours low ids
+// (probability ~ 1/(e+1)^skew); `unrouted` is the chance of a -1 slot.
+inline Tensor random_topk(int64_t T, int K, int E, uint32_t seed, double skew = 0.0,
+                          double unrouted = 0.0, DType dtype = DType::kInt32) {
+  std::mt19937 rng(seed);
+  Tensor ids = make_tensor({T, K}, dtype);
+  std::vector<double> weight(E);
+  for (int e = 0; e < E; ++e) weight[e] = std::pow(1.0 / (e + 1), skew);
+  std::uniform_real_distribution<double> uni(0.0, 1.0);
+  for (int64_t t = 0; t < T; ++t) {
+    std::vector<double> w = weight;
+    for (int k = 0; k < K; ++k) {
+      int64_t e = -1;
+      if (k < E && uni(rng) >= unrouted) {
+        std::discrete_distribution<int> pick(w.begin(), w.end());
+        e = pick(rng);
+        w[e] = 0.0;  // distinct within the token
+      }
+      if (dtype == DType::kInt32)
+        ids.data_ptr<int32_t>()[t * K + k] = static_cast<int32_t>(e);
+      else
+        ids.data_ptr<int64_t>()[t * K + k] = e;
+    }
+  }
+  return ids;
+}
+
+inline int64_t id_at(const Tensor& ids, int64_t i) {
+  return ids.dtype() == DType::kInt32 ? ids.data_ptr<int32_t>()[i] : ids.data_ptr<int64_t>()[i];
+}
+
+// Random mask [T,E] (uint8) with about `per_token` experts a token.
+inline Tensor random_mask(int64_t T, int E, int per_token, uint32_t seed) {
+  Tensor ids = random_topk(T, per_token, E, seed);
+  Tensor mask = Tensor::zeros({T, E}, DType::kUInt8);
+  for (int64_t t = 0; t < T; ++t)
+    for (int k = 0; k < per_token; ++k) {
+      int64_t e = id_at(ids, t * per_token + k);
+      if (e >= 0) mask.data_ptr<uint8_t>()[t * E + e] = 1;
+    }
+  return mask;
+}
+
+// Fills a float tensor (any arithmetic dtype) with uniform values in [-1, 1).
+inline void fill_random(Tensor& x, uint32_t seed, float lo = -1.0f, float hi = 1.0f) {
+  std::mt19937 rng(seed);
+  std::uniform_real_distribution<float> uni(lo, hi);
+  if (dtype_is_arith_float(x.dtype())) {
+    for (int64_t i = 0; i < x.numel(); ++i) detail::store_float(x.data(), x.dtype(), i, uni(rng));
+  } else {
+    auto* b = static_cast<uint8_t*>(x.data());
+    for (size_t i = 0; i < x.nbytes(); ++i) b[i] = static_cast<uint8_t>(rng());
+  }
+}
+
+inline float at(const Tensor& x, int64_t i) { return detail::load_float(x.data(), x.dtype(), i); }
+
+// Bitwise equality of two tensors' bytes.
+inline ::testing::AssertionResult bytes_equal(const Tensor& got, const Tensor& want) {
+  if (got.nbytes() != want.nbytes())
+    return ::testing::AssertionFailure() << "sizes differ: " << got.nbytes() << " vs " << want.nbytes();
+  if (got.nbytes() == 0 || std::memcmp(got.data(), want.data(), got.nbytes()) == 0)
+    return ::testing::AssertionSuccess();
+  const auto* a = static_cast<const uint8_t*>(got.data());
+  const auto* b = static_cast<const uint8_t*>(want.data());
+  size_t i = 0;
+  while (a[i] == b[i]) ++i;
+  return ::testing::AssertionFailure() << "first differing byte " << i << ": " << int(a[i])
+                                       << " vs " << int(b[i]);
+}
+
+// Element-wise closeness under the tolerance table for `dtype` (NaN never passes).
+inline ::testing::AssertionResult all_close(const Tensor& got, const Tensor& want, Tolerance tol) {
+  if (got.numel() != want.numel())
+    return ::testing::AssertionFailure() << "numel differs: " << got.numel() << " vs " << want.numel();
+  for (int64_t i = 0; i < got.numel(); ++i) {
+    double g = at(got, i), w = at(want, i);
+    if (!(std::fabs(g - w) <= tol.atol + tol.rtol * std::fabs(w)))
+      return ::testing::AssertionFailure() << "element " << i << ": got " << g << ", want " << w;
+  }
+  return ::testing::AssertionSuccess();
+}
+
+// A naive plan, independent of src/cpu: stable-sort the routed slots by
+// expert, then lay out padded segments, dropping past the capacity.
+struct NaivePlan {
+  std::vector<int32_t> kept, padded;
+  std::vector<int64_t> offsets, dest;
+  std::vector<int32_t> row_token, row_k;
+  int64_t total = 0;
+  int64_t dropped = 0;
+};
+
+inline NaivePlan naive_plan(const std::vector<int64_t>& slot_expert, int64_t T, int K, int E,
+                            int align, int64_t capacity) {
+  NaivePlan p;
+  std::vector<int64_t> slots;
+  for (int64_t i = 0; i < T * K; ++i)
+    if (slot_expert[i] >= 0) slots.push_back(i);
+  std::stable_sort(slots.begin(), slots.end(),
+                   [&](int64_t a, int64_t b) { return slot_expert[a] < slot_expert[b]; });
+  p.kept.assign(E, 0);
+  p.padded.assign(E, 0);
+  p.offsets.assign(E + 1, 0);
+  p.dest.assign(T * K, -1);
+  p.row_token.assign(capacity, -2);  // -2: not written
+  p.row_k.assign(capacity, -2);
+  std::vector<std::vector<int64_t>> per(E);
+  for (int64_t s : slots) per[slot_expert[s]].push_back(s);
+  int64_t row = 0;
+  for (int e = 0; e < E; ++e) {
+    p.offsets[e] = row;
+    for (int64_t s : per[e]) {
+      if (row < capacity) {
+        p.dest[s] = row;
+        p.row_token[row] = static_cast<int32_t>(s / K);
+        p.row_k[row] = static_cast<int32_t>(s % K);
+        ++row;
+        ++p.kept[e];
+      } else {
+        ++p.dropped;
+      }
+    }
+    while ((row - p.offsets[e]) % align != 0) {
+      p.row_token[row] = -1;
+      p.row_k[row] = -1;
+      ++row;
+    }
+    p.padded[e] = static_cast<int32_t>(row - p.offsets[e]);
+  }
+  p.offsets[E] = row;
+  p.total = row;
+  return p;
+}
+
+inline std::vector<int64_t> slot_experts_of_ids(const Tensor& ids) {
+  std::vector<int64_t> v(ids.numel());
+  for (int64_t i = 0; i < ids.numel(); ++i) v[i] = id_at(ids, i);
+  return v;
+}
+
+inline std::vector<int64_t> slot_experts_of_mask(const Tensor& mask) {
+  const int64_t E = mask.size(1);
+  std::vector<int64_t> v(mask.numel());
+  for (int64_t i = 0; i < mask.numel(); ++i) v[i] = mask.data_ptr<uint8_t>()[i] ? i % E : -1;
+  return v;
+}
+
+template <typename T>
+std::vector<T> to_vec(const Tensor& t) {
+  Tensor h = t.device().is_cpu() ? t : t.to(Device::cpu());
+  return std::vector<T>(h.data_ptr<T>(), h.data_ptr<T>() + h.numel());
+}
+
+// Expects a built plan (any device) to equal the naive plan exactly.
+inline void expect_plan_equals(const RoutingPlan& plan, const NaivePlan& want) {
+  EXPECT_EQ(to_vec<int32_t>(plan.tokens_per_expert), want.kept);
+  EXPECT_EQ(to_vec<int32_t>(plan.padded_tokens_per_expert), want.padded);
+  EXPECT_EQ(to_vec<int64_t>(plan.expert_row_offsets), want.offsets);
+  EXPECT_EQ(to_vec<int64_t>(plan.dest_row), want.dest);
+  EXPECT_EQ(to_vec<int64_t>(plan.total_rows)[0], want.total);
+  EXPECT_EQ(to_vec<int32_t>(plan.overflow)[0], want.dropped);
+  auto row_token = to_vec<int32_t>(plan.row_token);
+  auto row_k = to_vec<int32_t>(plan.row_k);
+  for (int64_t r = 0; r < want.total; ++r) {
+    ASSERT_EQ(row_token[r], want.row_token[r]) << "row " << r;
+    ASSERT_EQ(row_k[r], want.row_k[r]) << "row " << r;
+  }
+}
+
+}  // namespace moeflow::test

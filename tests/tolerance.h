@@ -1,0 +1,27 @@
+// The one tolerance table of the tests: values computed in float32 and
+// rounded to the output dtype are compared with |got - want| <= atol + rtol*|want|.
+#pragma once
+
+#include "moeflow/tensor.h"
+
+namespace moeflow::test {
+
+struct Tolerance {
+  double atol;
+  double rtol;
+};
+
+inline Tolerance tolerance(DType dtype) {
+  switch (dtype) {
+    case DType::kFloat32: return {1e-5, 1e-5};
+    case DType::kFloat16: return {1e-3, 1e-3};
+    case DType::kBFloat16: return {1e-2, 8e-3};
+    default: return {0.0, 0.0};  // byte-moved dtypes must match exactly
+  }
+}
+
+// Dot products (dprobs) over H elements: float32 accumulation against a
+// float64 reference.
+inline Tolerance dot_tolerance(int64_t hidden) { return {1e-4 * (1.0 + hidden / 256.0), 1e-4}; }
+
+}  // namespace moeflow::test
