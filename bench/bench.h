@@ -1,0 +1,46 @@
+// `moeflow bench` and `moeflow run` entry points, and the routing generator
+// they share.
+#pragma once
+
+#include <string>
+#include <vector>
+
+#include "bench/harness.h"
+#include "moeflow/moeflow.h"
+
+namespace moeflow::bench {
+
+// Random router output: scores ~ N(0,1), softmax over E, top-K (distinct
+// experts, as a real router gives). ids [T,K] int32, probs [T,K] float32.
+struct Routing {
+  Tensor ids;
+  Tensor probs;
+};
+Routing random_routing(int64_t T, int E, int K, uint32_t seed, Device device);
+
+struct PermuteBenchOptions {
+  std::vector<std::string> presets;
+  int align = 16;
+  DType dtype = DType::kBFloat16;
+  Device device;
+  TimingOptions timing;
+  std::string json_path;
+};
+void run_permute_bench(const PermuteBenchOptions& opt);
+
+struct RunOptions {
+  std::string preset = "tiny";
+  int align = 16;
+  Device device;
+  bool backward = true;
+};
+// One MoE token-path step (route, plan, permute, identity experts, unpermute,
+// and the backward ops), checked against the expected result. Returns 0 when
+// the checks pass.
+int run_layer(const RunOptions& opt);
+
+// "auto" -> cuda:0 when a GPU is present, else cpu; "cpu"; "cuda" / "cuda:N".
+Device parse_device(const std::string& s);
+DType parse_float_dtype(const std::string& s);
+
+}  // namespace moeflow::bench

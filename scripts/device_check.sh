@@ -1,0 +1,38 @@
+#!/usr/bin/env bash
+# One call on the GPU machine: build, GPU tests, memcheck, benchmarks beside
+# the PyTorch peers. Logs and JSON go to $OUT (or ./out).
+# Usage: scripts/device_check.sh [build|test|memcheck|bench|peers]...  (default: all)
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT="${OUT:-$PWD/out}"
+mkdir -p "$OUT"
+steps=("$@")
+[ ${#steps[@]} -eq 0 ] && steps=(build test memcheck bench peers)
+has() { local s; for s in "${steps[@]}"; do [ "$s" = "$1" ] && return 0; done; return 1; }
+rc=0
+nvidia-smi -L
+if has build; then
+  cmake -S . -B build -G Ninja -DCMAKE_BUILD_TYPE=Release -DCMAKE_CUDA_FLAGS="-Xptxas=-v" \
+    > "$OUT/configure.log" 2>&1 || { cat "$OUT/configure.log"; exit 1; }
+  ninja -C build > "$OUT/build.log" 2>&1 || { tail -50 "$OUT/build.log"; exit 1; }
+  grep -E "registers|spill" "$OUT/build.log" | sort | uniq -c | sort -rn | head -20
+fi
+if has test; then
+  ctest --test-dir build --output-on-failure 2>&1 | tail -40 || rc=1
+fi
+if has memcheck; then
+  compute-sanitizer --tool memcheck --error-exitcode 9 build/tests/test_gpu \
+    --gtest_filter='Gpu.Permute*:Gpu.Unpermute*:Gpu.Backward*:Gpu.PlanFromMask*:Gpu.PlanCapacity*:Gpu.PlanInvalid*:Gpu.Graph*' \
+    > "$OUT/memcheck.log" 2>&1
+  m=$?
+  tail -5 "$OUT/memcheck.log"
+  echo "memcheck exit: $m"
+  [ $m -eq 0 ] || rc=1
+fi
+if has bench; then
+  build/moeflow bench permute --json "$OUT/ours.json" 2>&1 || rc=1
+fi
+if has peers && [ -f .peers/peers.py ]; then
+  PYTHONUNBUFFERED=1 python3 .peers/peers.py --only ceil,permute --json "$OUT/peers.json" 2>&1 | tail -30 || rc=1
+fi
+exit $rc

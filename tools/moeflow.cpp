@@ -1,0 +1,69 @@
+// The `moeflow` command line: `run` (one checked MoE token-path step on a
+// preset; the default when no command is given) and `bench permute`.
+#include <CLI/CLI.hpp>
+#include <fmt/format.h>
+
+#include "bench/bench.h"
+#include "bench/presets.h"
+
+using namespace moeflow;
+
+int main(int argc, char** argv) {
+  CLI::App app{"moeflow: the MoE token path (routing plan, permute+pad, unpermute) on GPUs"};
+  app.require_subcommand(0, 1);
+  app.fallthrough();
+  std::string device = "auto";
+  app.add_option("--device", device, "auto, cpu, cuda or cuda:N")->capture_default_str();
+
+  auto* run = app.add_subcommand("run", "one checked MoE token-path step on a preset (default)");
+  bench::RunOptions run_opt;
+  std::string presets_help = "one of: ";
+  for (const auto& n : bench::preset_names()) presets_help += n + " ";
+  run->add_option("--preset", run_opt.preset, presets_help)->capture_default_str();
+  run->add_option("--align", run_opt.align, "pad each expert to a multiple of this (1,16,32,64,128,256)")
+      ->capture_default_str();
+  bool no_backward = false;
+  run->add_flag("--no-backward", no_backward, "skip the backward ops");
+
+  auto* bench = app.add_subcommand("bench", "benchmarks against the device ceilings");
+  bench->require_subcommand(1);
+  bench->fallthrough();
+  auto* bperm = bench->add_subcommand("permute", "plan build, permute+pad, unpermute, backward");
+  std::vector<std::string> bench_presets;
+  bperm->add_option("--preset", bench_presets, "presets (default: mixtral dsv3 qwen3-30b)");
+  bench::PermuteBenchOptions bopt;
+  bperm->add_option("--align", bopt.align, "per-expert padding (1,16,32,64,128,256)")->capture_default_str();
+  std::string dtype = "bf16";
+  bperm->add_option("--dtype", dtype, "bf16, fp16 or fp32")->capture_default_str();
+  bperm->add_option("--json", bopt.json_path, "also write the results as JSON to this file");
+  bperm->add_option("--iters", bopt.timing.iters, "timed runs per op (median)")->capture_default_str();
+
+  CLI11_PARSE(app, argc, argv);
+  try {
+    const Device dev = bench::parse_device(device);
+    if (*bperm) {
+      bopt.presets = bench_presets.empty() ? std::vector<std::string>{"mixtral", "dsv3", "qwen3-30b"}
+                                           : bench_presets;
+      for (const auto& p : bopt.presets) bench::find_preset(p);  // validate before starting
+      MOEFLOW_CHECK(is_valid_align(bopt.align), "--align must be one of 1, 16, 32, 64, 128, 256; got ",
+                    bopt.align);
+      MOEFLOW_CHECK(bopt.timing.iters > 0, "--iters must be > 0; got ", bopt.timing.iters);
+      bopt.dtype = bench::parse_float_dtype(dtype);
+      bopt.device = dev;
+      if (dev.is_cpu()) {  // the reference backend is slow: fewer runs
+        bopt.timing.warmup = 1;
+        bopt.timing.iters = std::min(bopt.timing.iters, 3);
+      }
+      bench::run_permute_bench(bopt);
+      return 0;
+    }
+    MOEFLOW_CHECK(is_valid_align(run_opt.align), "--align must be one of 1, 16, 32, 64, 128, 256; got ",
+                  run_opt.align);
+    run_opt.device = dev;
+    run_opt.backward = !no_backward;
+    return bench::run_layer(run_opt);
+  } catch (const Error& e) {
+    fmt::print(stderr, "{}\n", e.what());
+    return 2;
+  }
+}
