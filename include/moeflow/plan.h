@@ -14,7 +14,7 @@ namespace moeflow {
 bool is_valid_align(int align);  // 1, 16, 32, 64, 128, 256
 
 struct PlanConfig {
-  int num_experts = 0;
+  int num_experts = 0;  // E (the CUDA backend takes E <= 2048)
   // Each expert's segment is padded to a multiple of `align` rows:
   // 16 for FP8, 32 for MXFP8, 128 for NVFP4, 256 for the fused grouped-GEMM path.
   int align = 1;
