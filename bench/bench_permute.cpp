@@ -70,7 +70,9 @@ void run_permute_bench(const PermuteBenchOptions& opt) {
              opt.align);
   std::fflush(stdout);
   const double copy_gbps = copy_bandwidth_gbps(dev, stream, opt.timing);
+  const double write_gbps = write_bandwidth_gbps(dev, stream, opt.timing);
   rows.push_back(Row{"-", "device copy (ceiling)", 0, 0, copy_gbps, copy_gbps});
+  rows.push_back(Row{"-", "device write (memset)", 0, 0, write_gbps, copy_gbps});
 
   int index = 0;
   for (const std::string& name : opt.presets) {
@@ -127,6 +129,7 @@ void run_permute_bench(const PermuteBenchOptions& opt) {
                         {"dtype", dtype_name(opt.dtype)},
                         {"align", opt.align},
                         {"copy_GBps", copy_gbps},
+                        {"write_GBps", write_gbps},
                         {"rows", rows_to_json(rows)}};
     std::ofstream f(opt.json_path);
     MOEFLOW_CHECK(f.good(), "--json: cannot write '", opt.json_path, "'");

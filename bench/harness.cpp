@@ -83,6 +83,16 @@ double copy_bandwidth_gbps(Device device, cudaStream_t stream, const TimingOptio
   return 2.0 * bytes / us / 1e3;
 }
 
+double write_bandwidth_gbps(Device device, cudaStream_t stream, const TimingOptions& opt) {
+  const size_t bytes = device.is_cpu() ? (size_t{256} << 20) : (size_t{1} << 30);
+  Tensor a = Tensor::empty({static_cast<int64_t>(bytes)}, DType::kUInt8, device);
+  TimingOptions o = opt;
+  o.flush_l2 = false;
+  if (device.is_cpu()) o.iters = std::min(o.iters, 5);
+  double us = time_us(device, stream, [&] { fill_bytes(a, 0, stream); }, o);
+  return bytes / us / 1e3;
+}
+
 std::string device_name(Device device) {
   if (device.is_cpu()) return "CPU (reference backend)";
 #ifdef MOEFLOW_WITH_CUDA

@@ -27,6 +27,10 @@ double time_us(Device device, cudaStream_t stream, const std::function<void()>& 
 // device-to-device copy; for the CPU, a large memcpy.
 double copy_bandwidth_gbps(Device device, cudaStream_t stream, const TimingOptions& opt);
 
+// Write-only bandwidth (GB/s) of a large memset: the ceiling for
+// write-dominated ops such as permute (1 read : K writes).
+double write_bandwidth_gbps(Device device, cudaStream_t stream, const TimingOptions& opt);
+
 std::string device_name(Device device);
 
 struct Row {

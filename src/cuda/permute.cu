@@ -23,8 +23,8 @@ constexpr int kWarps = 8;
 constexpr int kThreads = kWarps * kWarpSize;
 constexpr int kUnroll = 4;  // vectors in flight per lane
 
-// The pad rows of all experts, (expert, r) flattened, walked by `pad_warps`
-// warps starting at `pad_warp`. fn(row) is called by the whole warp.
+// The pad rows of all experts, (expert, r) flattened into pad items; item i
+// is a row when row_of(i) >= 0. Pad blocks walk the items warp by warp.
 struct PadRows {
   const int32_t* kept;
   const int32_t* padded;
@@ -32,15 +32,11 @@ struct PadRows {
   int num_experts;
   int align;
 
-  template <typename Fn>
-  __device__ void for_each(int64_t pad_warp, int64_t pad_warps, Fn fn) const {
-    const int64_t per = align - 1;
-    for (int64_t i = pad_warp; i < num_experts * per; i += pad_warps) {
-      const int e = static_cast<int>(i / per);
-      const int64_t r = i % per;
-      if (r >= padded[e] - kept[e]) continue;
-      fn(offsets[e] + kept[e] + r);
-    }
+  __device__ int64_t num_items() const { return int64_t{num_experts} * (align - 1); }
+  __device__ int64_t row_of(int64_t i) const {
+    const int e = static_cast<int>(i / (align - 1));
+    const int64_t r = i % (align - 1);
+    return r < padded[e] - kept[e] ? offsets[e] + kept[e] + r : -1;
   }
 };
 
@@ -48,8 +44,7 @@ struct PadRows {
 template <typename V>
 __device__ __forceinline__ void zero_row(uint8_t* row, int64_t n, int lane) {
   V* dst = reinterpret_cast<V*>(row);
-  V zero;
-  memset(&zero, 0, sizeof(V));
+  const V zero{};
   for (int64_t v = lane; v < n; v += kWarpSize) dst[v] = zero;
 }
 
@@ -95,11 +90,13 @@ __global__ void __launch_bounds__(kThreads) permute_kernel(PermuteArgs a) {
     // Pad rows: zeros in y, probs and scales.
     const int64_t pad_warp = (blockIdx.x - a.token_blocks) * kWarps + warp;
     const int64_t pad_warps = (gridDim.x - a.token_blocks) * kWarps;
-    a.pads.for_each(pad_warp, pad_warps, [&](int64_t row) {
+    for (int64_t i = pad_warp; i < a.pads.num_items(); i += pad_warps) {
+      const int64_t row = a.pads.row_of(i);
+      if (row < 0) continue;
       zero_row<V>(a.y + row * a.y_stride, a.row_vecs, lane);
       if (a.permuted_probs && lane == 0) a.permuted_probs[row] = 0.0f;
       if (a.permuted_scales) zero_small_row(a.permuted_scales + row * a.scale_bytes, a.scale_bytes, lane);
-    });
+    }
     return;
   }
   const int64_t t = blockIdx.x * kWarps + warp;
@@ -306,10 +303,15 @@ __global__ void __launch_bounds__(kThreads) unpermute_bwd_kernel(UnpermuteBwdArg
   if (blockIdx.x >= a.token_blocks) {
     const int64_t pad_warp = (blockIdx.x - a.token_blocks) * kWarps + warp;
     const int64_t pad_warps = (gridDim.x - a.token_blocks) * kWarps;
-    a.pads.for_each(pad_warp, pad_warps, [&](int64_t row) {
-      zero_row<uint8_t>(static_cast<uint8_t*>(a.dy) + row * a.dy_stride * sizeof(TY),
-                        a.dy_row_bytes, lane);
-    });
+    for (int64_t i = pad_warp; i < a.pads.num_items(); i += pad_warps) {
+      const int64_t row = a.pads.row_of(i);
+      if (row < 0) continue;
+      uint8_t* dst = static_cast<uint8_t*>(a.dy) + row * a.dy_stride * int64_t{sizeof(TY)};
+      if (N > 1)  // NOTE: on the vector path rows are 16-byte multiples, 16-byte aligned
+        zero_row<uint4>(dst, a.dy_row_bytes / 16, lane);
+      else
+        zero_row<uint8_t>(dst, a.dy_row_bytes, lane);
+    }
     return;
   }
   const int64_t t = blockIdx.x * kWarps + warp;
