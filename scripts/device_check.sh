@@ -7,12 +7,13 @@ cd "$(dirname "$0")/.."
 OUT="${OUT:-$PWD/out}"
 mkdir -p "$OUT"
 steps=("$@")
-[ ${#steps[@]} -eq 0 ] && steps=(build test memcheck bench peers)
+[ ${#steps[@]} -eq 0 ] && steps=(build test memcheck racecheck sass bench peers)
 has() { local s; for s in "${steps[@]}"; do [ "$s" = "$1" ] && return 0; done; return 1; }
 rc=0
 nvidia-smi -L
 if has build; then
   cmake -S . -B build -G Ninja -DCMAKE_BUILD_TYPE=Release -DCMAKE_CUDA_FLAGS="-Xptxas=-v" \
+    -DMOEFLOW_BUILD_EXPERIMENTS=ON \
     > "$OUT/configure.log" 2>&1 || { cat "$OUT/configure.log"; exit 1; }
   ninja -C build > "$OUT/build.log" 2>&1 || { tail -50 "$OUT/build.log"; exit 1; }
   grep -E "registers|spill" "$OUT/build.log" | sort | uniq -c | sort -rn | head -20
@@ -28,6 +29,23 @@ if has memcheck; then
   tail -5 "$OUT/memcheck.log"
   echo "memcheck exit: $m"
   [ $m -eq 0 ] || rc=1
+fi
+if has racecheck; then
+  compute-sanitizer --tool racecheck --error-exitcode 9 build/tests/test_gpu \
+    --gtest_filter='Gpu.PlanFromMask*:Gpu.PlanCapacity*:Gpu.PlanInvalid*:Gpu.PlanAllTokens*' \
+    > "$OUT/racecheck.log" 2>&1
+  m=$?
+  tail -3 "$OUT/racecheck.log"
+  echo "racecheck exit: $m"
+  [ $m -eq 0 ] || rc=1
+fi
+if has sass; then
+  # the hot kernels must not touch local memory
+  cuobjdump -sass build/CMakeFiles/moeflow.dir/src/cuda/permute.cu.o > "$OUT/permute.sass" 2>&1
+  echo "local-memory instructions in permute.cu SASS: $(grep -cE 'STL|LDL' "$OUT/permute.sass")"
+fi
+if has variants; then
+  build/permute_variants 2>&1 || rc=1
 fi
 if has bench; then
   build/moeflow bench permute --json "$OUT/ours.json" 2>&1 || rc=1

@@ -79,19 +79,6 @@ void expect_same_plan(const RoutingPlan& gpu, const RoutingPlan& cpu) {
   }
 }
 
-struct Case {
-  int64_t T;
-  int K;
-  int E;
-  int64_t H;
-  int align;
-};
-
-std::string name_of(const Case& c) {
-  return "T=" + std::to_string(c.T) + " K=" + std::to_string(c.K) + " E=" + std::to_string(c.E) +
-         " H=" + std::to_string(c.H) + " align=" + std::to_string(c.align);
-}
-
 const std::vector<Case> kCases = {
     {0, 2, 4, 64, 16},      {1, 1, 1, 16, 1},        {1, 8, 16, 13, 32},     {3, 2, 8, 8, 256},
     {127, 2, 8, 4096, 16},  {509, 8, 64, 7, 128},    {1000, 4, 7, 200, 64},  {2048, 8, 256, 1024, 16},

@@ -6,19 +6,6 @@
 namespace moeflow::test {
 namespace {
 
-struct Case {
-  int64_t T;
-  int K;
-  int E;
-  int64_t H;
-  int align;
-};
-
-std::string name_of(const Case& c) {
-  return "T=" + std::to_string(c.T) + " K=" + std::to_string(c.K) + " E=" + std::to_string(c.E) +
-         " H=" + std::to_string(c.H) + " align=" + std::to_string(c.align);
-}
-
 const std::vector<Case> kCases = {
     {0, 2, 4, 8, 16},   {1, 1, 1, 16, 1},    {1, 4, 8, 13, 32},   {17, 2, 8, 64, 16},
     {97, 8, 64, 24, 128}, {131, 4, 7, 33, 256}, {64, 2, 4, 0, 16},  {256, 8, 32, 40, 64},

@@ -17,6 +17,20 @@
 
 namespace moeflow::test {
 
+// One permute test shape: T tokens, top-K of E experts, hidden H, align.
+struct Case {
+  int64_t T;
+  int K;
+  int E;
+  int64_t H;
+  int align;
+};
+
+inline std::string name_of(const Case& c) {
+  return "T=" + std::to_string(c.T) + " K=" + std::to_string(c.K) + " E=" + std::to_string(c.E) +
+         " H=" + std::to_string(c.H) + " align=" + std::to_string(c.align);
+}
+
 inline Tensor make_tensor(const std::vector<int64_t>& shape, DType dtype) {
   return Tensor::empty(shape, dtype, Device::cpu());
 }

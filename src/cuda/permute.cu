@@ -13,6 +13,8 @@
 //                       per-slot float32 dot (fixed-order warp tree).
 // Extra blocks past the token blocks zero the pad rows of every expert
 // segment (and only those). No host sync; sizes come from shapes.
+#include <type_traits>
+
 #include "core/backends.h"
 #include "cuda/common.cuh"
 
@@ -83,6 +85,19 @@ struct PermuteArgs {
 };
 
 template <typename V>
+__device__ __forceinline__ void store_vec(V* p, const V& v, bool streaming) {
+  if constexpr (std::is_same_v<V, uint4>) {
+    if (streaming) {
+      __stcs(p, v);
+      return;
+    }
+  }
+  *p = v;
+}
+
+// UNROLL: vectors in flight per lane; STREAM: evict-first stores for y
+// (bench/experiments/permute_variants.cu measures the choices).
+template <typename V, int UNROLL = kUnroll, bool STREAM = false>
 __global__ void __launch_bounds__(kThreads) permute_kernel(PermuteArgs a) {
   const int lane = threadIdx.x % kWarpSize;
   const int warp = threadIdx.x / kWarpSize;
@@ -113,10 +128,10 @@ __global__ void __launch_bounds__(kThreads) permute_kernel(PermuteArgs a) {
     if (routed == 0) continue;
 
     // Step 2: the row, slice by slice, to every destination.
-    for (int64_t v0 = 0; v0 < a.row_vecs; v0 += kUnroll * kWarpSize) {
-      V vals[kUnroll];
+    for (int64_t v0 = 0; v0 < a.row_vecs; v0 += UNROLL * kWarpSize) {
+      V vals[UNROLL];
 #pragma unroll
-      for (int u = 0; u < kUnroll; ++u) {
+      for (int u = 0; u < UNROLL; ++u) {
         const int64_t v = v0 + u * kWarpSize + lane;
         if (v < a.row_vecs) vals[u] = src[v];
       }
@@ -124,9 +139,9 @@ __global__ void __launch_bounds__(kThreads) permute_kernel(PermuteArgs a) {
         const int64_t r = __shfl_sync(0xffffffffu, row, __ffs(m) - 1);
         V* dst = reinterpret_cast<V*>(a.y + r * a.y_stride);
 #pragma unroll
-        for (int u = 0; u < kUnroll; ++u) {
+        for (int u = 0; u < UNROLL; ++u) {
           const int64_t v = v0 + u * kWarpSize + lane;
-          if (v < a.row_vecs) dst[v] = vals[u];
+          if (v < a.row_vecs) store_vec(dst + v, vals[u], STREAM);
         }
       }
     }
@@ -385,10 +400,17 @@ int64_t addr(const void* p) { return static_cast<int64_t>(reinterpret_cast<uintp
 
 }  // namespace
 
-void permute(TensorView x, const RoutingPlan& plan, TensorView y, const PermuteExtras& ex,
-             cudaStream_t stream) {
+// The kernel arguments and grid of one permute call (also used by
+// bench/experiments/permute_variants.cu).
+struct PermuteLaunch {
+  PermuteArgs args;
+  Grid grid;
+  int64_t row_bytes;
+};
+
+PermuteLaunch make_permute_launch(TensorView x, const RoutingPlan& plan, TensorView y,
+                                  const PermuteExtras& ex) {
   const Grid grid = make_grid(plan);
-  if (grid.blocks == 0) return;
   PermuteArgs a{};
   a.x = static_cast<const uint8_t*>(x.data);
   a.x_stride = row_stride_bytes(x);
@@ -412,10 +434,18 @@ void permute(TensorView x, const RoutingPlan& plan, TensorView y, const PermuteE
   }
   a.pads = pad_rows_of(plan);
   a.token_blocks = grid.token_blocks;
-  with_vector({row_bytes, a.x_stride, a.y_stride, addr(a.x), addr(a.y)}, [&](auto v) {
+  return PermuteLaunch{a, grid, row_bytes};
+}
+
+void permute(TensorView x, const RoutingPlan& plan, TensorView y, const PermuteExtras& ex,
+             cudaStream_t stream) {
+  PermuteLaunch l = make_permute_launch(x, plan, y, ex);
+  if (l.grid.blocks == 0) return;
+  PermuteArgs& a = l.args;
+  with_vector({l.row_bytes, a.x_stride, a.y_stride, addr(a.x), addr(a.y)}, [&](auto v) {
     using V = decltype(v);
-    a.row_vecs = row_bytes / static_cast<int64_t>(sizeof(V));
-    permute_kernel<V><<<grid.blocks, kThreads, 0, stream>>>(a);
+    a.row_vecs = l.row_bytes / static_cast<int64_t>(sizeof(V));
+    permute_kernel<V><<<l.grid.blocks, kThreads, 0, stream>>>(a);
   });
   MOEFLOW_CUDA_LAUNCH_CHECK();
 }
