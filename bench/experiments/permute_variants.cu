@@ -9,10 +9,14 @@
 
 using namespace moeflow;
 
+// persistent: a resident-sized grid walking the items; else one item per warp.
 template <int UNROLL, bool STREAM>
-void launch(cuda::PermuteLaunch l, cudaStream_t s) {
+void launch(cuda::PermuteLaunch l, bool persistent, cudaStream_t s) {
   l.args.row_vecs = l.row_bytes / 16;
-  cuda::permute_kernel<uint4, UNROLL, STREAM><<<l.grid.blocks, cuda::kThreads, 0, s>>>(l.args);
+  const auto kernel = cuda::permute_kernel<uint4, UNROLL, STREAM>;
+  const int64_t blocks = persistent ? cuda::persistent_blocks(kernel, l.num_items)
+                                    : cuda::ceil_div(l.num_items, cuda::kWarps);
+  kernel<<<blocks, cuda::kThreads, 0, s>>>(l.args);
 }
 
 int main() {
@@ -20,7 +24,9 @@ int main() {
   bench::TimingOptions timing;
   const double write = bench::write_bandwidth_gbps(dev, nullptr, timing);
   fmt::print("{}: write ceiling {:.0f} GB/s\n", bench::device_name(dev), write);
-  fmt::print("{:<10} {:>10} {:>10} {:>10} {:>10} {:>10}\n", "case", "u4", "u2", "u8", "u4+cs", "u8+cs");
+  fmt::print("one item per warp (np) or persistent grid (p); uN: 16-byte vectors in flight per lane; cs: streaming stores\n");
+  fmt::print("{:<10} {:>9} {:>9} {:>9} {:>9} {:>9} {:>9}\n", "case", "np-u4", "np-u8+cs", "p-u4",
+             "p-u8", "p-u4+cs", "p-u8+cs");
   for (const char* name : {"mixtral", "dsv3", "qwen3-30b"}) {
     const auto& p = bench::find_preset(name);
     const int64_t T = p.num_tokens, H = p.hidden;
@@ -36,10 +42,13 @@ int main() {
     auto l = cuda::make_permute_launch(x, plan, y, PermuteExtras{routing.probs, pp, {}, {}});
     const double bytes = double(T + T * p.topk) * H * 2;
     auto gbps = [&](auto fn) { return bytes / bench::time_us(dev, nullptr, fn, timing) / 1e3; };
-    fmt::print("{:<10} {:>10.0f} {:>10.0f} {:>10.0f} {:>10.0f} {:>10.0f}\n", name,
-               gbps([&] { launch<4, false>(l, nullptr); }), gbps([&] { launch<2, false>(l, nullptr); }),
-               gbps([&] { launch<8, false>(l, nullptr); }), gbps([&] { launch<4, true>(l, nullptr); }),
-               gbps([&] { launch<8, true>(l, nullptr); }));
+    fmt::print("{:<10} {:>9.0f} {:>9.0f} {:>9.0f} {:>9.0f} {:>9.0f} {:>9.0f}\n", name,
+               gbps([&] { launch<4, false>(l, false, nullptr); }),
+               gbps([&] { launch<8, true>(l, false, nullptr); }),
+               gbps([&] { launch<4, false>(l, true, nullptr); }),
+               gbps([&] { launch<8, false>(l, true, nullptr); }),
+               gbps([&] { launch<4, true>(l, true, nullptr); }),
+               gbps([&] { launch<8, true>(l, true, nullptr); }));
   }
   return 0;
 }

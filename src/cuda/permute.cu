@@ -1,8 +1,11 @@
 // CUDA permute / unpermute and their backward ops.
 //
-// All kernels map one warp to one token (8 warps a block). A lane holds the
-// destination row of one slot (k = lane within a group of 32 slots) and the
-// warp walks the routed slots with a ballot mask, lowest k first.
+// All kernels run a persistent grid (as many blocks as fit on the GPU) whose
+// warps walk work items: first the T tokens, then (for ops that write the
+// padded buffer) the pad items (expert, r). A token is handled by one warp: a
+// lane holds the destination row of one slot (k = lane within a group of 32
+// slots) and the warp walks the routed slots with a ballot mask, lowest k
+// first. The persistent grid avoids a tail wave of token blocks.
 //   permute:            load a slice of the token's row (U 16-byte vectors per
 //                       lane), store it to every destination row; x is read
 //                       once, each copy written once.
@@ -11,9 +14,12 @@
 //   unpermute_backward: per slice, load dout once, store w*dout to every
 //                       destination row and fold <dout, y_fwd[row]> into a
 //                       per-slot float32 dot (fixed-order warp tree).
-// Extra blocks past the token blocks zero the pad rows of every expert
-// segment (and only those). No host sync; sizes come from shapes.
+// Pad items zero the pad rows of every expert segment (and only those).
+// No host sync; sizes come from shapes.
+#include <map>
+#include <mutex>
 #include <type_traits>
+#include <utility>
 
 #include "core/backends.h"
 #include "cuda/common.cuh"
@@ -24,6 +30,9 @@ namespace {
 constexpr int kWarps = 8;
 constexpr int kThreads = kWarps * kWarpSize;
 constexpr int kUnroll = 4;  // vectors in flight per lane
+// permute (1 read : K writes) defaults, picked with bench/experiments/permute_variants.cu
+constexpr int kPermuteUnroll = 8;
+constexpr bool kStreamingStores = true;
 
 // The pad rows of all experts, (expert, r) flattened into pad items; item i
 // is a row when row_of(i) >= 0. Pad blocks walk the items warp by warp.
@@ -34,7 +43,6 @@ struct PadRows {
   int num_experts;
   int align;
 
-  __device__ int64_t num_items() const { return int64_t{num_experts} * (align - 1); }
   __device__ int64_t row_of(int64_t i) const {
     const int e = static_cast<int>(i / (align - 1));
     const int64_t r = i % (align - 1);
@@ -81,7 +89,7 @@ struct PermuteArgs {
   int64_t scale_bytes;     // bytes per scales row
   bool scale_words;        // scale rows 4-byte aligned
   PadRows pads;
-  int64_t token_blocks;
+  int64_t num_pad_items;
 };
 
 template <typename V>
@@ -97,85 +105,93 @@ __device__ __forceinline__ void store_vec(V* p, const V& v, bool streaming) {
 
 // UNROLL: vectors in flight per lane; STREAM: evict-first stores for y
 // (bench/experiments/permute_variants.cu measures the choices).
-template <typename V, int UNROLL = kUnroll, bool STREAM = false>
+template <typename V, int UNROLL = kPermuteUnroll, bool STREAM = kStreamingStores>
 __global__ void __launch_bounds__(kThreads) permute_kernel(PermuteArgs a) {
   const int lane = threadIdx.x % kWarpSize;
-  const int warp = threadIdx.x / kWarpSize;
-  if (blockIdx.x >= a.token_blocks) {
-    // Pad rows: zeros in y, probs and scales.
-    const int64_t pad_warp = (blockIdx.x - a.token_blocks) * kWarps + warp;
-    const int64_t pad_warps = (gridDim.x - a.token_blocks) * kWarps;
-    for (int64_t i = pad_warp; i < a.pads.num_items(); i += pad_warps) {
-      const int64_t row = a.pads.row_of(i);
+  const int64_t num_warps = int64_t{gridDim.x} * kWarps;
+  const int64_t num_items = a.num_tokens + a.num_pad_items;
+  for (int64_t item = int64_t{blockIdx.x} * kWarps + threadIdx.x / kWarpSize; item < num_items;
+       item += num_warps) {
+    if (item >= a.num_tokens) {
+      // Pad row: zeros in y, probs and scales.
+      const int64_t row = a.pads.row_of(item - a.num_tokens);
       if (row < 0) continue;
       zero_row<V>(a.y + row * a.y_stride, a.row_vecs, lane);
       if (a.permuted_probs && lane == 0) a.permuted_probs[row] = 0.0f;
       if (a.permuted_scales) zero_small_row(a.permuted_scales + row * a.scale_bytes, a.scale_bytes, lane);
+      continue;
     }
-    return;
-  }
-  const int64_t t = blockIdx.x * kWarps + warp;
-  if (t >= a.num_tokens) return;
-  const V* src = reinterpret_cast<const V*>(a.x + t * a.x_stride);
+    const int64_t t = item;
+    const V* src = reinterpret_cast<const V*>(a.x + t * a.x_stride);
+    for (int kg = 0; kg < a.topk; kg += kWarpSize) {
+      // Step 1: this group's destinations (lane = k - kg), probs.
+      const int k = kg + lane;
+      const int64_t slot = t * a.topk + k;
+      const int64_t row = k < a.topk ? a.dest_row[slot] : -1;
+      if (row >= 0 && a.permuted_probs) a.permuted_probs[row] = a.probs[slot];
+      const unsigned routed = __ballot_sync(0xffffffffu, row >= 0);
+      if (routed == 0) continue;
 
-  for (int kg = 0; kg < a.topk; kg += kWarpSize) {
-    // Step 1: this group's destinations (lane = k - kg), probs.
-    const int k = kg + lane;
-    const int64_t slot = t * a.topk + k;
-    const int64_t row = k < a.topk ? a.dest_row[slot] : -1;
-    if (row >= 0 && a.permuted_probs) a.permuted_probs[row] = a.probs[slot];
-    const unsigned routed = __ballot_sync(0xffffffffu, row >= 0);
-    if (routed == 0) continue;
-
-    // Step 2: the row, slice by slice, to every destination.
-    for (int64_t v0 = 0; v0 < a.row_vecs; v0 += UNROLL * kWarpSize) {
-      V vals[UNROLL];
-#pragma unroll
-      for (int u = 0; u < UNROLL; ++u) {
-        const int64_t v = v0 + u * kWarpSize + lane;
-        if (v < a.row_vecs) vals[u] = src[v];
-      }
-      for (unsigned m = routed; m != 0; m &= m - 1) {
-        const int64_t r = __shfl_sync(0xffffffffu, row, __ffs(m) - 1);
-        V* dst = reinterpret_cast<V*>(a.y + r * a.y_stride);
+      // Step 2: the row, slice by slice, to every destination.
+      for (int64_t v0 = 0; v0 < a.row_vecs; v0 += UNROLL * kWarpSize) {
+        V vals[UNROLL];
 #pragma unroll
         for (int u = 0; u < UNROLL; ++u) {
           const int64_t v = v0 + u * kWarpSize + lane;
-          if (v < a.row_vecs) store_vec(dst + v, vals[u], STREAM);
+          if (v < a.row_vecs) vals[u] = src[v];
+        }
+        for (unsigned m = routed; m != 0; m &= m - 1) {
+          const int64_t r = __shfl_sync(0xffffffffu, row, __ffs(m) - 1);
+          V* dst = reinterpret_cast<V*>(a.y + r * a.y_stride);
+#pragma unroll
+          for (int u = 0; u < UNROLL; ++u) {
+            const int64_t v = v0 + u * kWarpSize + lane;
+            if (v < a.row_vecs) store_vec(dst + v, vals[u], STREAM);
+          }
         }
       }
-    }
 
-    // Step 3: the scales row travels with the token.
-    if (a.scales) {
-      for (unsigned m = routed; m != 0; m &= m - 1) {
-        const int64_t r = __shfl_sync(0xffffffffu, row, __ffs(m) - 1);
-        copy_small_row(a.scales + t * a.scale_bytes, a.permuted_scales + r * a.scale_bytes,
-                       a.scale_bytes, a.scale_words, lane);
+      // Step 3: the scales row travels with the token.
+      if (a.scales) {
+        for (unsigned m = routed; m != 0; m &= m - 1) {
+          const int64_t r = __shfl_sync(0xffffffffu, row, __ffs(m) - 1);
+          copy_small_row(a.scales + t * a.scale_bytes, a.permuted_scales + r * a.scale_bytes,
+                         a.scale_bytes, a.scale_words, lane);
+        }
       }
     }
   }
 }
 
-// Grid: token blocks, then pad blocks (enough warps for the pad rows, at most
-// two waves).
-struct Grid {
-  int64_t token_blocks;
-  int64_t blocks;
-};
+// Pad items of ops that write the padded buffer (none when align is 1).
+int64_t num_pad_items(const RoutingPlan& plan) {
+  if (plan.config.align == 1 || plan.num_tokens == 0) return 0;
+  return int64_t{plan.config.num_experts} * (plan.config.align - 1);
+}
 
-Grid make_grid(const RoutingPlan& plan) {
-  Grid g;
-  g.token_blocks = ceil_div(plan.num_tokens, kWarps);
-  int64_t pad_blocks = 0;
-  if (plan.config.align > 1 && plan.num_tokens > 0) {
-    const int64_t pad_items = static_cast<int64_t>(plan.config.num_experts) * (plan.config.align - 1);
-    pad_blocks = ceil_div(pad_items, kWarps);
-    const int64_t cap = 2 * static_cast<int64_t>(sm_count());
-    if (pad_blocks > cap) pad_blocks = cap;
+// Blocks of a persistent grid for `items` warp-sized work items: as many as
+// are resident at once on this GPU, fewer when there is less work.
+template <typename Kernel>
+int64_t persistent_blocks(Kernel kernel, int64_t items) {
+  static std::mutex mutex;
+  static std::map<std::pair<const void*, int>, int> resident;  // (kernel, device) -> blocks/SM
+  int device = 0;
+  MOEFLOW_CUDA_CHECK(cudaGetDevice(&device));
+  int per_sm = 0;
+  {
+    std::lock_guard<std::mutex> lock(mutex);
+    auto key = std::make_pair(reinterpret_cast<const void*>(kernel), device);
+    auto it = resident.find(key);
+    if (it == resident.end()) {
+      MOEFLOW_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, kThreads, 0));
+      resident[key] = per_sm;
+    } else {
+      per_sm = it->second;
+    }
   }
-  g.blocks = g.token_blocks + pad_blocks;
-  return g;
+  const int64_t needed = ceil_div(items, kWarps);
+  const int64_t full = int64_t{per_sm > 0 ? per_sm : 1} * sm_count();
+  return needed < full ? needed : full;
 }
 
 PadRows pad_rows_of(const RoutingPlan& plan) {
@@ -217,11 +233,7 @@ struct UnpermuteArgs {
 };
 
 template <typename TIn, typename TOut, int N>
-__global__ void __launch_bounds__(kThreads) unpermute_kernel(UnpermuteArgs a) {
-  const int lane = threadIdx.x % kWarpSize;
-  const int warp = threadIdx.x / kWarpSize;
-  const int64_t t = blockIdx.x * kWarps + warp;
-  if (t >= a.num_tokens) return;
+__device__ __forceinline__ void unpermute_token(const UnpermuteArgs& a, int64_t t, int lane) {
   using InPack = Pack<TIn, N>;
   using OutPack = Pack<TOut, N>;
   const int64_t packs = a.hidden / N;
@@ -289,6 +301,14 @@ __global__ void __launch_bounds__(kThreads) unpermute_kernel(UnpermuteArgs a) {
   }
 }
 
+template <typename TIn, typename TOut, int N>
+__global__ void __launch_bounds__(kThreads) unpermute_kernel(UnpermuteArgs a) {
+  const int64_t num_warps = int64_t{gridDim.x} * kWarps;
+  for (int64_t t = int64_t{blockIdx.x} * kWarps + threadIdx.x / kWarpSize; t < a.num_tokens;
+       t += num_warps)
+    unpermute_token<TIn, TOut, N>(a, t, threadIdx.x % kWarpSize);
+}
+
 // --- unpermute_backward ---------------------------------------------------
 
 struct UnpermuteBwdArgs {
@@ -306,31 +326,13 @@ struct UnpermuteBwdArgs {
   const float* probs;  // or null
   float* dprobs;       // or null
   PadRows pads;
-  int64_t token_blocks;
+  int64_t num_pad_items;
 };
 
 template <typename TG, typename TY, int N>
-__global__ void __launch_bounds__(kThreads) unpermute_bwd_kernel(UnpermuteBwdArgs a) {
-  const int lane = threadIdx.x % kWarpSize;
-  const int warp = threadIdx.x / kWarpSize;
+__device__ __forceinline__ void unpermute_bwd_token(const UnpermuteBwdArgs& a, int64_t t, int lane) {
   using GPack = Pack<TG, N>;
   using YPack = Pack<TY, N>;
-  if (blockIdx.x >= a.token_blocks) {
-    const int64_t pad_warp = (blockIdx.x - a.token_blocks) * kWarps + warp;
-    const int64_t pad_warps = (gridDim.x - a.token_blocks) * kWarps;
-    for (int64_t i = pad_warp; i < a.pads.num_items(); i += pad_warps) {
-      const int64_t row = a.pads.row_of(i);
-      if (row < 0) continue;
-      uint8_t* dst = static_cast<uint8_t*>(a.dy) + row * a.dy_stride * int64_t{sizeof(TY)};
-      if (N > 1)  // NOTE: on the vector path rows are 16-byte multiples, 16-byte aligned
-        zero_row<uint4>(dst, a.dy_row_bytes / 16, lane);
-      else
-        zero_row<uint8_t>(dst, a.dy_row_bytes, lane);
-    }
-    return;
-  }
-  const int64_t t = blockIdx.x * kWarps + warp;
-  if (t >= a.num_tokens) return;
   const int64_t packs = a.hidden / N;
   const GPack* g = reinterpret_cast<const GPack*>(static_cast<const TG*>(a.dout) + t * a.dout_stride);
 
@@ -384,6 +386,27 @@ __global__ void __launch_bounds__(kThreads) unpermute_bwd_kernel(UnpermuteBwdArg
   }
 }
 
+template <typename TG, typename TY, int N>
+__global__ void __launch_bounds__(kThreads) unpermute_bwd_kernel(UnpermuteBwdArgs a) {
+  const int lane = threadIdx.x % kWarpSize;
+  const int64_t num_warps = int64_t{gridDim.x} * kWarps;
+  const int64_t num_items = a.num_tokens + a.num_pad_items;
+  for (int64_t item = int64_t{blockIdx.x} * kWarps + threadIdx.x / kWarpSize; item < num_items;
+       item += num_warps) {
+    if (item < a.num_tokens) {
+      unpermute_bwd_token<TG, TY, N>(a, item, lane);
+      continue;
+    }
+    const int64_t row = a.pads.row_of(item - a.num_tokens);
+    if (row < 0) continue;
+    uint8_t* dst = static_cast<uint8_t*>(a.dy) + row * a.dy_stride * int64_t{sizeof(TY)};
+    if (N > 1)  // NOTE: on the vector path rows are 16-byte multiples, 16-byte aligned
+      zero_row<uint4>(dst, a.dy_row_bytes / 16, lane);
+    else
+      zero_row<uint8_t>(dst, a.dy_row_bytes, lane);
+  }
+}
+
 // --- dtype dispatch ---------------------------------------------------------
 
 template <typename Fn>
@@ -404,13 +427,12 @@ int64_t addr(const void* p) { return static_cast<int64_t>(reinterpret_cast<uintp
 // bench/experiments/permute_variants.cu).
 struct PermuteLaunch {
   PermuteArgs args;
-  Grid grid;
   int64_t row_bytes;
+  int64_t num_items;  // tokens + pad items
 };
 
 PermuteLaunch make_permute_launch(TensorView x, const RoutingPlan& plan, TensorView y,
                                   const PermuteExtras& ex) {
-  const Grid grid = make_grid(plan);
   PermuteArgs a{};
   a.x = static_cast<const uint8_t*>(x.data);
   a.x_stride = row_stride_bytes(x);
@@ -433,27 +455,27 @@ PermuteLaunch make_permute_launch(TensorView x, const RoutingPlan& plan, TensorV
     }
   }
   a.pads = pad_rows_of(plan);
-  a.token_blocks = grid.token_blocks;
-  return PermuteLaunch{a, grid, row_bytes};
+  a.num_pad_items = num_pad_items(plan);
+  return PermuteLaunch{a, row_bytes, plan.num_tokens + a.num_pad_items};
 }
 
 void permute(TensorView x, const RoutingPlan& plan, TensorView y, const PermuteExtras& ex,
              cudaStream_t stream) {
   PermuteLaunch l = make_permute_launch(x, plan, y, ex);
-  if (l.grid.blocks == 0) return;
+  if (l.num_items == 0) return;
   PermuteArgs& a = l.args;
   with_vector({l.row_bytes, a.x_stride, a.y_stride, addr(a.x), addr(a.y)}, [&](auto v) {
     using V = decltype(v);
     a.row_vecs = l.row_bytes / static_cast<int64_t>(sizeof(V));
-    permute_kernel<V><<<l.grid.blocks, kThreads, 0, stream>>>(a);
+    const auto kernel = permute_kernel<V>;
+    kernel<<<persistent_blocks(kernel, l.num_items), kThreads, 0, stream>>>(a);
   });
   MOEFLOW_CUDA_LAUNCH_CHECK();
 }
 
 void unpermute(TensorView y, const RoutingPlan& plan, TensorView out, TensorView weights,
                TensorView row_vals, TensorView slot_vals, cudaStream_t stream) {
-  const int64_t blocks = ceil_div(plan.num_tokens, kWarps);
-  if (blocks == 0) return;
+  if (plan.num_tokens == 0) return;
   UnpermuteArgs a{};
   a.y = y.data;
   a.y_stride = y.strides[0];
@@ -475,10 +497,8 @@ void unpermute(TensorView y, const RoutingPlan& plan, TensorView out, TensorView
       const bool vec = a.hidden % kN == 0 &&
                        aligned_to(in_bytes, {addr(a.y), a.y_stride * int64_t(sizeof(TIn))}) &&
                        aligned_to(out_bytes, {addr(a.out), a.out_stride * int64_t(sizeof(TOut))});
-      if (vec)
-        unpermute_kernel<TIn, TOut, kN><<<blocks, kThreads, 0, stream>>>(a);
-      else
-        unpermute_kernel<TIn, TOut, 1><<<blocks, kThreads, 0, stream>>>(a);
+      const auto kernel = vec ? unpermute_kernel<TIn, TOut, kN> : unpermute_kernel<TIn, TOut, 1>;
+      kernel<<<persistent_blocks(kernel, a.num_tokens), kThreads, 0, stream>>>(a);
     });
   });
   MOEFLOW_CUDA_LAUNCH_CHECK();
@@ -486,8 +506,7 @@ void unpermute(TensorView y, const RoutingPlan& plan, TensorView out, TensorView
 
 void unpermute_backward(TensorView dout, const RoutingPlan& plan, TensorView y_fwd,
                         TensorView probs, TensorView dy, TensorView dprobs, cudaStream_t stream) {
-  const Grid grid = make_grid(plan);
-  if (grid.blocks == 0) return;
+  if (plan.num_tokens == 0) return;
   UnpermuteBwdArgs a{};
   a.dout = dout.data;
   a.dout_stride = dout.strides[0];
@@ -503,7 +522,8 @@ void unpermute_backward(TensorView dout, const RoutingPlan& plan, TensorView y_f
   a.probs = probs.defined() ? probs.data_ptr<float>() : nullptr;
   a.dprobs = dprobs.defined() ? dprobs.data_ptr<float>() : nullptr;
   a.pads = pad_rows_of(plan);
-  a.token_blocks = grid.token_blocks;
+  a.num_pad_items = num_pad_items(plan);
+  const int64_t num_items = a.num_tokens + a.num_pad_items;
   with_float_type(dout.dtype, [&](auto tg) {
     with_float_type(dy.dtype, [&](auto ty) {
       using TG = decltype(tg);
@@ -514,10 +534,8 @@ void unpermute_backward(TensorView dout, const RoutingPlan& plan, TensorView y_f
           aligned_to(kN * sizeof(TG), {addr(a.dout), a.dout_stride * int64_t(sizeof(TG))}) &&
           aligned_to(kN * sizeof(TY), {addr(a.dy), a.dy_stride * int64_t(sizeof(TY)), addr(a.y_fwd),
                                        a.y_stride * int64_t(sizeof(TY))});
-      if (vec)
-        unpermute_bwd_kernel<TG, TY, kN><<<grid.blocks, kThreads, 0, stream>>>(a);
-      else
-        unpermute_bwd_kernel<TG, TY, 1><<<grid.blocks, kThreads, 0, stream>>>(a);
+      const auto kernel = vec ? unpermute_bwd_kernel<TG, TY, kN> : unpermute_bwd_kernel<TG, TY, 1>;
+      kernel<<<persistent_blocks(kernel, num_items), kThreads, 0, stream>>>(a);
     });
   });
   MOEFLOW_CUDA_LAUNCH_CHECK();
