@@ -14,8 +14,7 @@ template <int UNROLL, bool STREAM>
 void launch(cuda::PermuteLaunch l, bool persistent, cudaStream_t s) {
   l.args.row_vecs = l.row_bytes / 16;
   const auto kernel = cuda::permute_kernel<uint4, UNROLL, STREAM>;
-  const int64_t blocks = persistent ? cuda::persistent_blocks(kernel, l.num_items)
-                                    : cuda::ceil_div(l.num_items, cuda::kWarps);
+  const int64_t blocks = cuda::grid_blocks(kernel, l.num_items, persistent);
   kernel<<<blocks, cuda::kThreads, 0, s>>>(l.args);
 }
 

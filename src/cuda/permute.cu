@@ -1,11 +1,11 @@
 // CUDA permute / unpermute and their backward ops.
 //
-// All kernels run a persistent grid (as many blocks as fit on the GPU) whose
-// warps walk work items: first the T tokens, then (for ops that write the
-// padded buffer) the pad items (expert, r). A token is handled by one warp: a
+// Each kernel's warps walk work items: first the T tokens, then (for ops that
+// write the padded buffer) the pad items (expert, r); one item per warp, or a
+// persistent grid (grid_blocks()). A token is handled by one warp: a
 // lane holds the destination row of one slot (k = lane within a group of 32
 // slots) and the warp walks the routed slots with a ballot mask, lowest k
-// first. The persistent grid avoids a tail wave of token blocks.
+// first.
 //   permute:            load a slice of the token's row (U 16-byte vectors per
 //                       lane), store it to every destination row; x is read
 //                       once, each copy written once.
@@ -169,10 +169,15 @@ int64_t num_pad_items(const RoutingPlan& plan) {
   return int64_t{plan.config.num_experts} * (plan.config.align - 1);
 }
 
-// Blocks of a persistent grid for `items` warp-sized work items: as many as
-// are resident at once on this GPU, fewer when there is less work.
+// Blocks for `items` warp-sized work items: one item per warp, or (persistent)
+// as many blocks as are resident at once on this GPU, fewer when there is less
+// work. bench/experiments/permute_variants.cu measured both: permute and
+// unpermute_backward are faster with one item per warp (the hardware block
+// scheduler balances better than a fixed walk), unpermute with a persistent grid.
 template <typename Kernel>
-int64_t persistent_blocks(Kernel kernel, int64_t items) {
+int64_t grid_blocks(Kernel kernel, int64_t items, bool persistent) {
+  const int64_t needed = ceil_div(items, kWarps);
+  if (!persistent) return needed;
   static std::mutex mutex;
   static std::map<std::pair<const void*, int>, int> resident;  // (kernel, device) -> blocks/SM
   int device = 0;
@@ -189,7 +194,6 @@ int64_t persistent_blocks(Kernel kernel, int64_t items) {
       per_sm = it->second;
     }
   }
-  const int64_t needed = ceil_div(items, kWarps);
   const int64_t full = int64_t{per_sm > 0 ? per_sm : 1} * sm_count();
   return needed < full ? needed : full;
 }
@@ -468,7 +472,7 @@ void permute(TensorView x, const RoutingPlan& plan, TensorView y, const PermuteE
     using V = decltype(v);
     a.row_vecs = l.row_bytes / static_cast<int64_t>(sizeof(V));
     const auto kernel = permute_kernel<V>;
-    kernel<<<persistent_blocks(kernel, l.num_items), kThreads, 0, stream>>>(a);
+    kernel<<<grid_blocks(kernel, l.num_items, false), kThreads, 0, stream>>>(a);
   });
   MOEFLOW_CUDA_LAUNCH_CHECK();
 }
@@ -498,7 +502,7 @@ void unpermute(TensorView y, const RoutingPlan& plan, TensorView out, TensorView
                        aligned_to(in_bytes, {addr(a.y), a.y_stride * int64_t(sizeof(TIn))}) &&
                        aligned_to(out_bytes, {addr(a.out), a.out_stride * int64_t(sizeof(TOut))});
       const auto kernel = vec ? unpermute_kernel<TIn, TOut, kN> : unpermute_kernel<TIn, TOut, 1>;
-      kernel<<<persistent_blocks(kernel, a.num_tokens), kThreads, 0, stream>>>(a);
+      kernel<<<grid_blocks(kernel, a.num_tokens, true), kThreads, 0, stream>>>(a);
     });
   });
   MOEFLOW_CUDA_LAUNCH_CHECK();
@@ -535,7 +539,7 @@ void unpermute_backward(TensorView dout, const RoutingPlan& plan, TensorView y_f
           aligned_to(kN * sizeof(TY), {addr(a.dy), a.dy_stride * int64_t(sizeof(TY)), addr(a.y_fwd),
                                        a.y_stride * int64_t(sizeof(TY))});
       const auto kernel = vec ? unpermute_bwd_kernel<TG, TY, kN> : unpermute_bwd_kernel<TG, TY, 1>;
-      kernel<<<persistent_blocks(kernel, num_items), kThreads, 0, stream>>>(a);
+      kernel<<<grid_blocks(kernel, num_items, false), kThreads, 0, stream>>>(a);
     });
   });
   MOEFLOW_CUDA_LAUNCH_CHECK();
