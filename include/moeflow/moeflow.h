@@ -2,6 +2,7 @@
 #pragma once
 
 #include "moeflow/error.h"
+#include "moeflow/grouped_gemm.h"
 #include "moeflow/permute.h"
 #include "moeflow/plan.h"
 #include "moeflow/tensor.h"

@@ -3,6 +3,7 @@
 // from the device of its inputs, once.
 #pragma once
 
+#include "moeflow/grouped_gemm.h"
 #include "moeflow/permute.h"
 #include "moeflow/plan.h"
 
@@ -43,7 +44,23 @@ MOEFLOW_HD inline ExpertLayout layout_expert(int64_t routed, int64_t offset_in, 
   return l;
 }
 
+// One grouped GEMM call, validated. Operands (all row-major):
+//   kForward: a = A [rows,K], w = W, out = C [rows,N]
+//   kDgrad:   a = dC [rows,N], w = W, out = dA [rows,K]
+//   kWgrad:   a = dC [rows,N], b = A [rows,K], w = dW (float32 output)
+struct GroupedGemmCall {
+  enum Op { kForward, kDgrad, kWgrad } op = kForward;
+  TensorView a, b, out;
+  GroupedWeights w;
+  GroupLayout groups;
+  bool accumulate = false;
+  int64_t rows = 0;       // rows of a (and b, out)
+  int64_t num_groups = 0; // E
+  int64_t n = 0, k = 0;   // each weight is [n,k]
+};
+
 namespace cpu {
+void grouped_gemm(const GroupedGemmCall& call);
 void build_plan(const RoutingInput& in, RoutingPlan& plan);
 void permute(TensorView x, const RoutingPlan& plan, TensorView y, const PermuteExtras& extras);
 // out[t] = sum_k w[t,k] * y[dest(t,k)]; and, when row_vals is given,
@@ -55,6 +72,7 @@ void unpermute_backward(TensorView dout, const RoutingPlan& plan, TensorView y_f
 }  // namespace cpu
 
 namespace cuda {
+void grouped_gemm(const GroupedGemmCall& call, cudaStream_t stream);
 size_t plan_workspace_bytes(int64_t num_tokens, int topk, const PlanConfig& config);
 void build_plan(const RoutingInput& in, RoutingPlan& plan, TensorView workspace,
                 cudaStream_t stream);

@@ -7,6 +7,7 @@
 #include <cuda_runtime.h>
 
 #include <cstdint>
+#include <type_traits>
 
 #include "core/internal.h"
 #include "moeflow/error.h"
@@ -50,6 +51,7 @@ __device__ __forceinline__ __half from_float<__half>(float v) { return __float2h
 int sm_count();
 
 inline int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
+__device__ __forceinline__ int64_t ceil_div_dev(int64_t a, int64_t b) { return (a + b - 1) / b; }
 
 // True when every pointer/stride given is a multiple of `bytes`.
 inline bool aligned_to(int64_t bytes, std::initializer_list<int64_t> values) {

@@ -1,0 +1,61 @@
+// Grouped GEMM with device-side group sizes: one GEMM per expert, each over
+// the row range the RoutingPlan gives it, in one launch and with no host
+// synchronisation (CUDA-graph safe; empty experts cost nothing).
+//
+//   forward: C_e  = A_e · W_e^T        A [rows,K], W [E,N,K], C [rows,N]
+//   dgrad:   dA_e = dC_e · W_e         dC [rows,N], W [E,N,K], dA [rows,K]
+//   wgrad:   dW_e (+)= dC_e^T · A_e    dC [rows,N], A [rows,K], dW [E,N,K] float32
+//
+// Group e owns rows [offsets[e], offsets[e+1]). With `real_rows`, rows from
+// offsets[e] + real_rows[e] to offsets[e+1] are pad rows: forward and dgrad
+// write zeros there (so the next stage sees zeros), wgrad does not read them.
+// Rows at or past offsets[E] are never read or written.
+//
+// Inputs bf16 or fp16 (A and W the same), float32 accumulation, outputs
+// bf16/fp16/float32. K and N must be multiples of 8 (16-byte rows).
+#pragma once
+
+#include "moeflow/plan.h"
+#include "moeflow/tensor.h"
+
+namespace moeflow {
+
+// E experts' weights, each [N,K] row-major (the [out, in] layout of a Linear).
+struct GroupedWeights {
+  TensorView stacked;   // [E,N,K] contiguous, or
+  TensorView pointers;  // [E] int64: device addresses of E contiguous [N,K] tensors
+  DType dtype = DType::kBFloat16;  // with pointers: dtype and shape of each
+  int64_t n = 0;
+  int64_t k = 0;
+
+  static GroupedWeights from_stacked(TensorView w);
+  static GroupedWeights from_pointers(TensorView pointers, DType dtype, int64_t n, int64_t k);
+  int64_t num_groups() const;
+  Device device() const;
+};
+
+struct GroupLayout {
+  TensorView offsets;    // [E+1] int64, on the device of the data (monotone, offsets[0] >= 0)
+  TensorView real_rows;  // optional [E] int32: real rows of each group (the rest are pad rows)
+  // Optional [1] int32 out: set to 1 when the offsets are bad (not monotone,
+  // or past the rows of the matrices); the CUDA kernels then clamp them and
+  // never read or write out of bounds. The CPU backend throws instead.
+  TensorView error;
+
+  // offsets = plan.expert_row_offsets, real_rows = plan.tokens_per_expert.
+  static GroupLayout from_plan(const RoutingPlan& plan);
+};
+
+void grouped_gemm_forward(TensorView a, const GroupedWeights& w, const GroupLayout& groups,
+                          TensorView c, cudaStream_t stream = nullptr);
+
+void grouped_gemm_dgrad(TensorView dc, const GroupedWeights& w, const GroupLayout& groups,
+                        TensorView da, cudaStream_t stream = nullptr);
+
+// dw: float32 weights layout ([E,N,K] stacked or E pointers to float32 [N,K]).
+// accumulate: dW += result (beta = 1, Megatron's gradient-accumulation fusion);
+// otherwise dW = result (experts with no rows get zeros).
+void grouped_gemm_wgrad(TensorView dc, TensorView a, const GroupLayout& groups,
+                        const GroupedWeights& dw, bool accumulate, cudaStream_t stream = nullptr);
+
+}  // namespace moeflow

@@ -1,0 +1,179 @@
+// Public grouped GEMM entry points: weight/layout helpers, argument checks,
+// dispatch to the CPU reference or the CUDA kernels.
+#include "core/backends.h"
+#include "core/internal.h"
+#include "moeflow/grouped_gemm.h"
+
+namespace moeflow {
+
+using detail::Expect;
+
+GroupedWeights GroupedWeights::from_stacked(TensorView w) {
+  GroupedWeights g;
+  g.stacked = w;
+  if (w.defined() && w.ndim == 3) {
+    g.dtype = w.dtype;
+    g.n = w.shape[1];
+    g.k = w.shape[2];
+  }
+  return g;
+}
+
+GroupedWeights GroupedWeights::from_pointers(TensorView pointers, DType dtype, int64_t n,
+                                             int64_t k) {
+  GroupedWeights g;
+  g.pointers = pointers;
+  g.dtype = dtype;
+  g.n = n;
+  g.k = k;
+  return g;
+}
+
+int64_t GroupedWeights::num_groups() const {
+  if (stacked.defined()) return stacked.ndim == 3 ? stacked.shape[0] : -1;
+  return pointers.defined() && pointers.ndim == 1 ? pointers.shape[0] : -1;
+}
+
+Device GroupedWeights::device() const { return stacked.defined() ? stacked.device : pointers.device; }
+
+GroupLayout GroupLayout::from_plan(const RoutingPlan& plan) {
+  GroupLayout g;
+  g.offsets = plan.expert_row_offsets;
+  g.real_rows = plan.tokens_per_expert;
+  return g;
+}
+
+namespace {
+
+void check_weights(const GroupedWeights& w, const char* name, const std::vector<DType>& dtypes,
+                   int64_t groups, int64_t n, int64_t k, Device dev) {
+  MOEFLOW_CHECK(w.stacked.defined() != w.pointers.defined(), name,
+                " must give exactly one of stacked [E,N,K] or pointers [E]");
+  if (w.stacked.defined()) {
+    detail::expect(w.stacked, name, Expect{dtypes, {groups, n, k}, dev});
+  } else {
+    detail::expect(w.pointers, name, Expect{{DType::kInt64}, {groups}, dev});
+    bool ok = false;
+    for (DType d : dtypes) ok = ok || d == w.dtype;
+    MOEFLOW_CHECK(ok && w.n == n && w.k == k, name, " (pointers) must describe ", dtype_name(dtypes[0]),
+                  " [", n, ",", k, "] tensors, got ", dtype_name(w.dtype), " [", w.n, ",", w.k, "]");
+  }
+}
+
+void check_layout(const GroupLayout& g, int64_t groups, Device dev) {
+  detail::expect(g.offsets, "groups.offsets", Expect{{DType::kInt64}, {groups + 1}, dev});
+  if (g.real_rows.defined())
+    detail::expect(g.real_rows, "groups.real_rows", Expect{{DType::kInt32}, {groups}, dev});
+  if (g.error.defined()) detail::expect(g.error, "groups.error", Expect{{DType::kInt32}, {1}, dev});
+}
+
+Expect rows_of(const std::vector<DType>& dtypes, int64_t rows, int64_t cols, Device dev) {
+  Expect e{dtypes, {rows, cols}, dev};
+  e.contiguous = false;
+  e.inner_unit = true;
+  return e;
+}
+
+const std::vector<DType> kInputs = {DType::kBFloat16, DType::kFloat16};
+const std::vector<DType> kOutputs = {DType::kBFloat16, DType::kFloat16, DType::kFloat32};
+
+void check_alignment(int64_t n, int64_t k) {
+  MOEFLOW_CHECK(n % 8 == 0 && k % 8 == 0,
+                "grouped GEMM needs N and K to be multiples of 8 (16-byte rows), got N=", n, " K=", k);
+}
+
+void run(const GroupedGemmCall& call, Device dev, cudaStream_t stream) {
+  if (dev.is_cpu()) return cpu::grouped_gemm(call);
+#ifdef MOEFLOW_WITH_CUDA
+  detail::cuda_set_device(dev.index);
+  cuda::grouped_gemm(call, stream);
+#else
+  (void)stream;
+  MOEFLOW_CHECK(false, "this moeflow was built without CUDA");
+#endif
+}
+
+}  // namespace
+
+void grouped_gemm_forward(TensorView a, const GroupedWeights& w, const GroupLayout& groups,
+                          TensorView c, cudaStream_t stream) {
+  detail::expect_defined(a, "a");
+  MOEFLOW_CHECK(a.ndim == 2, "a must be [rows,K], got ", a.str());
+  const int64_t E = w.num_groups();
+  MOEFLOW_CHECK(E > 0, "w must hold >= 1 expert ([E,N,K] or [E] pointers)");
+  const Device dev = a.device;
+  const int64_t rows = a.shape[0], k = a.shape[1], n = w.stacked.defined() ? w.stacked.shape[1] : w.n;
+  detail::expect(a, "a", rows_of(kInputs, rows, k, dev));
+  check_weights(w, "w", {a.dtype}, E, n, k, dev);
+  check_layout(groups, E, dev);
+  detail::expect(c, "c", rows_of(kOutputs, rows, n, dev));
+  check_alignment(n, k);
+  GroupedGemmCall call;
+  call.op = GroupedGemmCall::kForward;
+  call.a = a;
+  call.out = c;
+  call.w = w;
+  call.groups = groups;
+  call.rows = rows;
+  call.num_groups = E;
+  call.n = n;
+  call.k = k;
+  run(call, dev, stream);
+}
+
+void grouped_gemm_dgrad(TensorView dc, const GroupedWeights& w, const GroupLayout& groups,
+                        TensorView da, cudaStream_t stream) {
+  detail::expect_defined(dc, "dc");
+  MOEFLOW_CHECK(dc.ndim == 2, "dc must be [rows,N], got ", dc.str());
+  const int64_t E = w.num_groups();
+  MOEFLOW_CHECK(E > 0, "w must hold >= 1 expert ([E,N,K] or [E] pointers)");
+  const Device dev = dc.device;
+  const int64_t rows = dc.shape[0], n = dc.shape[1], k = w.stacked.defined() ? w.stacked.shape[2] : w.k;
+  detail::expect(dc, "dc", rows_of(kInputs, rows, n, dev));
+  check_weights(w, "w", {dc.dtype}, E, n, k, dev);
+  check_layout(groups, E, dev);
+  detail::expect(da, "da", rows_of(kOutputs, rows, k, dev));
+  check_alignment(n, k);
+  GroupedGemmCall call;
+  call.op = GroupedGemmCall::kDgrad;
+  call.a = dc;
+  call.out = da;
+  call.w = w;
+  call.groups = groups;
+  call.rows = rows;
+  call.num_groups = E;
+  call.n = n;
+  call.k = k;
+  run(call, dev, stream);
+}
+
+void grouped_gemm_wgrad(TensorView dc, TensorView a, const GroupLayout& groups,
+                        const GroupedWeights& dw, bool accumulate, cudaStream_t stream) {
+  detail::expect_defined(dc, "dc");
+  detail::expect_defined(a, "a");
+  MOEFLOW_CHECK(dc.ndim == 2 && a.ndim == 2, "dc must be [rows,N] and a [rows,K], got ", dc.str(),
+                " and ", a.str());
+  const int64_t E = dw.num_groups();
+  MOEFLOW_CHECK(E > 0, "dw must hold >= 1 expert ([E,N,K] or [E] pointers)");
+  const Device dev = dc.device;
+  const int64_t rows = dc.shape[0], n = dc.shape[1], k = a.shape[1];
+  detail::expect(dc, "dc", rows_of(kInputs, rows, n, dev));
+  detail::expect(a, "a", rows_of({dc.dtype}, rows, k, dev));
+  check_weights(dw, "dw", {DType::kFloat32}, E, n, k, dev);
+  check_layout(groups, E, dev);
+  check_alignment(n, k);
+  GroupedGemmCall call;
+  call.op = GroupedGemmCall::kWgrad;
+  call.a = dc;
+  call.b = a;
+  call.w = dw;
+  call.groups = groups;
+  call.accumulate = accumulate;
+  call.rows = rows;
+  call.num_groups = E;
+  call.n = n;
+  call.k = k;
+  run(call, dev, stream);
+}
+
+}  // namespace moeflow

@@ -1,0 +1,73 @@
+// CPU reference for the grouped GEMM: plain triple loops per group with
+// float64 accumulation. The oracle for the CUDA kernels.
+#include <vector>
+
+#include "core/backends.h"
+#include "core/internal.h"
+
+namespace moeflow::cpu {
+
+using detail::load_float;
+using detail::store_float;
+
+namespace {
+
+// Element (i, j) of a row-major view with unit inner stride.
+float at(const TensorView& v, int64_t i, int64_t j) {
+  return load_float(v.data, v.dtype, i * v.strides[0] + j);
+}
+
+// Base address of weight e ([n,k] row-major, contiguous).
+const void* weight(const GroupedWeights& w, int64_t e, int64_t n, int64_t k) {
+  if (w.stacked.defined())
+    return static_cast<const uint8_t*>(w.stacked.data) + e * n * k * dtype_size(w.stacked.dtype);
+  return reinterpret_cast<const void*>(w.pointers.data_ptr<int64_t>()[e]);
+}
+
+}  // namespace
+
+void grouped_gemm(const GroupedGemmCall& c) {
+  const int64_t E = c.num_groups, n = c.n, k = c.k;
+  const auto* offsets = c.groups.offsets.data_ptr<int64_t>();
+  const int32_t* real = c.groups.real_rows.defined() ? c.groups.real_rows.data_ptr<int32_t>() : nullptr;
+  for (int64_t e = 0; e < E; ++e) {
+    MOEFLOW_CHECK(offsets[e] >= 0 && offsets[e] <= offsets[e + 1] && offsets[e + 1] <= c.rows,
+                  "groups.offsets must be monotone within [0, rows=", c.rows, "], got offsets[", e,
+                  "]=", offsets[e], ", offsets[", e + 1, "]=", offsets[e + 1]);
+    if (real)
+      MOEFLOW_CHECK(real[e] >= 0 && real[e] <= offsets[e + 1] - offsets[e], "groups.real_rows[", e,
+                    "]=", real[e], " must be within [0, ", offsets[e + 1] - offsets[e], "]");
+  }
+  const DType wdt = c.w.stacked.defined() ? c.w.stacked.dtype : c.w.dtype;
+  for (int64_t e = 0; e < E; ++e) {
+    const int64_t begin = offsets[e], end = offsets[e + 1];
+    const int64_t real_end = real ? begin + real[e] : end;
+    const void* w = weight(c.w, e, n, k);
+    auto W = [&](int64_t i, int64_t j) { return load_float(w, wdt, i * k + j); };
+    if (c.op == GroupedGemmCall::kForward || c.op == GroupedGemmCall::kDgrad) {
+      const bool fwd = c.op == GroupedGemmCall::kForward;
+      const int64_t out_cols = fwd ? n : k, red = fwd ? k : n;
+      for (int64_t r = begin; r < end; ++r) {
+        for (int64_t j = 0; j < out_cols; ++j) {
+          double s = 0.0;
+          if (r < real_end)
+            for (int64_t i = 0; i < red; ++i)
+              s += static_cast<double>(at(c.a, r, i)) * (fwd ? W(j, i) : W(i, j));
+          store_float(c.out.data, c.out.dtype, r * c.out.strides[0] + j, static_cast<float>(s));
+        }
+      }
+    } else {  // wgrad: dW[e][i][j] (+)= sum_r dC[r][i] * A[r][j]
+      float* dw = static_cast<float*>(const_cast<void*>(weight(c.w, e, n, k)));
+      std::vector<double> acc(n * k, 0.0);
+      for (int64_t r = begin; r < real_end; ++r)
+        for (int64_t i = 0; i < n; ++i) {
+          const double g = at(c.a, r, i);
+          for (int64_t j = 0; j < k; ++j) acc[i * k + j] += g * at(c.b, r, j);
+        }
+      for (int64_t i = 0; i < n * k; ++i)
+        dw[i] = static_cast<float>(acc[i] + (c.accumulate ? static_cast<double>(dw[i]) : 0.0));
+    }
+  }
+}
+
+}  // namespace moeflow::cpu

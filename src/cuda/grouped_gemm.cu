@@ -1,0 +1,107 @@
+// Host side of the CUDA grouped GEMM: maps forward / dgrad / wgrad onto the
+// kernel template of grouped_gemm.cuh (operand layouts, element types),
+// sizes the persistent grid from the occupancy of the GPU, launches.
+#include "core/backends.h"
+#include "cuda/grouped_gemm.cuh"
+
+namespace moeflow::cuda {
+namespace {
+
+using gemm::Params;
+
+int64_t addr_of(const void* p) { return static_cast<int64_t>(reinterpret_cast<uintptr_t>(p)); }
+
+void check_rows16(const TensorView& v, const char* name) {
+  MOEFLOW_CHECK(v.strides[0] % 8 == 0 && addr_of(v.data) % 16 == 0, name,
+                " rows must be 16-byte aligned (row stride a multiple of 8 elements), got stride ",
+                v.strides[0]);
+}
+
+template <typename TIn, typename TOut, bool A_KMAJOR, bool B_KMAJOR>
+void launch(const Params& p, cudaStream_t stream) {
+  const auto kernel = gemm::grouped_gemm_kernel<TIn, TOut, A_KMAJOR, B_KMAJOR, gemm::EpilogueIdentity>;
+  const size_t smem = gemm::SmemLayout::bytes(p.num_groups);
+  MOEFLOW_CUDA_CHECK(
+      cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem)));
+  int per_sm = 0;
+  MOEFLOW_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, gemm::kThreads, smem));
+  MOEFLOW_CHECK(per_sm > 0, "grouped GEMM kernel does not fit on this GPU (", smem, " bytes of shared memory)");
+  const int blocks = per_sm * sm_count();
+  kernel<<<blocks, gemm::kThreads, smem, stream>>>(p, gemm::EpilogueIdentity{});
+  MOEFLOW_CUDA_LAUNCH_CHECK();
+}
+
+template <typename TIn, bool A_KMAJOR, bool B_KMAJOR>
+void launch_out(DType out, const Params& p, cudaStream_t stream) {
+  switch (out) {
+    case DType::kBFloat16: return launch<TIn, __nv_bfloat16, A_KMAJOR, B_KMAJOR>(p, stream);
+    case DType::kFloat16: return launch<TIn, __half, A_KMAJOR, B_KMAJOR>(p, stream);
+    case DType::kFloat32: return launch<TIn, float, A_KMAJOR, B_KMAJOR>(p, stream);
+    default: MOEFLOW_CHECK(false, "unsupported output dtype ", dtype_name(out));
+  }
+}
+
+template <bool A_KMAJOR, bool B_KMAJOR>
+void launch_in(DType in, DType out, const Params& p, cudaStream_t stream) {
+  if (in == DType::kBFloat16) return launch_out<__nv_bfloat16, A_KMAJOR, B_KMAJOR>(out, p, stream);
+  return launch_out<__half, A_KMAJOR, B_KMAJOR>(out, p, stream);
+}
+
+}  // namespace
+
+void grouped_gemm(const GroupedGemmCall& c, cudaStream_t stream) {
+  MOEFLOW_CHECK(c.num_groups <= 8192, "grouped GEMM takes at most 8192 groups, got ", c.num_groups);
+  Params p{};
+  p.num_groups = static_cast<int>(c.num_groups);
+  p.offsets = c.groups.offsets.data_ptr<int64_t>();
+  p.real_rows = c.groups.real_rows.defined() ? c.groups.real_rows.data_ptr<int32_t>() : nullptr;
+  p.error = c.groups.error.defined() ? c.groups.error.data_ptr<int32_t>() : nullptr;
+  p.rows = c.rows;
+  p.a = c.a.data;
+  p.lda = c.a.strides[0];
+  check_rows16(c.a, c.op == GroupedGemmCall::kForward ? "a" : "dc");
+  const GroupedWeights& w = c.w;
+  const int64_t* ptrs = w.pointers.defined() ? w.pointers.data_ptr<int64_t>() : nullptr;
+  const void* stacked = w.stacked.defined() ? w.stacked.data : nullptr;
+  if (stacked)
+    MOEFLOW_CHECK(addr_of(stacked) % 16 == 0, "weights must be 16-byte aligned");
+  const DType in = c.a.dtype;
+  switch (c.op) {
+    case GroupedGemmCall::kForward:  // C[rows,N] = A[rows,K] . W_e[N,K]^T
+    case GroupedGemmCall::kDgrad: {  // dA[rows,K] = dC[rows,N] . W_e[N,K]
+      const bool fwd = c.op == GroupedGemmCall::kForward;
+      p.reduce_grouped = false;
+      p.b = stacked;
+      p.b_ptrs = ptrs;
+      p.b_group_stride = c.n * c.k;
+      p.ldb = c.k;
+      p.c = c.out.data;
+      p.ldc = c.out.strides[0];
+      check_rows16(c.out, fwd ? "c" : "da");
+      p.n_out = fwd ? c.n : c.k;
+      p.k_red = fwd ? c.k : c.n;
+      if (fwd)
+        launch_in<true, true>(in, c.out.dtype, p, stream);
+      else
+        launch_in<true, false>(in, c.out.dtype, p, stream);
+      return;
+    }
+    case GroupedGemmCall::kWgrad: {  // dW_e[N,K] (+)= dC_e[rows,N]^T . A_e[rows,K]
+      p.reduce_grouped = true;
+      p.b = c.b.data;
+      p.ldb = c.b.strides[0];
+      check_rows16(c.b, "a");
+      p.c = const_cast<void*>(stacked);
+      p.c_ptrs = ptrs;
+      p.c_group_stride = c.n * c.k;
+      p.ldc = c.k;
+      p.accumulate = c.accumulate;
+      p.m_out = c.n;
+      p.n_out = c.k;
+      launch_in<false, false>(in, DType::kFloat32, p, stream);
+      return;
+    }
+  }
+}
+
+}  // namespace moeflow::cuda

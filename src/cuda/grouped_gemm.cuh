@@ -1,0 +1,365 @@
+// The grouped GEMM kernel (portable path: mma.sync m16n8k16, sm_80+), as a
+// template over operand layouts, element types and an epilogue functor, so
+// that fused consumers (the grouped MLP: bias, GLU, probability scaling)
+// instantiate it with their own epilogue.
+//
+// Algorithm: a persistent grid walks the output tiles of all groups. Each
+// block first derives every group's tile count from the device-side offsets
+// (a block scan), then maps tile index -> (group, tile) by binary search. Per
+// tile: a 4-stage cp.async pipeline fills swizzled shared-memory tiles
+// (zero-filled outside the group's rows), 8 warps (2 x 4, 64 x 32 each) run
+// ldmatrix (.trans for M- or N-contiguous operands) + mma.sync, and the
+// float32 tile is staged in shared memory where the epilogue functor reads
+// any element of it before the vectorised, masked store.
+#pragma once
+
+#include <cub/block/block_scan.cuh>
+
+#include "cuda/common.cuh"
+
+namespace moeflow::cuda::gemm {
+
+constexpr int kTileM = 128;
+constexpr int kTileN = 128;
+constexpr int kTileK = 32;
+constexpr int kStages = 4;
+constexpr int kThreads = 256;
+constexpr int kEpilogueLd = kTileN + 4;  // floats per staged row (bank spread)
+
+// Where an output tile lies; given to the epilogue functor.
+struct TileInfo {
+  int group;
+  int64_t row0;     // first output row (global row; wgrad: row n of dW)
+  int64_t col0;     // first output column
+  int64_t rows;     // output rows of this tile that hold data (the rest: pad or past the end)
+};
+
+// out(r, c) = acc(r, c). An epilogue reads the staged float32 tile (row-major,
+// leading dimension `ld`) and returns the value stored at tile position (r, c).
+struct EpilogueIdentity {
+  __device__ __forceinline__ float operator()(const TileInfo&, const float* tile, int ld, int r,
+                                              int c) const {
+    return tile[r * ld + c];
+  }
+};
+
+struct Params {
+  bool reduce_grouped;     // false: groups split the output rows (forward, dgrad);
+                           // true: groups split the reduction rows (wgrad)
+  int num_groups;
+  const int64_t* offsets;  // [E+1]
+  const int32_t* real_rows;  // [E] or null
+  int32_t* error;          // [1] or null
+  int64_t rows;            // rows of the row-major activation matrices
+  // A operand (M x Kred): element (m, kr) at a[m*lda + kr] (K-major) or a[kr*lda + m]
+  const void* a;
+  int64_t lda;
+  // B operand (Kred x N): per group base = b_ptrs ? b_ptrs[g] : b + g*b_group_stride;
+  // element (kr, n) at base[n*ldb + kr] (K-major) or base[kr*ldb + n]
+  const void* b;
+  const int64_t* b_ptrs;
+  int64_t b_group_stride;
+  int64_t ldb;
+  // output: rows-grouped -> c[row*ldc + col]; reduce-grouped -> per group base (like B)
+  void* c;
+  const int64_t* c_ptrs;
+  int64_t c_group_stride;
+  int64_t ldc;
+  bool accumulate;
+  int64_t m_out;   // reduce-grouped: output rows of each group (N of dW)
+  int64_t n_out;   // output columns
+  int64_t k_red;   // rows-grouped: reduction length
+};
+
+// Shared-memory tile of R rows x C bf16/fp16 elements, in 16-byte chunks with
+// an XOR swizzle so that ldmatrix (8 rows x 16 bytes) and cp.async rows are
+// free of bank conflicts.
+template <int R, int C>
+struct SmemTile {
+  static constexpr int kChunksPerRow = C / 8;
+  static constexpr int kChunks = R * kChunksPerRow;
+  __device__ static __forceinline__ int chunk(int row, int col_chunk) {
+    const int i = row * kChunksPerRow + col_chunk;
+    const int line = i >> 3;
+    const int key = kChunksPerRow >= 8 ? (row & 7) : (line & 7);
+    return (line << 3) | ((i & 7) ^ key);
+  }
+};
+
+__device__ __forceinline__ void cp_async16(void* smem, const void* gmem, bool valid) {
+  const unsigned s = static_cast<unsigned>(__cvta_generic_to_shared(smem));
+  const int bytes = valid ? 16 : 0;
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(s), "l"(gmem), "r"(bytes));
+}
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
+template <int N>
+__device__ __forceinline__ void cp_async_wait() {
+  asm volatile("cp.async.wait_group %0;\n" ::"n"(N));
+}
+
+template <bool TRANS>
+__device__ __forceinline__ void ldmatrix_x4(uint32_t (&r)[4], const void* smem) {
+  const unsigned s = static_cast<unsigned>(__cvta_generic_to_shared(smem));
+  if constexpr (TRANS)
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+                 : "r"(s));
+  else
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+                 : "r"(s));
+}
+
+template <typename T>
+__device__ __forceinline__ void mma16816(float (&d)[4], const uint32_t (&a)[4], uint32_t b0,
+                                         uint32_t b1) {
+  if constexpr (std::is_same_v<T, __nv_bfloat16>)
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
+        "{%8,%9}, {%0,%1,%2,%3};\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+  else
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
+        "{%8,%9}, {%0,%1,%2,%3};\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+
+// Copies a R x C tile of a row-major matrix (rows r0.., cols c0..) into a
+// swizzled shared tile; rows >= r_lim or cols >= c_lim read as zeros.
+template <int R, int C, typename T>
+__device__ __forceinline__ void load_tile(T* smem, const T* g, int64_t ld, int64_t r0,
+                                          int64_t r_lim, int64_t c0, int64_t c_lim) {
+  using Tile = SmemTile<R, C>;
+#pragma unroll
+  for (int i = 0; i < Tile::kChunks / kThreads; ++i) {
+    const int ch = i * kThreads + threadIdx.x;
+    const int r = ch / Tile::kChunksPerRow, cc = ch % Tile::kChunksPerRow;
+    const int64_t gr = r0 + r, gc = c0 + cc * 8;
+    const bool valid = gr < r_lim && gc < c_lim;
+    const T* src = valid ? g + gr * ld + gc : g;
+    cp_async16(smem + Tile::chunk(r, cc) * 8, src, valid);
+  }
+}
+
+struct SmemLayout {
+  static constexpr int kStageA = kTileM * kTileK;  // elements
+  static constexpr int kStageB = kTileN * kTileK;
+  static constexpr size_t kPipelineBytes = size_t{kStages} * (kStageA + kStageB) * 2;
+  static constexpr size_t kEpilogueBytes = size_t{kTileM} * kEpilogueLd * 4;
+  static constexpr size_t kMainBytes = kPipelineBytes > kEpilogueBytes ? kPipelineBytes : kEpilogueBytes;
+  static size_t bytes(int num_groups) { return kMainBytes + size_t(num_groups + 1) * sizeof(int32_t); }
+};
+
+template <typename T>
+__device__ __forceinline__ const T* group_base(const void* base, const int64_t* ptrs,
+                                               int64_t stride, int g) {
+  return ptrs ? reinterpret_cast<const T*>(ptrs[g]) : static_cast<const T*>(base) + g * stride;
+}
+
+template <typename TIn, typename TOut, bool A_KMAJOR, bool B_KMAJOR, typename Epilogue>
+__global__ void __launch_bounds__(kThreads)
+    grouped_gemm_kernel(Params p, Epilogue epi) {
+  extern __shared__ __align__(128) uint8_t smem[];
+  TIn* s_a = reinterpret_cast<TIn*>(smem);
+  TIn* s_b = s_a + kStages * SmemLayout::kStageA;
+  float* s_c = reinterpret_cast<float*>(smem);
+  int32_t* tile_start = reinterpret_cast<int32_t*>(smem + SmemLayout::kMainBytes);  // [E+1]
+
+  const int E = p.num_groups;
+  const int64_t n_tiles = ceil_div_dev(p.n_out, kTileN);
+
+  // Step 1: tiles of every group (from device-side offsets), prefix in smem.
+  {
+    using Scan = cub::BlockScan<int32_t, kThreads>;
+    __shared__ typename Scan::TempStorage scan;
+    __shared__ int32_t carry;
+    if (threadIdx.x == 0) carry = 0;
+    bool bad = false;
+    for (int e0 = 0; e0 < E; e0 += kThreads) {
+      const int e = e0 + threadIdx.x;
+      int32_t tiles = 0;
+      if (e < E) {
+        const int64_t lo = p.offsets[e], hi = p.offsets[e + 1];
+        if (lo < 0 || hi < lo || hi > p.rows) {
+          bad = true;  // NOTE: a bad group is skipped (no tile reads or writes it)
+        } else {
+          const int64_t m = p.reduce_grouped ? p.m_out : hi - lo;
+          tiles = static_cast<int32_t>(ceil_div_dev(m, kTileM) * n_tiles);
+        }
+      }
+      int32_t excl, total;
+      __syncthreads();
+      Scan(scan).ExclusiveSum(tiles, excl, total);
+      if (e < E) tile_start[e] = carry + excl;
+      __syncthreads();
+      if (threadIdx.x == 0) carry += total;
+    }
+    __syncthreads();
+    if (threadIdx.x == 0) tile_start[E] = carry;
+    if (__syncthreads_or(bad) && p.error && blockIdx.x == 0 && threadIdx.x == 0) *p.error = 1;
+  }
+  const int32_t num_tiles = tile_start[E];
+
+  const int lane = threadIdx.x % kWarpSize, warp = threadIdx.x / kWarpSize;
+  const int warp_m = warp % 2, warp_n = warp / 2;  // 64 x 32 per warp
+
+  for (int32_t tile = blockIdx.x; tile < num_tiles; tile += gridDim.x) {
+    // Step 2: tile -> (group, m tile, n tile).
+    int lo = 0, hi = E - 1;
+    while (lo < hi) {  // last group with tile_start <= tile
+      const int mid = (lo + hi + 1) / 2;
+      if (tile_start[mid] <= tile) lo = mid; else hi = mid - 1;
+    }
+    const int g = lo;
+    const int32_t local = tile - tile_start[g];
+    const int64_t mt = local / n_tiles, nt = local % n_tiles;
+    const int64_t seg_lo = p.offsets[g], seg_hi = p.offsets[g + 1];
+    int64_t real_hi = seg_hi;
+    if (p.real_rows) {
+      const int64_t r = p.real_rows[g];
+      real_hi = seg_lo + (r < 0 ? 0 : (r < seg_hi - seg_lo ? r : seg_hi - seg_lo));
+    }
+
+    // Operand geometry (see Params): M rows m0.. < m_lim, reduction kr0.. < k_lim.
+    int64_t m0, m_lim, kr0, k_lim;
+    const int64_t n0 = nt * kTileN;
+    const TIn* a = static_cast<const TIn*>(p.a);
+    const TIn* b;
+    if (!p.reduce_grouped) {
+      m0 = seg_lo + mt * kTileM;
+      m_lim = real_hi;
+      kr0 = 0;
+      k_lim = p.k_red;
+      b = group_base<TIn>(p.b, p.b_ptrs, p.b_group_stride, g);
+    } else {
+      m0 = mt * kTileM;
+      m_lim = p.m_out;
+      kr0 = seg_lo;
+      k_lim = real_hi;
+      b = static_cast<const TIn*>(p.b);
+    }
+    // NOTE: a tile of pad rows only (m0 >= real rows) skips the main loop: zeros.
+    const int k_tiles = m0 >= m_lim ? 0 : static_cast<int>(ceil_div_dev(k_lim - kr0, kTileK));
+
+    auto load_stage = [&](int kt, int stage) {
+      const int64_t k0 = kr0 + int64_t{kt} * kTileK;
+      TIn* sa = s_a + stage * SmemLayout::kStageA;
+      TIn* sb = s_b + stage * SmemLayout::kStageB;
+      if constexpr (A_KMAJOR)
+        load_tile<kTileM, kTileK>(sa, a, p.lda, m0, m_lim, k0, k_lim);
+      else
+        load_tile<kTileK, kTileM>(sa, a, p.lda, k0, k_lim, m0, m_lim);
+      if constexpr (B_KMAJOR)
+        load_tile<kTileN, kTileK>(sb, b, p.ldb, n0, p.n_out, k0, k_lim);
+      else
+        load_tile<kTileK, kTileN>(sb, b, p.ldb, k0, k_lim, n0, p.n_out);
+    };
+
+    float acc[4][4][4];
+#pragma unroll
+    for (int i = 0; i < 4; ++i)
+#pragma unroll
+      for (int j = 0; j < 4; ++j)
+#pragma unroll
+        for (int v = 0; v < 4; ++v) acc[i][j][v] = 0.0f;
+
+    // Step 3: the pipelined main loop.
+#pragma unroll
+    for (int s = 0; s < kStages - 1; ++s) {
+      if (s < k_tiles) load_stage(s, s);
+      cp_async_commit();
+    }
+    for (int kt = 0; kt < k_tiles; ++kt) {
+      cp_async_wait<kStages - 2>();
+      __syncthreads();
+      const int next = kt + kStages - 1;
+      if (next < k_tiles) load_stage(next, next % kStages);
+      cp_async_commit();
+      const TIn* sa = s_a + (kt % kStages) * SmemLayout::kStageA;
+      const TIn* sb = s_b + (kt % kStages) * SmemLayout::kStageB;
+#pragma unroll
+      for (int ks = 0; ks < kTileK / 16; ++ks) {
+        uint32_t af[4][4], bf[2][4];
+#pragma unroll
+        for (int mi = 0; mi < 4; ++mi) {
+          const int mb = warp_m * 64 + mi * 16;
+          if constexpr (A_KMAJOR) {
+            const int r = mb + (lane % 16), cc = ks * 2 + lane / 16;
+            ldmatrix_x4<false>(af[mi], sa + SmemTile<kTileM, kTileK>::chunk(r, cc) * 8);
+          } else {
+            const int j = lane / 8;
+            const int r = ks * 16 + (j / 2) * 8 + lane % 8, cc = (mb + (j % 2) * 8) / 8;
+            ldmatrix_x4<true>(af[mi], sa + SmemTile<kTileK, kTileM>::chunk(r, cc) * 8);
+          }
+        }
+#pragma unroll
+        for (int pj = 0; pj < 2; ++pj) {
+          const int nb = warp_n * 32 + pj * 16;
+          const int j = lane / 8;
+          if constexpr (B_KMAJOR) {
+            const int r = nb + (j / 2) * 8 + lane % 8, cc = ks * 2 + (j % 2);
+            ldmatrix_x4<false>(bf[pj], sb + SmemTile<kTileN, kTileK>::chunk(r, cc) * 8);
+          } else {
+            const int r = ks * 16 + (j % 2) * 8 + lane % 8, cc = (nb + (j / 2) * 8) / 8;
+            ldmatrix_x4<true>(bf[pj], sb + SmemTile<kTileK, kTileN>::chunk(r, cc) * 8);
+          }
+        }
+#pragma unroll
+        for (int mi = 0; mi < 4; ++mi)
+#pragma unroll
+          for (int ni = 0; ni < 4; ++ni)
+            mma16816<TIn>(acc[mi][ni], af[mi], bf[ni / 2][(ni % 2) * 2], bf[ni / 2][(ni % 2) * 2 + 1]);
+      }
+    }
+    cp_async_wait<0>();
+    __syncthreads();
+
+    // Step 4: stage the float32 tile, then epilogue + masked vector stores.
+#pragma unroll
+    for (int mi = 0; mi < 4; ++mi)
+#pragma unroll
+      for (int ni = 0; ni < 4; ++ni) {
+        const int r = warp_m * 64 + mi * 16 + lane / 4, c = warp_n * 32 + ni * 8 + (lane % 4) * 2;
+        s_c[r * kEpilogueLd + c] = acc[mi][ni][0];
+        s_c[r * kEpilogueLd + c + 1] = acc[mi][ni][1];
+        s_c[(r + 8) * kEpilogueLd + c] = acc[mi][ni][2];
+        s_c[(r + 8) * kEpilogueLd + c + 1] = acc[mi][ni][3];
+      }
+    __syncthreads();
+    TileInfo info;
+    info.group = g;
+    info.col0 = n0;
+    if (!p.reduce_grouped) {
+      info.row0 = m0;
+      info.rows = real_hi - m0;
+    } else {
+      info.row0 = m0;
+      info.rows = p.m_out - m0;
+    }
+    const int64_t store_hi = p.reduce_grouped ? p.m_out : seg_hi;  // pad rows get zeros
+    TOut* out_base = p.reduce_grouped
+                         ? const_cast<TOut*>(group_base<TOut>(p.c, p.c_ptrs, p.c_group_stride, g))
+                         : static_cast<TOut*>(p.c);
+    for (int v = threadIdx.x; v < kTileM * (kTileN / 8); v += kThreads) {
+      const int r = v / (kTileN / 8), c = (v % (kTileN / 8)) * 8;
+      const int64_t row = m0 + r, col = n0 + c;
+      if (row >= store_hi || col >= p.n_out) continue;
+      const bool data = r < info.rows;
+      Pack<TOut, 8> o;
+      TOut* dst = out_base + row * p.ldc + col;
+      if (p.accumulate) o = *reinterpret_cast<const Pack<TOut, 8>*>(dst);
+#pragma unroll
+      for (int j = 0; j < 8; ++j) {
+        const float val = data ? epi(info, s_c, kEpilogueLd, r, c + j) : 0.0f;
+        o.v[j] = p.accumulate ? from_float<TOut>(to_float(o.v[j]) + val) : from_float<TOut>(val);
+      }
+      *reinterpret_cast<Pack<TOut, 8>*>(dst) = o;
+    }
+    __syncthreads();  // s_c aliases the pipeline buffers of the next tile
+  }
+}
+
+}  // namespace moeflow::cuda::gemm

@@ -1,0 +1,200 @@
+// CPU grouped GEMM tests: hand-worked values, the adjoint identities that tie
+// forward, dgrad and wgrad together, pad rows, empty groups, pointer-array
+// weights, accumulation, bad input.
+#include "test_util.h"
+
+namespace moeflow::test {
+namespace {
+
+struct Groups {
+  Tensor offsets, real;
+  GroupLayout layout() const {
+    GroupLayout g;
+    g.offsets = offsets;
+    if (real.defined()) g.real_rows = real;
+    return g;
+  }
+};
+
+Groups make_groups(const std::vector<int64_t>& seg_rows, const std::vector<int32_t>& real = {}) {
+  Groups g;
+  g.offsets = make_tensor({static_cast<int64_t>(seg_rows.size()) + 1}, DType::kInt64);
+  int64_t o = 0;
+  for (size_t e = 0; e <= seg_rows.size(); ++e) {
+    g.offsets.data_ptr<int64_t>()[e] = o;
+    if (e < seg_rows.size()) o += seg_rows[e];
+  }
+  if (!real.empty()) {
+    g.real = make_tensor({static_cast<int64_t>(real.size())}, DType::kInt32);
+    std::copy(real.begin(), real.end(), g.real.data_ptr<int32_t>());
+  }
+  return g;
+}
+
+double dot(const Tensor& a, const Tensor& b) {
+  double s = 0;
+  for (int64_t i = 0; i < a.numel(); ++i) s += double(at(a, i)) * at(b, i);
+  return s;
+}
+
+TEST(GroupedGemm, HandWorkedForward) {
+  // 2 groups: rows 0..2 -> W0, rows 3..4 -> W1. K = N = 8.
+  const int64_t K = 8, N = 8;
+  Groups g = make_groups({3, 2});
+  Tensor a = make_tensor({5, K}, DType::kBFloat16);
+  Tensor w = make_tensor({2, N, K}, DType::kBFloat16);
+  for (int64_t r = 0; r < 5; ++r)
+    for (int64_t k = 0; k < K; ++k) detail::store_float(a.data(), a.dtype(), r * K + k, float(r + 1));
+  for (int64_t e = 0; e < 2; ++e)
+    for (int64_t n = 0; n < N; ++n)
+      for (int64_t k = 0; k < K; ++k)
+        detail::store_float(w.data(), w.dtype(), (e * N + n) * K + k, e == 0 ? float(n) : (k == n ? 1.0f : 0.0f));
+  Tensor c = make_tensor({5, N}, DType::kFloat32);
+  grouped_gemm_forward(a, GroupedWeights::from_stacked(w), g.layout(), c);
+  for (int64_t r = 0; r < 3; ++r)
+    for (int64_t n = 0; n < N; ++n) EXPECT_EQ(c.data_ptr<float>()[r * N + n], float((r + 1) * n * K));
+  for (int64_t r = 3; r < 5; ++r)  // W1 = identity
+    for (int64_t n = 0; n < N; ++n) EXPECT_EQ(c.data_ptr<float>()[r * N + n], float(r + 1));
+}
+
+// <fwd(A), G> = <A, dgrad(G)> = sum_e <W_e, wgrad(G, A)_e>, with pad rows,
+// empty groups and a tail of rows past offsets[E] that must stay untouched.
+TEST(GroupedGemm, AdjointIdentitiesTieTheThreeOps) {
+  const int64_t K = 24, N = 40, rows = 64;
+  Groups g = make_groups({16, 0, 7, 32}, {13, 0, 7, 30});  // 55 rows used, 9 past the end
+  Tensor a = make_tensor({rows, K}, DType::kBFloat16);
+  fill_random(a, 1);
+  Tensor gr = make_tensor({rows, N}, DType::kBFloat16);
+  fill_random(gr, 2);
+  Tensor w = make_tensor({4, N, K}, DType::kBFloat16);
+  fill_random(w, 3);
+  // zero the pad rows and the tail of the inputs so the identities hold exactly
+  auto offs = to_vec<int64_t>(g.offsets);
+  auto real = to_vec<int32_t>(g.real);
+  auto zero_rows = [&](Tensor& t, int64_t cols) {
+    for (int64_t r = 0; r < rows; ++r) {
+      bool data = false;
+      for (int e = 0; e < 4; ++e) data = data || (r >= offs[e] && r < offs[e] + real[e]);
+      if (!data)
+        for (int64_t j = 0; j < cols; ++j) detail::store_float(t.data(), t.dtype(), r * cols + j, 0.0f);
+    }
+  };
+  zero_rows(a, K);
+  zero_rows(gr, N);
+  Tensor c = make_tensor({rows, N}, DType::kFloat32);
+  fill_bytes(c, 0x7F);
+  Tensor da = make_tensor({rows, K}, DType::kFloat32);
+  fill_bytes(da, 0x7F);
+  Tensor dw = make_tensor({4, N, K}, DType::kFloat32);
+  fill_bytes(dw, 0x7F);
+  const GroupLayout layout = g.layout();
+  grouped_gemm_forward(a, GroupedWeights::from_stacked(w), layout, c);
+  grouped_gemm_dgrad(gr, GroupedWeights::from_stacked(w), layout, da);
+  grouped_gemm_wgrad(gr, a, layout, GroupedWeights::from_stacked(dw), false);
+  // rows past offsets[E] untouched; pad rows zero
+  for (int64_t r = 55; r < rows; ++r) EXPECT_EQ(reinterpret_cast<uint32_t*>(c.data())[r * N], 0x7F7F7F7Fu);
+  for (int64_t r = 13; r < 16; ++r) EXPECT_EQ(c.data_ptr<float>()[r * N + 5], 0.0f);
+  for (int64_t r = 53; r < 55; ++r) EXPECT_EQ(da.data_ptr<float>()[r * K + 3], 0.0f);
+  Tensor c_used = make_tensor({55, N}, DType::kFloat32), gr_used = make_tensor({55, N}, DType::kFloat32);
+  Tensor da_used = make_tensor({55, K}, DType::kFloat32), a_used = make_tensor({55, K}, DType::kFloat32);
+  for (int64_t i = 0; i < 55 * N; ++i) {
+    c_used.data_ptr<float>()[i] = c.data_ptr<float>()[i];
+    gr_used.data_ptr<float>()[i] = at(gr, i);
+  }
+  for (int64_t i = 0; i < 55 * K; ++i) {
+    da_used.data_ptr<float>()[i] = da.data_ptr<float>()[i];
+    a_used.data_ptr<float>()[i] = at(a, i);
+  }
+  const double l1 = dot(c_used, gr_used), l2 = dot(a_used, da_used), l3 = dot(w, dw);
+  EXPECT_NEAR(l1, l2, 1e-4 * (1 + std::fabs(l1)));
+  EXPECT_NEAR(l1, l3, 1e-4 * (1 + std::fabs(l1)));
+  // empty group: zero gradient
+  for (int64_t i = N * K; i < 2 * N * K; ++i) ASSERT_EQ(dw.data_ptr<float>()[i], 0.0f);
+}
+
+TEST(GroupedGemm, WgradIgnoresPadRowsAndAccumulates) {
+  const int64_t K = 16, N = 8, rows = 32;
+  Groups g = make_groups({16, 16}, {10, 16});
+  Tensor a = make_tensor({rows, K}, DType::kBFloat16), dc = make_tensor({rows, N}, DType::kBFloat16);
+  fill_random(a, 4);
+  fill_random(dc, 5);
+  Tensor dw1 = Tensor::zeros({2, N, K}, DType::kFloat32);
+  grouped_gemm_wgrad(dc, a, g.layout(), GroupedWeights::from_stacked(dw1), false);
+  for (int64_t r = 10; r < 16; ++r)  // garbage in group 0's pad rows must not matter
+    for (int64_t k = 0; k < K; ++k) detail::store_float(a.data(), a.dtype(), r * K + k, 1000.0f);
+  Tensor dw2 = make_tensor({2, N, K}, DType::kFloat32);
+  for (int64_t i = 0; i < dw2.numel(); ++i) dw2.data_ptr<float>()[i] = 0.5f;
+  grouped_gemm_wgrad(dc, a, g.layout(), GroupedWeights::from_stacked(dw2), true);
+  for (int64_t i = 0; i < dw2.numel(); ++i)
+    ASSERT_FLOAT_EQ(dw2.data_ptr<float>()[i], dw1.data_ptr<float>()[i] + 0.5f);
+}
+
+TEST(GroupedGemm, PointerArrayWeightsEqualStacked) {
+  const int64_t K = 32, N = 16, rows = 50;
+  Groups g = make_groups({20, 0, 30});
+  Tensor a = make_tensor({rows, K}, DType::kFloat16);
+  fill_random(a, 6);
+  Tensor w = make_tensor({3, N, K}, DType::kFloat16);
+  fill_random(w, 7);
+  std::vector<Tensor> parts;
+  Tensor ptrs = make_tensor({3}, DType::kInt64);
+  for (int e = 0; e < 3; ++e) {
+    parts.push_back(make_tensor({N, K}, DType::kFloat16));
+    std::memcpy(parts.back().data(), static_cast<uint8_t*>(w.data()) + e * N * K * 2, N * K * 2);
+    ptrs.data_ptr<int64_t>()[e] = reinterpret_cast<int64_t>(parts.back().data());
+  }
+  Tensor c1 = make_tensor({rows, N}, DType::kFloat16), c2 = make_tensor({rows, N}, DType::kFloat16);
+  grouped_gemm_forward(a, GroupedWeights::from_stacked(w), g.layout(), c1);
+  grouped_gemm_forward(a, GroupedWeights::from_pointers(ptrs, DType::kFloat16, N, K), g.layout(), c2);
+  EXPECT_TRUE(bytes_equal(c1, c2));
+}
+
+TEST(GroupedGemm, BadInputErrors) {
+  const int64_t K = 16, N = 8, rows = 20;
+  Tensor a = make_tensor({rows, K}, DType::kBFloat16);
+  fill_random(a, 8);
+  Tensor w = make_tensor({2, N, K}, DType::kBFloat16);
+  fill_random(w, 9);
+  Tensor c = make_tensor({rows, N}, DType::kBFloat16);
+  auto message_of = [](auto fn) -> std::string {
+    try {
+      fn();
+    } catch (const Error& e) {
+      return e.what();
+    }
+    return "no error";
+  };
+  Groups bad = make_groups({10, 5});
+  bad.offsets.data_ptr<int64_t>()[1] = 16;
+  bad.offsets.data_ptr<int64_t>()[2] = 12;  // not monotone
+  EXPECT_NE(message_of([&] { grouped_gemm_forward(a, GroupedWeights::from_stacked(w), bad.layout(), c); })
+                .find("groups.offsets must be monotone"),
+            std::string::npos);
+  Groups beyond = make_groups({10, 15});  // 25 > 20 rows
+  EXPECT_NE(message_of([&] { grouped_gemm_forward(a, GroupedWeights::from_stacked(w), beyond.layout(), c); })
+                .find("within [0, rows=20]"),
+            std::string::npos);
+  Groups ok = make_groups({10, 10});
+  Tensor a12 = make_tensor({rows, 12}, DType::kBFloat16), w12 = make_tensor({2, N, 12}, DType::kBFloat16);
+  EXPECT_NE(message_of([&] { grouped_gemm_forward(a12, GroupedWeights::from_stacked(w12), ok.layout(), c); })
+                .find("multiples of 8 (16-byte rows), got N=8 K=12"),
+            std::string::npos);
+  Tensor wf = make_tensor({2, N, K}, DType::kFloat16);
+  EXPECT_NE(message_of([&] { grouped_gemm_forward(a, GroupedWeights::from_stacked(wf), ok.layout(), c); })
+                .find("w must be bfloat16 [2,8,16] on cpu, got float16"),
+            std::string::npos);
+  Tensor dwb = make_tensor({2, N, K}, DType::kBFloat16);
+  Tensor dc = make_tensor({rows, N}, DType::kBFloat16);
+  EXPECT_NE(message_of([&] { grouped_gemm_wgrad(dc, a, ok.layout(), GroupedWeights::from_stacked(dwb), true); })
+                .find("dw must be float32"),
+            std::string::npos);
+  Tensor offs3 = make_tensor({3}, DType::kInt32);
+  GroupLayout l32;
+  l32.offsets = offs3;
+  EXPECT_NE(message_of([&] { grouped_gemm_forward(a, GroupedWeights::from_stacked(w), l32, c); })
+                .find("groups.offsets must be int64 [3]"),
+            std::string::npos);
+}
+
+}  // namespace
+}  // namespace moeflow::test
