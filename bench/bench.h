@@ -28,6 +28,18 @@ struct PermuteBenchOptions {
 };
 void run_permute_bench(const PermuteBenchOptions& opt);
 
+struct GemmBenchOptions {
+  std::vector<std::string> cases;  // empty: all five cases of shared/BENCHMARKS.md
+  bool sweep = false;              // rows per expert 64..4096, uniform and skewed
+  int sweep_experts = 32;
+  int64_t sweep_k = 2048, sweep_n = 1536;
+  Device device;
+  TimingOptions timing;
+  std::string json_path;
+};
+void run_gemm_bench(const GemmBenchOptions& opt);
+std::vector<int64_t> sweep_split(int E, int64_t R, bool skewed);
+
 struct RunOptions {
   std::string preset = "tiny";
   int align = 16;

@@ -23,7 +23,7 @@ if has test; then
 fi
 if has memcheck; then
   compute-sanitizer --tool memcheck --error-exitcode 9 build/tests/test_gpu \
-    --gtest_filter='Gpu.Permute*:Gpu.Unpermute*:Gpu.Backward*:Gpu.PlanFromMask*:Gpu.PlanCapacity*:Gpu.PlanInvalid*:Gpu.Graph*' \
+    --gtest_filter='Gpu.Permute*:Gpu.Unpermute*:Gpu.Backward*:Gpu.PlanFromMask*:Gpu.PlanCapacity*:Gpu.PlanInvalid*:Gpu.Graph*:GpuGemm.BadOffsets*:GpuGemm.Graph*' \
     > "$OUT/memcheck.log" 2>&1
   m=$?
   tail -5 "$OUT/memcheck.log"
@@ -50,7 +50,17 @@ fi
 if has bench; then
   build/moeflow bench permute --json "$OUT/ours.json" 2>&1 || rc=1
 fi
+if has gemm; then
+  build/moeflow bench gemm --json "$OUT/gemm.json" 2>&1 || rc=1
+fi
+if has sweep; then
+  build/moeflow bench gemm --sweep --json "$OUT/gemm_sweep.json" 2>&1 || rc=1
+  PYTHONUNBUFFERED=1 python3 bench/peers_gemm_sweep.py --json "$OUT/peers_gemm_sweep.json" 2>&1 || rc=1
+fi
 if has peers && [ -f .peers/peers.py ]; then
   PYTHONUNBUFFERED=1 python3 .peers/peers.py --only ceil,permute --json "$OUT/peers.json" 2>&1 | tail -30 || rc=1
+fi
+if has gemmpeers && [ -f .peers/peers.py ]; then
+  PYTHONUNBUFFERED=1 python3 .peers/peers.py --only gemm --json "$OUT/peers_gemm.json" 2>&1 | tail -40 || rc=1
 fi
 exit $rc

@@ -25,3 +25,19 @@ inline Tolerance tolerance(DType dtype) {
 inline Tolerance dot_tolerance(int64_t hidden) { return {1e-4 * (1.0 + hidden / 256.0), 1e-4}; }
 
 }  // namespace moeflow::test
+
+namespace moeflow::test {
+
+// GEMMs: relative Frobenius-norm error ||got - ref|| / ||ref|| against a
+// float64 reference (or cuBLAS), by output dtype (inputs bf16/fp16, float32
+// accumulation).
+inline double gemm_tolerance(DType out) {
+  switch (out) {
+    case DType::kFloat32: return 1e-4;
+    case DType::kFloat16: return 2e-3;
+    case DType::kBFloat16: return 1e-2;
+    default: return 0.0;
+  }
+}
+
+}  // namespace moeflow::test

@@ -38,6 +38,16 @@ int main(int argc, char** argv) {
   bperm->add_option("--json", bopt.json_path, "also write the results as JSON to this file");
   bperm->add_option("--iters", bopt.timing.iters, "timed runs per op (median)")->capture_default_str();
 
+  auto* bgemm = bench->add_subcommand("gemm", "grouped GEMM forward/dgrad/wgrad vs dense cuBLAS");
+  bench::GemmBenchOptions gopt;
+  bgemm->add_option("--case", gopt.cases, "dsv3-fc1 dsv3-fc2 mixtral-fc1 qwen3-fc1 qwen3-fc2 (default: all)");
+  bgemm->add_flag("--sweep", gopt.sweep, "rows per expert 64..4096, uniform and skewed");
+  bgemm->add_option("--sweep-experts", gopt.sweep_experts, "experts in the sweep")->capture_default_str();
+  bgemm->add_option("--sweep-k", gopt.sweep_k, "K in the sweep")->capture_default_str();
+  bgemm->add_option("--sweep-n", gopt.sweep_n, "N in the sweep")->capture_default_str();
+  bgemm->add_option("--json", gopt.json_path, "also write the results as JSON to this file");
+  bgemm->add_option("--iters", gopt.timing.iters, "timed runs per op (median)")->capture_default_str();
+
   CLI11_PARSE(app, argc, argv);
   try {
     const Device dev = bench::parse_device(device);
@@ -56,6 +66,16 @@ int main(int argc, char** argv) {
       }
       bench::run_permute_bench(bopt);
       return 0;
+    }
+    if (*bgemm) {
+#ifdef MOEFLOW_WITH_CUDA
+      MOEFLOW_CHECK(gopt.timing.iters > 0, "--iters must be > 0; got ", gopt.timing.iters);
+      gopt.device = dev;
+      bench::run_gemm_bench(gopt);
+      return 0;
+#else
+      MOEFLOW_CHECK(false, "bench gemm needs the CUDA backend (built without CUDA)");
+#endif
     }
     MOEFLOW_CHECK(is_valid_align(run_opt.align), "--align must be one of 1, 16, 32, 64, 128, 256; got ",
                   run_opt.align);

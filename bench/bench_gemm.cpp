@@ -1,0 +1,152 @@
+// `moeflow bench gemm`: grouped GEMM forward, dgrad and wgrad on the cases of
+// shared/BENCHMARKS.md (and a rows-per-expert sweep), next to dense cuBLAS of
+// the same FLOPs measured in the same run. FLOPs = 2 * rows * K * N.
+#include <algorithm>
+#include <cmath>
+#include <fstream>
+#include <random>
+
+#include <cublas_v2.h>
+#include <fmt/format.h>
+
+#include "bench/bench.h"
+
+namespace moeflow::bench {
+
+namespace {
+
+#define CUBLAS_CHECK(x)                                                               \
+  do {                                                                                \
+    cublasStatus_t st_ = (x);                                                         \
+    MOEFLOW_CHECK(st_ == CUBLAS_STATUS_SUCCESS, "cuBLAS error ", int(st_), " in " #x); \
+  } while (0)
+
+struct GemmCase {
+  std::string name;
+  int experts;
+  int64_t rows, k, n;
+  std::vector<int64_t> sizes;  // rows per expert
+};
+
+// Mildly uneven split (as shared/peers/peers.py): weights U(0.5, 1.5), rows
+// rounded down to 16, the remainder on the last expert.
+std::vector<int64_t> uneven_split(int E, int64_t rows, uint32_t seed) {
+  std::mt19937 rng(seed);
+  std::uniform_real_distribution<double> u(0.5, 1.5);
+  std::vector<double> w(E);
+  double sum = 0;
+  for (double& x : w) sum += (x = u(rng));
+  std::vector<int64_t> s(E);
+  int64_t used = 0;
+  for (int e = 0; e < E; ++e) used += (s[e] = static_cast<int64_t>(w[e] / sum * rows / 16) * 16);
+  s[E - 1] += rows - used;
+  return s;
+}
+
+}  // namespace
+
+// Sweep splits, shared with bench/peers_gemm_sweep.py: uniform (R rows each) or
+// skewed (rows ~ 1/(e+1), rounded to 16, same total E*R).
+std::vector<int64_t> sweep_split(int E, int64_t R, bool skewed) {
+  std::vector<int64_t> s(E, R);
+  if (!skewed) return s;
+  double z = 0;
+  for (int e = 0; e < E; ++e) z += 1.0 / (e + 1);
+  int64_t used = 0;
+  for (int e = 0; e < E; ++e) used += (s[e] = static_cast<int64_t>(E * R / (e + 1) / z / 16) * 16);
+  s[0] += E * R - used;
+  return s;
+}
+
+void run_gemm_bench(const GemmBenchOptions& opt) {
+  const Device dev = opt.device;
+  MOEFLOW_CHECK(dev.is_cuda(), "bench gemm needs a CUDA device");
+  cudaStream_t stream = nullptr;
+  cublasHandle_t handle;
+  CUBLAS_CHECK(cublasCreate(&handle));
+  std::vector<GemmCase> cases;
+  if (!opt.sweep) {
+    const std::vector<GemmCase> all = {{"dsv3-fc1", 32, 65536, 7168, 4096, {}},
+                                       {"dsv3-fc2", 32, 65536, 2048, 7168, {}},
+                                       {"mixtral-fc1", 8, 32768, 4096, 28672, {}},
+                                       {"qwen3-fc1", 128, 131072, 2048, 1536, {}},
+                                       {"qwen3-fc2", 128, 131072, 768, 2048, {}}};
+    for (const auto& c : all)
+      if (opt.cases.empty() || std::find(opt.cases.begin(), opt.cases.end(), c.name) != opt.cases.end())
+        cases.push_back(c);
+    for (auto& c : cases) c.sizes = uneven_split(c.experts, c.rows, 0);
+  } else {
+    for (bool skewed : {false, true})
+      for (int64_t R : {64, 128, 256, 512, 1024, 2048, 4096}) {
+        GemmCase c{fmt::format("{}-{}", skewed ? "skew" : "unif", R), opt.sweep_experts,
+                   opt.sweep_experts * R, opt.sweep_k, opt.sweep_n, sweep_split(opt.sweep_experts, R, skewed)};
+        cases.push_back(c);
+      }
+  }
+  fmt::print("moeflow bench gemm on {}, bf16 in, fp32 accumulation\n", device_name(dev));
+  std::vector<Row> rows_out;
+  int index = 0;
+  for (const GemmCase& c : cases) {
+    fmt::print("[{}/{}] {}: E={} rows={} K={} N={} ...\n", ++index, cases.size(), c.name, c.experts,
+               c.rows, c.k, c.n);
+    std::fflush(stdout);
+    const int64_t E = c.experts, M = c.rows, K = c.k, N = c.n;
+    Tensor offs = Tensor::empty({E + 1}, DType::kInt64);
+    offs.data_ptr<int64_t>()[0] = 0;
+    for (int64_t e = 0; e < E; ++e) offs.data_ptr<int64_t>()[e + 1] = offs.data_ptr<int64_t>()[e] + c.sizes[e];
+    GroupLayout layout;
+    Tensor offs_g = offs.to(dev);
+    layout.offsets = offs_g;
+    Tensor a = Tensor::empty({M, K}, DType::kBFloat16, dev), w = Tensor::empty({E, N, K}, DType::kBFloat16, dev);
+    Tensor out = Tensor::empty({M, N}, DType::kBFloat16, dev), dc = Tensor::empty({M, N}, DType::kBFloat16, dev);
+    Tensor da = Tensor::empty({M, K}, DType::kBFloat16, dev), dw = Tensor::empty({E, N, K}, DType::kFloat32, dev);
+    fill_bytes(a, 0x3C, stream);  // ~0.0115 in bf16: finite, non-zero
+    fill_bytes(w, 0x3C, stream);
+    fill_bytes(dc, 0x3C, stream);
+    fill_bytes(dw, 0, stream);
+    const double flops = 2.0 * M * K * N;
+    const float one = 1.0f, zero = 0.0f;
+    TimingOptions t = opt.timing;
+    t.flush_l2 = false;  // compute-bound; the operands exceed L2 anyway
+    auto tflops = [&](const std::function<void()>& fn) { return flops / time_us(dev, stream, fn, t) / 1e6; };
+    auto add = [&](const std::string& op, double ours, double dense) {
+      Row r{c.name, op, flops / ours / 1e6, 0, 0, 0};
+      r.extra = {{"TFLOPs", ours}, {"dense_TFLOPs", dense}, {"ratio_to_dense", ours / dense},
+                 {"experts", E}, {"rows", M}, {"K", K}, {"N", N}};
+      rows_out.push_back(r);
+      fmt::print("    {:<7} {:7.1f} TFLOP/s   dense cuBLAS {:7.1f}   ratio {:.2f}\n", op, ours, dense, ours / dense);
+      std::fflush(stdout);
+    };
+    const double fwd = tflops([&] { grouped_gemm_forward(a, GroupedWeights::from_stacked(w), layout, out, stream); });
+    const double fwd_dense = tflops([&] {
+      CUBLAS_CHECK(cublasGemmEx(handle, CUBLAS_OP_T, CUBLAS_OP_N, N, M, K, &one, w.data(), CUDA_R_16BF, K,
+                                a.data(), CUDA_R_16BF, K, &zero, out.data(), CUDA_R_16BF, N,
+                                CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT));
+    });
+    add("forward", fwd, fwd_dense);
+    const double dg = tflops([&] { grouped_gemm_dgrad(dc, GroupedWeights::from_stacked(w), layout, da, stream); });
+    const double dg_dense = tflops([&] {
+      CUBLAS_CHECK(cublasGemmEx(handle, CUBLAS_OP_N, CUBLAS_OP_N, K, M, N, &one, w.data(), CUDA_R_16BF, K,
+                                dc.data(), CUDA_R_16BF, N, &zero, da.data(), CUDA_R_16BF, K,
+                                CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT));
+    });
+    add("dgrad", dg, dg_dense);
+    const double wg = tflops([&] { grouped_gemm_wgrad(dc, a, layout, GroupedWeights::from_stacked(dw), true, stream); });
+    const double wg_dense = tflops([&] {
+      CUBLAS_CHECK(cublasGemmEx(handle, CUBLAS_OP_N, CUBLAS_OP_T, K, N, M, &one, a.data(), CUDA_R_16BF, K,
+                                dc.data(), CUDA_R_16BF, N, &one, dw.data(), CUDA_R_32F, K,
+                                CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT));
+    });
+    add("wgrad", wg, wg_dense);
+  }
+  cublasDestroy(handle);
+  if (!opt.json_path.empty()) {
+    nlohmann::json j = {{"device", device_name(dev)}, {"rows", rows_to_json(rows_out)}};
+    std::ofstream f(opt.json_path);
+    MOEFLOW_CHECK(f.good(), "--json: cannot write '", opt.json_path, "'");
+    f << j.dump(1) << "\n";
+    fmt::print("wrote {}\n", opt.json_path);
+  }
+}
+
+}  // namespace moeflow::bench

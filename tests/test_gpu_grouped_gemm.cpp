@@ -1,0 +1,319 @@
+// GPU grouped GEMM tests (label gpu): forward, dgrad and wgrad against the
+// CPU reference (float64 accumulation) and against a per-expert cuBLAS loop,
+// by relative norm error; outputs poisoned first; pad rows zero; rows past
+// the groups untouched; offsets changed between CUDA-graph replays; bad
+// offsets flagged without out-of-bounds access.
+#include <cublas_v2.h>
+#include <cuda_runtime.h>
+
+#include "test_util.h"
+
+namespace moeflow::test {
+namespace {
+
+const Device kGpu = Device::cuda(0);
+
+#define CUBLAS_OK(x) ASSERT_EQ((x), CUBLAS_STATUS_SUCCESS)
+
+class GpuGemm : public ::testing::Test {
+ protected:
+  void SetUp() override { ASSERT_GT(cuda_device_count(), 0) << "GPU tests need a CUDA device"; }
+};
+
+double rel_error(const Tensor& got, const Tensor& want) {
+  double num = 0, den = 0;
+  for (int64_t i = 0; i < got.numel(); ++i) {
+    const double g = at(got, i), w = at(want, i);
+    if (std::isnan(g)) return INFINITY;
+    num += (g - w) * (g - w);
+    den += w * w;
+  }
+  return den == 0 ? std::sqrt(num) : std::sqrt(num / den);
+}
+
+struct Problem {
+  std::vector<int64_t> seg;   // rows of each group's (padded) segment
+  std::vector<int32_t> real;  // real rows of each group
+  int64_t k, n;
+  int64_t tail = 5;           // rows past offsets[E]
+};
+
+std::string name_of(const Problem& p) {
+  std::string s = "E=" + std::to_string(p.seg.size()) + " K=" + std::to_string(p.k) +
+                  " N=" + std::to_string(p.n) + " seg=";
+  for (size_t i = 0; i < std::min<size_t>(p.seg.size(), 6); ++i) s += std::to_string(p.seg[i]) + ",";
+  return s;
+}
+
+struct Data {
+  int64_t rows = 0;
+  Tensor offsets, real;  // CPU
+  Tensor offsets_g, real_g;
+  GroupLayout cpu_layout() const { GroupLayout g; g.offsets = offsets; g.real_rows = real; return g; }
+  GroupLayout gpu_layout() const { GroupLayout g; g.offsets = offsets_g; g.real_rows = real_g; return g; }
+};
+
+Data make_data(const Problem& p) {
+  Data d;
+  const int64_t E = p.seg.size();
+  d.offsets = make_tensor({E + 1}, DType::kInt64);
+  d.real = make_tensor({E}, DType::kInt32);
+  int64_t o = 0;
+  for (int64_t e = 0; e < E; ++e) {
+    d.offsets.data_ptr<int64_t>()[e] = o;
+    d.real.data_ptr<int32_t>()[e] = p.real[e];
+    o += p.seg[e];
+  }
+  d.offsets.data_ptr<int64_t>()[E] = o;
+  d.rows = o + p.tail;
+  d.offsets_g = d.offsets.to(kGpu);
+  d.real_g = d.real.to(kGpu);
+  return d;
+}
+
+// Random problem: E groups, rows per group in [0, max_rows], some padding.
+Problem random_problem(int E, int max_rows, int64_t k, int64_t n, uint32_t seed, int align = 16) {
+  std::mt19937 rng(seed);
+  Problem p;
+  p.k = k;
+  p.n = n;
+  for (int e = 0; e < E; ++e) {
+    int r = std::uniform_int_distribution<int>(0, max_rows)(rng);
+    if (e % 5 == 1) r = 0;
+    if (e % 7 == 2) r = 1;
+    p.real.push_back(r);
+    p.seg.push_back((r + align - 1) / align * align);
+  }
+  return p;
+}
+
+Tensor poisoned_gpu(const std::vector<int64_t>& shape, DType dt) {
+  Tensor t = Tensor::empty(shape, dt, kGpu);
+  fill_bytes(t, 0xFF);
+  return t;
+}
+
+// Zeroes the pad rows and the tail of a CPU [rows, cols] input.
+void zero_non_data_rows(Tensor& t, const Problem& p, const Data& d) {
+  const int64_t cols = t.size(1);
+  std::vector<bool> data(d.rows, false);
+  for (size_t e = 0; e < p.seg.size(); ++e)
+    for (int64_t r = 0; r < p.real[e]; ++r) data[d.offsets.data_ptr<int64_t>()[e] + r] = true;
+  for (int64_t r = 0; r < d.rows; ++r)
+    if (!data[r])
+      for (int64_t j = 0; j < cols; ++j) detail::store_float(t.data(), t.dtype(), r * cols + j, 0.0f);
+}
+
+const std::vector<Problem> kProblems = {
+    {{16, 0, 32, 16}, {1, 0, 17, 16}, 8, 8},                      // K, N at the minimum
+    {{128, 256}, {127, 129}, 64, 136},                            // rows around the tile
+    random_problem(8, 300, 200, 96, 1),                           // K not a multiple of the tile
+    random_problem(16, 700, 512, 384, 2, 64),
+    random_problem(5, 2000, 1024, 520, 3, 128),
+    random_problem(33, 40, 128, 256, 4, 1),
+};
+
+TEST_F(GpuGemm, ForwardDgradWgradMatchCpu) {
+  uint32_t seed = 10;
+  for (const Problem& p : kProblems) {
+    for (DType in : {DType::kBFloat16, DType::kFloat16}) {
+      SCOPED_TRACE(name_of(p) + " " + dtype_name(in));
+      const int64_t E = p.seg.size(), K = p.k, N = p.n;
+      Data d = make_data(p);
+      Tensor a = make_tensor({d.rows, K}, in), dc = make_tensor({d.rows, N}, in);
+      Tensor w = make_tensor({E, N, K}, in);
+      fill_random(a, seed++);
+      fill_random(dc, seed++);
+      fill_random(w, seed++);
+      Tensor a_g = a.to(kGpu), dc_g = dc.to(kGpu), w_g = w.to(kGpu);
+      for (DType out : {DType::kBFloat16, DType::kFloat32}) {
+        SCOPED_TRACE(dtype_name(out));
+        // forward
+        Tensor c_ref = make_tensor({d.rows, N}, out);
+        fill_bytes(c_ref, 0xFF);
+        grouped_gemm_forward(a, GroupedWeights::from_stacked(w), d.cpu_layout(), c_ref);
+        Tensor c_g = poisoned_gpu({d.rows, N}, out);
+        grouped_gemm_forward(a_g, GroupedWeights::from_stacked(w_g), d.gpu_layout(), c_g);
+        Tensor c = c_g.to(Device::cpu());
+        const int64_t used = d.rows - p.tail;
+        Tensor c_used = make_tensor({used, N}, out), c_ref_used = make_tensor({used, N}, out);
+        std::memcpy(c_used.data(), c.data(), c_used.nbytes());
+        std::memcpy(c_ref_used.data(), c_ref.data(), c_ref_used.nbytes());
+        EXPECT_LE(rel_error(c_used, c_ref_used), gemm_tolerance(out));
+        // pad rows exactly zero; the tail keeps its poison
+        for (int64_t e = 0; e < E; ++e)
+          for (int64_t r = d.offsets.data_ptr<int64_t>()[e] + p.real[e]; r < d.offsets.data_ptr<int64_t>()[e + 1]; ++r)
+            ASSERT_EQ(at(c, r * N), 0.0f) << "pad row " << r;
+        for (int64_t i = used * N * dtype_size(out); i < int64_t(c.nbytes()); ++i)
+          ASSERT_EQ(static_cast<uint8_t*>(c.data())[i], 0xFF) << "tail written";
+        // dgrad
+        Tensor da_ref = make_tensor({d.rows, K}, out);
+        fill_bytes(da_ref, 0xFF);
+        grouped_gemm_dgrad(dc, GroupedWeights::from_stacked(w), d.cpu_layout(), da_ref);
+        Tensor da_g = poisoned_gpu({d.rows, K}, out);
+        grouped_gemm_dgrad(dc_g, GroupedWeights::from_stacked(w_g), d.gpu_layout(), da_g);
+        Tensor da = da_g.to(Device::cpu());
+        Tensor da_used = make_tensor({used, K}, out), da_ref_used = make_tensor({used, K}, out);
+        std::memcpy(da_used.data(), da.data(), da_used.nbytes());
+        std::memcpy(da_ref_used.data(), da_ref.data(), da_ref_used.nbytes());
+        EXPECT_LE(rel_error(da_used, da_ref_used), gemm_tolerance(out));
+      }
+      // wgrad, both beta = 0 and beta = 1, pointer-array output
+      Tensor dw_ref = make_tensor({E, N, K}, DType::kFloat32);
+      fill_random(dw_ref, seed++);
+      Tensor dw_init = dw_ref.to(Device::cpu());
+      grouped_gemm_wgrad(dc, a, d.cpu_layout(), GroupedWeights::from_stacked(dw_ref), true);
+      Tensor dw_g = dw_init.to(kGpu);
+      Tensor ptrs = make_tensor({E}, DType::kInt64);
+      for (int64_t e = 0; e < E; ++e)
+        ptrs.data_ptr<int64_t>()[e] = reinterpret_cast<int64_t>(dw_g.data_ptr<float>() + e * N * K);
+      grouped_gemm_wgrad(dc_g, a_g, d.gpu_layout(),
+                         GroupedWeights::from_pointers(ptrs.to(kGpu), DType::kFloat32, N, K), true);
+      EXPECT_LE(rel_error(dw_g.to(Device::cpu()), dw_ref), gemm_tolerance(DType::kFloat32));
+      Tensor dw0_ref = make_tensor({E, N, K}, DType::kFloat32);
+      grouped_gemm_wgrad(dc, a, d.cpu_layout(), GroupedWeights::from_stacked(dw0_ref), false);
+      Tensor dw0_g = poisoned_gpu({E, N, K}, DType::kFloat32);
+      grouped_gemm_wgrad(dc_g, a_g, d.gpu_layout(), GroupedWeights::from_stacked(dw0_g), false);
+      EXPECT_LE(rel_error(dw0_g.to(Device::cpu()), dw0_ref), gemm_tolerance(DType::kFloat32));
+    }
+  }
+}
+
+// The same three ops against a per-expert cuBLAS loop (bf16 in, fp32 compute).
+TEST_F(GpuGemm, MatchesPerExpertCublas) {
+  cublasHandle_t h;
+  CUBLAS_OK(cublasCreate(&h));
+  Problem p = random_problem(12, 1500, 768, 1024, 77, 16);
+  const int64_t E = p.seg.size(), K = p.k, N = p.n;
+  Data d = make_data(p);
+  Tensor a = make_tensor({d.rows, K}, DType::kBFloat16), dc = make_tensor({d.rows, N}, DType::kBFloat16);
+  Tensor w = make_tensor({E, N, K}, DType::kBFloat16);
+  fill_random(a, 1);
+  fill_random(dc, 2);
+  fill_random(w, 3);
+  zero_non_data_rows(a, p, d);
+  zero_non_data_rows(dc, p, d);
+  Tensor a_g = a.to(kGpu), dc_g = dc.to(kGpu), w_g = w.to(kGpu);
+  Tensor c_ours = poisoned_gpu({d.rows, N}, DType::kBFloat16), c_ref = Tensor::zeros({d.rows, N}, DType::kBFloat16, kGpu);
+  Tensor da_ours = poisoned_gpu({d.rows, K}, DType::kBFloat16), da_ref = Tensor::zeros({d.rows, K}, DType::kBFloat16, kGpu);
+  Tensor dw_ours = poisoned_gpu({E, N, K}, DType::kFloat32), dw_ref = Tensor::zeros({E, N, K}, DType::kFloat32, kGpu);
+  grouped_gemm_forward(a_g, GroupedWeights::from_stacked(w_g), d.gpu_layout(), c_ours);
+  grouped_gemm_dgrad(dc_g, GroupedWeights::from_stacked(w_g), d.gpu_layout(), da_ours);
+  grouped_gemm_wgrad(dc_g, a_g, d.gpu_layout(), GroupedWeights::from_stacked(dw_ours), false);
+  const float one = 1.0f, zero = 0.0f;
+  for (int64_t e = 0; e < E; ++e) {
+    const int64_t r0 = d.offsets.data_ptr<int64_t>()[e];
+    const int rows_e = p.real[e];
+    const auto* we = w_g.data_ptr<__nv_bfloat16>() + e * N * K;
+    if (rows_e > 0) {
+      CUBLAS_OK(cublasGemmEx(h, CUBLAS_OP_T, CUBLAS_OP_N, N, rows_e, K, &one, we, CUDA_R_16BF, K,
+                             a_g.data_ptr<__nv_bfloat16>() + r0 * K, CUDA_R_16BF, K, &zero,
+                             c_ref.data_ptr<__nv_bfloat16>() + r0 * N, CUDA_R_16BF, N,
+                             CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT));
+      CUBLAS_OK(cublasGemmEx(h, CUBLAS_OP_N, CUBLAS_OP_N, K, rows_e, N, &one, we, CUDA_R_16BF, K,
+                             dc_g.data_ptr<__nv_bfloat16>() + r0 * N, CUDA_R_16BF, N, &zero,
+                             da_ref.data_ptr<__nv_bfloat16>() + r0 * K, CUDA_R_16BF, K,
+                             CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT));
+    }
+    CUBLAS_OK(cublasGemmEx(h, CUBLAS_OP_N, CUBLAS_OP_T, K, N, rows_e, &one,
+                           a_g.data_ptr<__nv_bfloat16>() + r0 * K, CUDA_R_16BF, K,
+                           dc_g.data_ptr<__nv_bfloat16>() + r0 * N, CUDA_R_16BF, N, &zero,
+                           dw_ref.data_ptr<float>() + e * N * K, CUDA_R_32F, K, CUBLAS_COMPUTE_32F,
+                           CUBLAS_GEMM_DEFAULT));
+  }
+  MOEFLOW_CUDA_CHECK(cudaDeviceSynchronize());
+  const int64_t used = d.rows - p.tail;
+  auto head = [&](const Tensor& t, int64_t cols) {
+    Tensor h = make_tensor({used, cols}, t.dtype());
+    MOEFLOW_CUDA_CHECK(cudaMemcpy(h.data(), t.data(), h.nbytes(), cudaMemcpyDeviceToHost));
+    return h;
+  };
+  EXPECT_LE(rel_error(head(c_ours, N), head(c_ref, N)), gemm_tolerance(DType::kBFloat16));
+  EXPECT_LE(rel_error(head(da_ours, K), head(da_ref, K)), gemm_tolerance(DType::kBFloat16));
+  EXPECT_LE(rel_error(dw_ours.to(Device::cpu()), dw_ref.to(Device::cpu())), gemm_tolerance(DType::kFloat32));
+  cublasDestroy(h);
+}
+
+// Forward captured once in a CUDA graph; replays with new offsets (same
+// buffers) must equal eager runs.
+TEST_F(GpuGemm, GraphReplayWithNewOffsets) {
+  const int64_t E = 8, K = 256, N = 384, rows = 4096;
+  Tensor a = make_tensor({rows, K}, DType::kBFloat16), w = make_tensor({E, N, K}, DType::kBFloat16);
+  fill_random(a, 5);
+  fill_random(w, 6);
+  Tensor a_g = a.to(kGpu), w_g = w.to(kGpu);
+  Tensor offs_g = Tensor::empty({E + 1}, DType::kInt64, kGpu), real_g = Tensor::empty({E}, DType::kInt32, kGpu);
+  GroupLayout layout;
+  layout.offsets = offs_g;
+  layout.real_rows = real_g;
+  Tensor c_g = Tensor::empty({rows, N}, DType::kBFloat16, kGpu);
+  cudaStream_t s;
+  MOEFLOW_CUDA_CHECK(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
+  Problem p0 = random_problem(E, 400, K, N, 1);
+  Data d0 = make_data(p0);
+  copy(d0.offsets, offs_g, s);
+  copy(d0.real, real_g, s);
+  grouped_gemm_forward(a_g, GroupedWeights::from_stacked(w_g), layout, c_g, s);  // warm-up
+  MOEFLOW_CUDA_CHECK(cudaStreamSynchronize(s));
+  cudaGraph_t graph;
+  cudaGraphExec_t exec;
+  MOEFLOW_CUDA_CHECK(cudaStreamBeginCapture(s, cudaStreamCaptureModeGlobal));
+  grouped_gemm_forward(a_g, GroupedWeights::from_stacked(w_g), layout, c_g, s);
+  MOEFLOW_CUDA_CHECK(cudaStreamEndCapture(s, &graph));
+  MOEFLOW_CUDA_CHECK(cudaGraphInstantiate(&exec, graph, 0));
+  for (int replay = 0; replay < 3; ++replay) {
+    Problem p = random_problem(E, 500, K, N, 100 + replay, replay == 2 ? 128 : 16);
+    Data d = make_data(p);
+    ASSERT_LE(d.rows, rows);
+    copy(d.offsets, offs_g, s);
+    copy(d.real, real_g, s);
+    fill_bytes(c_g, 0xFF, s);
+    MOEFLOW_CUDA_CHECK(cudaGraphLaunch(exec, s));
+    MOEFLOW_CUDA_CHECK(cudaStreamSynchronize(s));
+    Tensor eager = poisoned_gpu({rows, N}, DType::kBFloat16);
+    grouped_gemm_forward(a_g, GroupedWeights::from_stacked(w_g), d.gpu_layout(), eager);
+    MOEFLOW_CUDA_CHECK(cudaDeviceSynchronize());
+    EXPECT_TRUE(bytes_equal(c_g.to(Device::cpu()), eager.to(Device::cpu()))) << "replay " << replay;
+  }
+  cudaGraphExecDestroy(exec);
+  cudaGraphDestroy(graph);
+  cudaStreamDestroy(s);
+}
+
+// Bad offsets: flagged in groups.error, bad groups skipped, nothing out of
+// bounds (run under compute-sanitizer memcheck), good groups still right.
+TEST_F(GpuGemm, BadOffsetsAreFlaggedAndClamped) {
+  const int64_t E = 3, K = 64, N = 64, rows = 300;
+  Tensor a = make_tensor({rows, K}, DType::kBFloat16), w = make_tensor({E, N, K}, DType::kBFloat16);
+  fill_random(a, 7);
+  fill_random(w, 8);
+  Tensor offs = make_tensor({E + 1}, DType::kInt64);
+  int64_t vals[] = {0, 100, 90, 5000};  // group 1 not monotone, group 2 past the rows
+  std::copy(vals, vals + 4, offs.data_ptr<int64_t>());
+  GroupLayout layout;
+  layout.offsets = offs.to(kGpu);
+  Tensor err = Tensor::zeros({1}, DType::kInt32, kGpu);
+  layout.error = err;
+  Tensor c_g = poisoned_gpu({rows, N}, DType::kFloat32);
+  Tensor a_g = a.to(kGpu), w_g = w.to(kGpu);
+  grouped_gemm_forward(a_g, GroupedWeights::from_stacked(w_g), layout, c_g);
+  EXPECT_EQ(to_vec<int32_t>(err)[0], 1);
+  // group 0 (rows 0..99) is still right
+  Tensor ok_offs = make_tensor({2}, DType::kInt64);
+  ok_offs.data_ptr<int64_t>()[0] = 0;
+  ok_offs.data_ptr<int64_t>()[1] = 100;
+  GroupLayout ok;
+  ok.offsets = ok_offs;
+  Tensor a100 = make_tensor({100, K}, DType::kBFloat16);
+  std::memcpy(a100.data(), a.data(), a100.nbytes());
+  Tensor w0 = make_tensor({1, N, K}, DType::kBFloat16);
+  std::memcpy(w0.data(), w.data(), w0.nbytes());
+  Tensor ref = make_tensor({100, N}, DType::kFloat32);
+  grouped_gemm_forward(a100, GroupedWeights::from_stacked(w0), ok, ref);
+  Tensor got = make_tensor({100, N}, DType::kFloat32);
+  MOEFLOW_CUDA_CHECK(cudaMemcpy(got.data(), c_g.data(), got.nbytes(), cudaMemcpyDeviceToHost));
+  EXPECT_LE(rel_error(got, ref), gemm_tolerance(DType::kFloat32));
+}
+
+}  // namespace
+}  // namespace moeflow::test
