@@ -108,8 +108,8 @@ const std::vector<Problem> kProblems = {
     {{16, 0, 32, 16}, {1, 0, 17, 16}, 8, 8},                      // K, N at the minimum
     {{128, 256}, {127, 129}, 64, 136},                            // rows around the tile
     random_problem(8, 300, 200, 96, 1),                           // K not a multiple of the tile
-    random_problem(16, 700, 512, 384, 2, 64),
-    random_problem(5, 2000, 1024, 520, 3, 128),
+    random_problem(16, 300, 256, 192, 2, 64),
+    random_problem(5, 1000, 512, 264, 3, 128),
     random_problem(33, 40, 128, 256, 4, 1),
 };
 
@@ -183,7 +183,7 @@ TEST_F(GpuGemm, ForwardDgradWgradMatchCpu) {
 TEST_F(GpuGemm, MatchesPerExpertCublas) {
   cublasHandle_t h;
   CUBLAS_OK(cublasCreate(&h));
-  Problem p = random_problem(12, 1500, 768, 1024, 77, 16);
+  Problem p = random_problem(12, 1500, 768, 1024, 77, 16);  // cuBLAS only: no CPU reference
   const int64_t E = p.seg.size(), K = p.k, N = p.n;
   Data d = make_data(p);
   Tensor a = make_tensor({d.rows, K}, DType::kBFloat16), dc = make_tensor({d.rows, N}, DType::kBFloat16);

@@ -39,31 +39,47 @@ void grouped_gemm(const GroupedGemmCall& c) {
                     "]=", real[e], " must be within [0, ", offsets[e + 1] - offsets[e], "]");
   }
   const DType wdt = c.w.stacked.defined() ? c.w.stacked.dtype : c.w.dtype;
+  std::vector<float> wf(n * k), row_a, row_b;
   for (int64_t e = 0; e < E; ++e) {
     const int64_t begin = offsets[e], end = offsets[e + 1];
     const int64_t real_end = real ? begin + real[e] : end;
     const void* w = weight(c.w, e, n, k);
-    auto W = [&](int64_t i, int64_t j) { return load_float(w, wdt, i * k + j); };
     if (c.op == GroupedGemmCall::kForward || c.op == GroupedGemmCall::kDgrad) {
+      // Step 1: W_e as float, oriented [out][red] so the inner loop is contiguous.
       const bool fwd = c.op == GroupedGemmCall::kForward;
       const int64_t out_cols = fwd ? n : k, red = fwd ? k : n;
+      for (int64_t i = 0; i < n; ++i)
+        for (int64_t j = 0; j < k; ++j)
+          wf[fwd ? i * k + j : j * n + i] = load_float(w, wdt, i * k + j);
+      // Step 2: each row (pad rows: zeros).
+      row_a.resize(red);
       for (int64_t r = begin; r < end; ++r) {
+        const bool data = r < real_end;
+        if (data)
+          for (int64_t i = 0; i < red; ++i) row_a[i] = at(c.a, r, i);
         for (int64_t j = 0; j < out_cols; ++j) {
           double s = 0.0;
-          if (r < real_end)
-            for (int64_t i = 0; i < red; ++i)
-              s += static_cast<double>(at(c.a, r, i)) * (fwd ? W(j, i) : W(i, j));
+          if (data) {
+            const float* wr = wf.data() + j * red;
+            for (int64_t i = 0; i < red; ++i) s += static_cast<double>(row_a[i]) * wr[i];
+          }
           store_float(c.out.data, c.out.dtype, r * c.out.strides[0] + j, static_cast<float>(s));
         }
       }
-    } else {  // wgrad: dW[e][i][j] (+)= sum_r dC[r][i] * A[r][j]
+    } else {  // wgrad: dW[e][i][j] (+)= sum over real rows r of dC[r][i] * A[r][j]
       float* dw = static_cast<float*>(const_cast<void*>(weight(c.w, e, n, k)));
       std::vector<double> acc(n * k, 0.0);
-      for (int64_t r = begin; r < real_end; ++r)
+      row_a.resize(n);
+      row_b.resize(k);
+      for (int64_t r = begin; r < real_end; ++r) {
+        for (int64_t i = 0; i < n; ++i) row_a[i] = at(c.a, r, i);
+        for (int64_t j = 0; j < k; ++j) row_b[j] = at(c.b, r, j);
         for (int64_t i = 0; i < n; ++i) {
-          const double g = at(c.a, r, i);
-          for (int64_t j = 0; j < k; ++j) acc[i * k + j] += g * at(c.b, r, j);
+          const double g = row_a[i];
+          double* out = acc.data() + i * k;
+          for (int64_t j = 0; j < k; ++j) out[j] += g * row_b[j];
         }
+      }
       for (int64_t i = 0; i < n * k; ++i)
         dw[i] = static_cast<float>(acc[i] + (c.accumulate ? static_cast<double>(dw[i]) : 0.0));
     }
