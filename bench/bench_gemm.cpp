@@ -10,6 +10,7 @@
 #include <fmt/format.h>
 
 #include "bench/bench.h"
+#include "core/backends.h"
 
 namespace moeflow::bench {
 
@@ -118,6 +119,11 @@ void run_gemm_bench(const GemmBenchOptions& opt) {
       std::fflush(stdout);
     };
     const double fwd = tflops([&] { grouped_gemm_forward(a, GroupedWeights::from_stacked(w), layout, out, stream); });
+    cuda::set_gemm_path(cuda::GemmPath::kPortable);
+    const double fwd_portable =
+        tflops([&] { grouped_gemm_forward(a, GroupedWeights::from_stacked(w), layout, out, stream); });
+    cuda::set_gemm_path(cuda::GemmPath::kAuto);
+    fmt::print("    forward (portable mma.sync path) {:7.1f} TFLOP/s\n", fwd_portable);
     const double fwd_dense = tflops([&] {
       CUBLAS_CHECK(cublasGemmEx(handle, CUBLAS_OP_T, CUBLAS_OP_N, N, M, K, &one, w.data(), CUDA_R_16BF, K,
                                 a.data(), CUDA_R_16BF, K, &zero, out.data(), CUDA_R_16BF, N,

@@ -15,9 +15,17 @@ const Device kGpu = Device::cuda(0);
 
 #define CUBLAS_OK(x) ASSERT_EQ((x), CUBLAS_STATUS_SUCCESS)
 
-class GpuGemm : public ::testing::Test {
+#include "core/backends.h"
+
+// Every test runs twice: the default path (wgmma on Hopper for the forward)
+// and the portable mma.sync path.
+class GpuGemm : public ::testing::TestWithParam<cuda::GemmPath> {
  protected:
-  void SetUp() override { ASSERT_GT(cuda_device_count(), 0) << "GPU tests need a CUDA device"; }
+  void SetUp() override {
+    ASSERT_GT(cuda_device_count(), 0) << "GPU tests need a CUDA device";
+    cuda::set_gemm_path(GetParam());
+  }
+  void TearDown() override { cuda::set_gemm_path(cuda::GemmPath::kAuto); }
 };
 
 double rel_error(const Tensor& got, const Tensor& want) {
@@ -113,7 +121,7 @@ const std::vector<Problem> kProblems = {
     random_problem(33, 40, 128, 256, 4, 1),
 };
 
-TEST_F(GpuGemm, ForwardDgradWgradMatchCpu) {
+TEST_P(GpuGemm, ForwardDgradWgradMatchCpu) {
   uint32_t seed = 10;
   for (const Problem& p : kProblems) {
     for (DType in : {DType::kBFloat16, DType::kFloat16}) {
@@ -167,8 +175,9 @@ TEST_F(GpuGemm, ForwardDgradWgradMatchCpu) {
       Tensor ptrs = make_tensor({E}, DType::kInt64);
       for (int64_t e = 0; e < E; ++e)
         ptrs.data_ptr<int64_t>()[e] = reinterpret_cast<int64_t>(dw_g.data_ptr<float>() + e * N * K);
+      Tensor ptrs_g = ptrs.to(kGpu);
       grouped_gemm_wgrad(dc_g, a_g, d.gpu_layout(),
-                         GroupedWeights::from_pointers(ptrs.to(kGpu), DType::kFloat32, N, K), true);
+                         GroupedWeights::from_pointers(ptrs_g, DType::kFloat32, N, K), true);
       EXPECT_LE(rel_error(dw_g.to(Device::cpu()), dw_ref), gemm_tolerance(DType::kFloat32));
       Tensor dw0_ref = make_tensor({E, N, K}, DType::kFloat32);
       grouped_gemm_wgrad(dc, a, d.cpu_layout(), GroupedWeights::from_stacked(dw0_ref), false);
@@ -180,7 +189,7 @@ TEST_F(GpuGemm, ForwardDgradWgradMatchCpu) {
 }
 
 // The same three ops against a per-expert cuBLAS loop (bf16 in, fp32 compute).
-TEST_F(GpuGemm, MatchesPerExpertCublas) {
+TEST_P(GpuGemm, MatchesPerExpertCublas) {
   cublasHandle_t h;
   CUBLAS_OK(cublasCreate(&h));
   Problem p = random_problem(12, 1500, 768, 1024, 77, 16);  // cuBLAS only: no CPU reference
@@ -236,7 +245,7 @@ TEST_F(GpuGemm, MatchesPerExpertCublas) {
 
 // Forward captured once in a CUDA graph; replays with new offsets (same
 // buffers) must equal eager runs.
-TEST_F(GpuGemm, GraphReplayWithNewOffsets) {
+TEST_P(GpuGemm, GraphReplayWithNewOffsets) {
   const int64_t E = 8, K = 256, N = 384, rows = 4096;
   Tensor a = make_tensor({rows, K}, DType::kBFloat16), w = make_tensor({E, N, K}, DType::kBFloat16);
   fill_random(a, 5);
@@ -282,7 +291,7 @@ TEST_F(GpuGemm, GraphReplayWithNewOffsets) {
 
 // Bad offsets: flagged in groups.error, bad groups skipped, nothing out of
 // bounds (run under compute-sanitizer memcheck), good groups still right.
-TEST_F(GpuGemm, BadOffsetsAreFlaggedAndClamped) {
+TEST_P(GpuGemm, BadOffsetsAreFlaggedAndClamped) {
   const int64_t E = 3, K = 64, N = 64, rows = 300;
   Tensor a = make_tensor({rows, K}, DType::kBFloat16), w = make_tensor({E, N, K}, DType::kBFloat16);
   fill_random(a, 7);
@@ -291,7 +300,8 @@ TEST_F(GpuGemm, BadOffsetsAreFlaggedAndClamped) {
   int64_t vals[] = {0, 100, 90, 5000};  // group 1 not monotone, group 2 past the rows
   std::copy(vals, vals + 4, offs.data_ptr<int64_t>());
   GroupLayout layout;
-  layout.offsets = offs.to(kGpu);
+  Tensor offs_g = offs.to(kGpu);  // NOTE: views do not own: keep the tensor alive
+  layout.offsets = offs_g;
   Tensor err = Tensor::zeros({1}, DType::kInt32, kGpu);
   layout.error = err;
   Tensor c_g = poisoned_gpu({rows, N}, DType::kFloat32);
@@ -314,6 +324,12 @@ TEST_F(GpuGemm, BadOffsetsAreFlaggedAndClamped) {
   MOEFLOW_CUDA_CHECK(cudaMemcpy(got.data(), c_g.data(), got.nbytes(), cudaMemcpyDeviceToHost));
   EXPECT_LE(rel_error(got, ref), gemm_tolerance(DType::kFloat32));
 }
+
+INSTANTIATE_TEST_SUITE_P(Paths, GpuGemm,
+                         ::testing::Values(cuda::GemmPath::kAuto, cuda::GemmPath::kPortable),
+                         [](const auto& info) {
+                           return info.param == cuda::GemmPath::kAuto ? "Auto" : "Portable";
+                         });
 
 }  // namespace
 }  // namespace moeflow::test

@@ -1,13 +1,43 @@
 // Host side of the CUDA grouped GEMM: maps forward / dgrad / wgrad onto the
 // kernel template of grouped_gemm.cuh (operand layouts, element types),
 // sizes the persistent grid from the occupancy of the GPU, launches.
+#include <atomic>
+
 #include "core/backends.h"
 #include "cuda/grouped_gemm.cuh"
+#include "cuda/grouped_gemm_sm90.cuh"
 
 namespace moeflow::cuda {
+
+static std::atomic<GemmPath> g_gemm_path{GemmPath::kAuto};
+void set_gemm_path(GemmPath path) { g_gemm_path = path; }
+
 namespace {
 
 using gemm::Params;
+
+// The wgmma path needs a Hopper GPU and sm_90a code in this build.
+bool use_sm90() {
+#ifdef MOEFLOW_HAS_SM90A
+  if (g_gemm_path.load() == GemmPath::kPortable) return false;
+  int dev = 0, major = 0;
+  MOEFLOW_CUDA_CHECK(cudaGetDevice(&dev));
+  MOEFLOW_CUDA_CHECK(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev));
+  return major == 9;
+#else
+  return false;
+#endif
+}
+
+template <typename TIn, typename TOut>
+void launch_sm90(const Params& p, cudaStream_t stream) {
+  const auto kernel = gemm::sm90::grouped_gemm_sm90_kernel<TIn, TOut, gemm::EpilogueIdentity>;
+  const size_t smem = gemm::sm90::Smem::bytes(p.num_groups);
+  MOEFLOW_CUDA_CHECK(
+      cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem)));
+  kernel<<<sm_count(), gemm::sm90::kThreads, smem, stream>>>(p, gemm::EpilogueIdentity{});
+  MOEFLOW_CUDA_LAUNCH_CHECK();
+}
 
 int64_t addr_of(const void* p) { return static_cast<int64_t>(reinterpret_cast<uintptr_t>(p)); }
 
@@ -19,6 +49,9 @@ void check_rows16(const TensorView& v, const char* name) {
 
 template <typename TIn, typename TOut, bool A_KMAJOR, bool B_KMAJOR>
 void launch(const Params& p, cudaStream_t stream) {
+  if constexpr (A_KMAJOR && B_KMAJOR) {  // forward: both operands K-major
+    if (use_sm90()) return launch_sm90<TIn, TOut>(p, stream);
+  }
   const auto kernel = gemm::grouped_gemm_kernel<TIn, TOut, A_KMAJOR, B_KMAJOR, gemm::EpilogueIdentity>;
   const size_t smem = gemm::SmemLayout::bytes(p.num_groups);
   MOEFLOW_CUDA_CHECK(

@@ -159,6 +159,122 @@ __device__ __forceinline__ const T* group_base(const void* base, const int64_t* 
   return ptrs ? reinterpret_cast<const T*>(ptrs[g]) : static_cast<const T*>(base) + g * stride;
 }
 
+// Every block derives the tile count of each group from the device-side
+// offsets and writes the exclusive prefix to tile_start[0..E] (shared memory).
+// Bad groups (offsets not monotone or past the rows) get no tiles and set
+// p.error. Ends with a barrier.
+template <int TM, int TN, int THREADS = kThreads>
+__device__ void build_tile_prefix(const Params& p, int32_t* tile_start) {
+  using Scan = cub::BlockScan<int32_t, THREADS>;
+  __shared__ typename Scan::TempStorage scan;
+  __shared__ int32_t carry;
+  const int E = p.num_groups;
+  const int64_t n_tiles = ceil_div_dev(p.n_out, TN);
+  if (threadIdx.x == 0) carry = 0;
+  bool bad = false;
+  for (int e0 = 0; e0 < E; e0 += THREADS) {
+    const int e = e0 + threadIdx.x;
+    int32_t tiles = 0;
+    if (e < E) {
+      const int64_t lo = p.offsets[e], hi = p.offsets[e + 1];
+      if (lo < 0 || hi < lo || hi > p.rows) {
+        bad = true;  // NOTE: a bad group is skipped (no tile reads or writes it)
+      } else {
+        const int64_t m = p.reduce_grouped ? p.m_out : hi - lo;
+        tiles = static_cast<int32_t>(ceil_div_dev(m, TM) * n_tiles);
+      }
+    }
+    int32_t excl, total;
+    __syncthreads();
+    Scan(scan).ExclusiveSum(tiles, excl, total);
+    if (e < E) tile_start[e] = carry + excl;
+    __syncthreads();
+    if (threadIdx.x == 0) carry += total;
+  }
+  __syncthreads();
+  if (threadIdx.x == 0) tile_start[E] = carry;
+  if (__syncthreads_or(bad) && p.error && threadIdx.x == 0) *p.error = 1;
+}
+
+// One output tile: its group and where its operands and output lie.
+struct TileGeom {
+  int group;
+  int64_t m0, m_lim;    // M rows of the operand A (global rows, or n of dW)
+  int64_t kr0, k_lim;   // reduction range (absolute)
+  int64_t n0;           // first output column
+  int64_t store_hi;     // output rows < store_hi are stored (pad rows as zeros)
+  int64_t data_rows;    // tile rows [0, data_rows) hold data
+  const void* b;        // B operand base of the group
+};
+
+template <int TM, int TN, typename TIn>
+__device__ __forceinline__ TileGeom tile_geometry(const Params& p, const int32_t* tile_start,
+                                                  int32_t tile) {
+  const int E = p.num_groups;
+  const int64_t n_tiles = ceil_div_dev(p.n_out, TN);
+  int lo = 0, hi = E - 1;
+  while (lo < hi) {  // last group with tile_start <= tile
+    const int mid = (lo + hi + 1) / 2;
+    if (tile_start[mid] <= tile) lo = mid; else hi = mid - 1;
+  }
+  TileGeom t;
+  t.group = lo;
+  const int32_t local = tile - tile_start[lo];
+  const int64_t mt = local / n_tiles, nt = local % n_tiles;
+  const int64_t seg_lo = p.offsets[lo], seg_hi = p.offsets[lo + 1];
+  int64_t real_hi = seg_hi;
+  if (p.real_rows) {
+    const int64_t r = p.real_rows[lo];
+    real_hi = seg_lo + (r < 0 ? 0 : (r < seg_hi - seg_lo ? r : seg_hi - seg_lo));
+  }
+  t.n0 = nt * TN;
+  if (!p.reduce_grouped) {
+    t.m0 = seg_lo + mt * TM;
+    t.m_lim = real_hi;
+    t.kr0 = 0;
+    t.k_lim = p.k_red;
+    t.b = group_base<TIn>(p.b, p.b_ptrs, p.b_group_stride, lo);
+    t.store_hi = seg_hi;
+    t.data_rows = real_hi - t.m0;
+  } else {
+    t.m0 = mt * TM;
+    t.m_lim = p.m_out;
+    t.kr0 = seg_lo;
+    t.k_lim = real_hi;
+    t.b = p.b;
+    t.store_hi = p.m_out;
+    t.data_rows = p.m_out - t.m0;
+  }
+  return t;
+}
+
+// Stores a staged float32 tile (TM x TN, leading dimension LD) through the
+// epilogue: rows < data_rows get epi(...), pad rows zeros, masked by store_hi
+// and n_out; 8 columns (one 16- or 32-byte vector) per thread-step.
+template <int TM, int TN, int LD, int THREADS, typename TOut, typename Epilogue>
+__device__ __forceinline__ void store_tile(const Params& p, const TileGeom& t, const float* s_c,
+                                           const Epilogue& epi) {
+  TileInfo info{t.group, t.m0, t.n0, t.data_rows};
+  TOut* out_base = p.reduce_grouped
+                       ? const_cast<TOut*>(group_base<TOut>(p.c, p.c_ptrs, p.c_group_stride, t.group))
+                       : static_cast<TOut*>(p.c);
+  for (int v = threadIdx.x; v < TM * (TN / 8); v += THREADS) {
+    const int r = v / (TN / 8), c = (v % (TN / 8)) * 8;
+    const int64_t row = t.m0 + r, col = t.n0 + c;
+    if (row >= t.store_hi || col >= p.n_out) continue;
+    const bool data = r < t.data_rows;
+    Pack<TOut, 8> o;
+    TOut* dst = out_base + row * p.ldc + col;
+    if (p.accumulate) o = *reinterpret_cast<const Pack<TOut, 8>*>(dst);
+#pragma unroll
+    for (int j = 0; j < 8; ++j) {
+      const float val = data ? epi(info, s_c, LD, r, c + j) : 0.0f;
+      o.v[j] = p.accumulate ? from_float<TOut>(to_float(o.v[j]) + val) : from_float<TOut>(val);
+    }
+    *reinterpret_cast<Pack<TOut, 8>*>(dst) = o;
+  }
+}
+
 template <typename TIn, typename TOut, bool A_KMAJOR, bool B_KMAJOR, typename Epilogue>
 __global__ void __launch_bounds__(kThreads)
     grouped_gemm_kernel(Params p, Epilogue epi) {
@@ -169,78 +285,20 @@ __global__ void __launch_bounds__(kThreads)
   int32_t* tile_start = reinterpret_cast<int32_t*>(smem + SmemLayout::kMainBytes);  // [E+1]
 
   const int E = p.num_groups;
-  const int64_t n_tiles = ceil_div_dev(p.n_out, kTileN);
 
   // Step 1: tiles of every group (from device-side offsets), prefix in smem.
-  {
-    using Scan = cub::BlockScan<int32_t, kThreads>;
-    __shared__ typename Scan::TempStorage scan;
-    __shared__ int32_t carry;
-    if (threadIdx.x == 0) carry = 0;
-    bool bad = false;
-    for (int e0 = 0; e0 < E; e0 += kThreads) {
-      const int e = e0 + threadIdx.x;
-      int32_t tiles = 0;
-      if (e < E) {
-        const int64_t lo = p.offsets[e], hi = p.offsets[e + 1];
-        if (lo < 0 || hi < lo || hi > p.rows) {
-          bad = true;  // NOTE: a bad group is skipped (no tile reads or writes it)
-        } else {
-          const int64_t m = p.reduce_grouped ? p.m_out : hi - lo;
-          tiles = static_cast<int32_t>(ceil_div_dev(m, kTileM) * n_tiles);
-        }
-      }
-      int32_t excl, total;
-      __syncthreads();
-      Scan(scan).ExclusiveSum(tiles, excl, total);
-      if (e < E) tile_start[e] = carry + excl;
-      __syncthreads();
-      if (threadIdx.x == 0) carry += total;
-    }
-    __syncthreads();
-    if (threadIdx.x == 0) tile_start[E] = carry;
-    if (__syncthreads_or(bad) && p.error && blockIdx.x == 0 && threadIdx.x == 0) *p.error = 1;
-  }
+  build_tile_prefix<kTileM, kTileN>(p, tile_start);
   const int32_t num_tiles = tile_start[E];
 
   const int lane = threadIdx.x % kWarpSize, warp = threadIdx.x / kWarpSize;
   const int warp_m = warp % 2, warp_n = warp / 2;  // 64 x 32 per warp
 
   for (int32_t tile = blockIdx.x; tile < num_tiles; tile += gridDim.x) {
-    // Step 2: tile -> (group, m tile, n tile).
-    int lo = 0, hi = E - 1;
-    while (lo < hi) {  // last group with tile_start <= tile
-      const int mid = (lo + hi + 1) / 2;
-      if (tile_start[mid] <= tile) lo = mid; else hi = mid - 1;
-    }
-    const int g = lo;
-    const int32_t local = tile - tile_start[g];
-    const int64_t mt = local / n_tiles, nt = local % n_tiles;
-    const int64_t seg_lo = p.offsets[g], seg_hi = p.offsets[g + 1];
-    int64_t real_hi = seg_hi;
-    if (p.real_rows) {
-      const int64_t r = p.real_rows[g];
-      real_hi = seg_lo + (r < 0 ? 0 : (r < seg_hi - seg_lo ? r : seg_hi - seg_lo));
-    }
-
-    // Operand geometry (see Params): M rows m0.. < m_lim, reduction kr0.. < k_lim.
-    int64_t m0, m_lim, kr0, k_lim;
-    const int64_t n0 = nt * kTileN;
+    // Step 2: tile -> (group, m tile, n tile) and operand geometry.
+    const TileGeom tg = tile_geometry<kTileM, kTileN, TIn>(p, tile_start, tile);
+    const int64_t m0 = tg.m0, m_lim = tg.m_lim, kr0 = tg.kr0, k_lim = tg.k_lim, n0 = tg.n0;
     const TIn* a = static_cast<const TIn*>(p.a);
-    const TIn* b;
-    if (!p.reduce_grouped) {
-      m0 = seg_lo + mt * kTileM;
-      m_lim = real_hi;
-      kr0 = 0;
-      k_lim = p.k_red;
-      b = group_base<TIn>(p.b, p.b_ptrs, p.b_group_stride, g);
-    } else {
-      m0 = mt * kTileM;
-      m_lim = p.m_out;
-      kr0 = seg_lo;
-      k_lim = real_hi;
-      b = static_cast<const TIn*>(p.b);
-    }
+    const TIn* b = static_cast<const TIn*>(tg.b);
     // NOTE: a tile of pad rows only (m0 >= real rows) skips the main loop: zeros.
     const int k_tiles = m0 >= m_lim ? 0 : static_cast<int>(ceil_div_dev(k_lim - kr0, kTileK));
 
@@ -329,35 +387,7 @@ __global__ void __launch_bounds__(kThreads)
         s_c[(r + 8) * kEpilogueLd + c + 1] = acc[mi][ni][3];
       }
     __syncthreads();
-    TileInfo info;
-    info.group = g;
-    info.col0 = n0;
-    if (!p.reduce_grouped) {
-      info.row0 = m0;
-      info.rows = real_hi - m0;
-    } else {
-      info.row0 = m0;
-      info.rows = p.m_out - m0;
-    }
-    const int64_t store_hi = p.reduce_grouped ? p.m_out : seg_hi;  // pad rows get zeros
-    TOut* out_base = p.reduce_grouped
-                         ? const_cast<TOut*>(group_base<TOut>(p.c, p.c_ptrs, p.c_group_stride, g))
-                         : static_cast<TOut*>(p.c);
-    for (int v = threadIdx.x; v < kTileM * (kTileN / 8); v += kThreads) {
-      const int r = v / (kTileN / 8), c = (v % (kTileN / 8)) * 8;
-      const int64_t row = m0 + r, col = n0 + c;
-      if (row >= store_hi || col >= p.n_out) continue;
-      const bool data = r < info.rows;
-      Pack<TOut, 8> o;
-      TOut* dst = out_base + row * p.ldc + col;
-      if (p.accumulate) o = *reinterpret_cast<const Pack<TOut, 8>*>(dst);
-#pragma unroll
-      for (int j = 0; j < 8; ++j) {
-        const float val = data ? epi(info, s_c, kEpilogueLd, r, c + j) : 0.0f;
-        o.v[j] = p.accumulate ? from_float<TOut>(to_float(o.v[j]) + val) : from_float<TOut>(val);
-      }
-      *reinterpret_cast<Pack<TOut, 8>*>(dst) = o;
-    }
+    store_tile<kTileM, kTileN, kEpilogueLd, kThreads, TOut>(p, tg, s_c, epi);
     __syncthreads();  // s_c aliases the pipeline buffers of the next tile
   }
 }
