@@ -6,6 +6,7 @@
 #include <cublas_v2.h>
 #include <cuda_runtime.h>
 
+#include "core/backends.h"
 #include "test_util.h"
 
 namespace moeflow::test {
@@ -14,8 +15,6 @@ namespace {
 const Device kGpu = Device::cuda(0);
 
 #define CUBLAS_OK(x) ASSERT_EQ((x), CUBLAS_STATUS_SUCCESS)
-
-#include "core/backends.h"
 
 // Every test runs twice: the default path (wgmma on Hopper for the forward)
 // and the portable mma.sync path.
