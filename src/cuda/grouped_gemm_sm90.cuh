@@ -148,16 +148,20 @@ __global__ void __launch_bounds__(kThreads, 1) grouped_gemm_sm90_kernel(Params p
 #pragma unroll
     for (int i = 0; i < 128; ++i) acc[i] = 0.0f;
 
+    // NOTE: loads run kAhead = kStages - 2 slices ahead and one wgmma group
+    // stays in flight: the slice a load overwrites was read by the group that
+    // every warpgroup finished (wait<1>) before the barrier of this iteration.
+    constexpr int kAhead = kStages - 2;
 #pragma unroll
-    for (int s = 0; s < kStages - 1; ++s) {
+    for (int s = 0; s < kAhead; ++s) {
       if (s < k_tiles) load_stage(s, s);
       cp_async_commit();
     }
     for (int kt = 0; kt < k_tiles; ++kt) {
-      cp_async_wait<kStages - 2>();
+      cp_async_wait<kAhead - 1>();
       fence_proxy_async();  // cp.async (generic proxy) writes -> wgmma (async proxy) reads
       __syncthreads();
-      const int next = kt + kStages - 1;
+      const int next = kt + kAhead;
       if (next < k_tiles) load_stage(next, next % kStages);
       cp_async_commit();
       const TIn* sa = s_a + (kt % kStages) * Smem::kStageA + wg * 64 * kTileK;
@@ -168,9 +172,11 @@ __global__ void __launch_bounds__(kThreads, 1) grouped_gemm_sm90_kernel(Params p
       for (int ks = 0; ks < kTileK / 16; ++ks)  // +32 bytes per k16 step inside the swizzled row
         wgmma_m64n256k16<TIn>(acc, smem_desc(sa + ks * 16), smem_desc(sb + ks * 16));
       wgmma_commit();
-      wgmma_wait<0>();
+      wgmma_wait<1>();
       fence_operands(acc);
     }
+    wgmma_wait<0>();
+    fence_operands(acc);
     cp_async_wait<0>();
     __syncthreads();
 
