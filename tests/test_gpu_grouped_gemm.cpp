@@ -325,9 +325,14 @@ TEST_P(GpuGemm, BadOffsetsAreFlaggedAndClamped) {
 }
 
 INSTANTIATE_TEST_SUITE_P(Paths, GpuGemm,
-                         ::testing::Values(cuda::GemmPath::kAuto, cuda::GemmPath::kPortable),
+                         ::testing::Values(cuda::GemmPath::kAuto, cuda::GemmPath::kSm90Narrow,
+                                           cuda::GemmPath::kPortable),
                          [](const auto& info) {
-                           return info.param == cuda::GemmPath::kAuto ? "Auto" : "Portable";
+                           switch (info.param) {
+                             case cuda::GemmPath::kAuto: return "Auto";
+                             case cuda::GemmPath::kSm90Narrow: return "Sm90Narrow";
+                             default: return "Portable";
+                           }
                          });
 
 }  // namespace

@@ -29,14 +29,24 @@ bool use_sm90() {
 #endif
 }
 
-template <typename TIn, typename TOut>
-void launch_sm90(const Params& p, cudaStream_t stream) {
-  const auto kernel = gemm::sm90::grouped_gemm_sm90_kernel<TIn, TOut, gemm::EpilogueIdentity>;
-  const size_t smem = gemm::sm90::Smem::bytes(p.num_groups);
+template <int TN, typename TIn, typename TOut>
+void launch_sm90_tile(const Params& p, cudaStream_t stream) {
+  using Cfg = gemm::sm90::Config<TN>;
+  const auto kernel = gemm::sm90::grouped_gemm_sm90_kernel<TN, TIn, TOut, gemm::EpilogueIdentity>;
+  const size_t smem = Cfg::bytes(p.num_groups);
   MOEFLOW_CUDA_CHECK(
       cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem)));
-  kernel<<<sm_count(), gemm::sm90::kThreads, smem, stream>>>(p, gemm::EpilogueIdentity{});
+  int per_sm = 0;
+  MOEFLOW_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, gemm::sm90::kThreads, smem));
+  MOEFLOW_CHECK(per_sm > 0, "sm90 grouped GEMM does not fit (", smem, " bytes of shared memory)");
+  kernel<<<per_sm * sm_count(), gemm::sm90::kThreads, smem, stream>>>(p, gemm::EpilogueIdentity{});
   MOEFLOW_CUDA_LAUNCH_CHECK();
+}
+
+template <typename TIn, typename TOut>
+void launch_sm90(const Params& p, cudaStream_t stream) {
+  if (g_gemm_path.load() == GemmPath::kSm90Narrow) return launch_sm90_tile<128, TIn, TOut>(p, stream);
+  launch_sm90_tile<256, TIn, TOut>(p, stream);
 }
 
 int64_t addr_of(const void* p) { return static_cast<int64_t>(reinterpret_cast<uintptr_t>(p)); }

@@ -1,5 +1,6 @@
 // The grouped GEMM fast path for Hopper (sm_90a): wgmma with both operands
 // K-major in shared memory (the forward pass: C = A . W^T).
+// Tiles of 128 x 256 (one block per SM) or 128 x 128 (two blocks per SM).
 //
 // Algorithm: the persistent tile walk of grouped_gemm.cuh (device-side
 // offsets, block scan of tile counts, binary search per tile) with 128 x 256
@@ -16,15 +17,18 @@
 namespace moeflow::cuda::gemm::sm90 {
 
 constexpr int kTileM = 128;
-constexpr int kTileN = 256;
 constexpr int kTileK = 64;  // one 128-byte swizzle row of bf16/fp16
-constexpr int kStages = 4;
 constexpr int kThreads = 256;  // two warpgroups
-constexpr int kEpilogueLd = kTileN + 4;
 
-struct Smem {
+// TN: 256 (one block per SM, 4 stages) or 128 (two blocks per SM, 3 stages).
+template <int TN>
+struct Config {
+  static constexpr int kTileN = TN;
+  static constexpr int kStages = TN == 256 ? 4 : 3;
+  static constexpr int kMinBlocks = TN == 256 ? 1 : 2;
+  static constexpr int kEpilogueLd = TN + 4;
   static constexpr int kStageA = kTileM * kTileK;  // elements
-  static constexpr int kStageB = kTileN * kTileK;
+  static constexpr int kStageB = TN * kTileK;
   static constexpr size_t kPipelineBytes = size_t{kStages} * (kStageA + kStageB) * 2;
   static constexpr size_t kEpilogueBytes = size_t{kTileM} * kEpilogueLd * 4;
   static constexpr size_t kMainBytes = kPipelineBytes > kEpilogueBytes ? kPipelineBytes : kEpilogueBytes;
@@ -50,16 +54,17 @@ __device__ __forceinline__ void fence_proxy_async() {
   asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
 }
 // Keeps the compiler from moving accumulator reads/writes across wgmma.
-__device__ __forceinline__ void fence_operands(float (&d)[128]) {
+template <int N>
+__device__ __forceinline__ void fence_operands(float (&d)[N]) {
 #pragma unroll
-  for (int i = 0; i < 128; ++i) asm volatile("" : "+f"(d[i])::"memory");
+  for (int i = 0; i < N; ++i) asm volatile("" : "+f"(d[i])::"memory");
 }
 
-template <typename T>
-__device__ __forceinline__ void wgmma_m64n256k16(float (&d)[128], uint64_t desc_a, uint64_t desc_b);
+template <int N, typename T>
+__device__ __forceinline__ void wgmma_m64nNk16(float (&d)[N / 2], uint64_t desc_a, uint64_t desc_b);
 
 template <>
-__device__ __forceinline__ void wgmma_m64n256k16<__nv_bfloat16>(float (&d)[128], uint64_t desc_a,
+__device__ __forceinline__ void wgmma_m64nNk16<256, __nv_bfloat16>(float (&d)[128], uint64_t desc_a,
                                                         uint64_t desc_b) {
   asm volatile(
       "{\n"
@@ -89,7 +94,7 @@ __device__ __forceinline__ void wgmma_m64n256k16<__nv_bfloat16>(float (&d)[128],
 }
 
 template <>
-__device__ __forceinline__ void wgmma_m64n256k16<__half>(float (&d)[128], uint64_t desc_a,
+__device__ __forceinline__ void wgmma_m64nNk16<256, __half>(float (&d)[128], uint64_t desc_a,
                                                         uint64_t desc_b) {
   asm volatile(
       "{\n"
@@ -118,8 +123,56 @@ __device__ __forceinline__ void wgmma_m64n256k16<__half>(float (&d)[128], uint64
       : "l"(desc_a), "l"(desc_b), "r"(1));
 }
 
-template <typename TIn, typename TOut, typename Epilogue>
-__global__ void __launch_bounds__(kThreads, 1) grouped_gemm_sm90_kernel(Params p, Epilogue epi) {
+template <>
+__device__ __forceinline__ void wgmma_m64nNk16<128, __nv_bfloat16>(float (&d)[64], uint64_t desc_a,
+                                                           uint64_t desc_b) {
+  asm volatile(
+      "{\n"
+      ".reg .pred p;\n"
+      "setp.ne.b32 p, %66, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16 "
+      "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}, "
+      "%64, %65, p, 1, 1, 0, 0;\n"
+      "}\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
+        "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
+        "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
+        "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]),
+        "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]),
+        "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]),
+        "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]),
+        "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
+      : "l"(desc_a), "l"(desc_b), "r"(1));
+}
+
+template <>
+__device__ __forceinline__ void wgmma_m64nNk16<128, __half>(float (&d)[64], uint64_t desc_a,
+                                                           uint64_t desc_b) {
+  asm volatile(
+      "{\n"
+      ".reg .pred p;\n"
+      "setp.ne.b32 p, %66, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n128k16.f32.f16.f16 "
+      "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}, "
+      "%64, %65, p, 1, 1, 0, 0;\n"
+      "}\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
+        "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
+        "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
+        "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]),
+        "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]),
+        "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]),
+        "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]),
+        "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
+      : "l"(desc_a), "l"(desc_b), "r"(1));
+}
+
+template <int TN, typename TIn, typename TOut, typename Epilogue>
+__global__ void __launch_bounds__(kThreads, Config<TN>::kMinBlocks)
+    grouped_gemm_sm90_kernel(Params p, Epilogue epi) {
+  using Cfg = Config<TN>;
+  using Smem = Cfg;
+  constexpr int kTileN = Cfg::kTileN, kStages = Cfg::kStages, kEpilogueLd = Cfg::kEpilogueLd;
 #if defined(__CUDA_ARCH__) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
   extern __shared__ uint8_t smem_raw[];
   uint8_t* smem = reinterpret_cast<uint8_t*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t{1023});
@@ -144,9 +197,9 @@ __global__ void __launch_bounds__(kThreads, 1) grouped_gemm_sm90_kernel(Params p
       load_tile<kTileN, kTileK>(s_b + stage * Smem::kStageB, b, p.ldb, tg.n0, p.n_out, k0, tg.k_lim);
     };
 
-    float acc[128];
+    float acc[kTileN / 2];
 #pragma unroll
-    for (int i = 0; i < 128; ++i) acc[i] = 0.0f;
+    for (int i = 0; i < kTileN / 2; ++i) acc[i] = 0.0f;
 
     // NOTE: loads run kAhead = kStages - 2 slices ahead and one wgmma group
     // stays in flight: the slice a load overwrites was read by the group that
@@ -170,7 +223,7 @@ __global__ void __launch_bounds__(kThreads, 1) grouped_gemm_sm90_kernel(Params p
       fence_operands(acc);
 #pragma unroll
       for (int ks = 0; ks < kTileK / 16; ++ks)  // +32 bytes per k16 step inside the swizzled row
-        wgmma_m64n256k16<TIn>(acc, smem_desc(sa + ks * 16), smem_desc(sb + ks * 16));
+        wgmma_m64nNk16<kTileN, TIn>(acc, smem_desc(sa + ks * 16), smem_desc(sb + ks * 16));
       wgmma_commit();
       wgmma_wait<1>();
       fence_operands(acc);
