@@ -125,9 +125,13 @@ void run_gemm_bench(const GemmBenchOptions& opt) {
     cuda::set_gemm_path(cuda::GemmPath::kSm90Narrow);
     const double fwd_narrow =
         tflops([&] { grouped_gemm_forward(a, GroupedWeights::from_stacked(w), layout, out, stream); });
+    cuda::set_gemm_path(cuda::GemmPath::kSm90CpAsync);
+    const double fwd_cpasync =
+        tflops([&] { grouped_gemm_forward(a, GroupedWeights::from_stacked(w), layout, out, stream); });
     cuda::set_gemm_path(cuda::GemmPath::kAuto);
-    fmt::print("    forward variants: portable mma.sync {:7.1f}, wgmma 128x128 (2 blocks/SM) {:7.1f} TFLOP/s\n",
-               fwd_portable, fwd_narrow);
+    fmt::print("    forward variants: portable mma.sync {:7.1f}, cp.async+wgmma 128x256 {:7.1f}, "
+               "128x128 (2 blocks/SM) {:7.1f} TFLOP/s\n",
+               fwd_portable, fwd_cpasync, fwd_narrow);
     const double fwd_dense = tflops([&] {
       CUBLAS_CHECK(cublasGemmEx(handle, CUBLAS_OP_T, CUBLAS_OP_N, N, M, K, &one, w.data(), CUDA_R_16BF, K,
                                 a.data(), CUDA_R_16BF, K, &zero, out.data(), CUDA_R_16BF, N,

@@ -325,12 +325,13 @@ TEST_P(GpuGemm, BadOffsetsAreFlaggedAndClamped) {
 }
 
 INSTANTIATE_TEST_SUITE_P(Paths, GpuGemm,
-                         ::testing::Values(cuda::GemmPath::kAuto, cuda::GemmPath::kSm90Narrow,
-                                           cuda::GemmPath::kPortable),
+                         ::testing::Values(cuda::GemmPath::kAuto, cuda::GemmPath::kSm90CpAsync,
+                                           cuda::GemmPath::kSm90Narrow, cuda::GemmPath::kPortable),
                          [](const auto& info) {
                            switch (info.param) {
                              case cuda::GemmPath::kAuto: return "Auto";
                              case cuda::GemmPath::kSm90Narrow: return "Sm90Narrow";
+                             case cuda::GemmPath::kSm90CpAsync: return "Sm90CpAsync";
                              default: return "Portable";
                            }
                          });

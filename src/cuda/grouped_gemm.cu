@@ -6,6 +6,9 @@
 #include "core/backends.h"
 #include "cuda/grouped_gemm.cuh"
 #include "cuda/grouped_gemm_sm90.cuh"
+#include "cuda/grouped_gemm_sm90_tma.cuh"
+
+#include <cudaTypedefs.h>
 
 namespace moeflow::cuda {
 
@@ -29,6 +32,56 @@ bool use_sm90() {
 #endif
 }
 
+// cuTensorMapEncodeTiled from the driver (no link-time dependency on libcuda).
+PFN_cuTensorMapEncodeTiled_v12000 tensor_map_encoder() {
+  static PFN_cuTensorMapEncodeTiled_v12000 fn = [] {
+    void* f = nullptr;
+    cudaDriverEntryPointQueryResult status{};
+    MOEFLOW_CUDA_CHECK(cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &f, 12000,
+                                                        cudaEnableDefault, &status));
+    MOEFLOW_CHECK(f != nullptr && status == cudaDriverEntryPointSuccess,
+                  "cuTensorMapEncodeTiled is not available from the driver");
+    return reinterpret_cast<PFN_cuTensorMapEncodeTiled_v12000>(f);
+  }();
+  return fn;
+}
+
+// A 2D row-major [rows, cols] 16-bit matrix as a TMA map with boxes of
+// box_rows x 64 columns in the 128-byte swizzled layout (out of bounds: zeros).
+CUtensorMap tensor_map_2d(const void* base, int64_t rows, int64_t cols, int64_t row_stride_elems,
+                          int box_rows) {
+  CUtensorMap map;
+  const cuuint64_t dims[2] = {static_cast<cuuint64_t>(cols), static_cast<cuuint64_t>(rows)};
+  const cuuint64_t strides[1] = {static_cast<cuuint64_t>(row_stride_elems) * 2};
+  const cuuint32_t box[2] = {64, static_cast<cuuint32_t>(box_rows)};
+  const cuuint32_t elem_strides[2] = {1, 1};
+  const CUresult r = tensor_map_encoder()(
+      &map, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 2, const_cast<void*>(base), dims, strides, box,
+      elem_strides, CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B,
+      CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
+  MOEFLOW_CHECK(r == CUDA_SUCCESS, "cuTensorMapEncodeTiled failed (", int(r), ") for a [", rows, ",",
+                cols, "] matrix");
+  return map;
+}
+
+// The TMA path: stacked weights, rows and weights 16-byte aligned, K*2 bytes
+// a multiple of 16, indices within int32.
+template <typename TIn, typename TOut>
+bool launch_tma(const Params& p, cudaStream_t stream) {
+  if (p.b_ptrs != nullptr || p.b == nullptr) return false;
+  if (p.rows >= (int64_t{1} << 31) || int64_t{p.num_groups} * p.n_out >= (int64_t{1} << 31)) return false;
+  namespace t = gemm::sm90tma;
+  const CUtensorMap map_a = tensor_map_2d(p.a, p.rows, p.k_red, p.lda, t::kTileM);
+  const CUtensorMap map_w = tensor_map_2d(p.b, int64_t{p.num_groups} * p.n_out, p.k_red, p.ldb, t::kTileN);
+  const auto kernel = t::grouped_gemm_tma_kernel<TIn, TOut>;
+  const size_t smem = t::Smem::bytes(p.num_groups);
+  MOEFLOW_CUDA_CHECK(
+      cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem)));
+  kernel<<<sm_count(), t::kThreads, smem, stream>>>(p, map_a, map_w);
+  MOEFLOW_CUDA_LAUNCH_CHECK();
+  return true;
+}
+
 template <int TN, typename TIn, typename TOut>
 void launch_sm90_tile(const Params& p, cudaStream_t stream) {
   using Cfg = gemm::sm90::Config<TN>;
@@ -45,7 +98,9 @@ void launch_sm90_tile(const Params& p, cudaStream_t stream) {
 
 template <typename TIn, typename TOut>
 void launch_sm90(const Params& p, cudaStream_t stream) {
-  if (g_gemm_path.load() == GemmPath::kSm90Narrow) return launch_sm90_tile<128, TIn, TOut>(p, stream);
+  const GemmPath path = g_gemm_path.load();
+  if (path == GemmPath::kSm90Narrow) return launch_sm90_tile<128, TIn, TOut>(p, stream);
+  if (path == GemmPath::kAuto && launch_tma<TIn, TOut>(p, stream)) return;
   launch_sm90_tile<256, TIn, TOut>(p, stream);
 }
 
