@@ -78,7 +78,7 @@ void grouped_gemm(const GroupedGemmCall& call, cudaStream_t stream);
 // wgmma for stacked weights, else cp.async + wgmma); kSm90CpAsync the
 // cp.async + wgmma path (128 x 256 tiles); kSm90Narrow the same with 128 x 128
 // tiles; kPortable always the mma.sync path.
-enum class GemmPath { kAuto, kSm90CpAsync, kSm90Narrow, kPortable };
+enum class GemmPath { kAuto, kSm90CpAsync, kSm90Narrow, kPortable, kSm90TmaAltDesc };
 void set_gemm_path(GemmPath path);
 size_t plan_workspace_bytes(int64_t num_tokens, int topk, const PlanConfig& config);
 void build_plan(const RoutingInput& in, RoutingPlan& plan, TensorView workspace,
