@@ -326,14 +326,12 @@ TEST_P(GpuGemm, BadOffsetsAreFlaggedAndClamped) {
 
 INSTANTIATE_TEST_SUITE_P(Paths, GpuGemm,
                          ::testing::Values(cuda::GemmPath::kAuto, cuda::GemmPath::kSm90CpAsync,
-                                           cuda::GemmPath::kSm90Narrow, cuda::GemmPath::kPortable,
-                                           cuda::GemmPath::kSm90TmaAltDesc),
+                                           cuda::GemmPath::kSm90Narrow, cuda::GemmPath::kPortable),
                          [](const auto& info) {
                            switch (info.param) {
                              case cuda::GemmPath::kAuto: return "Auto";
                              case cuda::GemmPath::kSm90Narrow: return "Sm90Narrow";
                              case cuda::GemmPath::kSm90CpAsync: return "Sm90CpAsync";
-                             case cuda::GemmPath::kSm90TmaAltDesc: return "Sm90TmaAltDesc";
                              default: return "Portable";
                            }
                          });

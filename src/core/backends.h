@@ -75,10 +75,11 @@ namespace cuda {
 void grouped_gemm(const GroupedGemmCall& call, cudaStream_t stream);
 // Kernel choice for the grouped GEMM (tests and benchmarks run both):
 // kAuto takes the fastest path that applies (on Hopper: TMA + warp-specialised
-// wgmma for stacked weights, else cp.async + wgmma); kSm90CpAsync the
+// wgmma for all three ops when the weights are stacked (wgrad: always), else
+// cp.async + wgmma for the forward, mma.sync otherwise); kSm90CpAsync the
 // cp.async + wgmma path (128 x 256 tiles); kSm90Narrow the same with 128 x 128
 // tiles; kPortable always the mma.sync path.
-enum class GemmPath { kAuto, kSm90CpAsync, kSm90Narrow, kPortable, kSm90TmaAltDesc };
+enum class GemmPath { kAuto, kSm90CpAsync, kSm90Narrow, kPortable };
 void set_gemm_path(GemmPath path);
 size_t plan_workspace_bytes(int64_t num_tokens, int topk, const PlanConfig& config);
 void build_plan(const RoutingInput& in, RoutingPlan& plan, TensorView workspace,

@@ -66,20 +66,26 @@ CUtensorMap tensor_map_2d(const void* base, int64_t rows, int64_t cols, int64_t 
 
 // The TMA path: stacked weights, rows and weights 16-byte aligned, K*2 bytes
 // a multiple of 16, indices within int32.
-template <typename TIn, typename TOut, bool B_MN>
+// The TMA path (MODE as in grouped_gemm_sm90_tma.cuh): the B matrix one
+// tensor (stacked weights; the activations for wgrad), indices within int32.
+template <typename TIn, typename TOut, int MODE>
 bool launch_tma(const Params& p, cudaStream_t stream) {
-  if (p.b_ptrs != nullptr || p.b == nullptr) return false;
-  const int64_t w_rows = int64_t{p.num_groups} * (B_MN ? p.k_red : p.n_out);
-  if (p.rows >= (int64_t{1} << 31) || w_rows >= (int64_t{1} << 31)) return false;
   namespace t = gemm::sm90tma;
-  const CUtensorMap map_a = tensor_map_2d(p.a, p.rows, p.k_red, p.lda, t::kTileM);
-  // forward: W as [E*N, K] in 256 x 64 boxes; dgrad: W as [E*N, K] in 64 x 64 boxes
-  const CUtensorMap map_w = B_MN ? tensor_map_2d(p.b, w_rows, p.n_out, p.ldb, 64)
-                                 : tensor_map_2d(p.b, w_rows, p.k_red, p.ldb, t::kTileN);
-  const bool alt = g_gemm_path.load() == GemmPath::kSm90TmaAltDesc;
-  const auto kernel = !B_MN ? t::grouped_gemm_tma_kernel<TIn, TOut, false, 0>
-                            : (alt ? t::grouped_gemm_tma_kernel<TIn, TOut, true, 1>
-                                   : t::grouped_gemm_tma_kernel<TIn, TOut, true, 0>);
+  if (MODE != 2 && (p.b_ptrs != nullptr || p.b == nullptr)) return false;
+  const int64_t w_rows = MODE == 2 ? p.rows : int64_t{p.num_groups} * (MODE == 1 ? p.k_red : p.n_out);
+  if (p.rows >= (int64_t{1} << 31) || w_rows >= (int64_t{1} << 31)) return false;
+  CUtensorMap map_a, map_w;
+  if (MODE == 0) {  // A [rows,K] in 128 x 64 boxes; W as [E*N, K] in 256 x 64 boxes
+    map_a = tensor_map_2d(p.a, p.rows, p.k_red, p.lda, t::kTileM);
+    map_w = tensor_map_2d(p.b, w_rows, p.k_red, p.ldb, t::kTileN);
+  } else if (MODE == 1) {  // dC [rows,N] in 128 x 64 boxes; W as [E*N, K] in 64 x 64 boxes
+    map_a = tensor_map_2d(p.a, p.rows, p.k_red, p.lda, t::kTileM);
+    map_w = tensor_map_2d(p.b, w_rows, p.n_out, p.ldb, 64);
+  } else {  // dC [rows,N] and A [rows,K], both in 64 x 64 boxes
+    map_a = tensor_map_2d(p.a, p.rows, p.m_out, p.lda, 64);
+    map_w = tensor_map_2d(p.b, p.rows, p.n_out, p.ldb, 64);
+  }
+  const auto kernel = t::grouped_gemm_tma_kernel<TIn, TOut, MODE>;
   const size_t smem = t::Smem::bytes(p.num_groups);
   MOEFLOW_CUDA_CHECK(
       cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem)));
@@ -106,9 +112,7 @@ template <typename TIn, typename TOut>
 void launch_sm90(const Params& p, cudaStream_t stream) {
   const GemmPath path = g_gemm_path.load();
   if (path == GemmPath::kSm90Narrow) return launch_sm90_tile<128, TIn, TOut>(p, stream);
-  if ((path == GemmPath::kAuto || path == GemmPath::kSm90TmaAltDesc) &&
-      launch_tma<TIn, TOut, false>(p, stream))
-    return;
+  if (path == GemmPath::kAuto && launch_tma<TIn, TOut, 0>(p, stream)) return;
   launch_sm90_tile<256, TIn, TOut>(p, stream);
 }
 
@@ -125,10 +129,9 @@ void launch(const Params& p, cudaStream_t stream) {
   if constexpr (A_KMAJOR && B_KMAJOR) {  // forward: both operands K-major
     if (use_sm90()) return launch_sm90<TIn, TOut>(p, stream);
   }
-  if constexpr (A_KMAJOR && !B_KMAJOR) {  // dgrad: B (the weights) MN-major, TMA path only
-    const GemmPath path = g_gemm_path.load();
-    if (use_sm90() && (path == GemmPath::kAuto || path == GemmPath::kSm90TmaAltDesc) &&
-        launch_tma<TIn, TOut, true>(p, stream))
+  if constexpr (!B_KMAJOR) {  // dgrad / wgrad: MN-major operands, TMA path only
+    if (use_sm90() && g_gemm_path.load() == GemmPath::kAuto &&
+        launch_tma<TIn, TOut, A_KMAJOR ? 1 : 2>(p, stream))
       return;
   }
   const auto kernel = gemm::grouped_gemm_kernel<TIn, TOut, A_KMAJOR, B_KMAJOR, gemm::EpilogueIdentity>;

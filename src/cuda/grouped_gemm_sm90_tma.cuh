@@ -145,18 +145,97 @@ __device__ __forceinline__ void wgmma_m64n256k16_tb<__half>(float (&d)[128], uin
       : "l"(desc_a), "l"(desc_b), "r"(1));
 }
 
-// Descriptor of an MN-major B slice: 64-element (128-byte) swizzled rows along
-// N, 8-row groups along K 1024 bytes apart, 64-column blocks 8 KB apart.
-template <int VARIANT>
-__device__ __forceinline__ uint64_t smem_desc_mn(const void* p) {
-  const uint64_t addr = static_cast<uint32_t>(__cvta_generic_to_shared(p));
-  constexpr uint64_t kLbo = VARIANT == 0 ? 8192 : 1024, kSbo = VARIANT == 0 ? 1024 : 8192;
-  return ((addr & 0x3FFFF) >> 4) | ((kLbo >> 4) << 16) | ((kSbo >> 4) << 32) | (uint64_t{1} << 62);
+// wgmma m64n256k16 with A and B both read MN-major (wgrad).
+template <typename T>
+__device__ __forceinline__ void wgmma_m64n256k16_tab(float (&d)[128], uint64_t desc_a, uint64_t desc_b);
+template <>
+__device__ __forceinline__ void wgmma_m64n256k16_tab<__nv_bfloat16>(float (&d)[128], uint64_t desc_a,
+                                                            uint64_t desc_b) {
+  asm volatile(
+      "{\n"
+      ".reg .pred p;\n"
+      "setp.ne.b32 p, %130, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n256k16.f32.bf16.bf16 "
+      "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63, %64, %65, %66, %67, %68, %69, %70, %71, %72, %73, %74, %75, %76, %77, %78, %79, %80, %81, %82, %83, %84, %85, %86, %87, %88, %89, %90, %91, %92, %93, %94, %95, %96, %97, %98, %99, %100, %101, %102, %103, %104, %105, %106, %107, %108, %109, %110, %111, %112, %113, %114, %115, %116, %117, %118, %119, %120, %121, %122, %123, %124, %125, %126, %127}, "
+      "%128, %129, p, 1, 1, 1, 1;\n"
+      "}\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
+        "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
+        "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
+        "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]),
+        "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]),
+        "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]),
+        "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]),
+        "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63]),
+        "+f"(d[64]), "+f"(d[65]), "+f"(d[66]), "+f"(d[67]), "+f"(d[68]), "+f"(d[69]), "+f"(d[70]), "+f"(d[71]),
+        "+f"(d[72]), "+f"(d[73]), "+f"(d[74]), "+f"(d[75]), "+f"(d[76]), "+f"(d[77]), "+f"(d[78]), "+f"(d[79]),
+        "+f"(d[80]), "+f"(d[81]), "+f"(d[82]), "+f"(d[83]), "+f"(d[84]), "+f"(d[85]), "+f"(d[86]), "+f"(d[87]),
+        "+f"(d[88]), "+f"(d[89]), "+f"(d[90]), "+f"(d[91]), "+f"(d[92]), "+f"(d[93]), "+f"(d[94]), "+f"(d[95]),
+        "+f"(d[96]), "+f"(d[97]), "+f"(d[98]), "+f"(d[99]), "+f"(d[100]), "+f"(d[101]), "+f"(d[102]), "+f"(d[103]),
+        "+f"(d[104]), "+f"(d[105]), "+f"(d[106]), "+f"(d[107]), "+f"(d[108]), "+f"(d[109]), "+f"(d[110]), "+f"(d[111]),
+        "+f"(d[112]), "+f"(d[113]), "+f"(d[114]), "+f"(d[115]), "+f"(d[116]), "+f"(d[117]), "+f"(d[118]), "+f"(d[119]),
+        "+f"(d[120]), "+f"(d[121]), "+f"(d[122]), "+f"(d[123]), "+f"(d[124]), "+f"(d[125]), "+f"(d[126]), "+f"(d[127])
+      : "l"(desc_a), "l"(desc_b), "r"(1));
 }
 
-// B_MN: B is read MN-major (dgrad: dA = dC . W_e, W_e rows are the reduction),
-// loaded as four 64 x 64 boxes per slice; DESC: descriptor variant (see above).
-template <typename TIn, typename TOut, bool B_MN = false, int DESC = 0>
+template <>
+__device__ __forceinline__ void wgmma_m64n256k16_tab<__half>(float (&d)[128], uint64_t desc_a,
+                                                            uint64_t desc_b) {
+  asm volatile(
+      "{\n"
+      ".reg .pred p;\n"
+      "setp.ne.b32 p, %130, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n256k16.f32.f16.f16 "
+      "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63, %64, %65, %66, %67, %68, %69, %70, %71, %72, %73, %74, %75, %76, %77, %78, %79, %80, %81, %82, %83, %84, %85, %86, %87, %88, %89, %90, %91, %92, %93, %94, %95, %96, %97, %98, %99, %100, %101, %102, %103, %104, %105, %106, %107, %108, %109, %110, %111, %112, %113, %114, %115, %116, %117, %118, %119, %120, %121, %122, %123, %124, %125, %126, %127}, "
+      "%128, %129, p, 1, 1, 1, 1;\n"
+      "}\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
+        "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
+        "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
+        "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]),
+        "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]),
+        "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]),
+        "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]),
+        "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63]),
+        "+f"(d[64]), "+f"(d[65]), "+f"(d[66]), "+f"(d[67]), "+f"(d[68]), "+f"(d[69]), "+f"(d[70]), "+f"(d[71]),
+        "+f"(d[72]), "+f"(d[73]), "+f"(d[74]), "+f"(d[75]), "+f"(d[76]), "+f"(d[77]), "+f"(d[78]), "+f"(d[79]),
+        "+f"(d[80]), "+f"(d[81]), "+f"(d[82]), "+f"(d[83]), "+f"(d[84]), "+f"(d[85]), "+f"(d[86]), "+f"(d[87]),
+        "+f"(d[88]), "+f"(d[89]), "+f"(d[90]), "+f"(d[91]), "+f"(d[92]), "+f"(d[93]), "+f"(d[94]), "+f"(d[95]),
+        "+f"(d[96]), "+f"(d[97]), "+f"(d[98]), "+f"(d[99]), "+f"(d[100]), "+f"(d[101]), "+f"(d[102]), "+f"(d[103]),
+        "+f"(d[104]), "+f"(d[105]), "+f"(d[106]), "+f"(d[107]), "+f"(d[108]), "+f"(d[109]), "+f"(d[110]), "+f"(d[111]),
+        "+f"(d[112]), "+f"(d[113]), "+f"(d[114]), "+f"(d[115]), "+f"(d[116]), "+f"(d[117]), "+f"(d[118]), "+f"(d[119]),
+        "+f"(d[120]), "+f"(d[121]), "+f"(d[122]), "+f"(d[123]), "+f"(d[124]), "+f"(d[125]), "+f"(d[126]), "+f"(d[127])
+      : "l"(desc_a), "l"(desc_b), "r"(1));
+}
+
+// Descriptor of an MN-major operand slice: 64-element (128-byte) swizzled rows
+// along M/N, 8-row groups along K 1024 bytes apart (SBO), 64-column blocks
+// 8 KB apart (LBO). (Checked on an H200: the swapped convention fails.)
+__device__ __forceinline__ uint64_t smem_desc_mn(const void* p) {
+  const uint64_t addr = static_cast<uint32_t>(__cvta_generic_to_shared(p));
+  return ((addr & 0x3FFFF) >> 4) | (uint64_t{8192 >> 4} << 16) | (uint64_t{1024 >> 4} << 32) |
+         (uint64_t{1} << 62);
+}
+
+// Zeroes reduction rows [from, 64) of `blocks` consecutive 64 x 64 MN-major
+// blocks (8 KB each) of a slice; whole 128-byte rows, so the swizzle does not
+// matter. Run by the 256 consumer threads.
+__device__ __forceinline__ void zero_slice_rows(uint8_t* base, int blocks, int from, int tid) {
+  const int rows = 64 - from;
+  for (int i = tid; i < blocks * rows * 8; i += 256) {
+    const int blk = i / (rows * 8), r = from + (i / 8) % rows, chunk = i % 8;
+    *reinterpret_cast<uint4*>(base + blk * 8192 + r * 128 + chunk * 16) = make_uint4(0, 0, 0, 0);
+  }
+}
+
+// MODE 0, forward: A [rows,K] and W_e [N,K] K-major.
+// MODE 1, dgrad: A = dC [rows,N] K-major; B = W_e read MN-major (its rows are
+//   the reduction), four 64 x 64 boxes per slice.
+// MODE 2, wgrad: groups split the reduction rows; A = dC^T and B = A read
+//   MN-major from row boxes; the slice holding the group's last rows has the
+//   rows past them zeroed in shared memory (they belong to pad rows or the next
+//   group); the output is each group's float32 dW, stored or accumulated.
+template <typename TIn, typename TOut, int MODE>
 __global__ void __launch_bounds__(kThreads, 1)
     grouped_gemm_tma_kernel(Params p, const __grid_constant__ CUtensorMap map_a,
                             const __grid_constant__ CUtensorMap map_w) {
@@ -185,15 +264,26 @@ __global__ void __launch_bounds__(kThreads, 1)
       uint32_t it = 0;
       for (int32_t tile = blockIdx.x; tile < num_tiles; tile += gridDim.x) {
         const TileGeom tg = tile_geometry<kTileM, kTileN, TIn>(p, tile_start, tile);
-        const int k_tiles = tg.m0 >= tg.m_lim ? 0 : static_cast<int>(ceil_div_dev(tg.k_lim, kTileK));
-        const int w_row = static_cast<int>(int64_t{tg.group} * (B_MN ? p.k_red : p.n_out) + (B_MN ? 0 : tg.n0));
+        const int k_tiles =
+            tg.m0 >= tg.m_lim ? 0 : static_cast<int>(ceil_div_dev(tg.k_lim - tg.kr0, kTileK));
+        const int w_row = static_cast<int>(int64_t{tg.group} * (MODE == 1 ? p.k_red : p.n_out) + (MODE == 1 ? 0 : tg.n0));
         for (int kt = 0; kt < k_tiles; ++kt, ++it) {
           const int s = it % kStages;
           mbar_wait(&empty[s], ((it / kStages) & 1) ^ 1);
           uint8_t* stage = smem + s * kStageBytes;
           mbar_expect_tx(&full[s], kStageBytes);
+          if constexpr (MODE == 2) {  // rows of dC and A: MN-major boxes
+            const int r = static_cast<int>(tg.kr0) + kt * kTileK;
+#pragma unroll
+            for (int i = 0; i < kTileM / 64; ++i)
+              tma_load_2d(stage + i * 8192, &map_a, &full[s], static_cast<int>(tg.m0) + i * 64, r);
+#pragma unroll
+            for (int i = 0; i < kTileN / 64; ++i)
+              tma_load_2d(stage + kStageBytesA + i * 8192, &map_w, &full[s], static_cast<int>(tg.n0) + i * 64, r);
+            continue;
+          }
           tma_load_2d(stage, &map_a, &full[s], kt * kTileK, static_cast<int>(tg.m0));
-          if constexpr (B_MN) {
+          if constexpr (MODE == 1) {
             // NOTE: reduction rows past N read the next expert's rows; they meet
             // the zero-filled columns of A (dC) past N and add nothing.
 #pragma unroll
@@ -214,21 +304,35 @@ __global__ void __launch_bounds__(kThreads, 1)
     uint32_t it = 0;
     for (int32_t tile = blockIdx.x; tile < num_tiles; tile += gridDim.x) {
       const TileGeom tg = tile_geometry<kTileM, kTileN, TIn>(p, tile_start, tile);
-      const int k_tiles = tg.m0 >= tg.m_lim ? 0 : static_cast<int>(ceil_div_dev(tg.k_lim, kTileK));
+      const int k_tiles =
+          tg.m0 >= tg.m_lim ? 0 : static_cast<int>(ceil_div_dev(tg.k_lim - tg.kr0, kTileK));
       float acc[128];
 #pragma unroll
       for (int i = 0; i < 128; ++i) acc[i] = 0.0f;
       for (int kt = 0; kt < k_tiles; ++kt, ++it) {
         const int s = it % kStages;
         mbar_wait(&full[s], (it / kStages) & 1);
-        const TIn* sa = reinterpret_cast<const TIn*>(smem + s * kStageBytes) + c * 64 * kTileK;
+        if constexpr (MODE == 2) {
+          const int64_t left = tg.k_lim - (tg.kr0 + int64_t{kt} * kTileK);
+          if (left < kTileK) {  // the group's last slice: zero the rows past its end
+            uint8_t* stage = smem + s * kStageBytes;
+            zero_slice_rows(stage, kTileM / 64, static_cast<int>(left), threadIdx.x - 128);
+            zero_slice_rows(stage + kStageBytesA, kTileN / 64, static_cast<int>(left), threadIdx.x - 128);
+            sm90::fence_proxy_async();
+            asm volatile("bar.sync 1, 256;\n" ::: "memory");  // the two consumer warpgroups
+          }
+        }
+        const TIn* sa = reinterpret_cast<const TIn*>(smem + s * kStageBytes) +
+                        (MODE == 2 ? c * 64 * 64 : c * 64 * kTileK);
         const TIn* sb = reinterpret_cast<const TIn*>(smem + s * kStageBytes + kStageBytesA);
         sm90::wgmma_fence();
         sm90::fence_operands(acc);
 #pragma unroll
         for (int ks = 0; ks < kTileK / 16; ++ks) {
-          if constexpr (B_MN)  // 16 K rows of 128 bytes per step
-            wgmma_m64n256k16_tb<TIn>(acc, sm90::smem_desc(sa + ks * 16), smem_desc_mn<DESC>(sb + ks * 16 * 64));
+          if constexpr (MODE == 2)  // both MN-major: 16 K rows of 128 bytes per step
+            wgmma_m64n256k16_tab<TIn>(acc, smem_desc_mn(sa + ks * 16 * 64), smem_desc_mn(sb + ks * 16 * 64));
+          else if constexpr (MODE == 1)
+            wgmma_m64n256k16_tb<TIn>(acc, sm90::smem_desc(sa + ks * 16), smem_desc_mn(sb + ks * 16 * 64));
           else
             sm90::wgmma_m64nNk16<kTileN, TIn>(acc, sm90::smem_desc(sa + ks * 16), sm90::smem_desc(sb + ks * 16));
         }
@@ -244,7 +348,8 @@ __global__ void __launch_bounds__(kThreads, 1)
 
       // Epilogue straight from registers: rows r, r+8; columns 8j + 2(lane%4) (+1).
       const int64_t r0 = tg.m0 + c * 64 + warp * 16 + lane / 4;
-      TOut* out = static_cast<TOut*>(p.c);
+      TOut* out = MODE == 2 ? const_cast<TOut*>(group_base<TOut>(p.c, p.c_ptrs, p.c_group_stride, tg.group))
+                            : static_cast<TOut*>(p.c);
 #pragma unroll
       for (int half = 0; half < 2; ++half) {
         const int64_t row = r0 + half * 8;
@@ -254,10 +359,17 @@ __global__ void __launch_bounds__(kThreads, 1)
         for (int j = 0; j < kTileN / 8; ++j) {
           const int64_t col = tg.n0 + j * 8 + (lane % 4) * 2;
           if (col >= p.n_out) continue;
+          Pack<TOut, 2>* dst = reinterpret_cast<Pack<TOut, 2>*>(out + row * p.ldc + col);
+          float v0 = data ? acc[j * 4 + half * 2] : 0.0f, v1 = data ? acc[j * 4 + half * 2 + 1] : 0.0f;
+          if (p.accumulate) {
+            const Pack<TOut, 2> old = *dst;
+            v0 += to_float(old.v[0]);
+            v1 += to_float(old.v[1]);
+          }
           Pack<TOut, 2> o;
-          o.v[0] = from_float<TOut>(data ? acc[j * 4 + half * 2] : 0.0f);
-          o.v[1] = from_float<TOut>(data ? acc[j * 4 + half * 2 + 1] : 0.0f);
-          *reinterpret_cast<Pack<TOut, 2>*>(out + row * p.ldc + col) = o;
+          o.v[0] = from_float<TOut>(v0);
+          o.v[1] = from_float<TOut>(v1);
+          *dst = o;
         }
       }
     }
