@@ -355,21 +355,34 @@ __global__ void __launch_bounds__(kThreads, 1)
         const int64_t row = r0 + half * 8;
         if (row >= tg.store_hi) continue;
         const bool data = row - tg.m0 < tg.data_rows;
+        // NOTE: with accumulate, the old values are loaded 8 at a time before
+        // their stores, so the loads overlap instead of alternating with stores.
+        constexpr int kBatch = 8;
 #pragma unroll
-        for (int j = 0; j < kTileN / 8; ++j) {
-          const int64_t col = tg.n0 + j * 8 + (lane % 4) * 2;
-          if (col >= p.n_out) continue;
-          Pack<TOut, 2>* dst = reinterpret_cast<Pack<TOut, 2>*>(out + row * p.ldc + col);
-          float v0 = data ? acc[j * 4 + half * 2] : 0.0f, v1 = data ? acc[j * 4 + half * 2 + 1] : 0.0f;
+        for (int j0 = 0; j0 < kTileN / 8; j0 += kBatch) {
+          Pack<TOut, 2> old[kBatch];
           if (p.accumulate) {
-            const Pack<TOut, 2> old = *dst;
-            v0 += to_float(old.v[0]);
-            v1 += to_float(old.v[1]);
+#pragma unroll
+            for (int jj = 0; jj < kBatch; ++jj) {
+              const int64_t col = tg.n0 + (j0 + jj) * 8 + (lane % 4) * 2;
+              if (col < p.n_out) old[jj] = *reinterpret_cast<const Pack<TOut, 2>*>(out + row * p.ldc + col);
+            }
           }
-          Pack<TOut, 2> o;
-          o.v[0] = from_float<TOut>(v0);
-          o.v[1] = from_float<TOut>(v1);
-          *dst = o;
+#pragma unroll
+          for (int jj = 0; jj < kBatch; ++jj) {
+            const int j = j0 + jj;
+            const int64_t col = tg.n0 + j * 8 + (lane % 4) * 2;
+            if (col >= p.n_out) continue;
+            float v0 = data ? acc[j * 4 + half * 2] : 0.0f, v1 = data ? acc[j * 4 + half * 2 + 1] : 0.0f;
+            if (p.accumulate) {
+              v0 += to_float(old[jj].v[0]);
+              v1 += to_float(old[jj].v[1]);
+            }
+            Pack<TOut, 2> o;
+            o.v[0] = from_float<TOut>(v0);
+            o.v[1] = from_float<TOut>(v1);
+            *reinterpret_cast<Pack<TOut, 2>*>(out + row * p.ldc + col) = o;
+          }
         }
       }
     }
