@@ -156,14 +156,6 @@ TEST(GroupedGemm, BadInputErrors) {
   Tensor w = make_tensor({2, N, K}, DType::kBFloat16);
   fill_random(w, 9);
   Tensor c = make_tensor({rows, N}, DType::kBFloat16);
-  auto message_of = [](auto fn) -> std::string {
-    try {
-      fn();
-    } catch (const Error& e) {
-      return e.what();
-    }
-    return "no error";
-  };
   Groups bad = make_groups({10, 5});
   bad.offsets.data_ptr<int64_t>()[1] = 16;
   bad.offsets.data_ptr<int64_t>()[2] = 12;  // not monotone

@@ -287,14 +287,6 @@ TEST(UnpermuteBackward, AdjointAndFiniteDifferences) {
 TEST(Permute, BadInputErrors) {
   Case c{8, 2, 4, 16, 16};
   RoutingPlan plan = plan_for(c, 40);
-  auto message_of = [](auto fn) -> std::string {
-    try {
-      fn();
-    } catch (const Error& e) {
-      return e.what();
-    }
-    return "no error";
-  };
   Tensor x = make_tensor({c.T, c.H}, DType::kBFloat16);
   Tensor y = make_tensor({plan.capacity_rows, c.H}, DType::kBFloat16);
   Tensor ybad = make_tensor({plan.capacity_rows - 16, c.H}, DType::kBFloat16);

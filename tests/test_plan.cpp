@@ -122,14 +122,6 @@ TEST(Plan, CapacityOverflowDropsDeterministically) {
 TEST(Plan, BadInputErrors) {
   PlanConfig cfg{4, 16, -1};
   RoutingPlan plan = allocate_plan(2, 2, cfg, Device::cpu());
-  auto message_of = [](auto fn) -> std::string {
-    try {
-      fn();
-    } catch (const Error& e) {
-      return e.what();
-    }
-    return "no error";
-  };
   // expert id out of range
   Tensor ids = ids_from({{0, 4}, {1, 2}});
   EXPECT_NE(message_of([&] { build_plan(ids, plan); }).find("topk_ids[0,1] = 4 is outside [-1, 4)"),

@@ -90,6 +90,17 @@ inline void fill_random(Tensor& x, uint32_t seed, float lo = -1.0f, float hi = 1
   }
 }
 
+// The message of the moeflow::Error that fn() throws ("no error" if none).
+template <typename Fn>
+std::string message_of(Fn fn) {
+  try {
+    fn();
+  } catch (const Error& e) {
+    return e.what();
+  }
+  return "no error";
+}
+
 inline float at(const Tensor& x, int64_t i) { return detail::load_float(x.data(), x.dtype(), i); }
 
 // Bitwise equality of two tensors' bytes.

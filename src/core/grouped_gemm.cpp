@@ -82,6 +82,23 @@ void check_alignment(int64_t n, int64_t k) {
                 "grouped GEMM needs N and K to be multiples of 8 (16-byte rows), got N=", n, " K=", k);
 }
 
+GroupedGemmCall make_call(GroupedGemmCall::Op op, TensorView a, TensorView b, TensorView out,
+                          const GroupedWeights& w, const GroupLayout& groups, int64_t rows,
+                          int64_t groups_count, int64_t n, int64_t k) {
+  GroupedGemmCall call;
+  call.op = op;
+  call.a = a;
+  call.b = b;
+  call.out = out;
+  call.w = w;
+  call.groups = groups;
+  call.rows = rows;
+  call.num_groups = groups_count;
+  call.n = n;
+  call.k = k;
+  return call;
+}
+
 void run(const GroupedGemmCall& call, Device dev, cudaStream_t stream) {
   if (dev.is_cpu()) return cpu::grouped_gemm(call);
 #ifdef MOEFLOW_WITH_CUDA
@@ -108,17 +125,7 @@ void grouped_gemm_forward(TensorView a, const GroupedWeights& w, const GroupLayo
   check_layout(groups, E, dev);
   detail::expect(c, "c", rows_of(kOutputs, rows, n, dev));
   check_alignment(n, k);
-  GroupedGemmCall call;
-  call.op = GroupedGemmCall::kForward;
-  call.a = a;
-  call.out = c;
-  call.w = w;
-  call.groups = groups;
-  call.rows = rows;
-  call.num_groups = E;
-  call.n = n;
-  call.k = k;
-  run(call, dev, stream);
+  run(make_call(GroupedGemmCall::kForward, a, {}, c, w, groups, rows, E, n, k), dev, stream);
 }
 
 void grouped_gemm_dgrad(TensorView dc, const GroupedWeights& w, const GroupLayout& groups,
@@ -134,17 +141,7 @@ void grouped_gemm_dgrad(TensorView dc, const GroupedWeights& w, const GroupLayou
   check_layout(groups, E, dev);
   detail::expect(da, "da", rows_of(kOutputs, rows, k, dev));
   check_alignment(n, k);
-  GroupedGemmCall call;
-  call.op = GroupedGemmCall::kDgrad;
-  call.a = dc;
-  call.out = da;
-  call.w = w;
-  call.groups = groups;
-  call.rows = rows;
-  call.num_groups = E;
-  call.n = n;
-  call.k = k;
-  run(call, dev, stream);
+  run(make_call(GroupedGemmCall::kDgrad, dc, {}, da, w, groups, rows, E, n, k), dev, stream);
 }
 
 void grouped_gemm_wgrad(TensorView dc, TensorView a, const GroupLayout& groups,
@@ -162,17 +159,8 @@ void grouped_gemm_wgrad(TensorView dc, TensorView a, const GroupLayout& groups,
   check_weights(dw, "dw", {DType::kFloat32}, E, n, k, dev);
   check_layout(groups, E, dev);
   check_alignment(n, k);
-  GroupedGemmCall call;
-  call.op = GroupedGemmCall::kWgrad;
-  call.a = dc;
-  call.b = a;
-  call.w = dw;
-  call.groups = groups;
+  GroupedGemmCall call = make_call(GroupedGemmCall::kWgrad, dc, a, {}, dw, groups, rows, E, n, k);
   call.accumulate = accumulate;
-  call.rows = rows;
-  call.num_groups = E;
-  call.n = n;
-  call.k = k;
   run(call, dev, stream);
 }
 
