@@ -12,7 +12,7 @@ const std::vector<Preset>& presets() {
       {"qwen3-30b", 2048, 768, 128, 8, 16384},
       {"qwen3-235b", 4096, 1536, 128, 8, 8192},
       {"gpt-oss-120b", 2880, 2880, 128, 4, 8192},
-      {"tiny", 1024, 512, 16, 4, 512},  // the small default case
+      {"tiny", 512, 256, 16, 4, 512},  // the small default case
   };
   return kPresets;
 }

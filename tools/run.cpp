@@ -1,8 +1,9 @@
 // `moeflow run`: one MoE token-path step on a preset, checked as it goes.
 // Route (random router scores, softmax top-k) -> plan -> permute+pad ->
-// experts (identity for now: the grouped expert MLP is not built yet) ->
-// unpermute with probs merged; then the backward ops. The result must equal
-// x * sum_k probs[t,k]; the backward ops are checked against the same identity.
+// identity experts -> unpermute with probs merged (must equal x * sum_k
+// probs), the backward ops (same identity); then linear experts (grouped GEMM
+// FC1 [E,F,H] and FC2 [E,H,F], no activation yet: the fused GLU comes with
+// the grouped MLP) checked against a naive float64 computation per token.
 #include <chrono>
 #include <cmath>
 
@@ -13,6 +14,70 @@
 #include "core/internal.h"
 
 namespace moeflow::bench {
+
+namespace {
+
+// FC1 -> FC2 through the grouped GEMM on the plan's padded layout, then
+// unpermute; checked against out[t] = sum_k p_k W2_e bf16(W1_e x_t) in float64.
+bool run_linear_experts(const Preset& p, const RunOptions& opt, const Routing& routing,
+                        const Tensor& x, const Tensor& x_host, const RoutingPlan& plan) {
+  const Device dev = opt.device;
+  const int64_t T = p.num_tokens, H = p.hidden, F = p.ffn;
+  const int K = p.topk, E = p.num_experts;
+  Tensor w1h = Tensor::empty({E, F, H}, DType::kBFloat16), w2h = Tensor::empty({E, H, F}, DType::kBFloat16);
+  for (int64_t i = 0; i < w1h.numel(); ++i)
+    detail::store_float(w1h.data(), DType::kBFloat16, i, std::cos(0.37f * static_cast<float>(i % 9973)) / std::sqrt(float(H)));
+  for (int64_t i = 0; i < w2h.numel(); ++i)
+    detail::store_float(w2h.data(), DType::kBFloat16, i, std::sin(0.53f * static_cast<float>(i % 7919)) / std::sqrt(float(F)));
+  Tensor w1 = dev.is_cpu() ? w1h : w1h.to(dev), w2 = dev.is_cpu() ? w2h : w2h.to(dev);
+  Tensor y = Tensor::empty({plan.capacity_rows, H}, DType::kBFloat16, dev);
+  Tensor h = Tensor::empty({plan.capacity_rows, F}, DType::kBFloat16, dev);
+  Tensor y2 = Tensor::empty({plan.capacity_rows, H}, DType::kBFloat16, dev);
+  Tensor out = Tensor::empty({T, H}, DType::kFloat32, dev);
+  const GroupLayout groups = GroupLayout::from_plan(plan);
+  auto t0 = std::chrono::steady_clock::now();
+  permute(x, plan, y);
+  grouped_gemm_forward(y, GroupedWeights::from_stacked(w1), groups, h);
+  grouped_gemm_forward(h, GroupedWeights::from_stacked(w2), groups, y2);
+  unpermute(y2, plan, out, routing.probs);
+  if (dev.is_cuda()) detail::cuda_stream_sync(nullptr);
+  const double us = std::chrono::duration<double, std::micro>(std::chrono::steady_clock::now() - t0).count();
+  fmt::print("  {:<34} {:>9.1f} us\n", "linear experts (permute, FC1, FC2, unpermute)", us);
+
+  Tensor o = out.to(Device::cpu()), ids = routing.ids.to(Device::cpu()), pr = routing.probs.to(Device::cpu());
+  double num = 0, den = 0;
+  std::vector<float> xt(H), hid(F);
+  for (int64_t t = 0; t < T; ++t) {
+    for (int64_t j = 0; j < H; ++j) xt[j] = detail::load_float(x_host.data(), DType::kBFloat16, t * H + j);
+    std::vector<double> want(H, 0.0);
+    for (int k = 0; k < K; ++k) {
+      const int e = ids.data_ptr<int32_t>()[t * K + k];
+      if (e < 0) continue;
+      const double w = pr.data_ptr<float>()[t * K + k];
+      for (int64_t f = 0; f < F; ++f) {
+        double s = 0;
+        for (int64_t j = 0; j < H; ++j) s += double(xt[j]) * detail::load_float(w1h.data(), DType::kBFloat16, (e * F + f) * H + j);
+        hid[f] = detail::bf16_to_float(detail::float_to_bf16(static_cast<float>(s)));
+      }
+      for (int64_t j = 0; j < H; ++j) {
+        double s = 0;
+        for (int64_t f = 0; f < F; ++f) s += double(hid[f]) * detail::load_float(w2h.data(), DType::kBFloat16, (e * H + j) * F + f);
+        want[j] += w * detail::bf16_to_float(detail::float_to_bf16(static_cast<float>(s)));
+      }
+    }
+    for (int64_t j = 0; j < H; ++j) {
+      const double d = o.data_ptr<float>()[t * H + j] - want[j];
+      num += d * d;
+      den += want[j] * want[j];
+    }
+  }
+  const double rel = std::sqrt(num / (den > 0 ? den : 1.0));
+  const bool ok = rel < 1e-2;
+  fmt::print("  check: linear experts vs float64: relative norm error {:.2e} {}\n", rel, ok ? "ok" : "FAILED");
+  return ok;
+}
+
+}  // namespace
 
 int run_layer(const RunOptions& opt) {
   const Preset& p = find_preset(opt.preset);
@@ -104,6 +169,7 @@ int run_layer(const RunOptions& opt) {
     fmt::print("  check: dprobs = sum_h x: max rel error {:.2e} {}\n", max_err_dp,
                max_err_dp < 1e-4 ? "ok" : "FAILED");
   }
+  ok = run_linear_experts(p, opt, routing, x, x_host, plan) && ok;
   fmt::print("{}\n", ok ? "moeflow run: OK" : "moeflow run: FAILED");
   return ok ? 0 : 1;
 }
