@@ -1,6 +1,8 @@
 // The whole public API of moeflow.
 #pragma once
 
+#include "moeflow/checkpoint.h"
+#include "moeflow/dispatch.h"
 #include "moeflow/error.h"
 #include "moeflow/grouped_gemm.h"
 #include "moeflow/permute.h"
