@@ -13,6 +13,15 @@
 //
 // Inputs bf16 or fp16 (A and W the same), float32 accumulation, outputs
 // bf16/fp16/float32. K and N must be multiples of 8 (16-byte rows).
+//
+// Kernels: on Hopper (sm_90a builds) stacked weights take a TMA +
+// warp-specialised wgmma kernel for all three ops; pointer-array weights take
+// cp.async + wgmma (forward) or the portable mma.sync kernel (dgrad); other
+// GPUs the portable kernel. NOTE: the Hopper dgrad reads whole 64-row slices
+// of the stacked weights, so when N is not a multiple of 64 the last slice
+// touches rows of the next expert, multiplied by zeros: finite weights are
+// required there (a NaN in one expert's weights can reach its neighbour's dA).
+// NOTE: the views below do not own memory; keep their tensors alive.
 #pragma once
 
 #include "moeflow/plan.h"
