@@ -128,10 +128,27 @@ void run_gemm_bench(const GemmBenchOptions& opt) {
     cuda::set_gemm_path(cuda::GemmPath::kSm90CpAsync);
     const double fwd_cpasync =
         tflops([&] { grouped_gemm_forward(a, GroupedWeights::from_stacked(w), layout, out, stream); });
+    cuda::set_gemm_path(cuda::GemmPath::kTmaDirectStore);
+    const double fwd_direct =
+        tflops([&] { grouped_gemm_forward(a, GroupedWeights::from_stacked(w), layout, out, stream); });
+    const double wg_direct =
+        tflops([&] { grouped_gemm_wgrad(dc, a, layout, GroupedWeights::from_stacked(dw), true, stream); });
     cuda::set_gemm_path(cuda::GemmPath::kAuto);
+    if (opt.tune) {  // shared-memory split of the TMA kernel: pipeline stages x staging buffers
+      for (const auto [st, nb] : {std::pair{4, 2}, {3, 3}, {3, 4}, {2, 5}}) {
+        cuda::set_tma_tuning({st, nb});
+        const double f = tflops([&] { grouped_gemm_forward(a, GroupedWeights::from_stacked(w), layout, out, stream); });
+        const double d = tflops([&] { grouped_gemm_dgrad(dc, GroupedWeights::from_stacked(w), layout, da, stream); });
+        const double g =
+            tflops([&] { grouped_gemm_wgrad(dc, a, layout, GroupedWeights::from_stacked(dw), true, stream); });
+        fmt::print("    tune stages={} bufs={}: forward {:7.1f} dgrad {:7.1f} wgrad {:7.1f} TFLOP/s\n", st, nb, f, d, g);
+      }
+      cuda::set_tma_tuning({});
+    }
     fmt::print("    forward variants: portable mma.sync {:7.1f}, cp.async+wgmma 128x256 {:7.1f}, "
-               "128x128 (2 blocks/SM) {:7.1f} TFLOP/s\n",
-               fwd_portable, fwd_cpasync, fwd_narrow);
+               "128x128 (2 blocks/SM) {:7.1f}, TMA kernel with masked-store epilogue {:7.1f} TFLOP/s "
+               "(wgrad {:7.1f})\n",
+               fwd_portable, fwd_cpasync, fwd_narrow, fwd_direct, wg_direct);
     const double fwd_dense = tflops([&] {
       CUBLAS_CHECK(cublasGemmEx(handle, CUBLAS_OP_T, CUBLAS_OP_N, N, M, K, &one, w.data(), CUDA_R_16BF, K,
                                 a.data(), CUDA_R_16BF, K, &zero, out.data(), CUDA_R_16BF, N,

@@ -178,11 +178,20 @@ TEST_P(GpuGemm, ForwardDgradWgradMatchCpu) {
       grouped_gemm_wgrad(dc_g, a_g, d.gpu_layout(),
                          GroupedWeights::from_pointers(ptrs_g, DType::kFloat32, N, K), true);
       EXPECT_LE(rel_error(dw_g.to(Device::cpu()), dw_ref), gemm_tolerance(DType::kFloat32));
+      // beta = 1 into stacked dW (the TMA reduce-add epilogue on Hopper)
+      Tensor dws_g = dw_init.to(kGpu);
+      grouped_gemm_wgrad(dc_g, a_g, d.gpu_layout(), GroupedWeights::from_stacked(dws_g), true);
+      EXPECT_LE(rel_error(dws_g.to(Device::cpu()), dw_ref), gemm_tolerance(DType::kFloat32));
       Tensor dw0_ref = make_tensor({E, N, K}, DType::kFloat32);
       grouped_gemm_wgrad(dc, a, d.cpu_layout(), GroupedWeights::from_stacked(dw0_ref), false);
       Tensor dw0_g = poisoned_gpu({E, N, K}, DType::kFloat32);
       grouped_gemm_wgrad(dc_g, a_g, d.gpu_layout(), GroupedWeights::from_stacked(dw0_g), false);
       EXPECT_LE(rel_error(dw0_g.to(Device::cpu()), dw0_ref), gemm_tolerance(DType::kFloat32));
+      // beta = 0 into pointer-array dW (masked stores)
+      fill_bytes(dw_g, 0xFF);
+      grouped_gemm_wgrad(dc_g, a_g, d.gpu_layout(),
+                         GroupedWeights::from_pointers(ptrs_g, DType::kFloat32, N, K), false);
+      EXPECT_LE(rel_error(dw_g.to(Device::cpu()), dw0_ref), gemm_tolerance(DType::kFloat32));
     }
   }
 }
@@ -364,12 +373,14 @@ TEST_P(GpuGemm, BadOffsetsAreFlaggedAndClamped) {
 
 INSTANTIATE_TEST_SUITE_P(Paths, GpuGemm,
                          ::testing::Values(cuda::GemmPath::kAuto, cuda::GemmPath::kSm90CpAsync,
-                                           cuda::GemmPath::kSm90Narrow, cuda::GemmPath::kPortable),
+                                           cuda::GemmPath::kSm90Narrow, cuda::GemmPath::kPortable,
+                                           cuda::GemmPath::kTmaDirectStore),
                          [](const auto& info) {
                            switch (info.param) {
                              case cuda::GemmPath::kAuto: return "Auto";
                              case cuda::GemmPath::kSm90Narrow: return "Sm90Narrow";
                              case cuda::GemmPath::kSm90CpAsync: return "Sm90CpAsync";
+                             case cuda::GemmPath::kTmaDirectStore: return "TmaDirectStore";
                              default: return "Portable";
                            }
                          });

@@ -42,6 +42,7 @@ int main(int argc, char** argv) {
   bench::GemmBenchOptions gopt;
   bgemm->add_option("--case", gopt.cases, "dsv3-fc1 dsv3-fc2 mixtral-fc1 qwen3-fc1 qwen3-fc2 (default: all)");
   bgemm->add_flag("--sweep", gopt.sweep, "rows per expert 64..4096, uniform and skewed");
+  bgemm->add_flag("--tune", gopt.tune, "also time the shared-memory splits (stages x epilogue buffers) of the TMA kernel");
   bgemm->add_option("--sweep-experts", gopt.sweep_experts, "experts in the sweep")->capture_default_str();
   bgemm->add_option("--sweep-k", gopt.sweep_k, "K in the sweep")->capture_default_str();
   bgemm->add_option("--sweep-n", gopt.sweep_n, "N in the sweep")->capture_default_str();

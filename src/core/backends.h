@@ -78,9 +78,17 @@ void grouped_gemm(const GroupedGemmCall& call, cudaStream_t stream);
 // wgmma for all three ops when the weights are stacked (wgrad: always), else
 // cp.async + wgmma for the forward, mma.sync otherwise); kSm90CpAsync the
 // cp.async + wgmma path (128 x 256 tiles); kSm90Narrow the same with 128 x 128
-// tiles; kPortable always the mma.sync path.
-enum class GemmPath { kAuto, kSm90CpAsync, kSm90Narrow, kPortable };
+// tiles; kPortable always the mma.sync path; kTmaDirectStore the TMA kernel
+// with its epilogue copying out through masked stores instead of TMA stores.
+enum class GemmPath { kAuto, kSm90CpAsync, kSm90Narrow, kPortable, kTmaDirectStore };
 void set_gemm_path(GemmPath path);
+// Shared-memory split of the TMA kernel (benchmarks): pipeline stages (2-4)
+// and epilogue staging buffers per consumer warpgroup (2-5); 0 = default.
+struct TmaTuning {
+  int stages = 0;
+  int bufs = 0;
+};
+void set_tma_tuning(TmaTuning tuning);
 size_t plan_workspace_bytes(int64_t num_tokens, int topk, const PlanConfig& config);
 void build_plan(const RoutingInput& in, RoutingPlan& plan, TensorView workspace,
                 cudaStream_t stream);

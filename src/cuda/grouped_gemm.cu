@@ -1,7 +1,9 @@
 // Host side of the CUDA grouped GEMM: maps forward / dgrad / wgrad onto the
 // kernel template of grouped_gemm.cuh (operand layouts, element types),
 // sizes the persistent grid from the occupancy of the GPU, launches.
+#include <algorithm>
 #include <atomic>
+#include <cstring>
 
 #include "core/backends.h"
 #include "cuda/grouped_gemm.cuh"
@@ -14,6 +16,8 @@ namespace moeflow::cuda {
 
 static std::atomic<GemmPath> g_gemm_path{GemmPath::kAuto};
 void set_gemm_path(GemmPath path) { g_gemm_path = path; }
+static std::atomic<TmaTuning> g_tma_tuning{TmaTuning{}};
+void set_tma_tuning(TmaTuning tuning) { g_tma_tuning = tuning; }
 
 namespace {
 
@@ -46,26 +50,56 @@ PFN_cuTensorMapEncodeTiled_v12000 tensor_map_encoder() {
   return fn;
 }
 
-// A 2D row-major [rows, cols] 16-bit matrix as a TMA map with boxes of
-// box_rows x 64 columns in the 128-byte swizzled layout (out of bounds: zeros).
-CUtensorMap tensor_map_2d(const void* base, int64_t rows, int64_t cols, int64_t row_stride_elems,
-                          int box_rows) {
+int64_t addr_of(const void* p) { return static_cast<int64_t>(reinterpret_cast<uintptr_t>(p)); }
+
+// A TMA map of a row-major tensor: dims[0] innermost (elements), byte
+// strides of the outer dims, box in elements, 128-byte swizzle (out of
+// bounds: loads read zeros, stores are clipped).
+template <int RANK>
+CUtensorMap tensor_map(const void* base, CUtensorMapDataType dtype, const int64_t (&dims)[RANK],
+                       const int64_t (&byte_strides)[RANK - 1], const int (&box)[RANK]) {
   CUtensorMap map;
-  const cuuint64_t dims[2] = {static_cast<cuuint64_t>(cols), static_cast<cuuint64_t>(rows)};
-  const cuuint64_t strides[1] = {static_cast<cuuint64_t>(row_stride_elems) * 2};
-  const cuuint32_t box[2] = {64, static_cast<cuuint32_t>(box_rows)};
-  const cuuint32_t elem_strides[2] = {1, 1};
-  const CUresult r = tensor_map_encoder()(
-      &map, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 2, const_cast<void*>(base), dims, strides, box,
-      elem_strides, CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B,
-      CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
-  MOEFLOW_CHECK(r == CUDA_SUCCESS, "cuTensorMapEncodeTiled failed (", int(r), ") for a [", rows, ",",
-                cols, "] matrix");
+  cuuint64_t d[RANK], st[RANK > 1 ? RANK - 1 : 1];
+  cuuint32_t b[RANK], es[RANK];
+  for (int i = 0; i < RANK; ++i) {
+    d[i] = static_cast<cuuint64_t>(dims[i]);
+    b[i] = static_cast<cuuint32_t>(box[i]);
+    es[i] = 1;
+    if (i + 1 < RANK) st[i] = static_cast<cuuint64_t>(byte_strides[i]);
+  }
+  const CUresult r = tensor_map_encoder()(&map, dtype, RANK, const_cast<void*>(base), d, st, b, es,
+                                          CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B,
+                                          CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
+  MOEFLOW_CHECK(r == CUDA_SUCCESS, "cuTensorMapEncodeTiled failed (", int(r), ") for a ", RANK,
+                "-d tensor with inner dimension ", dims[0]);
   return map;
 }
 
-// The TMA path: stacked weights, rows and weights 16-byte aligned, K*2 bytes
-// a multiple of 16, indices within int32.
+// A 2D row-major [rows, cols] 16-bit matrix in boxes of box_rows x 64 columns.
+CUtensorMap tensor_map_2d(const void* base, int64_t rows, int64_t cols, int64_t row_stride_elems,
+                          int box_rows) {
+  return tensor_map<2>(base, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, {cols, rows}, {row_stride_elems * 2},
+                       {64, box_rows});
+}
+
+template <typename T>
+CUtensorMapDataType tma_dtype() {
+  if constexpr (std::is_same_v<T, float>) return CU_TENSOR_MAP_DATA_TYPE_FLOAT32;
+  else if constexpr (std::is_same_v<T, __half>) return CU_TENSOR_MAP_DATA_TYPE_FLOAT16;
+  else return CU_TENSOR_MAP_DATA_TYPE_BFLOAT16;
+}
+
+// Largest dynamic shared memory a block of `kernel` may use on this device.
+template <typename Kernel>
+size_t max_dynamic_smem(Kernel kernel) {
+  int dev = 0, optin = 0;
+  MOEFLOW_CUDA_CHECK(cudaGetDevice(&dev));
+  MOEFLOW_CUDA_CHECK(cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, dev));
+  cudaFuncAttributes attr{};
+  MOEFLOW_CUDA_CHECK(cudaFuncGetAttributes(&attr, kernel));
+  return static_cast<size_t>(optin) - attr.sharedSizeBytes;
+}
+
 // The TMA path (MODE as in grouped_gemm_sm90_tma.cuh): the B matrix one
 // tensor (stacked weights; the activations for wgrad), indices within int32.
 template <typename TIn, typename TOut, int MODE>
@@ -74,7 +108,8 @@ bool launch_tma(const Params& p, cudaStream_t stream) {
   if (MODE != 2 && (p.b_ptrs != nullptr || p.b == nullptr)) return false;
   const int64_t w_rows = MODE == 2 ? p.rows : int64_t{p.num_groups} * (MODE == 1 ? p.k_red : p.n_out);
   if (p.rows >= (int64_t{1} << 31) || w_rows >= (int64_t{1} << 31)) return false;
-  CUtensorMap map_a, map_w;
+  if (p.rows == 0 || p.n_out == 0 || (MODE == 2 ? p.m_out : p.k_red) == 0) return false;  // maps need extents > 0
+  CUtensorMap map_a, map_w, map_c;
   if (MODE == 0) {  // A [rows,K] in 128 x 64 boxes; W as [E*N, K] in 256 x 64 boxes
     map_a = tensor_map_2d(p.a, p.rows, p.k_red, p.lda, t::kTileM);
     map_w = tensor_map_2d(p.b, w_rows, p.k_red, p.ldb, t::kTileN);
@@ -85,11 +120,39 @@ bool launch_tma(const Params& p, cudaStream_t stream) {
     map_a = tensor_map_2d(p.a, p.rows, p.m_out, p.lda, 64);
     map_w = tensor_map_2d(p.b, p.rows, p.n_out, p.ldb, 64);
   }
+  // The output, in boxes of 64 rows x 128 bytes: C [rows, n_out] (forward,
+  // dgrad) or the stacked float32 dW [E, N, K] (wgrad; none for pointers).
+  constexpr int kCw = 128 / static_cast<int>(sizeof(TOut));
+  t::StoreKind kind = t::StoreKind::kDirect;
+  std::memset(&map_c, 0, sizeof(map_c));
+  const bool direct_only = g_gemm_path.load() == GemmPath::kTmaDirectStore;
+  const bool c_aligned = addr_of(p.c) % 16 == 0 && (p.ldc * int64_t{sizeof(TOut)}) % 16 == 0;
+  if (!direct_only && c_aligned) {
+    if (MODE == 2 && p.c_ptrs == nullptr) {
+      const int64_t plane = p.c_group_stride * int64_t{sizeof(TOut)};
+      map_c = tensor_map<3>(p.c, tma_dtype<TOut>(), {p.n_out, p.m_out, int64_t{p.num_groups}},
+                            {p.ldc * int64_t{sizeof(TOut)}, plane}, {kCw, 64, 1});
+      kind = t::StoreKind::kTensor3d;
+    } else if (MODE != 2 && !p.accumulate) {
+      map_c = tensor_map<2>(p.c, tma_dtype<TOut>(), {p.n_out, p.rows}, {p.ldc * int64_t{sizeof(TOut)}},
+                            {kCw, 64});
+      kind = t::StoreKind::kTensor2d;
+    }
+  }
   const auto kernel = t::grouped_gemm_tma_kernel<TIn, TOut, MODE>;
-  const size_t smem = t::Smem::bytes(p.num_groups);
+  const size_t limit = max_dynamic_smem(kernel);
+  // Pipeline stages and staging buffers per warpgroup: the tuned default (4, 2)
+  // unless set_tma_tuning() asks otherwise; fewer stages when the group table
+  // leaves no room.
+  const TmaTuning tune = g_tma_tuning.load();
+  int stages = tune.stages > 0 ? std::min(tune.stages, t::kMaxStages) : t::kMaxStages;
+  const int bufs = tune.bufs > 0 ? std::clamp(tune.bufs, 2, t::kMaxBufs) : 2;
+  while (stages > 2 && t::Smem::bytes(stages, bufs, p.num_groups) > limit) --stages;
+  const size_t smem = t::Smem::bytes(stages, bufs, p.num_groups);
+  if (smem > limit) return false;
   MOEFLOW_CUDA_CHECK(
       cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem)));
-  kernel<<<sm_count(), t::kThreads, smem, stream>>>(p, map_a, map_w);
+  kernel<<<sm_count(), t::kThreads, smem, stream>>>(p, map_a, map_w, map_c, stages, bufs, kind);
   MOEFLOW_CUDA_LAUNCH_CHECK();
   return true;
 }
@@ -112,11 +175,11 @@ template <typename TIn, typename TOut>
 void launch_sm90(const Params& p, cudaStream_t stream) {
   const GemmPath path = g_gemm_path.load();
   if (path == GemmPath::kSm90Narrow) return launch_sm90_tile<128, TIn, TOut>(p, stream);
-  if (path == GemmPath::kAuto && launch_tma<TIn, TOut, 0>(p, stream)) return;
+  if ((path == GemmPath::kAuto || path == GemmPath::kTmaDirectStore) && launch_tma<TIn, TOut, 0>(p, stream))
+    return;
   launch_sm90_tile<256, TIn, TOut>(p, stream);
 }
 
-int64_t addr_of(const void* p) { return static_cast<int64_t>(reinterpret_cast<uintptr_t>(p)); }
 
 void check_rows16(const TensorView& v, const char* name) {
   MOEFLOW_CHECK(v.strides[0] % 8 == 0 && addr_of(v.data) % 16 == 0, name,
@@ -130,7 +193,8 @@ void launch(const Params& p, cudaStream_t stream) {
     if (use_sm90()) return launch_sm90<TIn, TOut>(p, stream);
   }
   if constexpr (!B_KMAJOR) {  // dgrad / wgrad: MN-major operands, TMA path only
-    if (use_sm90() && g_gemm_path.load() == GemmPath::kAuto &&
+    const GemmPath path = g_gemm_path.load();
+    if (use_sm90() && (path == GemmPath::kAuto || path == GemmPath::kTmaDirectStore) &&
         launch_tma<TIn, TOut, A_KMAJOR ? 1 : 2>(p, stream))
       return;
   }

@@ -11,7 +11,18 @@
 // for "full", issues wgmma.m64n256k16 from shared-memory descriptors, keeps
 // one wgmma group in flight and frees the stage of the previous group through
 // its "empty" mbarrier. The producer runs ahead into the next tile while the
-// consumers store the previous one straight from registers.
+// consumers run the epilogue of the previous one.
+//
+// Epilogue: each consumer warpgroup writes its 64 x 256 accumulators, chunk by
+// chunk (64 rows x 128 bytes), into a ring of 2-5 8 KB staging buffers in the
+// 128-byte swizzled layout, and one thread hands the chunk to the TMA unit
+// (a tensor store, or a float32 reduce-add for wgrad with beta = 1). The
+// stores drain while the warpgroup already runs the next tile's main loop; a
+// buffer is rewritten only after the TMA has read it. Where a warpgroup's 64
+// rows run past the rows it may write (the tail of a group whose next rows
+// belong to another expert), or no tensor map describes the output (dW as a
+// pointer array), the warpgroup copies the chunk out with masked 16-byte
+// stores instead.
 //
 // Rows the TMA box reads past a group's rows belong to the next group (or
 // are zero past the matrix); they only feed output rows that are stored as
@@ -27,19 +38,24 @@ namespace moeflow::cuda::gemm::sm90tma {
 constexpr int kTileM = 128;
 constexpr int kTileN = 256;
 constexpr int kTileK = 64;
-constexpr int kStages = 4;
+constexpr int kMaxStages = 4;  // 3 when the group table leaves no room for 4
 constexpr int kThreads = 384;  // producer warpgroup + two consumer warpgroups
 constexpr int kStageBytesA = kTileM * kTileK * 2;
 constexpr int kStageBytesB = kTileN * kTileK * 2;
 constexpr int kStageBytes = kStageBytesA + kStageBytesB;
+constexpr int kChunkBytes = 64 * 128;  // one staging buffer: 64 rows x 128 bytes
+constexpr int kMaxBufs = 5;            // staging buffers per consumer warpgroup: 2..5
 
 struct Smem {
-  // stages (1024-aligned) | full[kStages] | empty[kStages] | tile_start[E+1]
-  static constexpr size_t kPipelineBytes = size_t{kStages} * kStageBytes;
-  static size_t bytes(int num_groups) {
-    return 1024 + kPipelineBytes + 2 * kStages * 8 + size_t(num_groups + 1) * 4;
+  // stages (1024-aligned) | staging (2 x bufs chunks) | full[] | empty[] | tile_start[E+1]
+  static size_t bytes(int stages, int bufs, int num_groups) {
+    return 1024 + size_t(stages) * kStageBytes + size_t(2 * bufs) * kChunkBytes + 2 * kMaxStages * 8 +
+           size_t(num_groups + 1) * 4;
   }
 };
+
+// How the epilogue leaves the kernel (see the header comment).
+enum class StoreKind : int { kDirect = 0, kTensor2d = 1, kTensor3d = 2 };
 
 __device__ __forceinline__ uint32_t smem_u32(const void* p) {
   return static_cast<uint32_t>(__cvta_generic_to_shared(p));
@@ -73,6 +89,42 @@ __device__ __forceinline__ void tma_load_2d(void* dst, const CUtensorMap* map, u
       "l"(reinterpret_cast<uint64_t>(map)), "r"(smem_u32(bar)), "r"(c0), "r"(c1)
       : "memory");
 }
+// TMA store / reduce-add of one 64-row x 128-byte staging chunk (bulk group).
+__device__ __forceinline__ void tma_store_2d(const CUtensorMap* map, const void* src, int c0, int c1) {
+  asm volatile("cp.async.bulk.tensor.2d.global.shared::cta.tile.bulk_group [%0, {%2, %3}], [%1];\n" ::"l"(
+                   reinterpret_cast<uint64_t>(map)),
+               "r"(smem_u32(src)), "r"(c0), "r"(c1)
+               : "memory");
+}
+template <bool ADD>
+__device__ __forceinline__ void tma_store_3d(const CUtensorMap* map, const void* src, int c0, int c1, int c2) {
+  if constexpr (ADD)
+    asm volatile(
+        "cp.reduce.async.bulk.tensor.3d.global.shared::cta.add.tile.bulk_group [%0, {%2, %3, %4}], [%1];\n" ::"l"(
+            reinterpret_cast<uint64_t>(map)),
+        "r"(smem_u32(src)), "r"(c0), "r"(c1), "r"(c2)
+        : "memory");
+  else
+    asm volatile("cp.async.bulk.tensor.3d.global.shared::cta.tile.bulk_group [%0, {%2, %3, %4}], [%1];\n" ::"l"(
+                     reinterpret_cast<uint64_t>(map)),
+                 "r"(smem_u32(src)), "r"(c0), "r"(c1), "r"(c2)
+                 : "memory");
+}
+__device__ __forceinline__ void bulk_commit() { asm volatile("cp.async.bulk.commit_group;\n" ::: "memory"); }
+// Waits until at most n (1..4) bulk groups of this thread still read shared memory.
+__device__ __forceinline__ void bulk_wait_read(int n) {
+  switch (n) {
+    case 1: asm volatile("cp.async.bulk.wait_group.read 1;\n" ::: "memory"); break;
+    case 2: asm volatile("cp.async.bulk.wait_group.read 2;\n" ::: "memory"); break;
+    case 3: asm volatile("cp.async.bulk.wait_group.read 3;\n" ::: "memory"); break;
+    default: asm volatile("cp.async.bulk.wait_group.read 4;\n" ::: "memory"); break;
+  }
+}
+__device__ __forceinline__ void bulk_wait_all() { asm volatile("cp.async.bulk.wait_group 0;\n" ::: "memory"); }
+__device__ __forceinline__ void named_barrier(int id, int threads) {
+  asm volatile("bar.sync %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
+}
+
 template <int N>
 __device__ __forceinline__ void setmaxnreg_inc() {
   asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(N));
@@ -112,16 +164,19 @@ __device__ __forceinline__ void zero_slice_rows(uint8_t* base, int blocks, int f
 template <typename TIn, typename TOut, int MODE>
 __global__ void __launch_bounds__(kThreads, 1)
     grouped_gemm_tma_kernel(Params p, const __grid_constant__ CUtensorMap map_a,
-                            const __grid_constant__ CUtensorMap map_w) {
+                            const __grid_constant__ CUtensorMap map_w,
+                            const __grid_constant__ CUtensorMap map_c, int stages, int bufs,
+                            StoreKind store_kind) {
 #if defined(__CUDA_ARCH__) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
   extern __shared__ uint8_t smem_raw[];
   uint8_t* smem = reinterpret_cast<uint8_t*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t{1023});
-  uint64_t* full = reinterpret_cast<uint64_t*>(smem + Smem::kPipelineBytes);
-  uint64_t* empty = full + kStages;
-  int32_t* tile_start = reinterpret_cast<int32_t*>(empty + kStages);
+  uint8_t* staging = smem + stages * kStageBytes;  // 1024-aligned
+  uint64_t* full = reinterpret_cast<uint64_t*>(staging + 2 * bufs * kChunkBytes);
+  uint64_t* empty = full + kMaxStages;
+  int32_t* tile_start = reinterpret_cast<int32_t*>(empty + kMaxStages);
 
   if (threadIdx.x == 0) {
-    for (int s = 0; s < kStages; ++s) {
+    for (int s = 0; s < stages; ++s) {
       mbar_init(&full[s], 1);   // the producer's arrive (+ the TMA bytes)
       mbar_init(&empty[s], 2);  // one arrive per consumer warpgroup
     }
@@ -142,8 +197,8 @@ __global__ void __launch_bounds__(kThreads, 1)
             tg.m0 >= tg.m_lim ? 0 : static_cast<int>(ceil_div_dev(tg.k_lim - tg.kr0, kTileK));
         const int w_row = static_cast<int>(int64_t{tg.group} * (MODE == 1 ? p.k_red : p.n_out) + (MODE == 1 ? 0 : tg.n0));
         for (int kt = 0; kt < k_tiles; ++kt, ++it) {
-          const int s = it % kStages;
-          mbar_wait(&empty[s], ((it / kStages) & 1) ^ 1);
+          const int s = it % stages;
+          mbar_wait(&empty[s], ((it / stages) & 1) ^ 1);
           uint8_t* stage = smem + s * kStageBytes;
           mbar_expect_tx(&full[s], kStageBytes);
           if constexpr (MODE == 2) {  // rows of dC and A: MN-major boxes
@@ -174,8 +229,9 @@ __global__ void __launch_bounds__(kThreads, 1)
     // Consumers: warpgroup c = wg - 1 owns rows c*64 .. c*64+63 of each tile.
     setmaxnreg_inc<232>();
     const int c = wg - 1;
-    const int lane = threadIdx.x % 32, warp = (threadIdx.x % 128) / 32;
-    uint32_t it = 0;
+    const int tid = threadIdx.x % 128, lane = threadIdx.x % 32, warp = tid / 32;
+    uint8_t* my_staging = staging + c * bufs * kChunkBytes;
+    uint32_t it = 0, chunk_no = 0;
     for (int32_t tile = blockIdx.x; tile < num_tiles; tile += gridDim.x) {
       const TileGeom tg = tile_geometry<kTileM, kTileN, TIn>(p, tile_start, tile);
       const int k_tiles =
@@ -184,8 +240,8 @@ __global__ void __launch_bounds__(kThreads, 1)
 #pragma unroll
       for (int i = 0; i < 128; ++i) acc[i] = 0.0f;
       for (int kt = 0; kt < k_tiles; ++kt, ++it) {
-        const int s = it % kStages;
-        mbar_wait(&full[s], (it / kStages) & 1);
+        const int s = it % stages;
+        mbar_wait(&full[s], (it / stages) & 1);
         if constexpr (MODE == 2) {
           const int64_t left = tg.k_lim - (tg.kr0 + int64_t{kt} * kTileK);
           if (left < kTileK) {  // the group's last slice: zero the rows past its end
@@ -193,7 +249,7 @@ __global__ void __launch_bounds__(kThreads, 1)
             zero_slice_rows(stage, kTileM / 64, static_cast<int>(left), threadIdx.x - 128);
             zero_slice_rows(stage + kStageBytesA, kTileN / 64, static_cast<int>(left), threadIdx.x - 128);
             sm90::fence_proxy_async();
-            asm volatile("bar.sync 1, 256;\n" ::: "memory");  // the two consumer warpgroups
+            named_barrier(1, 256);  // the two consumer warpgroups
           }
         }
         const TIn* sa = reinterpret_cast<const TIn*>(smem + s * kStageBytes) +
@@ -215,52 +271,78 @@ __global__ void __launch_bounds__(kThreads, 1)
         sm90::wgmma_wait<1>();
         sm90::fence_operands(acc);
         // NOTE: the group of slice it-1 is complete: its stage is free again.
-        if (kt > 0 && threadIdx.x % 128 == 0) mbar_arrive(&empty[(it - 1) % kStages]);
+        if (kt > 0 && tid == 0) mbar_arrive(&empty[(it - 1) % stages]);
       }
       sm90::wgmma_wait<0>();
       sm90::fence_operands(acc);
-      if (k_tiles > 0 && threadIdx.x % 128 == 0) mbar_arrive(&empty[(it - 1) % kStages]);
+      if (k_tiles > 0 && tid == 0) mbar_arrive(&empty[(it - 1) % stages]);
 
-      // Epilogue straight from registers: rows r, r+8; columns 8j + 2(lane%4) (+1).
-      const int64_t r0 = tg.m0 + c * 64 + warp * 16 + lane / 4;
+      // Epilogue. Fragment of thread (warp, lane): rows warp*16 + lane/4 (+8),
+      // columns 8j + 2(lane%4) (+1), j = 0..31, in acc[4j + 2*half + {0,1}].
+      const int64_t wg_row0 = tg.m0 + c * 64;
+      if (wg_row0 >= tg.store_hi) continue;  // uniform over the warpgroup
+      // The TMA may write all 64 rows (rows past the matrix are clipped by the map).
+      const bool tma = store_kind != StoreKind::kDirect && (MODE == 2 || wg_row0 + 64 <= tg.store_hi);
+      const int data_rows = static_cast<int>(min(int64_t{64}, max(int64_t{0}, tg.data_rows - c * 64)));
       TOut* out = MODE == 2 ? const_cast<TOut*>(group_base<TOut>(p.c, p.c_ptrs, p.c_group_stride, tg.group))
                             : static_cast<TOut*>(p.c);
+      constexpr int kCw = 128 / static_cast<int>(sizeof(TOut));  // columns per chunk
+      constexpr int kVec = 16 / static_cast<int>(sizeof(TOut));  // elements per 16-byte piece
 #pragma unroll
-      for (int half = 0; half < 2; ++half) {
-        const int64_t row = r0 + half * 8;
-        if (row >= tg.store_hi) continue;
-        const bool data = row - tg.m0 < tg.data_rows;
-        // NOTE: with accumulate, the old values are loaded 8 at a time before
-        // their stores, so the loads overlap instead of alternating with stores.
-        constexpr int kBatch = 8;
+      for (int q = 0; q < kTileN / kCw; ++q) {
+        if (tg.n0 + q * kCw >= p.n_out) break;
+        if (tid == 0) bulk_wait_read(bufs - 1);  // the store that last read this buffer is done
+        named_barrier(2 + c, 128);
+        uint8_t* buf = my_staging + (chunk_no++ % bufs) * kChunkBytes;
 #pragma unroll
-        for (int j0 = 0; j0 < kTileN / 8; j0 += kBatch) {
-          Pack<TOut, 2> old[kBatch];
-          if (p.accumulate) {
+        for (int jj = 0; jj < kCw / 8; ++jj) {
+          const int j = q * (kCw / 8) + jj;
 #pragma unroll
-            for (int jj = 0; jj < kBatch; ++jj) {
-              const int64_t col = tg.n0 + (j0 + jj) * 8 + (lane % 4) * 2;
-              if (col < p.n_out) old[jj] = *reinterpret_cast<const Pack<TOut, 2>*>(out + row * p.ldc + col);
-            }
-          }
-#pragma unroll
-          for (int jj = 0; jj < kBatch; ++jj) {
-            const int j = j0 + jj;
-            const int64_t col = tg.n0 + j * 8 + (lane % 4) * 2;
-            if (col >= p.n_out) continue;
-            float v0 = data ? acc[j * 4 + half * 2] : 0.0f, v1 = data ? acc[j * 4 + half * 2 + 1] : 0.0f;
-            if (p.accumulate) {
-              v0 += to_float(old[jj].v[0]);
-              v1 += to_float(old[jj].v[1]);
-            }
+          for (int half = 0; half < 2; ++half) {
+            const int rl = warp * 16 + half * 8 + lane / 4;
+            const bool data = rl < data_rows;
             Pack<TOut, 2> o;
-            o.v[0] = from_float<TOut>(v0);
-            o.v[1] = from_float<TOut>(v1);
-            *reinterpret_cast<Pack<TOut, 2>*>(out + row * p.ldc + col) = o;
+            o.v[0] = from_float<TOut>(data ? acc[j * 4 + half * 2] : 0.0f);
+            o.v[1] = from_float<TOut>(data ? acc[j * 4 + half * 2 + 1] : 0.0f);
+            const int byte = (jj * 8 + 2 * (lane % 4)) * static_cast<int>(sizeof(TOut));
+            *reinterpret_cast<Pack<TOut, 2>*>(buf + rl * 128 + (((byte >> 4) ^ (rl & 7)) << 4) + (byte & 15)) = o;
+          }
+        }
+        if (tma) sm90::fence_proxy_async();  // generic-proxy writes -> visible to the TMA
+        named_barrier(2 + c, 128);
+        const int col0 = static_cast<int>(tg.n0) + q * kCw;
+        if (tma) {
+          if (tid == 0) {
+            if (store_kind == StoreKind::kTensor3d) {
+              if (p.accumulate)
+                tma_store_3d<true>(&map_c, buf, col0, static_cast<int>(wg_row0), tg.group);
+              else
+                tma_store_3d<false>(&map_c, buf, col0, static_cast<int>(wg_row0), tg.group);
+            } else {
+              tma_store_2d(&map_c, buf, col0, static_cast<int>(wg_row0));
+            }
+            bulk_commit();
+          }
+        } else {
+          // Masked copy: 64 rows x 8 pieces of 16 bytes, 4 per thread.
+#pragma unroll
+          for (int i = tid; i < 64 * 8; i += 128) {
+            const int r = i / 8, piece = i % 8;
+            const int64_t row = wg_row0 + r, col = col0 + piece * kVec;
+            if (row >= tg.store_hi || col >= p.n_out) continue;
+            Pack<TOut, kVec> v = *reinterpret_cast<const Pack<TOut, kVec>*>(buf + r * 128 + ((piece ^ (r & 7)) << 4));
+            Pack<TOut, kVec>* dst = reinterpret_cast<Pack<TOut, kVec>*>(out + row * p.ldc + col);
+            if (p.accumulate) {
+              const Pack<TOut, kVec> old = *dst;
+#pragma unroll
+              for (int e = 0; e < kVec; ++e) v.v[e] = from_float<TOut>(to_float(old.v[e]) + to_float(v.v[e]));
+            }
+            *dst = v;
           }
         }
       }
     }
+    if (tid == 0) bulk_wait_all();
   }
 #endif
 }
