@@ -110,6 +110,18 @@ void run_gemm_bench(const GemmBenchOptions& opt) {
     TimingOptions t = opt.timing;
     t.flush_l2 = false;  // compute-bound; the operands exceed L2 anyway
     auto tflops = [&](const std::function<void()>& fn) { return flops / time_us(dev, stream, fn, t) / 1e6; };
+    // Ours and dense cuBLAS timed in alternation (5 rounds, median of each), so
+    // that clock drift over the run moves both alike.
+    auto paired = [&](const std::function<void()>& ours, const std::function<void()>& dense) {
+      std::vector<double> a, b;
+      for (int r = 0; r < 5; ++r) {
+        a.push_back(tflops(ours));
+        b.push_back(tflops(dense));
+      }
+      std::sort(a.begin(), a.end());
+      std::sort(b.begin(), b.end());
+      return std::pair{a[2], b[2]};
+    };
     auto add = [&](const std::string& op, double ours, double dense) {
       Row r{c.name, op, flops / ours / 1e6, 0, 0, 0};
       r.extra = {{"TFLOPs", ours}, {"dense_TFLOPs", dense}, {"ratio_to_dense", ours / dense},
@@ -118,7 +130,6 @@ void run_gemm_bench(const GemmBenchOptions& opt) {
       fmt::print("    {:<7} {:7.1f} TFLOP/s   dense cuBLAS {:7.1f}   ratio {:.2f}\n", op, ours, dense, ours / dense);
       std::fflush(stdout);
     };
-    const double fwd = tflops([&] { grouped_gemm_forward(a, GroupedWeights::from_stacked(w), layout, out, stream); });
     cuda::set_gemm_path(cuda::GemmPath::kPortable);
     const double fwd_portable =
         tflops([&] { grouped_gemm_forward(a, GroupedWeights::from_stacked(w), layout, out, stream); });
@@ -149,25 +160,29 @@ void run_gemm_bench(const GemmBenchOptions& opt) {
                "128x128 (2 blocks/SM) {:7.1f}, TMA kernel with masked-store epilogue {:7.1f} TFLOP/s "
                "(wgrad {:7.1f})\n",
                fwd_portable, fwd_cpasync, fwd_narrow, fwd_direct, wg_direct);
-    const double fwd_dense = tflops([&] {
-      CUBLAS_CHECK(cublasGemmEx(handle, CUBLAS_OP_T, CUBLAS_OP_N, N, M, K, &one, w.data(), CUDA_R_16BF, K,
-                                a.data(), CUDA_R_16BF, K, &zero, out.data(), CUDA_R_16BF, N,
-                                CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT));
-    });
+    const auto [fwd, fwd_dense] = paired(
+        [&] { grouped_gemm_forward(a, GroupedWeights::from_stacked(w), layout, out, stream); },
+        [&] {
+          CUBLAS_CHECK(cublasGemmEx(handle, CUBLAS_OP_T, CUBLAS_OP_N, N, M, K, &one, w.data(), CUDA_R_16BF, K,
+                                    a.data(), CUDA_R_16BF, K, &zero, out.data(), CUDA_R_16BF, N,
+                                    CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT));
+        });
     add("forward", fwd, fwd_dense);
-    const double dg = tflops([&] { grouped_gemm_dgrad(dc, GroupedWeights::from_stacked(w), layout, da, stream); });
-    const double dg_dense = tflops([&] {
-      CUBLAS_CHECK(cublasGemmEx(handle, CUBLAS_OP_N, CUBLAS_OP_N, K, M, N, &one, w.data(), CUDA_R_16BF, K,
-                                dc.data(), CUDA_R_16BF, N, &zero, da.data(), CUDA_R_16BF, K,
-                                CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT));
-    });
+    const auto [dg, dg_dense] = paired(
+        [&] { grouped_gemm_dgrad(dc, GroupedWeights::from_stacked(w), layout, da, stream); },
+        [&] {
+          CUBLAS_CHECK(cublasGemmEx(handle, CUBLAS_OP_N, CUBLAS_OP_N, K, M, N, &one, w.data(), CUDA_R_16BF, K,
+                                    dc.data(), CUDA_R_16BF, N, &zero, da.data(), CUDA_R_16BF, K,
+                                    CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT));
+        });
     add("dgrad", dg, dg_dense);
-    const double wg = tflops([&] { grouped_gemm_wgrad(dc, a, layout, GroupedWeights::from_stacked(dw), true, stream); });
-    const double wg_dense = tflops([&] {
-      CUBLAS_CHECK(cublasGemmEx(handle, CUBLAS_OP_N, CUBLAS_OP_T, K, N, M, &one, a.data(), CUDA_R_16BF, K,
-                                dc.data(), CUDA_R_16BF, N, &one, dw.data(), CUDA_R_32F, K,
-                                CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT));
-    });
+    const auto [wg, wg_dense] = paired(
+        [&] { grouped_gemm_wgrad(dc, a, layout, GroupedWeights::from_stacked(dw), true, stream); },
+        [&] {
+          CUBLAS_CHECK(cublasGemmEx(handle, CUBLAS_OP_N, CUBLAS_OP_T, K, N, M, &one, a.data(), CUDA_R_16BF, K,
+                                    dc.data(), CUDA_R_16BF, N, &one, dw.data(), CUDA_R_32F, K,
+                                    CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT));
+        });
     add("wgrad", wg, wg_dense);
   }
   cublasDestroy(handle);

@@ -163,15 +163,21 @@ __device__ __forceinline__ const T* group_base(const void* base, const int64_t* 
 // Every block derives the tile count of each group from the device-side
 // offsets and writes the exclusive prefix to tile_start[0..E] (shared memory).
 // Bad groups (offsets not monotone or past the rows) get no tiles and set
-// p.error. Ends with a barrier.
-template <int TM, int TN, int THREADS = kThreads>
-__device__ void build_tile_prefix(const Params& p, int32_t* tile_start) {
+// p.error. Ends with a barrier. `scratch`: shared memory for the scan
+// (ScanScratch<THREADS>::kBytes), e.g. pipeline stages not yet in use.
+template <int THREADS>
+struct ScanScratch {
   using Scan = cub::BlockScan<int32_t, THREADS>;
-  __shared__ typename Scan::TempStorage scan;
-  __shared__ int32_t carry;
+  typename Scan::TempStorage scan;
+  int32_t carry;
+};
+
+template <int TM, int TN, int THREADS>
+__device__ void build_tile_prefix_in(const Params& p, int32_t* tile_start, ScanScratch<THREADS>& sc) {
+  using Scan = typename ScanScratch<THREADS>::Scan;
   const int E = p.num_groups;
   const int64_t n_tiles = ceil_div_dev(p.n_out, TN);
-  if (threadIdx.x == 0) carry = 0;
+  if (threadIdx.x == 0) sc.carry = 0;
   bool bad = false;
   for (int e0 = 0; e0 < E; e0 += THREADS) {
     const int e = e0 + threadIdx.x;
@@ -187,14 +193,21 @@ __device__ void build_tile_prefix(const Params& p, int32_t* tile_start) {
     }
     int32_t excl, total;
     __syncthreads();
-    Scan(scan).ExclusiveSum(tiles, excl, total);
-    if (e < E) tile_start[e] = carry + excl;
+    Scan(sc.scan).ExclusiveSum(tiles, excl, total);
+    if (e < E) tile_start[e] = sc.carry + excl;
     __syncthreads();
-    if (threadIdx.x == 0) carry += total;
+    if (threadIdx.x == 0) sc.carry += total;
   }
   __syncthreads();
-  if (threadIdx.x == 0) tile_start[E] = carry;
+  if (threadIdx.x == 0) tile_start[E] = sc.carry;
   if (__syncthreads_or(bad) && p.error && threadIdx.x == 0) *p.error = 1;
+}
+
+// The same with the scan storage in static shared memory.
+template <int TM, int TN, int THREADS = kThreads>
+__device__ void build_tile_prefix(const Params& p, int32_t* tile_start) {
+  __shared__ ScanScratch<THREADS> sc;
+  build_tile_prefix_in<TM, TN, THREADS>(p, tile_start, sc);
 }
 
 // One output tile: its group and where its operands and output lie.

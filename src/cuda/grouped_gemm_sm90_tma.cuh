@@ -49,8 +49,8 @@ constexpr int kMaxBufs = 5;            // staging buffers per consumer warpgroup
 struct Smem {
   // stages (1024-aligned) | staging (2 x bufs chunks) | full[] | empty[] | tile_start[E+1]
   static size_t bytes(int stages, int bufs, int num_groups) {
-    return 1024 + size_t(stages) * kStageBytes + size_t(2 * bufs) * kChunkBytes + 2 * kMaxStages * 8 +
-           size_t(num_groups + 1) * 4;
+    return 1024 + size_t(stages) * kStageBytes + size_t(2 * bufs) * kChunkBytes +
+           2 * kMaxStages * 8 + size_t(num_groups + 1) * 4;
   }
 };
 
@@ -64,7 +64,8 @@ __device__ __forceinline__ void mbar_init(uint64_t* bar, uint32_t count) {
   asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(smem_u32(bar)), "r"(count));
 }
 __device__ __forceinline__ void mbar_expect_tx(uint64_t* bar, uint32_t bytes) {
-  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(smem_u32(bar)), "r"(bytes)
+  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(smem_u32(bar)),
+               "r"(bytes)
                : "memory");
 }
 __device__ __forceinline__ void mbar_arrive(uint64_t* bar) {
@@ -81,8 +82,8 @@ __device__ __forceinline__ void mbar_wait(uint64_t* bar, uint32_t parity) {
       "r"(parity)
       : "memory");
 }
-__device__ __forceinline__ void tma_load_2d(void* dst, const CUtensorMap* map, uint64_t* bar, int c0,
-                                            int c1) {
+__device__ __forceinline__ void tma_load_2d(void* dst, const CUtensorMap* map, uint64_t* bar,
+                                            int c0, int c1) {
   asm volatile(
       "cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes"
       " [%0], [%1, {%3, %4}], [%2];\n" ::"r"(smem_u32(dst)),
@@ -90,37 +91,53 @@ __device__ __forceinline__ void tma_load_2d(void* dst, const CUtensorMap* map, u
       : "memory");
 }
 // TMA store / reduce-add of one 64-row x 128-byte staging chunk (bulk group).
-__device__ __forceinline__ void tma_store_2d(const CUtensorMap* map, const void* src, int c0, int c1) {
-  asm volatile("cp.async.bulk.tensor.2d.global.shared::cta.tile.bulk_group [%0, {%2, %3}], [%1];\n" ::"l"(
-                   reinterpret_cast<uint64_t>(map)),
-               "r"(smem_u32(src)), "r"(c0), "r"(c1)
-               : "memory");
+__device__ __forceinline__ void tma_store_2d(const CUtensorMap* map, const void* src, int c0,
+                                             int c1) {
+  asm volatile(
+      "cp.async.bulk.tensor.2d.global.shared::cta.tile.bulk_group [%0, {%2, %3}], [%1];\n" ::"l"(
+          reinterpret_cast<uint64_t>(map)),
+      "r"(smem_u32(src)), "r"(c0), "r"(c1)
+      : "memory");
 }
 template <bool ADD>
-__device__ __forceinline__ void tma_store_3d(const CUtensorMap* map, const void* src, int c0, int c1, int c2) {
+__device__ __forceinline__ void tma_store_3d(const CUtensorMap* map, const void* src, int c0,
+                                             int c1, int c2) {
   if constexpr (ADD)
     asm volatile(
-        "cp.reduce.async.bulk.tensor.3d.global.shared::cta.add.tile.bulk_group [%0, {%2, %3, %4}], [%1];\n" ::"l"(
-            reinterpret_cast<uint64_t>(map)),
+        "cp.reduce.async.bulk.tensor.3d.global.shared::cta.add.tile.bulk_group [%0, {%2, %3, %4}], "
+        "[%1];\n" ::"l"(reinterpret_cast<uint64_t>(map)),
         "r"(smem_u32(src)), "r"(c0), "r"(c1), "r"(c2)
         : "memory");
   else
-    asm volatile("cp.async.bulk.tensor.3d.global.shared::cta.tile.bulk_group [%0, {%2, %3, %4}], [%1];\n" ::"l"(
-                     reinterpret_cast<uint64_t>(map)),
-                 "r"(smem_u32(src)), "r"(c0), "r"(c1), "r"(c2)
-                 : "memory");
+    asm volatile(
+        "cp.async.bulk.tensor.3d.global.shared::cta.tile.bulk_group [%0, {%2, %3, %4}], [%1];\n" ::
+            "l"(reinterpret_cast<uint64_t>(map)),
+        "r"(smem_u32(src)), "r"(c0), "r"(c1), "r"(c2)
+        : "memory");
 }
-__device__ __forceinline__ void bulk_commit() { asm volatile("cp.async.bulk.commit_group;\n" ::: "memory"); }
+__device__ __forceinline__ void bulk_commit() {
+  asm volatile("cp.async.bulk.commit_group;\n" ::: "memory");
+}
 // Waits until at most n (1..4) bulk groups of this thread still read shared memory.
 __device__ __forceinline__ void bulk_wait_read(int n) {
   switch (n) {
-    case 1: asm volatile("cp.async.bulk.wait_group.read 1;\n" ::: "memory"); break;
-    case 2: asm volatile("cp.async.bulk.wait_group.read 2;\n" ::: "memory"); break;
-    case 3: asm volatile("cp.async.bulk.wait_group.read 3;\n" ::: "memory"); break;
-    default: asm volatile("cp.async.bulk.wait_group.read 4;\n" ::: "memory"); break;
+    case 1:
+      asm volatile("cp.async.bulk.wait_group.read 1;\n" ::: "memory");
+      break;
+    case 2:
+      asm volatile("cp.async.bulk.wait_group.read 2;\n" ::: "memory");
+      break;
+    case 3:
+      asm volatile("cp.async.bulk.wait_group.read 3;\n" ::: "memory");
+      break;
+    default:
+      asm volatile("cp.async.bulk.wait_group.read 4;\n" ::: "memory");
+      break;
   }
 }
-__device__ __forceinline__ void bulk_wait_all() { asm volatile("cp.async.bulk.wait_group 0;\n" ::: "memory"); }
+__device__ __forceinline__ void bulk_wait_all() {
+  asm volatile("cp.async.bulk.wait_group 0;\n" ::: "memory");
+}
 __device__ __forceinline__ void named_barrier(int id, int threads) {
   asm volatile("bar.sync %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
 }
@@ -169,7 +186,8 @@ __global__ void __launch_bounds__(kThreads, 1)
                             StoreKind store_kind) {
 #if defined(__CUDA_ARCH__) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
   extern __shared__ uint8_t smem_raw[];
-  uint8_t* smem = reinterpret_cast<uint8_t*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t{1023});
+  uint8_t* smem =
+      reinterpret_cast<uint8_t*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t{1023});
   uint8_t* staging = smem + stages * kStageBytes;  // 1024-aligned
   uint64_t* full = reinterpret_cast<uint64_t*>(staging + 2 * bufs * kChunkBytes);
   uint64_t* empty = full + kMaxStages;
@@ -182,7 +200,13 @@ __global__ void __launch_bounds__(kThreads, 1)
     }
     asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
   }
-  build_tile_prefix<kTileM, kTileN, kThreads>(p, tile_start);  // ends with a barrier
+  // The scan borrows the first pipeline stage (no load has been issued yet);
+  // ends with a barrier.
+  static_assert(sizeof(ScanScratch<kThreads>) <= kStageBytes, "scan scratch must fit in one stage");
+  build_tile_prefix_in<kTileM, kTileN, kThreads>(p, tile_start,
+                                                 *reinterpret_cast<ScanScratch<kThreads>*>(smem));
+  sm90::fence_proxy_async();  // the scan's generic writes, before TMA writes the stage
+  __syncthreads();
   const int32_t num_tiles = tile_start[p.num_groups];
   const int wg = threadIdx.x / 128;
 
@@ -190,39 +214,63 @@ __global__ void __launch_bounds__(kThreads, 1)
     // Producer: one thread walks the same tiles and K slices as the consumers.
     setmaxnreg_dec<40>();
     if (threadIdx.x == 0) {
-      uint32_t it = 0;
-      for (int32_t tile = blockIdx.x; tile < num_tiles; tile += gridDim.x) {
+      // What the producer needs of a tile, in 32-bit (the TMA path keeps rows < 2^31).
+      struct Loads {
+        int k_tiles, m0, n0, kr0, w_row;
+      };
+      auto loads_of = [&](int32_t tile) {
         const TileGeom tg = tile_geometry<kTileM, kTileN, TIn>(p, tile_start, tile);
-        const int k_tiles =
-            tg.m0 >= tg.m_lim ? 0 : static_cast<int>(ceil_div_dev(tg.k_lim - tg.kr0, kTileK));
-        const int w_row = static_cast<int>(int64_t{tg.group} * (MODE == 1 ? p.k_red : p.n_out) + (MODE == 1 ? 0 : tg.n0));
-        for (int kt = 0; kt < k_tiles; ++kt, ++it) {
+        Loads l;
+        l.k_tiles = tg.m0 >= tg.m_lim ? 0 : static_cast<int>(ceil_div_dev(tg.k_lim - tg.kr0, kTileK));
+        l.m0 = static_cast<int>(tg.m0);
+        l.n0 = static_cast<int>(tg.n0);
+        l.kr0 = static_cast<int>(tg.kr0);
+        l.w_row = static_cast<int>(int64_t{tg.group} * (MODE == 1 ? p.k_red : p.n_out) +
+                                   (MODE == 1 ? 0 : tg.n0));
+        return l;
+      };
+      uint32_t it = 0;
+      Loads cur{};
+      if (static_cast<int32_t>(blockIdx.x) < num_tiles) cur = loads_of(blockIdx.x);
+      for (int32_t tile = blockIdx.x; tile < num_tiles; tile += gridDim.x) {
+        // The next tile's geometry is read after this tile's first loads are
+        // issued, so its global-memory latency never starves the consumers.
+        const int32_t next = tile + gridDim.x;
+        Loads nxt{};
+        bool have_next = false;
+        for (int kt = 0; kt < cur.k_tiles; ++kt, ++it) {
           const int s = it % stages;
           mbar_wait(&empty[s], ((it / stages) & 1) ^ 1);
           uint8_t* stage = smem + s * kStageBytes;
           mbar_expect_tx(&full[s], kStageBytes);
           if constexpr (MODE == 2) {  // rows of dC and A: MN-major boxes
-            const int r = static_cast<int>(tg.kr0) + kt * kTileK;
+            const int r = cur.kr0 + kt * kTileK;
 #pragma unroll
             for (int i = 0; i < kTileM / 64; ++i)
-              tma_load_2d(stage + i * 8192, &map_a, &full[s], static_cast<int>(tg.m0) + i * 64, r);
+              tma_load_2d(stage + i * 8192, &map_a, &full[s], cur.m0 + i * 64, r);
 #pragma unroll
             for (int i = 0; i < kTileN / 64; ++i)
-              tma_load_2d(stage + kStageBytesA + i * 8192, &map_w, &full[s], static_cast<int>(tg.n0) + i * 64, r);
-            continue;
-          }
-          tma_load_2d(stage, &map_a, &full[s], kt * kTileK, static_cast<int>(tg.m0));
-          if constexpr (MODE == 1) {
-            // NOTE: reduction rows past N read the next expert's rows; they meet
-            // the zero-filled columns of A (dC) past N and add nothing.
-#pragma unroll
-            for (int i = 0; i < kTileN / 64; ++i)
-              tma_load_2d(stage + kStageBytesA + i * 8192, &map_w, &full[s],
-                          static_cast<int>(tg.n0) + i * 64, w_row + kt * kTileK);
+              tma_load_2d(stage + kStageBytesA + i * 8192, &map_w, &full[s], cur.n0 + i * 64, r);
           } else {
-            tma_load_2d(stage + kStageBytesA, &map_w, &full[s], kt * kTileK, w_row);
+            tma_load_2d(stage, &map_a, &full[s], kt * kTileK, cur.m0);
+            if constexpr (MODE == 1) {
+              // NOTE: reduction rows past N read the next expert's rows; they meet
+              // the zero-filled columns of A (dC) past N and add nothing.
+#pragma unroll
+              for (int i = 0; i < kTileN / 64; ++i)
+                tma_load_2d(stage + kStageBytesA + i * 8192, &map_w, &full[s], cur.n0 + i * 64,
+                            cur.w_row + kt * kTileK);
+            } else {
+              tma_load_2d(stage + kStageBytesA, &map_w, &full[s], kt * kTileK, cur.w_row);
+            }
+          }
+          if (kt == 0 && next < num_tiles) {
+            nxt = loads_of(next);
+            have_next = true;
           }
         }
+        if (!have_next && next < num_tiles) nxt = loads_of(next);
+        cur = nxt;
       }
     }
   } else {
@@ -232,8 +280,15 @@ __global__ void __launch_bounds__(kThreads, 1)
     const int tid = threadIdx.x % 128, lane = threadIdx.x % 32, warp = tid / 32;
     uint8_t* my_staging = staging + c * bufs * kChunkBytes;
     uint32_t it = 0, chunk_no = 0;
+    TileGeom tg{};
+    if (static_cast<int32_t>(blockIdx.x) < num_tiles)
+      tg = tile_geometry<kTileM, kTileN, TIn>(p, tile_start, blockIdx.x);
     for (int32_t tile = blockIdx.x; tile < num_tiles; tile += gridDim.x) {
-      const TileGeom tg = tile_geometry<kTileM, kTileN, TIn>(p, tile_start, tile);
+      // The next tile's geometry is read while this tile's first wgmma runs
+      // (its global loads would otherwise stall between tiles).
+      const int32_t next = tile + gridDim.x;
+      TileGeom ng{};
+      bool have_next = false;
       const int k_tiles =
           tg.m0 >= tg.m_lim ? 0 : static_cast<int>(ceil_div_dev(tg.k_lim - tg.kr0, kTileK));
       float acc[128];
@@ -247,7 +302,8 @@ __global__ void __launch_bounds__(kThreads, 1)
           if (left < kTileK) {  // the group's last slice: zero the rows past its end
             uint8_t* stage = smem + s * kStageBytes;
             zero_slice_rows(stage, kTileM / 64, static_cast<int>(left), threadIdx.x - 128);
-            zero_slice_rows(stage + kStageBytesA, kTileN / 64, static_cast<int>(left), threadIdx.x - 128);
+            zero_slice_rows(stage + kStageBytesA, kTileN / 64, static_cast<int>(left),
+                            threadIdx.x - 128);
             sm90::fence_proxy_async();
             named_barrier(1, 256);  // the two consumer warpgroups
           }
@@ -261,13 +317,20 @@ __global__ void __launch_bounds__(kThreads, 1)
         for (int ks = 0; ks < kTileK / 16; ++ks) {
           using Mma = sm90::Wgmma<TIn, kTileN>;
           if constexpr (MODE == 2)  // both MN-major: 16 K rows of 128 bytes per step
-            Mma::template mma<1, 1>(acc, smem_desc_mn(sa + ks * 16 * 64), smem_desc_mn(sb + ks * 16 * 64));
+            Mma::template mma<1, 1>(acc, smem_desc_mn(sa + ks * 16 * 64),
+                                    smem_desc_mn(sb + ks * 16 * 64));
           else if constexpr (MODE == 1)
-            Mma::template mma<0, 1>(acc, sm90::smem_desc(sa + ks * 16), smem_desc_mn(sb + ks * 16 * 64));
+            Mma::template mma<0, 1>(acc, sm90::smem_desc(sa + ks * 16),
+                                    smem_desc_mn(sb + ks * 16 * 64));
           else
-            Mma::template mma<0, 0>(acc, sm90::smem_desc(sa + ks * 16), sm90::smem_desc(sb + ks * 16));
+            Mma::template mma<0, 0>(acc, sm90::smem_desc(sa + ks * 16),
+                                    sm90::smem_desc(sb + ks * 16));
         }
         sm90::wgmma_commit();
+        if (kt == 0 && next < num_tiles) {
+          ng = tile_geometry<kTileM, kTileN, TIn>(p, tile_start, next);
+          have_next = true;
+        }
         sm90::wgmma_wait<1>();
         sm90::fence_operands(acc);
         // NOTE: the group of slice it-1 is complete: its stage is free again.
@@ -276,71 +339,82 @@ __global__ void __launch_bounds__(kThreads, 1)
       sm90::wgmma_wait<0>();
       sm90::fence_operands(acc);
       if (k_tiles > 0 && tid == 0) mbar_arrive(&empty[(it - 1) % stages]);
+      if (!have_next && next < num_tiles)
+        ng = tile_geometry<kTileM, kTileN, TIn>(p, tile_start, next);
 
       // Epilogue. Fragment of thread (warp, lane): rows warp*16 + lane/4 (+8),
       // columns 8j + 2(lane%4) (+1), j = 0..31, in acc[4j + 2*half + {0,1}].
       const int64_t wg_row0 = tg.m0 + c * 64;
-      if (wg_row0 >= tg.store_hi) continue;  // uniform over the warpgroup
-      // The TMA may write all 64 rows (rows past the matrix are clipped by the map).
-      const bool tma = store_kind != StoreKind::kDirect && (MODE == 2 || wg_row0 + 64 <= tg.store_hi);
-      const int data_rows = static_cast<int>(min(int64_t{64}, max(int64_t{0}, tg.data_rows - c * 64)));
-      TOut* out = MODE == 2 ? const_cast<TOut*>(group_base<TOut>(p.c, p.c_ptrs, p.c_group_stride, tg.group))
-                            : static_cast<TOut*>(p.c);
-      constexpr int kCw = 128 / static_cast<int>(sizeof(TOut));  // columns per chunk
-      constexpr int kVec = 16 / static_cast<int>(sizeof(TOut));  // elements per 16-byte piece
+      if (wg_row0 < tg.store_hi) {  // uniform over the warpgroup
+        // The TMA may write all 64 rows (rows past the matrix are clipped by the map).
+        const bool tma =
+            store_kind != StoreKind::kDirect && (MODE == 2 || wg_row0 + 64 <= tg.store_hi);
+        const int data_rows =
+            static_cast<int>(min(int64_t{64}, max(int64_t{0}, tg.data_rows - c * 64)));
+        TOut* out =
+            MODE == 2
+                ? const_cast<TOut*>(group_base<TOut>(p.c, p.c_ptrs, p.c_group_stride, tg.group))
+                : static_cast<TOut*>(p.c);
+        constexpr int kCw = 128 / static_cast<int>(sizeof(TOut));  // columns per chunk
+        constexpr int kVec = 16 / static_cast<int>(sizeof(TOut));  // elements per 16-byte piece
 #pragma unroll
-      for (int q = 0; q < kTileN / kCw; ++q) {
-        if (tg.n0 + q * kCw >= p.n_out) break;
-        if (tid == 0) bulk_wait_read(bufs - 1);  // the store that last read this buffer is done
-        named_barrier(2 + c, 128);
-        uint8_t* buf = my_staging + (chunk_no++ % bufs) * kChunkBytes;
+        for (int q = 0; q < kTileN / kCw; ++q) {
+          if (tg.n0 + q * kCw >= p.n_out) break;
+          if (tid == 0) bulk_wait_read(bufs - 1);  // the store that last read this buffer is done
+          named_barrier(2 + c, 128);
+          uint8_t* buf = my_staging + (chunk_no++ % bufs) * kChunkBytes;
 #pragma unroll
-        for (int jj = 0; jj < kCw / 8; ++jj) {
-          const int j = q * (kCw / 8) + jj;
+          for (int jj = 0; jj < kCw / 8; ++jj) {
+            const int j = q * (kCw / 8) + jj;
 #pragma unroll
-          for (int half = 0; half < 2; ++half) {
-            const int rl = warp * 16 + half * 8 + lane / 4;
-            const bool data = rl < data_rows;
-            Pack<TOut, 2> o;
-            o.v[0] = from_float<TOut>(data ? acc[j * 4 + half * 2] : 0.0f);
-            o.v[1] = from_float<TOut>(data ? acc[j * 4 + half * 2 + 1] : 0.0f);
-            const int byte = (jj * 8 + 2 * (lane % 4)) * static_cast<int>(sizeof(TOut));
-            *reinterpret_cast<Pack<TOut, 2>*>(buf + rl * 128 + (((byte >> 4) ^ (rl & 7)) << 4) + (byte & 15)) = o;
+            for (int half = 0; half < 2; ++half) {
+              const int rl = warp * 16 + half * 8 + lane / 4;
+              const bool data = rl < data_rows;
+              Pack<TOut, 2> o;
+              o.v[0] = from_float<TOut>(data ? acc[j * 4 + half * 2] : 0.0f);
+              o.v[1] = from_float<TOut>(data ? acc[j * 4 + half * 2 + 1] : 0.0f);
+              const int byte = (jj * 8 + 2 * (lane % 4)) * static_cast<int>(sizeof(TOut));
+              *reinterpret_cast<Pack<TOut, 2>*>(buf + rl * 128 + (((byte >> 4) ^ (rl & 7)) << 4) +
+                                                (byte & 15)) = o;
+            }
+          }
+          if (tma) sm90::fence_proxy_async();  // generic-proxy writes -> visible to the TMA
+          named_barrier(2 + c, 128);
+          const int col0 = static_cast<int>(tg.n0) + q * kCw;
+          if (tma) {
+            if (tid == 0) {
+              if (store_kind == StoreKind::kTensor3d) {
+                if (p.accumulate)
+                  tma_store_3d<true>(&map_c, buf, col0, static_cast<int>(wg_row0), tg.group);
+                else
+                  tma_store_3d<false>(&map_c, buf, col0, static_cast<int>(wg_row0), tg.group);
+              } else {
+                tma_store_2d(&map_c, buf, col0, static_cast<int>(wg_row0));
+              }
+              bulk_commit();
+            }
+          } else {
+            // Masked copy: 64 rows x 8 pieces of 16 bytes, 4 per thread.
+#pragma unroll
+            for (int i = tid; i < 64 * 8; i += 128) {
+              const int r = i / 8, piece = i % 8;
+              const int64_t row = wg_row0 + r, col = col0 + piece * kVec;
+              if (row >= tg.store_hi || col >= p.n_out) continue;
+              Pack<TOut, kVec> v = *reinterpret_cast<const Pack<TOut, kVec>*>(
+                  buf + r * 128 + ((piece ^ (r & 7)) << 4));
+              Pack<TOut, kVec>* dst = reinterpret_cast<Pack<TOut, kVec>*>(out + row * p.ldc + col);
+              if (p.accumulate) {
+                const Pack<TOut, kVec> old = *dst;
+#pragma unroll
+                for (int e = 0; e < kVec; ++e)
+                  v.v[e] = from_float<TOut>(to_float(old.v[e]) + to_float(v.v[e]));
+              }
+              *dst = v;
+            }
           }
         }
-        if (tma) sm90::fence_proxy_async();  // generic-proxy writes -> visible to the TMA
-        named_barrier(2 + c, 128);
-        const int col0 = static_cast<int>(tg.n0) + q * kCw;
-        if (tma) {
-          if (tid == 0) {
-            if (store_kind == StoreKind::kTensor3d) {
-              if (p.accumulate)
-                tma_store_3d<true>(&map_c, buf, col0, static_cast<int>(wg_row0), tg.group);
-              else
-                tma_store_3d<false>(&map_c, buf, col0, static_cast<int>(wg_row0), tg.group);
-            } else {
-              tma_store_2d(&map_c, buf, col0, static_cast<int>(wg_row0));
-            }
-            bulk_commit();
-          }
-        } else {
-          // Masked copy: 64 rows x 8 pieces of 16 bytes, 4 per thread.
-#pragma unroll
-          for (int i = tid; i < 64 * 8; i += 128) {
-            const int r = i / 8, piece = i % 8;
-            const int64_t row = wg_row0 + r, col = col0 + piece * kVec;
-            if (row >= tg.store_hi || col >= p.n_out) continue;
-            Pack<TOut, kVec> v = *reinterpret_cast<const Pack<TOut, kVec>*>(buf + r * 128 + ((piece ^ (r & 7)) << 4));
-            Pack<TOut, kVec>* dst = reinterpret_cast<Pack<TOut, kVec>*>(out + row * p.ldc + col);
-            if (p.accumulate) {
-              const Pack<TOut, kVec> old = *dst;
-#pragma unroll
-              for (int e = 0; e < kVec; ++e) v.v[e] = from_float<TOut>(to_float(old.v[e]) + to_float(v.v[e]));
-            }
-            *dst = v;
-          }
-        }
-      }
+      }  // rows to store
+      tg = ng;
     }
     if (tid == 0) bulk_wait_all();
   }
