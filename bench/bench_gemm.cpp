@@ -5,6 +5,7 @@
 #include <cmath>
 #include <fstream>
 #include <random>
+#include <tuple>
 
 #include <cublas_v2.h>
 #include <fmt/format.h>
@@ -146,13 +147,17 @@ void run_gemm_bench(const GemmBenchOptions& opt) {
         tflops([&] { grouped_gemm_wgrad(dc, a, layout, GroupedWeights::from_stacked(dw), true, stream); });
     cuda::set_gemm_path(cuda::GemmPath::kAuto);
     if (opt.tune) {  // shared-memory split of the TMA kernel: pipeline stages x staging buffers
-      for (const auto [st, nb] : {std::pair{4, 2}, {3, 3}, {3, 4}, {2, 5}}) {
-        cuda::set_tma_tuning({st, nb});
+      for (const auto [st, nb, rb] : {std::tuple{4, 2, 8}, {3, 4, 8}, {4, 2, 4}, {4, 2, 16}, {4, 2, 32}}) {
+        cuda::set_tma_tuning({st, nb, rb});
         const double f = tflops([&] { grouped_gemm_forward(a, GroupedWeights::from_stacked(w), layout, out, stream); });
         const double d = tflops([&] { grouped_gemm_dgrad(dc, GroupedWeights::from_stacked(w), layout, da, stream); });
         const double g =
             tflops([&] { grouped_gemm_wgrad(dc, a, layout, GroupedWeights::from_stacked(dw), true, stream); });
-        fmt::print("    tune stages={} bufs={}: forward {:7.1f} dgrad {:7.1f} wgrad {:7.1f} TFLOP/s\n", st, nb, f, d, g);
+        const double g0 =
+            tflops([&] { grouped_gemm_wgrad(dc, a, layout, GroupedWeights::from_stacked(dw), false, stream); });
+        fmt::print("    tune stages={} bufs={} raster={}: forward {:7.1f} dgrad {:7.1f} wgrad {:7.1f} "
+                   "(beta=0 {:7.1f}) TFLOP/s\n",
+                   st, nb, rb, f, d, g, g0);
       }
       cuda::set_tma_tuning({});
     }

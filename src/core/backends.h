@@ -83,10 +83,12 @@ void grouped_gemm(const GroupedGemmCall& call, cudaStream_t stream);
 enum class GemmPath { kAuto, kSm90CpAsync, kSm90Narrow, kPortable, kTmaDirectStore };
 void set_gemm_path(GemmPath path);
 // Shared-memory split of the TMA kernel (benchmarks): pipeline stages (2-4)
-// and epilogue staging buffers per consumer warpgroup (2-5); 0 = default.
+// and epilogue staging buffers per consumer warpgroup (2-5), raster band;
+// 0 = default.
 struct TmaTuning {
   int stages = 0;
   int bufs = 0;
+  int raster = 0;  // m tiles per raster band (all kernels)
 };
 void set_tma_tuning(TmaTuning tuning);
 size_t plan_workspace_bytes(int64_t num_tokens, int topk, const PlanConfig& config);

@@ -1,6 +1,8 @@
 // Host side of the CUDA grouped GEMM: maps forward / dgrad / wgrad onto the
 // kernel template of grouped_gemm.cuh (operand layouts, element types),
 // sizes the persistent grid from the occupancy of the GPU, launches.
+#include <cudaTypedefs.h>
+
 #include <algorithm>
 #include <atomic>
 #include <cstring>
@@ -10,14 +12,18 @@
 #include "cuda/grouped_gemm_sm90.cuh"
 #include "cuda/grouped_gemm_sm90_tma.cuh"
 
-#include <cudaTypedefs.h>
-
 namespace moeflow::cuda {
 
 static std::atomic<GemmPath> g_gemm_path{GemmPath::kAuto};
-void set_gemm_path(GemmPath path) { g_gemm_path = path; }
-static std::atomic<TmaTuning> g_tma_tuning{TmaTuning{}};
-void set_tma_tuning(TmaTuning tuning) { g_tma_tuning = tuning; }
+void set_gemm_path(GemmPath path) {
+  g_gemm_path = path;
+}
+static std::atomic<int> g_tune_stages{0}, g_tune_bufs{0}, g_tune_raster{0};
+void set_tma_tuning(TmaTuning tuning) {
+  g_tune_stages = tuning.stages;
+  g_tune_bufs = tuning.bufs;
+  g_tune_raster = tuning.raster;
+}
 
 namespace {
 
@@ -50,7 +56,9 @@ PFN_cuTensorMapEncodeTiled_v12000 tensor_map_encoder() {
   return fn;
 }
 
-int64_t addr_of(const void* p) { return static_cast<int64_t>(reinterpret_cast<uintptr_t>(p)); }
+int64_t addr_of(const void* p) {
+  return static_cast<int64_t>(reinterpret_cast<uintptr_t>(p));
+}
 
 // A TMA map of a row-major tensor: dims[0] innermost (elements), byte
 // strides of the outer dims, box in elements, 128-byte swizzle (out of
@@ -67,9 +75,10 @@ CUtensorMap tensor_map(const void* base, CUtensorMapDataType dtype, const int64_
     es[i] = 1;
     if (i + 1 < RANK) st[i] = static_cast<cuuint64_t>(byte_strides[i]);
   }
-  const CUresult r = tensor_map_encoder()(&map, dtype, RANK, const_cast<void*>(base), d, st, b, es,
-                                          CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B,
-                                          CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
+  const CUresult r =
+      tensor_map_encoder()(&map, dtype, RANK, const_cast<void*>(base), d, st, b, es,
+                           CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B,
+                           CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
   MOEFLOW_CHECK(r == CUDA_SUCCESS, "cuTensorMapEncodeTiled failed (", int(r), ") for a ", RANK,
                 "-d tensor with inner dimension ", dims[0]);
   return map;
@@ -84,9 +93,12 @@ CUtensorMap tensor_map_2d(const void* base, int64_t rows, int64_t cols, int64_t 
 
 template <typename T>
 CUtensorMapDataType tma_dtype() {
-  if constexpr (std::is_same_v<T, float>) return CU_TENSOR_MAP_DATA_TYPE_FLOAT32;
-  else if constexpr (std::is_same_v<T, __half>) return CU_TENSOR_MAP_DATA_TYPE_FLOAT16;
-  else return CU_TENSOR_MAP_DATA_TYPE_BFLOAT16;
+  if constexpr (std::is_same_v<T, float>)
+    return CU_TENSOR_MAP_DATA_TYPE_FLOAT32;
+  else if constexpr (std::is_same_v<T, __half>)
+    return CU_TENSOR_MAP_DATA_TYPE_FLOAT16;
+  else
+    return CU_TENSOR_MAP_DATA_TYPE_BFLOAT16;
 }
 
 // Largest dynamic shared memory a block of `kernel` may use on this device.
@@ -106,9 +118,11 @@ template <typename TIn, typename TOut, int MODE>
 bool launch_tma(const Params& p, cudaStream_t stream) {
   namespace t = gemm::sm90tma;
   if (MODE != 2 && (p.b_ptrs != nullptr || p.b == nullptr)) return false;
-  const int64_t w_rows = MODE == 2 ? p.rows : int64_t{p.num_groups} * (MODE == 1 ? p.k_red : p.n_out);
+  const int64_t w_rows =
+      MODE == 2 ? p.rows : int64_t{p.num_groups} * (MODE == 1 ? p.k_red : p.n_out);
   if (p.rows >= (int64_t{1} << 31) || w_rows >= (int64_t{1} << 31)) return false;
-  if (p.rows == 0 || p.n_out == 0 || (MODE == 2 ? p.m_out : p.k_red) == 0) return false;  // maps need extents > 0
+  if (p.rows == 0 || p.n_out == 0 || (MODE == 2 ? p.m_out : p.k_red) == 0)
+    return false;  // maps need extents > 0
   CUtensorMap map_a, map_w, map_c;
   if (MODE == 0) {  // A [rows,K] in 128 x 64 boxes; W as [E*N, K] in 256 x 64 boxes
     map_a = tensor_map_2d(p.a, p.rows, p.k_red, p.lda, t::kTileM);
@@ -134,8 +148,8 @@ bool launch_tma(const Params& p, cudaStream_t stream) {
                             {p.ldc * int64_t{sizeof(TOut)}, plane}, {kCw, 64, 1});
       kind = t::StoreKind::kTensor3d;
     } else if (MODE != 2 && !p.accumulate) {
-      map_c = tensor_map<2>(p.c, tma_dtype<TOut>(), {p.n_out, p.rows}, {p.ldc * int64_t{sizeof(TOut)}},
-                            {kCw, 64});
+      map_c = tensor_map<2>(p.c, tma_dtype<TOut>(), {p.n_out, p.rows},
+                            {p.ldc * int64_t{sizeof(TOut)}}, {kCw, 64});
       kind = t::StoreKind::kTensor2d;
     }
   }
@@ -144,14 +158,14 @@ bool launch_tma(const Params& p, cudaStream_t stream) {
   // Pipeline stages and staging buffers per warpgroup: the tuned default (4, 2)
   // unless set_tma_tuning() asks otherwise; fewer stages when the group table
   // leaves no room.
-  const TmaTuning tune = g_tma_tuning.load();
-  int stages = tune.stages > 0 ? std::min(tune.stages, t::kMaxStages) : t::kMaxStages;
-  const int bufs = tune.bufs > 0 ? std::clamp(tune.bufs, 2, t::kMaxBufs) : 2;
+  const int want_stages = g_tune_stages.load(), want_bufs = g_tune_bufs.load();
+  int stages = want_stages > 0 ? std::min(want_stages, t::kMaxStages) : t::kMaxStages;
+  const int bufs = want_bufs > 0 ? std::clamp(want_bufs, 2, t::kMaxBufs) : 2;
   while (stages > 2 && t::Smem::bytes(stages, bufs, p.num_groups) > limit) --stages;
   const size_t smem = t::Smem::bytes(stages, bufs, p.num_groups);
   if (smem > limit) return false;
-  MOEFLOW_CUDA_CHECK(
-      cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem)));
+  MOEFLOW_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                          static_cast<int>(smem)));
   kernel<<<sm_count(), t::kThreads, smem, stream>>>(p, map_a, map_w, map_c, stages, bufs, kind);
   MOEFLOW_CUDA_LAUNCH_CHECK();
   return true;
@@ -162,10 +176,11 @@ void launch_sm90_tile(const Params& p, cudaStream_t stream) {
   using Cfg = gemm::sm90::Config<TN>;
   const auto kernel = gemm::sm90::grouped_gemm_sm90_kernel<TN, TIn, TOut, gemm::EpilogueIdentity>;
   const size_t smem = Cfg::bytes(p.num_groups);
-  MOEFLOW_CUDA_CHECK(
-      cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem)));
+  MOEFLOW_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                          static_cast<int>(smem)));
   int per_sm = 0;
-  MOEFLOW_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, gemm::sm90::kThreads, smem));
+  MOEFLOW_CUDA_CHECK(
+      cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, gemm::sm90::kThreads, smem));
   MOEFLOW_CHECK(per_sm > 0, "sm90 grouped GEMM does not fit (", smem, " bytes of shared memory)");
   kernel<<<per_sm * sm_count(), gemm::sm90::kThreads, smem, stream>>>(p, gemm::EpilogueIdentity{});
   MOEFLOW_CUDA_LAUNCH_CHECK();
@@ -175,11 +190,11 @@ template <typename TIn, typename TOut>
 void launch_sm90(const Params& p, cudaStream_t stream) {
   const GemmPath path = g_gemm_path.load();
   if (path == GemmPath::kSm90Narrow) return launch_sm90_tile<128, TIn, TOut>(p, stream);
-  if ((path == GemmPath::kAuto || path == GemmPath::kTmaDirectStore) && launch_tma<TIn, TOut, 0>(p, stream))
+  if ((path == GemmPath::kAuto || path == GemmPath::kTmaDirectStore) &&
+      launch_tma<TIn, TOut, 0>(p, stream))
     return;
   launch_sm90_tile<256, TIn, TOut>(p, stream);
 }
-
 
 void check_rows16(const TensorView& v, const char* name) {
   MOEFLOW_CHECK(v.strides[0] % 8 == 0 && addr_of(v.data) % 16 == 0, name,
@@ -189,34 +204,48 @@ void check_rows16(const TensorView& v, const char* name) {
 
 template <typename TIn, typename TOut, bool A_KMAJOR, bool B_KMAJOR>
 void launch(const Params& p, cudaStream_t stream) {
-  if constexpr (A_KMAJOR && B_KMAJOR) {  // forward: both operands K-major
-    if (use_sm90()) return launch_sm90<TIn, TOut>(p, stream);
+  if constexpr (!A_KMAJOR && !std::is_same_v<TOut, float>) {  // wgrad writes float32 only
+    (void)p;
+    (void)stream;
+    MOEFLOW_CHECK(false, "grouped GEMM wgrad writes float32 gradients");
+  } else {
+    if constexpr (A_KMAJOR && B_KMAJOR) {  // forward: both operands K-major
+      if (use_sm90()) return launch_sm90<TIn, TOut>(p, stream);
+    }
+    if constexpr (!B_KMAJOR) {  // dgrad / wgrad: MN-major operands, TMA path only
+      const GemmPath path = g_gemm_path.load();
+      if (use_sm90() && (path == GemmPath::kAuto || path == GemmPath::kTmaDirectStore) &&
+              launch_tma < TIn,
+          TOut, A_KMAJOR ? 1 : 2 > (p, stream))
+        return;
+    }
+    const auto kernel =
+        gemm::grouped_gemm_kernel<TIn, TOut, A_KMAJOR, B_KMAJOR, gemm::EpilogueIdentity>;
+    const size_t smem = gemm::SmemLayout::bytes(p.num_groups);
+    MOEFLOW_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                            static_cast<int>(smem)));
+    int per_sm = 0;
+    MOEFLOW_CUDA_CHECK(
+        cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, gemm::kThreads, smem));
+    MOEFLOW_CHECK(per_sm > 0, "grouped GEMM kernel does not fit on this GPU (", smem,
+                  " bytes of shared memory)");
+    const int blocks = per_sm * sm_count();
+    kernel<<<blocks, gemm::kThreads, smem, stream>>>(p, gemm::EpilogueIdentity{});
+    MOEFLOW_CUDA_LAUNCH_CHECK();
   }
-  if constexpr (!B_KMAJOR) {  // dgrad / wgrad: MN-major operands, TMA path only
-    const GemmPath path = g_gemm_path.load();
-    if (use_sm90() && (path == GemmPath::kAuto || path == GemmPath::kTmaDirectStore) &&
-        launch_tma<TIn, TOut, A_KMAJOR ? 1 : 2>(p, stream))
-      return;
-  }
-  const auto kernel = gemm::grouped_gemm_kernel<TIn, TOut, A_KMAJOR, B_KMAJOR, gemm::EpilogueIdentity>;
-  const size_t smem = gemm::SmemLayout::bytes(p.num_groups);
-  MOEFLOW_CUDA_CHECK(
-      cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem)));
-  int per_sm = 0;
-  MOEFLOW_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, gemm::kThreads, smem));
-  MOEFLOW_CHECK(per_sm > 0, "grouped GEMM kernel does not fit on this GPU (", smem, " bytes of shared memory)");
-  const int blocks = per_sm * sm_count();
-  kernel<<<blocks, gemm::kThreads, smem, stream>>>(p, gemm::EpilogueIdentity{});
-  MOEFLOW_CUDA_LAUNCH_CHECK();
 }
 
 template <typename TIn, bool A_KMAJOR, bool B_KMAJOR>
 void launch_out(DType out, const Params& p, cudaStream_t stream) {
   switch (out) {
-    case DType::kBFloat16: return launch<TIn, __nv_bfloat16, A_KMAJOR, B_KMAJOR>(p, stream);
-    case DType::kFloat16: return launch<TIn, __half, A_KMAJOR, B_KMAJOR>(p, stream);
-    case DType::kFloat32: return launch<TIn, float, A_KMAJOR, B_KMAJOR>(p, stream);
-    default: MOEFLOW_CHECK(false, "unsupported output dtype ", dtype_name(out));
+    case DType::kBFloat16:
+      return launch<TIn, __nv_bfloat16, A_KMAJOR, B_KMAJOR>(p, stream);
+    case DType::kFloat16:
+      return launch<TIn, __half, A_KMAJOR, B_KMAJOR>(p, stream);
+    case DType::kFloat32:
+      return launch<TIn, float, A_KMAJOR, B_KMAJOR>(p, stream);
+    default:
+      MOEFLOW_CHECK(false, "unsupported output dtype ", dtype_name(out));
   }
 }
 
@@ -231,6 +260,7 @@ void launch_in(DType in, DType out, const Params& p, cudaStream_t stream) {
 void grouped_gemm(const GroupedGemmCall& c, cudaStream_t stream) {
   MOEFLOW_CHECK(c.num_groups <= 8192, "grouped GEMM takes at most 8192 groups, got ", c.num_groups);
   Params p{};
+  if (const int rb = g_tune_raster.load(); rb > 0) p.raster = rb;
   p.num_groups = static_cast<int>(c.num_groups);
   p.offsets = c.groups.offsets.data_ptr<int64_t>();
   p.real_rows = c.groups.real_rows.defined() ? c.groups.real_rows.data_ptr<int32_t>() : nullptr;
@@ -242,8 +272,7 @@ void grouped_gemm(const GroupedGemmCall& c, cudaStream_t stream) {
   const GroupedWeights& w = c.w;
   const int64_t* ptrs = w.pointers.defined() ? w.pointers.data_ptr<int64_t>() : nullptr;
   const void* stacked = w.stacked.defined() ? w.stacked.data : nullptr;
-  if (stacked)
-    MOEFLOW_CHECK(addr_of(stacked) % 16 == 0, "weights must be 16-byte aligned");
+  if (stacked) MOEFLOW_CHECK(addr_of(stacked) % 16 == 0, "weights must be 16-byte aligned");
   const DType in = c.a.dtype;
   switch (c.op) {
     case GroupedGemmCall::kForward:  // C[rows,N] = A[rows,K] . W_e[N,K]^T

@@ -25,7 +25,7 @@ constexpr int kTileK = 32;
 constexpr int kStages = 4;
 constexpr int kThreads = 256;
 constexpr int kEpilogueLd = kTileN + 4;  // floats per staged row (bank spread)
-constexpr int kRasterBand = 8;           // m tiles per raster band (L2 reuse of B)
+constexpr int kRasterBand = 8;           // default m tiles per raster band (L2 reuse of B)
 
 // Where an output tile lies; given to the epilogue functor.
 struct TileInfo {
@@ -70,6 +70,7 @@ struct Params {
   int64_t m_out;   // reduce-grouped: output rows of each group (N of dW)
   int64_t n_out;   // output columns
   int64_t k_red;   // rows-grouped: reduction length
+  int raster = kRasterBand;  // m tiles per raster band
 };
 
 // Shared-memory tile of R rows x C bf16/fp16 elements, in 16-byte chunks with
@@ -235,12 +236,13 @@ __device__ __forceinline__ TileGeom tile_geometry(const Params& p, const int32_t
   t.group = lo;
   const int32_t local = tile - tile_start[lo];
   const int64_t seg_lo = p.offsets[lo], seg_hi = p.offsets[lo + 1];
-  // Raster: bands of kRasterBand m tiles, m fastest within a band, so the
+  // Raster: bands of p.raster m tiles, m fastest within a band, so the
   // blocks running at once share B (weight) tiles in L2 as well as A tiles.
   const int64_t m_tiles = ceil_div_dev(p.reduce_grouped ? p.m_out : seg_hi - seg_lo, TM);
-  const int64_t band = local / (kRasterBand * n_tiles), in_band = local % (kRasterBand * n_tiles);
-  const int64_t band_rows = min(int64_t{kRasterBand}, m_tiles - band * kRasterBand);
-  const int64_t mt = band * kRasterBand + in_band % band_rows, nt = in_band / band_rows;
+  const int64_t rb = p.raster;
+  const int64_t band = local / (rb * n_tiles), in_band = local % (rb * n_tiles);
+  const int64_t band_rows = min(rb, m_tiles - band * rb);
+  const int64_t mt = band * rb + in_band % band_rows, nt = in_band / band_rows;
   int64_t real_hi = seg_hi;
   if (p.real_rows) {
     const int64_t r = p.real_rows[lo];

@@ -212,7 +212,7 @@ __global__ void __launch_bounds__(kThreads, 1)
 
   if (wg == 0) {
     // Producer: one thread walks the same tiles and K slices as the consumers.
-    setmaxnreg_dec<40>();
+    setmaxnreg_dec<56>();
     if (threadIdx.x == 0) {
       // What the producer needs of a tile, in 32-bit (the TMA path keeps rows < 2^31).
       struct Loads {
@@ -221,7 +221,8 @@ __global__ void __launch_bounds__(kThreads, 1)
       auto loads_of = [&](int32_t tile) {
         const TileGeom tg = tile_geometry<kTileM, kTileN, TIn>(p, tile_start, tile);
         Loads l;
-        l.k_tiles = tg.m0 >= tg.m_lim ? 0 : static_cast<int>(ceil_div_dev(tg.k_lim - tg.kr0, kTileK));
+        l.k_tiles =
+            tg.m0 >= tg.m_lim ? 0 : static_cast<int>(ceil_div_dev(tg.k_lim - tg.kr0, kTileK));
         l.m0 = static_cast<int>(tg.m0);
         l.n0 = static_cast<int>(tg.n0);
         l.kr0 = static_cast<int>(tg.kr0);
@@ -275,35 +276,47 @@ __global__ void __launch_bounds__(kThreads, 1)
     }
   } else {
     // Consumers: warpgroup c = wg - 1 owns rows c*64 .. c*64+63 of each tile.
-    setmaxnreg_inc<232>();
+    setmaxnreg_inc<224>();  // 128 x 56 + 256 x 224 <= 64K registers
     const int c = wg - 1;
     const int tid = threadIdx.x % 128, lane = threadIdx.x % 32, warp = tid / 32;
     uint8_t* my_staging = staging + c * bufs * kChunkBytes;
+    // What the consumers need of a tile, in 32-bit (the TMA path keeps rows
+    // < 2^31): few registers stay live next to the 128 accumulators.
+    struct Work {
+      int k_tiles, last_rows;  // slices; rows of the final slice (wgrad)
+      int m0, n0, group;
+      int store_rows, data_rows;  // tile rows that are written / hold data (0..128)
+    };
+    auto work_of = [&](int32_t tile) {
+      const TileGeom tg = tile_geometry<kTileM, kTileN, TIn>(p, tile_start, tile);
+      const int64_t red = tg.k_lim - tg.kr0;
+      Work w;
+      w.k_tiles = tg.m0 >= tg.m_lim ? 0 : static_cast<int>(ceil_div_dev(red, kTileK));
+      w.last_rows = static_cast<int>(red - int64_t{w.k_tiles - 1} * kTileK);
+      w.m0 = static_cast<int>(tg.m0);
+      w.n0 = static_cast<int>(tg.n0);
+      w.group = tg.group;
+      w.store_rows = static_cast<int>(min(int64_t{kTileM}, max(int64_t{0}, tg.store_hi - tg.m0)));
+      w.data_rows = static_cast<int>(min(int64_t{kTileM}, max(int64_t{0}, tg.data_rows)));
+      return w;
+    };
     uint32_t it = 0, chunk_no = 0;
-    TileGeom tg{};
-    if (static_cast<int32_t>(blockIdx.x) < num_tiles)
-      tg = tile_geometry<kTileM, kTileN, TIn>(p, tile_start, blockIdx.x);
+    Work tw{};
+    if (static_cast<int32_t>(blockIdx.x) < num_tiles) tw = work_of(blockIdx.x);
     for (int32_t tile = blockIdx.x; tile < num_tiles; tile += gridDim.x) {
-      // The next tile's geometry is read while this tile's first wgmma runs
-      // (its global loads would otherwise stall between tiles).
       const int32_t next = tile + gridDim.x;
-      TileGeom ng{};
-      bool have_next = false;
-      const int k_tiles =
-          tg.m0 >= tg.m_lim ? 0 : static_cast<int>(ceil_div_dev(tg.k_lim - tg.kr0, kTileK));
       float acc[128];
 #pragma unroll
       for (int i = 0; i < 128; ++i) acc[i] = 0.0f;
-      for (int kt = 0; kt < k_tiles; ++kt, ++it) {
+      for (int kt = 0; kt < tw.k_tiles; ++kt, ++it) {
         const int s = it % stages;
         mbar_wait(&full[s], (it / stages) & 1);
         if constexpr (MODE == 2) {
-          const int64_t left = tg.k_lim - (tg.kr0 + int64_t{kt} * kTileK);
-          if (left < kTileK) {  // the group's last slice: zero the rows past its end
+          if (kt == tw.k_tiles - 1 && tw.last_rows < kTileK) {
+            // the group's last slice: zero the rows past its end
             uint8_t* stage = smem + s * kStageBytes;
-            zero_slice_rows(stage, kTileM / 64, static_cast<int>(left), threadIdx.x - 128);
-            zero_slice_rows(stage + kStageBytesA, kTileN / 64, static_cast<int>(left),
-                            threadIdx.x - 128);
+            zero_slice_rows(stage, kTileM / 64, tw.last_rows, threadIdx.x - 128);
+            zero_slice_rows(stage + kStageBytesA, kTileN / 64, tw.last_rows, threadIdx.x - 128);
             sm90::fence_proxy_async();
             named_barrier(1, 256);  // the two consumer warpgroups
           }
@@ -327,10 +340,6 @@ __global__ void __launch_bounds__(kThreads, 1)
                                     sm90::smem_desc(sb + ks * 16));
         }
         sm90::wgmma_commit();
-        if (kt == 0 && next < num_tiles) {
-          ng = tile_geometry<kTileM, kTileN, TIn>(p, tile_start, next);
-          have_next = true;
-        }
         sm90::wgmma_wait<1>();
         sm90::fence_operands(acc);
         // NOTE: the group of slice it-1 is complete: its stage is free again.
@@ -338,28 +347,28 @@ __global__ void __launch_bounds__(kThreads, 1)
       }
       sm90::wgmma_wait<0>();
       sm90::fence_operands(acc);
-      if (k_tiles > 0 && tid == 0) mbar_arrive(&empty[(it - 1) % stages]);
-      if (!have_next && next < num_tiles)
-        ng = tile_geometry<kTileM, kTileN, TIn>(p, tile_start, next);
+      if (tw.k_tiles > 0 && tid == 0) mbar_arrive(&empty[(it - 1) % stages]);
+      // The next tile's geometry: its loads run while this epilogue does.
+      Work nw{};
+      if (next < num_tiles) nw = work_of(next);
 
       // Epilogue. Fragment of thread (warp, lane): rows warp*16 + lane/4 (+8),
       // columns 8j + 2(lane%4) (+1), j = 0..31, in acc[4j + 2*half + {0,1}].
-      const int64_t wg_row0 = tg.m0 + c * 64;
-      if (wg_row0 < tg.store_hi) {  // uniform over the warpgroup
+      const int wg_rows = min(64, tw.store_rows - c * 64);  // rows this warpgroup writes
+      if (wg_rows > 0) {                                    // uniform over the warpgroup
+        const int64_t wg_row0 = int64_t{tw.m0} + c * 64;
         // The TMA may write all 64 rows (rows past the matrix are clipped by the map).
-        const bool tma =
-            store_kind != StoreKind::kDirect && (MODE == 2 || wg_row0 + 64 <= tg.store_hi);
-        const int data_rows =
-            static_cast<int>(min(int64_t{64}, max(int64_t{0}, tg.data_rows - c * 64)));
+        const bool tma = store_kind != StoreKind::kDirect && (MODE == 2 || wg_rows == 64);
+        const int data_rows = max(0, min(64, tw.data_rows - c * 64));
         TOut* out =
             MODE == 2
-                ? const_cast<TOut*>(group_base<TOut>(p.c, p.c_ptrs, p.c_group_stride, tg.group))
+                ? const_cast<TOut*>(group_base<TOut>(p.c, p.c_ptrs, p.c_group_stride, tw.group))
                 : static_cast<TOut*>(p.c);
         constexpr int kCw = 128 / static_cast<int>(sizeof(TOut));  // columns per chunk
         constexpr int kVec = 16 / static_cast<int>(sizeof(TOut));  // elements per 16-byte piece
 #pragma unroll
         for (int q = 0; q < kTileN / kCw; ++q) {
-          if (tg.n0 + q * kCw >= p.n_out) break;
+          if (tw.n0 + q * kCw >= p.n_out) break;
           if (tid == 0) bulk_wait_read(bufs - 1);  // the store that last read this buffer is done
           named_barrier(2 + c, 128);
           uint8_t* buf = my_staging + (chunk_no++ % bufs) * kChunkBytes;
@@ -380,14 +389,14 @@ __global__ void __launch_bounds__(kThreads, 1)
           }
           if (tma) sm90::fence_proxy_async();  // generic-proxy writes -> visible to the TMA
           named_barrier(2 + c, 128);
-          const int col0 = static_cast<int>(tg.n0) + q * kCw;
+          const int col0 = tw.n0 + q * kCw;
           if (tma) {
             if (tid == 0) {
               if (store_kind == StoreKind::kTensor3d) {
                 if (p.accumulate)
-                  tma_store_3d<true>(&map_c, buf, col0, static_cast<int>(wg_row0), tg.group);
+                  tma_store_3d<true>(&map_c, buf, col0, static_cast<int>(wg_row0), tw.group);
                 else
-                  tma_store_3d<false>(&map_c, buf, col0, static_cast<int>(wg_row0), tg.group);
+                  tma_store_3d<false>(&map_c, buf, col0, static_cast<int>(wg_row0), tw.group);
               } else {
                 tma_store_2d(&map_c, buf, col0, static_cast<int>(wg_row0));
               }
@@ -399,7 +408,7 @@ __global__ void __launch_bounds__(kThreads, 1)
             for (int i = tid; i < 64 * 8; i += 128) {
               const int r = i / 8, piece = i % 8;
               const int64_t row = wg_row0 + r, col = col0 + piece * kVec;
-              if (row >= tg.store_hi || col >= p.n_out) continue;
+              if (r >= wg_rows || col >= p.n_out) continue;
               Pack<TOut, kVec> v = *reinterpret_cast<const Pack<TOut, kVec>*>(
                   buf + r * 128 + ((piece ^ (r & 7)) << 4));
               Pack<TOut, kVec>* dst = reinterpret_cast<Pack<TOut, kVec>*>(out + row * p.ldc + col);
@@ -414,7 +423,7 @@ __global__ void __launch_bounds__(kThreads, 1)
           }
         }
       }  // rows to store
-      tg = ng;
+      tw = nw;
     }
     if (tid == 0) bulk_wait_all();
   }
