@@ -1,25 +1,26 @@
 // `moeflow bench gemm`: grouped GEMM forward, dgrad and wgrad on the cases of
 // shared/BENCHMARKS.md (and a rows-per-expert sweep), next to dense cuBLAS of
 // the same FLOPs measured in the same run. FLOPs = 2 * rows * K * N.
+#include <cublas_v2.h>
+#include <fmt/format.h>
+
 #include <algorithm>
 #include <cmath>
 #include <fstream>
 #include <random>
 #include <tuple>
 
-#include <cublas_v2.h>
-#include <fmt/format.h>
-
 #include "bench/bench.h"
 #include "core/backends.h"
+#include "core/mlp_call.h"
 
 namespace moeflow::bench {
 
 namespace {
 
-#define CUBLAS_CHECK(x)                                                               \
-  do {                                                                                \
-    cublasStatus_t st_ = (x);                                                         \
+#define CUBLAS_CHECK(x)                                                                \
+  do {                                                                                 \
+    cublasStatus_t st_ = (x);                                                          \
     MOEFLOW_CHECK(st_ == CUBLAS_STATUS_SUCCESS, "cuBLAS error ", int(st_), " in " #x); \
   } while (0)
 
@@ -74,14 +75,19 @@ void run_gemm_bench(const GemmBenchOptions& opt) {
                                        {"qwen3-fc1", 128, 131072, 2048, 1536, {}},
                                        {"qwen3-fc2", 128, 131072, 768, 2048, {}}};
     for (const auto& c : all)
-      if (opt.cases.empty() || std::find(opt.cases.begin(), opt.cases.end(), c.name) != opt.cases.end())
+      if (opt.cases.empty() ||
+          std::find(opt.cases.begin(), opt.cases.end(), c.name) != opt.cases.end())
         cases.push_back(c);
     for (auto& c : cases) c.sizes = uneven_split(c.experts, c.rows, 0);
   } else {
     for (bool skewed : {false, true})
       for (int64_t R : {64, 128, 256, 512, 1024, 2048, 4096}) {
-        GemmCase c{fmt::format("{}-{}", skewed ? "skew" : "unif", R), opt.sweep_experts,
-                   opt.sweep_experts * R, opt.sweep_k, opt.sweep_n, sweep_split(opt.sweep_experts, R, skewed)};
+        GemmCase c{fmt::format("{}-{}", skewed ? "skew" : "unif", R),
+                   opt.sweep_experts,
+                   opt.sweep_experts * R,
+                   opt.sweep_k,
+                   opt.sweep_n,
+                   sweep_split(opt.sweep_experts, R, skewed)};
         cases.push_back(c);
       }
   }
@@ -95,13 +101,17 @@ void run_gemm_bench(const GemmBenchOptions& opt) {
     const int64_t E = c.experts, M = c.rows, K = c.k, N = c.n;
     Tensor offs = Tensor::empty({E + 1}, DType::kInt64);
     offs.data_ptr<int64_t>()[0] = 0;
-    for (int64_t e = 0; e < E; ++e) offs.data_ptr<int64_t>()[e + 1] = offs.data_ptr<int64_t>()[e] + c.sizes[e];
+    for (int64_t e = 0; e < E; ++e)
+      offs.data_ptr<int64_t>()[e + 1] = offs.data_ptr<int64_t>()[e] + c.sizes[e];
     GroupLayout layout;
     Tensor offs_g = offs.to(dev);
     layout.offsets = offs_g;
-    Tensor a = Tensor::empty({M, K}, DType::kBFloat16, dev), w = Tensor::empty({E, N, K}, DType::kBFloat16, dev);
-    Tensor out = Tensor::empty({M, N}, DType::kBFloat16, dev), dc = Tensor::empty({M, N}, DType::kBFloat16, dev);
-    Tensor da = Tensor::empty({M, K}, DType::kBFloat16, dev), dw = Tensor::empty({E, N, K}, DType::kFloat32, dev);
+    Tensor a = Tensor::empty({M, K}, DType::kBFloat16, dev),
+           w = Tensor::empty({E, N, K}, DType::kBFloat16, dev);
+    Tensor out = Tensor::empty({M, N}, DType::kBFloat16, dev),
+           dc = Tensor::empty({M, N}, DType::kBFloat16, dev);
+    Tensor da = Tensor::empty({M, K}, DType::kBFloat16, dev),
+           dw = Tensor::empty({E, N, K}, DType::kFloat32, dev);
     fill_bytes(a, 0x3C, stream);  // ~0.0115 in bf16: finite, non-zero
     fill_bytes(w, 0x3C, stream);
     fill_bytes(dc, 0x3C, stream);
@@ -110,7 +120,9 @@ void run_gemm_bench(const GemmBenchOptions& opt) {
     const float one = 1.0f, zero = 0.0f;
     TimingOptions t = opt.timing;
     t.flush_l2 = false;  // compute-bound; the operands exceed L2 anyway
-    auto tflops = [&](const std::function<void()>& fn) { return flops / time_us(dev, stream, fn, t) / 1e6; };
+    auto tflops = [&](const std::function<void()>& fn) {
+      return flops / time_us(dev, stream, fn, t) / 1e6;
+    };
     // Ours and dense cuBLAS timed in alternation (5 rounds, median of each), so
     // that clock drift over the run moves both alike.
     auto paired = [&](const std::function<void()>& ours, const std::function<void()>& dense) {
@@ -125,68 +137,121 @@ void run_gemm_bench(const GemmBenchOptions& opt) {
     };
     auto add = [&](const std::string& op, double ours, double dense) {
       Row r{c.name, op, flops / ours / 1e6, 0, 0, 0};
-      r.extra = {{"TFLOPs", ours}, {"dense_TFLOPs", dense}, {"ratio_to_dense", ours / dense},
-                 {"experts", E}, {"rows", M}, {"K", K}, {"N", N}};
+      r.extra = {{"TFLOPs", ours},
+                 {"dense_TFLOPs", dense},
+                 {"ratio_to_dense", ours / dense},
+                 {"experts", E},
+                 {"rows", M},
+                 {"K", K},
+                 {"N", N}};
       rows_out.push_back(r);
-      fmt::print("    {:<7} {:7.1f} TFLOP/s   dense cuBLAS {:7.1f}   ratio {:.2f}\n", op, ours, dense, ours / dense);
+      fmt::print("    {:<7} {:7.1f} TFLOP/s   dense cuBLAS {:7.1f}   ratio {:.2f}\n", op, ours,
+                 dense, ours / dense);
       std::fflush(stdout);
     };
     cuda::set_gemm_path(cuda::GemmPath::kPortable);
-    const double fwd_portable =
-        tflops([&] { grouped_gemm_forward(a, GroupedWeights::from_stacked(w), layout, out, stream); });
+    const double fwd_portable = tflops(
+        [&] { grouped_gemm_forward(a, GroupedWeights::from_stacked(w), layout, out, stream); });
     cuda::set_gemm_path(cuda::GemmPath::kSm90Narrow);
-    const double fwd_narrow =
-        tflops([&] { grouped_gemm_forward(a, GroupedWeights::from_stacked(w), layout, out, stream); });
+    const double fwd_narrow = tflops(
+        [&] { grouped_gemm_forward(a, GroupedWeights::from_stacked(w), layout, out, stream); });
     cuda::set_gemm_path(cuda::GemmPath::kSm90CpAsync);
-    const double fwd_cpasync =
-        tflops([&] { grouped_gemm_forward(a, GroupedWeights::from_stacked(w), layout, out, stream); });
+    const double fwd_cpasync = tflops(
+        [&] { grouped_gemm_forward(a, GroupedWeights::from_stacked(w), layout, out, stream); });
     cuda::set_gemm_path(cuda::GemmPath::kTmaDirectStore);
-    const double fwd_direct =
-        tflops([&] { grouped_gemm_forward(a, GroupedWeights::from_stacked(w), layout, out, stream); });
-    const double wg_direct =
-        tflops([&] { grouped_gemm_wgrad(dc, a, layout, GroupedWeights::from_stacked(dw), true, stream); });
+    const double fwd_direct = tflops(
+        [&] { grouped_gemm_forward(a, GroupedWeights::from_stacked(w), layout, out, stream); });
+    const double wg_direct = tflops(
+        [&] { grouped_gemm_wgrad(dc, a, layout, GroupedWeights::from_stacked(dw), true, stream); });
     cuda::set_gemm_path(cuda::GemmPath::kAuto);
     if (opt.tune) {  // shared-memory split of the TMA kernel: pipeline stages x staging buffers
-      for (const auto [st, nb, rb] : {std::tuple{4, 2, 8}, {3, 4, 8}, {4, 2, 4}, {4, 2, 16}, {4, 2, 32}}) {
+      for (const auto [st, nb, rb] :
+           {std::tuple{4, 2, 8}, {3, 4, 8}, {4, 2, 4}, {4, 2, 16}, {4, 2, 32}}) {
         cuda::set_tma_tuning({st, nb, rb});
-        const double f = tflops([&] { grouped_gemm_forward(a, GroupedWeights::from_stacked(w), layout, out, stream); });
-        const double d = tflops([&] { grouped_gemm_dgrad(dc, GroupedWeights::from_stacked(w), layout, da, stream); });
-        const double g =
-            tflops([&] { grouped_gemm_wgrad(dc, a, layout, GroupedWeights::from_stacked(dw), true, stream); });
-        const double g0 =
-            tflops([&] { grouped_gemm_wgrad(dc, a, layout, GroupedWeights::from_stacked(dw), false, stream); });
-        fmt::print("    tune stages={} bufs={} raster={}: forward {:7.1f} dgrad {:7.1f} wgrad {:7.1f} "
-                   "(beta=0 {:7.1f}) TFLOP/s\n",
-                   st, nb, rb, f, d, g, g0);
+        const double f = tflops(
+            [&] { grouped_gemm_forward(a, GroupedWeights::from_stacked(w), layout, out, stream); });
+        const double d = tflops(
+            [&] { grouped_gemm_dgrad(dc, GroupedWeights::from_stacked(w), layout, da, stream); });
+        const double g = tflops([&] {
+          grouped_gemm_wgrad(dc, a, layout, GroupedWeights::from_stacked(dw), true, stream);
+        });
+        const double g0 = tflops([&] {
+          grouped_gemm_wgrad(dc, a, layout, GroupedWeights::from_stacked(dw), false, stream);
+        });
+        fmt::print(
+            "    tune stages={} bufs={} raster={}: forward {:7.1f} dgrad {:7.1f} wgrad {:7.1f} "
+            "(beta=0 {:7.1f}) TFLOP/s\n",
+            st, nb, rb, f, d, g, g0);
       }
       cuda::set_tma_tuning({});
     }
-    fmt::print("    forward variants: portable mma.sync {:7.1f}, cp.async+wgmma 128x256 {:7.1f}, "
-               "128x128 (2 blocks/SM) {:7.1f}, TMA kernel with masked-store epilogue {:7.1f} TFLOP/s "
-               "(wgrad {:7.1f})\n",
-               fwd_portable, fwd_cpasync, fwd_narrow, fwd_direct, wg_direct);
+    fmt::print(
+        "    forward variants: portable mma.sync {:7.1f}, cp.async+wgmma 128x256 {:7.1f}, "
+        "128x128 (2 blocks/SM) {:7.1f}, TMA kernel with masked-store epilogue {:7.1f} TFLOP/s "
+        "(wgrad {:7.1f})\n",
+        fwd_portable, fwd_cpasync, fwd_narrow, fwd_direct, wg_direct);
     const auto [fwd, fwd_dense] = paired(
         [&] { grouped_gemm_forward(a, GroupedWeights::from_stacked(w), layout, out, stream); },
         [&] {
-          CUBLAS_CHECK(cublasGemmEx(handle, CUBLAS_OP_T, CUBLAS_OP_N, N, M, K, &one, w.data(), CUDA_R_16BF, K,
-                                    a.data(), CUDA_R_16BF, K, &zero, out.data(), CUDA_R_16BF, N,
-                                    CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT));
+          CUBLAS_CHECK(cublasGemmEx(handle, CUBLAS_OP_T, CUBLAS_OP_N, N, M, K, &one, w.data(),
+                                    CUDA_R_16BF, K, a.data(), CUDA_R_16BF, K, &zero, out.data(),
+                                    CUDA_R_16BF, N, CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT));
         });
     add("forward", fwd, fwd_dense);
+    if (c.name.size() > 4 && c.name.substr(c.name.size() - 4) == "-fc1" && N % 128 == 0) {
+      // FC1 with bias + SwiGLU + probability scale fused, saving the pre-activation
+      // output (as training does), timed in alternation with the plain FC1.
+      Tensor act = Tensor::empty({M, N / 2}, DType::kBFloat16, dev),
+             bias = Tensor::empty({E, N}, DType::kBFloat16, dev);
+      Tensor probs = Tensor::empty({M}, DType::kFloat32, dev);
+      fill_bytes(bias, 0x3C, stream);
+      fill_bytes(probs, 0x3C, stream);
+      MlpFc1Call call;
+      call.x = a;
+      call.w1 = w;
+      call.groups = layout;
+      call.bias1 = bias;
+      call.probs = probs;
+      call.out = act;
+      call.raw = out;
+      call.rows = M;
+      call.num_groups = E;
+      call.hidden = K;
+      call.ffn = N / 2;
+      try {
+        cuda::mlp_fc1_forward(call, stream);
+      } catch (const Error& e) {
+        fmt::print("    fused FC1 skipped: {}\n", e.what());
+        call.num_groups = 0;
+      }
+      if (call.num_groups > 0) {
+        const auto [fused, plain] = paired(
+            [&] { cuda::mlp_fc1_forward(call, stream); },
+            [&] { grouped_gemm_forward(a, GroupedWeights::from_stacked(w), layout, out, stream); });
+        fmt::print(
+            "    fc1 + bias + SwiGLU + probs fused (pre-activation saved) {:7.1f} TFLOP/s, FC1 "
+            "alone {:7.1f}: "
+            "fused costs {:.3f}x FC1 alone\n",
+            fused, plain, plain / fused);
+        Row r{c.name, "fc1_swiglu_fused", flops / fused / 1e6, 0, 0, 0};
+        r.extra = {{"TFLOPs", fused}, {"fc1_alone_TFLOPs", plain}, {"time_ratio", plain / fused}};
+        rows_out.push_back(r);
+      }
+    }
     const auto [dg, dg_dense] = paired(
         [&] { grouped_gemm_dgrad(dc, GroupedWeights::from_stacked(w), layout, da, stream); },
         [&] {
-          CUBLAS_CHECK(cublasGemmEx(handle, CUBLAS_OP_N, CUBLAS_OP_N, K, M, N, &one, w.data(), CUDA_R_16BF, K,
-                                    dc.data(), CUDA_R_16BF, N, &zero, da.data(), CUDA_R_16BF, K,
-                                    CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT));
+          CUBLAS_CHECK(cublasGemmEx(handle, CUBLAS_OP_N, CUBLAS_OP_N, K, M, N, &one, w.data(),
+                                    CUDA_R_16BF, K, dc.data(), CUDA_R_16BF, N, &zero, da.data(),
+                                    CUDA_R_16BF, K, CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT));
         });
     add("dgrad", dg, dg_dense);
     const auto [wg, wg_dense] = paired(
         [&] { grouped_gemm_wgrad(dc, a, layout, GroupedWeights::from_stacked(dw), true, stream); },
         [&] {
-          CUBLAS_CHECK(cublasGemmEx(handle, CUBLAS_OP_N, CUBLAS_OP_T, K, N, M, &one, a.data(), CUDA_R_16BF, K,
-                                    dc.data(), CUDA_R_16BF, N, &one, dw.data(), CUDA_R_32F, K,
-                                    CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT));
+          CUBLAS_CHECK(cublasGemmEx(handle, CUBLAS_OP_N, CUBLAS_OP_T, K, N, M, &one, a.data(),
+                                    CUDA_R_16BF, K, dc.data(), CUDA_R_16BF, N, &one, dw.data(),
+                                    CUDA_R_32F, K, CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT));
         });
     add("wgrad", wg, wg_dense);
   }

@@ -8,6 +8,7 @@
 #include <cstring>
 
 #include "core/backends.h"
+#include "core/mlp_call.h"
 #include "cuda/grouped_gemm.cuh"
 #include "cuda/grouped_gemm_sm90.cuh"
 #include "cuda/grouped_gemm_sm90_tma.cuh"
@@ -114,8 +115,9 @@ size_t max_dynamic_smem(Kernel kernel) {
 
 // The TMA path (MODE as in grouped_gemm_sm90_tma.cuh): the B matrix one
 // tensor (stacked weights; the activations for wgrad), indices within int32.
-template <typename TIn, typename TOut, int MODE>
-bool launch_tma(const Params& p, cudaStream_t stream) {
+template <typename TIn, typename TOut, int MODE, typename Epi = gemm::sm90tma::EpiIdentity>
+bool launch_tma(const Params& p, cudaStream_t stream, const Epi& epi = {}) {
+  constexpr bool kFused = !std::is_same_v<Epi, gemm::sm90tma::EpiIdentity>;
   namespace t = gemm::sm90tma;
   if (MODE != 2 && (p.b_ptrs != nullptr || p.b == nullptr)) return false;
   const int64_t w_rows =
@@ -123,10 +125,12 @@ bool launch_tma(const Params& p, cudaStream_t stream) {
   if (p.rows >= (int64_t{1} << 31) || w_rows >= (int64_t{1} << 31)) return false;
   if (p.rows == 0 || p.n_out == 0 || (MODE == 2 ? p.m_out : p.k_red) == 0)
     return false;  // maps need extents > 0
-  CUtensorMap map_a, map_w, map_c;
+  CUtensorMap map_a, map_w, map_c, map_raw;
+  std::memset(&map_raw, 0, sizeof(map_raw));
   if (MODE == 0) {  // A [rows,K] in 128 x 64 boxes; W as [E*N, K] in 256 x 64 boxes
     map_a = tensor_map_2d(p.a, p.rows, p.k_red, p.lda, t::kTileM);
-    map_w = tensor_map_2d(p.b, w_rows, p.k_red, p.ldb, t::kTileN);
+    // (fused GLU halves: two 128-row boxes per tile, gate rows then up rows)
+    map_w = tensor_map_2d(p.b, w_rows, p.k_red, p.ldb, Epi::kSplitB ? t::kTileN / 2 : t::kTileN);
   } else if (MODE == 1) {  // dC [rows,N] in 128 x 64 boxes; W as [E*N, K] in 64 x 64 boxes
     map_a = tensor_map_2d(p.a, p.rows, p.k_red, p.lda, t::kTileM);
     map_w = tensor_map_2d(p.b, w_rows, p.n_out, p.ldb, 64);
@@ -148,12 +152,22 @@ bool launch_tma(const Params& p, cudaStream_t stream) {
                             {p.ldc * int64_t{sizeof(TOut)}, plane}, {kCw, 64, 1});
       kind = t::StoreKind::kTensor3d;
     } else if (MODE != 2 && !p.accumulate) {
-      map_c = tensor_map<2>(p.c, tma_dtype<TOut>(), {p.n_out, p.rows},
+      const int64_t out_cols = p.n_store > 0 ? p.n_store : p.n_out;
+      map_c = tensor_map<2>(p.c, tma_dtype<TOut>(), {out_cols, p.rows},
                             {p.ldc * int64_t{sizeof(TOut)}}, {kCw, 64});
       kind = t::StoreKind::kTensor2d;
     }
   }
-  const auto kernel = t::grouped_gemm_tma_kernel<TIn, TOut, MODE>;
+  if constexpr (kFused) {
+    if (epi.raw != nullptr) {  // the pre-activation output [rows, n_out], contiguous
+      MOEFLOW_CHECK(kind == t::StoreKind::kTensor2d || direct_only,
+                    "fused FC1: outputs must be 16-byte aligned");
+      if (kind == t::StoreKind::kTensor2d)
+        map_raw = tensor_map<2>(epi.raw, tma_dtype<TOut>(), {p.n_out, p.rows},
+                                {p.n_out * int64_t{sizeof(TOut)}}, {kCw, 64});
+    }
+  }
+  const auto kernel = t::grouped_gemm_tma_kernel<TIn, TOut, MODE, Epi>;
   const size_t limit = max_dynamic_smem(kernel);
   // Pipeline stages and staging buffers per warpgroup: the tuned default (4, 2)
   // unless set_tma_tuning() asks otherwise; fewer stages when the group table
@@ -166,7 +180,8 @@ bool launch_tma(const Params& p, cudaStream_t stream) {
   if (smem > limit) return false;
   MOEFLOW_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                           static_cast<int>(smem)));
-  kernel<<<sm_count(), t::kThreads, smem, stream>>>(p, map_a, map_w, map_c, stages, bufs, kind);
+  kernel<<<sm_count(), t::kThreads, smem, stream>>>(p, map_a, map_w, map_c, map_raw, stages, bufs,
+                                                    kind, epi);
   MOEFLOW_CUDA_LAUNCH_CHECK();
   return true;
 }
@@ -310,6 +325,70 @@ void grouped_gemm(const GroupedGemmCall& c, cudaStream_t stream) {
       return;
     }
   }
+}
+
+namespace {
+
+template <typename T, int KIND>
+void launch_fc1(const MlpFc1Call& c, const Params& p, cudaStream_t stream) {
+  gemm::sm90tma::EpiMlpFc1<T, KIND> epi;
+  epi.act = c.act;
+  epi.ap = c.params;
+  epi.f = c.ffn;
+  epi.il8 = KIND == gemm::sm90tma::kInterleaved ? c.glu_interleave / 8 : 16;
+  epi.bias = c.bias1.defined() ? static_cast<const T*>(c.bias1.data) : nullptr;
+  epi.probs = c.probs.defined() ? c.probs.data_ptr<float>() : nullptr;
+  epi.raw = c.raw.defined() ? static_cast<T*>(c.raw.data) : nullptr;
+  MOEFLOW_CHECK((launch_tma<T, T, 0>(p, stream, epi)),
+                "fused FC1: the TMA grouped GEMM does not take this problem (rows or weight rows "
+                "past 2^31, or too many experts for shared memory)");
+}
+
+template <typename T>
+void launch_fc1_kind(const MlpFc1Call& c, const Params& p, cudaStream_t stream) {
+  if (!is_gated(c.act)) return launch_fc1<T, gemm::sm90tma::kPlain>(c, p, stream);
+  if (c.glu_interleave == 0) return launch_fc1<T, gemm::sm90tma::kHalves>(c, p, stream);
+  return launch_fc1<T, gemm::sm90tma::kInterleaved>(c, p, stream);
+}
+
+}  // namespace
+
+void mlp_fc1_forward(const MlpFc1Call& c, cudaStream_t stream) {
+  MOEFLOW_CHECK(use_sm90(),
+                "the fused grouped-MLP FC1 needs a Hopper GPU (sm_90a build); "
+                "other GPUs are not supported yet");
+  const bool gated = is_gated(c.act);
+  const int64_t n1 = gated ? 2 * c.ffn : c.ffn;
+  if (gated && c.glu_interleave == 0)
+    MOEFLOW_CHECK(c.ffn % 64 == 0,
+                  "fused FC1 with [gate; up] halves needs F % 64 == 0, got F=", c.ffn,
+                  " (use glu_interleave)");
+  if (gated && c.glu_interleave != 0)
+    MOEFLOW_CHECK(c.glu_interleave % 8 == 0 && 256 % (2 * c.glu_interleave) == 0 &&
+                      n1 % (2 * c.glu_interleave) == 0,
+                  "glu_interleave must be 8, 16, 32, 64 or 128 and divide F, got ",
+                  c.glu_interleave);
+  Params p{};
+  p.num_groups = static_cast<int>(c.num_groups);
+  p.offsets = c.groups.offsets.data_ptr<int64_t>();
+  p.real_rows = c.groups.real_rows.defined() ? c.groups.real_rows.data_ptr<int32_t>() : nullptr;
+  p.error = c.groups.error.defined() ? c.groups.error.data_ptr<int32_t>() : nullptr;
+  p.rows = c.rows;
+  p.a = c.x.data;
+  p.lda = c.x.strides[0];
+  check_rows16(c.x, "x");
+  check_rows16(c.out, "out");
+  MOEFLOW_CHECK(addr_of(c.w1.data) % 16 == 0, "w1 must be 16-byte aligned");
+  p.b = c.w1.data;
+  p.b_group_stride = n1 * c.hidden;
+  p.ldb = c.hidden;
+  p.c = c.out.data;
+  p.ldc = c.out.strides[0];
+  p.n_out = n1;
+  p.k_red = c.hidden;
+  p.n_store = c.ffn;
+  if (c.x.dtype == DType::kBFloat16) return launch_fc1_kind<__nv_bfloat16>(c, p, stream);
+  return launch_fc1_kind<__half>(c, p, stream);
 }
 
 }  // namespace moeflow::cuda

@@ -71,6 +71,7 @@ struct Params {
   int64_t n_out;   // output columns
   int64_t k_red;   // rows-grouped: reduction length
   int raster = kRasterBand;  // m tiles per raster band
+  int64_t n_store = 0;       // output columns when they differ from n_out (fused GLU: F)
 };
 
 // Shared-memory tile of R rows x C bf16/fp16 elements, in 16-byte chunks with

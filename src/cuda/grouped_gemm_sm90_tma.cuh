@@ -31,6 +31,7 @@
 
 #include <cuda.h>
 
+#include "cuda/gemm_epilogue.cuh"
 #include "cuda/grouped_gemm_sm90.cuh"
 
 namespace moeflow::cuda::gemm::sm90tma {
@@ -178,12 +179,16 @@ __device__ __forceinline__ void zero_slice_rows(uint8_t* base, int blocks, int f
 //   MN-major from row boxes; the slice holding the group's last rows has the
 //   rows past them zeroed in shared memory (they belong to pad rows or the next
 //   group); the output is each group's float32 dW, stored or accumulated.
-template <typename TIn, typename TOut, int MODE>
+// The epilogue functor (gemm_epilogue.cuh) maps the accumulators to the
+// output: identity, or the fused FC1 bias + activation + probability scale,
+// which also stores the pre-activation values through map_raw.
+template <typename TIn, typename TOut, int MODE, typename Epi = EpiIdentity>
 __global__ void __launch_bounds__(kThreads, 1)
     grouped_gemm_tma_kernel(Params p, const __grid_constant__ CUtensorMap map_a,
                             const __grid_constant__ CUtensorMap map_w,
-                            const __grid_constant__ CUtensorMap map_c, int stages, int bufs,
-                            StoreKind store_kind) {
+                            const __grid_constant__ CUtensorMap map_c,
+                            const __grid_constant__ CUtensorMap map_raw, int stages, int bufs,
+                            StoreKind store_kind, Epi epi) {
 #if defined(__CUDA_ARCH__) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
   extern __shared__ uint8_t smem_raw[];
   uint8_t* smem =
@@ -227,7 +232,7 @@ __global__ void __launch_bounds__(kThreads, 1)
         l.n0 = static_cast<int>(tg.n0);
         l.kr0 = static_cast<int>(tg.kr0);
         l.w_row = static_cast<int>(int64_t{tg.group} * (MODE == 1 ? p.k_red : p.n_out) +
-                                   (MODE == 1 ? 0 : tg.n0));
+                                   (MODE == 1 ? 0 : (Epi::kSplitB ? tg.n0 / 2 : tg.n0)));
         return l;
       };
       uint32_t it = 0;
@@ -261,6 +266,10 @@ __global__ void __launch_bounds__(kThreads, 1)
               for (int i = 0; i < kTileN / 64; ++i)
                 tma_load_2d(stage + kStageBytesA + i * 8192, &map_w, &full[s], cur.n0 + i * 64,
                             cur.w_row + kt * kTileK);
+            } else if constexpr (Epi::kSplitB) {  // gate rows, then their up rows
+              tma_load_2d(stage + kStageBytesA, &map_w, &full[s], kt * kTileK, cur.w_row);
+              tma_load_2d(stage + kStageBytesA + kStageBytesB / 2, &map_w, &full[s], kt * kTileK,
+                          cur.w_row + p.n_out / 2);
             } else {
               tma_load_2d(stage + kStageBytesA, &map_w, &full[s], kt * kTileK, cur.w_row);
             }
@@ -366,39 +375,46 @@ __global__ void __launch_bounds__(kThreads, 1)
                 : static_cast<TOut*>(p.c);
         constexpr int kCw = 128 / static_cast<int>(sizeof(TOut));  // columns per chunk
         constexpr int kVec = 16 / static_cast<int>(sizeof(TOut));  // elements per 16-byte piece
-#pragma unroll
-        for (int q = 0; q < kTileN / kCw; ++q) {
-          if (tw.n0 + q * kCw >= p.n_out) break;
+        // Per-row state of the thread's two rows (e.g. router probabilities).
+        const int rl0 = warp * 16 + lane / 4;
+        const typename Epi::Row row_st[2] = {
+            epi.row_state(tw.group, wg_row0 + rl0, rl0 < data_rows),
+            epi.row_state(tw.group, wg_row0 + rl0 + 8, rl0 + 8 < data_rows)};
+        // One 64-row x 128-byte chunk: value(jj, half, col) gives the two
+        // outputs of fragment column jj (0..kCw/8-1) at output column col.
+        auto emit = [&](const auto& value, const CUtensorMap* map, TOut* base, int64_t ld, int col0,
+                        int64_t col_lim) {
+          if (col0 >= col_lim) return;
           if (tid == 0) bulk_wait_read(bufs - 1);  // the store that last read this buffer is done
           named_barrier(2 + c, 128);
           uint8_t* buf = my_staging + (chunk_no++ % bufs) * kChunkBytes;
 #pragma unroll
           for (int jj = 0; jj < kCw / 8; ++jj) {
-            const int j = q * (kCw / 8) + jj;
 #pragma unroll
             for (int half = 0; half < 2; ++half) {
-              const int rl = warp * 16 + half * 8 + lane / 4;
-              const bool data = rl < data_rows;
+              const int rl = rl0 + half * 8;
+              const int cl = jj * 8 + 2 * (lane % 4);
+              const float2 v =
+                  rl < data_rows ? value(jj, half, col0 + cl) : make_float2(0.0f, 0.0f);
               Pack<TOut, 2> o;
-              o.v[0] = from_float<TOut>(data ? acc[j * 4 + half * 2] : 0.0f);
-              o.v[1] = from_float<TOut>(data ? acc[j * 4 + half * 2 + 1] : 0.0f);
-              const int byte = (jj * 8 + 2 * (lane % 4)) * static_cast<int>(sizeof(TOut));
+              o.v[0] = from_float<TOut>(v.x);
+              o.v[1] = from_float<TOut>(v.y);
+              const int byte = cl * static_cast<int>(sizeof(TOut));
               *reinterpret_cast<Pack<TOut, 2>*>(buf + rl * 128 + (((byte >> 4) ^ (rl & 7)) << 4) +
                                                 (byte & 15)) = o;
             }
           }
           if (tma) sm90::fence_proxy_async();  // generic-proxy writes -> visible to the TMA
           named_barrier(2 + c, 128);
-          const int col0 = tw.n0 + q * kCw;
           if (tma) {
             if (tid == 0) {
               if (store_kind == StoreKind::kTensor3d) {
                 if (p.accumulate)
-                  tma_store_3d<true>(&map_c, buf, col0, static_cast<int>(wg_row0), tw.group);
+                  tma_store_3d<true>(map, buf, col0, static_cast<int>(wg_row0), tw.group);
                 else
-                  tma_store_3d<false>(&map_c, buf, col0, static_cast<int>(wg_row0), tw.group);
+                  tma_store_3d<false>(map, buf, col0, static_cast<int>(wg_row0), tw.group);
               } else {
-                tma_store_2d(&map_c, buf, col0, static_cast<int>(wg_row0));
+                tma_store_2d(map, buf, col0, static_cast<int>(wg_row0));
               }
               bulk_commit();
             }
@@ -408,10 +424,10 @@ __global__ void __launch_bounds__(kThreads, 1)
             for (int i = tid; i < 64 * 8; i += 128) {
               const int r = i / 8, piece = i % 8;
               const int64_t row = wg_row0 + r, col = col0 + piece * kVec;
-              if (r >= wg_rows || col >= p.n_out) continue;
+              if (r >= wg_rows || col >= col_lim) continue;
               Pack<TOut, kVec> v = *reinterpret_cast<const Pack<TOut, kVec>*>(
                   buf + r * 128 + ((piece ^ (r & 7)) << 4));
-              Pack<TOut, kVec>* dst = reinterpret_cast<Pack<TOut, kVec>*>(out + row * p.ldc + col);
+              Pack<TOut, kVec>* dst = reinterpret_cast<Pack<TOut, kVec>*>(base + row * ld + col);
               if (p.accumulate) {
                 const Pack<TOut, kVec> old = *dst;
 #pragma unroll
@@ -421,6 +437,29 @@ __global__ void __launch_bounds__(kThreads, 1)
               *dst = v;
             }
           }
+        };
+        const int tile_n = tw.n0 / kTileN;
+        if (epi.save_raw()) {  // the pre-activation tile (256 columns)
+#pragma unroll
+          for (int q = 0; q < kTileN / kCw; ++q) {
+            const int rc = epi.raw_col(tile_n, q);
+            // halves: chunks 0-1 are gate columns (< F), 2-3 up columns (F requires % 64 == 0)
+            const int64_t lim = (Epi::kSplitB && q < 2) ? p.n_out / 2 : p.n_out;
+            emit(
+                [&](int jj, int half, int64_t col) {
+                  return epi.raw_value(acc, q * (kCw / 8) + jj, half, col, tw.group);
+                },
+                &map_raw, static_cast<TOut*>(epi.raw_ptr()), p.n_out, rc, lim);
+          }
+        }
+        const int64_t out_cols = p.n_store > 0 ? p.n_store : p.n_out;
+#pragma unroll
+        for (int q = 0; q < Epi::kOutCols / kCw; ++q) {
+          emit(
+              [&](int jj, int half, int64_t col) {
+                return epi.value(acc, q * (kCw / 8) + jj, half, col, tw.group, row_st[half]);
+              },
+              &map_c, out, p.ldc, tile_n * Epi::kOutCols + q * kCw, out_cols);
         }
       }  // rows to store
       tw = nw;

@@ -1,0 +1,124 @@
+// Epilogue functors of the TMA grouped GEMM (grouped_gemm_sm90_tma.cuh).
+//
+// A consumer warpgroup holds a 64 x 256 float32 accumulator fragment: thread
+// (warp, lane) owns rows warp*16 + lane/4 (+8 for half 1) and columns
+// 8j + 2(lane%4) (+1), j = 0..31, in acc[4j + 2*half + {0,1}]. The epilogue
+// turns it into kOutCols output columns per 256-column tile, 8 per fragment
+// column j_out, two at a time:
+//
+//   float2 value(acc, j_out, half, out_col, row) -> outputs (out_col, out_col+1)
+//
+// out_col is the global output column, `row` the per-row state made by
+// row_state() once per tile (e.g. the router probability of the row). Rows
+// past a group's data rows get zeros without calling the functor. With
+// save_raw() the kernel also stores the tile's pre-activation values
+// (raw_value(), 256 columns) to a second output at raw_col().
+#pragma once
+
+#include "core/activations.h"
+#include "cuda/common.cuh"
+
+namespace moeflow::cuda::gemm::sm90tma {
+
+// C = accumulator (the plain grouped GEMM).
+struct EpiIdentity {
+  static constexpr int kOutCols = 256;
+  static constexpr bool kSplitB = false;  // B tile from one 256-row box
+  struct Row {};
+  __device__ __forceinline__ Row row_state(int, int64_t, bool) const { return {}; }
+  __device__ __forceinline__ float2 value(const float (&acc)[128], int j, int half, int64_t, int,
+                                          const Row&) const {
+    return make_float2(acc[4 * j + 2 * half], acc[4 * j + 2 * half + 1]);
+  }
+  __device__ __forceinline__ bool save_raw() const { return false; }
+  __device__ __forceinline__ float2 raw_value(const float (&acc)[128], int j, int half, int64_t,
+                                              int) const {
+    return value(acc, j, half, 0, 0, Row{});
+  }
+  __device__ __forceinline__ int raw_col(int, int) const { return 0; }
+  __device__ __forceinline__ void* raw_ptr() const { return nullptr; }
+};
+
+// FC1 of the expert MLP: bias, activation (gated: GLU of a gate and an up
+// column) and the router-probability scale, fused. The FC1 weight rows of
+// expert e are [gate; up] halves (split_rows = F: the producer loads the gate
+// and up rows of a tile as two 128-row boxes, so the tile holds gate columns
+// 0..127 and their up columns 128..255) or interleaved blocks of `il` gate
+// rows then `il` up rows (il in {8,16,32,64,128}; blocks stay inside a tile).
+// Not gated: out = f(acc + bias) over the 256 columns.
+// KIND: kPlain (not gated), kHalves (GLU, [gate; up] halves), kInterleaved (GLU).
+enum Fc1Kind : int { kPlain = 0, kHalves = 1, kInterleaved = 2 };
+
+template <typename TOut, int KIND>
+struct EpiMlpFc1 {
+  static_assert(sizeof(TOut) == 2, "the fused FC1 writes 16-bit outputs");
+  static constexpr bool GATED = KIND != kPlain;
+  static constexpr bool halves = KIND == kHalves;
+  static constexpr int kOutCols = GATED ? 128 : 256;
+  static constexpr bool kSplitB = halves;  // gate and up rows loaded as two 128-row boxes
+  Activation act = Activation::kSwiGLU;
+  ActivationParams ap;
+  int64_t f = 0;                 // F: activation columns (the gated FC1 has 2F rows)
+  int il8 = 16;                  // gated: interleave block in fragment columns (il / 8); halves: 16
+  const TOut* bias = nullptr;    // [E, N1] in weight-row order, or null
+  const float* probs = nullptr;  // [rows] float32, or null
+  TOut* raw = nullptr;           // [rows, N1] pre-activation (with bias) output, or null
+
+  struct Row {
+    float prob;
+  };
+  __device__ __forceinline__ Row row_state(int, int64_t row, bool data) const {
+    return Row{probs != nullptr && data ? probs[row] : 1.0f};
+  }
+  // Weight row (= FC1 output column) of the gate / up of activation column c.
+  __device__ __forceinline__ int64_t gate_row(int64_t c) const {
+    if (!GATED) return c;
+    return halves ? c : (c / (il8 * 8)) * (il8 * 16) + c % (il8 * 8);
+  }
+  __device__ __forceinline__ int64_t up_row(int64_t c) const {
+    return halves ? c + f : gate_row(c) + il8 * 8;
+  }
+  __device__ __forceinline__ float bias_at(int group, int64_t n1_col) const {
+    return bias ? to_float(bias[int64_t{group} * (GATED ? 2 * f : f) + n1_col]) : 0.0f;
+  }
+  __device__ __forceinline__ float2 value(const float (&acc)[128], int j, int half, int64_t col,
+                                          int group, const Row& r) const {
+    float out[2];
+    if constexpr (GATED) {
+      // fragment column j of the output: gate fragment jg, up fragment jg + il8 (tile-local)
+      const int jg = (j / il8) * 2 * il8 + j % il8;
+      const int ju = jg + il8;
+#pragma unroll
+      for (int e = 0; e < 2; ++e) {
+        const float g = acc[4 * jg + 2 * half + e] + bias_at(group, gate_row(col + e));
+        const float u = acc[4 * ju + 2 * half + e] + bias_at(group, up_row(col + e));
+        out[e] = act_forward(act, g, u, ap) * r.prob;
+      }
+    } else {
+#pragma unroll
+      for (int e = 0; e < 2; ++e)
+        out[e] = act_forward(act, acc[4 * j + 2 * half + e] + bias_at(group, col + e), 0.0f, ap) *
+                 r.prob;
+    }
+    return make_float2(out[0], out[1]);
+  }
+  __device__ __forceinline__ bool save_raw() const {
+    return raw != nullptr;
+  }
+  __device__ __forceinline__ void* raw_ptr() const {
+    return raw;
+  }
+  // Pre-activation value of tile fragment column j (0..31) at FC1 output column n1_col.
+  __device__ __forceinline__ float2 raw_value(const float (&acc)[128], int j, int half,
+                                              int64_t n1_col, int group) const {
+    return make_float2(acc[4 * j + 2 * half] + bias_at(group, n1_col),
+                       acc[4 * j + 2 * half + 1] + bias_at(group, n1_col + 1));
+  }
+  // FC1 output column of the first column of 64-column chunk q (0..3) of tile t.
+  __device__ __forceinline__ int raw_col(int t, int q) const {
+    if (halves) return q < 2 ? t * 128 + q * 64 : static_cast<int>(f) + t * 128 + (q - 2) * 64;
+    return t * 256 + q * 64;
+  }
+};
+
+}  // namespace moeflow::cuda::gemm::sm90tma

@@ -1,0 +1,187 @@
+// GPU tests of the fused FC1 of the grouped expert MLP (label gpu): the TMA
+// grouped GEMM with bias + activation + router-probability scale in its
+// epilogue, against the float64 CPU reference (cpu/grouped_mlp.h), for every
+// activation, [gate; up] halves and interleaved GLU rows, bias and probs on
+// and off, experts with 0 and 1 rows, pad rows, rows past the groups. Both the
+// activation output and the saved pre-activation output are checked (relative
+// norm error under the bf16/fp16 GEMM bound); outputs are poisoned first; pad
+// rows must be exactly zero and the tail untouched.
+#include <cuda_runtime.h>
+
+#include <random>
+
+#include "core/mlp_call.h"
+#include "cpu/grouped_mlp.h"
+#include "test_util.h"
+
+namespace moeflow::test {
+namespace {
+
+const Device kGpu = Device::cuda(0);
+
+bool is_hopper() {
+  int major = 0;
+  cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, 0);
+  return major == 9;
+}
+
+double rel_err(const std::vector<double>& got, const std::vector<double>& want) {
+  double num = 0, den = 0;
+  for (size_t i = 0; i < got.size(); ++i) {
+    if (std::isnan(got[i])) return INFINITY;
+    num += (got[i] - want[i]) * (got[i] - want[i]);
+    den += want[i] * want[i];
+  }
+  return den == 0 ? std::sqrt(num) : std::sqrt(num / den);
+}
+
+std::vector<double> to_doubles(const Tensor& t) {
+  std::vector<double> v(t.numel());
+  for (int64_t i = 0; i < t.numel(); ++i) v[i] = at(t, i);
+  return v;
+}
+
+struct Case {
+  Activation act;
+  int interleave;  // 0: halves
+  bool bias, probs;
+  int64_t h, f;
+  DType dtype;
+};
+
+std::string describe(const Case& c) {
+  static const char* names[] = {"swiglu", "geglu", "clamped-qgeglu", "gelu", "relu", "sq-relu"};
+  return std::string(names[static_cast<int>(c.act)]) + " il=" + std::to_string(c.interleave) +
+         (c.bias ? " bias" : "") + (c.probs ? " probs" : "") + " H=" + std::to_string(c.h) +
+         " F=" + std::to_string(c.f) + " " + dtype_name(c.dtype);
+}
+
+void run_case(const Case& cs, uint32_t seed) {
+  SCOPED_TRACE(describe(cs));
+  std::mt19937 rng(seed);
+  // groups: 7 experts, rows in [0, 300] (some 0 and 1), padded to 16; 5 rows past the groups
+  const int E = 7;
+  std::vector<int64_t> offsets{0}, real;
+  for (int e = 0; e < E; ++e) {
+    int r = std::uniform_int_distribution<int>(0, 300)(rng);
+    if (e == 1) r = 0;
+    if (e == 4) r = 1;
+    real.push_back(r);
+    offsets.push_back(offsets.back() + (r + 15) / 16 * 16);
+  }
+  const int64_t used = offsets.back(), rows = used + 5, H = cs.h, F = cs.f;
+  cpu::mlp::Shape shape{E, H, F};
+  cpu::mlp::Config cfg;
+  cfg.act = cs.act;
+  cfg.glu_interleave = cs.interleave;
+  cfg.bias1 = cs.bias;
+  cfg.weighted = cs.probs;
+  const int64_t N1 = cpu::mlp::fc1_rows(shape, cfg);
+
+  Tensor x = make_tensor({rows, H}, cs.dtype), w1 = make_tensor({E, N1, H}, cs.dtype);
+  Tensor b1 = make_tensor({E, N1}, cs.dtype), probs = make_tensor({rows}, DType::kFloat32);
+  fill_random(x, seed + 1);
+  fill_random(w1, seed + 2, -0.15f, 0.15f);
+  fill_random(b1, seed + 3);
+  fill_random(probs, seed + 4, 0.1f, 1.0f);
+
+  // float64 reference on the same (rounded) inputs
+  cpu::mlp::Groups g;
+  g.offsets = offsets;
+  g.real = real;
+  cpu::mlp::Params prm;
+  prm.w1 = to_doubles(w1);
+  prm.b1 = to_doubles(b1);
+  prm.w2.assign(size_t(E) * H * F, 0.0);
+  prm.b2.assign(size_t(E) * H, 0.0);
+  std::vector<double> xd = to_doubles(x), pd = to_doubles(probs), y;
+  xd.resize(size_t(used) * H);
+  pd.resize(used);
+  cpu::mlp::Saved saved;
+  cpu::mlp::forward(shape, cfg, g, prm, xd, pd, y, saved);
+
+  Tensor offs = make_tensor({E + 1}, DType::kInt64), realt = make_tensor({E}, DType::kInt32);
+  for (int e = 0; e <= E; ++e) offs.data_ptr<int64_t>()[e] = offsets[e];
+  for (int e = 0; e < E; ++e) realt.data_ptr<int32_t>()[e] = static_cast<int32_t>(real[e]);
+  Tensor offs_g = offs.to(kGpu), real_g = realt.to(kGpu);
+  Tensor x_g = x.to(kGpu), w1_g = w1.to(kGpu), b1_g = b1.to(kGpu), probs_g = probs.to(kGpu);
+  Tensor out_g = Tensor::empty({rows, F}, cs.dtype, kGpu),
+         raw_g = Tensor::empty({rows, N1}, cs.dtype, kGpu);
+  fill_bytes(out_g, 0xFF);
+  fill_bytes(raw_g, 0xFF);
+
+  MlpFc1Call call;
+  call.x = x_g;
+  call.w1 = w1_g;
+  call.groups.offsets = offs_g;
+  call.groups.real_rows = real_g;
+  if (cs.bias) call.bias1 = b1_g;
+  if (cs.probs) call.probs = probs_g;
+  call.act = cs.act;
+  call.params = cfg.params;
+  call.glu_interleave = cs.interleave;
+  call.out = out_g;
+  call.raw = raw_g;
+  call.rows = rows;
+  call.num_groups = E;
+  call.hidden = H;
+  call.ffn = F;
+  cuda::mlp_fc1_forward(call, nullptr);
+  MOEFLOW_CUDA_CHECK(cudaDeviceSynchronize());
+
+  Tensor out = out_g.to(Device::cpu()), raw = raw_g.to(Device::cpu());
+  std::vector<double> out_d = to_doubles(out), raw_d = to_doubles(raw), want_out(size_t(used) * F);
+  for (int64_t r = 0; r < used; ++r)
+    for (int64_t j = 0; j < F; ++j)
+      want_out[r * F + j] = saved.a[r * F + j] * (cs.probs ? pd[r] : 1.0);
+  std::vector<double> got_out(out_d.begin(), out_d.begin() + used * F);
+  std::vector<double> got_raw(raw_d.begin(), raw_d.begin() + used * N1);
+  EXPECT_LE(rel_err(got_out, want_out), gemm_tolerance(cs.dtype));
+  EXPECT_LE(rel_err(got_raw, saved.h), gemm_tolerance(cs.dtype));
+  // pad rows exactly zero; the rows past the groups keep their poison
+  for (int e = 0; e < E; ++e)
+    for (int64_t r = offsets[e] + real[e]; r < offsets[e + 1]; ++r) {
+      for (int64_t j = 0; j < F; ++j) ASSERT_EQ(out_d[r * F + j], 0.0) << "pad row " << r;
+      for (int64_t j = 0; j < N1; ++j) ASSERT_EQ(raw_d[r * N1 + j], 0.0) << "pad row " << r;
+    }
+  const auto* ob = static_cast<const uint8_t*>(out.data());
+  for (int64_t i = used * F * dtype_size(cs.dtype); i < int64_t(out.nbytes()); ++i)
+    ASSERT_EQ(ob[i], 0xFF) << "tail of out written";
+  const auto* rb = static_cast<const uint8_t*>(raw.data());
+  for (int64_t i = used * N1 * dtype_size(cs.dtype); i < int64_t(raw.nbytes()); ++i)
+    ASSERT_EQ(rb[i], 0xFF) << "tail of raw written";
+}
+
+TEST(GpuMlp, FusedFc1MatchesCpuReference) {
+  ASSERT_GT(cuda_device_count(), 0);
+  if (!is_hopper()) GTEST_SKIP() << "the fused FC1 runs on Hopper only";
+  uint32_t seed = 100;
+  for (Activation act : {Activation::kSwiGLU, Activation::kGeGLU, Activation::kClampedQuickGeGLU})
+    for (int il : {0, 32, 128})
+      for (bool bias : {false, true})
+        for (bool probs : {false, true})
+          run_case(
+              {act, il, bias, probs, 200, il == 0 ? 192 : (il == 32 ? 160 : 256), DType::kBFloat16},
+              seed++);
+  for (Activation act : {Activation::kGelu, Activation::kRelu, Activation::kSquaredRelu})
+    for (bool bias : {false, true})
+      run_case({act, 0, bias, true, 136, 200, DType::kBFloat16}, seed++);
+  run_case({Activation::kSwiGLU, 0, true, true, 264, 320, DType::kFloat16}, seed++);
+  run_case({Activation::kSwiGLU, 16, true, false, 64, 96, DType::kFloat16}, seed++);
+}
+
+TEST(GpuMlp, FusedFc1RejectsBadLayouts) {
+  ASSERT_GT(cuda_device_count(), 0);
+  if (!is_hopper()) GTEST_SKIP() << "the fused FC1 runs on Hopper only";
+  MlpFc1Call call;
+  call.act = Activation::kSwiGLU;
+  call.ffn = 96;  // halves need F % 64 == 0
+  EXPECT_NE(message_of([&] { cuda::mlp_fc1_forward(call, nullptr); }).find("F % 64 == 0"),
+            std::string::npos);
+  call.glu_interleave = 24;
+  EXPECT_NE(message_of([&] { cuda::mlp_fc1_forward(call, nullptr); }).find("glu_interleave"),
+            std::string::npos);
+}
+
+}  // namespace
+}  // namespace moeflow::test
