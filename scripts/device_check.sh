@@ -24,7 +24,7 @@ if has test; then
 fi
 if has memcheck; then
   compute-sanitizer --tool memcheck --error-exitcode 9 build/tests/test_gpu \
-    --gtest_filter='Gpu.Permute*:Gpu.Unpermute*:Gpu.Backward*:Gpu.PlanFromMask*:Gpu.PlanCapacity*:Gpu.PlanInvalid*:Gpu.Graph*:*GpuGemm.BadOffsets*:*GpuGemm.Graph*:*GpuGemm.ForwardDgradWgradMatchCpu/Auto' \
+    --gtest_filter='Gpu.Permute*:Gpu.Unpermute*:Gpu.Backward*:Gpu.PlanFromMask*:Gpu.PlanCapacity*:Gpu.PlanInvalid*:Gpu.Graph*:*GpuGemm.BadOffsets*:*GpuGemm.Graph*:*GpuGemm.ForwardDgradWgradMatchCpu/Auto:GpuMlp.*' \
     > "$OUT/memcheck.log" 2>&1
   m=$?
   tail -5 "$OUT/memcheck.log"

@@ -78,27 +78,53 @@ struct EpiMlpFc1 {
   __device__ __forceinline__ int64_t up_row(int64_t c) const {
     return halves ? c + f : gate_row(c) + il8 * 8;
   }
+  // Bias of FC1 output column n1_col (0 past the columns: nothing is read there).
   __device__ __forceinline__ float bias_at(int group, int64_t n1_col) const {
-    return bias ? to_float(bias[int64_t{group} * (GATED ? 2 * f : f) + n1_col]) : 0.0f;
+    const int64_t n1 = GATED ? 2 * f : f;
+    return bias && n1_col < n1 ? to_float(bias[int64_t{group} * n1 + n1_col]) : 0.0f;
+  }
+  // Tile fragment column of the gate of output fragment column j (0..15) for
+  // interleave blocks of IL fragments: a constant once j is.
+  template <int IL>
+  __device__ __forceinline__ static constexpr int gate_frag(int j) {
+    return (j / IL) * 2 * IL + j % IL;
+  }
+  // acc[4 * (gate fragment + d * il8) + o], d = 0 gate, 1 up. The interleave
+  // is a runtime value, so every candidate index is kept a compile-time
+  // constant (the accumulators must stay in registers) and a switch picks one.
+  __device__ __forceinline__ float pick(const float (&acc)[128], int j, int o, int d) const {
+    if constexpr (halves) {
+      return acc[4 * (j + 16 * d) + o];
+    } else {
+      switch (il8) {
+        case 1:
+          return acc[4 * (gate_frag<1>(j) + d * 1) + o];
+        case 2:
+          return acc[4 * (gate_frag<2>(j) + d * 2) + o];
+        case 4:
+          return acc[4 * (gate_frag<4>(j) + d * 4) + o];
+        case 8:
+          return acc[4 * (gate_frag<8>(j) + d * 8) + o];
+        default:
+          return acc[4 * (gate_frag<16>(j) + d * 16) + o];
+      }
+    }
   }
   __device__ __forceinline__ float2 value(const float (&acc)[128], int j, int half, int64_t col,
                                           int group, const Row& r) const {
     float out[2];
-    if constexpr (GATED) {
-      // fragment column j of the output: gate fragment jg, up fragment jg + il8 (tile-local)
-      const int jg = (j / il8) * 2 * il8 + j % il8;
-      const int ju = jg + il8;
 #pragma unroll
-      for (int e = 0; e < 2; ++e) {
-        const float g = acc[4 * jg + 2 * half + e] + bias_at(group, gate_row(col + e));
-        const float u = acc[4 * ju + 2 * half + e] + bias_at(group, up_row(col + e));
+    for (int e = 0; e < 2; ++e) {
+      const int64_t c = col + e;  // past F: computed, never stored, no bias read
+      if constexpr (GATED) {
+        const float g =
+            pick(acc, j, 2 * half + e, 0) + (c < f ? bias_at(group, gate_row(c)) : 0.0f);
+        const float u = pick(acc, j, 2 * half + e, 1) + (c < f ? bias_at(group, up_row(c)) : 0.0f);
         out[e] = act_forward(act, g, u, ap) * r.prob;
+      } else {
+        const float g = acc[4 * j + 2 * half + e] + (c < f ? bias_at(group, c) : 0.0f);
+        out[e] = act_forward(act, g, 0.0f, ap) * r.prob;
       }
-    } else {
-#pragma unroll
-      for (int e = 0; e < 2; ++e)
-        out[e] = act_forward(act, acc[4 * j + 2 * half + e] + bias_at(group, col + e), 0.0f, ap) *
-                 r.prob;
     }
     return make_float2(out[0], out[1]);
   }
