@@ -5,6 +5,7 @@
 #pragma once
 
 #include <cmath>
+#include <type_traits>
 
 #include "core/backends.h"  // MOEFLOW_HD
 
@@ -31,6 +32,9 @@ MOEFLOW_HD inline bool is_gated(Activation a) {
 
 template <typename T>
 MOEFLOW_HD inline T act_sigmoid(T x) {
+#if defined(__CUDA_ARCH__)
+  if constexpr (std::is_same_v<T, float>) return __frcp_rn(1.0f + __expf(-x));  // fast path (GEMM epilogues)
+#endif
   return T(1) / (T(1) + exp(-x));
 }
 

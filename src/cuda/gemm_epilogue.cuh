@@ -26,14 +26,19 @@ struct EpiIdentity {
   static constexpr bool kSplitB = false;  // B tile from one 256-row box
   struct Row {};
   __device__ __forceinline__ Row row_state(int, int64_t, bool) const { return {}; }
-  __device__ __forceinline__ float2 value(const float (&acc)[128], int j, int half, int64_t, int,
-                                          const Row&) const {
+  struct Only {};
+  template <typename F>
+  __device__ __forceinline__ void dispatch(F&& f) const {
+    f(Only{});
+  }
+  __device__ __forceinline__ float2 value(Only, const float (&acc)[128], int j, int half, int64_t,
+                                          int, const Row&) const {
     return make_float2(acc[4 * j + 2 * half], acc[4 * j + 2 * half + 1]);
   }
   __device__ __forceinline__ bool save_raw() const { return false; }
   __device__ __forceinline__ float2 raw_value(const float (&acc)[128], int j, int half, int64_t,
                                               int) const {
-    return value(acc, j, half, 0, 0, Row{});
+    return value(Only{}, acc, j, half, 0, 0, Row{});
   }
   __device__ __forceinline__ int raw_col(int, int) const { return 0; }
   __device__ __forceinline__ void* raw_ptr() const { return nullptr; }
@@ -110,8 +115,35 @@ struct EpiMlpFc1 {
       }
     }
   }
-  __device__ __forceinline__ float2 value(const float (&acc)[128], int j, int half, int64_t col,
-                                          int group, const Row& r) const {
+  // The activation as a compile-time variant: dispatch() branches once per
+  // tile and value() of that variant holds one activation's code.
+  template <Activation A>
+  struct Act {};
+  template <typename F>
+  __device__ __forceinline__ void dispatch(F&& f) const {
+    if constexpr (GATED) {
+      switch (act) {
+        case Activation::kGeGLU:
+          return f(Act<Activation::kGeGLU>{});
+        case Activation::kClampedQuickGeGLU:
+          return f(Act<Activation::kClampedQuickGeGLU>{});
+        default:
+          return f(Act<Activation::kSwiGLU>{});
+      }
+    } else {
+      switch (act) {
+        case Activation::kRelu:
+          return f(Act<Activation::kRelu>{});
+        case Activation::kSquaredRelu:
+          return f(Act<Activation::kSquaredRelu>{});
+        default:
+          return f(Act<Activation::kGelu>{});
+      }
+    }
+  }
+  template <Activation A>
+  __device__ __forceinline__ float2 value(Act<A>, const float (&acc)[128], int j, int half,
+                                          int64_t col, int group, const Row& r) const {
     float out[2];
 #pragma unroll
     for (int e = 0; e < 2; ++e) {
@@ -120,10 +152,10 @@ struct EpiMlpFc1 {
         const float g =
             pick(acc, j, 2 * half + e, 0) + (c < f ? bias_at(group, gate_row(c)) : 0.0f);
         const float u = pick(acc, j, 2 * half + e, 1) + (c < f ? bias_at(group, up_row(c)) : 0.0f);
-        out[e] = act_forward(act, g, u, ap) * r.prob;
+        out[e] = act_forward(A, g, u, ap) * r.prob;
       } else {
         const float g = acc[4 * j + 2 * half + e] + (c < f ? bias_at(group, c) : 0.0f);
-        out[e] = act_forward(act, g, 0.0f, ap) * r.prob;
+        out[e] = act_forward(A, g, 0.0f, ap) * r.prob;
       }
     }
     return make_float2(out[0], out[1]);

@@ -453,14 +453,19 @@ __global__ void __launch_bounds__(kThreads, 1)
           }
         }
         const int64_t out_cols = p.n_store > 0 ? p.n_store : p.n_out;
+        // The functor's variant (e.g. the activation) is chosen once per tile,
+        // so that each unrolled chunk loop holds one variant's code only.
+        epi.dispatch([&](auto variant) {
 #pragma unroll
-        for (int q = 0; q < Epi::kOutCols / kCw; ++q) {
-          emit(
-              [&](int jj, int half, int64_t col) {
-                return epi.value(acc, q * (kCw / 8) + jj, half, col, tw.group, row_st[half]);
-              },
-              &map_c, out, p.ldc, tile_n * Epi::kOutCols + q * kCw, out_cols);
-        }
+          for (int q = 0; q < Epi::kOutCols / kCw; ++q) {
+            emit(
+                [&](int jj, int half, int64_t col) {
+                  return epi.value(variant, acc, q * (kCw / 8) + jj, half, col, tw.group,
+                                   row_st[half]);
+                },
+                &map_c, out, p.ldc, tile_n * Epi::kOutCols + q * kCw, out_cols);
+          }
+        });
       }  // rows to store
       tw = nw;
     }
