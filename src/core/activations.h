@@ -14,7 +14,8 @@ namespace moeflow {
 enum class Activation {
   kSwiGLU,             // silu(g) * u
   kGeGLU,              // gelu(g) * u (erf form)
-  kClampedQuickGeGLU,  // GPT-OSS: g' = min(g, L), u' = clamp(u, -L, L); g' * sigmoid(a g') * (u' + o)
+  kClampedQuickGeGLU,  // GPT-OSS: g' = min(g, L), u' = clamp(u, -L, L); g' * sigmoid(a g') * (u' +
+                       // o)
   kGelu,               // gelu(g) (erf form), not gated
   kRelu,               // max(g, 0), not gated
   kSquaredRelu,        // max(g, 0)^2, not gated
@@ -33,7 +34,8 @@ MOEFLOW_HD inline bool is_gated(Activation a) {
 template <typename T>
 MOEFLOW_HD inline T act_sigmoid(T x) {
 #if defined(__CUDA_ARCH__)
-  if constexpr (std::is_same_v<T, float>) return __frcp_rn(1.0f + __expf(-x));  // fast path (GEMM epilogues)
+  if constexpr (std::is_same_v<T, float>)
+    return __fdividef(1.0f, 1.0f + __expf(-x));  // fast (GEMM epilogues)
 #endif
   return T(1) / (T(1) + exp(-x));
 }
@@ -43,23 +45,32 @@ template <typename T>
 MOEFLOW_HD inline T act_forward(Activation a, T g, T u, const ActivationParams& p) {
   const T kInvSqrt2 = T(0.70710678118654752440);
   switch (a) {
-    case Activation::kSwiGLU: return g * act_sigmoid(g) * u;
-    case Activation::kGeGLU: return T(0.5) * g * (T(1) + erf(g * kInvSqrt2)) * u;
+    case Activation::kSwiGLU:
+#if defined(__CUDA_ARCH__)
+      if constexpr (std::is_same_v<T, float>) return __fdividef(g, 1.0f + __expf(-g)) * u;
+#endif
+      return g * act_sigmoid(g) * u;
+    case Activation::kGeGLU:
+      return T(0.5) * g * (T(1) + erf(g * kInvSqrt2)) * u;
     case Activation::kClampedQuickGeGLU: {
       const T gc = g < T(p.limit) ? g : T(p.limit);
       const T uc = u < -T(p.limit) ? -T(p.limit) : (u > T(p.limit) ? T(p.limit) : u);
       return gc * act_sigmoid(T(p.alpha) * gc) * (uc + T(p.offset));
     }
-    case Activation::kGelu: return T(0.5) * g * (T(1) + erf(g * kInvSqrt2));
-    case Activation::kRelu: return g > T(0) ? g : T(0);
-    case Activation::kSquaredRelu: return g > T(0) ? g * g : T(0);
+    case Activation::kGelu:
+      return T(0.5) * g * (T(1) + erf(g * kInvSqrt2));
+    case Activation::kRelu:
+      return g > T(0) ? g : T(0);
+    case Activation::kSquaredRelu:
+      return g > T(0) ? g * g : T(0);
   }
   return T(0);
 }
 
 // dg, du = d out / d g, d out / d u, times dout (du is 0 for plain activations).
 template <typename T>
-MOEFLOW_HD inline void act_backward(Activation a, T g, T u, T dout, const ActivationParams& p, T* dg, T* du) {
+MOEFLOW_HD inline void act_backward(Activation a, T g, T u, T dout, const ActivationParams& p,
+                                    T* dg, T* du) {
   const T kInvSqrt2 = T(0.70710678118654752440), kInvSqrt2Pi = T(0.39894228040143267794);
   switch (a) {
     case Activation::kSwiGLU: {

@@ -26,6 +26,11 @@ struct EpiIdentity {
   static constexpr bool kSplitB = false;  // B tile from one 256-row box
   struct Row {};
   __device__ __forceinline__ Row row_state(int, int64_t, bool) const { return {}; }
+  // Accumulator start values of a tile (the bias of a fused epilogue).
+  __device__ __forceinline__ void init(float (&acc)[128], int, int, int) const {
+#pragma unroll
+    for (int i = 0; i < 128; ++i) acc[i] = 0.0f;
+  }
   struct Only {};
   template <typename F>
   __device__ __forceinline__ void dispatch(F&& f) const {
@@ -35,13 +40,19 @@ struct EpiIdentity {
                                           int, const Row&) const {
     return make_float2(acc[4 * j + 2 * half], acc[4 * j + 2 * half + 1]);
   }
-  __device__ __forceinline__ bool save_raw() const { return false; }
+  __device__ __forceinline__ bool save_raw() const {
+    return false;
+  }
   __device__ __forceinline__ float2 raw_value(const float (&acc)[128], int j, int half, int64_t,
                                               int) const {
     return value(Only{}, acc, j, half, 0, 0, Row{});
   }
-  __device__ __forceinline__ int raw_col(int, int) const { return 0; }
-  __device__ __forceinline__ void* raw_ptr() const { return nullptr; }
+  __device__ __forceinline__ int raw_col(int, int) const {
+    return 0;
+  }
+  __device__ __forceinline__ void* raw_ptr() const {
+    return nullptr;
+  }
 };
 
 // FC1 of the expert MLP: bias, activation (gated: GLU of a gate and an up
@@ -83,10 +94,38 @@ struct EpiMlpFc1 {
   __device__ __forceinline__ int64_t up_row(int64_t c) const {
     return halves ? c + f : gate_row(c) + il8 * 8;
   }
-  // Bias of FC1 output column n1_col (0 past the columns: nothing is read there).
-  __device__ __forceinline__ float bias_at(int group, int64_t n1_col) const {
-    const int64_t n1 = GATED ? 2 * f : f;
-    return bias && n1_col < n1 ? to_float(bias[int64_t{group} * n1 + n1_col]) : 0.0f;
+  // FC1 output column of tile column tc (0..255) of tile t (halves: gate
+  // columns 0..127, their up columns 128..255), and whether it exists.
+  __device__ __forceinline__ int64_t n1_col(int t, int tc, bool& ok) const {
+    if constexpr (halves) {
+      const int64_t c = int64_t{t} * 128 + (tc & 127);
+      ok = c < f;
+      return tc < 128 ? c : c + f;
+    } else {
+      const int64_t c = int64_t{t} * 256 + tc;
+      ok = c < (GATED ? 2 * f : f);
+      return c;
+    }
+  }
+  // The bias enters as the accumulators' start value, so the epilogue adds
+  // nothing (and raw = acc, the pre-activation FC1 output).
+  __device__ __forceinline__ void init(float (&acc)[128], int group, int n0, int lane) const {
+    if (bias == nullptr) {
+#pragma unroll
+      for (int i = 0; i < 128; ++i) acc[i] = 0.0f;
+      return;
+    }
+    const TOut* b = bias + int64_t{group} * (GATED ? 2 * f : f);
+#pragma unroll
+    for (int j = 0; j < 32; ++j)
+#pragma unroll
+      for (int e = 0; e < 2; ++e) {
+        bool ok;
+        const int64_t c = n1_col(n0 / 256, 8 * j + 2 * (lane % 4) + e, ok);
+        const float v = ok ? to_float(b[c]) : 0.0f;
+        acc[4 * j + e] = v;
+        acc[4 * j + 2 + e] = v;
+      }
   }
   // Tile fragment column of the gate of output fragment column j (0..15) for
   // interleave blocks of IL fragments: a constant once j is.
@@ -147,16 +186,11 @@ struct EpiMlpFc1 {
     float out[2];
 #pragma unroll
     for (int e = 0; e < 2; ++e) {
-      const int64_t c = col + e;  // past F: computed, never stored, no bias read
-      if constexpr (GATED) {
-        const float g =
-            pick(acc, j, 2 * half + e, 0) + (c < f ? bias_at(group, gate_row(c)) : 0.0f);
-        const float u = pick(acc, j, 2 * half + e, 1) + (c < f ? bias_at(group, up_row(c)) : 0.0f);
-        out[e] = act_forward(A, g, u, ap) * r.prob;
-      } else {
-        const float g = acc[4 * j + 2 * half + e] + (c < f ? bias_at(group, c) : 0.0f);
-        out[e] = act_forward(A, g, 0.0f, ap) * r.prob;
-      }
+      if constexpr (GATED)
+        out[e] = act_forward(A, pick(acc, j, 2 * half + e, 0), pick(acc, j, 2 * half + e, 1), ap) *
+                 r.prob;
+      else
+        out[e] = act_forward(A, acc[4 * j + 2 * half + e], 0.0f, ap) * r.prob;
     }
     return make_float2(out[0], out[1]);
   }
@@ -166,11 +200,10 @@ struct EpiMlpFc1 {
   __device__ __forceinline__ void* raw_ptr() const {
     return raw;
   }
-  // Pre-activation value of tile fragment column j (0..31) at FC1 output column n1_col.
-  __device__ __forceinline__ float2 raw_value(const float (&acc)[128], int j, int half,
-                                              int64_t n1_col, int group) const {
-    return make_float2(acc[4 * j + 2 * half] + bias_at(group, n1_col),
-                       acc[4 * j + 2 * half + 1] + bias_at(group, n1_col + 1));
+  // Pre-activation value (bias included) of tile fragment column j (0..31).
+  __device__ __forceinline__ float2 raw_value(const float (&acc)[128], int j, int half, int64_t,
+                                              int) const {
+    return make_float2(acc[4 * j + 2 * half], acc[4 * j + 2 * half + 1]);
   }
   // FC1 output column of the first column of 64-column chunk q (0..3) of tile t.
   __device__ __forceinline__ int raw_col(int t, int q) const {

@@ -315,8 +315,7 @@ __global__ void __launch_bounds__(kThreads, 1)
     for (int32_t tile = blockIdx.x; tile < num_tiles; tile += gridDim.x) {
       const int32_t next = tile + gridDim.x;
       float acc[128];
-#pragma unroll
-      for (int i = 0; i < 128; ++i) acc[i] = 0.0f;
+      epi.init(acc, tw.group, tw.n0, lane);
       for (int kt = 0; kt < tw.k_tiles; ++kt, ++it) {
         const int s = it % stages;
         mbar_wait(&full[s], (it / stages) & 1);
