@@ -15,7 +15,9 @@
 // bf16/fp16/float32. K and N must be multiples of 8 (16-byte rows).
 //
 // Kernels: on Hopper (sm_90a builds) stacked weights take a TMA +
-// warp-specialised wgmma kernel for all three ops; pointer-array weights take
+// warp-specialised wgmma kernel for all three ops (outputs leave through TMA
+// stores; wgrad with accumulate through a TMA float32 reduce-add, still
+// deterministic: every dW element has one writer); pointer-array weights take
 // cp.async + wgmma (forward) or the portable mma.sync kernel (dgrad); other
 // GPUs the portable kernel. NOTE: the Hopper dgrad reads whole 64-row slices
 // of the stacked weights, so when N is not a multiple of 64 the last slice
