@@ -31,6 +31,7 @@ struct EpiIdentity {
 #pragma unroll
     for (int i = 0; i < 128; ++i) acc[i] = 0.0f;
   }
+  __device__ __forceinline__ void finish(float (&)[128], int, int, int) const {}
   struct Only {};
   template <typename F>
   __device__ __forceinline__ void dispatch(F&& f) const {
@@ -107,14 +108,15 @@ struct EpiMlpFc1 {
       return c;
     }
   }
-  // The bias enters as the accumulators' start value, so the epilogue adds
-  // nothing (and raw = acc, the pre-activation FC1 output).
-  __device__ __forceinline__ void init(float (&acc)[128], int group, int n0, int lane) const {
-    if (bias == nullptr) {
+  __device__ __forceinline__ void init(float (&acc)[128], int, int, int) const {
 #pragma unroll
-      for (int i = 0; i < 128; ++i) acc[i] = 0.0f;
-      return;
-    }
+    for (int i = 0; i < 128; ++i) acc[i] = 0.0f;
+  }
+  // The bias is added to the accumulators once the tile's last wgmma has
+  // completed (as a start value it would serialise the wgmma pipeline: ptxas
+  // C7515), so raw = acc is the pre-activation FC1 output.
+  __device__ __forceinline__ void finish(float (&acc)[128], int group, int n0, int lane) const {
+    if (bias == nullptr) return;
     const TOut* b = bias + int64_t{group} * (GATED ? 2 * f : f);
 #pragma unroll
     for (int j = 0; j < 32; ++j)
@@ -123,8 +125,8 @@ struct EpiMlpFc1 {
         bool ok;
         const int64_t c = n1_col(n0 / 256, 8 * j + 2 * (lane % 4) + e, ok);
         const float v = ok ? to_float(b[c]) : 0.0f;
-        acc[4 * j + e] = v;
-        acc[4 * j + 2 + e] = v;
+        acc[4 * j + e] += v;
+        acc[4 * j + 2 + e] += v;
       }
   }
   // Tile fragment column of the gate of output fragment column j (0..15) for

@@ -316,6 +316,7 @@ __global__ void __launch_bounds__(kThreads, 1)
       const int32_t next = tile + gridDim.x;
       float acc[128];
       epi.init(acc, tw.group, tw.n0, lane);
+      sm90::fence_operands(acc);  // start values in place before the first wgmma
       for (int kt = 0; kt < tw.k_tiles; ++kt, ++it) {
         const int s = it % stages;
         mbar_wait(&full[s], (it / stages) & 1);
@@ -356,6 +357,7 @@ __global__ void __launch_bounds__(kThreads, 1)
       sm90::wgmma_wait<0>();
       sm90::fence_operands(acc);
       if (tw.k_tiles > 0 && tid == 0) mbar_arrive(&empty[(it - 1) % stages]);
+      epi.finish(acc, tw.group, tw.n0, lane);  // e.g. + bias
       // The next tile's geometry: its loads run while this epilogue does.
       Work nw{};
       if (next < num_tiles) nw = work_of(next);

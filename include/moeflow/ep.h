@@ -1,0 +1,111 @@
+// Expert-parallel dispatch and combine across GPUs (CUDA builds only).
+//
+// W ranks (one GPU each) hold E/W experts each: rank q owns global experts
+// [q*E/W, (q+1)*E/W). dispatch() sends every token to the ranks of its
+// experts — once per rank, however many of its experts live there — and
+// returns it already permuted by local expert and padded to `align`, with its
+// probabilities and a RoutingPlan of the local experts whose counts and
+// offsets stay on the device (what the grouped GEMM / MLP reads). combine()
+// brings each token's expert outputs home and sums them in float32 in a fixed
+// order. The results are bitwise those of the CPU reference in
+// moeflow/dispatch.h (ep_reference), whose semantics this backend follows:
+// receive rows ordered by (source rank, token, k) inside each local expert,
+// the same capacity and drop rule, partial sums per rank in ascending k, the
+// partials of the ranks added in ascending rank order.
+//
+// Backend "nccl": per-destination token counts are exchanged with NCCL and
+// copied to the host once per dispatch (NCCL send sizes are host arguments:
+// this is the one host synchronisation of the path, so dispatch is not
+// CUDA-graph capturable; the nvlink backend removes it), then grouped
+// ncclSend/ncclRecv move exact row ranges. Works over any NCCL transport.
+// Token counts may differ per rank (including 0) up to max_tokens_per_rank,
+// with no extra all-reduce.
+//
+// Every rank must call each collective operation (dispatch, combine and the
+// backward functions) in the same order. The views returned point into
+// buffers the group owns and stay valid until the next dispatch on it.
+#pragma once
+
+#include <array>
+#include <functional>
+#include <memory>
+#include <vector>
+
+#include "moeflow/plan.h"
+#include "moeflow/tensor.h"
+
+struct ncclComm;
+
+namespace moeflow {
+
+struct EpOptions {
+  int num_experts = 0;              // E (global), a multiple of the world size
+  int topk = 0;                     // K
+  int64_t hidden = 0;               // H
+  DType dtype = DType::kBFloat16;   // token dtype (float32/float16/bfloat16)
+  int align = 16;                   // receive segments padded to this many rows
+  int64_t max_tokens_per_rank = 0;  // bound on T of every rank (sizes all buffers)
+  int64_t capacity_rows = -1;       // receive rows; -1: the worst case (ep_reference)
+};
+
+class EpGroup {
+ public:
+  // From an existing communicator (not owned, not destroyed). The current CUDA
+  // device must be the rank's GPU.
+  static std::unique_ptr<EpGroup> from_comm(ncclComm* comm, const EpOptions& options);
+  // From an NCCL unique id broadcast by the framework (all ranks call together).
+  static std::unique_ptr<EpGroup> from_unique_id(const std::array<char, 128>& id, int rank,
+                                                 int world_size, const EpOptions& options);
+  static std::array<char, 128> new_unique_id();
+  // One group per listed GPU of this process (communicators made together).
+  static std::vector<std::unique_ptr<EpGroup>> create_local(const std::vector<int>& devices,
+                                                            const EpOptions& options);
+  // Runs fn(rank) on one thread per group (each with its device current) and
+  // rethrows the first error: the way to drive create_local() groups.
+  static void run_local(const std::vector<std::unique_ptr<EpGroup>>& groups,
+                        const std::function<void(int rank)>& fn);
+
+  ~EpGroup();
+  EpGroup(const EpGroup&) = delete;
+  EpGroup& operator=(const EpGroup&) = delete;
+
+  int rank() const;
+  int world_size() const;
+  int local_experts() const;
+  Device device() const;
+  int64_t capacity_rows() const;
+  const EpOptions& options() const;
+
+  struct Impl;
+  Impl& impl() { return *impl_; }
+
+ private:
+  explicit EpGroup(std::unique_ptr<Impl> impl);
+  std::unique_ptr<Impl> impl_;
+};
+
+struct EpDispatchResult {
+  TensorView x;             // [capacity, H] received tokens, expert-major, padded; pad rows zero
+  TensorView probs;         // [capacity] float32: probability of each row, 0 on pad rows
+  const RoutingPlan* plan;  // the local experts' plan (device counts/offsets; overflow = dropped)
+  int64_t received_tokens;  // tokens that arrived (host value, known after the count exchange)
+};
+
+// x [T,H] (T <= max_tokens_per_rank, may be 0), ids [T,K] int32/int64 global
+// expert ids (-1: none), probs [T,K] float32.
+EpDispatchResult ep_dispatch(EpGroup& group, TensorView x, TensorView ids, TensorView probs,
+                             cudaStream_t stream = nullptr);
+
+// y [capacity, H] (the expert outputs of the dispatched rows, float32/float16/
+// bfloat16) -> out [T,H] of the last dispatch: out[t] = sum over ranks q
+// ascending of sum over t's kept slots on q, k ascending, of w * y[row], w =
+// the slot's prob when `weighted`, else 1.
+void ep_combine(EpGroup& group, TensorView y, bool weighted, TensorView out,
+                cudaStream_t stream = nullptr);
+
+// Gradient of dispatch (a combine without weights): grad_recv [capacity,H] ->
+// grad_x [T,H].
+void ep_dispatch_backward(EpGroup& group, TensorView grad_recv, TensorView grad_x,
+                          cudaStream_t stream = nullptr);
+
+}  // namespace moeflow

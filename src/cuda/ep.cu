@@ -1,0 +1,468 @@
+// Expert-parallel dispatch / combine, backend "nccl" (see moeflow/ep.h).
+//
+// dispatch, on every rank:
+//   1. flags[q][t] = token t has a slot on rank q (one kernel), an exclusive
+//      scan over the W*T flags (CUB) gives each (q, t) its row in the send
+//      buffer: destination-major, tokens ascending;
+//   2. pack (one kernel): token rows, and per row the K local expert ids for
+//      that destination (-1 for slots elsewhere) and probs, into the send
+//      buffers; each token crosses to a rank once;
+//   3. per-destination counts through grouped ncclSend/ncclRecv, copied to the
+//      host (the one host synchronisation), then grouped ncclSend/ncclRecv of
+//      the exact row ranges (tokens, ids, probs);
+//   4. the received rows (source rank ascending, then token) are a routing
+//      problem over the local experts: build_plan + permute (with probs) give
+//      the expert-major padded layout, in (source rank, token, k) order.
+// combine: unpermute of the expert outputs into one float32 partial per
+// received token (slots ascending, weighted by the received probs), partials
+// sent back with the same row ranges reversed, and one kernel adds each
+// token's partials in ascending rank order.
+#include <nccl.h>
+
+#include <cub/device/device_scan.cuh>
+#include <exception>
+#include <mutex>
+#include <thread>
+
+#include "core/internal.h"
+#include "cuda/common.cuh"
+#include "moeflow/dispatch.h"
+#include "moeflow/ep.h"
+#include "moeflow/permute.h"
+
+#define MOEFLOW_NCCL_CHECK(expr)                                                             \
+  do {                                                                                       \
+    const ncclResult_t r_ = (expr);                                                          \
+    MOEFLOW_CHECK(r_ == ncclSuccess, "NCCL error in ", #expr, ": ", ncclGetErrorString(r_)); \
+  } while (0)
+
+namespace moeflow {
+
+using detail::Expect;
+
+namespace {
+
+// flags[q*T + t] = 1 when token t has a valid slot on rank q; invalid ids
+// (outside [-1, E)) are counted and ignored.
+template <typename IdT>
+__global__ void ep_flags_kernel(const IdT* ids, int64_t T, int K, int E, int epr, int W,
+                                int32_t* flags, int32_t* invalid) {
+  const int64_t t = blockIdx.x * int64_t{blockDim.x} + threadIdx.x;
+  if (t >= T) return;
+  for (int q = 0; q < W; ++q) flags[q * T + t] = 0;
+  int bad = 0;
+  for (int k = 0; k < K; ++k) {
+    const int64_t id = static_cast<int64_t>(ids[t * K + k]);
+    if (id >= 0 && id < E)
+      flags[(id / epr) * T + t] = 1;
+    else if (id != -1)
+      ++bad;
+  }
+  if (bad) atomicAdd(invalid, bad);
+}
+
+// counts[q] = rows sent to rank q (from the exclusive scan of the flags).
+__global__ void ep_counts_kernel(const int32_t* pos, int64_t T, int W, int32_t* counts) {
+  const int q = threadIdx.x;
+  if (q < W) counts[q] = pos[(q + 1) * T] - pos[q * T];
+}
+
+// One warp per (q, t) with a flag: the token row, its local ids and probs.
+template <typename IdT>
+__global__ void ep_pack_kernel(const uint8_t* x, int64_t x_stride_bytes, int64_t row_bytes,
+                               bool vec, const IdT* ids, const float* probs, int64_t T, int K,
+                               int E, int epr, int W, const int32_t* flags, const int32_t* pos,
+                               uint8_t* send_x, int32_t* send_ids, float* send_probs) {
+  const int64_t warp = (blockIdx.x * int64_t{blockDim.x} + threadIdx.x) / cuda::kWarpSize;
+  const int lane = threadIdx.x % cuda::kWarpSize;
+  if (warp >= W * T || !flags[warp]) return;
+  const int q = static_cast<int>(warp / T);
+  const int64_t t = warp % T, row = pos[warp];
+  const uint8_t* src = x + t * x_stride_bytes;
+  uint8_t* dst = send_x + row * row_bytes;
+  if (vec) {  // 16-byte aligned rows
+    for (int64_t i = lane * 16; i < row_bytes; i += cuda::kWarpSize * 16)
+      *reinterpret_cast<uint4*>(dst + i) = *reinterpret_cast<const uint4*>(src + i);
+  } else {
+    for (int64_t i = lane; i < row_bytes; i += cuda::kWarpSize) dst[i] = src[i];
+  }
+  for (int k = lane; k < K; k += cuda::kWarpSize) {
+    const int64_t id = static_cast<int64_t>(ids[t * K + k]);
+    const bool here = id >= 0 && id < E && id / epr == q;
+    send_ids[row * K + k] = here ? static_cast<int32_t>(id - int64_t{q} * epr) : -1;
+    send_probs[row * K + k] = here && probs ? probs[t * K + k] : 0.0f;
+  }
+}
+
+// out[t] = partials of t added in ascending rank order (first taken as is).
+template <typename TOut>
+__global__ void ep_combine_kernel(const float* back, int64_t H, int64_t T, int W,
+                                  const int32_t* flags, const int32_t* pos, TOut* out,
+                                  int64_t out_stride) {
+  const int64_t t = blockIdx.x;
+  for (int64_t h = threadIdx.x; h < H; h += blockDim.x) {
+    float acc = 0.0f;
+    bool first = true;
+    for (int q = 0; q < W; ++q) {
+      if (!flags[q * T + t]) continue;
+      const float v = back[int64_t{pos[q * T + t]} * H + h];
+      acc = first ? v : acc + v;
+      first = false;
+    }
+    out[t * out_stride + h] = cuda::from_float<TOut>(acc);
+  }
+}
+
+int64_t addr(const void* p) {
+  return static_cast<int64_t>(reinterpret_cast<uintptr_t>(p));
+}
+
+}  // namespace
+
+struct EpGroup::Impl {
+  ncclComm_t comm = nullptr;
+  bool owns_comm = false;
+  int rank = 0, world = 1, device = 0, epr = 0;
+  EpOptions opt;
+  int64_t tmax = 0, rows_max = 0, send_max = 0, capacity = 0, row_bytes = 0;
+
+  Tensor flags, pos, scan_tmp, counts, invalid;  // device
+  int32_t* host = nullptr;  // pinned: send counts [W], recv counts [W], invalid
+  Tensor send_x, send_ids, send_probs, recv_x, recv_ids, recv_probs;
+  RoutingPlan plan;
+  Tensor plan_ws, out_x, out_probs, partial, back;
+
+  // the last dispatch
+  int64_t T = 0, received = 0;
+  std::vector<int64_t> send_off, send_cnt, recv_off, recv_cnt;
+
+  ~Impl() {
+    if (host) cudaFreeHost(host);
+    if (owns_comm && comm) ncclCommDestroy(comm);
+  }
+
+  void init(ncclComm_t c, bool owns, const EpOptions& o) {
+    comm = c;
+    owns_comm = owns;
+    opt = o;
+    MOEFLOW_NCCL_CHECK(ncclCommUserRank(comm, &rank));
+    MOEFLOW_NCCL_CHECK(ncclCommCount(comm, &world));
+    MOEFLOW_CUDA_CHECK(cudaGetDevice(&device));
+    MOEFLOW_CHECK(o.num_experts > 0 && o.num_experts % world == 0,
+                  "num_experts must be a positive multiple of the world size ", world, ", got ",
+                  o.num_experts);
+    MOEFLOW_CHECK(o.topk >= 1 && o.topk <= 32, "topk must be in [1, 32], got ", o.topk);
+    MOEFLOW_CHECK(o.hidden > 0, "hidden must be > 0, got ", o.hidden);
+    MOEFLOW_CHECK(o.max_tokens_per_rank >= 0, "max_tokens_per_rank must be >= 0, got ",
+                  o.max_tokens_per_rank);
+    MOEFLOW_CHECK(
+        o.dtype == DType::kFloat32 || o.dtype == DType::kFloat16 || o.dtype == DType::kBFloat16,
+        "dtype must be float32, float16 or bfloat16, got ", dtype_name(o.dtype));
+    epr = o.num_experts / world;
+    tmax = std::max<int64_t>(o.max_tokens_per_rank, 1);
+    rows_max = tmax * world;
+    send_max = tmax * std::min(o.topk, world);
+    ep_reference::EpConfig rc{world, o.num_experts, o.align, o.max_tokens_per_rank,
+                              o.capacity_rows};
+    capacity = ep_reference::recv_capacity_rows(rc, o.topk);
+    row_bytes = o.hidden * static_cast<int64_t>(dtype_size(o.dtype));
+    const Device dev = Device::cuda(device);
+    const int64_t K = o.topk, H = o.hidden;
+    flags = Tensor::empty({rows_max + 1}, DType::kInt32, dev);
+    pos = Tensor::empty({rows_max + 1}, DType::kInt32, dev);
+    size_t scan_bytes = 0;
+    MOEFLOW_CUDA_CHECK(cub::DeviceScan::ExclusiveSum(nullptr, scan_bytes, flags.data_ptr<int32_t>(),
+                                                     pos.data_ptr<int32_t>(), rows_max + 1));
+    scan_tmp = Tensor::empty({static_cast<int64_t>(scan_bytes) + 16}, DType::kUInt8, dev);
+    counts = Tensor::empty({2 * world}, DType::kInt32, dev);
+    invalid = Tensor::empty({1}, DType::kInt32, dev);
+    MOEFLOW_CUDA_CHECK(cudaMallocHost(&host, sizeof(int32_t) * (2 * world + 1)));
+    send_x = Tensor::empty({send_max, H}, o.dtype, dev);
+    send_ids = Tensor::empty({send_max, K}, DType::kInt32, dev);
+    send_probs = Tensor::empty({send_max, K}, DType::kFloat32, dev);
+    recv_x = Tensor::empty({rows_max, H}, o.dtype, dev);
+    recv_ids = Tensor::empty({rows_max, K}, DType::kInt32, dev);
+    recv_probs = Tensor::empty({rows_max, K}, DType::kFloat32, dev);
+    PlanConfig pc;
+    pc.num_experts = epr;
+    pc.align = o.align;
+    pc.capacity_rows = capacity;
+    plan = allocate_plan(rows_max, o.topk, pc, dev);
+    plan_ws = Tensor::empty({static_cast<int64_t>(plan_workspace_bytes(rows_max, o.topk, pc)) + 16},
+                            DType::kUInt8, dev);
+    out_x = Tensor::empty({capacity, H}, o.dtype, dev);
+    out_probs = Tensor::empty({capacity}, DType::kFloat32, dev);
+    partial = Tensor::empty({rows_max, H}, DType::kFloat32, dev);
+    back = Tensor::empty({send_max, H}, DType::kFloat32, dev);
+  }
+
+  // Grouped send/recv of per-peer row ranges of two buffers (bytes per row).
+  void exchange(const uint8_t* send, int64_t send_row_bytes, const std::vector<int64_t>& s_off,
+                const std::vector<int64_t>& s_cnt, uint8_t* recv, int64_t recv_row_bytes,
+                const std::vector<int64_t>& r_off, const std::vector<int64_t>& r_cnt,
+                cudaStream_t stream) {
+    MOEFLOW_NCCL_CHECK(ncclGroupStart());
+    for (int q = 0; q < world; ++q) {
+      if (s_cnt[q] > 0)
+        MOEFLOW_NCCL_CHECK(ncclSend(send + s_off[q] * send_row_bytes, s_cnt[q] * send_row_bytes,
+                                    ncclUint8, q, comm, stream));
+      if (r_cnt[q] > 0)
+        MOEFLOW_NCCL_CHECK(ncclRecv(recv + r_off[q] * recv_row_bytes, r_cnt[q] * recv_row_bytes,
+                                    ncclUint8, q, comm, stream));
+    }
+    MOEFLOW_NCCL_CHECK(ncclGroupEnd());
+  }
+};
+
+EpGroup::EpGroup(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
+EpGroup::~EpGroup() = default;
+int EpGroup::rank() const {
+  return impl_->rank;
+}
+int EpGroup::world_size() const {
+  return impl_->world;
+}
+int EpGroup::local_experts() const {
+  return impl_->epr;
+}
+Device EpGroup::device() const {
+  return Device::cuda(impl_->device);
+}
+int64_t EpGroup::capacity_rows() const {
+  return impl_->capacity;
+}
+const EpOptions& EpGroup::options() const {
+  return impl_->opt;
+}
+
+std::unique_ptr<EpGroup> EpGroup::from_comm(ncclComm* comm, const EpOptions& options) {
+  MOEFLOW_CHECK(comm != nullptr, "comm must be an NCCL communicator, got null");
+  auto impl = std::make_unique<Impl>();
+  impl->init(comm, false, options);
+  return std::unique_ptr<EpGroup>(new EpGroup(std::move(impl)));
+}
+
+std::array<char, 128> EpGroup::new_unique_id() {
+  ncclUniqueId id;
+  MOEFLOW_NCCL_CHECK(ncclGetUniqueId(&id));
+  std::array<char, 128> out{};
+  static_assert(sizeof(id.internal) == 128, "NCCL unique ids are 128 bytes");
+  std::memcpy(out.data(), id.internal, 128);
+  return out;
+}
+
+std::unique_ptr<EpGroup> EpGroup::from_unique_id(const std::array<char, 128>& id, int rank,
+                                                 int world_size, const EpOptions& options) {
+  MOEFLOW_CHECK(world_size >= 1 && rank >= 0 && rank < world_size,
+                "rank must be in [0, world_size=", world_size, "), got ", rank);
+  ncclUniqueId uid;
+  std::memcpy(uid.internal, id.data(), 128);
+  ncclComm_t comm = nullptr;
+  MOEFLOW_NCCL_CHECK(ncclCommInitRank(&comm, world_size, uid, rank));
+  auto impl = std::make_unique<Impl>();
+  try {
+    impl->init(comm, true, options);
+  } catch (...) {
+    ncclCommDestroy(comm);
+    throw;
+  }
+  return std::unique_ptr<EpGroup>(new EpGroup(std::move(impl)));
+}
+
+std::vector<std::unique_ptr<EpGroup>> EpGroup::create_local(const std::vector<int>& devices,
+                                                            const EpOptions& options) {
+  const int n = static_cast<int>(devices.size());
+  MOEFLOW_CHECK(n >= 1 && n <= cuda_device_count(), "create_local needs 1..", cuda_device_count(),
+                " devices, got ", n);
+  std::vector<ncclComm_t> comms(n);
+  MOEFLOW_NCCL_CHECK(ncclCommInitAll(comms.data(), n, devices.data()));
+  std::vector<std::unique_ptr<EpGroup>> groups;
+  for (int i = 0; i < n; ++i) {
+    MOEFLOW_CUDA_CHECK(cudaSetDevice(devices[i]));
+    auto impl = std::make_unique<Impl>();
+    impl->init(comms[i], true, options);
+    groups.push_back(std::unique_ptr<EpGroup>(new EpGroup(std::move(impl))));
+  }
+  return groups;
+}
+
+void EpGroup::run_local(const std::vector<std::unique_ptr<EpGroup>>& groups,
+                        const std::function<void(int)>& fn) {
+  std::vector<std::thread> threads;
+  std::vector<std::exception_ptr> errors(groups.size());
+  for (size_t i = 0; i < groups.size(); ++i)
+    threads.emplace_back([&, i] {
+      try {
+        MOEFLOW_CUDA_CHECK(cudaSetDevice(groups[i]->device().index));
+        fn(static_cast<int>(i));
+      } catch (...) {
+        errors[i] = std::current_exception();
+      }
+    });
+  for (auto& t : threads) t.join();
+  for (auto& e : errors)
+    if (e) std::rethrow_exception(e);
+}
+
+EpDispatchResult ep_dispatch(EpGroup& group, TensorView x, TensorView ids, TensorView probs,
+                             cudaStream_t stream) {
+  EpGroup::Impl& g = group.impl();
+  const Device dev = Device::cuda(g.device);
+  const int K = g.opt.topk, W = g.world;
+  MOEFLOW_CHECK(x.defined() && x.ndim == 2, "x must be [T,H], got ", x.str());
+  const int64_t T = x.shape[0];
+  detail::expect(x, "x", Expect{{g.opt.dtype}, {T, g.opt.hidden}, dev});
+  MOEFLOW_CHECK(x.strides[1] == 1, "x rows must be contiguous (stride(1) == 1), got ", x.stride(1));
+  MOEFLOW_CHECK(T <= g.opt.max_tokens_per_rank, "x has ", T,
+                " tokens, more than max_tokens_per_rank=", g.opt.max_tokens_per_rank);
+  detail::expect(ids, "ids", Expect{{DType::kInt32, DType::kInt64}, {T, K}, dev});
+  MOEFLOW_CHECK(ids.is_contiguous(), "ids must be contiguous");
+  if (probs.defined()) {
+    detail::expect(probs, "probs", Expect{{DType::kFloat32}, {T, K}, dev});
+    MOEFLOW_CHECK(probs.is_contiguous(), "probs must be contiguous");
+  }
+  g.T = T;
+  int32_t* flags = g.flags.data_ptr<int32_t>();
+  int32_t* pos = g.pos.data_ptr<int32_t>();
+  MOEFLOW_CUDA_CHECK(cudaMemsetAsync(flags, 0, sizeof(int32_t) * (W * T + 1), stream));
+  MOEFLOW_CUDA_CHECK(cudaMemsetAsync(g.invalid.data(), 0, sizeof(int32_t), stream));
+  const int E = g.opt.num_experts;
+  if (T > 0) {
+    const int threads = 256;
+    const unsigned blocks = static_cast<unsigned>((T + threads - 1) / threads);
+    if (ids.dtype == DType::kInt32)
+      ep_flags_kernel<<<blocks, threads, 0, stream>>>(ids.data_ptr<int32_t>(), T, K, E, g.epr, W,
+                                                      flags, g.invalid.data_ptr<int32_t>());
+    else
+      ep_flags_kernel<<<blocks, threads, 0, stream>>>(ids.data_ptr<int64_t>(), T, K, E, g.epr, W,
+                                                      flags, g.invalid.data_ptr<int32_t>());
+    MOEFLOW_CUDA_LAUNCH_CHECK();
+  }
+  size_t scan_bytes = static_cast<size_t>(g.scan_tmp.numel());
+  MOEFLOW_CUDA_CHECK(
+      cub::DeviceScan::ExclusiveSum(g.scan_tmp.data(), scan_bytes, flags, pos, W * T + 1, stream));
+  int32_t* counts = g.counts.data_ptr<int32_t>();
+  ep_counts_kernel<<<1, 32 * ((W + 31) / 32), 0, stream>>>(pos, T, W, counts);
+  MOEFLOW_CUDA_LAUNCH_CHECK();
+  if (T > 0) {
+    const int64_t warps = W * T;
+    const unsigned blocks = static_cast<unsigned>((warps * cuda::kWarpSize + 255) / 256);
+    const int64_t xs = x.strides[0] * static_cast<int64_t>(dtype_size(x.dtype));
+    const bool vec = addr(x.data) % 16 == 0 && xs % 16 == 0 && g.row_bytes % 16 == 0;
+    if (ids.dtype == DType::kInt32)
+      ep_pack_kernel<<<blocks, 256, 0, stream>>>(
+          static_cast<const uint8_t*>(x.data), xs, g.row_bytes, vec, ids.data_ptr<int32_t>(),
+          probs.defined() ? probs.data_ptr<float>() : nullptr, T, K, E, g.epr, W, flags, pos,
+          static_cast<uint8_t*>(g.send_x.data()), g.send_ids.data_ptr<int32_t>(),
+          g.send_probs.data_ptr<float>());
+    else
+      ep_pack_kernel<<<blocks, 256, 0, stream>>>(
+          static_cast<const uint8_t*>(x.data), xs, g.row_bytes, vec, ids.data_ptr<int64_t>(),
+          probs.defined() ? probs.data_ptr<float>() : nullptr, T, K, E, g.epr, W, flags, pos,
+          static_cast<uint8_t*>(g.send_x.data()), g.send_ids.data_ptr<int32_t>(),
+          g.send_probs.data_ptr<float>());
+    MOEFLOW_CUDA_LAUNCH_CHECK();
+  }
+  // Counts: send counts to each peer, receive theirs (the one host sync).
+  MOEFLOW_NCCL_CHECK(ncclGroupStart());
+  for (int q = 0; q < W; ++q) {
+    MOEFLOW_NCCL_CHECK(ncclSend(counts + q, 1, ncclInt32, q, g.comm, stream));
+    MOEFLOW_NCCL_CHECK(ncclRecv(counts + W + q, 1, ncclInt32, q, g.comm, stream));
+  }
+  MOEFLOW_NCCL_CHECK(ncclGroupEnd());
+  MOEFLOW_CUDA_CHECK(
+      cudaMemcpyAsync(g.host, counts, sizeof(int32_t) * 2 * W, cudaMemcpyDeviceToHost, stream));
+  MOEFLOW_CUDA_CHECK(cudaMemcpyAsync(g.host + 2 * W, g.invalid.data(), sizeof(int32_t),
+                                     cudaMemcpyDeviceToHost, stream));
+  MOEFLOW_CUDA_CHECK(cudaStreamSynchronize(stream));
+  g.send_off.assign(W, 0);
+  g.send_cnt.assign(W, 0);
+  g.recv_off.assign(W, 0);
+  g.recv_cnt.assign(W, 0);
+  int64_t so = 0, ro = 0;
+  for (int q = 0; q < W; ++q) {
+    g.send_off[q] = so;
+    g.send_cnt[q] = g.host[q];
+    so += g.host[q];
+    g.recv_off[q] = ro;
+    g.recv_cnt[q] = g.host[W + q];
+    ro += g.host[W + q];
+  }
+  g.received = ro;
+  // Rows past the received ones stay unrouted (-1) for the plan.
+  MOEFLOW_CUDA_CHECK(cudaMemsetAsync(g.recv_ids.data(), 0xFF, g.recv_ids.nbytes(), stream));
+  const int64_t idb = int64_t{K} * 4;
+  MOEFLOW_NCCL_CHECK(ncclGroupStart());
+  g.exchange(static_cast<const uint8_t*>(g.send_x.data()), g.row_bytes, g.send_off, g.send_cnt,
+             static_cast<uint8_t*>(g.recv_x.data()), g.row_bytes, g.recv_off, g.recv_cnt, stream);
+  g.exchange(static_cast<const uint8_t*>(g.send_ids.data()), idb, g.send_off, g.send_cnt,
+             static_cast<uint8_t*>(g.recv_ids.data()), idb, g.recv_off, g.recv_cnt, stream);
+  g.exchange(static_cast<const uint8_t*>(g.send_probs.data()), idb, g.send_off, g.send_cnt,
+             static_cast<uint8_t*>(g.recv_probs.data()), idb, g.recv_off, g.recv_cnt, stream);
+  MOEFLOW_NCCL_CHECK(ncclGroupEnd());
+  // Unpack + permute + pad: the received rows routed over the local experts.
+  build_plan(g.recv_ids, g.plan, g.plan_ws, stream);
+  PermuteExtras extras;
+  extras.probs = g.recv_probs;
+  extras.permuted_probs = g.out_probs;
+  permute(g.recv_x, g.plan, g.out_x, extras, stream);
+  MOEFLOW_CHECK(g.host[2 * W] == 0, "ids: ", g.host[2 * W], " routing entries outside [-1, ", E,
+                ") on rank ", g.rank, " (treated as unrouted; the dispatch completed)");
+  return EpDispatchResult{g.out_x, g.out_probs, &g.plan, g.received};
+}
+
+namespace {
+void combine_impl(EpGroup::Impl& g, TensorView y, bool weighted, TensorView out,
+                  cudaStream_t stream) {
+  const Device dev = Device::cuda(g.device);
+  detail::expect(
+      y, "y",
+      Expect{
+          {DType::kFloat32, DType::kFloat16, DType::kBFloat16}, {g.capacity, g.opt.hidden}, dev});
+  detail::expect(
+      out, "out",
+      Expect{{DType::kFloat32, DType::kFloat16, DType::kBFloat16}, {g.T, g.opt.hidden}, dev});
+  MOEFLOW_CHECK(out.strides[1] == 1, "out rows must be contiguous (stride(1) == 1)");
+  const int W = g.world;
+  const int64_t H = g.opt.hidden;
+  unpermute(y, g.plan, g.partial, weighted ? TensorView(g.recv_probs) : TensorView{}, stream);
+  // Partials go back along the dispatch's row ranges, reversed.
+  const int64_t pb = H * 4;
+  MOEFLOW_NCCL_CHECK(ncclGroupStart());
+  g.exchange(static_cast<const uint8_t*>(g.partial.data()), pb, g.recv_off, g.recv_cnt,
+             static_cast<uint8_t*>(g.back.data()), pb, g.send_off, g.send_cnt, stream);
+  MOEFLOW_NCCL_CHECK(ncclGroupEnd());
+  if (g.T == 0) return;
+  const unsigned blocks = static_cast<unsigned>(g.T);
+  const int threads = static_cast<int>(std::min<int64_t>(256, (H + 31) / 32 * 32));
+  const float* back = g.back.data_ptr<float>();
+  switch (out.dtype) {
+    case DType::kFloat32:
+      ep_combine_kernel<<<blocks, threads, 0, stream>>>(
+          back, H, g.T, W, g.flags.data_ptr<int32_t>(), g.pos.data_ptr<int32_t>(),
+          out.data_ptr<float>(), out.strides[0]);
+      break;
+    case DType::kFloat16:
+      ep_combine_kernel<<<blocks, threads, 0, stream>>>(
+          back, H, g.T, W, g.flags.data_ptr<int32_t>(), g.pos.data_ptr<int32_t>(),
+          out.data_ptr<__half>(), out.strides[0]);
+      break;
+    default:
+      ep_combine_kernel<<<blocks, threads, 0, stream>>>(
+          back, H, g.T, W, g.flags.data_ptr<int32_t>(), g.pos.data_ptr<int32_t>(),
+          out.data_ptr<__nv_bfloat16>(), out.strides[0]);
+  }
+  MOEFLOW_CUDA_LAUNCH_CHECK();
+}
+}  // namespace
+
+void ep_combine(EpGroup& group, TensorView y, bool weighted, TensorView out, cudaStream_t stream) {
+  combine_impl(group.impl(), y, weighted, out, stream);
+}
+
+void ep_dispatch_backward(EpGroup& group, TensorView grad_recv, TensorView grad_x,
+                          cudaStream_t stream) {
+  combine_impl(group.impl(), grad_recv, false, grad_x, stream);
+}
+
+}  // namespace moeflow
