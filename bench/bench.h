@@ -41,6 +41,17 @@ struct GemmBenchOptions {
 void run_gemm_bench(const GemmBenchOptions& opt);
 std::vector<int64_t> sweep_split(int E, int64_t R, bool skewed);
 
+struct DispatchBenchOptions {
+  std::vector<std::string> presets;  // default: dsv3 mixtral
+  int gpus = 0;                      // 0: every visible GPU
+  int64_t tokens = 0;                // tokens per GPU; 0: the preset's
+  int align = 16;
+  TimingOptions timing;
+  std::string json_path;
+};
+// Multi-GPU (CUDA builds only).
+void run_dispatch_bench(const DispatchBenchOptions& opt);
+
 struct RunOptions {
   std::string preset = "tiny";
   int align = 16;

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One call on the GPU machine: build, GPU tests, memcheck, benchmarks beside
 # the PyTorch peers. Logs and JSON go to $OUT (or ./out).
-# Usage: scripts/device_check.sh [build|test|memcheck|racecheck|sass|variants|bench|peers|gemm|tune|sweep|gemmpeers]...
+# Usage: scripts/device_check.sh [build|test|memcheck|racecheck|sass|variants|bench|peers|gemm|tune|sweep|gemmpeers|dispatch|a2apeers|multigpu]...
 # (default: build test memcheck racecheck sass bench peers)
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -63,6 +63,19 @@ if has sweep; then
 fi
 if has peers && [ -f .peers/peers.py ]; then
   PYTHONUNBUFFERED=1 python3 .peers/peers.py --only ceil,permute --json "$OUT/peers.json" 2>&1 | tail -30 || rc=1
+fi
+if has dispatch; then  # needs 2+ GPUs (nvidia-h200-x2)
+  build/moeflow bench dispatch --json "$OUT/dispatch.json" 2>&1 || rc=1
+fi
+if has a2apeers && [ -f .peers/a2a_peers.py ]; then
+  NCCL_NVLS_ENABLE=0 PYTHONUNBUFFERED=1 torchrun --nproc-per-node="$(nvidia-smi -L | wc -l)" \
+    .peers/a2a_peers.py --json "$OUT/a2a_peers.json" 2>&1 | tail -30 || rc=1
+fi
+if has multigpu; then
+  ctest --test-dir build -L multigpu --output-on-failure 2>&1 | tail -20 || rc=1
+  compute-sanitizer --tool memcheck --error-exitcode 9 build/tests/test_gpu --gtest_filter='MultiGpuEp.*' \
+    > "$OUT/memcheck_ep.log" 2>&1
+  m=$?; tail -3 "$OUT/memcheck_ep.log"; echo "memcheck (ep) exit: $m"; [ $m -eq 0 ] || rc=1
 fi
 if has gemmpeers && [ -f .peers/peers.py ]; then
   PYTHONUNBUFFERED=1 python3 .peers/peers.py --only gemm --json "$OUT/peers_gemm.json" 2>&1 | tail -40 || rc=1

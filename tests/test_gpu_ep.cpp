@@ -1,7 +1,8 @@
 // Expert-parallel dispatch / combine on GPUs (backend nccl) against the
 // W-rank CPU reference (moeflow/dispatch.h), bitwise: received rows (tokens,
 // probs), per-expert counts and offsets, drop counts, combined outputs
-// (weighted and not), dispatch backward, determinism over repeated runs.
+// (weighted and not), dispatch backward, combine backward (grad_y bitwise,
+// dprobs within the dot-product tolerance), determinism over repeated runs.
 // Label gpu: one rank on one GPU. Label multigpu: all visible GPUs (2+), with
 // uneven tokens per rank (0 and primes), all tokens to one rank's experts, and
 // a capacity overflow; tokens carry their source rank and index.
@@ -87,11 +88,18 @@ void run_rounds(int W, const std::vector<Round>& rounds, int64_t capacity_rows =
       }
       std::vector<Tensor> want_out = ep_reference::combine(y, handle, weights, dt);
       std::vector<Tensor> want_unw = ep_reference::combine(y, handle, std::vector<Tensor>(W), dt);
+      std::vector<Tensor> dout(W), want_gy, want_dprobs;
+      for (int r = 0; r < W; ++r) {
+        dout[r] = make_tensor({rd.tokens[r], H}, dt);
+        fill_random(dout[r], seed++);
+      }
+      ep_reference::combine_backward(dout, handle, y, weights, want_gy, want_dprobs);
 
       // GPU, one thread per rank
       std::vector<Tensor> got_x(W), got_probs(W), got_tpe(W), got_off(W), got_out(W), got_out2(W),
           got_unw(W);
       std::vector<int64_t> got_overflow(W), got_received(W);
+      std::vector<Tensor> got_gy(W), got_dprobs(W);
       EpGroup::run_local(groups, [&](int r) {
         const Device dev = groups[r]->device();
         Tensor x = in[r].x.to(dev), ids = in[r].ids.to(dev), probs = in[r].probs.to(dev),
@@ -113,6 +121,13 @@ void run_rounds(int W, const std::vector<Round>& rounds, int64_t capacity_rows =
         fill_bytes(out, 0xFF);
         ep_dispatch_backward(*groups[r], yy, out);
         got_unw[r] = out.to(Device::cpu());
+        Tensor d = dout[r].to(dev), gy = Tensor::empty({cap, H}, dt, dev);
+        Tensor dp = Tensor::empty({rd.tokens[r], K}, DType::kFloat32, dev);
+        fill_bytes(gy, 0xFF);
+        fill_bytes(dp, 0xFF);
+        ep_combine_backward(*groups[r], d, yy, true, gy, dp);
+        got_gy[r] = gy.to(Device::cpu());
+        got_dprobs[r] = dp.to(Device::cpu());
         MOEFLOW_CUDA_CHECK(cudaDeviceSynchronize());
       });
       for (int r = 0; r < W; ++r) {
@@ -145,6 +160,10 @@ void run_rounds(int W, const std::vector<Round>& rounds, int64_t capacity_rows =
             << "combine not deterministic";
         EXPECT_TRUE(same_bytes(got_unw[r].data(), want_unw[r].data(), out_bytes))
             << "dispatch backward differs";
+        EXPECT_TRUE(same_bytes(got_gy[r].data(), want_gy[r].data(), used * H * dtype_size(dt)))
+            << "combine backward grad_y differs";
+        EXPECT_TRUE(all_close(got_dprobs[r], want_dprobs[r], dot_tolerance(H)))
+            << "combine backward dprobs";
       }
     }
   }

@@ -1,7 +1,8 @@
 // The `moeflow` command line: `run` (one checked MoE token-path step on a
 // preset; the default when no command is given) and `bench permute`.
-#include <CLI/CLI.hpp>
 #include <fmt/format.h>
+
+#include <CLI/CLI.hpp>
 
 #include "bench/bench.h"
 #include "bench/presets.h"
@@ -20,7 +21,8 @@ int main(int argc, char** argv) {
   std::string presets_help = "one of: ";
   for (const auto& n : bench::preset_names()) presets_help += n + " ";
   run->add_option("--preset", run_opt.preset, presets_help)->capture_default_str();
-  run->add_option("--align", run_opt.align, "pad each expert to a multiple of this (1,16,32,64,128,256)")
+  run->add_option("--align", run_opt.align,
+                  "pad each expert to a multiple of this (1,16,32,64,128,256)")
       ->capture_default_str();
   bool no_backward = false;
   run->add_flag("--no-backward", no_backward, "skip the backward ops");
@@ -32,32 +34,53 @@ int main(int argc, char** argv) {
   std::vector<std::string> bench_presets;
   bperm->add_option("--preset", bench_presets, "presets (default: mixtral dsv3 qwen3-30b)");
   bench::PermuteBenchOptions bopt;
-  bperm->add_option("--align", bopt.align, "per-expert padding (1,16,32,64,128,256)")->capture_default_str();
+  bperm->add_option("--align", bopt.align, "per-expert padding (1,16,32,64,128,256)")
+      ->capture_default_str();
   std::string dtype = "bf16";
   bperm->add_option("--dtype", dtype, "bf16, fp16 or fp32")->capture_default_str();
   bperm->add_option("--json", bopt.json_path, "also write the results as JSON to this file");
-  bperm->add_option("--iters", bopt.timing.iters, "timed runs per op (median)")->capture_default_str();
+  bperm->add_option("--iters", bopt.timing.iters, "timed runs per op (median)")
+      ->capture_default_str();
 
   auto* bgemm = bench->add_subcommand("gemm", "grouped GEMM forward/dgrad/wgrad vs dense cuBLAS");
   bench::GemmBenchOptions gopt;
-  bgemm->add_option("--case", gopt.cases, "dsv3-fc1 dsv3-fc2 mixtral-fc1 qwen3-fc1 qwen3-fc2 (default: all)");
+  bgemm->add_option("--case", gopt.cases,
+                    "dsv3-fc1 dsv3-fc2 mixtral-fc1 qwen3-fc1 qwen3-fc2 (default: all)");
   bgemm->add_flag("--sweep", gopt.sweep, "rows per expert 64..4096, uniform and skewed");
-  bgemm->add_flag("--tune", gopt.tune, "also time the shared-memory splits (stages x epilogue buffers) of the TMA kernel");
-  bgemm->add_option("--sweep-experts", gopt.sweep_experts, "experts in the sweep")->capture_default_str();
+  bgemm->add_flag(
+      "--tune", gopt.tune,
+      "also time the shared-memory splits (stages x epilogue buffers) of the TMA kernel");
+  bgemm->add_option("--sweep-experts", gopt.sweep_experts, "experts in the sweep")
+      ->capture_default_str();
   bgemm->add_option("--sweep-k", gopt.sweep_k, "K in the sweep")->capture_default_str();
   bgemm->add_option("--sweep-n", gopt.sweep_n, "N in the sweep")->capture_default_str();
   bgemm->add_option("--json", gopt.json_path, "also write the results as JSON to this file");
-  bgemm->add_option("--iters", gopt.timing.iters, "timed runs per op (median)")->capture_default_str();
+  bgemm->add_option("--iters", gopt.timing.iters, "timed runs per op (median)")
+      ->capture_default_str();
+
+  auto* bdisp = bench->add_subcommand(
+      "dispatch", "expert-parallel dispatch/combine over the GPUs of this host (NCCL)");
+  bench::DispatchBenchOptions dopt;
+  std::vector<std::string> disp_presets;
+  bdisp->add_option("--preset", disp_presets, "presets (default: dsv3 mixtral)");
+  bdisp->add_option("--gpus", dopt.gpus, "GPUs to use (default: all visible)");
+  bdisp->add_option("--tokens", dopt.tokens, "tokens per GPU (default: the preset's)");
+  bdisp->add_option("--align", dopt.align, "per-expert padding of the receive layout")
+      ->capture_default_str();
+  bdisp->add_option("--json", dopt.json_path, "also write the results as JSON to this file");
+  bdisp->add_option("--iters", dopt.timing.iters, "timed runs per op (median)")
+      ->capture_default_str();
 
   CLI11_PARSE(app, argc, argv);
   try {
     const Device dev = bench::parse_device(device);
     if (*bperm) {
-      bopt.presets = bench_presets.empty() ? std::vector<std::string>{"mixtral", "dsv3", "qwen3-30b"}
-                                           : bench_presets;
+      bopt.presets = bench_presets.empty()
+                         ? std::vector<std::string>{"mixtral", "dsv3", "qwen3-30b"}
+                         : bench_presets;
       for (const auto& p : bopt.presets) bench::find_preset(p);  // validate before starting
-      MOEFLOW_CHECK(is_valid_align(bopt.align), "--align must be one of 1, 16, 32, 64, 128, 256; got ",
-                    bopt.align);
+      MOEFLOW_CHECK(is_valid_align(bopt.align),
+                    "--align must be one of 1, 16, 32, 64, 128, 256; got ", bopt.align);
       MOEFLOW_CHECK(bopt.timing.iters > 0, "--iters must be > 0; got ", bopt.timing.iters);
       bopt.dtype = bench::parse_float_dtype(dtype);
       bopt.device = dev;
@@ -78,8 +101,22 @@ int main(int argc, char** argv) {
       MOEFLOW_CHECK(false, "bench gemm needs the CUDA backend (built without CUDA)");
 #endif
     }
-    MOEFLOW_CHECK(is_valid_align(run_opt.align), "--align must be one of 1, 16, 32, 64, 128, 256; got ",
-                  run_opt.align);
+    if (*bdisp) {
+#ifdef MOEFLOW_WITH_CUDA
+      dopt.presets =
+          disp_presets.empty() ? std::vector<std::string>{"dsv3", "mixtral"} : disp_presets;
+      for (const auto& p : dopt.presets) bench::find_preset(p);
+      MOEFLOW_CHECK(is_valid_align(dopt.align),
+                    "--align must be one of 1, 16, 32, 64, 128, 256; got ", dopt.align);
+      MOEFLOW_CHECK(dopt.timing.iters > 0, "--iters must be > 0; got ", dopt.timing.iters);
+      bench::run_dispatch_bench(dopt);
+      return 0;
+#else
+      MOEFLOW_CHECK(false, "bench dispatch needs the CUDA backend (built without CUDA)");
+#endif
+    }
+    MOEFLOW_CHECK(is_valid_align(run_opt.align),
+                  "--align must be one of 1, 16, 32, 64, 128, 256; got ", run_opt.align);
     run_opt.device = dev;
     run_opt.backward = !no_backward;
     return bench::run_layer(run_opt);

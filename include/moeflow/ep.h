@@ -75,6 +75,10 @@ class EpGroup {
   Device device() const;
   int64_t capacity_rows() const;
   const EpOptions& options() const;
+  ncclComm* nccl_comm() const;
+  // Rows of the last dispatch sent to / received from each rank (host values).
+  const std::vector<int64_t>& last_send_rows() const;
+  const std::vector<int64_t>& last_recv_rows() const;
 
   struct Impl;
   Impl& impl() { return *impl_; }
@@ -107,5 +111,13 @@ void ep_combine(EpGroup& group, TensorView y, bool weighted, TensorView out,
 // grad_x [T,H].
 void ep_dispatch_backward(EpGroup& group, TensorView grad_recv, TensorView grad_x,
                           cudaStream_t stream = nullptr);
+
+// Gradient of combine: a dispatch of dout [T,H] along the last dispatch's
+// routes. grad_y [capacity,H] (dtype of y): w * dout[t] on the row of slot
+// (t,k) (w = 1 unless `weighted`), pad rows zero; dprobs [T,K] float32
+// (optional): <dout[t], y[row]> for every kept slot, 0 for unrouted or
+// dropped slots. y: the forward input of combine.
+void ep_combine_backward(EpGroup& group, TensorView dout, TensorView y, bool weighted,
+                         TensorView grad_y, TensorView dprobs = {}, cudaStream_t stream = nullptr);
 
 }  // namespace moeflow

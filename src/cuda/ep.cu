@@ -94,6 +94,39 @@ __global__ void ep_pack_kernel(const uint8_t* x, int64_t x_stride_bytes, int64_t
   }
 }
 
+// Token rows only, along the routes of the last dispatch (combine backward).
+__global__ void ep_pack_rows_kernel(const uint8_t* x, int64_t x_stride_bytes, int64_t row_bytes,
+                                    bool vec, int64_t T, int W, const int32_t* flags,
+                                    const int32_t* pos, uint8_t* send_x) {
+  const int64_t warp = (blockIdx.x * int64_t{blockDim.x} + threadIdx.x) / cuda::kWarpSize;
+  const int lane = threadIdx.x % cuda::kWarpSize;
+  if (warp >= W * T || !flags[warp]) return;
+  const uint8_t* src = x + (warp % T) * x_stride_bytes;
+  uint8_t* dst = send_x + int64_t{pos[warp]} * row_bytes;
+  if (vec) {
+    for (int64_t i = lane * 16; i < row_bytes; i += cuda::kWarpSize * 16)
+      *reinterpret_cast<uint4*>(dst + i) = *reinterpret_cast<const uint4*>(src + i);
+  } else {
+    for (int64_t i = lane; i < row_bytes; i += cuda::kWarpSize) dst[i] = src[i];
+  }
+}
+
+// dprobs[t,k] from the rank that holds slot (t,k) (0 when none kept it).
+__global__ void ep_dprobs_kernel(const float* back, const int32_t* send_ids, int64_t T, int K,
+                                 int W, const int32_t* flags, const int32_t* pos, float* dprobs) {
+  const int64_t i = blockIdx.x * int64_t{blockDim.x} + threadIdx.x;
+  if (i >= T * K) return;
+  const int64_t t = i / K;
+  const int k = static_cast<int>(i % K);
+  float v = 0.0f;
+  for (int q = 0; q < W; ++q) {
+    if (!flags[q * T + t]) continue;
+    const int64_t row = pos[q * T + t];
+    if (send_ids[row * K + k] >= 0) v = back[row * K + k];
+  }
+  dprobs[i] = v;
+}
+
 // out[t] = partials of t added in ascending rank order (first taken as is).
 template <typename TOut>
 __global__ void ep_combine_kernel(const float* back, int64_t H, int64_t T, int W,
@@ -131,6 +164,7 @@ struct EpGroup::Impl {
   Tensor send_x, send_ids, send_probs, recv_x, recv_ids, recv_probs;
   RoutingPlan plan;
   Tensor plan_ws, out_x, out_probs, partial, back;
+  Tensor recv_dprobs, back_dprobs;  // combine backward
 
   // the last dispatch
   int64_t T = 0, received = 0;
@@ -194,6 +228,8 @@ struct EpGroup::Impl {
     out_probs = Tensor::empty({capacity}, DType::kFloat32, dev);
     partial = Tensor::empty({rows_max, H}, DType::kFloat32, dev);
     back = Tensor::empty({send_max, H}, DType::kFloat32, dev);
+    recv_dprobs = Tensor::empty({rows_max, K}, DType::kFloat32, dev);
+    back_dprobs = Tensor::empty({send_max, K}, DType::kFloat32, dev);
   }
 
   // Grouped send/recv of per-peer row ranges of two buffers (bytes per row).
@@ -233,6 +269,15 @@ int64_t EpGroup::capacity_rows() const {
 }
 const EpOptions& EpGroup::options() const {
   return impl_->opt;
+}
+ncclComm* EpGroup::nccl_comm() const {
+  return impl_->comm;
+}
+const std::vector<int64_t>& EpGroup::last_send_rows() const {
+  return impl_->send_cnt;
+}
+const std::vector<int64_t>& EpGroup::last_recv_rows() const {
+  return impl_->recv_cnt;
 }
 
 std::unique_ptr<EpGroup> EpGroup::from_comm(ncclComm* comm, const EpOptions& options) {
@@ -463,6 +508,54 @@ void ep_combine(EpGroup& group, TensorView y, bool weighted, TensorView out, cud
 void ep_dispatch_backward(EpGroup& group, TensorView grad_recv, TensorView grad_x,
                           cudaStream_t stream) {
   combine_impl(group.impl(), grad_recv, false, grad_x, stream);
+}
+
+void ep_combine_backward(EpGroup& group, TensorView dout, TensorView y, bool weighted,
+                         TensorView grad_y, TensorView dprobs, cudaStream_t stream) {
+  EpGroup::Impl& g = group.impl();
+  const Device dev = Device::cuda(g.device);
+  const int K = g.opt.topk, W = g.world;
+  const int64_t T = g.T, H = g.opt.hidden;
+  detail::expect(dout, "dout", Expect{{g.opt.dtype}, {T, H}, dev});
+  MOEFLOW_CHECK(dout.strides[1] == 1, "dout rows must be contiguous (stride(1) == 1)");
+  detail::expect(
+      y, "y", Expect{{DType::kFloat32, DType::kFloat16, DType::kBFloat16}, {g.capacity, H}, dev});
+  detail::expect(grad_y, "grad_y", Expect{{y.dtype}, {g.capacity, H}, dev});
+  if (dprobs.defined()) {
+    detail::expect(dprobs, "dprobs", Expect{{DType::kFloat32}, {T, K}, dev});
+    MOEFLOW_CHECK(dprobs.is_contiguous(), "dprobs must be contiguous");
+  }
+  const int32_t* flags = g.flags.data_ptr<int32_t>();
+  const int32_t* pos = g.pos.data_ptr<int32_t>();
+  if (T > 0) {  // dout rows along the dispatch routes
+    const int64_t xs = dout.strides[0] * static_cast<int64_t>(dtype_size(dout.dtype));
+    const bool vec = addr(dout.data) % 16 == 0 && xs % 16 == 0 && g.row_bytes % 16 == 0;
+    const unsigned blocks = static_cast<unsigned>((W * T * cuda::kWarpSize + 255) / 256);
+    ep_pack_rows_kernel<<<blocks, 256, 0, stream>>>(static_cast<const uint8_t*>(dout.data), xs,
+                                                    g.row_bytes, vec, T, W, flags, pos,
+                                                    static_cast<uint8_t*>(g.send_x.data()));
+    MOEFLOW_CUDA_LAUNCH_CHECK();
+  }
+  MOEFLOW_NCCL_CHECK(ncclGroupStart());
+  g.exchange(static_cast<const uint8_t*>(g.send_x.data()), g.row_bytes, g.send_off, g.send_cnt,
+             static_cast<uint8_t*>(g.recv_x.data()), g.row_bytes, g.recv_off, g.recv_cnt, stream);
+  MOEFLOW_NCCL_CHECK(ncclGroupEnd());
+  // On the expert rank: the gradient of its unpermute (rows past the received
+  // ones have no slots and are never read).
+  unpermute_backward(g.recv_x, g.plan, y, weighted ? TensorView(g.recv_probs) : TensorView{},
+                     grad_y, dprobs.defined() ? TensorView(g.recv_dprobs) : TensorView{}, stream);
+  if (!dprobs.defined()) return;
+  const int64_t pb = int64_t{K} * 4;
+  MOEFLOW_NCCL_CHECK(ncclGroupStart());
+  g.exchange(static_cast<const uint8_t*>(g.recv_dprobs.data()), pb, g.recv_off, g.recv_cnt,
+             static_cast<uint8_t*>(g.back_dprobs.data()), pb, g.send_off, g.send_cnt, stream);
+  MOEFLOW_NCCL_CHECK(ncclGroupEnd());
+  if (T == 0) return;
+  const unsigned blocks = static_cast<unsigned>((T * K + 255) / 256);
+  ep_dprobs_kernel<<<blocks, 256, 0, stream>>>(g.back_dprobs.data_ptr<float>(),
+                                               g.send_ids.data_ptr<int32_t>(), T, K, W, flags, pos,
+                                               dprobs.data_ptr<float>());
+  MOEFLOW_CUDA_LAUNCH_CHECK();
 }
 
 }  // namespace moeflow

@@ -1,0 +1,167 @@
+// `moeflow bench dispatch`: expert-parallel dispatch (permute + pad included)
+// and combine across the GPUs of this process (one thread per GPU), next to a
+// bare NCCL all-to-all (grouped ncclSend/ncclRecv) of the same bytes per peer
+// measured in the same run.
+//
+// Bytes counted: the token rows (H * dtype bytes) that leave a rank for the
+// other ranks; combine: the float32 partial rows that leave a rank (combine
+// sends float32 partial sums so that the result is bitwise the reference's).
+// The routing metadata (K ids + K probs per row) is sent too but not counted.
+#include <fmt/format.h>
+#include <nccl.h>
+
+#include <algorithm>
+#include <fstream>
+
+#include "bench/bench.h"
+#include "bench/presets.h"
+#include "moeflow/ep.h"
+
+namespace moeflow::bench {
+
+namespace {
+
+// Median of per-iteration times (ms) of fn on this rank's stream; every rank
+// runs the same number of iterations (fn is collective).
+double median_ms(const std::function<void()>& fn, cudaStream_t stream, int warmup, int iters) {
+  for (int i = 0; i < warmup; ++i) fn();
+  MOEFLOW_CUDA_CHECK(cudaStreamSynchronize(stream));
+  cudaEvent_t a, b;
+  MOEFLOW_CUDA_CHECK(cudaEventCreate(&a));
+  MOEFLOW_CUDA_CHECK(cudaEventCreate(&b));
+  std::vector<double> t;
+  for (int i = 0; i < iters; ++i) {
+    MOEFLOW_CUDA_CHECK(cudaEventRecord(a, stream));
+    fn();
+    MOEFLOW_CUDA_CHECK(cudaEventRecord(b, stream));
+    MOEFLOW_CUDA_CHECK(cudaEventSynchronize(b));
+    float ms = 0;
+    MOEFLOW_CUDA_CHECK(cudaEventElapsedTime(&ms, a, b));
+    t.push_back(ms);
+  }
+  cudaEventDestroy(a);
+  cudaEventDestroy(b);
+  std::sort(t.begin(), t.end());
+  return t[t.size() / 2];
+}
+
+}  // namespace
+
+void run_dispatch_bench(const DispatchBenchOptions& opt) {
+  MOEFLOW_CHECK(cuda_device_count() > 0, "bench dispatch needs CUDA GPUs; found none");
+  int W = opt.gpus > 0 ? opt.gpus : cuda_device_count();
+  MOEFLOW_CHECK(W >= 1 && W <= cuda_device_count(), "--gpus must be in [1, ", cuda_device_count(),
+                "], got ", W);
+  std::vector<int> devs;
+  for (int r = 0; r < W; ++r) devs.push_back(r);
+  nlohmann::json all = nlohmann::json::array();
+  for (const std::string& name : opt.presets) {
+    const Preset& p = find_preset(name);
+    const int64_t T = opt.tokens > 0 ? opt.tokens : p.num_tokens;
+    MOEFLOW_CHECK(p.num_experts % W == 0, "preset ", name, ": ", p.num_experts,
+                  " experts do not split over ", W, " GPUs");
+    EpOptions eo;
+    eo.num_experts = p.num_experts;
+    eo.topk = p.topk;
+    eo.hidden = p.hidden;
+    eo.dtype = DType::kBFloat16;
+    eo.align = opt.align;
+    eo.max_tokens_per_rank = T;
+    fmt::print("[{}] W={} T={} per GPU, H={}, E={}, K={}, bf16, align {} ...\n", name, W, T,
+               p.hidden, p.num_experts, p.topk, opt.align);
+    std::fflush(stdout);
+    auto groups = EpGroup::create_local(devs, eo);
+    struct Result {
+      double dispatch_ms = 0, combine_ms = 0, a2a_ms = 0, a2a_f32_ms = 0;
+      double out_bytes = 0, back_bytes = 0;
+    };
+    std::vector<Result> res(W);
+    EpGroup::run_local(groups, [&](int r) {
+      EpGroup& g = *groups[r];
+      const Device dev = g.device();
+      cudaStream_t stream;
+      MOEFLOW_CUDA_CHECK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+      Routing routing = random_routing(T, p.num_experts, p.topk, 1000 + r, dev);
+      Tensor x = Tensor::empty({T, p.hidden}, DType::kBFloat16, dev);
+      fill_bytes(x, 0x3C, stream);
+      EpDispatchResult d = ep_dispatch(g, x, routing.ids, routing.probs, stream);
+      Tensor y = Tensor::empty({g.capacity_rows(), p.hidden}, DType::kBFloat16, dev);
+      copy(d.x, y, stream);
+      Tensor out = Tensor::empty({T, p.hidden}, DType::kBFloat16, dev);
+      Result& rr = res[r];
+      rr.dispatch_ms = median_ms([&] { ep_dispatch(g, x, routing.ids, routing.probs, stream); },
+                                 stream, opt.timing.warmup, opt.timing.iters);
+      rr.combine_ms = median_ms([&] { ep_combine(g, y, true, out, stream); }, stream,
+                                opt.timing.warmup, opt.timing.iters);
+      const std::vector<int64_t> sent = g.last_send_rows(), got = g.last_recv_rows();
+      const int64_t row = p.hidden * 2;
+      for (int q = 0; q < W; ++q)
+        if (q != r) {
+          rr.out_bytes += static_cast<double>(sent[q]) * row;
+          rr.back_bytes += static_cast<double>(got[q]) * p.hidden * 4;
+        }
+      // Bare NCCL all-to-all of the same per-peer bytes (bf16 rows out; float32 back).
+      auto a2a = [&](const std::vector<int64_t>& s_rows, const std::vector<int64_t>& r_rows,
+                     int64_t rb) {
+        int64_t ns = 0, nr = 0;
+        for (int q = 0; q < W; ++q) ns += s_rows[q], nr += r_rows[q];
+        Tensor sb = Tensor::empty({std::max<int64_t>(ns * rb, 1)}, DType::kUInt8, dev);
+        Tensor rbuf = Tensor::empty({std::max<int64_t>(nr * rb, 1)}, DType::kUInt8, dev);
+        return median_ms(
+            [&] {
+              MOEFLOW_CHECK(ncclGroupStart() == ncclSuccess, "ncclGroupStart");
+              int64_t so = 0, ro = 0;
+              for (int q = 0; q < W; ++q) {
+                if (s_rows[q] > 0)
+                  ncclSend(sb.data_ptr<uint8_t>() + so * rb, s_rows[q] * rb, ncclUint8, q,
+                           g.nccl_comm(), stream);
+                if (r_rows[q] > 0)
+                  ncclRecv(rbuf.data_ptr<uint8_t>() + ro * rb, r_rows[q] * rb, ncclUint8, q,
+                           g.nccl_comm(), stream);
+                so += s_rows[q];
+                ro += r_rows[q];
+              }
+              MOEFLOW_CHECK(ncclGroupEnd() == ncclSuccess, "ncclGroupEnd");
+            },
+            stream, opt.timing.warmup, opt.timing.iters);
+      };
+      rr.a2a_ms = a2a(sent, got, row);
+      rr.a2a_f32_ms = a2a(got, sent, p.hidden * 4);
+      MOEFLOW_CUDA_CHECK(cudaStreamDestroy(stream));
+    });
+    for (int r = 0; r < W; ++r) {
+      const Result& rr = res[r];
+      const double d_gbs = rr.out_bytes / rr.dispatch_ms / 1e6,
+                   a_gbs = rr.out_bytes / rr.a2a_ms / 1e6;
+      const double c_gbs = rr.back_bytes / rr.combine_ms / 1e6,
+                   af_gbs = rr.back_bytes / rr.a2a_f32_ms / 1e6;
+      fmt::print(
+          "  rank {}: dispatch {:8.1f} us {:7.1f} GB/s out (NCCL a2a same bytes {:7.1f} GB/s, "
+          "ratio {:.2f}) | "
+          "combine {:8.1f} us {:7.1f} GB/s out (a2a {:7.1f}, ratio {:.2f})\n",
+          r, rr.dispatch_ms * 1e3, d_gbs, a_gbs, d_gbs / a_gbs, rr.combine_ms * 1e3, c_gbs, af_gbs,
+          c_gbs / af_gbs);
+      all.push_back({{"preset", name},
+                     {"world", W},
+                     {"rank", r},
+                     {"tokens", T},
+                     {"dispatch_us", rr.dispatch_ms * 1e3},
+                     {"combine_us", rr.combine_ms * 1e3},
+                     {"dispatch_GBps", d_gbs},
+                     {"combine_GBps", c_gbs},
+                     {"nccl_a2a_GBps", a_gbs},
+                     {"nccl_a2a_f32_GBps", af_gbs},
+                     {"out_bytes", rr.out_bytes},
+                     {"back_bytes", rr.back_bytes}});
+    }
+    std::fflush(stdout);
+  }
+  if (!opt.json_path.empty()) {
+    std::ofstream f(opt.json_path);
+    MOEFLOW_CHECK(f.good(), "--json: cannot write '", opt.json_path, "'");
+    f << nlohmann::json{{"rows", all}}.dump(1) << "\n";
+    fmt::print("wrote {}\n", opt.json_path);
+  }
+}
+
+}  // namespace moeflow::bench
