@@ -272,18 +272,28 @@ void launch_in(DType in, DType out, const Params& p, cudaStream_t stream) {
 
 }  // namespace
 
-void grouped_gemm(const GroupedGemmCall& c, cudaStream_t stream) {
-  MOEFLOW_CHECK(c.num_groups <= 8192, "grouped GEMM takes at most 8192 groups, got ", c.num_groups);
+namespace {
+// The group layout and the A operand of a kernel call (A rows must be 16-byte aligned).
+Params base_params(const GroupLayout& groups, int64_t num_groups, int64_t rows, const TensorView& a,
+                   const char* a_name) {
   Params p{};
   if (const int rb = g_tune_raster.load(); rb > 0) p.raster = rb;
-  p.num_groups = static_cast<int>(c.num_groups);
-  p.offsets = c.groups.offsets.data_ptr<int64_t>();
-  p.real_rows = c.groups.real_rows.defined() ? c.groups.real_rows.data_ptr<int32_t>() : nullptr;
-  p.error = c.groups.error.defined() ? c.groups.error.data_ptr<int32_t>() : nullptr;
-  p.rows = c.rows;
-  p.a = c.a.data;
-  p.lda = c.a.strides[0];
-  check_rows16(c.a, c.op == GroupedGemmCall::kForward ? "a" : "dc");
+  p.num_groups = static_cast<int>(num_groups);
+  p.offsets = groups.offsets.data_ptr<int64_t>();
+  p.real_rows = groups.real_rows.defined() ? groups.real_rows.data_ptr<int32_t>() : nullptr;
+  p.error = groups.error.defined() ? groups.error.data_ptr<int32_t>() : nullptr;
+  p.rows = rows;
+  p.a = a.data;
+  p.lda = a.strides[0];
+  check_rows16(a, a_name);
+  return p;
+}
+}  // namespace
+
+void grouped_gemm(const GroupedGemmCall& c, cudaStream_t stream) {
+  MOEFLOW_CHECK(c.num_groups <= 8192, "grouped GEMM takes at most 8192 groups, got ", c.num_groups);
+  Params p = base_params(c.groups, c.num_groups, c.rows, c.a,
+                         c.op == GroupedGemmCall::kForward ? "a" : "dc");
   const GroupedWeights& w = c.w;
   const int64_t* ptrs = w.pointers.defined() ? w.pointers.data_ptr<int64_t>() : nullptr;
   const void* stacked = w.stacked.defined() ? w.stacked.data : nullptr;
@@ -368,15 +378,7 @@ void mlp_fc1_forward(const MlpFc1Call& c, cudaStream_t stream) {
                       n1 % (2 * c.glu_interleave) == 0,
                   "glu_interleave must be 8, 16, 32, 64 or 128 and divide F, got ",
                   c.glu_interleave);
-  Params p{};
-  p.num_groups = static_cast<int>(c.num_groups);
-  p.offsets = c.groups.offsets.data_ptr<int64_t>();
-  p.real_rows = c.groups.real_rows.defined() ? c.groups.real_rows.data_ptr<int32_t>() : nullptr;
-  p.error = c.groups.error.defined() ? c.groups.error.data_ptr<int32_t>() : nullptr;
-  p.rows = c.rows;
-  p.a = c.x.data;
-  p.lda = c.x.strides[0];
-  check_rows16(c.x, "x");
+  Params p = base_params(c.groups, c.num_groups, c.rows, c.x, "x");
   check_rows16(c.out, "out");
   MOEFLOW_CHECK(addr_of(c.w1.data) % 16 == 0, "w1 must be 16-byte aligned");
   p.b = c.w1.data;
