@@ -12,6 +12,7 @@
 
 #include "core/mlp_call.h"
 #include "cpu/grouped_mlp.h"
+#include "test_mlp_api.h"
 #include "test_util.h"
 
 namespace moeflow::test {
@@ -168,6 +169,14 @@ TEST(GpuMlp, FusedFc1MatchesCpuReference) {
       run_case({act, 0, bias, true, 136, 200, DType::kBFloat16}, seed++);
   run_case({Activation::kSwiGLU, 0, true, true, 264, 320, DType::kFloat16}, seed++);
   run_case({Activation::kSwiGLU, 16, true, false, 64, 96, DType::kFloat16}, seed++);
+}
+
+// The whole MLP (forward, dgrad, delayed wgrad) on the GPU against float64.
+TEST(GpuMlp, ApiMatchesReference) {
+  ASSERT_GT(cuda_device_count(), 0);
+  if (!is_hopper()) GTEST_SKIP() << "the fused FC1 runs on Hopper only";
+  uint32_t seed = 500;
+  for (const MlpApiCase& c : mlp_api_cases()) run_mlp_api_case(c, kGpu, seed++);
 }
 
 TEST(GpuMlp, FusedFc1RejectsBadLayouts) {

@@ -8,24 +8,9 @@
 #include <type_traits>
 
 #include "core/backends.h"  // MOEFLOW_HD
+#include "moeflow/activation.h"
 
 namespace moeflow {
-
-enum class Activation {
-  kSwiGLU,             // silu(g) * u
-  kGeGLU,              // gelu(g) * u (erf form)
-  kClampedQuickGeGLU,  // GPT-OSS: g' = min(g, L), u' = clamp(u, -L, L); g' * sigmoid(a g') * (u' +
-                       // o)
-  kGelu,               // gelu(g) (erf form), not gated
-  kRelu,               // max(g, 0), not gated
-  kSquaredRelu,        // max(g, 0)^2, not gated
-};
-
-struct ActivationParams {
-  float alpha = 1.702f;  // clamped quick-GeGLU: sigmoid slope
-  float limit = 7.0f;    // clamp limit
-  float offset = 1.0f;   // linear offset added to the up projection
-};
 
 MOEFLOW_HD inline bool is_gated(Activation a) {
   return a == Activation::kSwiGLU || a == Activation::kGeGLU || a == Activation::kClampedQuickGeGLU;

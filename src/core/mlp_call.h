@@ -22,9 +22,36 @@ struct MlpFc1Call {
   int64_t rows = 0, num_groups = 0, hidden = 0, ffn = 0;
 };
 
+// The elementwise steps of the grouped MLP around its GEMMs (validated
+// arguments; groups as in grouped_gemm.h; pad rows are left zero / get none).
+struct MlpRows {
+  GroupLayout groups;
+  int64_t num_groups = 0, rows = 0;
+};
+// CPU only (CUDA fuses it into FC1): h += bias1 (when given), a = act(h) * p.
+// h [rows, N1], a [rows, F].
+// y += bias2 of the row's expert on data rows. y [rows, H], bias [E, H].
+// dGLU: d_h holds d(a) in its columns [N1-F, N1) (gated) or is d(a) (plain);
+// on return d_h = d(h) (pad rows zero) and dprobs[row] = <d(a), act(h)> (with probs).
+// Per-expert column sums of src's data rows: dst [E, C] float32 (+= with accumulate).
+namespace cpu {
+void mlp_fc1_epilogue(const MlpRows& r, TensorView h, TensorView bias1, TensorView probs,
+                      Activation act, const ActivationParams& ap, int interleave, TensorView a);
+void mlp_bias_add(const MlpRows& r, TensorView y, TensorView bias);
+void mlp_dglu(const MlpRows& r, TensorView h, TensorView d_h, TensorView probs, Activation act,
+              const ActivationParams& ap, int interleave, int64_t ffn, TensorView dprobs);
+void mlp_segment_colsum(const MlpRows& r, TensorView src, TensorView dst, bool accumulate);
+}  // namespace cpu
+
 namespace cuda {
 // Hopper (sm_90a) only for now; throws on other GPUs.
 void mlp_fc1_forward(const MlpFc1Call& call, cudaStream_t stream);
+void mlp_bias_add(const MlpRows& r, TensorView y, TensorView bias, cudaStream_t stream);
+void mlp_dglu(const MlpRows& r, TensorView h, TensorView d_h, TensorView probs, Activation act,
+              const ActivationParams& ap, int interleave, int64_t ffn, TensorView dprobs,
+              cudaStream_t stream);
+void mlp_segment_colsum(const MlpRows& r, TensorView src, TensorView dst, bool accumulate,
+                        cudaStream_t stream);
 }  // namespace cuda
 
 }  // namespace moeflow

@@ -1,0 +1,76 @@
+// The grouped expert MLP: FC1 -> activation (GLU or plain) -> FC2 for every
+// expert over its rows of a RoutingPlan-shaped layout, forward and backward,
+// with the weight gradients separable from the input gradient (delayed wgrad,
+// so they can overlap communication).
+//
+//   h  = x · W1_e^T + b1_e                       [rows, N1]  (N1 = 2F gated, F plain)
+//   a  = act(h) * p                              [rows, F]   (p = router prob of the row, or 1)
+//   y  = a · W2_e^T + b2_e                       [rows, H]
+//
+// FC1 rows of a gated activation are [gate; up] halves (glu_interleave = 0)
+// or interleaved blocks of glu_interleave gate rows then as many up rows
+// (Megatron's glu_interleave_size). Pad rows (between an expert's real rows
+// and its padded end) produce zeros and get no gradient.
+//
+// On Hopper (sm_90a builds) FC1 runs with bias, activation and probability
+// fused into the GEMM epilogue; on the CPU every step runs on the reference
+// backend. NOTE: the CUDA backward path (dGLU, bias gradients) is new in this
+// release and covered by GPU tests; other GPUs than Hopper are not supported
+// by the fused FC1 yet.
+#pragma once
+
+#include "moeflow/activation.h"
+#include "moeflow/grouped_gemm.h"
+
+namespace moeflow {
+
+struct GroupedMlpConfig {
+  Activation activation = Activation::kSwiGLU;
+  ActivationParams params;
+  int glu_interleave = 0;  // gated FC1 row order: 0 = halves, else 8/16/32/64/128
+};
+
+// Weights (bf16 or fp16, one dtype): stacked tensors.
+struct GroupedMlpWeights {
+  TensorView fc1;    // [E, N1, H]
+  TensorView fc2;    // [E, H, F]
+  TensorView bias1;  // optional [E, N1]
+  TensorView bias2;  // optional [E, H]
+};
+
+// What forward keeps for backward: caller-owned buffers (sizes from shapes).
+struct GroupedMlpSaved {
+  TensorView h;  // [rows, N1] FC1 output with bias (pre-activation)
+  TensorView a;  // [rows, F]  FC2 input: act(h) * p
+};
+
+// x [rows, H]; probs optional [rows] float32 (the "weighted" activation, so
+// that unpermute need not keep its input); y [rows, H].
+void grouped_mlp_forward(TensorView x, const GroupedMlpWeights& w, const GroupLayout& groups,
+                         TensorView probs, const GroupedMlpConfig& config, TensorView y,
+                         const GroupedMlpSaved& saved, cudaStream_t stream = nullptr);
+
+// Input gradient now: dx [rows, H], d_h [rows, N1] (the FC1 output gradient,
+// kept for backward_wgrad), dprobs optional [rows] float32 (with probs).
+void grouped_mlp_backward_dgrad(TensorView dy, const GroupedMlpWeights& w,
+                                const GroupLayout& groups, TensorView probs,
+                                const GroupedMlpConfig& config, const GroupedMlpSaved& saved,
+                                TensorView dx, TensorView d_h, TensorView dprobs = {},
+                                cudaStream_t stream = nullptr);
+
+// Weight gradients, float32, each optional; accumulate: += (Megatron's
+// gradient-accumulation fusion), else =.
+struct GroupedMlpGrads {
+  TensorView dw1;     // [E, N1, H]
+  TensorView dw2;     // [E, H, F]
+  TensorView dbias1;  // [E, N1]
+  TensorView dbias2;  // [E, H]
+  bool accumulate = false;
+};
+
+// Weight gradients later (delayed wgrad): needs dy, x, saved.a and d_h.
+void grouped_mlp_backward_wgrad(TensorView dy, TensorView x, const GroupLayout& groups,
+                                const GroupedMlpSaved& saved, TensorView d_h,
+                                const GroupedMlpGrads& grads, cudaStream_t stream = nullptr);
+
+}  // namespace moeflow

@@ -1,0 +1,162 @@
+// The grouped expert MLP (moeflow/grouped_mlp.h): argument checks and the
+// composition of grouped GEMMs and elementwise steps, on the CPU or CUDA
+// backend (the device of x decides).
+#include "moeflow/grouped_mlp.h"
+
+#include <tuple>
+
+#include "core/internal.h"
+#include "core/mlp_call.h"
+
+namespace moeflow {
+
+using detail::Expect;
+
+namespace {
+
+const std::vector<DType> kHalf = {DType::kBFloat16, DType::kFloat16};
+
+struct Dims {
+  int64_t rows, hidden, ffn, n1, experts;
+  DType dtype;
+  Device dev;
+};
+
+Dims check_weights(TensorView x, const GroupedMlpWeights& w, const GroupedMlpConfig& c,
+                   const GroupLayout& groups) {
+  MOEFLOW_CHECK(x.defined() && x.ndim == 2, "x must be [rows,H], got ", x.str());
+  MOEFLOW_CHECK(w.fc1.defined() && w.fc1.ndim == 3, "w.fc1 must be [E,N1,H], got ", w.fc1.str());
+  MOEFLOW_CHECK(w.fc2.defined() && w.fc2.ndim == 3, "w.fc2 must be [E,H,F], got ", w.fc2.str());
+  Dims d{x.shape[0], x.shape[1], w.fc2.shape[2], w.fc1.shape[1], w.fc1.shape[0], x.dtype, x.device};
+  const bool gated = is_gated(c.activation);
+  detail::expect(x, "x", Expect{kHalf, {d.rows, d.hidden}, d.dev});
+  detail::expect(w.fc1, "w.fc1",
+                 Expect{{d.dtype}, {d.experts, gated ? 2 * d.ffn : d.ffn, d.hidden}, d.dev});
+  detail::expect(w.fc2, "w.fc2", Expect{{d.dtype}, {d.experts, d.hidden, d.ffn}, d.dev});
+  if (w.bias1.defined())
+    detail::expect(w.bias1, "w.bias1", Expect{{d.dtype}, {d.experts, d.n1}, d.dev});
+  if (w.bias2.defined())
+    detail::expect(w.bias2, "w.bias2", Expect{{d.dtype}, {d.experts, d.hidden}, d.dev});
+  MOEFLOW_CHECK(w.fc1.is_contiguous() && w.fc2.is_contiguous(),
+                "w.fc1 and w.fc2 must be contiguous");
+  if (gated && c.glu_interleave != 0)
+    MOEFLOW_CHECK(c.glu_interleave > 0 && d.ffn % c.glu_interleave == 0,
+                  "config.glu_interleave must divide F=", d.ffn, ", got ", c.glu_interleave);
+  detail::expect(groups.offsets, "groups.offsets", Expect{{DType::kInt64}, {d.experts + 1}, d.dev});
+  return d;
+}
+
+void check_saved(const GroupedMlpSaved& s, const Dims& d) {
+  detail::expect(s.h, "saved.h", Expect{{d.dtype}, {d.rows, d.n1}, d.dev});
+  detail::expect(s.a, "saved.a", Expect{{d.dtype}, {d.rows, d.ffn}, d.dev});
+  MOEFLOW_CHECK(s.h.is_contiguous() && s.a.is_contiguous(),
+                "saved.h and saved.a must be contiguous");
+}
+
+MlpRows rows_of(const GroupLayout& g, const Dims& d) {
+  return MlpRows{g, d.experts, d.rows};
+}
+
+}  // namespace
+
+void grouped_mlp_forward(TensorView x, const GroupedMlpWeights& w, const GroupLayout& groups,
+                         TensorView probs, const GroupedMlpConfig& c, TensorView y,
+                         const GroupedMlpSaved& saved, cudaStream_t stream) {
+  const Dims d = check_weights(x, w, c, groups);
+  check_saved(saved, d);
+  detail::expect(y, "y", Expect{{d.dtype}, {d.rows, d.hidden}, d.dev});
+  if (probs.defined()) detail::expect(probs, "probs", Expect{{DType::kFloat32}, {d.rows}, d.dev});
+  const MlpRows r = rows_of(groups, d);
+  if (d.dev.is_cpu()) {
+    grouped_gemm_forward(x, GroupedWeights::from_stacked(w.fc1), groups, saved.h);
+    cpu::mlp_fc1_epilogue(r, saved.h, w.bias1, probs, c.activation, c.params, c.glu_interleave,
+                          saved.a);
+  } else {
+#ifdef MOEFLOW_WITH_CUDA
+    detail::cuda_set_device(d.dev.index);
+    MlpFc1Call call;
+    call.x = x;
+    call.w1 = w.fc1;
+    call.groups = groups;
+    call.bias1 = w.bias1;
+    call.probs = probs;
+    call.act = c.activation;
+    call.params = c.params;
+    call.glu_interleave = c.glu_interleave;
+    call.out = saved.a;
+    call.raw = saved.h;
+    call.rows = d.rows;
+    call.num_groups = d.experts;
+    call.hidden = d.hidden;
+    call.ffn = d.ffn;
+    cuda::mlp_fc1_forward(call, stream);
+#endif
+  }
+  grouped_gemm_forward(saved.a, GroupedWeights::from_stacked(w.fc2), groups, y, stream);
+  if (w.bias2.defined()) {
+    if (d.dev.is_cpu()) cpu::mlp_bias_add(r, y, w.bias2);
+#ifdef MOEFLOW_WITH_CUDA
+    else
+      cuda::mlp_bias_add(r, y, w.bias2, stream);
+#endif
+  }
+}
+
+void grouped_mlp_backward_dgrad(TensorView dy, const GroupedMlpWeights& w,
+                                const GroupLayout& groups, TensorView probs,
+                                const GroupedMlpConfig& c, const GroupedMlpSaved& saved,
+                                TensorView dx, TensorView d_h, TensorView dprobs,
+                                cudaStream_t stream) {
+  const Dims d = check_weights(dx, w, c, groups);
+  check_saved(saved, d);
+  detail::expect(dy, "dy", Expect{{d.dtype}, {d.rows, d.hidden}, d.dev});
+  detail::expect(d_h, "d_h", Expect{{d.dtype}, {d.rows, d.n1}, d.dev});
+  MOEFLOW_CHECK(d_h.is_contiguous(), "d_h must be contiguous");
+  if (probs.defined()) detail::expect(probs, "probs", Expect{{DType::kFloat32}, {d.rows}, d.dev});
+  if (dprobs.defined()) {
+    MOEFLOW_CHECK(probs.defined(), "dprobs needs probs (the weighted forward)");
+    detail::expect(dprobs, "dprobs", Expect{{DType::kFloat32}, {d.rows}, d.dev});
+  }
+  // d(a) = dy · W2_e lands in the last F columns of d_h; dGLU turns d_h into d(h) in place.
+  const int64_t esz = static_cast<int64_t>(dtype_size(d.dtype));
+  TensorView d_a = TensorView::strided(static_cast<uint8_t*>(d_h.data) + (d.n1 - d.ffn) * esz,
+                                       d.dtype, d.dev, {d.rows, d.ffn}, {d.n1, 1});
+  grouped_gemm_dgrad(dy, GroupedWeights::from_stacked(w.fc2), groups, d_a, stream);
+  const MlpRows r = rows_of(groups, d);
+  if (d.dev.is_cpu()) {
+    cpu::mlp_dglu(r, saved.h, d_h, probs, c.activation, c.params, c.glu_interleave, d.ffn, dprobs);
+  } else {
+#ifdef MOEFLOW_WITH_CUDA
+    cuda::mlp_dglu(r, saved.h, d_h, probs, c.activation, c.params, c.glu_interleave, d.ffn, dprobs,
+                   stream);
+#endif
+  }
+  grouped_gemm_dgrad(d_h, GroupedWeights::from_stacked(w.fc1), groups, dx, stream);
+}
+
+void grouped_mlp_backward_wgrad(TensorView dy, TensorView x, const GroupLayout& groups,
+                                const GroupedMlpSaved& saved, TensorView d_h,
+                                const GroupedMlpGrads& g, cudaStream_t stream) {
+  MOEFLOW_CHECK(dy.defined() && x.defined() && saved.a.defined() && d_h.defined(),
+                "backward_wgrad needs dy, x, saved.a and d_h");
+  const int64_t E = groups.offsets.defined() ? groups.offsets.shape[0] - 1 : 0;
+  const MlpRows r{groups, E, x.shape[0]};
+  if (g.dw2.defined())
+    grouped_gemm_wgrad(dy, saved.a, groups, GroupedWeights::from_stacked(g.dw2), g.accumulate,
+                       stream);
+  if (g.dw1.defined())
+    grouped_gemm_wgrad(d_h, x, groups, GroupedWeights::from_stacked(g.dw1), g.accumulate, stream);
+  for (const auto& [src, dst, name] :
+       {std::tuple{dy, g.dbias2, "grads.dbias2"}, std::tuple{d_h, g.dbias1, "grads.dbias1"}}) {
+    if (!dst.defined()) continue;
+    detail::expect(dst, name, Expect{{DType::kFloat32}, {E, src.shape[1]}, src.device});
+    MOEFLOW_CHECK(dst.is_contiguous(), name, " must be contiguous");
+    if (src.device.is_cpu()) cpu::mlp_segment_colsum(r, src, dst, g.accumulate);
+#ifdef MOEFLOW_WITH_CUDA
+    else
+      cuda::mlp_segment_colsum(r, src, dst, g.accumulate, stream);
+#endif
+  }
+}
+
+}  // namespace moeflow

@@ -1,0 +1,177 @@
+// CUDA backend of the grouped MLP's elementwise steps (see core/mlp_call.h):
+// FC2 bias, dGLU with the probability gradient, per-expert bias gradients.
+// Deterministic: every sum runs in a fixed order.
+#include <cub/block/block_reduce.cuh>
+
+#include "core/activations.h"
+#include "core/mlp_call.h"
+#include "cuda/common.cuh"
+
+namespace moeflow::cuda {
+
+namespace {
+
+struct RowMap {
+  const int64_t* offsets;
+  const int32_t* real;  // or null
+  int E;
+  // Expert of `row` (-1 past the groups) and whether the row holds data.
+  __device__ int expert_of(int64_t row, bool& data) const {
+    data = false;
+    if (row >= offsets[E] || row < offsets[0]) return -1;
+    int lo = 0, hi = E - 1;
+    while (lo < hi) {
+      const int mid = (lo + hi + 1) / 2;
+      if (offsets[mid] <= row)
+        lo = mid;
+      else
+        hi = mid - 1;
+    }
+    const int64_t seg = offsets[lo + 1] - offsets[lo];
+    const int64_t n = real ? max(int64_t{0}, min(int64_t{real[lo]}, seg)) : seg;
+    data = row - offsets[lo] < n;
+    return lo;
+  }
+};
+
+RowMap row_map(const MlpRows& r) {
+  return RowMap{r.groups.offsets.data_ptr<int64_t>(),
+                r.groups.real_rows.defined() ? r.groups.real_rows.data_ptr<int32_t>() : nullptr,
+                static_cast<int>(r.num_groups)};
+}
+
+template <typename T>
+__global__ void bias_add_kernel(RowMap m, T* y, int64_t ld, const T* bias, int64_t cols,
+                                int64_t rows) {
+  const int64_t row = blockIdx.x;
+  if (row >= rows) return;
+  bool data;
+  const int e = m.expert_of(row, data);
+  if (e < 0 || !data) return;
+  for (int64_t c = threadIdx.x; c < cols; c += blockDim.x)
+    y[row * ld + c] = from_float<T>(to_float(y[row * ld + c]) + to_float(bias[e * cols + c]));
+}
+
+__device__ __forceinline__ int64_t gate_col(int64_t j, int il) {
+  return il == 0 ? j : (j / il) * 2 * il + j % il;
+}
+__device__ __forceinline__ int64_t up_col(int64_t j, int il, int64_t f) {
+  return il == 0 ? j + f : gate_col(j, il) + il;
+}
+
+// One block per row: d(a) (columns [n1-f, n1) of d_h) is read into shared
+// memory first, then d(h) is written over the row (in place, any interleave).
+template <typename T, int THREADS>
+__global__ void __launch_bounds__(THREADS)
+    dglu_kernel(RowMap m, const T* h, T* d_h, int64_t n1, int64_t f, const float* probs,
+                Activation act, ActivationParams ap, int il, float* dprobs, int64_t rows) {
+  extern __shared__ float da[];
+  const int64_t row = blockIdx.x;
+  if (row >= rows) return;
+  bool data;
+  const int e = m.expert_of(row, data);
+  if (e < 0) return;  // past the groups: untouched
+  T* drow = d_h + row * n1;
+  if (!data) {  // pad row: no gradient
+    for (int64_t c = threadIdx.x; c < n1; c += THREADS) drow[c] = from_float<T>(0.0f);
+    if (dprobs && threadIdx.x == 0) dprobs[row] = 0.0f;
+    return;
+  }
+  for (int64_t j = threadIdx.x; j < f; j += THREADS) da[j] = to_float(drow[n1 - f + j]);
+  __syncthreads();
+  const bool gated = is_gated(act);
+  const float p = probs ? probs[row] : 1.0f;
+  const T* hrow = h + row * n1;
+  float dp = 0.0f;
+  for (int64_t j = threadIdx.x; j < f; j += THREADS) {
+    const int64_t gc = gated ? gate_col(j, il) : j, uc = gated ? up_col(j, il, f) : 0;
+    const float g = to_float(hrow[gc]), u = gated ? to_float(hrow[uc]) : 0.0f;
+    dp += da[j] * act_forward(act, g, u, ap);
+    float dg = 0.0f, du = 0.0f;
+    act_backward(act, g, u, da[j] * p, ap, &dg, &du);
+    drow[gc] = from_float<T>(dg);
+    if (gated) drow[uc] = from_float<T>(du);
+  }
+  if (dprobs) {
+    using Reduce = cub::BlockReduce<float, THREADS>;
+    __shared__ typename Reduce::TempStorage tmp;
+    const float s = Reduce(tmp).Sum(dp);
+    if (threadIdx.x == 0) dprobs[row] = s;
+  }
+}
+
+// dst[e, c] (+)= sum over the data rows of expert e of src[row, c], rows in order.
+template <typename T>
+__global__ void colsum_kernel(const int64_t* offsets, const int32_t* real, const T* src, int64_t ld,
+                              int64_t cols, float* dst, bool accumulate) {
+  const int e = blockIdx.y;
+  const int64_t c = blockIdx.x * int64_t{blockDim.x} + threadIdx.x;
+  if (c >= cols) return;
+  const int64_t r0 = offsets[e], seg = offsets[e + 1] - r0;
+  const int64_t n = real ? max(int64_t{0}, min(int64_t{real[e]}, seg)) : seg;
+  float s = 0.0f;
+  for (int64_t r = r0; r < r0 + n; ++r) s += to_float(src[r * ld + c]);
+  dst[int64_t{e} * cols + c] = accumulate ? dst[int64_t{e} * cols + c] + s : s;
+}
+
+}  // namespace
+
+void mlp_bias_add(const MlpRows& r, TensorView y, TensorView bias, cudaStream_t stream) {
+  if (r.rows == 0) return;
+  const unsigned blocks = static_cast<unsigned>(r.rows);
+  if (y.dtype == DType::kBFloat16)
+    bias_add_kernel<<<blocks, 256, 0, stream>>>(row_map(r), y.data_ptr<__nv_bfloat16>(),
+                                                y.strides[0], bias.data_ptr<__nv_bfloat16>(),
+                                                y.shape[1], r.rows);
+  else
+    bias_add_kernel<<<blocks, 256, 0, stream>>>(row_map(r), y.data_ptr<__half>(), y.strides[0],
+                                                bias.data_ptr<__half>(), y.shape[1], r.rows);
+  MOEFLOW_CUDA_LAUNCH_CHECK();
+}
+
+void mlp_dglu(const MlpRows& r, TensorView h, TensorView d_h, TensorView probs, Activation act,
+              const ActivationParams& ap, int il, int64_t f, TensorView dprobs,
+              cudaStream_t stream) {
+  if (r.rows == 0) return;
+  constexpr int kThreads = 256;
+  const size_t smem = static_cast<size_t>(f) * 4;
+  MOEFLOW_CHECK(smem <= 200 * 1024, "dGLU: F = ", f, " is too wide for one block's shared memory");
+  const unsigned blocks = static_cast<unsigned>(r.rows);
+  const float* pp = probs.defined() ? probs.data_ptr<float>() : nullptr;
+  float* dp = dprobs.defined() ? dprobs.data_ptr<float>() : nullptr;
+  if (h.dtype == DType::kBFloat16) {
+    auto k = dglu_kernel<__nv_bfloat16, kThreads>;
+    MOEFLOW_CUDA_CHECK(cudaFuncSetAttribute(k, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                            static_cast<int>(smem)));
+    k<<<blocks, kThreads, smem, stream>>>(row_map(r), h.data_ptr<__nv_bfloat16>(),
+                                          d_h.data_ptr<__nv_bfloat16>(), h.shape[1], f, pp, act, ap,
+                                          il, dp, r.rows);
+  } else {
+    auto k = dglu_kernel<__half, kThreads>;
+    MOEFLOW_CUDA_CHECK(cudaFuncSetAttribute(k, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                            static_cast<int>(smem)));
+    k<<<blocks, kThreads, smem, stream>>>(row_map(r), h.data_ptr<__half>(), d_h.data_ptr<__half>(),
+                                          h.shape[1], f, pp, act, ap, il, dp, r.rows);
+  }
+  MOEFLOW_CUDA_LAUNCH_CHECK();
+}
+
+void mlp_segment_colsum(const MlpRows& r, TensorView src, TensorView dst, bool accumulate,
+                        cudaStream_t stream) {
+  if (r.num_groups == 0) return;
+  const int64_t cols = src.shape[1];
+  const dim3 grid(static_cast<unsigned>((cols + 255) / 256), static_cast<unsigned>(r.num_groups));
+  const int32_t* real =
+      r.groups.real_rows.defined() ? r.groups.real_rows.data_ptr<int32_t>() : nullptr;
+  if (src.dtype == DType::kBFloat16)
+    colsum_kernel<<<grid, 256, 0, stream>>>(r.groups.offsets.data_ptr<int64_t>(), real,
+                                            src.data_ptr<__nv_bfloat16>(), src.strides[0], cols,
+                                            dst.data_ptr<float>(), accumulate);
+  else
+    colsum_kernel<<<grid, 256, 0, stream>>>(r.groups.offsets.data_ptr<int64_t>(), real,
+                                            src.data_ptr<__half>(), src.strides[0], cols,
+                                            dst.data_ptr<float>(), accumulate);
+  MOEFLOW_CUDA_LAUNCH_CHECK();
+}
+
+}  // namespace moeflow::cuda

@@ -1,0 +1,160 @@
+// Shared body of the grouped-MLP API tests (CPU and GPU): one case run on a
+// device against the float64 reference.
+#pragma once
+
+#include <random>
+
+#include "cpu/grouped_mlp.h"
+#include "moeflow/grouped_mlp.h"
+#include "test_util.h"
+
+namespace moeflow::test {
+
+struct MlpApiCase {
+  Activation act;
+  int interleave;  // 0: halves
+  bool bias, probs;
+  int64_t h, f;
+};
+
+inline std::vector<MlpApiCase> mlp_api_cases() {
+  std::vector<MlpApiCase> cases;
+  for (Activation act : {Activation::kSwiGLU, Activation::kGeGLU, Activation::kClampedQuickGeGLU})
+    for (int il : {0, 8})
+      for (bool bias : {false, true}) cases.push_back({act, il, bias, bias, 40, 64});
+  for (Activation act : {Activation::kGelu, Activation::kRelu, Activation::kSquaredRelu})
+    cases.push_back({act, 0, true, true, 48, 64});
+  return cases;
+}
+
+inline std::vector<double> doubles_of(const Tensor& t, int64_t n = -1) {
+  std::vector<double> v(n < 0 ? t.numel() : n);
+  for (size_t i = 0; i < v.size(); ++i) v[i] = at(t, static_cast<int64_t>(i));
+  return v;
+}
+
+inline double rel_norm_error(const std::vector<double>& got, const std::vector<double>& want) {
+  double num = 0, den = 0;
+  for (size_t i = 0; i < want.size(); ++i) {
+    if (std::isnan(got[i])) return INFINITY;
+    num += (got[i] - want[i]) * (got[i] - want[i]);
+    den += want[i] * want[i];
+  }
+  return den == 0 ? std::sqrt(num) : std::sqrt(num / den);
+}
+
+inline void run_mlp_api_case(const MlpApiCase& cs, Device dev, uint32_t seed) {
+  SCOPED_TRACE("act=" + std::to_string(static_cast<int>(cs.act)) +
+               " il=" + std::to_string(cs.interleave) + (cs.bias ? " bias" : "") +
+               (cs.probs ? " probs" : "") + " on " + dev.str());
+  const DType dt = DType::kBFloat16;
+  const int E = 4;
+  const std::vector<int64_t> offsets = {0, 32, 32, 48, 80},
+                             real = {29, 0, 1, 32};  // pad rows, an empty expert
+  const int64_t rows = offsets.back(), H = cs.h, F = cs.f;
+  cpu::mlp::Shape shape{E, H, F};
+  cpu::mlp::Config cfg;
+  cfg.act = cs.act;
+  cfg.glu_interleave = cs.interleave;
+  cfg.bias1 = cfg.bias2 = cs.bias;
+  cfg.weighted = cs.probs;
+  // default clamp limit (7): with bf16-rounded h, values at a clamp edge would flip the
+  // derivative against the float64 reference (the clamps are checked in test_grouped_mlp)
+  const int64_t N1 = cpu::mlp::fc1_rows(shape, cfg);
+
+  Tensor x = make_tensor({rows, H}, dt), w1 = make_tensor({E, N1, H}, dt),
+         w2 = make_tensor({E, H, F}, dt);
+  Tensor b1 = make_tensor({E, N1}, dt), b2 = make_tensor({E, H}, dt),
+         probs = make_tensor({rows}, DType::kFloat32);
+  Tensor dy = make_tensor({rows, H}, dt);
+  fill_random(x, seed);
+  fill_random(w1, seed + 1, -0.3f, 0.3f);
+  fill_random(w2, seed + 2, -0.3f, 0.3f);
+  fill_random(b1, seed + 3, -0.5f, 0.5f);
+  fill_random(b2, seed + 4, -0.5f, 0.5f);
+  fill_random(probs, seed + 5, 0.1f, 1.0f);
+  fill_random(dy, seed + 6);
+  // pad rows of the inputs are zero, as a permute leaves them
+  for (int e = 0; e < E; ++e)
+    for (int64_t r = offsets[e] + real[e]; r < offsets[e + 1]; ++r)
+      for (int64_t j = 0; j < H; ++j) {
+        detail::store_float(x.data(), dt, r * H + j, 0.0f);
+        detail::store_float(dy.data(), dt, r * H + j, 0.0f);
+      }
+
+  cpu::mlp::Groups g{offsets, real};
+  cpu::mlp::Params prm{doubles_of(w1), doubles_of(b1), doubles_of(w2), doubles_of(b2)};
+  std::vector<double> y_ref;
+  cpu::mlp::Saved saved_ref;
+  const std::vector<double> xd = doubles_of(x), pd = doubles_of(probs), dyd = doubles_of(dy);
+  cpu::mlp::forward(shape, cfg, g, prm, xd, pd, y_ref, saved_ref);
+  cpu::mlp::Grads gr;
+  cpu::mlp::backward(shape, cfg, g, prm, xd, pd, dyd, saved_ref, gr);
+
+  Tensor offs_t = make_tensor({E + 1}, DType::kInt64), real_t = make_tensor({E}, DType::kInt32);
+  for (int e = 0; e <= E; ++e) offs_t.data_ptr<int64_t>()[e] = offsets[e];
+  for (int e = 0; e < E; ++e) real_t.data_ptr<int32_t>()[e] = static_cast<int32_t>(real[e]);
+  auto on = [&](const Tensor& t) { return t.to(dev); };
+  Tensor x_d = on(x), w1_d = on(w1), w2_d = on(w2), b1_d = on(b1), b2_d = on(b2), p_d = on(probs),
+         dy_d = on(dy);
+  Tensor offs_d = on(offs_t), real_d = on(real_t);
+  GroupLayout layout;
+  layout.offsets = offs_d;
+  layout.real_rows = real_d;
+  GroupedMlpWeights w{w1_d, w2_d, cs.bias ? TensorView(b1_d) : TensorView{},
+                      cs.bias ? TensorView(b2_d) : TensorView{}};
+  GroupedMlpConfig c;
+  c.activation = cs.act;
+  c.params = cfg.params;
+  c.glu_interleave = cs.interleave;
+  auto poisoned = [&](std::vector<int64_t> shape_, DType d) {
+    Tensor t = Tensor::empty(shape_, d, dev);
+    fill_bytes(t, 0xFF);
+    return t;
+  };
+  Tensor y = poisoned({rows, H}, dt), h = poisoned({rows, N1}, dt), a = poisoned({rows, F}, dt);
+  const TensorView pv = cs.probs ? TensorView(p_d) : TensorView{};
+  grouped_mlp_forward(x_d, w, layout, pv, c, y, GroupedMlpSaved{h, a});
+  Tensor dx = poisoned({rows, H}, dt), d_h = poisoned({rows, N1}, dt),
+         dprobs = poisoned({rows}, DType::kFloat32);
+  grouped_mlp_backward_dgrad(dy_d, w, layout, pv, c, GroupedMlpSaved{h, a}, dx, d_h,
+                             cs.probs ? TensorView(dprobs) : TensorView{});
+  Tensor dw1 = Tensor::zeros({E, N1, H}, DType::kFloat32, dev),
+         dw2 = Tensor::zeros({E, H, F}, DType::kFloat32, dev);
+  Tensor db1 = Tensor::zeros({E, N1}, DType::kFloat32, dev),
+         db2 = Tensor::zeros({E, H}, DType::kFloat32, dev);
+  GroupedMlpGrads grads{dw1, dw2, cs.bias ? TensorView(db1) : TensorView{},
+                        cs.bias ? TensorView(db2) : TensorView{}, false};
+  grouped_mlp_backward_wgrad(dy_d, x_d, layout, GroupedMlpSaved{h, a}, d_h, grads);
+  grads.accumulate = true;  // twice the gradient
+  grouped_mlp_backward_wgrad(dy_d, x_d, layout, GroupedMlpSaved{h, a}, d_h, grads);
+
+  const double tol = gemm_tolerance(dt) * 2;  // two chained bf16 GEMMs
+  auto host = [](const Tensor& t) { return t.to(Device::cpu()); };
+  EXPECT_LE(rel_norm_error(doubles_of(host(y)), y_ref), tol) << "y";
+  EXPECT_LE(rel_norm_error(doubles_of(host(h)), saved_ref.h), tol) << "saved.h";
+  std::vector<double> a_ref(saved_ref.a);
+  if (cs.probs)
+    for (int64_t r = 0; r < rows; ++r)
+      for (int64_t j = 0; j < F; ++j) a_ref[r * F + j] *= pd[r];
+  EXPECT_LE(rel_norm_error(doubles_of(host(a)), a_ref), tol) << "saved.a";
+  EXPECT_LE(rel_norm_error(doubles_of(host(dx)), gr.dx), 2 * tol) << "dx";
+  if (cs.probs) EXPECT_LE(rel_norm_error(doubles_of(host(dprobs)), gr.dprobs), 2 * tol) << "dprobs";
+  auto twice = [](std::vector<double> v) {
+    for (double& d : v) d *= 2;
+    return v;
+  };
+  EXPECT_LE(rel_norm_error(doubles_of(host(dw1)), twice(gr.dw1)), 2 * tol) << "dw1";
+  EXPECT_LE(rel_norm_error(doubles_of(host(dw2)), twice(gr.dw2)), 2 * tol) << "dw2";
+  if (cs.bias) {
+    EXPECT_LE(rel_norm_error(doubles_of(host(db1)), twice(gr.db1)), 2 * tol) << "db1";
+    EXPECT_LE(rel_norm_error(doubles_of(host(db2)), twice(gr.db2)), 2 * tol) << "db2";
+  }
+  // pad rows: zero outputs
+  Tensor yh = host(y);
+  for (int e = 0; e < E; ++e)
+    for (int64_t r = offsets[e] + real[e]; r < offsets[e + 1]; ++r)
+      ASSERT_EQ(at(yh, r * H), 0.0f) << "pad row " << r;
+}
+
+}  // namespace moeflow::test
