@@ -13,10 +13,9 @@
 // and its padded end) produce zeros and get no gradient.
 //
 // On Hopper (sm_90a builds) FC1 runs with bias, activation and probability
-// fused into the GEMM epilogue; on the CPU every step runs on the reference
-// backend. NOTE: the CUDA backward path (dGLU, bias gradients) is new in this
-// release and covered by GPU tests; other GPUs than Hopper are not supported
-// by the fused FC1 yet.
+// fused into the GEMM epilogue; on other GPUs (or layouts the fused kernel
+// does not take) the activation is a separate kernel; on the CPU every step
+// runs on the reference backend. Deterministic on every backend.
 #pragma once
 
 #include "moeflow/activation.h"

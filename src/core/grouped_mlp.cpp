@@ -89,7 +89,13 @@ void grouped_mlp_forward(TensorView x, const GroupedMlpWeights& w, const GroupLa
     call.num_groups = d.experts;
     call.hidden = d.hidden;
     call.ffn = d.ffn;
-    cuda::mlp_fc1_forward(call, stream);
+    if (cuda::mlp_fc1_fusable(call)) {
+      cuda::mlp_fc1_forward(call, stream);
+    } else {  // other GPUs / layouts: grouped GEMM, then the epilogue as its own kernel
+      grouped_gemm_forward(x, GroupedWeights::from_stacked(w.fc1), groups, saved.h, stream);
+      cuda::mlp_fc1_epilogue(r, saved.h, w.bias1, probs, c.activation, c.params, c.glu_interleave,
+                             saved.a, stream);
+    }
 #endif
   }
   grouped_gemm_forward(saved.a, GroupedWeights::from_stacked(w.fc2), groups, y, stream);

@@ -9,16 +9,16 @@
 namespace moeflow {
 
 struct MlpFc1Call {
-  TensorView x;          // [rows, H] bf16/fp16
-  TensorView w1;         // [E, N1, H] stacked, same dtype; N1 = 2F gated, F plain
+  TensorView x;   // [rows, H] bf16/fp16
+  TensorView w1;  // [E, N1, H] stacked, same dtype; N1 = 2F gated, F plain
   GroupLayout groups;
-  TensorView bias1;      // [E, N1] same dtype, or undefined
-  TensorView probs;      // [rows] float32, or undefined
+  TensorView bias1;  // [E, N1] same dtype, or undefined
+  TensorView probs;  // [rows] float32, or undefined
   Activation act = Activation::kSwiGLU;
   ActivationParams params;
   int glu_interleave = 0;  // gated: 0 = halves, else the block size (8..128)
-  TensorView out;        // [rows, F] same dtype
-  TensorView raw;        // [rows, N1] contiguous, or undefined
+  TensorView out;          // [rows, F] same dtype
+  TensorView raw;          // [rows, N1] contiguous, or undefined
   int64_t rows = 0, num_groups = 0, hidden = 0, ffn = 0;
 };
 
@@ -44,8 +44,13 @@ void mlp_segment_colsum(const MlpRows& r, TensorView src, TensorView dst, bool a
 }  // namespace cpu
 
 namespace cuda {
-// Hopper (sm_90a) only for now; throws on other GPUs.
+// Hopper (sm_90a) only; throws on other GPUs. mlp_fc1_fusable() says whether
+// it takes the call (else: grouped GEMM + mlp_fc1_epilogue).
+bool mlp_fc1_fusable(const MlpFc1Call& call);
 void mlp_fc1_forward(const MlpFc1Call& call, cudaStream_t stream);
+void mlp_fc1_epilogue(const MlpRows& r, TensorView h, TensorView bias1, TensorView probs,
+                      Activation act, const ActivationParams& ap, int interleave, TensorView a,
+                      cudaStream_t stream);
 void mlp_bias_add(const MlpRows& r, TensorView y, TensorView bias, cudaStream_t stream);
 void mlp_dglu(const MlpRows& r, TensorView h, TensorView d_h, TensorView probs, Activation act,
               const ActivationParams& ap, int interleave, int64_t ffn, TensorView dprobs,

@@ -363,6 +363,15 @@ void launch_fc1_kind(const MlpFc1Call& c, const Params& p, cudaStream_t stream) 
 
 }  // namespace
 
+bool mlp_fc1_fusable(const MlpFc1Call& c) {
+  if (!use_sm90()) return false;
+  const int64_t il = c.glu_interleave, n1 = is_gated(c.act) ? 2 * c.ffn : c.ffn;
+  if (is_gated(c.act) && il == 0 && c.ffn % 64 != 0) return false;
+  if (is_gated(c.act) && il != 0 && (il % 8 != 0 || 256 % (2 * il) != 0 || n1 % (2 * il) != 0))
+    return false;
+  return c.rows < (int64_t{1} << 31) && c.num_groups * n1 < (int64_t{1} << 31);
+}
+
 void mlp_fc1_forward(const MlpFc1Call& c, cudaStream_t stream) {
   MOEFLOW_CHECK(use_sm90(),
                 "the fused grouped-MLP FC1 needs a Hopper GPU (sm_90a build); "

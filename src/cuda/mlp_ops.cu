@@ -114,7 +114,56 @@ __global__ void colsum_kernel(const int64_t* offsets, const int32_t* real, const
   dst[int64_t{e} * cols + c] = accumulate ? dst[int64_t{e} * cols + c] + s : s;
 }
 
+// The unfused FC1 epilogue (GPUs without the fused path): one block per row,
+// h += bias1 in place, then a = act(h) * p; pad rows of a zeroed.
+template <typename T>
+__global__ void fc1_epilogue_kernel(RowMap m, T* h, int64_t n1, const T* bias, const float* probs,
+                                    Activation act, ActivationParams ap, int il, T* a, int64_t f,
+                                    int64_t rows) {
+  const int64_t row = blockIdx.x;
+  if (row >= rows) return;
+  bool data;
+  const int e = m.expert_of(row, data);
+  if (e < 0) return;
+  T* arow = a + row * f;
+  if (!data) {
+    for (int64_t j = threadIdx.x; j < f; j += blockDim.x) arow[j] = from_float<T>(0.0f);
+    return;
+  }
+  T* hrow = h + row * n1;
+  if (bias)
+    for (int64_t c = threadIdx.x; c < n1; c += blockDim.x)
+      hrow[c] = from_float<T>(to_float(hrow[c]) + to_float(bias[e * n1 + c]));
+  __syncthreads();
+  const bool gated = is_gated(act);
+  const float p = probs ? probs[row] : 1.0f;
+  for (int64_t j = threadIdx.x; j < f; j += blockDim.x) {
+    const float g = to_float(hrow[gated ? gate_col(j, il) : j]);
+    const float u = gated ? to_float(hrow[up_col(j, il, f)]) : 0.0f;
+    arow[j] = from_float<T>(act_forward(act, g, u, ap) * p);
+  }
+}
+
 }  // namespace
+
+void mlp_fc1_epilogue(const MlpRows& r, TensorView h, TensorView bias1, TensorView probs,
+                      Activation act, const ActivationParams& ap, int il, TensorView a,
+                      cudaStream_t stream) {
+  if (r.rows == 0) return;
+  const unsigned blocks = static_cast<unsigned>(r.rows);
+  const float* pp = probs.defined() ? probs.data_ptr<float>() : nullptr;
+  if (h.dtype == DType::kBFloat16)
+    fc1_epilogue_kernel<<<blocks, 256, 0, stream>>>(
+        row_map(r), h.data_ptr<__nv_bfloat16>(), h.shape[1],
+        bias1.defined() ? bias1.data_ptr<__nv_bfloat16>() : nullptr, pp, act, ap, il,
+        a.data_ptr<__nv_bfloat16>(), a.shape[1], r.rows);
+  else
+    fc1_epilogue_kernel<<<blocks, 256, 0, stream>>>(
+        row_map(r), h.data_ptr<__half>(), h.shape[1],
+        bias1.defined() ? bias1.data_ptr<__half>() : nullptr, pp, act, ap, il, a.data_ptr<__half>(),
+        a.shape[1], r.rows);
+  MOEFLOW_CUDA_LAUNCH_CHECK();
+}
 
 void mlp_bias_add(const MlpRows& r, TensorView y, TensorView bias, cudaStream_t stream) {
   if (r.rows == 0) return;
