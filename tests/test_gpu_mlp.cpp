@@ -27,22 +27,6 @@ bool is_hopper() {
   return major == 9;
 }
 
-double rel_err(const std::vector<double>& got, const std::vector<double>& want) {
-  double num = 0, den = 0;
-  for (size_t i = 0; i < got.size(); ++i) {
-    if (std::isnan(got[i])) return INFINITY;
-    num += (got[i] - want[i]) * (got[i] - want[i]);
-    den += want[i] * want[i];
-  }
-  return den == 0 ? std::sqrt(num) : std::sqrt(num / den);
-}
-
-std::vector<double> to_doubles(const Tensor& t) {
-  std::vector<double> v(t.numel());
-  for (int64_t i = 0; i < t.numel(); ++i) v[i] = at(t, i);
-  return v;
-}
-
 struct Case {
   Activation act;
   int interleave;  // 0: halves
@@ -92,11 +76,11 @@ void run_case(const Case& cs, uint32_t seed) {
   g.offsets = offsets;
   g.real = real;
   cpu::mlp::Params prm;
-  prm.w1 = to_doubles(w1);
-  prm.b1 = to_doubles(b1);
+  prm.w1 = doubles_of(w1);
+  prm.b1 = doubles_of(b1);
   prm.w2.assign(size_t(E) * H * F, 0.0);
   prm.b2.assign(size_t(E) * H, 0.0);
-  std::vector<double> xd = to_doubles(x), pd = to_doubles(probs), y;
+  std::vector<double> xd = doubles_of(x), pd = doubles_of(probs), y;
   xd.resize(size_t(used) * H);
   pd.resize(used);
   cpu::mlp::Saved saved;
@@ -132,14 +116,14 @@ void run_case(const Case& cs, uint32_t seed) {
   MOEFLOW_CUDA_CHECK(cudaDeviceSynchronize());
 
   Tensor out = out_g.to(Device::cpu()), raw = raw_g.to(Device::cpu());
-  std::vector<double> out_d = to_doubles(out), raw_d = to_doubles(raw), want_out(size_t(used) * F);
+  std::vector<double> out_d = doubles_of(out), raw_d = doubles_of(raw), want_out(size_t(used) * F);
   for (int64_t r = 0; r < used; ++r)
     for (int64_t j = 0; j < F; ++j)
       want_out[r * F + j] = saved.a[r * F + j] * (cs.probs ? pd[r] : 1.0);
   std::vector<double> got_out(out_d.begin(), out_d.begin() + used * F);
   std::vector<double> got_raw(raw_d.begin(), raw_d.begin() + used * N1);
-  EXPECT_LE(rel_err(got_out, want_out), gemm_tolerance(cs.dtype));
-  EXPECT_LE(rel_err(got_raw, saved.h), gemm_tolerance(cs.dtype));
+  EXPECT_LE(rel_norm_error(got_out, want_out), gemm_tolerance(cs.dtype));
+  EXPECT_LE(rel_norm_error(got_raw, saved.h), gemm_tolerance(cs.dtype));
   // pad rows exactly zero; the rows past the groups keep their poison
   for (int e = 0; e < E; ++e)
     for (int64_t r = offsets[e] + real[e]; r < offsets[e + 1]; ++r) {
