@@ -52,6 +52,14 @@ struct DispatchBenchOptions {
 // Multi-GPU (CUDA builds only).
 void run_dispatch_bench(const DispatchBenchOptions& opt);
 
+struct MlpBenchOptions {
+  std::vector<std::string> cases;  // dsv3 mixtral qwen3-30b (default: all)
+  Device device;
+  TimingOptions timing;
+  std::string json_path;
+};
+void run_mlp_bench(const MlpBenchOptions& opt);
+
 struct RunOptions {
   std::string preset = "tiny";
   int align = 16;

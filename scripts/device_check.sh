@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One call on the GPU machine: build, GPU tests, memcheck, benchmarks beside
 # the PyTorch peers. Logs and JSON go to $OUT (or ./out).
-# Usage: scripts/device_check.sh [build|test|memcheck|racecheck|sass|variants|bench|peers|gemm|tune|sweep|gemmpeers|dispatch|a2apeers|multigpu]...
+# Usage: scripts/device_check.sh [build|test|memcheck|racecheck|sass|variants|bench|peers|gemm|tune|sweep|gemmpeers|mlp|dispatch|a2apeers|multigpu]...
 # (default: build test memcheck racecheck sass bench peers)
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -63,6 +63,10 @@ if has sweep; then
 fi
 if has peers && [ -f .peers/peers.py ]; then
   PYTHONUNBUFFERED=1 python3 .peers/peers.py --only ceil,permute --json "$OUT/peers.json" 2>&1 | tail -30 || rc=1
+fi
+if has mlp; then
+  build/moeflow bench mlp --json "$OUT/mlp.json" 2>&1 || rc=1
+  PYTHONUNBUFFERED=1 python3 bench/peers_mlp.py --json "$OUT/peers_mlp.json" 2>&1 | tail -8 || rc=1
 fi
 if has dispatch; then  # needs 2+ GPUs (nvidia-h200-x2)
   build/moeflow bench dispatch --json "$OUT/dispatch.json" 2>&1 || rc=1

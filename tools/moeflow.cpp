@@ -71,6 +71,14 @@ int main(int argc, char** argv) {
   bdisp->add_option("--iters", dopt.timing.iters, "timed runs per op (median)")
       ->capture_default_str();
 
+  auto* bmlp = bench->add_subcommand(
+      "mlp", "grouped expert MLP forward + backward (SwiGLU, probs-weighted)");
+  bench::MlpBenchOptions mopt;
+  bmlp->add_option("--case", mopt.cases, "dsv3 mixtral qwen3-30b (default: all)");
+  bmlp->add_option("--json", mopt.json_path, "also write the results as JSON to this file");
+  bmlp->add_option("--iters", mopt.timing.iters, "timed runs per op (median)")
+      ->capture_default_str();
+
   CLI11_PARSE(app, argc, argv);
   try {
     const Device dev = bench::parse_device(device);
@@ -99,6 +107,16 @@ int main(int argc, char** argv) {
       return 0;
 #else
       MOEFLOW_CHECK(false, "bench gemm needs the CUDA backend (built without CUDA)");
+#endif
+    }
+    if (*bmlp) {
+#ifdef MOEFLOW_WITH_CUDA
+      MOEFLOW_CHECK(mopt.timing.iters > 0, "--iters must be > 0; got ", mopt.timing.iters);
+      mopt.device = dev;
+      bench::run_mlp_bench(mopt);
+      return 0;
+#else
+      MOEFLOW_CHECK(false, "bench mlp needs the CUDA backend (built without CUDA)");
 #endif
     }
     if (*bdisp) {

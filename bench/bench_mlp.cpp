@@ -1,0 +1,123 @@
+// `moeflow bench mlp`: the grouped expert MLP (SwiGLU, router-probability
+// weighting), forward + backward (dgrad now, wgrad into float32 main
+// gradients with accumulation), on the dsv3 / mixtral / qwen3-30b shapes of
+// shared/BENCHMARKS.md, next to bench/peers_mlp.py (the PyTorch composite,
+// run in the same device command). Reports the step time, TFLOP/s and the
+// bytes of the buffers a step needs beyond its inputs, weights and gradients.
+#include <fmt/format.h>
+
+#include <algorithm>
+#include <fstream>
+#include <random>
+
+#include "bench/bench.h"
+#include "moeflow/grouped_mlp.h"
+
+namespace moeflow::bench {
+
+namespace {
+
+struct MlpCase {
+  const char* name;
+  int experts;
+  int64_t rows, hidden, ffn;
+};
+
+std::vector<int64_t> mlp_split(int E,
+                               int64_t rows) {  // as bench_gemm / peers: uneven, multiples of 16
+  std::mt19937 rng(0);
+  std::uniform_real_distribution<double> u(0.5, 1.5);
+  std::vector<double> w(E);
+  double sum = 0;
+  for (double& x : w) sum += (x = u(rng));
+  std::vector<int64_t> s(E);
+  int64_t used = 0;
+  for (int e = 0; e < E; ++e) used += (s[e] = static_cast<int64_t>(w[e] / sum * rows / 16) * 16);
+  s[E - 1] += rows - used;
+  return s;
+}
+
+}  // namespace
+
+void run_mlp_bench(const MlpBenchOptions& opt) {
+  const Device dev = opt.device;
+  MOEFLOW_CHECK(dev.is_cuda(), "bench mlp needs a CUDA device");
+  const std::vector<MlpCase> all = {{"dsv3", 32, 65536, 7168, 2048},
+                                    {"mixtral", 8, 32768, 4096, 14336},
+                                    {"qwen3-30b", 128, 131072, 2048, 768}};
+  cudaStream_t stream = nullptr;
+  nlohmann::json rows = nlohmann::json::array();
+  fmt::print(
+      "moeflow bench mlp on {}: SwiGLU, bf16, probs-weighted, fp32 main grads (accumulate)\n",
+      device_name(dev));
+  for (const MlpCase& c : all) {
+    if (!opt.cases.empty() &&
+        std::find(opt.cases.begin(), opt.cases.end(), c.name) == opt.cases.end())
+      continue;
+    const int64_t E = c.experts, M = c.rows, H = c.hidden, F = c.ffn;
+    fmt::print("[{}] E={} rows={} H={} F={} ...\n", c.name, E, M, H, F);
+    std::fflush(stdout);
+    const std::vector<int64_t> sizes = mlp_split(c.experts, M);
+    Tensor offs = Tensor::empty({E + 1}, DType::kInt64);
+    offs.data_ptr<int64_t>()[0] = 0;
+    for (int64_t e = 0; e < E; ++e)
+      offs.data_ptr<int64_t>()[e + 1] = offs.data_ptr<int64_t>()[e] + sizes[e];
+    Tensor offs_g = offs.to(dev);
+    GroupLayout layout;
+    layout.offsets = offs_g;
+    const DType bf = DType::kBFloat16;
+    Tensor x = Tensor::empty({M, H}, bf, dev), dy = Tensor::empty({M, H}, bf, dev);
+    Tensor w1 = Tensor::empty({E, 2 * F, H}, bf, dev), w2 = Tensor::empty({E, H, F}, bf, dev);
+    Tensor probs = Tensor::empty({M}, DType::kFloat32, dev);
+    for (Tensor* t : {&x, &dy, &w1, &w2})
+      fill_bytes(*t, 0x3C, stream);  // ~0.0115: finite, non-zero
+    fill_bytes(probs, 0x3C, stream);
+    Tensor y = Tensor::empty({M, H}, bf, dev), h = Tensor::empty({M, 2 * F}, bf, dev),
+           a = Tensor::empty({M, F}, bf, dev);
+    Tensor dx = Tensor::empty({M, H}, bf, dev), d_h = Tensor::empty({M, 2 * F}, bf, dev);
+    Tensor dprobs = Tensor::empty({M}, DType::kFloat32, dev);
+    Tensor dw1 = Tensor::zeros({E, 2 * F, H}, DType::kFloat32, dev),
+           dw2 = Tensor::zeros({E, H, F}, DType::kFloat32, dev);
+    GroupedMlpWeights w{w1, w2, {}, {}};
+    GroupedMlpConfig cfg;
+    const GroupedMlpSaved saved{h, a};
+    GroupedMlpGrads grads{dw1, dw2, {}, {}, true};
+    auto fwd = [&] { grouped_mlp_forward(x, w, layout, probs, cfg, y, saved, stream); };
+    auto bwd = [&] {
+      grouped_mlp_backward_dgrad(dy, w, layout, probs, cfg, saved, dx, d_h, dprobs, stream);
+      grouped_mlp_backward_wgrad(dy, x, layout, saved, d_h, grads, stream);
+    };
+    TimingOptions t = opt.timing;
+    t.flush_l2 = false;
+    const double fwd_us = time_us(dev, stream, fwd, t);
+    const double step_us = time_us(
+        dev, stream,
+        [&] {
+          fwd();
+          bwd();
+        },
+        t);
+    const double flops = 3.0 * 2.0 * M * H * 3.0 * F;
+    const double extra = static_cast<double>(y.nbytes() + h.nbytes() + a.nbytes() + d_h.nbytes() +
+                                             dx.nbytes() + dprobs.nbytes());
+    fmt::print(
+        "    forward {:9.1f} us | forward+backward {:9.1f} us ({:6.1f} TFLOP/s) | step buffers "
+        "{:8.0f} MiB "
+        "(y, h, a, d_h, dx, dprobs)\n",
+        fwd_us, step_us, flops / step_us / 1e6, extra / (1 << 20));
+    std::fflush(stdout);
+    rows.push_back({{"case", c.name},
+                    {"forward_us", fwd_us},
+                    {"fwd_bwd_us", step_us},
+                    {"TFLOPs", flops / step_us / 1e6},
+                    {"step_buffers_MiB", extra / (1 << 20)}});
+  }
+  if (!opt.json_path.empty()) {
+    std::ofstream f(opt.json_path);
+    MOEFLOW_CHECK(f.good(), "--json: cannot write '", opt.json_path, "'");
+    f << nlohmann::json{{"device", device_name(dev)}, {"rows", rows}}.dump(1) << "\n";
+    fmt::print("wrote {}\n", opt.json_path);
+  }
+}
+
+}  // namespace moeflow::bench
