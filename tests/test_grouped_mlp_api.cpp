@@ -15,6 +15,20 @@ TEST(GroupedMlpApi, CpuMatchesReference) {
   for (const MlpApiCase& c : mlp_api_cases()) run_mlp_api_case(c, Device::cpu(), seed++);
 }
 
+// The GLU column map of the backends equals the reference's.
+TEST(GroupedMlpApi, GluColumnsMatchReference) {
+  for (int il : {0, 8, 16, 32, 64, 128}) {
+    const int64_t F = 256;
+    cpu::mlp::Shape s{1, 8, F};
+    cpu::mlp::Config c;
+    c.glu_interleave = il;
+    for (int64_t j = 0; j < F; ++j) {
+      ASSERT_EQ(glu_gate_col(j, il), cpu::mlp::gate_col(s, c, j)) << "il " << il << " j " << j;
+      ASSERT_EQ(glu_up_col(j, il, F), cpu::mlp::up_col(s, c, j)) << "il " << il << " j " << j;
+    }
+  }
+}
+
 TEST(GroupedMlpApi, BadInputIsRejected) {
   Tensor x = make_tensor({16, 40}, DType::kBFloat16),
          w1 = make_tensor({2, 48, 40}, DType::kBFloat16);

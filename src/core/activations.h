@@ -5,12 +5,22 @@
 #pragma once
 
 #include <cmath>
+#include <cstdint>
 #include <type_traits>
 
 #include "core/backends.h"  // MOEFLOW_HD
 #include "moeflow/activation.h"
 
 namespace moeflow {
+
+// FC1 output columns of the gate and the up of activation column j, for
+// [gate; up] halves (il = 0) or blocks of il gate rows then il up rows.
+MOEFLOW_HD inline int64_t glu_gate_col(int64_t j, int il) {
+  return il == 0 ? j : (j / il) * 2 * il + j % il;
+}
+MOEFLOW_HD inline int64_t glu_up_col(int64_t j, int il, int64_t f) {
+  return il == 0 ? j + f : glu_gate_col(j, il) + il;
+}
 
 MOEFLOW_HD inline bool is_gated(Activation a) {
   return a == Activation::kSwiGLU || a == Activation::kGeGLU || a == Activation::kClampedQuickGeGLU;

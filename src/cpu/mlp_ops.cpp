@@ -29,14 +29,6 @@ void st(const TensorView& t, int64_t i, float v) {
   detail::store_float(t.data, t.dtype, i, v);
 }
 
-// FC1 columns of the gate and the up of activation column j.
-int64_t gate_col(int64_t j, int il) {
-  return il == 0 ? j : (j / il) * 2 * il + j % il;
-}
-int64_t up_col(int64_t j, int il, int64_t f) {
-  return il == 0 ? j + f : gate_col(j, il) + il;
-}
-
 }  // namespace
 
 void mlp_fc1_epilogue(const MlpRows& r, TensorView h, TensorView bias1, TensorView probs,
@@ -53,8 +45,8 @@ void mlp_fc1_epilogue(const MlpRows& r, TensorView h, TensorView bias1, TensorVi
           st(h, row * n1 + c, ld(h, row * n1 + c) + ld(bias1, e * n1 + c));
       const float p = probs.defined() ? probs.data_ptr<float>()[row] : 1.0f;
       for (int64_t j = 0; j < f; ++j) {
-        const float g = ld(h, row * n1 + (gated ? gate_col(j, il) : j));
-        const float u = gated ? ld(h, row * n1 + up_col(j, il, f)) : 0.0f;
+        const float g = ld(h, row * n1 + (gated ? glu_gate_col(j, il) : j));
+        const float u = gated ? ld(h, row * n1 + glu_up_col(j, il, f)) : 0.0f;
         st(a, row * f + j, act_forward(act, g, u, ap) * p);
       }
     }
@@ -91,7 +83,7 @@ void mlp_dglu(const MlpRows& r, TensorView h, TensorView d_h, TensorView probs, 
     const float p = probs.defined() ? probs.data_ptr<float>()[row] : 1.0f;
     float dp = 0.0f;
     for (int64_t j = 0; j < f; ++j) {
-      const int64_t gc = gated ? gate_col(j, il) : j, uc = gated ? up_col(j, il, f) : 0;
+      const int64_t gc = gated ? glu_gate_col(j, il) : j, uc = gated ? glu_up_col(j, il, f) : 0;
       const float g = ld(h, row * n1 + gc), u = gated ? ld(h, row * n1 + uc) : 0.0f;
       dp += da[j] * act_forward(act, g, u, ap);
       float dg = 0.0f, du = 0.0f;

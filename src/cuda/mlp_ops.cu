@@ -52,13 +52,6 @@ __global__ void bias_add_kernel(RowMap m, T* y, int64_t ld, const T* bias, int64
     y[row * ld + c] = from_float<T>(to_float(y[row * ld + c]) + to_float(bias[e * cols + c]));
 }
 
-__device__ __forceinline__ int64_t gate_col(int64_t j, int il) {
-  return il == 0 ? j : (j / il) * 2 * il + j % il;
-}
-__device__ __forceinline__ int64_t up_col(int64_t j, int il, int64_t f) {
-  return il == 0 ? j + f : gate_col(j, il) + il;
-}
-
 // One block per row: d(a) (columns [n1-f, n1) of d_h) is read into shared
 // memory first, then d(h) is written over the row (in place, any interleave).
 template <typename T, int THREADS>
@@ -84,7 +77,7 @@ __global__ void __launch_bounds__(THREADS)
   const T* hrow = h + row * n1;
   float dp = 0.0f;
   for (int64_t j = threadIdx.x; j < f; j += THREADS) {
-    const int64_t gc = gated ? gate_col(j, il) : j, uc = gated ? up_col(j, il, f) : 0;
+    const int64_t gc = gated ? glu_gate_col(j, il) : j, uc = gated ? glu_up_col(j, il, f) : 0;
     const float g = to_float(hrow[gc]), u = gated ? to_float(hrow[uc]) : 0.0f;
     dp += da[j] * act_forward(act, g, u, ap);
     float dg = 0.0f, du = 0.0f;
@@ -138,8 +131,8 @@ __global__ void fc1_epilogue_kernel(RowMap m, T* h, int64_t n1, const T* bias, c
   const bool gated = is_gated(act);
   const float p = probs ? probs[row] : 1.0f;
   for (int64_t j = threadIdx.x; j < f; j += blockDim.x) {
-    const float g = to_float(hrow[gated ? gate_col(j, il) : j]);
-    const float u = gated ? to_float(hrow[up_col(j, il, f)]) : 0.0f;
+    const float g = to_float(hrow[gated ? glu_gate_col(j, il) : j]);
+    const float u = gated ? to_float(hrow[glu_up_col(j, il, f)]) : 0.0f;
     arow[j] = from_float<T>(act_forward(act, g, u, ap) * p);
   }
 }
