@@ -40,6 +40,8 @@ struct GemmBenchOptions {
 };
 void run_gemm_bench(const GemmBenchOptions& opt);
 std::vector<int64_t> sweep_split(int E, int64_t R, bool skewed);
+// Mildly uneven rows per expert summing to `rows`, multiples of 16 (as peers.py).
+std::vector<int64_t> uneven_split(int E, int64_t rows, uint32_t seed);
 
 struct DispatchBenchOptions {
   std::vector<std::string> presets;  // default: dsv3 mixtral

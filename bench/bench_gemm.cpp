@@ -33,18 +33,6 @@ struct GemmCase {
 
 // Mildly uneven split (as shared/peers/peers.py): weights U(0.5, 1.5), rows
 // rounded down to 16, the remainder on the last expert.
-std::vector<int64_t> uneven_split(int E, int64_t rows, uint32_t seed) {
-  std::mt19937 rng(seed);
-  std::uniform_real_distribution<double> u(0.5, 1.5);
-  std::vector<double> w(E);
-  double sum = 0;
-  for (double& x : w) sum += (x = u(rng));
-  std::vector<int64_t> s(E);
-  int64_t used = 0;
-  for (int e = 0; e < E; ++e) used += (s[e] = static_cast<int64_t>(w[e] / sum * rows / 16) * 16);
-  s[E - 1] += rows - used;
-  return s;
-}
 
 }  // namespace
 
@@ -58,6 +46,20 @@ std::vector<int64_t> sweep_split(int E, int64_t R, bool skewed) {
   int64_t used = 0;
   for (int e = 0; e < E; ++e) used += (s[e] = static_cast<int64_t>(E * R / (e + 1) / z / 16) * 16);
   s[0] += E * R - used;
+  return s;
+}
+
+// Mildly uneven rows per expert, multiples of 16 (as shared/peers/peers.py).
+std::vector<int64_t> uneven_split(int E, int64_t rows, uint32_t seed) {
+  std::mt19937 rng(seed);
+  std::uniform_real_distribution<double> u(0.5, 1.5);
+  std::vector<double> w(E);
+  double sum = 0;
+  for (double& x : w) sum += (x = u(rng));
+  std::vector<int64_t> s(E);
+  int64_t used = 0;
+  for (int e = 0; e < E; ++e) used += (s[e] = static_cast<int64_t>(w[e] / sum * rows / 16) * 16);
+  s[E - 1] += rows - used;
   return s;
 }
 

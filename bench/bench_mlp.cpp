@@ -8,7 +8,6 @@
 
 #include <algorithm>
 #include <fstream>
-#include <random>
 
 #include "bench/bench.h"
 #include "moeflow/grouped_mlp.h"
@@ -22,20 +21,6 @@ struct MlpCase {
   int experts;
   int64_t rows, hidden, ffn;
 };
-
-std::vector<int64_t> mlp_split(int E,
-                               int64_t rows) {  // as bench_gemm / peers: uneven, multiples of 16
-  std::mt19937 rng(0);
-  std::uniform_real_distribution<double> u(0.5, 1.5);
-  std::vector<double> w(E);
-  double sum = 0;
-  for (double& x : w) sum += (x = u(rng));
-  std::vector<int64_t> s(E);
-  int64_t used = 0;
-  for (int e = 0; e < E; ++e) used += (s[e] = static_cast<int64_t>(w[e] / sum * rows / 16) * 16);
-  s[E - 1] += rows - used;
-  return s;
-}
 
 }  // namespace
 
@@ -57,7 +42,7 @@ void run_mlp_bench(const MlpBenchOptions& opt) {
     const int64_t E = c.experts, M = c.rows, H = c.hidden, F = c.ffn;
     fmt::print("[{}] E={} rows={} H={} F={} ...\n", c.name, E, M, H, F);
     std::fflush(stdout);
-    const std::vector<int64_t> sizes = mlp_split(c.experts, M);
+    const std::vector<int64_t> sizes = uneven_split(c.experts, M, 0);
     Tensor offs = Tensor::empty({E + 1}, DType::kInt64);
     offs.data_ptr<int64_t>()[0] = 0;
     for (int64_t e = 0; e < E; ++e)
