@@ -71,9 +71,11 @@ void run_dispatch_bench(const DispatchBenchOptions& opt) {
                p.hidden, p.num_experts, p.topk, opt.align);
     std::fflush(stdout);
     auto groups = EpGroup::create_local(devs, eo);
+    const std::vector<int> chunk_counts = {1, 2, 4, 8};  // pipeline pieces per peer
     struct Result {
       double dispatch_ms = 0, combine_ms = 0, a2a_ms = 0, a2a_f32_ms = 0;
       double out_bytes = 0, back_bytes = 0;
+      std::vector<double> sweep_dispatch_ms, sweep_combine_ms;  // per chunk_counts
     };
     std::vector<Result> res(W);
     EpGroup::run_local(groups, [&](int r) {
@@ -89,6 +91,16 @@ void run_dispatch_bench(const DispatchBenchOptions& opt) {
       copy(d.x, y, stream);
       Tensor out = Tensor::empty({T, p.hidden}, DType::kBFloat16, dev);
       Result& rr = res[r];
+      const int default_chunks = g.options().pipeline_chunks;
+      for (int nc : chunk_counts) {
+        g.set_pipeline_chunks(nc);
+        rr.sweep_dispatch_ms.push_back(
+            median_ms([&] { ep_dispatch(g, x, routing.ids, routing.probs, stream); }, stream,
+                      opt.timing.warmup, opt.timing.iters));
+        rr.sweep_combine_ms.push_back(median_ms([&] { ep_combine(g, y, true, out, stream); },
+                                                stream, opt.timing.warmup, opt.timing.iters));
+      }
+      g.set_pipeline_chunks(default_chunks);
       rr.dispatch_ms = median_ms([&] { ep_dispatch(g, x, routing.ids, routing.probs, stream); },
                                  stream, opt.timing.warmup, opt.timing.iters);
       rr.combine_ms = median_ms([&] { ep_combine(g, y, true, out, stream); }, stream,
@@ -141,7 +153,16 @@ void run_dispatch_bench(const DispatchBenchOptions& opt) {
           "combine {:8.1f} us {:7.1f} GB/s out (a2a {:7.1f}, ratio {:.2f})\n",
           r, rr.dispatch_ms * 1e3, d_gbs, a_gbs, d_gbs / a_gbs, rr.combine_ms * 1e3, c_gbs, af_gbs,
           c_gbs / af_gbs);
+      std::string sweep;
+      for (size_t i = 0; i < chunk_counts.size(); ++i)
+        sweep += fmt::format(" {}: {:.0f}/{:.0f} us", chunk_counts[i],
+                             rr.sweep_dispatch_ms[i] * 1e3, rr.sweep_combine_ms[i] * 1e3);
+      fmt::print("          pipeline pieces per peer (dispatch/combine):{}\n", sweep);
       all.push_back({{"preset", name},
+                     {"pipeline_chunks", groups[r]->options().pipeline_chunks},
+                     {"sweep_chunks", chunk_counts},
+                     {"sweep_dispatch_ms", rr.sweep_dispatch_ms},
+                     {"sweep_combine_ms", rr.sweep_combine_ms},
                      {"world", W},
                      {"rank", r},
                      {"tokens", T},

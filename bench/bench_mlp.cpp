@@ -4,6 +4,7 @@
 // shared/BENCHMARKS.md, next to bench/peers_mlp.py (the PyTorch composite,
 // run in the same device command). Reports the step time, TFLOP/s and the
 // bytes of the buffers a step needs beyond its inputs, weights and gradients.
+#include <cuda_runtime.h>
 #include <fmt/format.h>
 
 #include <algorithm>
@@ -57,12 +58,18 @@ void run_mlp_bench(const MlpBenchOptions& opt) {
     for (Tensor* t : {&x, &dy, &w1, &w2})
       fill_bytes(*t, 0x3C, stream);  // ~0.0115: finite, non-zero
     fill_bytes(probs, 0x3C, stream);
+    Tensor dw1 = Tensor::zeros({E, 2 * F, H}, DType::kFloat32, dev),
+           dw2 = Tensor::zeros({E, H, F}, DType::kFloat32, dev);
+    // The step's device memory beyond inputs, weights and their gradients, measured: free memory before its buffers are
+    // allocated minus free memory after forward+backward ran (the library
+    // allocates nothing itself; this would show it if it did).
+    size_t free_before = 0, free_after = 0, total = 0;
+    MOEFLOW_CUDA_CHECK(cudaDeviceSynchronize());
+    MOEFLOW_CUDA_CHECK(cudaMemGetInfo(&free_before, &total));
     Tensor y = Tensor::empty({M, H}, bf, dev), h = Tensor::empty({M, 2 * F}, bf, dev),
            a = Tensor::empty({M, F}, bf, dev);
     Tensor dx = Tensor::empty({M, H}, bf, dev), d_h = Tensor::empty({M, 2 * F}, bf, dev);
     Tensor dprobs = Tensor::empty({M}, DType::kFloat32, dev);
-    Tensor dw1 = Tensor::zeros({E, 2 * F, H}, DType::kFloat32, dev),
-           dw2 = Tensor::zeros({E, H, F}, DType::kFloat32, dev);
     GroupedMlpWeights w{w1, w2, {}, {}};
     GroupedMlpConfig cfg;
     const GroupedMlpSaved saved{h, a};
@@ -82,20 +89,24 @@ void run_mlp_bench(const MlpBenchOptions& opt) {
           bwd();
         },
         t);
+    MOEFLOW_CUDA_CHECK(cudaDeviceSynchronize());
+    MOEFLOW_CUDA_CHECK(cudaMemGetInfo(&free_after, &total));
+    const double held = static_cast<double>(free_before) - static_cast<double>(free_after);
     const double flops = 3.0 * 2.0 * M * H * 3.0 * F;
     const double extra = static_cast<double>(y.nbytes() + h.nbytes() + a.nbytes() + d_h.nbytes() +
                                              dx.nbytes() + dprobs.nbytes());
     fmt::print(
         "    forward {:9.1f} us | forward+backward {:9.1f} us ({:6.1f} TFLOP/s) | step buffers "
-        "{:8.0f} MiB "
-        "(y, h, a, d_h, dx, dprobs)\n",
-        fwd_us, step_us, flops / step_us / 1e6, extra / (1 << 20));
+        "{:8.0f} MiB (y, h, a, d_h, dx, dprobs; device memory the step held, measured: {:.0f} "
+        "MiB)\n",
+        fwd_us, step_us, flops / step_us / 1e6, extra / (1 << 20), held / (1 << 20));
     std::fflush(stdout);
     rows.push_back({{"case", c.name},
                     {"forward_us", fwd_us},
                     {"fwd_bwd_us", step_us},
                     {"TFLOPs", flops / step_us / 1e6},
-                    {"step_buffers_MiB", extra / (1 << 20)}});
+                    {"step_buffers_MiB", extra / (1 << 20)},
+                    {"step_device_memory_MiB", held / (1 << 20)}});
   }
   if (!opt.json_path.empty()) {
     std::ofstream f(opt.json_path);

@@ -24,6 +24,7 @@ struct Round {
   std::vector<int64_t> tokens;  // T per rank
   bool one_rank = false;        // every slot to the experts of rank W-1
   bool tag_tokens = false;      // float32 x with x[t][0] = rank, x[t][1] = t
+  int chunks = 4;               // pipeline pieces per peer (EpOptions::pipeline_chunks)
 };
 
 bool same_bytes(const void* a, const void* b, size_t n) {
@@ -56,7 +57,9 @@ void run_rounds(int W, const std::vector<Round>& rounds, int64_t capacity_rows =
     for (const Round& rd : rounds) {
       if (rd.tag_tokens && dt != DType::kFloat32) continue;
       SCOPED_TRACE("W=" + std::to_string(W) + " " + dtype_name(dt) +
-                   " T0=" + std::to_string(rd.tokens[0]) + (rd.one_rank ? " one-rank" : ""));
+                   " T0=" + std::to_string(rd.tokens[0]) + (rd.one_rank ? " one-rank" : "") +
+                   " pieces=" + std::to_string(rd.chunks));
+      for (auto& g : groups) g->set_pipeline_chunks(rd.chunks);
       std::vector<RankInput> in(W);
       for (int r = 0; r < W; ++r) {
         const int64_t T = rd.tokens[r];
@@ -190,7 +193,13 @@ TEST(MultiGpuEp, MatchesReference) {
   }
   one_rank.one_rank = true;
   tagged.tag_tokens = true;
-  run_rounds(W, {uneven, empty_rank, one_rank, tagged});
+  // pieces per peer: one transfer, more pieces than some peers have rows, odd
+  empty_rank.chunks = 1;
+  one_rank.chunks = 16;
+  tagged.chunks = 3;
+  Round uneven_pieces = uneven;
+  uneven_pieces.chunks = 7;
+  run_rounds(W, {uneven, empty_rank, one_rank, tagged, uneven_pieces});
 }
 
 TEST(MultiGpuEp, OverflowIsCountedNotWritten) {

@@ -16,15 +16,27 @@ const Device kGpu = Device::cuda(0);
 
 #define CUBLAS_OK(x) ASSERT_EQ((x), CUBLAS_STATUS_SUCCESS)
 
-// Every test runs twice: the default path (wgmma on Hopper for the forward)
-// and the portable mma.sync path.
-class GpuGemm : public ::testing::TestWithParam<cuda::GemmPath> {
+// Every test runs on each kernel path: the default (the TMA kernel on Hopper),
+// the TMA kernel with its consumer warpgroups staggered by 3 K slices, the
+// cp.async wgmma kernels, the masked-store epilogue and the portable mma.sync.
+struct PathCase {
+  cuda::GemmPath path;
+  int stagger;  // -1: the default
+  const char* name;
+};
+class GpuGemm : public ::testing::TestWithParam<PathCase> {
  protected:
   void SetUp() override {
     ASSERT_GT(cuda_device_count(), 0) << "GPU tests need a CUDA device";
-    cuda::set_gemm_path(GetParam());
+    cuda::set_gemm_path(GetParam().path);
+    cuda::TmaTuning t;
+    t.stagger = GetParam().stagger;
+    cuda::set_tma_tuning(t);
   }
-  void TearDown() override { cuda::set_gemm_path(cuda::GemmPath::kAuto); }
+  void TearDown() override {
+    cuda::set_gemm_path(cuda::GemmPath::kAuto);
+    cuda::set_tma_tuning({});
+  }
 };
 
 double rel_error(const Tensor& got, const Tensor& want) {
@@ -371,19 +383,15 @@ TEST_P(GpuGemm, BadOffsetsAreFlaggedAndClamped) {
   EXPECT_LE(rel_error(got, ref), gemm_tolerance(DType::kFloat32));
 }
 
-INSTANTIATE_TEST_SUITE_P(Paths, GpuGemm,
-                         ::testing::Values(cuda::GemmPath::kAuto, cuda::GemmPath::kSm90CpAsync,
-                                           cuda::GemmPath::kSm90Narrow, cuda::GemmPath::kPortable,
-                                           cuda::GemmPath::kTmaDirectStore),
-                         [](const auto& info) {
-                           switch (info.param) {
-                             case cuda::GemmPath::kAuto: return "Auto";
-                             case cuda::GemmPath::kSm90Narrow: return "Sm90Narrow";
-                             case cuda::GemmPath::kSm90CpAsync: return "Sm90CpAsync";
-                             case cuda::GemmPath::kTmaDirectStore: return "TmaDirectStore";
-                             default: return "Portable";
-                           }
-                         });
+INSTANTIATE_TEST_SUITE_P(
+    Paths, GpuGemm,
+    ::testing::Values(PathCase{cuda::GemmPath::kAuto, -1, "Auto"},
+                      PathCase{cuda::GemmPath::kAuto, 3, "TmaStaggered"},
+                      PathCase{cuda::GemmPath::kSm90CpAsync, -1, "Sm90CpAsync"},
+                      PathCase{cuda::GemmPath::kSm90Narrow, -1, "Sm90Narrow"},
+                      PathCase{cuda::GemmPath::kPortable, -1, "Portable"},
+                      PathCase{cuda::GemmPath::kTmaDirectStore, -1, "TmaDirectStore"}),
+    [](const auto& info) { return std::string(info.param.name); });
 
 }  // namespace
 }  // namespace moeflow::test

@@ -18,6 +18,9 @@
 // this is the one host synchronisation of the path, so dispatch is not
 // CUDA-graph capturable; the nvlink backend removes it), then grouped
 // ncclSend/ncclRecv move exact row ranges. Works over any NCCL transport.
+// The transfers run on an internal stream of the group, in pieces, so that
+// packing, permuting and the combine's partial sums overlap them; every
+// function returns with all its work ordered before later work on `stream`.
 // Token counts may differ per rank (including 0) up to max_tokens_per_rank,
 // with no extra all-reduce.
 //
@@ -46,6 +49,10 @@ struct EpOptions {
   int align = 16;                   // receive segments padded to this many rows
   int64_t max_tokens_per_rank = 0;  // bound on T of every rank (sizes all buffers)
   int64_t capacity_rows = -1;       // receive rows; -1: the worst case (ep_reference)
+  // Token rows (dispatch) and partial rows (combine) cross in this many pieces
+  // per peer (1..16), so that the receiver's permute and the sender's
+  // unpermute run while the rest is in flight; 1 = one transfer.
+  int pipeline_chunks = 4;
 };
 
 class EpGroup {
@@ -75,6 +82,8 @@ class EpGroup {
   Device device() const;
   int64_t capacity_rows() const;
   const EpOptions& options() const;
+  // Changes options().pipeline_chunks (every rank must use the same value).
+  void set_pipeline_chunks(int chunks);
   ncclComm* nccl_comm() const;
   // Rows of the last dispatch sent to / received from each rank (host values).
   const std::vector<int64_t>& last_send_rows() const;

@@ -88,7 +88,8 @@ void set_gemm_path(GemmPath path);
 struct TmaTuning {
   int stages = 0;
   int bufs = 0;
-  int raster = 0;  // m tiles per raster band (all kernels)
+  int raster = 0;    // m tiles per raster band (all kernels)
+  int stagger = -1;  // K slices consumer warpgroup 1 lags consumer 0 (TMA kernel); -1 = default
 };
 void set_tma_tuning(TmaTuning tuning);
 size_t plan_workspace_bytes(int64_t num_tokens, int topk, const PlanConfig& config);
@@ -100,6 +101,17 @@ void unpermute(TensorView y, const RoutingPlan& plan, TensorView out, TensorView
                TensorView row_vals, TensorView slot_vals, cudaStream_t stream);
 void unpermute_backward(TensorView dout, const RoutingPlan& plan, TensorView y_fwd,
                         TensorView probs, TensorView dy, TensorView dprobs, cudaStream_t stream);
+// Pieces of permute / unpermute for pipelines (expert-parallel dispatch):
+// permute_tokens moves plan tokens [first_token, first_token + count), whose
+// rows are x_rows[0, count) (dest_row and probs stay indexed by plan token),
+// and zeroes the pad rows when pad_rows; unpermute_tokens writes out rows
+// [first_token, first_token + count) only. Arguments are trusted (internal).
+void permute_tokens(TensorView x_rows, int64_t first_token, int64_t count, bool pad_rows,
+                    const RoutingPlan& plan, TensorView y, const PermuteExtras& extras,
+                    cudaStream_t stream);
+void unpermute_tokens(TensorView y, const RoutingPlan& plan, int64_t first_token, int64_t count,
+                      TensorView out, TensorView weights, TensorView row_vals,
+                      TensorView slot_vals, cudaStream_t stream);
 }  // namespace cuda
 
 }  // namespace moeflow

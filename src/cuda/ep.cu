@@ -8,22 +8,34 @@
 //      that destination (-1 for slots elsewhere) and probs, into the send
 //      buffers; each token crosses to a rank once;
 //   3. per-destination counts through grouped ncclSend/ncclRecv, copied to the
-//      host (the one host synchronisation), then grouped ncclSend/ncclRecv of
-//      the exact row ranges (tokens, ids, probs);
+//      host (the one host synchronisation; the pack runs meanwhile), then
+//      grouped ncclSend/ncclRecv of the exact row ranges: ids and probs
+//      first, then the token rows in `pipeline_chunks` pieces per peer;
 //   4. the received rows (source rank ascending, then token) are a routing
-//      problem over the local experts: build_plan + permute (with probs) give
-//      the expert-major padded layout, in (source rank, token, k) order.
+//      problem over the local experts: build_plan over the received ids runs
+//      while the token rows travel; the rank's own rows are permuted straight
+//      from the send buffer (they never go through NCCL), each peer's piece as
+//      soon as it has arrived: the expert-major padded layout, in (source
+//      rank, token, k) order.
 // combine: unpermute of the expert outputs into one float32 partial per
-// received token (slots ascending, weighted by the received probs), partials
-// sent back with the same row ranges reversed, and one kernel adds each
+// received token (slots ascending, weighted by the received probs), piece by
+// piece, each piece sent back as soon as it is summed (same row ranges
+// reversed); the rank's own partials stay in place; one kernel adds each
 // token's partials in ascending rank order.
+//
+// Streams: NCCL runs on the group's internal stream, the kernels on the
+// caller's; events order the two both ways, and every function ends with the
+// caller's stream waiting for the internal one.
 #include <nccl.h>
 
+#include <algorithm>
 #include <cub/device/device_scan.cuh>
 #include <exception>
+#include <type_traits>
 #include <mutex>
 #include <thread>
 
+#include "core/backends.h"
 #include "core/internal.h"
 #include "cuda/common.cuh"
 #include "moeflow/dispatch.h"
@@ -41,6 +53,9 @@ namespace moeflow {
 using detail::Expect;
 
 namespace {
+
+constexpr int kMaxWorld = 64;  // ranks per group (combine keeps one pointer per rank)
+constexpr int kMaxChunks = 16;
 
 // flags[q*T + t] = 1 when token t has a valid slot on rank q; invalid ids
 // (outside [-1, E)) are counted and ignored.
@@ -128,22 +143,48 @@ __global__ void ep_dprobs_kernel(const float* back, const int32_t* send_ids, int
 }
 
 // out[t] = partials of t added in ascending rank order (first taken as is).
-template <typename TOut>
-__global__ void ep_combine_kernel(const float* back, int64_t H, int64_t T, int W,
+// The partial of rank q sits in back[pos[q,t]], or for this rank (self) in
+// partial[pos[self,t] + self_shift]; N floats per access.
+template <typename TOut, int N>
+__global__ void ep_combine_kernel(const float* back, const float* partial, int self,
+                                  int64_t self_shift, int64_t H, int64_t T, int W,
                                   const int32_t* flags, const int32_t* pos, TOut* out,
                                   int64_t out_stride) {
   const int64_t t = blockIdx.x;
-  for (int64_t h = threadIdx.x; h < H; h += blockDim.x) {
-    float acc = 0.0f;
-    bool first = true;
+  __shared__ const float* src[kMaxWorld];
+  __shared__ int count;
+  if (threadIdx.x == 0) {
+    int n = 0;
     for (int q = 0; q < W; ++q) {
       if (!flags[q * T + t]) continue;
-      const float v = back[int64_t{pos[q * T + t]} * H + h];
-      acc = first ? v : acc + v;
-      first = false;
+      const int64_t row = pos[q * T + t];
+      src[n++] = q == self ? partial + (row + self_shift) * H : back + row * H;
     }
-    out[t * out_stride + h] = cuda::from_float<TOut>(acc);
+    count = n;
   }
+  __syncthreads();
+  const int n = count;
+  using In = cuda::Pack<float, N>;
+  using Out = cuda::Pack<TOut, N>;
+  for (int64_t v = threadIdx.x; v < H / N; v += blockDim.x) {
+    In acc;
+#pragma unroll
+    for (int j = 0; j < N; ++j) acc.v[j] = 0.0f;
+    for (int i = 0; i < n; ++i) {
+      const In p = reinterpret_cast<const In*>(src[i])[v];
+#pragma unroll
+      for (int j = 0; j < N; ++j) acc.v[j] = i == 0 ? p.v[j] : acc.v[j] + p.v[j];
+    }
+    Out o;
+#pragma unroll
+    for (int j = 0; j < N; ++j) o.v[j] = cuda::from_float<TOut>(acc.v[j]);
+    reinterpret_cast<Out*>(out + t * out_stride)[v] = o;
+  }
+}
+
+// Rows [begin, end) of piece c of n rows split in C pieces (same on both sides).
+int64_t piece_begin(int64_t n, int c, int C) {
+  return n * c / C;
 }
 
 int64_t addr(const void* p) {
@@ -170,9 +211,27 @@ struct EpGroup::Impl {
   int64_t T = 0, received = 0;
   std::vector<int64_t> send_off, send_cnt, recv_off, recv_cnt;
 
+  // NCCL runs on `comm_stream`; events order it with the caller's stream.
+  cudaStream_t comm_stream = nullptr;
+  cudaEvent_t ev_start = nullptr, ev_host = nullptr, ev_packed = nullptr, ev_meta = nullptr,
+              ev_done = nullptr;
+  cudaEvent_t ev_piece[kMaxChunks] = {};
+
   ~Impl() {
+    for (cudaEvent_t e : {ev_start, ev_host, ev_packed, ev_meta, ev_done})
+      if (e) cudaEventDestroy(e);
+    for (cudaEvent_t e : ev_piece)
+      if (e) cudaEventDestroy(e);
+    if (comm_stream) cudaStreamDestroy(comm_stream);
     if (host) cudaFreeHost(host);
     if (owns_comm && comm) ncclCommDestroy(comm);
+  }
+
+  int chunks() const { return std::clamp(opt.pipeline_chunks, 1, kMaxChunks); }
+  // `waiter` waits for the work issued so far on `from`.
+  static void order(cudaEvent_t ev, cudaStream_t from, cudaStream_t waiter) {
+    MOEFLOW_CUDA_CHECK(cudaEventRecord(ev, from));
+    MOEFLOW_CUDA_CHECK(cudaStreamWaitEvent(waiter, ev, 0));
   }
 
   void init(ncclComm_t c, bool owns, const EpOptions& o) {
@@ -187,6 +246,9 @@ struct EpGroup::Impl {
                   o.num_experts);
     MOEFLOW_CHECK(o.topk >= 1 && o.topk <= 32, "topk must be in [1, 32], got ", o.topk);
     MOEFLOW_CHECK(o.hidden > 0, "hidden must be > 0, got ", o.hidden);
+    MOEFLOW_CHECK(world <= kMaxWorld, "at most ", kMaxWorld, " ranks per group, got ", world);
+    MOEFLOW_CHECK(o.pipeline_chunks >= 1 && o.pipeline_chunks <= kMaxChunks,
+                  "pipeline_chunks must be in [1, ", kMaxChunks, "], got ", o.pipeline_chunks);
     MOEFLOW_CHECK(o.max_tokens_per_rank >= 0, "max_tokens_per_rank must be >= 0, got ",
                   o.max_tokens_per_rank);
     MOEFLOW_CHECK(
@@ -230,6 +292,33 @@ struct EpGroup::Impl {
     back = Tensor::empty({send_max, H}, DType::kFloat32, dev);
     recv_dprobs = Tensor::empty({rows_max, K}, DType::kFloat32, dev);
     back_dprobs = Tensor::empty({send_max, K}, DType::kFloat32, dev);
+    MOEFLOW_CUDA_CHECK(cudaStreamCreateWithFlags(&comm_stream, cudaStreamNonBlocking));
+    for (cudaEvent_t* e : {&ev_start, &ev_host, &ev_packed, &ev_meta, &ev_done})
+      MOEFLOW_CUDA_CHECK(cudaEventCreateWithFlags(e, cudaEventDisableTiming));
+    for (cudaEvent_t& e : ev_piece)
+      MOEFLOW_CUDA_CHECK(cudaEventCreateWithFlags(&e, cudaEventDisableTiming));
+  }
+
+  // Grouped send/recv of piece c (of chunks()) of the per-peer row ranges,
+  // peers only (no self transfer).
+  void exchange_piece(int c, const uint8_t* send, int64_t send_row_bytes,
+                      const std::vector<int64_t>& s_off, const std::vector<int64_t>& s_cnt,
+                      uint8_t* recv, int64_t recv_row_bytes, const std::vector<int64_t>& r_off,
+                      const std::vector<int64_t>& r_cnt, cudaStream_t stream) {
+    const int C = chunks();
+    MOEFLOW_NCCL_CHECK(ncclGroupStart());
+    for (int q = 0; q < world; ++q) {
+      if (q == rank) continue;
+      const int64_t sb = piece_begin(s_cnt[q], c, C), se = piece_begin(s_cnt[q], c + 1, C);
+      const int64_t rb = piece_begin(r_cnt[q], c, C), re = piece_begin(r_cnt[q], c + 1, C);
+      if (se > sb)
+        MOEFLOW_NCCL_CHECK(ncclSend(send + (s_off[q] + sb) * send_row_bytes,
+                                    (se - sb) * send_row_bytes, ncclUint8, q, comm, stream));
+      if (re > rb)
+        MOEFLOW_NCCL_CHECK(ncclRecv(recv + (r_off[q] + rb) * recv_row_bytes,
+                                    (re - rb) * recv_row_bytes, ncclUint8, q, comm, stream));
+    }
+    MOEFLOW_NCCL_CHECK(ncclGroupEnd());
   }
 
   // Grouped send/recv of per-peer row ranges of two buffers (bytes per row).
@@ -269,6 +358,11 @@ int64_t EpGroup::capacity_rows() const {
 }
 const EpOptions& EpGroup::options() const {
   return impl_->opt;
+}
+void EpGroup::set_pipeline_chunks(int chunks) {
+  MOEFLOW_CHECK(chunks >= 1 && chunks <= kMaxChunks, "pipeline_chunks must be in [1, ", kMaxChunks,
+                "], got ", chunks);
+  impl_->opt.pipeline_chunks = chunks;
 }
 ncclComm* EpGroup::nccl_comm() const {
   return impl_->comm;
@@ -389,6 +483,21 @@ EpDispatchResult ep_dispatch(EpGroup& group, TensorView x, TensorView ids, Tenso
   int32_t* counts = g.counts.data_ptr<int32_t>();
   ep_counts_kernel<<<1, 32 * ((W + 31) / 32), 0, stream>>>(pos, T, W, counts);
   MOEFLOW_CUDA_LAUNCH_CHECK();
+  // Counts: send counts to each peer, receive theirs (the one host sync), on
+  // the NCCL stream while the pack runs on the caller's.
+  cudaStream_t cs = g.comm_stream;
+  EpGroup::Impl::order(g.ev_start, stream, cs);
+  MOEFLOW_NCCL_CHECK(ncclGroupStart());
+  for (int q = 0; q < W; ++q) {
+    MOEFLOW_NCCL_CHECK(ncclSend(counts + q, 1, ncclInt32, q, g.comm, cs));
+    MOEFLOW_NCCL_CHECK(ncclRecv(counts + W + q, 1, ncclInt32, q, g.comm, cs));
+  }
+  MOEFLOW_NCCL_CHECK(ncclGroupEnd());
+  MOEFLOW_CUDA_CHECK(
+      cudaMemcpyAsync(g.host, counts, sizeof(int32_t) * 2 * W, cudaMemcpyDeviceToHost, cs));
+  MOEFLOW_CUDA_CHECK(cudaMemcpyAsync(g.host + 2 * W, g.invalid.data(), sizeof(int32_t),
+                                     cudaMemcpyDeviceToHost, cs));
+  MOEFLOW_CUDA_CHECK(cudaEventRecord(g.ev_host, cs));
   if (T > 0) {
     const int64_t warps = W * T;
     const unsigned blocks = static_cast<unsigned>((warps * cuda::kWarpSize + 255) / 256);
@@ -408,18 +517,7 @@ EpDispatchResult ep_dispatch(EpGroup& group, TensorView x, TensorView ids, Tenso
           g.send_probs.data_ptr<float>());
     MOEFLOW_CUDA_LAUNCH_CHECK();
   }
-  // Counts: send counts to each peer, receive theirs (the one host sync).
-  MOEFLOW_NCCL_CHECK(ncclGroupStart());
-  for (int q = 0; q < W; ++q) {
-    MOEFLOW_NCCL_CHECK(ncclSend(counts + q, 1, ncclInt32, q, g.comm, stream));
-    MOEFLOW_NCCL_CHECK(ncclRecv(counts + W + q, 1, ncclInt32, q, g.comm, stream));
-  }
-  MOEFLOW_NCCL_CHECK(ncclGroupEnd());
-  MOEFLOW_CUDA_CHECK(
-      cudaMemcpyAsync(g.host, counts, sizeof(int32_t) * 2 * W, cudaMemcpyDeviceToHost, stream));
-  MOEFLOW_CUDA_CHECK(cudaMemcpyAsync(g.host + 2 * W, g.invalid.data(), sizeof(int32_t),
-                                     cudaMemcpyDeviceToHost, stream));
-  MOEFLOW_CUDA_CHECK(cudaStreamSynchronize(stream));
+  MOEFLOW_CUDA_CHECK(cudaEventSynchronize(g.ev_host));
   g.send_off.assign(W, 0);
   g.send_cnt.assign(W, 0);
   g.recv_off.assign(W, 0);
@@ -434,23 +532,51 @@ EpDispatchResult ep_dispatch(EpGroup& group, TensorView x, TensorView ids, Tenso
     ro += g.host[W + q];
   }
   g.received = ro;
+  // The routing metadata first (self included: the plan is built over all
+  // received rows), then the token rows piece by piece (peers only).
+  EpGroup::Impl::order(g.ev_packed, stream, cs);
   // Rows past the received ones stay unrouted (-1) for the plan.
-  MOEFLOW_CUDA_CHECK(cudaMemsetAsync(g.recv_ids.data(), 0xFF, g.recv_ids.nbytes(), stream));
+  MOEFLOW_CUDA_CHECK(cudaMemsetAsync(g.recv_ids.data(), 0xFF, g.recv_ids.nbytes(), cs));
   const int64_t idb = int64_t{K} * 4;
   MOEFLOW_NCCL_CHECK(ncclGroupStart());
-  g.exchange(static_cast<const uint8_t*>(g.send_x.data()), g.row_bytes, g.send_off, g.send_cnt,
-             static_cast<uint8_t*>(g.recv_x.data()), g.row_bytes, g.recv_off, g.recv_cnt, stream);
   g.exchange(static_cast<const uint8_t*>(g.send_ids.data()), idb, g.send_off, g.send_cnt,
-             static_cast<uint8_t*>(g.recv_ids.data()), idb, g.recv_off, g.recv_cnt, stream);
+             static_cast<uint8_t*>(g.recv_ids.data()), idb, g.recv_off, g.recv_cnt, cs);
   g.exchange(static_cast<const uint8_t*>(g.send_probs.data()), idb, g.send_off, g.send_cnt,
-             static_cast<uint8_t*>(g.recv_probs.data()), idb, g.recv_off, g.recv_cnt, stream);
+             static_cast<uint8_t*>(g.recv_probs.data()), idb, g.recv_off, g.recv_cnt, cs);
   MOEFLOW_NCCL_CHECK(ncclGroupEnd());
+  MOEFLOW_CUDA_CHECK(cudaEventRecord(g.ev_meta, cs));
+  const int C = g.chunks();
+  for (int c = 0; c < C; ++c) {
+    g.exchange_piece(c, static_cast<const uint8_t*>(g.send_x.data()), g.row_bytes, g.send_off,
+                     g.send_cnt, static_cast<uint8_t*>(g.recv_x.data()), g.row_bytes, g.recv_off,
+                     g.recv_cnt, cs);
+    MOEFLOW_CUDA_CHECK(cudaEventRecord(g.ev_piece[c], cs));
+  }
   // Unpack + permute + pad: the received rows routed over the local experts.
+  MOEFLOW_CUDA_CHECK(cudaStreamWaitEvent(stream, g.ev_meta, 0));
   build_plan(g.recv_ids, g.plan, g.plan_ws, stream);
   PermuteExtras extras;
   extras.probs = g.recv_probs;
   extras.permuted_probs = g.out_probs;
-  permute(g.recv_x, g.plan, g.out_x, extras, stream);
+  const int64_t H = g.opt.hidden;
+  auto rows_of = [&](Tensor& buf, int64_t first, int64_t n) {
+    return TensorView::strided(static_cast<uint8_t*>(buf.data()) + first * g.row_bytes,
+                               g.opt.dtype, dev, {n, H}, {H, 1});
+  };
+  const int me = g.rank;
+  // own rows straight from the send buffer, with the pad rows
+  cuda::permute_tokens(rows_of(g.send_x, g.send_off[me], g.send_cnt[me]), g.recv_off[me],
+                       g.recv_cnt[me], true, g.plan, g.out_x, extras, stream);
+  for (int c = 0; c < C; ++c) {
+    MOEFLOW_CUDA_CHECK(cudaStreamWaitEvent(stream, g.ev_piece[c], 0));
+    for (int q = 0; q < W; ++q) {
+      if (q == me) continue;
+      const int64_t b = piece_begin(g.recv_cnt[q], c, C), e = piece_begin(g.recv_cnt[q], c + 1, C);
+      if (e > b)
+        cuda::permute_tokens(rows_of(g.recv_x, g.recv_off[q] + b, e - b), g.recv_off[q] + b,
+                             e - b, false, g.plan, g.out_x, extras, stream);
+    }
+  }
   MOEFLOW_CHECK(g.host[2 * W] == 0, "ids: ", g.host[2 * W], " routing entries outside [-1, ", E,
                 ") on rank ", g.rank, " (treated as unrouted; the dispatch completed)");
   return EpDispatchResult{g.out_x, g.out_probs, &g.plan, g.received};
@@ -468,34 +594,56 @@ void combine_impl(EpGroup::Impl& g, TensorView y, bool weighted, TensorView out,
       out, "out",
       Expect{{DType::kFloat32, DType::kFloat16, DType::kBFloat16}, {g.T, g.opt.hidden}, dev});
   MOEFLOW_CHECK(out.strides[1] == 1, "out rows must be contiguous (stride(1) == 1)");
-  const int W = g.world;
+  const int W = g.world, me = g.rank, C = g.chunks();
   const int64_t H = g.opt.hidden;
-  unpermute(y, g.plan, g.partial, weighted ? TensorView(g.recv_probs) : TensorView{}, stream);
-  // Partials go back along the dispatch's row ranges, reversed.
-  const int64_t pb = H * 4;
-  MOEFLOW_NCCL_CHECK(ncclGroupStart());
-  g.exchange(static_cast<const uint8_t*>(g.partial.data()), pb, g.recv_off, g.recv_cnt,
-             static_cast<uint8_t*>(g.back.data()), pb, g.send_off, g.send_cnt, stream);
-  MOEFLOW_NCCL_CHECK(ncclGroupEnd());
+  const TensorView weights = weighted ? TensorView(g.recv_probs) : TensorView{};
+  cudaStream_t cs = g.comm_stream;
+  // Each piece of the peers' rows is summed, then sent back while the next
+  // is summed; this rank's own partials are summed last and stay in place.
+  for (int c = 0; c < C; ++c) {
+    for (int q = 0; q < W; ++q) {
+      if (q == me) continue;
+      const int64_t b = piece_begin(g.recv_cnt[q], c, C), e = piece_begin(g.recv_cnt[q], c + 1, C);
+      cuda::unpermute_tokens(y, g.plan, g.recv_off[q] + b, e - b, g.partial, weights, {}, {},
+                             stream);
+    }
+    EpGroup::Impl::order(g.ev_piece[c], stream, cs);
+    const int64_t pb = H * 4;
+    g.exchange_piece(c, static_cast<const uint8_t*>(g.partial.data()), pb, g.recv_off, g.recv_cnt,
+                     static_cast<uint8_t*>(g.back.data()), pb, g.send_off, g.send_cnt, cs);
+  }
+  cuda::unpermute_tokens(y, g.plan, g.recv_off[me], g.recv_cnt[me], g.partial, weights, {}, {},
+                         stream);
+  EpGroup::Impl::order(g.ev_done, cs, stream);
   if (g.T == 0) return;
   const unsigned blocks = static_cast<unsigned>(g.T);
-  const int threads = static_cast<int>(std::min<int64_t>(256, (H + 31) / 32 * 32));
   const float* back = g.back.data_ptr<float>();
+  const float* partial = g.partial.data_ptr<float>();
+  const int64_t shift = g.recv_off[me] - g.send_off[me];
+  const bool vec4 = H % 4 == 0 && addr(out.data) % (4 * dtype_size(out.dtype)) == 0 &&
+                    out.strides[0] % 4 == 0;
+  const int64_t per = vec4 ? H / 4 : H;
+  const int threads = static_cast<int>(std::min<int64_t>(256, (per + 31) / 32 * 32));
+  const int32_t* fl = g.flags.data_ptr<int32_t>();
+  const int32_t* ps = g.pos.data_ptr<int32_t>();
+  auto launch = [&](auto* o) {
+    using TOut = std::remove_pointer_t<decltype(o)>;
+    if (vec4)
+      ep_combine_kernel<TOut, 4><<<blocks, threads, 0, stream>>>(
+          back, partial, me, shift, H, g.T, W, fl, ps, o, out.strides[0]);
+    else
+      ep_combine_kernel<TOut, 1><<<blocks, threads, 0, stream>>>(
+          back, partial, me, shift, H, g.T, W, fl, ps, o, out.strides[0]);
+  };
   switch (out.dtype) {
     case DType::kFloat32:
-      ep_combine_kernel<<<blocks, threads, 0, stream>>>(
-          back, H, g.T, W, g.flags.data_ptr<int32_t>(), g.pos.data_ptr<int32_t>(),
-          out.data_ptr<float>(), out.strides[0]);
+      launch(out.data_ptr<float>());
       break;
     case DType::kFloat16:
-      ep_combine_kernel<<<blocks, threads, 0, stream>>>(
-          back, H, g.T, W, g.flags.data_ptr<int32_t>(), g.pos.data_ptr<int32_t>(),
-          out.data_ptr<__half>(), out.strides[0]);
+      launch(out.data_ptr<__half>());
       break;
     default:
-      ep_combine_kernel<<<blocks, threads, 0, stream>>>(
-          back, H, g.T, W, g.flags.data_ptr<int32_t>(), g.pos.data_ptr<int32_t>(),
-          out.data_ptr<__nv_bfloat16>(), out.strides[0]);
+      launch(out.data_ptr<__nv_bfloat16>());
   }
   MOEFLOW_CUDA_LAUNCH_CHECK();
 }

@@ -19,16 +19,21 @@ static std::atomic<GemmPath> g_gemm_path{GemmPath::kAuto};
 void set_gemm_path(GemmPath path) {
   g_gemm_path = path;
 }
-static std::atomic<int> g_tune_stages{0}, g_tune_bufs{0}, g_tune_raster{0};
+static std::atomic<int> g_tune_stages{0}, g_tune_bufs{0}, g_tune_raster{0}, g_tune_stagger{-1};
 void set_tma_tuning(TmaTuning tuning) {
   g_tune_stages = tuning.stages;
   g_tune_bufs = tuning.bufs;
   g_tune_raster = tuning.raster;
+  g_tune_stagger = tuning.stagger;
 }
 
 namespace {
 
 using gemm::Params;
+
+// K slices by which consumer warpgroup 1 of the TMA kernel trails consumer 0
+// (0 = lockstep); measured with `moeflow bench gemm --tune`.
+constexpr int kDefaultStagger = 1;
 
 // The wgmma path needs a Hopper GPU and sm_90a code in this build.
 bool use_sm90() {
@@ -180,8 +185,11 @@ bool launch_tma(const Params& p, cudaStream_t stream, const Epi& epi = {}) {
   if (smem > limit) return false;
   MOEFLOW_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                           static_cast<int>(smem)));
+  // Consumer 1 lags consumer 0 by this many K slices (at most stages - 1).
+  const int want_stagger = g_tune_stagger.load();
+  const int stagger = std::min(want_stagger >= 0 ? want_stagger : kDefaultStagger, stages - 1);
   kernel<<<sm_count(), t::kThreads, smem, stream>>>(p, map_a, map_w, map_c, map_raw, stages, bufs,
-                                                    kind, epi);
+                                                    stagger, kind, epi);
   MOEFLOW_CUDA_LAUNCH_CHECK();
   return true;
 }

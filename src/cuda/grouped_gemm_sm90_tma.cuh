@@ -48,10 +48,11 @@ constexpr int kChunkBytes = 64 * 128;  // one staging buffer: 64 rows x 128 byte
 constexpr int kMaxBufs = 5;            // staging buffers per consumer warpgroup: 2..5
 
 struct Smem {
-  // stages (1024-aligned) | staging (2 x bufs chunks) | full[] | empty[] | tile_start[E+1]
+  // stages (1024-aligned) | staging (2 x bufs chunks) | full[] | empty[] | go |
+  // zeroed[] | claim[] + broadcast[2] | tile_start[E+1]
   static size_t bytes(int stages, int bufs, int num_groups) {
     return 1024 + size_t(stages) * kStageBytes + size_t(2 * bufs) * kChunkBytes +
-           2 * kMaxStages * 8 + size_t(num_groups + 1) * 4;
+           (3 * kMaxStages + 1) * 8 + (kMaxStages + 2) * 4 + size_t(num_groups + 1) * 4;
   }
 };
 
@@ -163,10 +164,10 @@ __device__ __forceinline__ uint64_t smem_desc_mn(const void* p) {
 
 // Zeroes reduction rows [from, 64) of `blocks` consecutive 64 x 64 MN-major
 // blocks (8 KB each) of a slice; whole 128-byte rows, so the swizzle does not
-// matter. Run by the 256 consumer threads.
+// matter. Run by the 128 threads of one consumer warpgroup.
 __device__ __forceinline__ void zero_slice_rows(uint8_t* base, int blocks, int from, int tid) {
   const int rows = 64 - from;
-  for (int i = tid; i < blocks * rows * 8; i += 256) {
+  for (int i = tid; i < blocks * rows * 8; i += 128) {
     const int blk = i / (rows * 8), r = from + (i / 8) % rows, chunk = i % 8;
     *reinterpret_cast<uint4*>(base + blk * 8192 + r * 128 + chunk * 16) = make_uint4(0, 0, 0, 0);
   }
@@ -188,7 +189,7 @@ __global__ void __launch_bounds__(kThreads, 1)
                             const __grid_constant__ CUtensorMap map_w,
                             const __grid_constant__ CUtensorMap map_c,
                             const __grid_constant__ CUtensorMap map_raw, int stages, int bufs,
-                            StoreKind store_kind, Epi epi) {
+                            int stagger, StoreKind store_kind, Epi epi) {
 #if defined(__CUDA_ARCH__) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
   extern __shared__ uint8_t smem_raw[];
   uint8_t* smem =
@@ -196,12 +197,22 @@ __global__ void __launch_bounds__(kThreads, 1)
   uint8_t* staging = smem + stages * kStageBytes;  // 1024-aligned
   uint64_t* full = reinterpret_cast<uint64_t*>(staging + 2 * bufs * kChunkBytes);
   uint64_t* empty = full + kMaxStages;
-  int32_t* tile_start = reinterpret_cast<int32_t*>(empty + kMaxStages);
+  uint64_t* go = empty + kMaxStages;  // consumer 1 starts after consumer 0's first slices
+  // wgrad: the weight rows of a group's last slice are zeroed past its end by
+  // whichever consumer warpgroup claims the stage first; zeroed[s] tells the other.
+  uint64_t* zeroed = go + 1;
+  int32_t* claim = reinterpret_cast<int32_t*>(zeroed + kMaxStages);  // + 2 broadcast slots
+  int32_t* tile_start = claim + kMaxStages + 2;
 
   if (threadIdx.x == 0) {
     for (int s = 0; s < stages; ++s) {
       mbar_init(&full[s], 1);   // the producer's arrive (+ the TMA bytes)
       mbar_init(&empty[s], 2);  // one arrive per consumer warpgroup
+    }
+    mbar_init(go, 1);
+    for (int s = 0; s < kMaxStages; ++s) {
+      mbar_init(&zeroed[s], 1);
+      claim[s] = 0;
     }
     asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
   }
@@ -309,7 +320,13 @@ __global__ void __launch_bounds__(kThreads, 1)
       w.data_rows = static_cast<int>(min(int64_t{kTileM}, max(int64_t{0}, tg.data_rows)));
       return w;
     };
-    uint32_t it = 0, chunk_no = 0;
+    uint32_t it = 0, chunk_no = 0, zero_phase = 0;
+    // Stagger: consumer 1 starts `stagger` K slices after consumer 0, so the
+    // two warpgroups reach their epilogues at different times and one keeps
+    // the tensor cores busy while the other stores (the stages are shared:
+    // the lag is bounded by the pipeline depth).
+    bool go_sent = c == 1 || stagger <= 0;
+    if (c == 1 && stagger > 0) mbar_wait(go, 0);
     Work tw{};
     if (static_cast<int32_t>(blockIdx.x) < num_tiles) tw = work_of(blockIdx.x);
     for (int32_t tile = blockIdx.x; tile < num_tiles; tile += gridDim.x) {
@@ -322,12 +339,29 @@ __global__ void __launch_bounds__(kThreads, 1)
         mbar_wait(&full[s], (it / stages) & 1);
         if constexpr (MODE == 2) {
           if (kt == tw.k_tiles - 1 && tw.last_rows < kTileK) {
-            // the group's last slice: zero the rows past its end
+            // The group's last slice: zero the rows past its end. Each
+            // warpgroup zeroes its own 64 columns of dC^T; the shared weight
+            // rows are zeroed by the warpgroup that claims the stage first,
+            // the other waits on zeroed[s] (no lockstep between the two, so
+            // the stagger survives).
             uint8_t* stage = smem + s * kStageBytes;
-            zero_slice_rows(stage, kTileM / 64, tw.last_rows, threadIdx.x - 128);
-            zero_slice_rows(stage + kStageBytesA, kTileN / 64, tw.last_rows, threadIdx.x - 128);
+            zero_slice_rows(stage + c * 8192, 1, tw.last_rows, tid);
+            if (tid == 0) claim[kMaxStages + c] = atomicAdd(&claim[s], 1);
+            named_barrier(2 + c, 128);
+            const bool first = claim[kMaxStages + c] == 0;
+            if (first)
+              zero_slice_rows(stage + kStageBytesA, kTileN / 64, tw.last_rows, tid);
             sm90::fence_proxy_async();
-            named_barrier(1, 256);  // the two consumer warpgroups
+            named_barrier(2 + c, 128);
+            const uint32_t parity = (zero_phase >> s) & 1;
+            zero_phase ^= 1u << s;
+            if (first) {
+              if (tid == 0) mbar_arrive(&zeroed[s]);
+            } else {
+              mbar_wait(&zeroed[s], parity);
+              sm90::fence_proxy_async();
+              if (tid == 0) atomicExch(&claim[s], 0);  // before this stage is released
+            }
           }
         }
         const TIn* sa = reinterpret_cast<const TIn*>(smem + s * kStageBytes) +
@@ -353,6 +387,10 @@ __global__ void __launch_bounds__(kThreads, 1)
         sm90::fence_operands(acc);
         // NOTE: the group of slice it-1 is complete: its stage is free again.
         if (kt > 0 && tid == 0) mbar_arrive(&empty[(it - 1) % stages]);
+        if (!go_sent && static_cast<int>(it) + 1 >= stagger) {
+          if (tid == 0) mbar_arrive(go);
+          go_sent = true;
+        }
       }
       sm90::wgmma_wait<0>();
       sm90::fence_operands(acc);
@@ -470,6 +508,7 @@ __global__ void __launch_bounds__(kThreads, 1)
       }  // rows to store
       tw = nw;
     }
+    if (!go_sent && tid == 0) mbar_arrive(go);  // fewer slices than the stagger
     if (tid == 0) bulk_wait_all();
   }
 #endif

@@ -80,7 +80,8 @@ struct PermuteArgs {
   int64_t y_stride;  // bytes
   int64_t row_vecs;  // vectors per row
   const int64_t* dest_row;
-  int64_t num_tokens;
+  int64_t num_tokens;      // tokens of this launch: plan tokens first_token ..
+  int64_t first_token;     // x row i is plan token first_token + i (dest_row, probs: whole plan)
   int topk;
   const float* probs;      // [T,K] or null
   float* permuted_probs;   // [capacity] or null
@@ -121,8 +122,8 @@ __global__ void __launch_bounds__(kThreads) permute_kernel(PermuteArgs a) {
       if (a.permuted_scales) zero_small_row(a.permuted_scales + row * a.scale_bytes, a.scale_bytes, lane);
       continue;
     }
-    const int64_t t = item;
-    const V* src = reinterpret_cast<const V*>(a.x + t * a.x_stride);
+    const int64_t tl = item, t = a.first_token + item;  // row of x, token of the plan
+    const V* src = reinterpret_cast<const V*>(a.x + tl * a.x_stride);
     for (int kg = 0; kg < a.topk; kg += kWarpSize) {
       // Step 1: this group's destinations (lane = k - kg), probs.
       const int k = kg + lane;
@@ -155,7 +156,7 @@ __global__ void __launch_bounds__(kThreads) permute_kernel(PermuteArgs a) {
       if (a.scales) {
         for (unsigned m = routed; m != 0; m &= m - 1) {
           const int64_t r = __shfl_sync(0xffffffffu, row, __ffs(m) - 1);
-          copy_small_row(a.scales + t * a.scale_bytes, a.permuted_scales + r * a.scale_bytes,
+          copy_small_row(a.scales + tl * a.scale_bytes, a.permuted_scales + r * a.scale_bytes,
                          a.scale_bytes, a.scale_words, lane);
         }
       }
@@ -229,7 +230,8 @@ struct UnpermuteArgs {
   int64_t out_stride;  // elements
   int64_t hidden;
   const int64_t* dest_row;
-  int64_t num_tokens;
+  int64_t num_tokens;   // tokens first_token .. first_token + num_tokens - 1
+  int64_t first_token;
   int topk;
   const float* weights;   // [T,K] or null
   const float* row_vals;  // [capacity] or null
@@ -308,9 +310,9 @@ __device__ __forceinline__ void unpermute_token(const UnpermuteArgs& a, int64_t 
 template <typename TIn, typename TOut, int N>
 __global__ void __launch_bounds__(kThreads) unpermute_kernel(UnpermuteArgs a) {
   const int64_t num_warps = int64_t{gridDim.x} * kWarps;
-  for (int64_t t = int64_t{blockIdx.x} * kWarps + threadIdx.x / kWarpSize; t < a.num_tokens;
-       t += num_warps)
-    unpermute_token<TIn, TOut, N>(a, t, threadIdx.x % kWarpSize);
+  for (int64_t i = int64_t{blockIdx.x} * kWarps + threadIdx.x / kWarpSize; i < a.num_tokens;
+       i += num_warps)
+    unpermute_token<TIn, TOut, N>(a, a.first_token + i, threadIdx.x % kWarpSize);
 }
 
 // --- unpermute_backward ---------------------------------------------------
@@ -467,7 +469,20 @@ PermuteLaunch make_permute_launch(TensorView x, const RoutingPlan& plan, TensorV
 
 void permute(TensorView x, const RoutingPlan& plan, TensorView y, const PermuteExtras& ex,
              cudaStream_t stream) {
-  PermuteLaunch l = make_permute_launch(x, plan, y, ex);
+  permute_tokens(x, 0, plan.num_tokens, true, plan, y, ex, stream);
+}
+
+void permute_tokens(TensorView x_rows, int64_t first_token, int64_t count, bool pad_rows,
+                    const RoutingPlan& plan, TensorView y, const PermuteExtras& ex,
+                    cudaStream_t stream) {
+  MOEFLOW_CHECK(first_token >= 0 && count >= 0 && first_token + count <= plan.num_tokens,
+                "permute_tokens: tokens [", first_token, ", ", first_token + count,
+                ") outside the plan's ", plan.num_tokens);
+  PermuteLaunch l = make_permute_launch(x_rows, plan, y, ex);
+  l.args.first_token = first_token;
+  l.args.num_tokens = count;
+  if (!pad_rows) l.args.num_pad_items = 0;
+  l.num_items = count + l.args.num_pad_items;
   if (l.num_items == 0) return;
   PermuteArgs& a = l.args;
   with_vector({l.row_bytes, a.x_stride, a.y_stride, addr(a.x), addr(a.y)}, [&](auto v) {
@@ -481,15 +496,25 @@ void permute(TensorView x, const RoutingPlan& plan, TensorView y, const PermuteE
 
 void unpermute(TensorView y, const RoutingPlan& plan, TensorView out, TensorView weights,
                TensorView row_vals, TensorView slot_vals, cudaStream_t stream) {
-  if (plan.num_tokens == 0) return;
+  unpermute_tokens(y, plan, 0, plan.num_tokens, out, weights, row_vals, slot_vals, stream);
+}
+
+void unpermute_tokens(TensorView y, const RoutingPlan& plan, int64_t first_token, int64_t count,
+                      TensorView out, TensorView weights, TensorView row_vals,
+                      TensorView slot_vals, cudaStream_t stream) {
+  MOEFLOW_CHECK(first_token >= 0 && count >= 0 && first_token + count <= plan.num_tokens,
+                "unpermute_tokens: tokens [", first_token, ", ", first_token + count,
+                ") outside the plan's ", plan.num_tokens);
+  if (count == 0) return;
   UnpermuteArgs a{};
+  a.first_token = first_token;
   a.y = y.data;
   a.y_stride = y.strides[0];
   a.out = out.data;
   a.out_stride = out.strides[0];
   a.hidden = y.shape[1];
   a.dest_row = plan.dest_row.data_ptr<int64_t>();
-  a.num_tokens = plan.num_tokens;
+  a.num_tokens = count;
   a.topk = plan.topk;
   a.weights = weights.defined() ? weights.data_ptr<float>() : nullptr;
   a.row_vals = row_vals.defined() ? row_vals.data_ptr<float>() : nullptr;
