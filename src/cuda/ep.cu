@@ -76,10 +76,13 @@ __global__ void ep_flags_kernel(const IdT* ids, int64_t T, int K, int E, int epr
   if (bad) atomicAdd(invalid, bad);
 }
 
-// counts[q] = rows sent to rank q (from the exclusive scan of the flags).
-__global__ void ep_counts_kernel(const int32_t* pos, int64_t T, int W, int32_t* counts) {
-  const int q = threadIdx.x;
-  if (q < W) counts[q] = pos[(q + 1) * T] - pos[q * T];
+// counts[q*C + c] = rows sent to rank q for the tokens of piece c, tokens
+// [T*c/C, T*(c+1)/C) (from the exclusive scan of the flags).
+__global__ void ep_counts_kernel(const int32_t* pos, int64_t T, int W, int C, int32_t* counts) {
+  const int i = threadIdx.x;
+  if (i >= W * C) return;
+  const int q = i / C, c = i % C;
+  counts[i] = pos[q * T + T * (c + 1) / C] - pos[q * T + T * c / C];
 }
 
 // One warp per (q, t) with a flag: the token row, its local ids and probs.
@@ -147,10 +150,10 @@ __global__ void ep_dprobs_kernel(const float* back, const int32_t* send_ids, int
 // partial[pos[self,t] + self_shift]; N floats per access.
 template <typename TOut, int N>
 __global__ void ep_combine_kernel(const float* back, const float* partial, int self,
-                                  int64_t self_shift, int64_t H, int64_t T, int W,
+                                  int64_t self_shift, int64_t H, int64_t T, int64_t t0, int W,
                                   const int32_t* flags, const int32_t* pos, TOut* out,
                                   int64_t out_stride) {
-  const int64_t t = blockIdx.x;
+  const int64_t t = t0 + blockIdx.x;
   __shared__ const float* src[kMaxWorld];
   __shared__ int count;
   if (threadIdx.x == 0) {
@@ -182,11 +185,6 @@ __global__ void ep_combine_kernel(const float* back, const float* partial, int s
   }
 }
 
-// Rows [begin, end) of piece c of n rows split in C pieces (same on both sides).
-int64_t piece_begin(int64_t n, int c, int C) {
-  return n * c / C;
-}
-
 int64_t addr(const void* p) {
   return static_cast<int64_t>(reinterpret_cast<uintptr_t>(p));
 }
@@ -201,7 +199,7 @@ struct EpGroup::Impl {
   int64_t tmax = 0, rows_max = 0, send_max = 0, capacity = 0, row_bytes = 0;
 
   Tensor flags, pos, scan_tmp, counts, invalid;  // device
-  int32_t* host = nullptr;  // pinned: send counts [W], recv counts [W], invalid
+  int32_t* host = nullptr;  // pinned: send counts [W*C], recv counts [W*C], invalid
   Tensor send_x, send_ids, send_probs, recv_x, recv_ids, recv_probs;
   RoutingPlan plan;
   Tensor plan_ws, out_x, out_probs, partial, back;
@@ -210,18 +208,23 @@ struct EpGroup::Impl {
   // the last dispatch
   int64_t T = 0, received = 0;
   std::vector<int64_t> send_off, send_cnt, recv_off, recv_cnt;
+  // Pieces: piece c holds the home tokens [T*c/C, T*(c+1)/C) of each rank;
+  // rows of piece c to / from rank q start at *_pc[q*(C+1) + c] inside q's range.
+  int pieces = 1;
+  std::vector<int64_t> send_pc, recv_pc;
 
   // NCCL runs on `comm_stream`; events order it with the caller's stream.
   cudaStream_t comm_stream = nullptr;
   cudaEvent_t ev_start = nullptr, ev_host = nullptr, ev_packed = nullptr, ev_meta = nullptr,
               ev_done = nullptr;
-  cudaEvent_t ev_piece[kMaxChunks] = {};
+  cudaEvent_t ev_piece[kMaxChunks] = {}, ev_back[kMaxChunks] = {};
 
   ~Impl() {
     for (cudaEvent_t e : {ev_start, ev_host, ev_packed, ev_meta, ev_done})
       if (e) cudaEventDestroy(e);
-    for (cudaEvent_t e : ev_piece)
-      if (e) cudaEventDestroy(e);
+    for (cudaEvent_t* arr : {ev_piece, ev_back})
+      for (int i = 0; i < kMaxChunks; ++i)
+        if (arr[i]) cudaEventDestroy(arr[i]);
     if (comm_stream) cudaStreamDestroy(comm_stream);
     if (host) cudaFreeHost(host);
     if (owns_comm && comm) ncclCommDestroy(comm);
@@ -270,9 +273,9 @@ struct EpGroup::Impl {
     MOEFLOW_CUDA_CHECK(cub::DeviceScan::ExclusiveSum(nullptr, scan_bytes, flags.data_ptr<int32_t>(),
                                                      pos.data_ptr<int32_t>(), rows_max + 1));
     scan_tmp = Tensor::empty({static_cast<int64_t>(scan_bytes) + 16}, DType::kUInt8, dev);
-    counts = Tensor::empty({2 * world}, DType::kInt32, dev);
+    counts = Tensor::empty({2 * world * kMaxChunks}, DType::kInt32, dev);
     invalid = Tensor::empty({1}, DType::kInt32, dev);
-    MOEFLOW_CUDA_CHECK(cudaMallocHost(&host, sizeof(int32_t) * (2 * world + 1)));
+    MOEFLOW_CUDA_CHECK(cudaMallocHost(&host, sizeof(int32_t) * (2 * world * kMaxChunks + 1)));
     send_x = Tensor::empty({send_max, H}, o.dtype, dev);
     send_ids = Tensor::empty({send_max, K}, DType::kInt32, dev);
     send_probs = Tensor::empty({send_max, K}, DType::kFloat32, dev);
@@ -292,33 +295,16 @@ struct EpGroup::Impl {
     back = Tensor::empty({send_max, H}, DType::kFloat32, dev);
     recv_dprobs = Tensor::empty({rows_max, K}, DType::kFloat32, dev);
     back_dprobs = Tensor::empty({send_max, K}, DType::kFloat32, dev);
-    MOEFLOW_CUDA_CHECK(cudaStreamCreateWithFlags(&comm_stream, cudaStreamNonBlocking));
+    // The highest priority: NCCL's blocks get the SMs first when the permute
+    // kernels that run beside the transfers free them.
+    int lo = 0, hi = 0;
+    MOEFLOW_CUDA_CHECK(cudaDeviceGetStreamPriorityRange(&lo, &hi));
+    MOEFLOW_CUDA_CHECK(cudaStreamCreateWithPriority(&comm_stream, cudaStreamNonBlocking, hi));
     for (cudaEvent_t* e : {&ev_start, &ev_host, &ev_packed, &ev_meta, &ev_done})
       MOEFLOW_CUDA_CHECK(cudaEventCreateWithFlags(e, cudaEventDisableTiming));
-    for (cudaEvent_t& e : ev_piece)
-      MOEFLOW_CUDA_CHECK(cudaEventCreateWithFlags(&e, cudaEventDisableTiming));
-  }
-
-  // Grouped send/recv of piece c (of chunks()) of the per-peer row ranges,
-  // peers only (no self transfer).
-  void exchange_piece(int c, const uint8_t* send, int64_t send_row_bytes,
-                      const std::vector<int64_t>& s_off, const std::vector<int64_t>& s_cnt,
-                      uint8_t* recv, int64_t recv_row_bytes, const std::vector<int64_t>& r_off,
-                      const std::vector<int64_t>& r_cnt, cudaStream_t stream) {
-    const int C = chunks();
-    MOEFLOW_NCCL_CHECK(ncclGroupStart());
-    for (int q = 0; q < world; ++q) {
-      if (q == rank) continue;
-      const int64_t sb = piece_begin(s_cnt[q], c, C), se = piece_begin(s_cnt[q], c + 1, C);
-      const int64_t rb = piece_begin(r_cnt[q], c, C), re = piece_begin(r_cnt[q], c + 1, C);
-      if (se > sb)
-        MOEFLOW_NCCL_CHECK(ncclSend(send + (s_off[q] + sb) * send_row_bytes,
-                                    (se - sb) * send_row_bytes, ncclUint8, q, comm, stream));
-      if (re > rb)
-        MOEFLOW_NCCL_CHECK(ncclRecv(recv + (r_off[q] + rb) * recv_row_bytes,
-                                    (re - rb) * recv_row_bytes, ncclUint8, q, comm, stream));
-    }
-    MOEFLOW_NCCL_CHECK(ncclGroupEnd());
+    for (cudaEvent_t* arr : {ev_piece, ev_back})
+      for (int i = 0; i < kMaxChunks; ++i)
+        MOEFLOW_CUDA_CHECK(cudaEventCreateWithFlags(&arr[i], cudaEventDisableTiming));
   }
 
   // Grouped send/recv of per-peer row ranges of two buffers (bytes per row).
@@ -334,6 +320,28 @@ struct EpGroup::Impl {
       if (r_cnt[q] > 0)
         MOEFLOW_NCCL_CHECK(ncclRecv(recv + r_off[q] * recv_row_bytes, r_cnt[q] * recv_row_bytes,
                                     ncclUint8, q, comm, stream));
+    }
+    MOEFLOW_NCCL_CHECK(ncclGroupEnd());
+  }
+
+  // Grouped send/recv of piece c of the per-peer row ranges, peers only (no
+  // self transfer): rows [off[q] + pc[q*(P+1) + c], off[q] + pc[q*(P+1) + c + 1]).
+  void exchange_piece(int c, const uint8_t* send, int64_t send_row_bytes,
+                      const std::vector<int64_t>& s_off, const std::vector<int64_t>& s_pc,
+                      uint8_t* recv, int64_t recv_row_bytes, const std::vector<int64_t>& r_off,
+                      const std::vector<int64_t>& r_pc, cudaStream_t stream) {
+    const int P = pieces;
+    MOEFLOW_NCCL_CHECK(ncclGroupStart());
+    for (int q = 0; q < world; ++q) {
+      if (q == rank) continue;
+      const int64_t sb = s_pc[q * (P + 1) + c], se = s_pc[q * (P + 1) + c + 1];
+      const int64_t rb = r_pc[q * (P + 1) + c], re = r_pc[q * (P + 1) + c + 1];
+      if (se > sb)
+        MOEFLOW_NCCL_CHECK(ncclSend(send + (s_off[q] + sb) * send_row_bytes,
+                                    (se - sb) * send_row_bytes, ncclUint8, q, comm, stream));
+      if (re > rb)
+        MOEFLOW_NCCL_CHECK(ncclRecv(recv + (r_off[q] + rb) * recv_row_bytes,
+                                    (re - rb) * recv_row_bytes, ncclUint8, q, comm, stream));
     }
     MOEFLOW_NCCL_CHECK(ncclGroupEnd());
   }
@@ -481,7 +489,9 @@ EpDispatchResult ep_dispatch(EpGroup& group, TensorView x, TensorView ids, Tenso
   MOEFLOW_CUDA_CHECK(
       cub::DeviceScan::ExclusiveSum(g.scan_tmp.data(), scan_bytes, flags, pos, W * T + 1, stream));
   int32_t* counts = g.counts.data_ptr<int32_t>();
-  ep_counts_kernel<<<1, 32 * ((W + 31) / 32), 0, stream>>>(pos, T, W, counts);
+  const int C = g.chunks();
+  g.pieces = C;
+  ep_counts_kernel<<<1, 32 * ((W * C + 31) / 32), 0, stream>>>(pos, T, W, C, counts);
   MOEFLOW_CUDA_LAUNCH_CHECK();
   // Counts: send counts to each peer, receive theirs (the one host sync), on
   // the NCCL stream while the pack runs on the caller's.
@@ -489,13 +499,13 @@ EpDispatchResult ep_dispatch(EpGroup& group, TensorView x, TensorView ids, Tenso
   EpGroup::Impl::order(g.ev_start, stream, cs);
   MOEFLOW_NCCL_CHECK(ncclGroupStart());
   for (int q = 0; q < W; ++q) {
-    MOEFLOW_NCCL_CHECK(ncclSend(counts + q, 1, ncclInt32, q, g.comm, cs));
-    MOEFLOW_NCCL_CHECK(ncclRecv(counts + W + q, 1, ncclInt32, q, g.comm, cs));
+    MOEFLOW_NCCL_CHECK(ncclSend(counts + q * C, C, ncclInt32, q, g.comm, cs));
+    MOEFLOW_NCCL_CHECK(ncclRecv(counts + (W + q) * C, C, ncclInt32, q, g.comm, cs));
   }
   MOEFLOW_NCCL_CHECK(ncclGroupEnd());
   MOEFLOW_CUDA_CHECK(
-      cudaMemcpyAsync(g.host, counts, sizeof(int32_t) * 2 * W, cudaMemcpyDeviceToHost, cs));
-  MOEFLOW_CUDA_CHECK(cudaMemcpyAsync(g.host + 2 * W, g.invalid.data(), sizeof(int32_t),
+      cudaMemcpyAsync(g.host, counts, sizeof(int32_t) * 2 * W * C, cudaMemcpyDeviceToHost, cs));
+  MOEFLOW_CUDA_CHECK(cudaMemcpyAsync(g.host + 2 * W * C, g.invalid.data(), sizeof(int32_t),
                                      cudaMemcpyDeviceToHost, cs));
   MOEFLOW_CUDA_CHECK(cudaEventRecord(g.ev_host, cs));
   if (T > 0) {
@@ -522,14 +532,20 @@ EpDispatchResult ep_dispatch(EpGroup& group, TensorView x, TensorView ids, Tenso
   g.send_cnt.assign(W, 0);
   g.recv_off.assign(W, 0);
   g.recv_cnt.assign(W, 0);
+  g.send_pc.assign(W * (C + 1), 0);
+  g.recv_pc.assign(W * (C + 1), 0);
   int64_t so = 0, ro = 0;
   for (int q = 0; q < W; ++q) {
+    for (int c = 0; c < C; ++c) {
+      g.send_pc[q * (C + 1) + c + 1] = g.send_pc[q * (C + 1) + c] + g.host[q * C + c];
+      g.recv_pc[q * (C + 1) + c + 1] = g.recv_pc[q * (C + 1) + c] + g.host[(W + q) * C + c];
+    }
     g.send_off[q] = so;
-    g.send_cnt[q] = g.host[q];
-    so += g.host[q];
+    g.send_cnt[q] = g.send_pc[q * (C + 1) + C];
+    so += g.send_cnt[q];
     g.recv_off[q] = ro;
-    g.recv_cnt[q] = g.host[W + q];
-    ro += g.host[W + q];
+    g.recv_cnt[q] = g.recv_pc[q * (C + 1) + C];
+    ro += g.recv_cnt[q];
   }
   g.received = ro;
   // The routing metadata first (self included: the plan is built over all
@@ -545,11 +561,10 @@ EpDispatchResult ep_dispatch(EpGroup& group, TensorView x, TensorView ids, Tenso
              static_cast<uint8_t*>(g.recv_probs.data()), idb, g.recv_off, g.recv_cnt, cs);
   MOEFLOW_NCCL_CHECK(ncclGroupEnd());
   MOEFLOW_CUDA_CHECK(cudaEventRecord(g.ev_meta, cs));
-  const int C = g.chunks();
   for (int c = 0; c < C; ++c) {
     g.exchange_piece(c, static_cast<const uint8_t*>(g.send_x.data()), g.row_bytes, g.send_off,
-                     g.send_cnt, static_cast<uint8_t*>(g.recv_x.data()), g.row_bytes, g.recv_off,
-                     g.recv_cnt, cs);
+                     g.send_pc, static_cast<uint8_t*>(g.recv_x.data()), g.row_bytes, g.recv_off,
+                     g.recv_pc, cs);
     MOEFLOW_CUDA_CHECK(cudaEventRecord(g.ev_piece[c], cs));
   }
   // Unpack + permute + pad: the received rows routed over the local experts.
@@ -571,13 +586,13 @@ EpDispatchResult ep_dispatch(EpGroup& group, TensorView x, TensorView ids, Tenso
     MOEFLOW_CUDA_CHECK(cudaStreamWaitEvent(stream, g.ev_piece[c], 0));
     for (int q = 0; q < W; ++q) {
       if (q == me) continue;
-      const int64_t b = piece_begin(g.recv_cnt[q], c, C), e = piece_begin(g.recv_cnt[q], c + 1, C);
+      const int64_t b = g.recv_pc[q * (C + 1) + c], e = g.recv_pc[q * (C + 1) + c + 1];
       if (e > b)
         cuda::permute_tokens(rows_of(g.recv_x, g.recv_off[q] + b, e - b), g.recv_off[q] + b,
                              e - b, false, g.plan, g.out_x, extras, stream);
     }
   }
-  MOEFLOW_CHECK(g.host[2 * W] == 0, "ids: ", g.host[2 * W], " routing entries outside [-1, ", E,
+  MOEFLOW_CHECK(g.host[2 * W * C] == 0, "ids: ", g.host[2 * W * C], " routing entries outside [-1, ", E,
                 ") on rank ", g.rank, " (treated as unrouted; the dispatch completed)");
   return EpDispatchResult{g.out_x, g.out_probs, &g.plan, g.received};
 }
@@ -594,29 +609,28 @@ void combine_impl(EpGroup::Impl& g, TensorView y, bool weighted, TensorView out,
       out, "out",
       Expect{{DType::kFloat32, DType::kFloat16, DType::kBFloat16}, {g.T, g.opt.hidden}, dev});
   MOEFLOW_CHECK(out.strides[1] == 1, "out rows must be contiguous (stride(1) == 1)");
-  const int W = g.world, me = g.rank, C = g.chunks();
+  const int W = g.world, me = g.rank, C = g.pieces;
   const int64_t H = g.opt.hidden;
   const TensorView weights = weighted ? TensorView(g.recv_probs) : TensorView{};
   cudaStream_t cs = g.comm_stream;
-  // Each piece of the peers' rows is summed, then sent back while the next
-  // is summed; this rank's own partials are summed last and stay in place.
+  // Piece c of every peer's rows is summed, then sent back while the next is
+  // summed; this rank's own partials are summed last and stay in place; the
+  // home tokens of piece c are added up as soon as their partials are all back.
+  const int64_t pb = H * 4;
   for (int c = 0; c < C; ++c) {
     for (int q = 0; q < W; ++q) {
       if (q == me) continue;
-      const int64_t b = piece_begin(g.recv_cnt[q], c, C), e = piece_begin(g.recv_cnt[q], c + 1, C);
+      const int64_t b = g.recv_pc[q * (C + 1) + c], e = g.recv_pc[q * (C + 1) + c + 1];
       cuda::unpermute_tokens(y, g.plan, g.recv_off[q] + b, e - b, g.partial, weights, {}, {},
                              stream);
     }
     EpGroup::Impl::order(g.ev_piece[c], stream, cs);
-    const int64_t pb = H * 4;
-    g.exchange_piece(c, static_cast<const uint8_t*>(g.partial.data()), pb, g.recv_off, g.recv_cnt,
-                     static_cast<uint8_t*>(g.back.data()), pb, g.send_off, g.send_cnt, cs);
+    g.exchange_piece(c, static_cast<const uint8_t*>(g.partial.data()), pb, g.recv_off, g.recv_pc,
+                     static_cast<uint8_t*>(g.back.data()), pb, g.send_off, g.send_pc, cs);
+    MOEFLOW_CUDA_CHECK(cudaEventRecord(g.ev_back[c], cs));
   }
   cuda::unpermute_tokens(y, g.plan, g.recv_off[me], g.recv_cnt[me], g.partial, weights, {}, {},
                          stream);
-  EpGroup::Impl::order(g.ev_done, cs, stream);
-  if (g.T == 0) return;
-  const unsigned blocks = static_cast<unsigned>(g.T);
   const float* back = g.back.data_ptr<float>();
   const float* partial = g.partial.data_ptr<float>();
   const int64_t shift = g.recv_off[me] - g.send_off[me];
@@ -626,26 +640,33 @@ void combine_impl(EpGroup::Impl& g, TensorView y, bool weighted, TensorView out,
   const int threads = static_cast<int>(std::min<int64_t>(256, (per + 31) / 32 * 32));
   const int32_t* fl = g.flags.data_ptr<int32_t>();
   const int32_t* ps = g.pos.data_ptr<int32_t>();
-  auto launch = [&](auto* o) {
-    using TOut = std::remove_pointer_t<decltype(o)>;
-    if (vec4)
-      ep_combine_kernel<TOut, 4><<<blocks, threads, 0, stream>>>(
-          back, partial, me, shift, H, g.T, W, fl, ps, o, out.strides[0]);
-    else
-      ep_combine_kernel<TOut, 1><<<blocks, threads, 0, stream>>>(
-          back, partial, me, shift, H, g.T, W, fl, ps, o, out.strides[0]);
-  };
-  switch (out.dtype) {
-    case DType::kFloat32:
-      launch(out.data_ptr<float>());
-      break;
-    case DType::kFloat16:
-      launch(out.data_ptr<__half>());
-      break;
-    default:
-      launch(out.data_ptr<__nv_bfloat16>());
+  const int64_t T = g.T;
+  for (int c = 0; c < C; ++c) {
+    MOEFLOW_CUDA_CHECK(cudaStreamWaitEvent(stream, g.ev_back[c], 0));
+    const int64_t t0 = T * c / C, t1 = T * (c + 1) / C;
+    if (t1 == t0) continue;
+    const unsigned blocks = static_cast<unsigned>(t1 - t0);
+    auto launch = [&](auto* o) {
+      using TOut = std::remove_pointer_t<decltype(o)>;
+      if (vec4)
+        ep_combine_kernel<TOut, 4><<<blocks, threads, 0, stream>>>(
+            back, partial, me, shift, H, T, t0, W, fl, ps, o, out.strides[0]);
+      else
+        ep_combine_kernel<TOut, 1><<<blocks, threads, 0, stream>>>(
+            back, partial, me, shift, H, T, t0, W, fl, ps, o, out.strides[0]);
+    };
+    switch (out.dtype) {
+      case DType::kFloat32:
+        launch(out.data_ptr<float>());
+        break;
+      case DType::kFloat16:
+        launch(out.data_ptr<__half>());
+        break;
+      default:
+        launch(out.data_ptr<__nv_bfloat16>());
+    }
+    MOEFLOW_CUDA_LAUNCH_CHECK();
   }
-  MOEFLOW_CUDA_LAUNCH_CHECK();
 }
 }  // namespace
 
