@@ -29,10 +29,13 @@
 #include <nccl.h>
 
 #include <algorithm>
+#include <cstdio>
+#include <cstdlib>
 #include <cub/device/device_scan.cuh>
 #include <exception>
 #include <type_traits>
 #include <mutex>
+#include <string>
 #include <thread>
 
 #include "core/backends.h"
@@ -85,26 +88,19 @@ __global__ void ep_counts_kernel(const int32_t* pos, int64_t T, int W, int C, in
   counts[i] = pos[q * T + T * (c + 1) / C] - pos[q * T + T * c / C];
 }
 
-// One warp per (q, t) with a flag: the token row, its local ids and probs.
+// One thread per (q, t) with a flag: the K local ids and probs of the row;
+// for q == self also self_src[j] = t, t being this rank's j-th own row.
 template <typename IdT>
-__global__ void ep_pack_kernel(const uint8_t* x, int64_t x_stride_bytes, int64_t row_bytes,
-                               bool vec, const IdT* ids, const float* probs, int64_t T, int K,
-                               int E, int epr, int W, const int32_t* flags, const int32_t* pos,
-                               uint8_t* send_x, int32_t* send_ids, float* send_probs) {
-  const int64_t warp = (blockIdx.x * int64_t{blockDim.x} + threadIdx.x) / cuda::kWarpSize;
-  const int lane = threadIdx.x % cuda::kWarpSize;
-  if (warp >= W * T || !flags[warp]) return;
-  const int q = static_cast<int>(warp / T);
-  const int64_t t = warp % T, row = pos[warp];
-  const uint8_t* src = x + t * x_stride_bytes;
-  uint8_t* dst = send_x + row * row_bytes;
-  if (vec) {  // 16-byte aligned rows
-    for (int64_t i = lane * 16; i < row_bytes; i += cuda::kWarpSize * 16)
-      *reinterpret_cast<uint4*>(dst + i) = *reinterpret_cast<const uint4*>(src + i);
-  } else {
-    for (int64_t i = lane; i < row_bytes; i += cuda::kWarpSize) dst[i] = src[i];
-  }
-  for (int k = lane; k < K; k += cuda::kWarpSize) {
+__global__ void ep_pack_meta_kernel(const IdT* ids, const float* probs, int64_t T, int K, int E,
+                                    int epr, int W, int self, const int32_t* flags,
+                                    const int32_t* pos, int32_t* send_ids, float* send_probs,
+                                    int32_t* self_src) {
+  const int64_t i = blockIdx.x * int64_t{blockDim.x} + threadIdx.x;
+  if (i >= W * T || !flags[i]) return;
+  const int q = static_cast<int>(i / T);
+  const int64_t t = i % T, row = pos[i];
+  if (q == self) self_src[row - pos[int64_t{self} * T]] = static_cast<int32_t>(t);
+  for (int k = 0; k < K; ++k) {
     const int64_t id = static_cast<int64_t>(ids[t * K + k]);
     const bool here = id >= 0 && id < E && id / epr == q;
     send_ids[row * K + k] = here ? static_cast<int32_t>(id - int64_t{q} * epr) : -1;
@@ -112,16 +108,21 @@ __global__ void ep_pack_kernel(const uint8_t* x, int64_t x_stride_bytes, int64_t
   }
 }
 
-// Token rows only, along the routes of the last dispatch (combine backward).
+// Token rows of tokens [t0, t1) along the routes (one warp per (q, t) with a
+// flag), except those for rank `skip` (-1: none).
 __global__ void ep_pack_rows_kernel(const uint8_t* x, int64_t x_stride_bytes, int64_t row_bytes,
-                                    bool vec, int64_t T, int W, const int32_t* flags,
-                                    const int32_t* pos, uint8_t* send_x) {
+                                    bool vec, int64_t T, int64_t t0, int64_t t1, int W, int skip,
+                                    const int32_t* flags, const int32_t* pos, uint8_t* send_x) {
+  const int64_t n = t1 - t0;
   const int64_t warp = (blockIdx.x * int64_t{blockDim.x} + threadIdx.x) / cuda::kWarpSize;
   const int lane = threadIdx.x % cuda::kWarpSize;
-  if (warp >= W * T || !flags[warp]) return;
-  const uint8_t* src = x + (warp % T) * x_stride_bytes;
-  uint8_t* dst = send_x + int64_t{pos[warp]} * row_bytes;
-  if (vec) {
+  if (warp >= W * n) return;
+  const int q = static_cast<int>(warp / n);
+  const int64_t t = t0 + warp % n;
+  if (q == skip || !flags[q * T + t]) return;
+  const uint8_t* src = x + t * x_stride_bytes;
+  uint8_t* dst = send_x + int64_t{pos[q * T + t]} * row_bytes;
+  if (vec) {  // 16-byte aligned rows
     for (int64_t i = lane * 16; i < row_bytes; i += cuda::kWarpSize * 16)
       *reinterpret_cast<uint4*>(dst + i) = *reinterpret_cast<const uint4*>(src + i);
   } else {
@@ -198,7 +199,7 @@ struct EpGroup::Impl {
   EpOptions opt;
   int64_t tmax = 0, rows_max = 0, send_max = 0, capacity = 0, row_bytes = 0;
 
-  Tensor flags, pos, scan_tmp, counts, invalid;  // device
+  Tensor flags, pos, scan_tmp, counts, invalid, self_src;  // device
   int32_t* host = nullptr;  // pinned: send counts [W*C], recv counts [W*C], invalid
   Tensor send_x, send_ids, send_probs, recv_x, recv_ids, recv_probs;
   RoutingPlan plan;
@@ -217,12 +218,13 @@ struct EpGroup::Impl {
   cudaStream_t comm_stream = nullptr;
   cudaEvent_t ev_start = nullptr, ev_host = nullptr, ev_packed = nullptr, ev_meta = nullptr,
               ev_done = nullptr;
-  cudaEvent_t ev_piece[kMaxChunks] = {}, ev_back[kMaxChunks] = {};
+  cudaEvent_t ev_piece[kMaxChunks] = {}, ev_back[kMaxChunks] = {}, ev_rows[kMaxChunks] = {};
 
   ~Impl() {
     for (cudaEvent_t e : {ev_start, ev_host, ev_packed, ev_meta, ev_done})
       if (e) cudaEventDestroy(e);
-    for (cudaEvent_t* arr : {ev_piece, ev_back})
+    for (auto& m : marks) cudaEventDestroy(m.second);
+    for (cudaEvent_t* arr : {ev_piece, ev_back, ev_rows})
       for (int i = 0; i < kMaxChunks; ++i)
         if (arr[i]) cudaEventDestroy(arr[i]);
     if (comm_stream) cudaStreamDestroy(comm_stream);
@@ -231,6 +233,34 @@ struct EpGroup::Impl {
   }
 
   int chunks() const { return std::clamp(opt.pipeline_chunks, 1, kMaxChunks); }
+
+  // MOEFLOW_EP_TRACE=1: rank 0 prints when each step of a dispatch / combine
+  // finished on the GPU (us after the step began), for tuning the pipeline.
+  bool tracing = false;
+  std::vector<std::pair<std::string, cudaEvent_t>> marks;
+  size_t used_marks = 0;
+  void mark(const std::string& what, cudaStream_t s) {
+    if (!tracing) return;
+    if (used_marks == marks.size()) {
+      cudaEvent_t e;
+      MOEFLOW_CUDA_CHECK(cudaEventCreate(&e));
+      marks.push_back({"", e});
+    }
+    marks[used_marks].first = what;
+    MOEFLOW_CUDA_CHECK(cudaEventRecord(marks[used_marks++].second, s));
+  }
+  void print_marks(const char* op) {
+    if (!tracing || used_marks == 0) return;
+    for (size_t i = 0; i < used_marks; ++i) MOEFLOW_CUDA_CHECK(cudaEventSynchronize(marks[i].second));
+    std::string line = std::string(op) + " trace (rank " + std::to_string(rank) + "):";
+    for (size_t i = 1; i < used_marks; ++i) {
+      float ms = 0;
+      MOEFLOW_CUDA_CHECK(cudaEventElapsedTime(&ms, marks[0].second, marks[i].second));
+      line += " " + marks[i].first + " " + std::to_string(static_cast<int>(ms * 1000));
+    }
+    std::fprintf(stderr, "%s\n", line.c_str());
+    used_marks = 0;
+  }
   // `waiter` waits for the work issued so far on `from`.
   static void order(cudaEvent_t ev, cudaStream_t from, cudaStream_t waiter) {
     MOEFLOW_CUDA_CHECK(cudaEventRecord(ev, from));
@@ -275,6 +305,7 @@ struct EpGroup::Impl {
     scan_tmp = Tensor::empty({static_cast<int64_t>(scan_bytes) + 16}, DType::kUInt8, dev);
     counts = Tensor::empty({2 * world * kMaxChunks}, DType::kInt32, dev);
     invalid = Tensor::empty({1}, DType::kInt32, dev);
+    self_src = Tensor::empty({tmax}, DType::kInt32, dev);
     MOEFLOW_CUDA_CHECK(cudaMallocHost(&host, sizeof(int32_t) * (2 * world * kMaxChunks + 1)));
     send_x = Tensor::empty({send_max, H}, o.dtype, dev);
     send_ids = Tensor::empty({send_max, K}, DType::kInt32, dev);
@@ -300,9 +331,11 @@ struct EpGroup::Impl {
     int lo = 0, hi = 0;
     MOEFLOW_CUDA_CHECK(cudaDeviceGetStreamPriorityRange(&lo, &hi));
     MOEFLOW_CUDA_CHECK(cudaStreamCreateWithPriority(&comm_stream, cudaStreamNonBlocking, hi));
+    const char* tr = std::getenv("MOEFLOW_EP_TRACE");
+    tracing = tr != nullptr && tr[0] == '1' && rank == 0;
     for (cudaEvent_t* e : {&ev_start, &ev_host, &ev_packed, &ev_meta, &ev_done})
       MOEFLOW_CUDA_CHECK(cudaEventCreateWithFlags(e, cudaEventDisableTiming));
-    for (cudaEvent_t* arr : {ev_piece, ev_back})
+    for (cudaEvent_t* arr : {ev_piece, ev_back, ev_rows})
       for (int i = 0; i < kMaxChunks; ++i)
         MOEFLOW_CUDA_CHECK(cudaEventCreateWithFlags(&arr[i], cudaEventDisableTiming));
   }
@@ -469,6 +502,7 @@ EpDispatchResult ep_dispatch(EpGroup& group, TensorView x, TensorView ids, Tenso
     MOEFLOW_CHECK(probs.is_contiguous(), "probs must be contiguous");
   }
   g.T = T;
+  g.mark("start", stream);
   int32_t* flags = g.flags.data_ptr<int32_t>();
   int32_t* pos = g.pos.data_ptr<int32_t>();
   MOEFLOW_CUDA_CHECK(cudaMemsetAsync(flags, 0, sizeof(int32_t) * (W * T + 1), stream));
@@ -508,25 +542,42 @@ EpDispatchResult ep_dispatch(EpGroup& group, TensorView x, TensorView ids, Tenso
   MOEFLOW_CUDA_CHECK(cudaMemcpyAsync(g.host + 2 * W * C, g.invalid.data(), sizeof(int32_t),
                                      cudaMemcpyDeviceToHost, cs));
   MOEFLOW_CUDA_CHECK(cudaEventRecord(g.ev_host, cs));
+  g.mark("counts", cs);
+  // The ids/probs of every row first (the receivers build their plans from
+  // them), then the token rows for the peers piece by piece (this rank's own
+  // rows are permuted straight from x: self_src maps them back to tokens).
+  const int me = g.rank;
+  int32_t* self_src = g.self_src.data_ptr<int32_t>();
   if (T > 0) {
-    const int64_t warps = W * T;
-    const unsigned blocks = static_cast<unsigned>((warps * cuda::kWarpSize + 255) / 256);
-    const int64_t xs = x.strides[0] * static_cast<int64_t>(dtype_size(x.dtype));
-    const bool vec = addr(x.data) % 16 == 0 && xs % 16 == 0 && g.row_bytes % 16 == 0;
+    const unsigned blocks = static_cast<unsigned>((W * T + 255) / 256);
     if (ids.dtype == DType::kInt32)
-      ep_pack_kernel<<<blocks, 256, 0, stream>>>(
-          static_cast<const uint8_t*>(x.data), xs, g.row_bytes, vec, ids.data_ptr<int32_t>(),
-          probs.defined() ? probs.data_ptr<float>() : nullptr, T, K, E, g.epr, W, flags, pos,
-          static_cast<uint8_t*>(g.send_x.data()), g.send_ids.data_ptr<int32_t>(),
-          g.send_probs.data_ptr<float>());
+      ep_pack_meta_kernel<<<blocks, 256, 0, stream>>>(
+          ids.data_ptr<int32_t>(), probs.defined() ? probs.data_ptr<float>() : nullptr, T, K, E,
+          g.epr, W, me, flags, pos, g.send_ids.data_ptr<int32_t>(), g.send_probs.data_ptr<float>(),
+          self_src);
     else
-      ep_pack_kernel<<<blocks, 256, 0, stream>>>(
-          static_cast<const uint8_t*>(x.data), xs, g.row_bytes, vec, ids.data_ptr<int64_t>(),
-          probs.defined() ? probs.data_ptr<float>() : nullptr, T, K, E, g.epr, W, flags, pos,
-          static_cast<uint8_t*>(g.send_x.data()), g.send_ids.data_ptr<int32_t>(),
-          g.send_probs.data_ptr<float>());
+      ep_pack_meta_kernel<<<blocks, 256, 0, stream>>>(
+          ids.data_ptr<int64_t>(), probs.defined() ? probs.data_ptr<float>() : nullptr, T, K, E,
+          g.epr, W, me, flags, pos, g.send_ids.data_ptr<int32_t>(), g.send_probs.data_ptr<float>(),
+          self_src);
     MOEFLOW_CUDA_LAUNCH_CHECK();
   }
+  MOEFLOW_CUDA_CHECK(cudaEventRecord(g.ev_packed, stream));
+  const int64_t xs = x.strides[0] * static_cast<int64_t>(dtype_size(x.dtype));
+  const bool vec = addr(x.data) % 16 == 0 && xs % 16 == 0 && g.row_bytes % 16 == 0;
+  for (int c = 0; c < C; ++c) {
+    const int64_t t0 = T * c / C, t1 = T * (c + 1) / C;
+    if (t1 > t0) {
+      const int64_t warps = W * (t1 - t0);
+      const unsigned blocks = static_cast<unsigned>((warps * cuda::kWarpSize + 255) / 256);
+      ep_pack_rows_kernel<<<blocks, 256, 0, stream>>>(
+          static_cast<const uint8_t*>(x.data), xs, g.row_bytes, vec, T, t0, t1, W, me, flags, pos,
+          static_cast<uint8_t*>(g.send_x.data()));
+      MOEFLOW_CUDA_LAUNCH_CHECK();
+    }
+    MOEFLOW_CUDA_CHECK(cudaEventRecord(g.ev_rows[c], stream));
+  }
+  g.mark("pack", stream);
   MOEFLOW_CUDA_CHECK(cudaEventSynchronize(g.ev_host));
   g.send_off.assign(W, 0);
   g.send_cnt.assign(W, 0);
@@ -550,7 +601,7 @@ EpDispatchResult ep_dispatch(EpGroup& group, TensorView x, TensorView ids, Tenso
   g.received = ro;
   // The routing metadata first (self included: the plan is built over all
   // received rows), then the token rows piece by piece (peers only).
-  EpGroup::Impl::order(g.ev_packed, stream, cs);
+  MOEFLOW_CUDA_CHECK(cudaStreamWaitEvent(cs, g.ev_packed, 0));
   // Rows past the received ones stay unrouted (-1) for the plan.
   MOEFLOW_CUDA_CHECK(cudaMemsetAsync(g.recv_ids.data(), 0xFF, g.recv_ids.nbytes(), cs));
   const int64_t idb = int64_t{K} * 4;
@@ -561,15 +612,19 @@ EpDispatchResult ep_dispatch(EpGroup& group, TensorView x, TensorView ids, Tenso
              static_cast<uint8_t*>(g.recv_probs.data()), idb, g.recv_off, g.recv_cnt, cs);
   MOEFLOW_NCCL_CHECK(ncclGroupEnd());
   MOEFLOW_CUDA_CHECK(cudaEventRecord(g.ev_meta, cs));
+  g.mark("meta", cs);
   for (int c = 0; c < C; ++c) {
+    MOEFLOW_CUDA_CHECK(cudaStreamWaitEvent(cs, g.ev_rows[c], 0));
     g.exchange_piece(c, static_cast<const uint8_t*>(g.send_x.data()), g.row_bytes, g.send_off,
                      g.send_pc, static_cast<uint8_t*>(g.recv_x.data()), g.row_bytes, g.recv_off,
                      g.recv_pc, cs);
     MOEFLOW_CUDA_CHECK(cudaEventRecord(g.ev_piece[c], cs));
+    g.mark("x" + std::to_string(c), cs);
   }
   // Unpack + permute + pad: the received rows routed over the local experts.
   MOEFLOW_CUDA_CHECK(cudaStreamWaitEvent(stream, g.ev_meta, 0));
   build_plan(g.recv_ids, g.plan, g.plan_ws, stream);
+  g.mark("plan", stream);
   PermuteExtras extras;
   extras.probs = g.recv_probs;
   extras.permuted_probs = g.out_probs;
@@ -578,10 +633,10 @@ EpDispatchResult ep_dispatch(EpGroup& group, TensorView x, TensorView ids, Tenso
     return TensorView::strided(static_cast<uint8_t*>(buf.data()) + first * g.row_bytes,
                                g.opt.dtype, dev, {n, H}, {H, 1});
   };
-  const int me = g.rank;
-  // own rows straight from the send buffer, with the pad rows
-  cuda::permute_tokens(rows_of(g.send_x, g.send_off[me], g.send_cnt[me]), g.recv_off[me],
-                       g.recv_cnt[me], true, g.plan, g.out_x, extras, stream);
+  // own rows straight from x, with the pad rows
+  cuda::permute_tokens(x, g.recv_off[me], g.recv_cnt[me], true, g.plan, g.out_x, extras, stream,
+                       self_src);
+  g.mark("self", stream);
   for (int c = 0; c < C; ++c) {
     MOEFLOW_CUDA_CHECK(cudaStreamWaitEvent(stream, g.ev_piece[c], 0));
     for (int q = 0; q < W; ++q) {
@@ -589,9 +644,11 @@ EpDispatchResult ep_dispatch(EpGroup& group, TensorView x, TensorView ids, Tenso
       const int64_t b = g.recv_pc[q * (C + 1) + c], e = g.recv_pc[q * (C + 1) + c + 1];
       if (e > b)
         cuda::permute_tokens(rows_of(g.recv_x, g.recv_off[q] + b, e - b), g.recv_off[q] + b,
-                             e - b, false, g.plan, g.out_x, extras, stream);
+                             e - b, false, g.plan, g.out_x, extras, stream, nullptr);
     }
+    g.mark("perm" + std::to_string(c), stream);
   }
+  g.print_marks("dispatch");
   MOEFLOW_CHECK(g.host[2 * W * C] == 0, "ids: ", g.host[2 * W * C], " routing entries outside [-1, ", E,
                 ") on rank ", g.rank, " (treated as unrouted; the dispatch completed)");
   return EpDispatchResult{g.out_x, g.out_probs, &g.plan, g.received};
@@ -617,6 +674,7 @@ void combine_impl(EpGroup::Impl& g, TensorView y, bool weighted, TensorView out,
   // summed; this rank's own partials are summed last and stay in place; the
   // home tokens of piece c are added up as soon as their partials are all back.
   const int64_t pb = H * 4;
+  g.mark("start", stream);
   for (int c = 0; c < C; ++c) {
     for (int q = 0; q < W; ++q) {
       if (q == me) continue;
@@ -624,13 +682,16 @@ void combine_impl(EpGroup::Impl& g, TensorView y, bool weighted, TensorView out,
       cuda::unpermute_tokens(y, g.plan, g.recv_off[q] + b, e - b, g.partial, weights, {}, {},
                              stream);
     }
+    g.mark("unperm" + std::to_string(c), stream);
     EpGroup::Impl::order(g.ev_piece[c], stream, cs);
     g.exchange_piece(c, static_cast<const uint8_t*>(g.partial.data()), pb, g.recv_off, g.recv_pc,
                      static_cast<uint8_t*>(g.back.data()), pb, g.send_off, g.send_pc, cs);
     MOEFLOW_CUDA_CHECK(cudaEventRecord(g.ev_back[c], cs));
+    g.mark("back" + std::to_string(c), cs);
   }
   cuda::unpermute_tokens(y, g.plan, g.recv_off[me], g.recv_cnt[me], g.partial, weights, {}, {},
                          stream);
+  g.mark("self", stream);
   const float* back = g.back.data_ptr<float>();
   const float* partial = g.partial.data_ptr<float>();
   const int64_t shift = g.recv_off[me] - g.send_off[me];
@@ -666,7 +727,9 @@ void combine_impl(EpGroup::Impl& g, TensorView y, bool weighted, TensorView out,
         launch(out.data_ptr<__nv_bfloat16>());
     }
     MOEFLOW_CUDA_LAUNCH_CHECK();
+    g.mark("sum" + std::to_string(c), stream);
   }
+  g.print_marks("combine");
 }
 }  // namespace
 
@@ -701,7 +764,7 @@ void ep_combine_backward(EpGroup& group, TensorView dout, TensorView y, bool wei
     const bool vec = addr(dout.data) % 16 == 0 && xs % 16 == 0 && g.row_bytes % 16 == 0;
     const unsigned blocks = static_cast<unsigned>((W * T * cuda::kWarpSize + 255) / 256);
     ep_pack_rows_kernel<<<blocks, 256, 0, stream>>>(static_cast<const uint8_t*>(dout.data), xs,
-                                                    g.row_bytes, vec, T, W, flags, pos,
+                                                    g.row_bytes, vec, T, 0, T, W, -1, flags, pos,
                                                     static_cast<uint8_t*>(g.send_x.data()));
     MOEFLOW_CUDA_LAUNCH_CHECK();
   }

@@ -82,6 +82,7 @@ struct PermuteArgs {
   const int64_t* dest_row;
   int64_t num_tokens;      // tokens of this launch: plan tokens first_token ..
   int64_t first_token;     // x row i is plan token first_token + i (dest_row, probs: whole plan)
+  const int32_t* src_rows; // or null: plan token first_token + i reads x row src_rows[i]
   int topk;
   const float* probs;      // [T,K] or null
   float* permuted_probs;   // [capacity] or null
@@ -122,7 +123,8 @@ __global__ void __launch_bounds__(kThreads) permute_kernel(PermuteArgs a) {
       if (a.permuted_scales) zero_small_row(a.permuted_scales + row * a.scale_bytes, a.scale_bytes, lane);
       continue;
     }
-    const int64_t tl = item, t = a.first_token + item;  // row of x, token of the plan
+    const int64_t tl = a.src_rows ? a.src_rows[item] : item;  // row of x
+    const int64_t t = a.first_token + item;                    // token of the plan
     const V* src = reinterpret_cast<const V*>(a.x + tl * a.x_stride);
     for (int kg = 0; kg < a.topk; kg += kWarpSize) {
       // Step 1: this group's destinations (lane = k - kg), probs.
@@ -469,17 +471,18 @@ PermuteLaunch make_permute_launch(TensorView x, const RoutingPlan& plan, TensorV
 
 void permute(TensorView x, const RoutingPlan& plan, TensorView y, const PermuteExtras& ex,
              cudaStream_t stream) {
-  permute_tokens(x, 0, plan.num_tokens, true, plan, y, ex, stream);
+  permute_tokens(x, 0, plan.num_tokens, true, plan, y, ex, stream, nullptr);
 }
 
 void permute_tokens(TensorView x_rows, int64_t first_token, int64_t count, bool pad_rows,
                     const RoutingPlan& plan, TensorView y, const PermuteExtras& ex,
-                    cudaStream_t stream) {
+                    cudaStream_t stream, const int32_t* src_rows) {
   MOEFLOW_CHECK(first_token >= 0 && count >= 0 && first_token + count <= plan.num_tokens,
                 "permute_tokens: tokens [", first_token, ", ", first_token + count,
                 ") outside the plan's ", plan.num_tokens);
   PermuteLaunch l = make_permute_launch(x_rows, plan, y, ex);
   l.args.first_token = first_token;
+  l.args.src_rows = src_rows;
   l.args.num_tokens = count;
   if (!pad_rows) l.args.num_pad_items = 0;
   l.num_items = count + l.args.num_pad_items;
