@@ -71,11 +71,13 @@ void run_dispatch_bench(const DispatchBenchOptions& opt) {
                p.hidden, p.num_experts, p.topk, opt.align);
     std::fflush(stdout);
     auto groups = EpGroup::create_local(devs, eo);
-    const std::vector<int> chunk_counts = {1, 2, 4, 8};  // pipeline pieces per peer
+    // pipeline pieces per peer x blocks of the kernels beside the transfers
+    const std::vector<std::pair<int, int>> configs = {{1, 0},  {2, 0},  {4, 0},  {1, 32},
+                                                      {2, 32}, {4, 32}, {2, 64}, {4, 64}};
     struct Result {
       double dispatch_ms = 0, combine_ms = 0, a2a_ms = 0, a2a_f32_ms = 0;
       double out_bytes = 0, back_bytes = 0;
-      std::vector<double> sweep_dispatch_ms, sweep_combine_ms;  // per chunk_counts
+      std::vector<double> sweep_dispatch_ms, sweep_combine_ms;  // per configs
     };
     std::vector<Result> res(W);
     EpGroup::run_local(groups, [&](int r) {
@@ -92,8 +94,10 @@ void run_dispatch_bench(const DispatchBenchOptions& opt) {
       Tensor out = Tensor::empty({T, p.hidden}, DType::kBFloat16, dev);
       Result& rr = res[r];
       const int default_chunks = g.options().pipeline_chunks;
-      for (int nc : chunk_counts) {
+      const int default_blocks = g.options().overlap_blocks;
+      for (const auto& [nc, nb] : configs) {
         g.set_pipeline_chunks(nc);
+        g.set_overlap_blocks(nb);
         rr.sweep_dispatch_ms.push_back(
             median_ms([&] { ep_dispatch(g, x, routing.ids, routing.probs, stream); }, stream,
                       opt.timing.warmup, opt.timing.iters));
@@ -101,6 +105,7 @@ void run_dispatch_bench(const DispatchBenchOptions& opt) {
                                                 stream, opt.timing.warmup, opt.timing.iters));
       }
       g.set_pipeline_chunks(default_chunks);
+      g.set_overlap_blocks(default_blocks);
       rr.dispatch_ms = median_ms([&] { ep_dispatch(g, x, routing.ids, routing.probs, stream); },
                                  stream, opt.timing.warmup, opt.timing.iters);
       rr.combine_ms = median_ms([&] { ep_combine(g, y, true, out, stream); }, stream,
@@ -154,13 +159,14 @@ void run_dispatch_bench(const DispatchBenchOptions& opt) {
           r, rr.dispatch_ms * 1e3, d_gbs, a_gbs, d_gbs / a_gbs, rr.combine_ms * 1e3, c_gbs, af_gbs,
           c_gbs / af_gbs);
       std::string sweep;
-      for (size_t i = 0; i < chunk_counts.size(); ++i)
-        sweep += fmt::format(" {}: {:.0f}/{:.0f} us", chunk_counts[i],
+      for (size_t i = 0; i < configs.size(); ++i)
+        sweep += fmt::format(" {}x{}: {:.0f}/{:.0f}", configs[i].first, configs[i].second,
                              rr.sweep_dispatch_ms[i] * 1e3, rr.sweep_combine_ms[i] * 1e3);
-      fmt::print("          pipeline pieces per peer (dispatch/combine):{}\n", sweep);
+      fmt::print("          pieces x overlap blocks: dispatch/combine us:{}\n", sweep);
       all.push_back({{"preset", name},
                      {"pipeline_chunks", groups[r]->options().pipeline_chunks},
-                     {"sweep_chunks", chunk_counts},
+                     {"overlap_blocks", groups[r]->options().overlap_blocks},
+                     {"sweep_pieces_blocks", configs},
                      {"sweep_dispatch_ms", rr.sweep_dispatch_ms},
                      {"sweep_combine_ms", rr.sweep_combine_ms},
                      {"world", W},

@@ -25,6 +25,7 @@ struct Round {
   bool one_rank = false;        // every slot to the experts of rank W-1
   bool tag_tokens = false;      // float32 x with x[t][0] = rank, x[t][1] = t
   int chunks = 4;               // pipeline pieces per peer (EpOptions::pipeline_chunks)
+  int blocks = 0;               // EpOptions::overlap_blocks
 };
 
 bool same_bytes(const void* a, const void* b, size_t n) {
@@ -58,8 +59,11 @@ void run_rounds(int W, const std::vector<Round>& rounds, int64_t capacity_rows =
       if (rd.tag_tokens && dt != DType::kFloat32) continue;
       SCOPED_TRACE("W=" + std::to_string(W) + " " + dtype_name(dt) +
                    " T0=" + std::to_string(rd.tokens[0]) + (rd.one_rank ? " one-rank" : "") +
-                   " pieces=" + std::to_string(rd.chunks));
-      for (auto& g : groups) g->set_pipeline_chunks(rd.chunks);
+                   " pieces=" + std::to_string(rd.chunks) + " blocks=" + std::to_string(rd.blocks));
+      for (auto& g : groups) {
+        g->set_pipeline_chunks(rd.chunks);
+        g->set_overlap_blocks(rd.blocks);
+      }
       std::vector<RankInput> in(W);
       for (int r = 0; r < W; ++r) {
         const int64_t T = rd.tokens[r];
@@ -197,8 +201,10 @@ TEST(MultiGpuEp, MatchesReference) {
   empty_rank.chunks = 1;
   one_rank.chunks = 16;
   tagged.chunks = 3;
+  tagged.blocks = 3;  // grid-stride loops over few blocks
   Round uneven_pieces = uneven;
   uneven_pieces.chunks = 7;
+  uneven_pieces.blocks = 1;
   run_rounds(W, {uneven, empty_rank, one_rank, tagged, uneven_pieces});
 }
 

@@ -52,7 +52,11 @@ struct EpOptions {
   // Token rows (dispatch) and partial rows (combine) cross in this many pieces
   // per peer (1..16), so that the receiver's permute and the sender's
   // unpermute run while the rest is in flight; 1 = one transfer.
-  int pipeline_chunks = 4;
+  int pipeline_chunks = 2;
+  // Thread blocks of the permute / unpermute kernels that run beside the
+  // transfers (0: as many as the GPU holds). Fewer leave SMs and memory
+  // bandwidth to NCCL's kernels (measured by `moeflow bench dispatch`).
+  int overlap_blocks = 0;
 };
 
 class EpGroup {
@@ -84,6 +88,7 @@ class EpGroup {
   const EpOptions& options() const;
   // Changes options().pipeline_chunks (every rank must use the same value).
   void set_pipeline_chunks(int chunks);
+  void set_overlap_blocks(int blocks);
   ncclComm* nccl_comm() const;
   // Rows of the last dispatch sent to / received from each rank (host values).
   const std::vector<int64_t>& last_send_rows() const;

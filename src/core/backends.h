@@ -106,13 +106,15 @@ void unpermute_backward(TensorView dout, const RoutingPlan& plan, TensorView y_f
 // rows are x_rows[0, count) or, with src_rows, x_rows[src_rows[i]] (device
 // int32 [count]; dest_row and probs stay indexed by plan token), and zeroes
 // the pad rows when pad_rows; unpermute_tokens writes out rows
-// [first_token, first_token + count) only. Arguments are trusted (internal).
+// [first_token, first_token + count) only; max_blocks > 0 caps the grid (to
+// leave SMs to kernels running beside). Arguments are trusted (internal).
 void permute_tokens(TensorView x_rows, int64_t first_token, int64_t count, bool pad_rows,
                     const RoutingPlan& plan, TensorView y, const PermuteExtras& extras,
-                    cudaStream_t stream, const int32_t* src_rows = nullptr);
+                    cudaStream_t stream, const int32_t* src_rows = nullptr,
+                    int max_blocks = 0);
 void unpermute_tokens(TensorView y, const RoutingPlan& plan, int64_t first_token, int64_t count,
                       TensorView out, TensorView weights, TensorView row_vals,
-                      TensorView slot_vals, cudaStream_t stream);
+                      TensorView slot_vals, cudaStream_t stream, int max_blocks = 0);
 }  // namespace cuda
 
 }  // namespace moeflow

@@ -282,6 +282,7 @@ struct EpGroup::Impl {
     MOEFLOW_CHECK(world <= kMaxWorld, "at most ", kMaxWorld, " ranks per group, got ", world);
     MOEFLOW_CHECK(o.pipeline_chunks >= 1 && o.pipeline_chunks <= kMaxChunks,
                   "pipeline_chunks must be in [1, ", kMaxChunks, "], got ", o.pipeline_chunks);
+    MOEFLOW_CHECK(o.overlap_blocks >= 0, "overlap_blocks must be >= 0, got ", o.overlap_blocks);
     MOEFLOW_CHECK(o.max_tokens_per_rank >= 0, "max_tokens_per_rank must be >= 0, got ",
                   o.max_tokens_per_rank);
     MOEFLOW_CHECK(
@@ -399,6 +400,10 @@ int64_t EpGroup::capacity_rows() const {
 }
 const EpOptions& EpGroup::options() const {
   return impl_->opt;
+}
+void EpGroup::set_overlap_blocks(int blocks) {
+  MOEFLOW_CHECK(blocks >= 0, "overlap_blocks must be >= 0, got ", blocks);
+  impl_->opt.overlap_blocks = blocks;
 }
 void EpGroup::set_pipeline_chunks(int chunks) {
   MOEFLOW_CHECK(chunks >= 1 && chunks <= kMaxChunks, "pipeline_chunks must be in [1, ", kMaxChunks,
@@ -634,8 +639,9 @@ EpDispatchResult ep_dispatch(EpGroup& group, TensorView x, TensorView ids, Tenso
                                g.opt.dtype, dev, {n, H}, {H, 1});
   };
   // own rows straight from x, with the pad rows
+  const int ob = g.opt.overlap_blocks;
   cuda::permute_tokens(x, g.recv_off[me], g.recv_cnt[me], true, g.plan, g.out_x, extras, stream,
-                       self_src);
+                       self_src, ob);
   g.mark("self", stream);
   for (int c = 0; c < C; ++c) {
     MOEFLOW_CUDA_CHECK(cudaStreamWaitEvent(stream, g.ev_piece[c], 0));
@@ -644,7 +650,8 @@ EpDispatchResult ep_dispatch(EpGroup& group, TensorView x, TensorView ids, Tenso
       const int64_t b = g.recv_pc[q * (C + 1) + c], e = g.recv_pc[q * (C + 1) + c + 1];
       if (e > b)
         cuda::permute_tokens(rows_of(g.recv_x, g.recv_off[q] + b, e - b), g.recv_off[q] + b,
-                             e - b, false, g.plan, g.out_x, extras, stream, nullptr);
+                             e - b, false, g.plan, g.out_x, extras, stream, nullptr,
+                             c + 1 < C ? ob : 0);
     }
     g.mark("perm" + std::to_string(c), stream);
   }
@@ -680,7 +687,7 @@ void combine_impl(EpGroup::Impl& g, TensorView y, bool weighted, TensorView out,
       if (q == me) continue;
       const int64_t b = g.recv_pc[q * (C + 1) + c], e = g.recv_pc[q * (C + 1) + c + 1];
       cuda::unpermute_tokens(y, g.plan, g.recv_off[q] + b, e - b, g.partial, weights, {}, {},
-                             stream);
+                             stream, c > 0 ? g.opt.overlap_blocks : 0);
     }
     g.mark("unperm" + std::to_string(c), stream);
     EpGroup::Impl::order(g.ev_piece[c], stream, cs);
@@ -690,7 +697,7 @@ void combine_impl(EpGroup::Impl& g, TensorView y, bool weighted, TensorView out,
     g.mark("back" + std::to_string(c), cs);
   }
   cuda::unpermute_tokens(y, g.plan, g.recv_off[me], g.recv_cnt[me], g.partial, weights, {}, {},
-                         stream);
+                         stream, g.opt.overlap_blocks);
   g.mark("self", stream);
   const float* back = g.back.data_ptr<float>();
   const float* partial = g.partial.data_ptr<float>();

@@ -471,12 +471,12 @@ PermuteLaunch make_permute_launch(TensorView x, const RoutingPlan& plan, TensorV
 
 void permute(TensorView x, const RoutingPlan& plan, TensorView y, const PermuteExtras& ex,
              cudaStream_t stream) {
-  permute_tokens(x, 0, plan.num_tokens, true, plan, y, ex, stream, nullptr);
+  permute_tokens(x, 0, plan.num_tokens, true, plan, y, ex, stream, nullptr, 0);
 }
 
 void permute_tokens(TensorView x_rows, int64_t first_token, int64_t count, bool pad_rows,
                     const RoutingPlan& plan, TensorView y, const PermuteExtras& ex,
-                    cudaStream_t stream, const int32_t* src_rows) {
+                    cudaStream_t stream, const int32_t* src_rows, int max_blocks) {
   MOEFLOW_CHECK(first_token >= 0 && count >= 0 && first_token + count <= plan.num_tokens,
                 "permute_tokens: tokens [", first_token, ", ", first_token + count,
                 ") outside the plan's ", plan.num_tokens);
@@ -492,19 +492,21 @@ void permute_tokens(TensorView x_rows, int64_t first_token, int64_t count, bool 
     using V = decltype(v);
     a.row_vecs = l.row_bytes / static_cast<int64_t>(sizeof(V));
     const auto kernel = permute_kernel<V>;
-    kernel<<<grid_blocks(kernel, l.num_items, false), kThreads, 0, stream>>>(a);
+    int64_t blocks = grid_blocks(kernel, l.num_items, false);
+    if (max_blocks > 0) blocks = std::min<int64_t>(blocks, max_blocks);
+    kernel<<<blocks, kThreads, 0, stream>>>(a);
   });
   MOEFLOW_CUDA_LAUNCH_CHECK();
 }
 
 void unpermute(TensorView y, const RoutingPlan& plan, TensorView out, TensorView weights,
                TensorView row_vals, TensorView slot_vals, cudaStream_t stream) {
-  unpermute_tokens(y, plan, 0, plan.num_tokens, out, weights, row_vals, slot_vals, stream);
+  unpermute_tokens(y, plan, 0, plan.num_tokens, out, weights, row_vals, slot_vals, stream, 0);
 }
 
 void unpermute_tokens(TensorView y, const RoutingPlan& plan, int64_t first_token, int64_t count,
                       TensorView out, TensorView weights, TensorView row_vals,
-                      TensorView slot_vals, cudaStream_t stream) {
+                      TensorView slot_vals, cudaStream_t stream, int max_blocks) {
   MOEFLOW_CHECK(first_token >= 0 && count >= 0 && first_token + count <= plan.num_tokens,
                 "unpermute_tokens: tokens [", first_token, ", ", first_token + count,
                 ") outside the plan's ", plan.num_tokens);
@@ -532,7 +534,9 @@ void unpermute_tokens(TensorView y, const RoutingPlan& plan, int64_t first_token
                        aligned_to(in_bytes, {addr(a.y), a.y_stride * int64_t(sizeof(TIn))}) &&
                        aligned_to(out_bytes, {addr(a.out), a.out_stride * int64_t(sizeof(TOut))});
       const auto kernel = vec ? unpermute_kernel<TIn, TOut, kN> : unpermute_kernel<TIn, TOut, 1>;
-      kernel<<<grid_blocks(kernel, a.num_tokens, true), kThreads, 0, stream>>>(a);
+      int64_t blocks = grid_blocks(kernel, a.num_tokens, true);
+      if (max_blocks > 0) blocks = std::min<int64_t>(blocks, max_blocks);
+      kernel<<<blocks, kThreads, 0, stream>>>(a);
     });
   });
   MOEFLOW_CUDA_LAUNCH_CHECK();
