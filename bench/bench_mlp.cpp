@@ -11,6 +11,7 @@
 #include <fstream>
 
 #include "bench/bench.h"
+#include "core/mlp_call.h"
 #include "moeflow/grouped_mlp.h"
 
 namespace moeflow::bench {
@@ -89,6 +90,16 @@ void run_mlp_bench(const MlpBenchOptions& opt) {
           bwd();
         },
         t);
+    // The dGLU step alone (a separate kernel between FC2 dgrad and FC1 dgrad):
+    // the most that fusing it into the FC2 dgrad epilogue could save.
+    const MlpRows mrows{layout, E, M};
+    const double dglu_us = time_us(
+        dev, stream,
+        [&] {
+          cuda::mlp_dglu(mrows, h, d_h, probs, cfg.activation, cfg.params, cfg.glu_interleave, F,
+                         dprobs, stream);
+        },
+        t);
     MOEFLOW_CUDA_CHECK(cudaDeviceSynchronize());
     MOEFLOW_CUDA_CHECK(cudaMemGetInfo(&free_after, &total));
     const double held = static_cast<double>(free_before) - static_cast<double>(free_after);
@@ -98,15 +109,17 @@ void run_mlp_bench(const MlpBenchOptions& opt) {
     fmt::print(
         "    forward {:9.1f} us | forward+backward {:9.1f} us ({:6.1f} TFLOP/s) | step buffers "
         "{:8.0f} MiB (y, h, a, d_h, dx, dprobs; device memory the step held, measured: {:.0f} "
-        "MiB)\n",
-        fwd_us, step_us, flops / step_us / 1e6, extra / (1 << 20), held / (1 << 20));
+        "MiB)\n      dGLU kernel {:7.1f} us ({:.1f}% of the step)\n",
+        fwd_us, step_us, flops / step_us / 1e6, extra / (1 << 20), held / (1 << 20), dglu_us,
+        100.0 * dglu_us / step_us);
     std::fflush(stdout);
     rows.push_back({{"case", c.name},
                     {"forward_us", fwd_us},
                     {"fwd_bwd_us", step_us},
                     {"TFLOPs", flops / step_us / 1e6},
                     {"step_buffers_MiB", extra / (1 << 20)},
-                    {"step_device_memory_MiB", held / (1 << 20)}});
+                    {"step_device_memory_MiB", held / (1 << 20)},
+                    {"dglu_us", dglu_us}});
   }
   if (!opt.json_path.empty()) {
     std::ofstream f(opt.json_path);

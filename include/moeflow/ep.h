@@ -55,8 +55,9 @@ struct EpOptions {
   int pipeline_chunks = 2;
   // Thread blocks of the permute / unpermute kernels that run beside the
   // transfers (0: as many as the GPU holds). Fewer leave SMs and memory
-  // bandwidth to NCCL's kernels (measured by `moeflow bench dispatch`).
-  int overlap_blocks = 0;
+  // bandwidth to NCCL's kernels (2 pieces x 64 blocks measured best on two
+  // H200s: docs/perf/ep-nccl-h200-2026-11-22.md).
+  int overlap_blocks = 64;
 };
 
 class EpGroup {
