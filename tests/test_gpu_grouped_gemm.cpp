@@ -17,11 +17,13 @@ const Device kGpu = Device::cuda(0);
 #define CUBLAS_OK(x) ASSERT_EQ((x), CUBLAS_STATUS_SUCCESS)
 
 // Every test runs on each kernel path: the default (the TMA kernel on Hopper),
-// the TMA kernel with its consumer warpgroups staggered by 3 K slices, the
+// the TMA kernel with its consumer warpgroups staggered by 3 K slices and its
+// blocks desynchronised, the
 // cp.async wgmma kernels, the masked-store epilogue and the portable mma.sync.
 struct PathCase {
   cuda::GemmPath path;
   int stagger;  // -1: the default
+  int desync;   // -1: the default
   const char* name;
 };
 class GpuGemm : public ::testing::TestWithParam<PathCase> {
@@ -31,6 +33,7 @@ class GpuGemm : public ::testing::TestWithParam<PathCase> {
     cuda::set_gemm_path(GetParam().path);
     cuda::TmaTuning t;
     t.stagger = GetParam().stagger;
+    t.desync = GetParam().desync;
     cuda::set_tma_tuning(t);
   }
   void TearDown() override {
@@ -385,12 +388,12 @@ TEST_P(GpuGemm, BadOffsetsAreFlaggedAndClamped) {
 
 INSTANTIATE_TEST_SUITE_P(
     Paths, GpuGemm,
-    ::testing::Values(PathCase{cuda::GemmPath::kAuto, -1, "Auto"},
-                      PathCase{cuda::GemmPath::kAuto, 3, "TmaStaggered"},
-                      PathCase{cuda::GemmPath::kSm90CpAsync, -1, "Sm90CpAsync"},
-                      PathCase{cuda::GemmPath::kSm90Narrow, -1, "Sm90Narrow"},
-                      PathCase{cuda::GemmPath::kPortable, -1, "Portable"},
-                      PathCase{cuda::GemmPath::kTmaDirectStore, -1, "TmaDirectStore"}),
+    ::testing::Values(PathCase{cuda::GemmPath::kAuto, -1, -1, "Auto"},
+                      PathCase{cuda::GemmPath::kAuto, 3, 2, "TmaStaggered"},
+                      PathCase{cuda::GemmPath::kSm90CpAsync, -1, -1, "Sm90CpAsync"},
+                      PathCase{cuda::GemmPath::kSm90Narrow, -1, -1, "Sm90Narrow"},
+                      PathCase{cuda::GemmPath::kPortable, -1, -1, "Portable"},
+                      PathCase{cuda::GemmPath::kTmaDirectStore, -1, -1, "TmaDirectStore"}),
     [](const auto& info) { return std::string(info.param.name); });
 
 }  // namespace

@@ -19,12 +19,14 @@ static std::atomic<GemmPath> g_gemm_path{GemmPath::kAuto};
 void set_gemm_path(GemmPath path) {
   g_gemm_path = path;
 }
-static std::atomic<int> g_tune_stages{0}, g_tune_bufs{0}, g_tune_raster{0}, g_tune_stagger{-1};
+static std::atomic<int> g_tune_stages{0}, g_tune_bufs{0}, g_tune_raster{0}, g_tune_stagger{-1},
+    g_tune_desync{-1};
 void set_tma_tuning(TmaTuning tuning) {
   g_tune_stages = tuning.stages;
   g_tune_bufs = tuning.bufs;
   g_tune_raster = tuning.raster;
   g_tune_stagger = tuning.stagger;
+  g_tune_desync = tuning.desync;
 }
 
 namespace {
@@ -34,6 +36,10 @@ using gemm::Params;
 // K slices by which consumer warpgroup 1 of the TMA kernel trails consumer 0
 // (0 = lockstep); measured with `moeflow bench gemm --tune`.
 constexpr int kDefaultStagger = 1;
+// Thousands of cycles by which block b of the TMA kernel starts (b % 8) x
+// this late (wgrad / forward); measured with `moeflow bench gemm --tune`.
+constexpr int kDefaultDesyncWgrad = 0;
+constexpr int kDefaultDesync = 0;
 
 // The wgmma path needs a Hopper GPU and sm_90a code in this build.
 bool use_sm90() {
@@ -188,8 +194,11 @@ bool launch_tma(const Params& p, cudaStream_t stream, const Epi& epi = {}) {
   // Consumer 1 lags consumer 0 by this many K slices (at most stages - 1).
   const int want_stagger = g_tune_stagger.load();
   const int stagger = std::min(want_stagger >= 0 ? want_stagger : kDefaultStagger, stages - 1);
+  const int want_desync = g_tune_desync.load();
+  const int desync =
+      want_desync >= 0 ? want_desync : (MODE == 2 ? kDefaultDesyncWgrad : kDefaultDesync);
   kernel<<<sm_count(), t::kThreads, smem, stream>>>(p, map_a, map_w, map_c, map_raw, stages, bufs,
-                                                    stagger, kind, epi);
+                                                    stagger, desync, kind, epi);
   MOEFLOW_CUDA_LAUNCH_CHECK();
   return true;
 }

@@ -189,7 +189,7 @@ __global__ void __launch_bounds__(kThreads, 1)
                             const __grid_constant__ CUtensorMap map_w,
                             const __grid_constant__ CUtensorMap map_c,
                             const __grid_constant__ CUtensorMap map_raw, int stages, int bufs,
-                            int stagger, StoreKind store_kind, Epi epi) {
+                            int stagger, int desync, StoreKind store_kind, Epi epi) {
 #if defined(__CUDA_ARCH__) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
   extern __shared__ uint8_t smem_raw[];
   uint8_t* smem =
@@ -246,6 +246,14 @@ __global__ void __launch_bounds__(kThreads, 1)
                                    (MODE == 1 ? 0 : (Epi::kSplitB ? tg.n0 / 2 : tg.n0)));
         return l;
       };
+      // Desync: block b starts (b % 8) * desync thousand cycles late, so that
+      // the blocks' epilogues (equal-length tiles end together) do not all
+      // hit memory at once; a one-off cost of a few microseconds.
+      if (desync > 0) {
+        const long long until = clock64() + static_cast<long long>(blockIdx.x % 8) * desync * 1000;
+        while (clock64() < until) {
+        }
+      }
       uint32_t it = 0;
       Loads cur{};
       if (static_cast<int32_t>(blockIdx.x) < num_tiles) cur = loads_of(blockIdx.x);
