@@ -38,7 +38,7 @@ using gemm::Params;
 constexpr int kDefaultStagger = 1;
 // Thousands of cycles by which block b of the TMA kernel starts (b % 8) x
 // this late (wgrad / forward); measured with `moeflow bench gemm --tune`.
-constexpr int kDefaultDesyncWgrad = 0;
+constexpr int kDefaultDesyncWgrad = 4;
 constexpr int kDefaultDesync = 0;
 
 // The wgmma path needs a Hopper GPU and sm_90a code in this build.
