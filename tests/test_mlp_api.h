@@ -21,7 +21,8 @@ inline std::vector<MlpApiCase> mlp_api_cases() {
   std::vector<MlpApiCase> cases;
   for (Activation act : {Activation::kSwiGLU, Activation::kGeGLU, Activation::kClampedQuickGeGLU})
     for (int il : {0, 8})
-      for (bool bias : {false, true}) cases.push_back({act, il, bias, bias, 40, 64});
+      for (bool bias : {false, true})
+        for (bool probs : {false, true}) cases.push_back({act, il, bias, probs, 40, 64});
   for (Activation act : {Activation::kGelu, Activation::kRelu, Activation::kSquaredRelu})
     cases.push_back({act, 0, true, true, 48, 64});
   return cases;
