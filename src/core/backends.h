@@ -91,7 +91,6 @@ struct TmaTuning {
   int raster = 0;    // m tiles per raster band (all kernels)
   int stagger = -1;  // K slices consumer warpgroup 1 lags consumer 0 (TMA kernel); -1 = default
   int desync = -1;   // block b starts (b % 8) x desync x 1000 cycles late (TMA); -1 = default
-  int raw_direct = -1;  // fused FC1: pre-activation stored from registers (1) or via TMA (0)
 };
 void set_tma_tuning(TmaTuning tuning);
 size_t plan_workspace_bytes(int64_t num_tokens, int topk, const PlanConfig& config);

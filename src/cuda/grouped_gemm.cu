@@ -20,14 +20,13 @@ void set_gemm_path(GemmPath path) {
   g_gemm_path = path;
 }
 static std::atomic<int> g_tune_stages{0}, g_tune_bufs{0}, g_tune_raster{0}, g_tune_stagger{-1},
-    g_tune_desync{-1}, g_tune_raw_direct{-1};
+    g_tune_desync{-1};
 void set_tma_tuning(TmaTuning tuning) {
   g_tune_stages = tuning.stages;
   g_tune_bufs = tuning.bufs;
   g_tune_raster = tuning.raster;
   g_tune_stagger = tuning.stagger;
   g_tune_desync = tuning.desync;
-  g_tune_raw_direct = tuning.raw_direct;
 }
 
 namespace {
@@ -41,9 +40,6 @@ constexpr int kDefaultStagger = 1;
 // this late (wgrad / forward); measured with `moeflow bench gemm --tune`.
 constexpr int kDefaultDesyncWgrad = 4;
 constexpr int kDefaultDesync = 0;
-// Fused FC1: the pre-activation output stored from the registers (1) or
-// through the staging ring and the TMA (0).
-constexpr int kDefaultRawDirect = 0;
 
 // The wgmma path needs a Hopper GPU and sm_90a code in this build.
 bool use_sm90() {
@@ -201,10 +197,8 @@ bool launch_tma(const Params& p, cudaStream_t stream, const Epi& epi = {}) {
   const int want_desync = g_tune_desync.load();
   const int desync =
       want_desync >= 0 ? want_desync : (MODE == 2 ? kDefaultDesyncWgrad : kDefaultDesync);
-  const int want_rd = g_tune_raw_direct.load();
-  const int raw_direct = want_rd >= 0 ? want_rd : kDefaultRawDirect;
   kernel<<<sm_count(), t::kThreads, smem, stream>>>(p, map_a, map_w, map_c, map_raw, stages, bufs,
-                                                    stagger, desync, raw_direct, kind, epi);
+                                                    stagger, desync, kind, epi);
   MOEFLOW_CUDA_LAUNCH_CHECK();
   return true;
 }

@@ -189,8 +189,7 @@ __global__ void __launch_bounds__(kThreads, 1)
                             const __grid_constant__ CUtensorMap map_w,
                             const __grid_constant__ CUtensorMap map_c,
                             const __grid_constant__ CUtensorMap map_raw, int stages, int bufs,
-                            int stagger, int desync, int raw_direct, StoreKind store_kind,
-                            Epi epi) {
+                            int stagger, int desync, StoreKind store_kind, Epi epi) {
 #if defined(__CUDA_ARCH__) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
   extern __shared__ uint8_t smem_raw[];
   uint8_t* smem =
@@ -487,31 +486,7 @@ __global__ void __launch_bounds__(kThreads, 1)
           }
         };
         const int tile_n = tw.n0 / kTileN;
-        if (epi.save_raw() && raw_direct) {
-          // The pre-activation tile straight from the registers (4-byte
-          // stores, no staging: the staging ring is left to the outputs).
-          TOut* rp = static_cast<TOut*>(epi.raw_ptr());
-#pragma unroll
-          for (int q = 0; q < kTileN / kCw; ++q) {
-            const int rc = epi.raw_col(tile_n, q);
-            const int64_t lim = (Epi::kSplitB && q < 2) ? p.n_out / 2 : p.n_out;
-#pragma unroll
-            for (int jj = 0; jj < kCw / 8; ++jj)
-#pragma unroll
-              for (int half = 0; half < 2; ++half) {
-                const int rl = rl0 + half * 8;
-                const int64_t col = rc + jj * 8 + 2 * (lane % 4);
-                if (rl >= wg_rows || col >= lim) continue;
-                const float2 v = rl < data_rows
-                                     ? epi.raw_value(acc, q * (kCw / 8) + jj, half, col, tw.group)
-                                     : make_float2(0.0f, 0.0f);
-                Pack<TOut, 2> o;
-                o.v[0] = from_float<TOut>(v.x);
-                o.v[1] = from_float<TOut>(v.y);
-                *reinterpret_cast<Pack<TOut, 2>*>(rp + (wg_row0 + rl) * p.n_out + col) = o;
-              }
-          }
-        } else if (epi.save_raw()) {  // the pre-activation tile (256 columns)
+        if (epi.save_raw()) {  // the pre-activation tile (256 columns)
 #pragma unroll
           for (int q = 0; q < kTileN / kCw; ++q) {
             const int rc = epi.raw_col(tile_n, q);
