@@ -3,6 +3,7 @@
 // routings for W = 2, 4, 8 with uneven tokens (0 and primes), all tokens to
 // one rank, capacity overflow, dispatch+combine identity, backward adjoints,
 // bad input.
+#include "core/ep_layout.h"
 #include "moeflow/dispatch.h"
 #include "test_util.h"
 
@@ -151,6 +152,60 @@ TEST(EpReference, RandomRoutingsEverySlotArrivesOnce) {
       for (int r = 0; r < W; ++r) EXPECT_TRUE(bytes_equal(again[r], out[r]));
     }
   }
+}
+
+// The layout the fused NVLink dispatch computes on the device from the
+// exchanged count matrix (core/ep_layout.h) gives every slot the reference's
+// row, and every rank the reference's plan, with and without drops.
+TEST(EpLayout, CountMatrixGivesTheReferenceRows) {
+  for (int W : {1, 2, 4, 8})
+    for (int align : {1, 16})
+      for (int64_t capacity : {int64_t{-1}, int64_t{96}}) {
+        SCOPED_TRACE(::testing::Message() << "W=" << W << " align=" << align << " capacity=" << capacity);
+        const int E = 32, K = 4;
+        EpSetup s = random_setup(W, E, K, 8, align, 700 + W * 10 + align);
+        s.cfg.capacity_rows = capacity;
+        Handle h;
+        auto recv = ep_reference::dispatch(s.in, s.cfg, h);
+        const int64_t cap = h.config.capacity_rows;
+        std::vector<int32_t> counts(static_cast<size_t>(W) * E, 0);
+        for (int r = 0; r < W; ++r)
+          for (int64_t i = 0; i < s.in[r].ids.numel(); ++i) {
+            const int32_t g = s.in[r].ids.data_ptr<int32_t>()[i];
+            if (g >= 0) ++counts[static_cast<size_t>(r) * E + g];
+          }
+        int64_t dropped_slots = 0;
+        for (int r = 0; r < W; ++r) {
+          std::vector<int64_t> rank_in_run(E, 0);  // the slot's rank among r's slots to g
+          for (int64_t i = 0; i < s.in[r].ids.numel(); ++i) {
+            const int32_t g = s.in[r].ids.data_ptr<int32_t>()[i];
+            const int64_t want = h.dest_row[r].data_ptr<int64_t>()[i];
+            if (g < 0) {
+              ASSERT_EQ(want, -1);
+              continue;
+            }
+            const EpSlotRange range = ep_slot_range(counts.data(), W, E, r, g, cap, align);
+            const int64_t rk = rank_in_run[g]++;
+            const int64_t got = rk < range.fit ? range.first_row + rk : -1;
+            ASSERT_EQ(got, want) << "rank " << r << " slot " << i;
+            dropped_slots += got < 0;
+          }
+        }
+        int64_t dropped_recv = 0;
+        for (int q = 0; q < W; ++q) {
+          const int L = E / W;
+          std::vector<int32_t> kept(L);
+          std::vector<int64_t> offsets(L + 1);
+          int64_t dropped = 0;
+          ep_recv_layout(counts.data(), W, E, q, cap, align, kept.data(), offsets.data(), &dropped);
+          EXPECT_EQ(kept, to_vec<int32_t>(recv[q].tokens_per_expert));
+          EXPECT_EQ(offsets, to_vec<int64_t>(recv[q].expert_row_offsets));
+          EXPECT_EQ(dropped, recv[q].dropped);
+          dropped_recv += dropped;
+        }
+        EXPECT_EQ(dropped_slots, dropped_recv);
+        if (capacity > 0 && W >= 2) EXPECT_GT(dropped_recv, 0) << "the tight capacity must drop";
+      }
 }
 
 TEST(EpReference, AllTokensToOneRankAndOverflow) {
