@@ -41,7 +41,16 @@ struct ncclComm;
 
 namespace moeflow {
 
+// kNccl: grouped ncclSend/ncclRecv, any NCCL transport, one host sync per
+// dispatch. kNvlink: kernels that store each token straight into its final
+// row on the peers through NCCL symmetric memory (one NVLink domain, NCCL
+// 2.28+), no host synchronisation; first version: combine_backward is not
+// available on it yet, received_tokens is -1 (it is on the device) and the
+// plan's row_token / row_k / dest_row are not filled.
+enum class EpBackend { kNccl, kNvlink };
+
 struct EpOptions {
+  EpBackend backend = EpBackend::kNccl;
   int num_experts = 0;              // E (global), a multiple of the world size
   int topk = 0;                     // K
   int64_t hidden = 0;               // H
@@ -58,6 +67,10 @@ struct EpOptions {
   // bandwidth to NCCL's kernels (2 pieces x 64 blocks measured best on two
   // H200s: docs/perf/ep-nccl-h200-2026-11-22.md).
   int overlap_blocks = 64;
+  // Backend nvlink: thread blocks of its dispatch and combine kernels (one
+  // per SM; HybridEP's num_blocks_permute). The rest of the GPU stays free
+  // for compute that overlaps the transfers.
+  int nvlink_blocks = 32;
 };
 
 class EpGroup {
@@ -107,7 +120,8 @@ struct EpDispatchResult {
   TensorView x;             // [capacity, H] received tokens, expert-major, padded; pad rows zero
   TensorView probs;         // [capacity] float32: probability of each row, 0 on pad rows
   const RoutingPlan* plan;  // the local experts' plan (device counts/offsets; overflow = dropped)
-  int64_t received_tokens;  // tokens that arrived (host value, known after the count exchange)
+  int64_t received_tokens;  // tokens that arrived (host value, known after the count
+                            // exchange; -1 on the nvlink backend)
 };
 
 // x [T,H] (T <= max_tokens_per_rank, may be 0), ids [T,K] int32/int64 global

@@ -192,6 +192,10 @@ int64_t addr(const void* p) {
 
 }  // namespace
 
+}  // namespace moeflow
+#include "cuda/ep_nvlink.cuh"
+namespace moeflow {
+
 struct EpGroup::Impl {
   ncclComm_t comm = nullptr;
   bool owns_comm = false;
@@ -219,6 +223,7 @@ struct EpGroup::Impl {
   cudaEvent_t ev_start = nullptr, ev_host = nullptr, ev_packed = nullptr, ev_meta = nullptr,
               ev_done = nullptr;
   cudaEvent_t ev_piece[kMaxChunks] = {}, ev_back[kMaxChunks] = {}, ev_rows[kMaxChunks] = {};
+  std::unique_ptr<NvlinkState> nvl;  // backend nvlink
 
   ~Impl() {
     for (cudaEvent_t e : {ev_start, ev_host, ev_packed, ev_meta, ev_done})
@@ -228,6 +233,7 @@ struct EpGroup::Impl {
       for (int i = 0; i < kMaxChunks; ++i)
         if (arr[i]) cudaEventDestroy(arr[i]);
     if (comm_stream) cudaStreamDestroy(comm_stream);
+    if (nvl) nvl->release(comm);
     if (host) cudaFreeHost(host);
     if (owns_comm && comm) ncclCommDestroy(comm);
   }
@@ -283,6 +289,7 @@ struct EpGroup::Impl {
     MOEFLOW_CHECK(o.pipeline_chunks >= 1 && o.pipeline_chunks <= kMaxChunks,
                   "pipeline_chunks must be in [1, ", kMaxChunks, "], got ", o.pipeline_chunks);
     MOEFLOW_CHECK(o.overlap_blocks >= 0, "overlap_blocks must be >= 0, got ", o.overlap_blocks);
+    MOEFLOW_CHECK(o.nvlink_blocks >= 1, "nvlink_blocks must be >= 1, got ", o.nvlink_blocks);
     MOEFLOW_CHECK(o.max_tokens_per_rank >= 0, "max_tokens_per_rank must be >= 0, got ",
                   o.max_tokens_per_rank);
     MOEFLOW_CHECK(
@@ -339,6 +346,57 @@ struct EpGroup::Impl {
     for (cudaEvent_t* arr : {ev_piece, ev_back, ev_rows})
       for (int i = 0; i < kMaxChunks; ++i)
         MOEFLOW_CUDA_CHECK(cudaEventCreateWithFlags(&arr[i], cudaEventDisableTiming));
+  }
+
+  // Backend nvlink: the symmetric window and the buffers of the device-side
+  // layout (collective: every rank calls it together).
+  void init_nvlink() {
+    nvl = std::make_unique<NvlinkState>();
+    NvlinkState& s = *nvl;
+    const int64_t H = opt.hidden, K = opt.topk, E = opt.num_experts;
+    const size_t esz = dtype_size(opt.dtype);
+    MOEFLOW_CHECK(row_bytes % 16 == 0, "the nvlink backend needs 16-byte token rows, got hidden=", H,
+                  " x ", esz, " bytes");
+    s.off_x = 0;
+    s.off_probs = nvl::round_up(size_t(capacity) * H * esz);
+    s.off_counts = s.off_probs + nvl::round_up(size_t(capacity) * 4);
+    s.off_y = s.off_counts + nvl::round_up(size_t(world) * E * 4);
+    s.bytes = s.off_y + nvl::round_up(size_t(capacity) * H * esz);
+    MOEFLOW_NCCL_CHECK(ncclMemAlloc(&s.base, s.bytes));
+    MOEFLOW_NCCL_CHECK(
+        ncclCommWindowRegister(comm, s.base, s.bytes, &s.win, NCCL_WIN_COLL_SYMMETRIC));
+    s.have_win = true;
+    ncclDevCommRequirements req{};
+    req.lsaBarrierCount = 1;  // no multimem resources (NVLS stays off)
+    MOEFLOW_NCCL_CHECK(ncclDevCommCreate(comm, &req, &s.dc));
+    s.have_dc = true;
+    MOEFLOW_CHECK(s.dc.lsaSize == world && s.dc.lsaRank == rank,
+                  "the nvlink backend needs all ranks in one NVLink domain: NCCL reports ",
+                  s.dc.lsaSize, " of ", world, " ranks reachable (lsa rank ", s.dc.lsaRank,
+                  ", rank ", rank, ")");
+    MOEFLOW_CUDA_CHECK(cudaMemset(static_cast<uint8_t*>(s.base) + s.off_counts, 0,
+                                  size_t(world) * E * 4));
+    const Device dev = Device::cuda(device);
+    s.local_ids = Tensor::empty({tmax, K}, DType::kInt32, dev);
+    PlanConfig lc;
+    lc.num_experts = static_cast<int>(E);
+    lc.align = 1;
+    lc.capacity_rows = tmax * K;
+    s.local = allocate_plan(tmax, static_cast<int>(K), lc, dev);
+    s.local_ws = Tensor::empty(
+        {static_cast<int64_t>(plan_workspace_bytes(tmax, static_cast<int>(K), lc)) + 16},
+        DType::kUInt8, dev);
+    s.first_row = Tensor::empty({E}, DType::kInt64, dev);
+    s.fit = Tensor::empty({E}, DType::kInt64, dev);
+    s.dest_rank = Tensor::empty({tmax, K}, DType::kInt32, dev);
+    s.dest_row = Tensor::empty({tmax, K}, DType::kInt64, dev);
+    s.probs = Tensor::empty({tmax, K}, DType::kFloat32, dev);
+    PlanConfig rc;
+    rc.num_experts = epr;
+    rc.align = opt.align;
+    rc.capacity_rows = capacity;
+    s.recv = allocate_plan(1, static_cast<int>(K), rc, dev);
+    MOEFLOW_CUDA_CHECK(cudaDeviceSynchronize());
   }
 
   // Grouped send/recv of per-peer row ranges of two buffers (bytes per row).
@@ -424,6 +482,7 @@ std::unique_ptr<EpGroup> EpGroup::from_comm(ncclComm* comm, const EpOptions& opt
   MOEFLOW_CHECK(comm != nullptr, "comm must be an NCCL communicator, got null");
   auto impl = std::make_unique<Impl>();
   impl->init(comm, false, options);
+  if (options.backend == EpBackend::kNvlink) impl->init_nvlink();
   return std::unique_ptr<EpGroup>(new EpGroup(std::move(impl)));
 }
 
@@ -447,8 +506,11 @@ std::unique_ptr<EpGroup> EpGroup::from_unique_id(const std::array<char, 128>& id
   auto impl = std::make_unique<Impl>();
   try {
     impl->init(comm, true, options);
+    if (options.backend == EpBackend::kNvlink) impl->init_nvlink();
   } catch (...) {
-    ncclCommDestroy(comm);
+    const bool owned = impl->owns_comm;  // then ~Impl destroys the communicator
+    impl.reset();
+    if (!owned) ncclCommDestroy(comm);
     throw;
   }
   return std::unique_ptr<EpGroup>(new EpGroup(std::move(impl)));
@@ -468,6 +530,8 @@ std::vector<std::unique_ptr<EpGroup>> EpGroup::create_local(const std::vector<in
     impl->init(comms[i], true, options);
     groups.push_back(std::unique_ptr<EpGroup>(new EpGroup(std::move(impl))));
   }
+  if (options.backend == EpBackend::kNvlink)  // collective: one thread per rank
+    run_local(groups, [&](int r) { groups[r]->impl().init_nvlink(); });
   return groups;
 }
 
@@ -489,6 +553,134 @@ void EpGroup::run_local(const std::vector<std::unique_ptr<EpGroup>>& groups,
     if (e) std::rethrow_exception(e);
 }
 
+namespace {
+
+// Backend nvlink (see cuda/ep_nvlink.cuh): arguments validated by the caller.
+EpDispatchResult nvlink_dispatch(EpGroup::Impl& g, TensorView x, TensorView ids, TensorView probs,
+                                 cudaStream_t stream) {
+  NvlinkState& s = *g.nvl;
+  const int K = g.opt.topk, W = g.world, E = g.opt.num_experts, L = g.epr;
+  const int64_t T = x.shape[0], H = g.opt.hidden;
+  const Device dev = Device::cuda(g.device);
+  MOEFLOW_CHECK(addr(x.data) % 16 == 0 && (x.strides[0] * int64_t(dtype_size(x.dtype))) % 16 == 0,
+                "the nvlink backend needs 16-byte aligned rows of x");
+  s.T = T;
+  {  // 1. the rank's slots ranked per global expert
+    const int64_t n = g.tmax * K;
+    const unsigned blocks = static_cast<unsigned>((n + 255) / 256);
+    if (ids.dtype == DType::kInt32)
+      nvl::copy_ids_kernel<<<blocks, 256, 0, stream>>>(ids.data_ptr<int32_t>(), T, K, g.tmax,
+                                                       s.local_ids.data_ptr<int32_t>());
+    else
+      nvl::copy_ids_kernel<<<blocks, 256, 0, stream>>>(ids.data_ptr<int64_t>(), T, K, g.tmax,
+                                                       s.local_ids.data_ptr<int32_t>());
+    MOEFLOW_CUDA_LAUNCH_CHECK();
+    build_plan(s.local_ids, s.local, s.local_ws, stream);
+    if (T > 0) {
+      if (probs.defined())
+        MOEFLOW_CUDA_CHECK(cudaMemcpyAsync(s.probs.data(), probs.data, size_t(T) * K * 4,
+                                           cudaMemcpyDeviceToDevice, stream));
+      else
+        MOEFLOW_CUDA_CHECK(cudaMemsetAsync(s.probs.data(), 0, size_t(T) * K * 4, stream));
+    }
+  }
+  // 2. counts exchanged, slot ranges, this rank's receive plan
+  nvl::counts_kernel<<<1, 256, 0, stream>>>(
+      s.dc, s.win, s.off_counts, s.local.tokens_per_expert.data_ptr<int32_t>(), E, W, g.rank,
+      g.capacity, g.opt.align, s.first_row.data_ptr<int64_t>(), s.fit.data_ptr<int64_t>(),
+      s.recv.tokens_per_expert.data_ptr<int32_t>(),
+      s.recv.padded_tokens_per_expert.data_ptr<int32_t>(),
+      s.recv.expert_row_offsets.data_ptr<int64_t>(), s.recv.total_rows.data_ptr<int64_t>(),
+      s.recv.overflow.data_ptr<int32_t>());
+  MOEFLOW_CUDA_LAUNCH_CHECK();
+  MOEFLOW_CUDA_CHECK(cudaMemcpyAsync(s.recv.invalid_ids.data(), s.local.invalid_ids.data(), 4,
+                                     cudaMemcpyDeviceToDevice, stream));
+  uint8_t* base = static_cast<uint8_t*>(s.base);
+  nvl::pads_kernel<<<static_cast<unsigned>(std::max(L, 1)), 256, 0, stream>>>(
+      base + s.off_x, reinterpret_cast<float*>(base + s.off_probs), g.row_bytes, L, g.opt.align,
+      s.recv.tokens_per_expert.data_ptr<int32_t>(),
+      s.recv.padded_tokens_per_expert.data_ptr<int32_t>(),
+      s.recv.expert_row_offsets.data_ptr<int64_t>());
+  MOEFLOW_CUDA_LAUNCH_CHECK();
+  // 3. every kept slot's row stored into its final row on its expert's rank
+  if (T > 0) {
+    const int blocks = static_cast<int>(std::min<int64_t>((T + 7) / 8, g.opt.nvlink_blocks));
+    nvl::rows_kernel<<<blocks, 256, 0, stream>>>(
+        s.win, s.off_x, s.off_probs, static_cast<const uint8_t*>(x.data),
+        x.strides[0] * int64_t(dtype_size(x.dtype)), g.row_bytes, s.local_ids.data_ptr<int32_t>(),
+        s.probs.data_ptr<float>(), T, K, L, s.local.dest_row.data_ptr<int64_t>(),
+        s.local.expert_row_offsets.data_ptr<int64_t>(), s.first_row.data_ptr<int64_t>(),
+        s.fit.data_ptr<int64_t>(), s.dest_rank.data_ptr<int32_t>(),
+        s.dest_row.data_ptr<int64_t>());
+    MOEFLOW_CUDA_LAUNCH_CHECK();
+  }
+  // 4. all rows have landed everywhere
+  nvl::barrier_kernel<<<1, 128, 0, stream>>>(s.dc);
+  MOEFLOW_CUDA_LAUNCH_CHECK();
+  const TensorView rx = TensorView::strided(base + s.off_x, g.opt.dtype, dev, {g.capacity, H}, {H, 1});
+  const TensorView rp =
+      TensorView::strided(base + s.off_probs, DType::kFloat32, dev, {g.capacity}, {1});
+  return EpDispatchResult{rx, rp, &s.recv, -1};
+}
+
+void nvlink_combine(EpGroup::Impl& g, TensorView y, bool weighted, TensorView out,
+                    cudaStream_t stream) {
+  NvlinkState& s = *g.nvl;
+  const int64_t H = g.opt.hidden;
+  MOEFLOW_CHECK(y.dtype == g.opt.dtype, "the nvlink backend combines y of the token dtype ",
+                dtype_name(g.opt.dtype), ", got ", dtype_name(y.dtype));
+  MOEFLOW_CHECK(y.is_contiguous(), "the nvlink backend needs a contiguous y");
+  MOEFLOW_CHECK(H % 4 == 0 && addr(out.data) % 16 == 0 && out.strides[0] % 8 == 0,
+                "the nvlink backend needs 16-byte aligned rows of out");
+  uint8_t* base = static_cast<uint8_t*>(s.base);
+  // the peers are done reading the staging (the last combine), then it is rewritten
+  nvl::barrier_kernel<<<1, 128, 0, stream>>>(s.dc);
+  MOEFLOW_CUDA_LAUNCH_CHECK();
+  MOEFLOW_CUDA_CHECK(cudaMemcpyAsync(base + s.off_y, y.data, size_t(g.capacity) * g.row_bytes,
+                                     cudaMemcpyDeviceToDevice, stream));
+  nvl::barrier_kernel<<<1, 128, 0, stream>>>(s.dc);
+  MOEFLOW_CUDA_LAUNCH_CHECK();
+  if (s.T == 0) return;
+  const float* w = weighted ? s.probs.data_ptr<float>() : nullptr;
+  const int blocks = static_cast<int>(std::min<int64_t>((s.T + 7) / 8, g.opt.nvlink_blocks));
+  auto launch = [&](auto* yt, auto* ot) {
+    using TY = std::remove_const_t<std::remove_pointer_t<decltype(yt)>>;
+    using TO = std::remove_pointer_t<decltype(ot)>;
+    constexpr int N = 16 / sizeof(TY);
+    if (H % N == 0)
+      nvl::pull_kernel<TY, TO, N><<<blocks, 256, 0, stream>>>(
+          s.win, s.off_y, H, s.T, g.opt.topk, g.world, s.dest_rank.data_ptr<int32_t>(),
+          s.dest_row.data_ptr<int64_t>(), w, ot, out.strides[0]);
+    else
+      nvl::pull_kernel<TY, TO, 1><<<blocks, 256, 0, stream>>>(
+          s.win, s.off_y, H, s.T, g.opt.topk, g.world, s.dest_rank.data_ptr<int32_t>(),
+          s.dest_row.data_ptr<int64_t>(), w, ot, out.strides[0]);
+  };
+  auto with_out = [&](auto* yt) {
+    switch (out.dtype) {
+      case DType::kFloat32:
+        return launch(yt, out.data_ptr<float>());
+      case DType::kFloat16:
+        return launch(yt, out.data_ptr<__half>());
+      default:
+        return launch(yt, out.data_ptr<__nv_bfloat16>());
+    }
+  };
+  switch (y.dtype) {
+    case DType::kFloat32:
+      with_out(static_cast<const float*>(nullptr));
+      break;
+    case DType::kFloat16:
+      with_out(static_cast<const __half*>(nullptr));
+      break;
+    default:
+      with_out(static_cast<const __nv_bfloat16*>(nullptr));
+  }
+  MOEFLOW_CUDA_LAUNCH_CHECK();
+}
+
+}  // namespace
+
 EpDispatchResult ep_dispatch(EpGroup& group, TensorView x, TensorView ids, TensorView probs,
                              cudaStream_t stream) {
   EpGroup::Impl& g = group.impl();
@@ -507,6 +699,7 @@ EpDispatchResult ep_dispatch(EpGroup& group, TensorView x, TensorView ids, Tenso
     MOEFLOW_CHECK(probs.is_contiguous(), "probs must be contiguous");
   }
   g.T = T;
+  if (g.nvl) return nvlink_dispatch(g, x, ids, probs, stream);
   g.mark("start", stream);
   int32_t* flags = g.flags.data_ptr<int32_t>();
   int32_t* pos = g.pos.data_ptr<int32_t>();
@@ -673,6 +866,7 @@ void combine_impl(EpGroup::Impl& g, TensorView y, bool weighted, TensorView out,
       out, "out",
       Expect{{DType::kFloat32, DType::kFloat16, DType::kBFloat16}, {g.T, g.opt.hidden}, dev});
   MOEFLOW_CHECK(out.strides[1] == 1, "out rows must be contiguous (stride(1) == 1)");
+  if (g.nvl) return nvlink_combine(g, y, weighted, out, stream);
   const int W = g.world, me = g.rank, C = g.pieces;
   const int64_t H = g.opt.hidden;
   const TensorView weights = weighted ? TensorView(g.recv_probs) : TensorView{};
@@ -751,6 +945,8 @@ void ep_dispatch_backward(EpGroup& group, TensorView grad_recv, TensorView grad_
 
 void ep_combine_backward(EpGroup& group, TensorView dout, TensorView y, bool weighted,
                          TensorView grad_y, TensorView dprobs, cudaStream_t stream) {
+  MOEFLOW_CHECK(!group.impl().nvl,
+                "ep_combine_backward is not available on the nvlink backend yet (use nccl)");
   EpGroup::Impl& g = group.impl();
   const Device dev = Device::cuda(g.device);
   const int K = g.opt.topk, W = g.world;
