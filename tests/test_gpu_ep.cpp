@@ -58,7 +58,6 @@ void run_rounds(int W, const std::vector<Round>& rounds, int64_t capacity_rows =
     opt.max_tokens_per_rank = tmax;
     opt.capacity_rows = capacity_rows;
     opt.backend = backend;
-    const bool nccl = backend == EpBackend::kNccl;
     std::vector<int> devs;
     for (int r = 0; r < W; ++r) devs.push_back(r);
     auto groups = EpGroup::create_local(devs, opt);
@@ -140,7 +139,7 @@ void run_rounds(int W, const std::vector<Round>& rounds, int64_t capacity_rows =
         fill_bytes(out, 0xFF);
         ep_dispatch_backward(*groups[r], yy, out);
         got_unw[r] = out.to(Device::cpu());
-        if (nccl) {  // the nvlink backend has no combine_backward yet
+        {
           Tensor d = dout[r].to(dev), gy = Tensor::empty({cap, H}, dt, dev);
           Tensor dp = Tensor::empty({rd.tokens[r], K}, DType::kFloat32, dev);
           fill_bytes(gy, 0xFF);
@@ -181,7 +180,6 @@ void run_rounds(int W, const std::vector<Round>& rounds, int64_t capacity_rows =
             << "combine not deterministic";
         EXPECT_TRUE(same_bytes(got_unw[r].data(), want_unw[r].data(), out_bytes))
             << "dispatch backward differs";
-        if (!nccl) continue;
         EXPECT_TRUE(same_bytes(got_gy[r].data(), want_gy[r].data(), used * H * dtype_size(dt)))
             << "combine backward grad_y differs";
         EXPECT_TRUE(all_close(got_dprobs[r], want_dprobs[r], dot_tolerance(H)))

@@ -44,9 +44,9 @@ namespace moeflow {
 // kNccl: grouped ncclSend/ncclRecv, any NCCL transport, one host sync per
 // dispatch. kNvlink: kernels that store each token straight into its final
 // row on the peers through NCCL symmetric memory (one NVLink domain, NCCL
-// 2.28+), no host synchronisation; first version: combine_backward is not
-// available on it yet, received_tokens is -1 (it is on the device) and the
-// plan's row_token / row_k / dest_row are not filled.
+// 2.28+), no host synchronisation; received_tokens is -1 (the count stays on
+// the device) and the plan's row_token / row_k / dest_row are not filled.
+// First version: written, GPU tests pending (see docs/ep-nvlink-design.md).
 enum class EpBackend { kNccl, kNvlink };
 
 struct EpOptions {

@@ -361,7 +361,8 @@ struct EpGroup::Impl {
     s.off_probs = nvl::round_up(size_t(capacity) * H * esz);
     s.off_counts = s.off_probs + nvl::round_up(size_t(capacity) * 4);
     s.off_y = s.off_counts + nvl::round_up(size_t(world) * E * 4);
-    s.bytes = s.off_y + nvl::round_up(size_t(capacity) * H * esz);
+    s.off_g = s.off_y + nvl::round_up(size_t(capacity) * H * esz);
+    s.bytes = s.off_g + nvl::round_up(size_t(capacity) * H * esz);
     MOEFLOW_NCCL_CHECK(ncclMemAlloc(&s.base, s.bytes));
     MOEFLOW_NCCL_CHECK(
         ncclCommWindowRegister(comm, s.base, s.bytes, &s.win, NCCL_WIN_COLL_SYMMETRIC));
@@ -679,6 +680,63 @@ void nvlink_combine(EpGroup::Impl& g, TensorView y, bool weighted, TensorView ou
   MOEFLOW_CUDA_LAUNCH_CHECK();
 }
 
+void nvlink_combine_backward(EpGroup::Impl& g, TensorView dout, TensorView y, bool weighted,
+                             TensorView grad_y, TensorView dprobs, cudaStream_t stream) {
+  NvlinkState& s = *g.nvl;
+  const int64_t H = g.opt.hidden;
+  MOEFLOW_CHECK(y.dtype == g.opt.dtype && y.is_contiguous(),
+                "the nvlink backend needs a contiguous y of the token dtype ",
+                dtype_name(g.opt.dtype), ", got ", y.str());
+  MOEFLOW_CHECK(addr(grad_y.data) % 16 == 0 &&
+                    (grad_y.strides[0] * int64_t(dtype_size(grad_y.dtype))) % 16 == 0 &&
+                    grad_y.strides[1] == 1,
+                "the nvlink backend needs 16-byte aligned rows of grad_y");
+  uint8_t* base = static_cast<uint8_t*>(s.base);
+  const int L = g.epr;
+  nvl::barrier_kernel<<<1, 128, 0, stream>>>(s.dc);  // the peers are done with both stagings
+  MOEFLOW_CUDA_LAUNCH_CHECK();
+  MOEFLOW_CUDA_CHECK(cudaMemcpyAsync(base + s.off_y, y.data, size_t(g.capacity) * g.row_bytes,
+                                     cudaMemcpyDeviceToDevice, stream));
+  nvl::pads_kernel<<<static_cast<unsigned>(std::max(L, 1)), 256, 0, stream>>>(
+      base + s.off_g, nullptr, g.row_bytes, L, g.opt.align,
+      s.recv.tokens_per_expert.data_ptr<int32_t>(),
+      s.recv.padded_tokens_per_expert.data_ptr<int32_t>(),
+      s.recv.expert_row_offsets.data_ptr<int64_t>());
+  MOEFLOW_CUDA_LAUNCH_CHECK();
+  nvl::barrier_kernel<<<1, 128, 0, stream>>>(s.dc);
+  MOEFLOW_CUDA_LAUNCH_CHECK();
+  if (s.T > 0) {
+    const int blocks = static_cast<int>(std::min<int64_t>((s.T + 7) / 8, g.opt.nvlink_blocks));
+    const float* w = weighted ? s.probs.data_ptr<float>() : nullptr;
+    float* dp = dprobs.defined() ? dprobs.data_ptr<float>() : nullptr;
+    switch (y.dtype) {
+      case DType::kFloat32:
+        nvl::push_grad_kernel<float><<<blocks, 256, 0, stream>>>(
+            s.win, s.off_y, s.off_g, H, s.T, g.opt.topk, s.dest_rank.data_ptr<int32_t>(),
+            s.dest_row.data_ptr<int64_t>(), w, dout.data_ptr<float>(), dout.strides[0], dp);
+        break;
+      case DType::kFloat16:
+        nvl::push_grad_kernel<__half><<<blocks, 256, 0, stream>>>(
+            s.win, s.off_y, s.off_g, H, s.T, g.opt.topk, s.dest_rank.data_ptr<int32_t>(),
+            s.dest_row.data_ptr<int64_t>(), w, dout.data_ptr<__half>(), dout.strides[0], dp);
+        break;
+      default:
+        nvl::push_grad_kernel<__nv_bfloat16><<<blocks, 256, 0, stream>>>(
+            s.win, s.off_y, s.off_g, H, s.T, g.opt.topk, s.dest_rank.data_ptr<int32_t>(),
+            s.dest_row.data_ptr<int64_t>(), w, dout.data_ptr<__nv_bfloat16>(), dout.strides[0],
+            dp);
+    }
+    MOEFLOW_CUDA_LAUNCH_CHECK();
+  }
+  nvl::barrier_kernel<<<1, 128, 0, stream>>>(s.dc);  // every gradient row has landed
+  MOEFLOW_CUDA_LAUNCH_CHECK();
+  nvl::copy_used_rows_kernel<<<264, 256, 0, stream>>>(
+      base + s.off_g, static_cast<uint8_t*>(grad_y.data),
+      grad_y.strides[0] * int64_t(dtype_size(grad_y.dtype)), g.row_bytes,
+      s.recv.total_rows.data_ptr<int64_t>());
+  MOEFLOW_CUDA_LAUNCH_CHECK();
+}
+
 }  // namespace
 
 EpDispatchResult ep_dispatch(EpGroup& group, TensorView x, TensorView ids, TensorView probs,
@@ -945,8 +1003,6 @@ void ep_dispatch_backward(EpGroup& group, TensorView grad_recv, TensorView grad_
 
 void ep_combine_backward(EpGroup& group, TensorView dout, TensorView y, bool weighted,
                          TensorView grad_y, TensorView dprobs, cudaStream_t stream) {
-  MOEFLOW_CHECK(!group.impl().nvl,
-                "ep_combine_backward is not available on the nvlink backend yet (use nccl)");
   EpGroup::Impl& g = group.impl();
   const Device dev = Device::cuda(g.device);
   const int K = g.opt.topk, W = g.world;
@@ -960,6 +1016,7 @@ void ep_combine_backward(EpGroup& group, TensorView dout, TensorView y, bool wei
     detail::expect(dprobs, "dprobs", Expect{{DType::kFloat32}, {T, K}, dev});
     MOEFLOW_CHECK(dprobs.is_contiguous(), "dprobs must be contiguous");
   }
+  if (g.nvl) return nvlink_combine_backward(g, dout, y, weighted, grad_y, dprobs, stream);
   const int32_t* flags = g.flags.data_ptr<int32_t>();
   const int32_t* pos = g.pos.data_ptr<int32_t>();
   if (T > 0) {  // dout rows along the dispatch routes

@@ -20,6 +20,10 @@
 //      on each expert's rank (once per kept slot), with its prob; the pad rows
 //      of the rank's own layout zeroed;
 //   4. one block: LSA barrier (all rows have landed everywhere).
+// combine_backward: y copied into the staging, the grad staging's pad rows
+// zeroed, LSA barrier; one warp per token pushes w * dout[t] into each kept
+// slot's row of the grad staging on its rank and computes dprobs from the
+// pulled y rows; LSA barrier; the used rows copied out to grad_y.
 // combine: the expert outputs copied into the window's staging, LSA barrier,
 // then one warp per token pulls its kept slots' rows from the ranks that hold
 // them (k ascending per rank, ranks ascending, float32), the reference's sum
@@ -126,7 +130,7 @@ __global__ void rows_kernel(ncclWindow_t win, size_t off_x, size_t off_probs, co
   }
 }
 
-// Pad rows of this rank's own layout: zeros (rows and probs).
+// Pad rows of this rank's own layout: zeros (rows, and probs when given).
 __global__ void pads_kernel(uint8_t* recv_x, float* recv_probs, int64_t row_bytes, int L,
                             int align, const int32_t* kept, const int32_t* padded,
                             const int64_t* offsets) {
@@ -135,7 +139,7 @@ __global__ void pads_kernel(uint8_t* recv_x, float* recv_probs, int64_t row_byte
   for (int64_t r = offsets[e] + kept[e]; r < offsets[e] + padded[e]; ++r) {
     uint4* dst = reinterpret_cast<uint4*>(recv_x + r * row_bytes);
     for (int64_t v = threadIdx.x; v < row_bytes / 16; v += blockDim.x) dst[v] = make_uint4(0, 0, 0, 0);
-    if (threadIdx.x == 0) recv_probs[r] = 0.0f;
+    if (threadIdx.x == 0 && recv_probs) recv_probs[r] = 0.0f;
   }
 }
 
@@ -180,6 +184,51 @@ __global__ void pull_kernel(ncclWindow_t win, size_t off_y, int64_t H, int64_t T
   }
 }
 
+// combine backward, one warp per token: w * dout[t] stored into the grad
+// staging row of each kept slot on its rank, and dprobs[t,k] = <dout[t],
+// y[row]> with y read from that rank's staging (0 for unrouted / dropped).
+template <typename T>
+__global__ void push_grad_kernel(ncclWindow_t win, size_t off_y, size_t off_g, int64_t H,
+                                 int64_t Tn, int K, const int32_t* dest_rank,
+                                 const int64_t* dest_row, const float* weights, const T* dout,
+                                 int64_t dout_stride, float* dprobs) {
+  const int lane = threadIdx.x % 32;
+  const int64_t warps = int64_t{gridDim.x} * (blockDim.x / 32);
+  for (int64_t t = (blockIdx.x * int64_t{blockDim.x} + threadIdx.x) / 32; t < Tn; t += warps) {
+    const T* d = dout + t * dout_stride;
+    for (int k = 0; k < K; ++k) {
+      const int q = dest_rank[t * K + k];
+      float dot = 0.0f;
+      if (q >= 0) {
+        const int64_t row = dest_row[t * K + k];
+        const float w = weights ? weights[t * K + k] : 1.0f;
+        T* g = static_cast<T*>(ncclGetLsaPointer(win, off_g + row * H * sizeof(T), q));
+        const T* y = static_cast<const T*>(ncclGetLsaPointer(win, off_y + row * H * sizeof(T), q));
+        for (int64_t j = lane; j < H; j += 32) {
+          const float dv = cuda::to_float(d[j]);
+          g[j] = cuda::from_float<T>(w * dv);
+          dot = fmaf(dv, cuda::to_float(y[j]), dot);
+        }
+#pragma unroll
+        for (int o = 16; o > 0; o >>= 1) dot += __shfl_xor_sync(0xffffffffu, dot, o);
+      }
+      if (dprobs && lane == 0) dprobs[t * K + k] = dot;
+    }
+  }
+}
+
+// Rows [0, total_rows) of src into dst (16-byte vectors; row_bytes % 16 == 0).
+__global__ void copy_used_rows_kernel(const uint8_t* src, uint8_t* dst, int64_t dst_stride_bytes,
+                                      int64_t row_bytes, const int64_t* total_rows) {
+  const int64_t rows = *total_rows, per = row_bytes / 16;
+  for (int64_t i = blockIdx.x * int64_t{blockDim.x} + threadIdx.x; i < rows * per;
+       i += int64_t{gridDim.x} * blockDim.x) {
+    const int64_t r = i / per, v = i % per;
+    reinterpret_cast<uint4*>(dst + r * dst_stride_bytes)[v] =
+        reinterpret_cast<const uint4*>(src + r * row_bytes)[v];
+  }
+}
+
 }  // namespace nvl
 
 // Per-group state of the nvlink backend.
@@ -189,7 +238,7 @@ struct NvlinkState {
   ncclWindow_t win{};
   ncclDevComm dc{};
   bool have_win = false, have_dc = false;
-  size_t off_x = 0, off_probs = 0, off_counts = 0, off_y = 0;
+  size_t off_x = 0, off_probs = 0, off_counts = 0, off_y = 0, off_g = 0;
   Tensor local_ids;     // [tmax, K] int32
   RoutingPlan local;    // over the E global experts, align 1, nothing dropped
   Tensor local_ws;
