@@ -48,6 +48,7 @@ struct DispatchBenchOptions {
   int gpus = 0;                      // 0: every visible GPU
   int64_t tokens = 0;                // tokens per GPU; 0: the preset's
   int align = 16;
+  std::string backend = "nccl";      // nccl | nvlink
   TimingOptions timing;
   std::string json_path;
 };

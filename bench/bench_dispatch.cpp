@@ -4,8 +4,11 @@
 // measured in the same run.
 //
 // Bytes counted: the token rows (H * dtype bytes) that leave a rank for the
-// other ranks; combine: the float32 partial rows that leave a rank (combine
-// sends float32 partial sums so that the result is bitwise the reference's).
+// other ranks, once per (token, rank); combine: the float32 partial rows that
+// leave a rank (combine sends float32 partial sums so that the result is
+// bitwise the reference's). The nvlink backend (--backend nvlink) stores a
+// row once per kept slot (reported as link bytes too) and its combine pulls
+// bf16 rows; it is compared against the same a2a figures.
 // The routing metadata (K ids + K probs per row) is sent too but not counted.
 #include <fmt/format.h>
 #include <nccl.h>
@@ -67,16 +70,21 @@ void run_dispatch_bench(const DispatchBenchOptions& opt) {
     eo.dtype = DType::kBFloat16;
     eo.align = opt.align;
     eo.max_tokens_per_rank = T;
-    fmt::print("[{}] W={} T={} per GPU, H={}, E={}, K={}, bf16, align {} ...\n", name, W, T,
-               p.hidden, p.num_experts, p.topk, opt.align);
+    const bool nvlink = opt.backend == "nvlink";
+    eo.backend = nvlink ? EpBackend::kNvlink : EpBackend::kNccl;
+    fmt::print("[{}] W={} T={} per GPU, H={}, E={}, K={}, bf16, align {}, backend {} ...\n", name,
+               W, T, p.hidden, p.num_experts, p.topk, opt.align, opt.backend);
     std::fflush(stdout);
     auto groups = EpGroup::create_local(devs, eo);
-    // pipeline pieces per peer x blocks of the kernels beside the transfers
-    const std::vector<std::pair<int, int>> configs = {{1, 0},  {2, 0},  {4, 0},  {1, 32},
-                                                      {2, 32}, {4, 32}, {2, 64}, {4, 64}};
+    // nccl: pipeline pieces per peer x blocks of the kernels beside the
+    // transfers; nvlink: (1, blocks of its kernels), the SM-count sweep
+    const std::vector<std::pair<int, int>> configs =
+        nvlink ? std::vector<std::pair<int, int>>{{1, 8}, {1, 16}, {1, 32}, {1, 64}, {1, 132}}
+               : std::vector<std::pair<int, int>>{{1, 0},  {2, 0},  {4, 0},  {1, 32},
+                                                  {2, 32}, {4, 32}, {2, 64}, {4, 64}};
     struct Result {
       double dispatch_ms = 0, combine_ms = 0, a2a_ms = 0, a2a_f32_ms = 0;
-      double out_bytes = 0, back_bytes = 0;
+      double out_bytes = 0, back_bytes = 0, link_bytes = 0;
       std::vector<double> sweep_dispatch_ms, sweep_combine_ms;  // per configs
     };
     std::vector<Result> res(W);
@@ -95,9 +103,13 @@ void run_dispatch_bench(const DispatchBenchOptions& opt) {
       Result& rr = res[r];
       const int default_chunks = g.options().pipeline_chunks;
       const int default_blocks = g.options().overlap_blocks;
+      const int default_nvl = g.options().nvlink_blocks;
       for (const auto& [nc, nb] : configs) {
         g.set_pipeline_chunks(nc);
-        g.set_overlap_blocks(nb);
+        if (nvlink)
+          g.set_nvlink_blocks(nb);
+        else
+          g.set_overlap_blocks(nb);
         rr.sweep_dispatch_ms.push_back(
             median_ms([&] { ep_dispatch(g, x, routing.ids, routing.probs, stream); }, stream,
                       opt.timing.warmup, opt.timing.iters));
@@ -106,12 +118,38 @@ void run_dispatch_bench(const DispatchBenchOptions& opt) {
       }
       g.set_pipeline_chunks(default_chunks);
       g.set_overlap_blocks(default_blocks);
+      g.set_nvlink_blocks(default_nvl);
       rr.dispatch_ms = median_ms([&] { ep_dispatch(g, x, routing.ids, routing.probs, stream); },
                                  stream, opt.timing.warmup, opt.timing.iters);
       rr.combine_ms = median_ms([&] { ep_combine(g, y, true, out, stream); }, stream,
                                 opt.timing.warmup, opt.timing.iters);
-      const std::vector<int64_t> sent = g.last_send_rows(), got = g.last_recv_rows();
+      std::vector<int64_t> sent = g.last_send_rows(), got = g.last_recv_rows();
       const int64_t row = p.hidden * 2;
+      if (nvlink) {  // counts stay on the device: the same figures from the routings
+        const int L = p.num_experts / W;
+        sent.assign(W, 0);
+        got.assign(W, 0);
+        for (int s = 0; s < W; ++s) {
+          Routing rs = random_routing(T, p.num_experts, p.topk, 1000 + s, dev);
+          Tensor ids = rs.ids.to(Device::cpu());
+          for (int64_t t = 0; t < T; ++t) {
+            std::vector<char> on(W, 0);
+            for (int k = 0; k < p.topk; ++k) {
+              const int64_t e = ids.dtype() == DType::kInt64
+                                    ? ids.data_ptr<int64_t>()[t * p.topk + k]
+                                    : ids.data_ptr<int32_t>()[t * p.topk + k];
+              if (e < 0) continue;
+              on[e / L] = 1;
+              if (s == r && e / L != r) rr.link_bytes += static_cast<double>(row);
+            }
+            for (int q = 0; q < W; ++q) {
+              if (!on[q]) continue;
+              if (s == r) ++sent[q];
+              if (q == r) ++got[s];
+            }
+          }
+        }
+      }
       for (int q = 0; q < W; ++q)
         if (q != r) {
           rr.out_bytes += static_cast<double>(sent[q]) * row;
@@ -162,7 +200,12 @@ void run_dispatch_bench(const DispatchBenchOptions& opt) {
       for (size_t i = 0; i < configs.size(); ++i)
         sweep += fmt::format(" {}x{}: {:.0f}/{:.0f}", configs[i].first, configs[i].second,
                              rr.sweep_dispatch_ms[i] * 1e3, rr.sweep_combine_ms[i] * 1e3);
-      fmt::print("          pieces x overlap blocks: dispatch/combine us:{}\n", sweep);
+      fmt::print("          {}: dispatch/combine us:{}\n",
+                 nvlink ? "1 x kernel blocks (SMs)" : "pieces x overlap blocks", sweep);
+      if (nvlink)
+        fmt::print("          nvlink dispatch stores each kept slot: {:.1f} MB over the links, "
+                   "{:.1f} GB/s\n",
+                   rr.link_bytes / 1e6, rr.link_bytes / rr.dispatch_ms / 1e6);
       all.push_back({{"preset", name},
                      {"pipeline_chunks", groups[r]->options().pipeline_chunks},
                      {"overlap_blocks", groups[r]->options().overlap_blocks},
@@ -178,6 +221,8 @@ void run_dispatch_bench(const DispatchBenchOptions& opt) {
                      {"combine_GBps", c_gbs},
                      {"nccl_a2a_GBps", a_gbs},
                      {"nccl_a2a_f32_GBps", af_gbs},
+                     {"backend", opt.backend},
+                     {"link_bytes", rr.link_bytes},
                      {"out_bytes", rr.out_bytes},
                      {"back_bytes", rr.back_bytes}});
     }

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One call on the GPU machine: build, GPU tests, memcheck, benchmarks beside
 # the PyTorch peers. Logs and JSON go to $OUT (or ./out).
-# Usage: scripts/device_check.sh [build|test|memcheck|racecheck|sass|variants|bench|peers|gemm|tune|sweep|gemmpeers|mlp|dispatch|a2apeers|multigpu]...
+# Usage: scripts/device_check.sh [build|test|memcheck|racecheck|sass|variants|bench|peers|gemm|tune|sweep|gemmpeers|mlp|dispatch|a2apeers|multigpu|nvlink]...
 # (default: build test memcheck racecheck sass bench peers)
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -80,6 +80,15 @@ if has multigpu; then
   timeout 200 compute-sanitizer --tool memcheck --report-api-errors no --error-exitcode 9 build/tests/test_gpu --gtest_filter='MultiGpuEp.*' \
     > "$OUT/memcheck_ep.log" 2>&1
   m=$?; tail -3 "$OUT/memcheck_ep.log"; echo "memcheck (ep) exit: $m"; [ $m -eq 0 ] || rc=1
+fi
+if has nvlink; then  # backend nvlink: its tests (with memcheck and racecheck) and its bench; 2+ GPUs
+  NCCL_NVLS_ENABLE=0 timeout 200 build/tests/test_gpu --gtest_filter='*Nvlink*' 2>&1 | tail -15 || rc=1
+  for tool in memcheck racecheck; do
+    NCCL_NVLS_ENABLE=0 timeout 300 compute-sanitizer --tool $tool --report-api-errors no --error-exitcode 9 \
+      build/tests/test_gpu --gtest_filter='*Nvlink*' > "$OUT/${tool}_nvlink.log" 2>&1
+    m=$?; tail -3 "$OUT/${tool}_nvlink.log"; echo "$tool (nvlink) exit: $m"; [ $m -eq 0 ] || rc=1
+  done
+  NCCL_NVLS_ENABLE=0 timeout 200 build/moeflow bench dispatch --backend nvlink --json "$OUT/dispatch_nvlink.json" 2>&1 || rc=1
 fi
 if has gemmpeers && [ -f .peers/peers.py ]; then
   PYTHONUNBUFFERED=1 python3 .peers/peers.py --only gemm --json "$OUT/peers_gemm.json" 2>&1 | tail -40 || rc=1

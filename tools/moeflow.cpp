@@ -67,6 +67,9 @@ int main(int argc, char** argv) {
   bdisp->add_option("--tokens", dopt.tokens, "tokens per GPU (default: the preset's)");
   bdisp->add_option("--align", dopt.align, "per-expert padding of the receive layout")
       ->capture_default_str();
+  bdisp->add_option("--backend", dopt.backend, "nccl or nvlink")
+      ->check(CLI::IsMember({"nccl", "nvlink"}))
+      ->capture_default_str();
   bdisp->add_option("--json", dopt.json_path, "also write the results as JSON to this file");
   bdisp->add_option("--iters", dopt.timing.iters, "timed runs per op (median)")
       ->capture_default_str();

@@ -103,6 +103,7 @@ class EpGroup {
   // Changes options().pipeline_chunks (every rank must use the same value).
   void set_pipeline_chunks(int chunks);
   void set_overlap_blocks(int blocks);
+  void set_nvlink_blocks(int blocks);
   ncclComm* nccl_comm() const;
   // Rows of the last dispatch sent to / received from each rank (host values).
   const std::vector<int64_t>& last_send_rows() const;

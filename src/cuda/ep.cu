@@ -460,6 +460,10 @@ int64_t EpGroup::capacity_rows() const {
 const EpOptions& EpGroup::options() const {
   return impl_->opt;
 }
+void EpGroup::set_nvlink_blocks(int blocks) {
+  MOEFLOW_CHECK(blocks >= 1, "nvlink_blocks must be >= 1, got ", blocks);
+  impl_->opt.nvlink_blocks = blocks;
+}
 void EpGroup::set_overlap_blocks(int blocks) {
   MOEFLOW_CHECK(blocks >= 0, "overlap_blocks must be >= 0, got ", blocks);
   impl_->opt.overlap_blocks = blocks;
