@@ -233,9 +233,13 @@ struct EpGroup::Impl {
       for (int i = 0; i < kMaxChunks; ++i)
         if (arr[i]) cudaEventDestroy(arr[i]);
     if (comm_stream) cudaStreamDestroy(comm_stream);
-    if (nvl) nvl->release(comm);
     if (host) cudaFreeHost(host);
+    // The window and the device communicator go with an owned communicator
+    // (deregistering them one group after the other from one thread could
+    // wait on the peers); on a caller's communicator they are released here.
+    if (nvl && !owns_comm) nvl->release(comm);
     if (owns_comm && comm) ncclCommDestroy(comm);
+    if (nvl && nvl->base) ncclMemFree(nvl->base);
   }
 
   int chunks() const { return std::clamp(opt.pipeline_chunks, 1, kMaxChunks); }
@@ -613,7 +617,7 @@ EpDispatchResult nvlink_dispatch(EpGroup::Impl& g, TensorView x, TensorView ids,
     nvl::rows_kernel<<<blocks, 256, 0, stream>>>(
         s.win, s.off_x, s.off_probs, static_cast<const uint8_t*>(x.data),
         x.strides[0] * int64_t(dtype_size(x.dtype)), g.row_bytes, s.local_ids.data_ptr<int32_t>(),
-        s.probs.data_ptr<float>(), T, K, L, s.local.dest_row.data_ptr<int64_t>(),
+        s.probs.data_ptr<float>(), T, K, E, L, s.local.dest_row.data_ptr<int64_t>(),
         s.local.expert_row_offsets.data_ptr<int64_t>(), s.first_row.data_ptr<int64_t>(),
         s.fit.data_ptr<int64_t>(), s.dest_rank.data_ptr<int32_t>(),
         s.dest_row.data_ptr<int64_t>());
@@ -635,8 +639,6 @@ void nvlink_combine(EpGroup::Impl& g, TensorView y, bool weighted, TensorView ou
   MOEFLOW_CHECK(y.dtype == g.opt.dtype, "the nvlink backend combines y of the token dtype ",
                 dtype_name(g.opt.dtype), ", got ", dtype_name(y.dtype));
   MOEFLOW_CHECK(y.is_contiguous(), "the nvlink backend needs a contiguous y");
-  MOEFLOW_CHECK(H % 4 == 0 && addr(out.data) % 16 == 0 && out.strides[0] % 8 == 0,
-                "the nvlink backend needs 16-byte aligned rows of out");
   uint8_t* base = static_cast<uint8_t*>(s.base);
   // the peers are done reading the staging (the last combine), then it is rewritten
   nvl::barrier_kernel<<<1, 128, 0, stream>>>(s.dc);
@@ -651,8 +653,10 @@ void nvlink_combine(EpGroup::Impl& g, TensorView y, bool weighted, TensorView ou
   auto launch = [&](auto* yt, auto* ot) {
     using TY = std::remove_const_t<std::remove_pointer_t<decltype(yt)>>;
     using TO = std::remove_pointer_t<decltype(ot)>;
-    constexpr int N = 16 / sizeof(TY);
-    if (H % N == 0)
+    constexpr int N = 16 / (sizeof(TY) > sizeof(TO) ? sizeof(TY) : sizeof(TO));
+    const bool vec = H % N == 0 && addr(out.data) % 16 == 0 &&
+                     (out.strides[0] * int64_t(sizeof(TO))) % 16 == 0;
+    if (vec)
       nvl::pull_kernel<TY, TO, N><<<blocks, 256, 0, stream>>>(
           s.win, s.off_y, H, s.T, g.opt.topk, g.world, s.dest_rank.data_ptr<int32_t>(),
           s.dest_row.data_ptr<int64_t>(), w, ot, out.strides[0]);

@@ -98,7 +98,8 @@ __global__ void counts_kernel(ncclDevComm dc, ncclWindow_t win, size_t off_count
 // its expert g = local_dest_row - local_offsets[g] (the local plan).
 __global__ void rows_kernel(ncclWindow_t win, size_t off_x, size_t off_probs, const uint8_t* x,
                             int64_t x_stride_bytes, int64_t row_bytes, const int32_t* ids,
-                            const float* probs, int64_t T, int K, int L, const int64_t* local_dest,
+                            const float* probs, int64_t T, int K, int E, int L,
+                            const int64_t* local_dest,
                             const int64_t* local_offsets, const int64_t* first_row,
                             const int64_t* fit, int32_t* dest_rank, int64_t* dest_row) {
   const int lane = threadIdx.x % 32;
@@ -109,7 +110,7 @@ __global__ void rows_kernel(ncclWindow_t win, size_t off_x, size_t off_probs, co
       const int g = ids[t * K + k];
       int64_t row = -1;
       int q = -1;
-      if (g >= 0) {
+      if (g >= 0 && g < E) {  // ids outside [-1, E) are unrouted (counted by the plan)
         const int64_t rk = local_dest[t * K + k] - local_offsets[g];
         if (rk >= 0 && rk < fit[g]) {
           row = first_row[g] + rk;
@@ -249,12 +250,11 @@ struct NvlinkState {
   Tensor recv_padded;              // [L] int32
   int64_t T = 0;
 
+  // The device communicator and the window (the memory is freed by the owner).
   void release(ncclComm_t comm) {
     if (have_dc) ncclDevCommDestroy(comm, &dc);
     if (have_win) ncclCommWindowDeregister(comm, win);
-    if (base) ncclMemFree(base);
     have_dc = have_win = false;
-    base = nullptr;
   }
 };
 
