@@ -45,7 +45,10 @@ namespace moeflow {
 // dispatch. kNvlink: kernels that store each token straight into its final
 // row on the peers through NCCL symmetric memory (one NVLink domain, NCCL
 // 2.28+), no host synchronisation; received_tokens is -1 (the count stays on
-// the device) and the plan's row_token / row_k / dest_row are not filled.
+// the device) and the plan's row_token / row_k / dest_row are not filled;
+// combine takes y of the token dtype; one stream per group (its kernels meet
+// in device-side barriers: operations of one group must not run concurrently,
+// and an argument error thrown on one rank only leaves the others waiting).
 // First version: written, GPU tests pending (see docs/ep-nvlink-design.md).
 enum class EpBackend { kNccl, kNvlink };
 

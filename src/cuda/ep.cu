@@ -308,7 +308,6 @@ struct EpGroup::Impl {
     capacity = ep_reference::recv_capacity_rows(rc, o.topk);
     row_bytes = o.hidden * static_cast<int64_t>(dtype_size(o.dtype));
     const Device dev = Device::cuda(device);
-    const int64_t K = o.topk, H = o.hidden;
     flags = Tensor::empty({rows_max + 1}, DType::kInt32, dev);
     pos = Tensor::empty({rows_max + 1}, DType::kInt32, dev);
     size_t scan_bytes = 0;
@@ -319,25 +318,7 @@ struct EpGroup::Impl {
     invalid = Tensor::empty({1}, DType::kInt32, dev);
     self_src = Tensor::empty({tmax}, DType::kInt32, dev);
     MOEFLOW_CUDA_CHECK(cudaMallocHost(&host, sizeof(int32_t) * (2 * world * kMaxChunks + 1)));
-    send_x = Tensor::empty({send_max, H}, o.dtype, dev);
-    send_ids = Tensor::empty({send_max, K}, DType::kInt32, dev);
-    send_probs = Tensor::empty({send_max, K}, DType::kFloat32, dev);
-    recv_x = Tensor::empty({rows_max, H}, o.dtype, dev);
-    recv_ids = Tensor::empty({rows_max, K}, DType::kInt32, dev);
-    recv_probs = Tensor::empty({rows_max, K}, DType::kFloat32, dev);
-    PlanConfig pc;
-    pc.num_experts = epr;
-    pc.align = o.align;
-    pc.capacity_rows = capacity;
-    plan = allocate_plan(rows_max, o.topk, pc, dev);
-    plan_ws = Tensor::empty({static_cast<int64_t>(plan_workspace_bytes(rows_max, o.topk, pc)) + 16},
-                            DType::kUInt8, dev);
-    out_x = Tensor::empty({capacity, H}, o.dtype, dev);
-    out_probs = Tensor::empty({capacity}, DType::kFloat32, dev);
-    partial = Tensor::empty({rows_max, H}, DType::kFloat32, dev);
-    back = Tensor::empty({send_max, H}, DType::kFloat32, dev);
-    recv_dprobs = Tensor::empty({rows_max, K}, DType::kFloat32, dev);
-    back_dprobs = Tensor::empty({send_max, K}, DType::kFloat32, dev);
+    if (o.backend == EpBackend::kNccl) allocate_nccl_buffers(dev);
     // The highest priority: NCCL's blocks get the SMs first when the permute
     // kernels that run beside the transfers free them.
     int lo = 0, hi = 0;
@@ -352,6 +333,31 @@ struct EpGroup::Impl {
         MOEFLOW_CUDA_CHECK(cudaEventCreateWithFlags(&arr[i], cudaEventDisableTiming));
   }
 
+  // The staging buffers and the receive plan of the nccl backend.
+  void allocate_nccl_buffers(const Device& dev) {
+    const int64_t K = opt.topk, H = opt.hidden;
+    send_x = Tensor::empty({send_max, H}, opt.dtype, dev);
+    send_ids = Tensor::empty({send_max, K}, DType::kInt32, dev);
+    send_probs = Tensor::empty({send_max, K}, DType::kFloat32, dev);
+    recv_x = Tensor::empty({rows_max, H}, opt.dtype, dev);
+    recv_ids = Tensor::empty({rows_max, K}, DType::kInt32, dev);
+    recv_probs = Tensor::empty({rows_max, K}, DType::kFloat32, dev);
+    PlanConfig pc;
+    pc.num_experts = epr;
+    pc.align = opt.align;
+    pc.capacity_rows = capacity;
+    plan = allocate_plan(rows_max, opt.topk, pc, dev);
+    plan_ws = Tensor::empty({static_cast<int64_t>(plan_workspace_bytes(rows_max, opt.topk, pc)) + 16},
+                            DType::kUInt8, dev);
+    out_x = Tensor::empty({capacity, H}, opt.dtype, dev);
+    out_probs = Tensor::empty({capacity}, DType::kFloat32, dev);
+    partial = Tensor::empty({rows_max, H}, DType::kFloat32, dev);
+    back = Tensor::empty({send_max, H}, DType::kFloat32, dev);
+    recv_dprobs = Tensor::empty({rows_max, K}, DType::kFloat32, dev);
+    back_dprobs = Tensor::empty({send_max, K}, DType::kFloat32, dev);
+  }
+
+
   // Backend nvlink: the symmetric window and the buffers of the device-side
   // layout (collective: every rank calls it together).
   void init_nvlink() {
@@ -361,6 +367,7 @@ struct EpGroup::Impl {
     const size_t esz = dtype_size(opt.dtype);
     MOEFLOW_CHECK(row_bytes % 16 == 0, "the nvlink backend needs 16-byte token rows, got hidden=", H,
                   " x ", esz, " bytes");
+    MOEFLOW_CHECK(E <= 2048, "the nvlink backend takes at most 2048 experts, got ", E);
     s.off_x = 0;
     s.off_probs = nvl::round_up(size_t(capacity) * H * esz);
     s.off_counts = s.off_probs + nvl::round_up(size_t(capacity) * 4);
@@ -643,8 +650,11 @@ void nvlink_combine(EpGroup::Impl& g, TensorView y, bool weighted, TensorView ou
   // the peers are done reading the staging (the last combine), then it is rewritten
   nvl::barrier_kernel<<<1, 128, 0, stream>>>(s.dc);
   MOEFLOW_CUDA_LAUNCH_CHECK();
-  MOEFLOW_CUDA_CHECK(cudaMemcpyAsync(base + s.off_y, y.data, size_t(g.capacity) * g.row_bytes,
-                                     cudaMemcpyDeviceToDevice, stream));
+  // the used rows only (the capacity is the worst case)
+  nvl::copy_used_rows_kernel<<<264, 256, 0, stream>>>(static_cast<const uint8_t*>(y.data),
+                                                      base + s.off_y, g.row_bytes, g.row_bytes,
+                                                      s.recv.total_rows.data_ptr<int64_t>());
+  MOEFLOW_CUDA_LAUNCH_CHECK();
   nvl::barrier_kernel<<<1, 128, 0, stream>>>(s.dc);
   MOEFLOW_CUDA_LAUNCH_CHECK();
   if (s.T == 0) return;
@@ -703,8 +713,10 @@ void nvlink_combine_backward(EpGroup::Impl& g, TensorView dout, TensorView y, bo
   const int L = g.epr;
   nvl::barrier_kernel<<<1, 128, 0, stream>>>(s.dc);  // the peers are done with both stagings
   MOEFLOW_CUDA_LAUNCH_CHECK();
-  MOEFLOW_CUDA_CHECK(cudaMemcpyAsync(base + s.off_y, y.data, size_t(g.capacity) * g.row_bytes,
-                                     cudaMemcpyDeviceToDevice, stream));
+  nvl::copy_used_rows_kernel<<<264, 256, 0, stream>>>(static_cast<const uint8_t*>(y.data),
+                                                      base + s.off_y, g.row_bytes, g.row_bytes,
+                                                      s.recv.total_rows.data_ptr<int64_t>());
+  MOEFLOW_CUDA_LAUNCH_CHECK();
   nvl::pads_kernel<<<static_cast<unsigned>(std::max(L, 1)), 256, 0, stream>>>(
       base + s.off_g, nullptr, g.row_bytes, L, g.opt.align,
       s.recv.tokens_per_expert.data_ptr<int32_t>(),

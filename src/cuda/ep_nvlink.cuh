@@ -59,7 +59,12 @@ template <typename IdT>
 __global__ void copy_ids_kernel(const IdT* ids, int64_t T, int K, int64_t tmax, int32_t* out) {
   const int64_t i = blockIdx.x * int64_t{blockDim.x} + threadIdx.x;
   if (i >= tmax * K) return;
-  out[i] = i < T * K ? static_cast<int32_t>(ids[i]) : -1;
+  if (i >= T * K) {
+    out[i] = -1;
+    return;
+  }
+  const int64_t v = static_cast<int64_t>(ids[i]);
+  out[i] = v >= -1 && v <= INT32_MAX ? static_cast<int32_t>(v) : -2;  // -2: invalid, counted
 }
 
 // Step 2 (one block): counts exchanged, slot ranges and the receive plan.
