@@ -197,19 +197,27 @@ TEST(GpuEp, OneRankOverflowIsCountedNotWritten) {
   run_rounds(1, {{{257}}}, 256);
 }
 
+// The multi-GPU rounds of both backends: uneven tokens (a prime count),
+// a rank with 0 tokens, all slots to one rank's experts, tagged tokens.
+struct MultiRounds {
+  Round uneven, empty_rank, one_rank, tagged;
+  explicit MultiRounds(int W) {
+    for (int r = 0; r < W; ++r) {
+      uneven.tokens.push_back(r == 0 ? 257 : 131 + 2 * r);
+      empty_rank.tokens.push_back(r == 0 ? 0 : 293);
+      one_rank.tokens.push_back(211);
+      tagged.tokens.push_back(97 + r);
+    }
+    one_rank.one_rank = true;
+    tagged.tag_tokens = true;
+  }
+};
+
 TEST(MultiGpuEp, MatchesReference) {
   const int W = cuda_device_count();
   if (W < 2) GTEST_SKIP() << "needs 2+ GPUs (label multigpu)";
-  std::vector<Round> rounds;
-  Round uneven, empty_rank, one_rank, tagged;
-  for (int r = 0; r < W; ++r) {
-    uneven.tokens.push_back(r == 0 ? 257 : 131 + 2 * r);
-    empty_rank.tokens.push_back(r == 0 ? 0 : 293);
-    one_rank.tokens.push_back(211);
-    tagged.tokens.push_back(97 + r);
-  }
-  one_rank.one_rank = true;
-  tagged.tag_tokens = true;
+  MultiRounds m(W);
+  auto& [uneven, empty_rank, one_rank, tagged] = m;
   // pieces per peer: one transfer, more pieces than some peers have rows, odd
   empty_rank.chunks = 1;
   one_rank.chunks = 16;
@@ -230,15 +238,8 @@ TEST(GpuEpNvlink, OneRankMatchesReference) {
 TEST(MultiGpuEpNvlink, MatchesReference) {
   const int W = cuda_device_count();
   if (W < 2) GTEST_SKIP() << "needs 2+ GPUs (label multigpu)";
-  Round uneven, empty_rank, one_rank, tagged;
-  for (int r = 0; r < W; ++r) {
-    uneven.tokens.push_back(r == 0 ? 257 : 131 + 2 * r);
-    empty_rank.tokens.push_back(r == 0 ? 0 : 293);
-    one_rank.tokens.push_back(211);
-    tagged.tokens.push_back(97 + r);
-  }
-  one_rank.one_rank = true;
-  tagged.tag_tokens = true;
+  MultiRounds m(W);
+  auto& [uneven, empty_rank, one_rank, tagged] = m;
   Round slow = uneven, to_peer = tagged;
   slow.slow_rank0 = true;
   to_peer.one_rank = true;  // rank W-1's tokens too: everything crosses except its own
