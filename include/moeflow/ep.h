@@ -140,6 +140,12 @@ EpDispatchResult ep_dispatch(EpGroup& group, TensorView x, TensorView ids, Tenso
 void ep_combine(EpGroup& group, TensorView y, bool weighted, TensorView out,
                 cudaStream_t stream = nullptr);
 
+// Backend nvlink: a [capacity, H] buffer (token dtype) in the group's
+// symmetric window. Expert outputs written there between a dispatch and the
+// combine that follows it (e.g. as the MLP's output) are combined without the
+// staging copy: pass it as y. Undefined on nccl.
+TensorView ep_combine_input(EpGroup& group);
+
 // Gradient of dispatch (a combine without weights): grad_recv [capacity,H] ->
 // grad_x [T,H].
 void ep_dispatch_backward(EpGroup& group, TensorView grad_recv, TensorView grad_x,

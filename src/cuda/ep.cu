@@ -650,11 +650,14 @@ void nvlink_combine(EpGroup::Impl& g, TensorView y, bool weighted, TensorView ou
   // the peers are done reading the staging (the last combine), then it is rewritten
   nvl::barrier_kernel<<<1, 128, 0, stream>>>(s.dc);
   MOEFLOW_CUDA_LAUNCH_CHECK();
-  // the used rows only (the capacity is the worst case)
-  nvl::copy_used_rows_kernel<<<264, 256, 0, stream>>>(static_cast<const uint8_t*>(y.data),
-                                                      base + s.off_y, g.row_bytes, g.row_bytes,
-                                                      s.recv.total_rows.data_ptr<int64_t>());
-  MOEFLOW_CUDA_LAUNCH_CHECK();
+  // the used rows only (the capacity is the worst case); none when y already
+  // is the staging (ep_combine_input)
+  if (y.data != base + s.off_y) {
+    nvl::copy_used_rows_kernel<<<264, 256, 0, stream>>>(static_cast<const uint8_t*>(y.data),
+                                                        base + s.off_y, g.row_bytes, g.row_bytes,
+                                                        s.recv.total_rows.data_ptr<int64_t>());
+    MOEFLOW_CUDA_LAUNCH_CHECK();
+  }
   nvl::barrier_kernel<<<1, 128, 0, stream>>>(s.dc);
   MOEFLOW_CUDA_LAUNCH_CHECK();
   if (s.T == 0) return;
@@ -713,10 +716,12 @@ void nvlink_combine_backward(EpGroup::Impl& g, TensorView dout, TensorView y, bo
   const int L = g.epr;
   nvl::barrier_kernel<<<1, 128, 0, stream>>>(s.dc);  // the peers are done with both stagings
   MOEFLOW_CUDA_LAUNCH_CHECK();
-  nvl::copy_used_rows_kernel<<<264, 256, 0, stream>>>(static_cast<const uint8_t*>(y.data),
-                                                      base + s.off_y, g.row_bytes, g.row_bytes,
-                                                      s.recv.total_rows.data_ptr<int64_t>());
-  MOEFLOW_CUDA_LAUNCH_CHECK();
+  if (y.data != base + s.off_y) {
+    nvl::copy_used_rows_kernel<<<264, 256, 0, stream>>>(static_cast<const uint8_t*>(y.data),
+                                                        base + s.off_y, g.row_bytes, g.row_bytes,
+                                                        s.recv.total_rows.data_ptr<int64_t>());
+    MOEFLOW_CUDA_LAUNCH_CHECK();
+  }
   nvl::pads_kernel<<<static_cast<unsigned>(std::max(L, 1)), 256, 0, stream>>>(
       base + s.off_g, nullptr, g.row_bytes, L, g.opt.align,
       s.recv.tokens_per_expert.data_ptr<int32_t>(),
@@ -1011,6 +1016,14 @@ void combine_impl(EpGroup::Impl& g, TensorView y, bool weighted, TensorView out,
   g.print_marks("combine");
 }
 }  // namespace
+
+TensorView ep_combine_input(EpGroup& group) {
+  EpGroup::Impl& g = group.impl();
+  if (!g.nvl) return {};
+  return TensorView::strided(static_cast<uint8_t*>(g.nvl->base) + g.nvl->off_y, g.opt.dtype,
+                             Device::cuda(g.device), {g.capacity, g.opt.hidden},
+                             {g.opt.hidden, 1});
+}
 
 void ep_combine(EpGroup& group, TensorView y, bool weighted, TensorView out, cudaStream_t stream) {
   combine_impl(group.impl(), y, weighted, out, stream);
