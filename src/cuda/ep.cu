@@ -220,13 +220,12 @@ struct EpGroup::Impl {
 
   // NCCL runs on `comm_stream`; events order it with the caller's stream.
   cudaStream_t comm_stream = nullptr;
-  cudaEvent_t ev_start = nullptr, ev_host = nullptr, ev_packed = nullptr, ev_meta = nullptr,
-              ev_done = nullptr;
+  cudaEvent_t ev_start = nullptr, ev_host = nullptr, ev_packed = nullptr, ev_meta = nullptr;
   cudaEvent_t ev_piece[kMaxChunks] = {}, ev_back[kMaxChunks] = {}, ev_rows[kMaxChunks] = {};
   std::unique_ptr<NvlinkState> nvl;  // backend nvlink
 
   ~Impl() {
-    for (cudaEvent_t e : {ev_start, ev_host, ev_packed, ev_meta, ev_done})
+    for (cudaEvent_t e : {ev_start, ev_host, ev_packed, ev_meta})
       if (e) cudaEventDestroy(e);
     for (auto& m : marks) cudaEventDestroy(m.second);
     for (cudaEvent_t* arr : {ev_piece, ev_back, ev_rows})
@@ -326,7 +325,7 @@ struct EpGroup::Impl {
     MOEFLOW_CUDA_CHECK(cudaStreamCreateWithPriority(&comm_stream, cudaStreamNonBlocking, hi));
     const char* tr = std::getenv("MOEFLOW_EP_TRACE");
     tracing = tr != nullptr && tr[0] == '1' && rank == 0;
-    for (cudaEvent_t* e : {&ev_start, &ev_host, &ev_packed, &ev_meta, &ev_done})
+    for (cudaEvent_t* e : {&ev_start, &ev_host, &ev_packed, &ev_meta})
       MOEFLOW_CUDA_CHECK(cudaEventCreateWithFlags(e, cudaEventDisableTiming));
     for (cudaEvent_t* arr : {ev_piece, ev_back, ev_rows})
       for (int i = 0; i < kMaxChunks; ++i)
@@ -572,6 +571,29 @@ void EpGroup::run_local(const std::vector<std::unique_ptr<EpGroup>>& groups,
 namespace {
 
 // Backend nvlink (see cuda/ep_nvlink.cuh): arguments validated by the caller.
+
+// An LSA barrier over the group's ranks, in stream order.
+void nvlink_barrier(NvlinkState& s, cudaStream_t stream) {
+  nvl::barrier_kernel<<<1, 128, 0, stream>>>(s.dc);
+  MOEFLOW_CUDA_LAUNCH_CHECK();
+}
+
+// Once the peers are done reading the window's y staging (the last combine
+// or combine backward), the used rows of y go there (none when y already is
+// the staging: ep_combine_input).
+void nvlink_stage_y(EpGroup::Impl& g, TensorView y, cudaStream_t stream) {
+  NvlinkState& s = *g.nvl;
+  MOEFLOW_CHECK(y.dtype == g.opt.dtype && y.is_contiguous(),
+                "the nvlink backend needs a contiguous y of the token dtype ",
+                dtype_name(g.opt.dtype), ", got ", y.str());
+  uint8_t* staging = static_cast<uint8_t*>(s.base) + s.off_y;
+  nvlink_barrier(s, stream);
+  if (y.data == staging) return;
+  nvl::copy_used_rows_kernel<<<264, 256, 0, stream>>>(static_cast<const uint8_t*>(y.data), staging,
+                                                      g.row_bytes, g.row_bytes,
+                                                      s.recv.total_rows.data_ptr<int64_t>());
+  MOEFLOW_CUDA_LAUNCH_CHECK();
+}
 EpDispatchResult nvlink_dispatch(EpGroup::Impl& g, TensorView x, TensorView ids, TensorView probs,
                                  cudaStream_t stream) {
   NvlinkState& s = *g.nvl;
@@ -630,9 +652,7 @@ EpDispatchResult nvlink_dispatch(EpGroup::Impl& g, TensorView x, TensorView ids,
         s.dest_row.data_ptr<int64_t>());
     MOEFLOW_CUDA_LAUNCH_CHECK();
   }
-  // 4. all rows have landed everywhere
-  nvl::barrier_kernel<<<1, 128, 0, stream>>>(s.dc);
-  MOEFLOW_CUDA_LAUNCH_CHECK();
+  nvlink_barrier(s, stream);  // 4. all rows have landed everywhere
   const TensorView rx = TensorView::strided(base + s.off_x, g.opt.dtype, dev, {g.capacity, H}, {H, 1});
   const TensorView rp =
       TensorView::strided(base + s.off_probs, DType::kFloat32, dev, {g.capacity}, {1});
@@ -643,23 +663,8 @@ void nvlink_combine(EpGroup::Impl& g, TensorView y, bool weighted, TensorView ou
                     cudaStream_t stream) {
   NvlinkState& s = *g.nvl;
   const int64_t H = g.opt.hidden;
-  MOEFLOW_CHECK(y.dtype == g.opt.dtype, "the nvlink backend combines y of the token dtype ",
-                dtype_name(g.opt.dtype), ", got ", dtype_name(y.dtype));
-  MOEFLOW_CHECK(y.is_contiguous(), "the nvlink backend needs a contiguous y");
-  uint8_t* base = static_cast<uint8_t*>(s.base);
-  // the peers are done reading the staging (the last combine), then it is rewritten
-  nvl::barrier_kernel<<<1, 128, 0, stream>>>(s.dc);
-  MOEFLOW_CUDA_LAUNCH_CHECK();
-  // the used rows only (the capacity is the worst case); none when y already
-  // is the staging (ep_combine_input)
-  if (y.data != base + s.off_y) {
-    nvl::copy_used_rows_kernel<<<264, 256, 0, stream>>>(static_cast<const uint8_t*>(y.data),
-                                                        base + s.off_y, g.row_bytes, g.row_bytes,
-                                                        s.recv.total_rows.data_ptr<int64_t>());
-    MOEFLOW_CUDA_LAUNCH_CHECK();
-  }
-  nvl::barrier_kernel<<<1, 128, 0, stream>>>(s.dc);
-  MOEFLOW_CUDA_LAUNCH_CHECK();
+  nvlink_stage_y(g, y, stream);
+  nvlink_barrier(s, stream);  // the staging is written everywhere
   if (s.T == 0) return;
   const float* w = weighted ? s.probs.data_ptr<float>() : nullptr;
   const int blocks = static_cast<int>(std::min<int64_t>((s.T + 7) / 8, g.opt.nvlink_blocks));
@@ -705,31 +710,20 @@ void nvlink_combine_backward(EpGroup::Impl& g, TensorView dout, TensorView y, bo
                              TensorView grad_y, TensorView dprobs, cudaStream_t stream) {
   NvlinkState& s = *g.nvl;
   const int64_t H = g.opt.hidden;
-  MOEFLOW_CHECK(y.dtype == g.opt.dtype && y.is_contiguous(),
-                "the nvlink backend needs a contiguous y of the token dtype ",
-                dtype_name(g.opt.dtype), ", got ", y.str());
   MOEFLOW_CHECK(addr(grad_y.data) % 16 == 0 &&
                     (grad_y.strides[0] * int64_t(dtype_size(grad_y.dtype))) % 16 == 0 &&
                     grad_y.strides[1] == 1,
                 "the nvlink backend needs 16-byte aligned rows of grad_y");
   uint8_t* base = static_cast<uint8_t*>(s.base);
   const int L = g.epr;
-  nvl::barrier_kernel<<<1, 128, 0, stream>>>(s.dc);  // the peers are done with both stagings
-  MOEFLOW_CUDA_LAUNCH_CHECK();
-  if (y.data != base + s.off_y) {
-    nvl::copy_used_rows_kernel<<<264, 256, 0, stream>>>(static_cast<const uint8_t*>(y.data),
-                                                        base + s.off_y, g.row_bytes, g.row_bytes,
-                                                        s.recv.total_rows.data_ptr<int64_t>());
-    MOEFLOW_CUDA_LAUNCH_CHECK();
-  }
+  nvlink_stage_y(g, y, stream);  // the barrier in it also frees the grad staging
   nvl::pads_kernel<<<static_cast<unsigned>(std::max(L, 1)), 256, 0, stream>>>(
       base + s.off_g, nullptr, g.row_bytes, L, g.opt.align,
       s.recv.tokens_per_expert.data_ptr<int32_t>(),
       s.recv.padded_tokens_per_expert.data_ptr<int32_t>(),
       s.recv.expert_row_offsets.data_ptr<int64_t>());
   MOEFLOW_CUDA_LAUNCH_CHECK();
-  nvl::barrier_kernel<<<1, 128, 0, stream>>>(s.dc);
-  MOEFLOW_CUDA_LAUNCH_CHECK();
+  nvlink_barrier(s, stream);
   if (s.T > 0) {
     const int blocks = static_cast<int>(std::min<int64_t>((s.T + 7) / 8, g.opt.nvlink_blocks));
     const float* w = weighted ? s.probs.data_ptr<float>() : nullptr;
@@ -753,8 +747,7 @@ void nvlink_combine_backward(EpGroup::Impl& g, TensorView dout, TensorView y, bo
     }
     MOEFLOW_CUDA_LAUNCH_CHECK();
   }
-  nvl::barrier_kernel<<<1, 128, 0, stream>>>(s.dc);  // every gradient row has landed
-  MOEFLOW_CUDA_LAUNCH_CHECK();
+  nvlink_barrier(s, stream);  // every gradient row has landed
   nvl::copy_used_rows_kernel<<<264, 256, 0, stream>>>(
       base + s.off_g, static_cast<uint8_t*>(grad_y.data),
       grad_y.strides[0] * int64_t(dtype_size(grad_y.dtype)), g.row_bytes,
