@@ -238,7 +238,12 @@ struct EpGroup::Impl {
     // wait on the peers); on a caller's communicator they are released here.
     if (nvl && !owns_comm) nvl->release(comm);
     if (owns_comm && comm) ncclCommDestroy(comm);
-    if (nvl && nvl->base) ncclMemFree(nvl->base);
+    if (nvl && nvl->base) {
+      if (nvl->plain)
+        cudaFree(nvl->base);
+      else
+        ncclMemFree(nvl->base);
+    }
   }
 
   int chunks() const { return std::clamp(opt.pipeline_chunks, 1, kMaxChunks); }
@@ -373,18 +378,39 @@ struct EpGroup::Impl {
     s.off_y = s.off_counts + nvl::round_up(size_t(world) * E * 4);
     s.off_g = s.off_y + nvl::round_up(size_t(capacity) * H * esz);
     s.bytes = s.off_g + nvl::round_up(size_t(capacity) * H * esz);
-    MOEFLOW_NCCL_CHECK(ncclMemAlloc(&s.base, s.bytes));
-    MOEFLOW_NCCL_CHECK(
-        ncclCommWindowRegister(comm, s.base, s.bytes, &s.win, NCCL_WIN_COLL_SYMMETRIC));
-    s.have_win = true;
-    ncclDevCommRequirements req{};
-    req.lsaBarrierCount = 1;  // no multimem resources (NVLS stays off)
-    MOEFLOW_NCCL_CHECK(ncclDevCommCreate(comm, &req, &s.dc));
-    s.have_dc = true;
-    MOEFLOW_CHECK(s.dc.lsaSize == world && s.dc.lsaRank == rank,
-                  "the nvlink backend needs all ranks in one NVLink domain: NCCL reports ",
-                  s.dc.lsaSize, " of ", world, " ranks reachable (lsa rank ", s.dc.lsaRank,
-                  ", rank ", rank, ")");
+    if (world == 1) {
+      // NCCL gives a one-rank communicator no symmetric memory: the window is
+      // plain device memory and the barriers are block-local.
+      s.plain = true;
+      MOEFLOW_CUDA_CHECK(cudaMalloc(&s.base, s.bytes));
+    } else {
+      // The device API is inline code compiled against nccl_device.h: it must
+      // come from the NCCL that runs (its structures change between releases).
+      int version = 0;
+      MOEFLOW_NCCL_CHECK(ncclGetVersion(&version));
+      MOEFLOW_CHECK(version == NCCL_VERSION_CODE,
+                    "the nvlink backend was compiled against NCCL ", NCCL_VERSION_CODE,
+                    " (nccl_device.h) but libnccl ", version,
+                    " is loaded; build moeflow against the NCCL it runs with (MOEFLOW_NCCL_ROOT)");
+      MOEFLOW_NCCL_CHECK(ncclMemAlloc(&s.base, s.bytes));
+      const ncclResult_t wr =
+          ncclCommWindowRegister(comm, s.base, s.bytes, &s.win, NCCL_WIN_COLL_SYMMETRIC);
+      MOEFLOW_CHECK(wr == ncclSuccess, "the nvlink backend needs NCCL symmetric memory ",
+                    "(all ranks CUDA peers over NVLink, cuMem enabled): ncclCommWindowRegister ",
+                    "returned '", ncclGetErrorString(wr), "'; use backend nccl");
+      s.have_win = true;
+      ncclDevCommRequirements req{};
+      req.lsaBarrierCount = 1;  // no multimem resources (NVLS stays off)
+      const ncclResult_t dr = ncclDevCommCreate(comm, &req, &s.dc);
+      MOEFLOW_CHECK(dr == ncclSuccess, "the nvlink backend needs the NCCL device API over ",
+                    "symmetric memory: ncclDevCommCreate returned '", ncclGetErrorString(dr),
+                    "' (NCCL_DEBUG=WARN says why); use backend nccl");
+      s.have_dc = true;
+      MOEFLOW_CHECK(s.dc.lsaSize == world && s.dc.lsaRank == rank,
+                    "the nvlink backend needs all ranks in one NVLink domain: NCCL reports ",
+                    s.dc.lsaSize, " of ", world, " ranks reachable (lsa rank ", s.dc.lsaRank,
+                    ", rank ", rank, ")");
+    }
     MOEFLOW_CUDA_CHECK(cudaMemset(static_cast<uint8_t*>(s.base) + s.off_counts, 0,
                                   size_t(world) * E * 4));
     const Device dev = Device::cuda(device);
@@ -574,7 +600,7 @@ namespace {
 
 // An LSA barrier over the group's ranks, in stream order.
 void nvlink_barrier(NvlinkState& s, cudaStream_t stream) {
-  nvl::barrier_kernel<<<1, 128, 0, stream>>>(s.dc);
+  nvl::barrier_kernel<<<1, 128, 0, stream>>>(s.view());
   MOEFLOW_CUDA_LAUNCH_CHECK();
 }
 
@@ -624,7 +650,7 @@ EpDispatchResult nvlink_dispatch(EpGroup::Impl& g, TensorView x, TensorView ids,
   }
   // 2. counts exchanged, slot ranges, this rank's receive plan
   nvl::counts_kernel<<<1, 256, 0, stream>>>(
-      s.dc, s.win, s.off_counts, s.local.tokens_per_expert.data_ptr<int32_t>(), E, W, g.rank,
+      s.view(), s.off_counts, s.local.tokens_per_expert.data_ptr<int32_t>(), E, W, g.rank,
       g.capacity, g.opt.align, s.first_row.data_ptr<int64_t>(), s.fit.data_ptr<int64_t>(),
       s.recv.tokens_per_expert.data_ptr<int32_t>(),
       s.recv.padded_tokens_per_expert.data_ptr<int32_t>(),
@@ -644,7 +670,7 @@ EpDispatchResult nvlink_dispatch(EpGroup::Impl& g, TensorView x, TensorView ids,
   if (T > 0) {
     const int blocks = static_cast<int>(std::min<int64_t>((T + 7) / 8, g.opt.nvlink_blocks));
     nvl::rows_kernel<<<blocks, 256, 0, stream>>>(
-        s.win, s.off_x, s.off_probs, static_cast<const uint8_t*>(x.data),
+        s.view(), s.off_x, s.off_probs, static_cast<const uint8_t*>(x.data),
         x.strides[0] * int64_t(dtype_size(x.dtype)), g.row_bytes, s.local_ids.data_ptr<int32_t>(),
         s.probs.data_ptr<float>(), T, K, E, L, s.local.dest_row.data_ptr<int64_t>(),
         s.local.expert_row_offsets.data_ptr<int64_t>(), s.first_row.data_ptr<int64_t>(),
@@ -676,11 +702,11 @@ void nvlink_combine(EpGroup::Impl& g, TensorView y, bool weighted, TensorView ou
                      (out.strides[0] * int64_t(sizeof(TO))) % 16 == 0;
     if (vec)
       nvl::pull_kernel<TY, TO, N><<<blocks, 256, 0, stream>>>(
-          s.win, s.off_y, H, s.T, g.opt.topk, g.world, s.dest_rank.data_ptr<int32_t>(),
+          s.view(), s.off_y, H, s.T, g.opt.topk, g.world, s.dest_rank.data_ptr<int32_t>(),
           s.dest_row.data_ptr<int64_t>(), w, ot, out.strides[0]);
     else
       nvl::pull_kernel<TY, TO, 1><<<blocks, 256, 0, stream>>>(
-          s.win, s.off_y, H, s.T, g.opt.topk, g.world, s.dest_rank.data_ptr<int32_t>(),
+          s.view(), s.off_y, H, s.T, g.opt.topk, g.world, s.dest_rank.data_ptr<int32_t>(),
           s.dest_row.data_ptr<int64_t>(), w, ot, out.strides[0]);
   };
   auto with_out = [&](auto* yt) {
@@ -731,17 +757,17 @@ void nvlink_combine_backward(EpGroup::Impl& g, TensorView dout, TensorView y, bo
     switch (y.dtype) {
       case DType::kFloat32:
         nvl::push_grad_kernel<float><<<blocks, 256, 0, stream>>>(
-            s.win, s.off_y, s.off_g, H, s.T, g.opt.topk, s.dest_rank.data_ptr<int32_t>(),
+            s.view(), s.off_y, s.off_g, H, s.T, g.opt.topk, s.dest_rank.data_ptr<int32_t>(),
             s.dest_row.data_ptr<int64_t>(), w, dout.data_ptr<float>(), dout.strides[0], dp);
         break;
       case DType::kFloat16:
         nvl::push_grad_kernel<__half><<<blocks, 256, 0, stream>>>(
-            s.win, s.off_y, s.off_g, H, s.T, g.opt.topk, s.dest_rank.data_ptr<int32_t>(),
+            s.view(), s.off_y, s.off_g, H, s.T, g.opt.topk, s.dest_rank.data_ptr<int32_t>(),
             s.dest_row.data_ptr<int64_t>(), w, dout.data_ptr<__half>(), dout.strides[0], dp);
         break;
       default:
         nvl::push_grad_kernel<__nv_bfloat16><<<blocks, 256, 0, stream>>>(
-            s.win, s.off_y, s.off_g, H, s.T, g.opt.topk, s.dest_rank.data_ptr<int32_t>(),
+            s.view(), s.off_y, s.off_g, H, s.T, g.opt.topk, s.dest_rank.data_ptr<int32_t>(),
             s.dest_row.data_ptr<int64_t>(), w, dout.data_ptr<__nv_bfloat16>(), dout.strides[0],
             dp);
     }

@@ -43,15 +43,31 @@ inline size_t round_up(size_t v) {
   return (v + kAlign - 1) / kAlign * kAlign;
 }
 
-__device__ __forceinline__ void barrier_all(const ncclDevComm& dc) {
-  __threadfence_system();  // earlier kernels' stores to the peers, before the arrive
-  ncclLsaBarrierSession<ncclCoopCta> bar(ncclCoopCta(), dc, ncclTeamTagLsa(), 0);
-  bar.sync(ncclCoopCta(), ::cuda::memory_order_acq_rel);
-}
+// The rank's window as kernels see it: NCCL's LSA pointers into the peers'
+// windows, or, for a group of one rank (NCCL gives a one-rank communicator
+// no symmetric memory), plain device memory and no barriers.
+struct Window {
+  ncclWindow_t win;  // null: one rank
+  uint8_t* local;    // this rank's window
+  ncclDevComm dc;
+  __device__ __forceinline__ void* at(size_t off, int q) const {
+    return win ? ncclGetLsaPointer(win, off, q) : local + off;
+  }
+  // An LSA barrier of the whole block with the peers (every thread calls it).
+  __device__ __forceinline__ void barrier() const {
+    __threadfence_system();  // earlier stores to the peers, before the arrive
+    if (!win) {
+      __syncthreads();
+      return;
+    }
+    ncclLsaBarrierSession<ncclCoopCta> bar(ncclCoopCta(), dc, ncclTeamTagLsa(), 0);
+    bar.sync(ncclCoopCta(), ::cuda::memory_order_acq_rel);
+  }
+};
 
 // A standalone LSA barrier (one block).
-__global__ void barrier_kernel(ncclDevComm dc) {
-  barrier_all(dc);
+__global__ void barrier_kernel(Window w) {
+  w.barrier();
 }
 
 // ids [T,K] (int32/int64) -> local [tmax,K] int32, rows past T unrouted.
@@ -68,22 +84,20 @@ __global__ void copy_ids_kernel(const IdT* ids, int64_t T, int K, int64_t tmax, 
 }
 
 // Step 2 (one block): counts exchanged, slot ranges and the receive plan.
-__global__ void counts_kernel(ncclDevComm dc, ncclWindow_t win, size_t off_counts,
+__global__ void counts_kernel(Window win, size_t off_counts,
                               const int32_t* my_counts, int E, int W, int me, int64_t capacity,
                               int align, int64_t* first_row, int64_t* fit, int32_t* kept,
                               int32_t* padded, int64_t* offsets, int64_t* total_rows,
                               int32_t* overflow) {
-  ncclLsaBarrierSession<ncclCoopCta> bar(ncclCoopCta(), dc, ncclTeamTagLsa(), 0);
-  __threadfence_system();
-  bar.sync(ncclCoopCta(), ::cuda::memory_order_acq_rel);  // the peers are done with the last round
+  win.barrier();  // the peers are done with the last round
   for (int i = threadIdx.x; i < W * E; i += blockDim.x) {
     const int p = i / E, g = i % E;
     int32_t* dst = static_cast<int32_t*>(
-        ncclGetLsaPointer(win, off_counts + (size_t(me) * E + g) * sizeof(int32_t), p));
+        win.at(off_counts + (size_t(me) * E + g) * sizeof(int32_t), p));
     *dst = my_counts[g];
   }
-  bar.sync(ncclCoopCta(), ::cuda::memory_order_acq_rel);  // every row of the matrix is in
-  const int32_t* C = static_cast<const int32_t*>(ncclGetLsaPointer(win, off_counts, me));
+  win.barrier();  // every row of the matrix is in
+  const int32_t* C = static_cast<const int32_t*>(win.at(off_counts, me));
   for (int g = threadIdx.x; g < E; g += blockDim.x) {
     const EpSlotRange r = ep_slot_range(C, W, E, me, g, capacity, align);
     first_row[g] = r.first_row;
@@ -101,7 +115,7 @@ __global__ void counts_kernel(ncclDevComm dc, ncclWindow_t win, size_t off_count
 
 // Step 3: one warp per token; rank of slot (t,k) among this rank's slots to
 // its expert g = local_dest_row - local_offsets[g] (the local plan).
-__global__ void rows_kernel(ncclWindow_t win, size_t off_x, size_t off_probs, const uint8_t* x,
+__global__ void rows_kernel(Window win, size_t off_x, size_t off_probs, const uint8_t* x,
                             int64_t x_stride_bytes, int64_t row_bytes, const int32_t* ids,
                             const float* probs, int64_t T, int K, int E, int L,
                             const int64_t* local_dest,
@@ -127,10 +141,10 @@ __global__ void rows_kernel(ncclWindow_t win, size_t off_x, size_t off_probs, co
         dest_row[t * K + k] = row;
       }
       if (row < 0) continue;
-      uint4* dst = static_cast<uint4*>(ncclGetLsaPointer(win, off_x + row * row_bytes, q));
+      uint4* dst = static_cast<uint4*>(win.at(off_x + row * row_bytes, q));
       for (int64_t v = lane; v < row_bytes / 16; v += 32) dst[v] = src[v];
       if (lane == 0)
-        *static_cast<float*>(ncclGetLsaPointer(win, off_probs + row * sizeof(float), q)) =
+        *static_cast<float*>(win.at(off_probs + row * sizeof(float), q)) =
             probs ? probs[t * K + k] : 0.0f;
     }
   }
@@ -151,7 +165,7 @@ __global__ void pads_kernel(uint8_t* recv_x, float* recv_probs, int64_t row_byte
 
 // combine: one warp per token, N elements of T per lane access (16 bytes).
 template <typename T, typename TOut, int N>
-__global__ void pull_kernel(ncclWindow_t win, size_t off_y, int64_t H, int64_t Tn, int K, int W,
+__global__ void pull_kernel(Window win, size_t off_y, int64_t H, int64_t Tn, int K, int W,
                             const int32_t* dest_rank, const int64_t* dest_row,
                             const float* weights, TOut* out, int64_t out_stride) {
   using P = cuda::Pack<T, N>;
@@ -168,8 +182,7 @@ __global__ void pull_kernel(ncclWindow_t win, size_t off_y, int64_t H, int64_t T
         bool any = false;
         for (int k = 0; k < K; ++k) {
           if (dest_rank[t * K + k] != q) continue;
-          const T* yrow = static_cast<const T*>(ncclGetLsaPointer(
-              win, off_y + dest_row[t * K + k] * H * sizeof(T), q));
+          const T* yrow = static_cast<const T*>(win.at(off_y + dest_row[t * K + k] * H * sizeof(T), q));
           const P v = reinterpret_cast<const P*>(yrow)[p];
           const float w = weights ? weights[t * K + k] : 1.0f;
 #pragma unroll
@@ -194,7 +207,7 @@ __global__ void pull_kernel(ncclWindow_t win, size_t off_y, int64_t H, int64_t T
 // staging row of each kept slot on its rank, and dprobs[t,k] = <dout[t],
 // y[row]> with y read from that rank's staging (0 for unrouted / dropped).
 template <typename T>
-__global__ void push_grad_kernel(ncclWindow_t win, size_t off_y, size_t off_g, int64_t H,
+__global__ void push_grad_kernel(Window win, size_t off_y, size_t off_g, int64_t H,
                                  int64_t Tn, int K, const int32_t* dest_rank,
                                  const int64_t* dest_row, const float* weights, const T* dout,
                                  int64_t dout_stride, float* dprobs) {
@@ -208,8 +221,8 @@ __global__ void push_grad_kernel(ncclWindow_t win, size_t off_y, size_t off_g, i
       if (q >= 0) {
         const int64_t row = dest_row[t * K + k];
         const float w = weights ? weights[t * K + k] : 1.0f;
-        T* g = static_cast<T*>(ncclGetLsaPointer(win, off_g + row * H * sizeof(T), q));
-        const T* y = static_cast<const T*>(ncclGetLsaPointer(win, off_y + row * H * sizeof(T), q));
+        T* g = static_cast<T*>(win.at(off_g + row * H * sizeof(T), q));
+        const T* y = static_cast<const T*>(win.at(off_y + row * H * sizeof(T), q));
         for (int64_t j = lane; j < H; j += 32) {
           const float dv = cuda::to_float(d[j]);
           g[j] = cuda::from_float<T>(w * dv);
@@ -239,8 +252,9 @@ __global__ void copy_used_rows_kernel(const uint8_t* src, uint8_t* dst, int64_t 
 
 // Per-group state of the nvlink backend.
 struct NvlinkState {
-  void* base = nullptr;  // the symmetric allocation
+  void* base = nullptr;  // the symmetric allocation (ncclMemAlloc; cudaMalloc when plain)
   size_t bytes = 0;
+  bool plain = false;    // one rank: plain device memory, no window, no barriers
   ncclWindow_t win{};
   ncclDevComm dc{};
   bool have_win = false, have_dc = false;
@@ -254,6 +268,10 @@ struct NvlinkState {
   RoutingPlan recv;                // this rank's receive plan (counts / offsets on the device)
   Tensor recv_padded;              // [L] int32
   int64_t T = 0;
+
+  nvl::Window view() const {
+    return nvl::Window{have_win ? win : nullptr, static_cast<uint8_t*>(base), dc};
+  }
 
   // The device communicator and the window (the memory is freed by the owner).
   void release(ncclComm_t comm) {
