@@ -42,14 +42,19 @@ struct ncclComm;
 namespace moeflow {
 
 // kNccl: grouped ncclSend/ncclRecv, any NCCL transport, one host sync per
-// dispatch. kNvlink: kernels that store each token straight into its final
-// row on the peers through NCCL symmetric memory (one NVLink domain, NCCL
-// 2.28+), no host synchronisation; received_tokens is -1 (the count stays on
-// the device) and the plan's row_token / row_k / dest_row are not filled;
-// combine takes y of the token dtype; one stream per group (its kernels meet
-// in device-side barriers: operations of one group must not run concurrently,
-// and an argument error thrown on one rank only leaves the others waiting).
-// First version: written, GPU tests pending (see docs/ep-nvlink-design.md).
+// dispatch. kNvlink: kernels that load and store the peers' memory through
+// NCCL symmetric memory and LSA barriers (one NVLink domain, NCCL 2.28+; the
+// device API is compiled in, so moeflow must be built against the libnccl it
+// runs with), no host synchronisation: dispatch, the MLP and combine are
+// capturable in one CUDA graph. A token crosses to a rank once and is
+// expanded there into its slots' rows; combine sums each token's slots on the
+// rank that holds them and sends one float32 partial home. received_tokens is
+// -1 (the count stays on the device) and the plan's row_token / row_k /
+// dest_row are not filled; combine_backward takes y of the token dtype. One
+// stream per group: its kernels meet in device-side barriers, so operations
+// of one group must not run concurrently, every rank must make the same calls
+// with the same nvlink_blocks, and an argument error thrown on one rank only
+// leaves the others waiting. See docs/ep-nvlink-design.md.
 enum class EpBackend { kNccl, kNvlink };
 
 struct EpOptions {
@@ -139,12 +144,6 @@ EpDispatchResult ep_dispatch(EpGroup& group, TensorView x, TensorView ids, Tenso
 // the slot's prob when `weighted`, else 1.
 void ep_combine(EpGroup& group, TensorView y, bool weighted, TensorView out,
                 cudaStream_t stream = nullptr);
-
-// Backend nvlink: a [capacity, H] buffer (token dtype) in the group's
-// symmetric window. Expert outputs written there between a dispatch and the
-// combine that follows it (e.g. as the MLP's output) are combined without the
-// staging copy: pass it as y. Undefined on nccl.
-TensorView ep_combine_input(EpGroup& group);
 
 // Gradient of dispatch (a combine without weights): grad_recv [capacity,H] ->
 // grad_x [T,H].

@@ -33,10 +33,12 @@
 #include <cstdlib>
 #include <cub/device/device_scan.cuh>
 #include <exception>
+#include <initializer_list>
 #include <type_traits>
 #include <mutex>
 #include <string>
 #include <thread>
+#include <utility>
 
 #include "core/backends.h"
 #include "core/internal.h"
@@ -372,12 +374,29 @@ struct EpGroup::Impl {
     MOEFLOW_CHECK(row_bytes % 16 == 0, "the nvlink backend needs 16-byte token rows, got hidden=", H,
                   " x ", esz, " bytes");
     MOEFLOW_CHECK(E <= 2048, "the nvlink backend takes at most 2048 experts, got ", E);
-    s.off_x = 0;
-    s.off_probs = nvl::round_up(size_t(capacity) * H * esz);
-    s.off_counts = s.off_probs + nvl::round_up(size_t(capacity) * 4);
-    s.off_y = s.off_counts + nvl::round_up(size_t(world) * E * 4);
-    s.off_g = s.off_y + nvl::round_up(size_t(capacity) * H * esz);
-    s.bytes = s.off_g + nvl::round_up(size_t(capacity) * H * esz);
+    MOEFLOW_CHECK(K <= 32, "the nvlink backend takes topk <= 32, got ", K);
+    MOEFLOW_CHECK(world <= 8, "the nvlink backend takes at most 8 ranks, got ", world);
+    MOEFLOW_CHECK(capacity < INT32_MAX && int64_t(world) * tmax < INT32_MAX,
+                  "the nvlink backend indexes rows with int32: capacity ", capacity,
+                  " and world x max_tokens_per_rank ", int64_t(world) * tmax, " must be < 2^31");
+    nvl::Offsets& o = s.off;
+    size_t at = 0;
+    auto take = [&](size_t bytes) {
+      const size_t here = at;
+      at += nvl::round_up(bytes);
+      return here;
+    };
+    o.x = take(size_t(capacity) * row_bytes);
+    o.probs = take(size_t(capacity) * 4);
+    o.row_src = take(size_t(capacity) * 4);
+    o.row_k = take(size_t(capacity) * 4);
+    o.counts = take(size_t(world) * E * 4);
+    o.ntok = take(size_t(world) * 4);
+    o.inv = take(size_t(world) * tmax * K * 4);
+    o.stage = take(size_t(world) * tmax * row_bytes);
+    o.partial = take(size_t(world) * tmax * H * 4);
+    o.dp = take(size_t(tmax) * K * 4);
+    s.bytes = at;
     if (world == 1) {
       // NCCL gives a one-rank communicator no symmetric memory: the window is
       // plain device memory and the barriers are block-local.
@@ -411,8 +430,7 @@ struct EpGroup::Impl {
                     s.dc.lsaSize, " of ", world, " ranks reachable (lsa rank ", s.dc.lsaRank,
                     ", rank ", rank, ")");
     }
-    MOEFLOW_CUDA_CHECK(cudaMemset(static_cast<uint8_t*>(s.base) + s.off_counts, 0,
-                                  size_t(world) * E * 4));
+    MOEFLOW_CUDA_CHECK(cudaMemset(s.base, 0, s.bytes));
     const Device dev = Device::cuda(device);
     s.local_ids = Tensor::empty({tmax, K}, DType::kInt32, dev);
     PlanConfig lc;
@@ -604,25 +622,17 @@ void nvlink_barrier(NvlinkState& s, cudaStream_t stream) {
   MOEFLOW_CUDA_LAUNCH_CHECK();
 }
 
-// Once the peers are done reading the window's y staging (the last combine
-// or combine backward), the used rows of y go there (none when y already is
-// the staging: ep_combine_input).
-void nvlink_stage_y(EpGroup::Impl& g, TensorView y, cudaStream_t stream) {
-  NvlinkState& s = *g.nvl;
-  MOEFLOW_CHECK(y.dtype == g.opt.dtype && y.is_contiguous(),
-                "the nvlink backend needs a contiguous y of the token dtype ",
-                dtype_name(g.opt.dtype), ", got ", y.str());
-  uint8_t* staging = static_cast<uint8_t*>(s.base) + s.off_y;
-  nvlink_barrier(s, stream);
-  if (y.data == staging) return;
-  nvl::copy_used_rows_kernel<<<264, 256, 0, stream>>>(static_cast<const uint8_t*>(y.data), staging,
-                                                      g.row_bytes, g.row_bytes,
-                                                      s.recv.total_rows.data_ptr<int64_t>());
-  MOEFLOW_CUDA_LAUNCH_CHECK();
+// Blocks of a row kernel with `work` warps of work (at most nvlink_blocks).
+unsigned nvlink_grid(const EpGroup::Impl& g, int64_t work) {
+  return static_cast<unsigned>(
+      std::max<int64_t>(1, std::min<int64_t>((work + nvl::kWarps - 1) / nvl::kWarps,
+                                             g.opt.nvlink_blocks)));
 }
+
 EpDispatchResult nvlink_dispatch(EpGroup::Impl& g, TensorView x, TensorView ids, TensorView probs,
                                  cudaStream_t stream) {
   NvlinkState& s = *g.nvl;
+  const nvl::Offsets& o = s.off;
   const int K = g.opt.topk, W = g.world, E = g.opt.num_experts, L = g.epr;
   const int64_t T = x.shape[0], H = g.opt.hidden;
   const Device dev = Device::cuda(g.device);
@@ -648,10 +658,11 @@ EpDispatchResult nvlink_dispatch(EpGroup::Impl& g, TensorView x, TensorView ids,
         MOEFLOW_CUDA_CHECK(cudaMemsetAsync(s.probs.data(), 0, size_t(T) * K * 4, stream));
     }
   }
-  // 2. counts exchanged, slot ranges, this rank's receive plan
+  // 2. counts exchanged, slot ranges, this rank's receive plan, its pad rows
   nvl::counts_kernel<<<1, 256, 0, stream>>>(
-      s.view(), s.off_counts, s.local.tokens_per_expert.data_ptr<int32_t>(), E, W, g.rank,
-      g.capacity, g.opt.align, s.first_row.data_ptr<int64_t>(), s.fit.data_ptr<int64_t>(),
+      s.view(), o.counts, o.ntok, s.local.tokens_per_expert.data_ptr<int32_t>(),
+      static_cast<int32_t>(T), E, W, g.rank, g.capacity, g.opt.align,
+      s.first_row.data_ptr<int64_t>(), s.fit.data_ptr<int64_t>(),
       s.recv.tokens_per_expert.data_ptr<int32_t>(),
       s.recv.padded_tokens_per_expert.data_ptr<int32_t>(),
       s.recv.expert_row_offsets.data_ptr<int64_t>(), s.recv.total_rows.data_ptr<int64_t>(),
@@ -661,53 +672,86 @@ EpDispatchResult nvlink_dispatch(EpGroup::Impl& g, TensorView x, TensorView ids,
                                      cudaMemcpyDeviceToDevice, stream));
   uint8_t* base = static_cast<uint8_t*>(s.base);
   nvl::pads_kernel<<<static_cast<unsigned>(std::max(L, 1)), 256, 0, stream>>>(
-      base + s.off_x, reinterpret_cast<float*>(base + s.off_probs), g.row_bytes, L, g.opt.align,
+      base + o.x, reinterpret_cast<float*>(base + o.probs),
+      reinterpret_cast<int32_t*>(base + o.row_src), g.row_bytes, L,
       s.recv.tokens_per_expert.data_ptr<int32_t>(),
       s.recv.padded_tokens_per_expert.data_ptr<int32_t>(),
       s.recv.expert_row_offsets.data_ptr<int64_t>());
   MOEFLOW_CUDA_LAUNCH_CHECK();
-  // 3. every kept slot's row stored into its final row on its expert's rank
+  // 3. own slots' rows stored in place, each token once into every peer's stage
   if (T > 0) {
-    const int blocks = static_cast<int>(std::min<int64_t>((T + 7) / 8, g.opt.nvlink_blocks));
-    nvl::rows_kernel<<<blocks, 256, 0, stream>>>(
-        s.view(), s.off_x, s.off_probs, static_cast<const uint8_t*>(x.data),
+    nvl::dispatch_push_kernel<<<nvlink_grid(g, T), nvl::kWarps * 32, 0, stream>>>(
+        s.view(), o, static_cast<const uint8_t*>(x.data),
         x.strides[0] * int64_t(dtype_size(x.dtype)), g.row_bytes, s.local_ids.data_ptr<int32_t>(),
-        s.probs.data_ptr<float>(), T, K, E, L, s.local.dest_row.data_ptr<int64_t>(),
-        s.local.expert_row_offsets.data_ptr<int64_t>(), s.first_row.data_ptr<int64_t>(),
-        s.fit.data_ptr<int64_t>(), s.dest_rank.data_ptr<int32_t>(),
-        s.dest_row.data_ptr<int64_t>());
+        s.probs.data_ptr<float>(), T, K, E, L, W, g.rank, g.tmax,
+        s.local.dest_row.data_ptr<int64_t>(), s.local.expert_row_offsets.data_ptr<int64_t>(),
+        s.first_row.data_ptr<int64_t>(), s.fit.data_ptr<int64_t>(),
+        s.dest_rank.data_ptr<int32_t>(), s.dest_row.data_ptr<int64_t>());
     MOEFLOW_CUDA_LAUNCH_CHECK();
   }
-  nvlink_barrier(s, stream);  // 4. all rows have landed everywhere
-  const TensorView rx = TensorView::strided(base + s.off_x, g.opt.dtype, dev, {g.capacity, H}, {H, 1});
-  const TensorView rp =
-      TensorView::strided(base + s.off_probs, DType::kFloat32, dev, {g.capacity}, {1});
+  nvlink_barrier(s, stream);  // everything has landed everywhere
+  // 4. the peers' tokens from the stage into their rows
+  if (W > 1) {
+    nvl::expand_kernel<<<static_cast<unsigned>(g.opt.nvlink_blocks), nvl::kWarps * 32, 0,
+                         stream>>>(base + o.stage, base + o.x,
+                                   reinterpret_cast<const int32_t*>(base + o.row_src), g.row_bytes,
+                                   g.rank, g.tmax, s.recv.total_rows.data_ptr<int64_t>());
+    MOEFLOW_CUDA_LAUNCH_CHECK();
+  }
+  const TensorView rx = TensorView::strided(base + o.x, g.opt.dtype, dev, {g.capacity, H}, {H, 1});
+  const TensorView rp = TensorView::strided(base + o.probs, DType::kFloat32, dev, {g.capacity}, {1});
   return EpDispatchResult{rx, rp, &s.recv, -1};
+}
+
+// 16 / sizeof(T) elements per lane when rows and strides allow 16-byte
+// accesses of every operand, else 1.
+bool nvlink_vec(int64_t H, int n, std::initializer_list<std::pair<const void*, int64_t>> rows) {
+  if (H % n != 0) return false;
+  for (const auto& r : rows)
+    if (addr(r.first) % 16 != 0 || r.second % 16 != 0) return false;
+  return true;
 }
 
 void nvlink_combine(EpGroup::Impl& g, TensorView y, bool weighted, TensorView out,
                     cudaStream_t stream) {
   NvlinkState& s = *g.nvl;
+  const nvl::Offsets& o = s.off;
   const int64_t H = g.opt.hidden;
-  nvlink_stage_y(g, y, stream);
-  nvlink_barrier(s, stream);  // the staging is written everywhere
-  if (s.T == 0) return;
+  const int K = g.opt.topk, W = g.world, me = g.rank;
+  MOEFLOW_CHECK(y.strides[1] == 1, "y rows must be contiguous (stride(1) == 1)");
+  nvlink_barrier(s, stream);  // the home ranks are done with their partials
   const float* w = weighted ? s.probs.data_ptr<float>() : nullptr;
-  const int blocks = static_cast<int>(std::min<int64_t>((s.T + 7) / 8, g.opt.nvlink_blocks));
   auto launch = [&](auto* yt, auto* ot) {
     using TY = std::remove_const_t<std::remove_pointer_t<decltype(yt)>>;
     using TO = std::remove_pointer_t<decltype(ot)>;
-    constexpr int N = 16 / (sizeof(TY) > sizeof(TO) ? sizeof(TY) : sizeof(TO));
-    const bool vec = H % N == 0 && addr(out.data) % 16 == 0 &&
-                     (out.strides[0] * int64_t(sizeof(TO))) % 16 == 0;
-    if (vec)
-      nvl::pull_kernel<TY, TO, N><<<blocks, 256, 0, stream>>>(
-          s.view(), s.off_y, H, s.T, g.opt.topk, g.world, s.dest_rank.data_ptr<int32_t>(),
-          s.dest_row.data_ptr<int64_t>(), w, ot, out.strides[0]);
+    constexpr int N = 16 / sizeof(TY);
+    const int64_t ys = y.strides[0], os = out.strides[0];
+    const bool vy = nvlink_vec(H, N, {{y.data, ys * int64_t(sizeof(TY))}});
+    const bool vo = vy && nvlink_vec(H, N, {{out.data, os * int64_t(sizeof(TO))}}) &&
+                    (N * sizeof(TO)) % 16 == 0;
+    const TY* yp = static_cast<const TY*>(y.data);
+    if (W > 1) {  // the peers' tokens: partials to their home ranks
+      const unsigned blocks = static_cast<unsigned>(g.opt.nvlink_blocks);
+      if (vy)
+        nvl::combine_partial_kernel<TY, N><<<blocks, nvl::kWarps * 32, 0, stream>>>(
+            s.view(), o, yp, ys, H, K, W, me, g.tmax, weighted);
+      else
+        nvl::combine_partial_kernel<TY, 1><<<blocks, nvl::kWarps * 32, 0, stream>>>(
+            s.view(), o, yp, ys, H, K, W, me, g.tmax, weighted);
+      MOEFLOW_CUDA_LAUNCH_CHECK();
+    }
+    nvlink_barrier(s, stream);  // every partial has landed
+    if (s.T == 0) return;
+    const unsigned blocks = nvlink_grid(g, s.T);
+    const int32_t* dr = s.dest_rank.data_ptr<int32_t>();
+    const int64_t* dw = s.dest_row.data_ptr<int64_t>();
+    if (vo)
+      nvl::combine_home_kernel<TY, TO, N><<<blocks, nvl::kWarps * 32, 0, stream>>>(
+          s.view(), o, yp, ys, H, s.T, K, W, me, g.tmax, dr, dw, w, ot, os);
     else
-      nvl::pull_kernel<TY, TO, 1><<<blocks, 256, 0, stream>>>(
-          s.view(), s.off_y, H, s.T, g.opt.topk, g.world, s.dest_rank.data_ptr<int32_t>(),
-          s.dest_row.data_ptr<int64_t>(), w, ot, out.strides[0]);
+      nvl::combine_home_kernel<TY, TO, 1><<<blocks, nvl::kWarps * 32, 0, stream>>>(
+          s.view(), o, yp, ys, H, s.T, K, W, me, g.tmax, dr, dw, w, ot, os);
+    MOEFLOW_CUDA_LAUNCH_CHECK();
   };
   auto with_out = [&](auto* yt) {
     switch (out.dtype) {
@@ -721,64 +765,65 @@ void nvlink_combine(EpGroup::Impl& g, TensorView y, bool weighted, TensorView ou
   };
   switch (y.dtype) {
     case DType::kFloat32:
-      with_out(static_cast<const float*>(nullptr));
-      break;
+      return with_out(static_cast<const float*>(nullptr));
     case DType::kFloat16:
-      with_out(static_cast<const __half*>(nullptr));
-      break;
+      return with_out(static_cast<const __half*>(nullptr));
     default:
-      with_out(static_cast<const __nv_bfloat16*>(nullptr));
+      return with_out(static_cast<const __nv_bfloat16*>(nullptr));
   }
-  MOEFLOW_CUDA_LAUNCH_CHECK();
 }
 
 void nvlink_combine_backward(EpGroup::Impl& g, TensorView dout, TensorView y, bool weighted,
                              TensorView grad_y, TensorView dprobs, cudaStream_t stream) {
   NvlinkState& s = *g.nvl;
+  const nvl::Offsets& o = s.off;
   const int64_t H = g.opt.hidden;
-  MOEFLOW_CHECK(addr(grad_y.data) % 16 == 0 &&
-                    (grad_y.strides[0] * int64_t(dtype_size(grad_y.dtype))) % 16 == 0 &&
-                    grad_y.strides[1] == 1,
-                "the nvlink backend needs 16-byte aligned rows of grad_y");
+  const int K = g.opt.topk, W = g.world, me = g.rank;
+  MOEFLOW_CHECK(y.dtype == g.opt.dtype, "the nvlink backend needs y of the token dtype ",
+                dtype_name(g.opt.dtype), ", got ", y.str());
+  const int64_t esz = int64_t(dtype_size(y.dtype));
+  MOEFLOW_CHECK(y.strides[1] == 1 && grad_y.strides[1] == 1 &&
+                    nvlink_vec(H, static_cast<int>(16 / esz),
+                               {{dout.data, dout.strides[0] * esz},
+                                {y.data, y.strides[0] * esz},
+                                {grad_y.data, grad_y.strides[0] * esz}}),
+                "the nvlink backend needs 16-byte aligned rows of dout, y and grad_y");
   uint8_t* base = static_cast<uint8_t*>(s.base);
-  const int L = g.epr;
-  nvlink_stage_y(g, y, stream);  // the barrier in it also frees the grad staging
-  nvl::pads_kernel<<<static_cast<unsigned>(std::max(L, 1)), 256, 0, stream>>>(
-      base + s.off_g, nullptr, g.row_bytes, L, g.opt.align,
-      s.recv.tokens_per_expert.data_ptr<int32_t>(),
-      s.recv.padded_tokens_per_expert.data_ptr<int32_t>(),
-      s.recv.expert_row_offsets.data_ptr<int64_t>());
-  MOEFLOW_CUDA_LAUNCH_CHECK();
-  nvlink_barrier(s, stream);
-  if (s.T > 0) {
-    const int blocks = static_cast<int>(std::min<int64_t>((s.T + 7) / 8, g.opt.nvlink_blocks));
-    const float* w = weighted ? s.probs.data_ptr<float>() : nullptr;
-    float* dp = dprobs.defined() ? dprobs.data_ptr<float>() : nullptr;
-    switch (y.dtype) {
-      case DType::kFloat32:
-        nvl::push_grad_kernel<float><<<blocks, 256, 0, stream>>>(
-            s.view(), s.off_y, s.off_g, H, s.T, g.opt.topk, s.dest_rank.data_ptr<int32_t>(),
-            s.dest_row.data_ptr<int64_t>(), w, dout.data_ptr<float>(), dout.strides[0], dp);
-        break;
-      case DType::kFloat16:
-        nvl::push_grad_kernel<__half><<<blocks, 256, 0, stream>>>(
-            s.view(), s.off_y, s.off_g, H, s.T, g.opt.topk, s.dest_rank.data_ptr<int32_t>(),
-            s.dest_row.data_ptr<int64_t>(), w, dout.data_ptr<__half>(), dout.strides[0], dp);
-        break;
-      default:
-        nvl::push_grad_kernel<__nv_bfloat16><<<blocks, 256, 0, stream>>>(
-            s.view(), s.off_y, s.off_g, H, s.T, g.opt.topk, s.dest_rank.data_ptr<int32_t>(),
-            s.dest_row.data_ptr<int64_t>(), w, dout.data_ptr<__nv_bfloat16>(), dout.strides[0],
-            dp);
-    }
+  nvlink_barrier(s, stream);  // the holders are done with their stage
+  if (s.T > 0 && W > 1) {
+    nvl::push_dout_kernel<<<nvlink_grid(g, s.T), nvl::kWarps * 32, 0, stream>>>(
+        s.view(), o, static_cast<const uint8_t*>(dout.data), dout.strides[0] * esz, g.row_bytes,
+        s.T, K, W, me, g.tmax, s.dest_rank.data_ptr<int32_t>());
     MOEFLOW_CUDA_LAUNCH_CHECK();
   }
-  nvlink_barrier(s, stream);  // every gradient row has landed
-  nvl::copy_used_rows_kernel<<<264, 256, 0, stream>>>(
-      base + s.off_g, static_cast<uint8_t*>(grad_y.data),
-      grad_y.strides[0] * int64_t(dtype_size(grad_y.dtype)), g.row_bytes,
-      s.recv.total_rows.data_ptr<int64_t>());
+  nvlink_barrier(s, stream);  // every dout row has landed
+  auto rows = [&](auto* tp) {
+    using T = std::remove_pointer_t<decltype(tp)>;
+    nvl::grad_rows_kernel<T><<<static_cast<unsigned>(g.opt.nvlink_blocks), nvl::kWarps * 32, 0,
+                               stream>>>(
+        s.view(), o, static_cast<const T*>(dout.data), dout.strides[0],
+        static_cast<const T*>(y.data), y.strides[0], static_cast<T*>(grad_y.data),
+        grad_y.strides[0], H, K, me, g.tmax, weighted, s.recv.total_rows.data_ptr<int64_t>());
+  };
+  switch (y.dtype) {
+    case DType::kFloat32:
+      rows(static_cast<float*>(nullptr));
+      break;
+    case DType::kFloat16:
+      rows(static_cast<__half*>(nullptr));
+      break;
+    default:
+      rows(static_cast<__nv_bfloat16*>(nullptr));
+  }
   MOEFLOW_CUDA_LAUNCH_CHECK();
+  nvlink_barrier(s, stream);  // every dot product has landed at home
+  if (dprobs.defined() && s.T > 0) {
+    const int64_t n = s.T * K;
+    nvl::dprobs_kernel<<<static_cast<unsigned>((n + 255) / 256), 256, 0, stream>>>(
+        reinterpret_cast<const float*>(base + o.dp), s.dest_rank.data_ptr<int32_t>(), n,
+        dprobs.data_ptr<float>());
+    MOEFLOW_CUDA_LAUNCH_CHECK();
+  }
 }
 
 }  // namespace
@@ -1035,14 +1080,6 @@ void combine_impl(EpGroup::Impl& g, TensorView y, bool weighted, TensorView out,
   g.print_marks("combine");
 }
 }  // namespace
-
-TensorView ep_combine_input(EpGroup& group) {
-  EpGroup::Impl& g = group.impl();
-  if (!g.nvl) return {};
-  return TensorView::strided(static_cast<uint8_t*>(g.nvl->base) + g.nvl->off_y, g.opt.dtype,
-                             Device::cuda(g.device), {g.capacity, g.opt.hidden},
-                             {g.opt.hidden, 1});
-}
 
 void ep_combine(EpGroup& group, TensorView y, bool weighted, TensorView out, cudaStream_t stream) {
   combine_impl(group.impl(), y, weighted, out, stream);
