@@ -225,6 +225,7 @@ struct EpGroup::Impl {
   cudaEvent_t ev_start = nullptr, ev_host = nullptr, ev_packed = nullptr, ev_meta = nullptr;
   cudaEvent_t ev_piece[kMaxChunks] = {}, ev_back[kMaxChunks] = {}, ev_rows[kMaxChunks] = {};
   std::unique_ptr<NvlinkState> nvl;  // backend nvlink
+  int sm_count = 0;
 
   ~Impl() {
     for (cudaEvent_t e : {ev_start, ev_host, ev_packed, ev_meta})
@@ -376,6 +377,10 @@ struct EpGroup::Impl {
     MOEFLOW_CHECK(E <= 2048, "the nvlink backend takes at most 2048 experts, got ", E);
     MOEFLOW_CHECK(K <= 32, "the nvlink backend takes topk <= 32, got ", K);
     MOEFLOW_CHECK(world <= 8, "the nvlink backend takes at most 8 ranks, got ", world);
+    MOEFLOW_CUDA_CHECK(cudaDeviceGetAttribute(&sm_count, cudaDevAttrMultiProcessorCount, device));
+    MOEFLOW_CHECK(opt.nvlink_blocks >= (world > 1 ? 2 : 1) && opt.nvlink_blocks <= sm_count,
+                  "nvlink_blocks must be in [", world > 1 ? 2 : 1, ", ", sm_count,
+                  "] (the SMs: its roles wait on each other across ranks), got ", opt.nvlink_blocks);
     MOEFLOW_CHECK(capacity < INT32_MAX && int64_t(world) * tmax < INT32_MAX,
                   "the nvlink backend indexes rows with int32: capacity ", capacity,
                   " and world x max_tokens_per_rank ", int64_t(world) * tmax, " must be < 2^31");
@@ -396,6 +401,8 @@ struct EpGroup::Impl {
     o.stage = take(size_t(world) * tmax * row_bytes);
     o.partial = take(size_t(world) * tmax * H * 4);
     o.dp = take(size_t(tmax) * K * 4);
+    o.flag = take(size_t(world) * tmax * 4);
+    o.epoch = take(4);
     s.bytes = at;
     if (world == 1) {
       // NCCL gives a one-rank communicator no symmetric memory: the window is
@@ -515,7 +522,9 @@ const EpOptions& EpGroup::options() const {
   return impl_->opt;
 }
 void EpGroup::set_nvlink_blocks(int blocks) {
-  MOEFLOW_CHECK(blocks >= 1, "nvlink_blocks must be >= 1, got ", blocks);
+  MOEFLOW_CHECK(blocks >= (impl_->world > 1 ? 2 : 1) && blocks <= impl_->sm_count,
+                "nvlink_blocks must be in [", impl_->world > 1 ? 2 : 1, ", ", impl_->sm_count,
+                "] (the SMs: its roles wait on each other across ranks), got ", blocks);
   impl_->opt.nvlink_blocks = blocks;
 }
 void EpGroup::set_overlap_blocks(int blocks) {
@@ -622,11 +631,24 @@ void nvlink_barrier(NvlinkState& s, cudaStream_t stream) {
   MOEFLOW_CUDA_LAUNCH_CHECK();
 }
 
-// Blocks of a row kernel with `work` warps of work (at most nvlink_blocks).
-unsigned nvlink_grid(const EpGroup::Impl& g, int64_t work) {
-  return static_cast<unsigned>(
-      std::max<int64_t>(1, std::min<int64_t>((work + nvl::kWarps - 1) / nvl::kWarps,
-                                             g.opt.nvlink_blocks)));
+// Blocks of the home role of a fused kernel (the rest: the holder role).
+int nvlink_home_blocks(const EpGroup::Impl& g) {
+  return g.world == 1 ? g.opt.nvlink_blocks : std::max(1, g.opt.nvlink_blocks / 2);
+}
+unsigned nvlink_grid(const EpGroup::Impl& g) {
+  return static_cast<unsigned>(g.opt.nvlink_blocks);
+}
+
+// Pad rows of this rank's receive layout in `rows` (stride in bytes) zeroed.
+void nvlink_zero_pads(EpGroup::Impl& g, uint8_t* rows, int64_t stride_bytes, float* probs,
+                      int32_t* row_src, cudaStream_t stream) {
+  NvlinkState& s = *g.nvl;
+  nvl::pads_kernel<<<static_cast<unsigned>(std::max(g.epr, 1)), 256, 0, stream>>>(
+      rows, stride_bytes, probs, row_src, g.row_bytes, g.epr,
+      s.recv.tokens_per_expert.data_ptr<int32_t>(),
+      s.recv.padded_tokens_per_expert.data_ptr<int32_t>(),
+      s.recv.expert_row_offsets.data_ptr<int64_t>());
+  MOEFLOW_CUDA_LAUNCH_CHECK();
 }
 
 EpDispatchResult nvlink_dispatch(EpGroup::Impl& g, TensorView x, TensorView ids, TensorView probs,
@@ -639,6 +661,7 @@ EpDispatchResult nvlink_dispatch(EpGroup::Impl& g, TensorView x, TensorView ids,
   MOEFLOW_CHECK(addr(x.data) % 16 == 0 && (x.strides[0] * int64_t(dtype_size(x.dtype))) % 16 == 0,
                 "the nvlink backend needs 16-byte aligned rows of x");
   s.T = T;
+  g.mark("start", stream);
   {  // 1. the rank's slots ranked per global expert
     const int64_t n = g.tmax * K;
     const unsigned blocks = static_cast<unsigned>((n + 255) / 256);
@@ -658,6 +681,8 @@ EpDispatchResult nvlink_dispatch(EpGroup::Impl& g, TensorView x, TensorView ids,
         MOEFLOW_CUDA_CHECK(cudaMemsetAsync(s.probs.data(), 0, size_t(T) * K * 4, stream));
     }
   }
+  g.mark("plan", stream);
+  uint8_t* base = static_cast<uint8_t*>(s.base);
   // 2. counts exchanged, slot ranges, this rank's receive plan, its pad rows
   nvl::counts_kernel<<<1, 256, 0, stream>>>(
       s.view(), o.counts, o.ntok, s.local.tokens_per_expert.data_ptr<int32_t>(),
@@ -666,45 +691,30 @@ EpDispatchResult nvlink_dispatch(EpGroup::Impl& g, TensorView x, TensorView ids,
       s.recv.tokens_per_expert.data_ptr<int32_t>(),
       s.recv.padded_tokens_per_expert.data_ptr<int32_t>(),
       s.recv.expert_row_offsets.data_ptr<int64_t>(), s.recv.total_rows.data_ptr<int64_t>(),
-      s.recv.overflow.data_ptr<int32_t>());
+      s.recv.overflow.data_ptr<int32_t>(), reinterpret_cast<int32_t*>(base + o.epoch));
   MOEFLOW_CUDA_LAUNCH_CHECK();
   MOEFLOW_CUDA_CHECK(cudaMemcpyAsync(s.recv.invalid_ids.data(), s.local.invalid_ids.data(), 4,
                                      cudaMemcpyDeviceToDevice, stream));
-  uint8_t* base = static_cast<uint8_t*>(s.base);
-  nvl::pads_kernel<<<static_cast<unsigned>(std::max(L, 1)), 256, 0, stream>>>(
-      base + o.x, reinterpret_cast<float*>(base + o.probs),
-      reinterpret_cast<int32_t*>(base + o.row_src), g.row_bytes, L,
-      s.recv.tokens_per_expert.data_ptr<int32_t>(),
-      s.recv.padded_tokens_per_expert.data_ptr<int32_t>(),
-      s.recv.expert_row_offsets.data_ptr<int64_t>());
+  nvlink_zero_pads(g, base + o.x, g.row_bytes, reinterpret_cast<float*>(base + o.probs),
+                   reinterpret_cast<int32_t*>(base + o.row_src), stream);
+  g.mark("counts", stream);
+  // 3. the rows: own slots in place, the peers' through their stage
+  nvl::dispatch_kernel<<<nvlink_grid(g), nvl::kWarps * 32, 0, stream>>>(
+      s.view(), o, nvlink_home_blocks(g), static_cast<const uint8_t*>(x.data),
+      x.strides[0] * int64_t(dtype_size(x.dtype)), g.row_bytes, s.local_ids.data_ptr<int32_t>(),
+      s.probs.data_ptr<float>(), T, K, E, L, W, g.rank, g.tmax,
+      s.local.dest_row.data_ptr<int64_t>(), s.local.expert_row_offsets.data_ptr<int64_t>(),
+      s.first_row.data_ptr<int64_t>(), s.fit.data_ptr<int64_t>(), s.dest_rank.data_ptr<int32_t>(),
+      s.dest_row.data_ptr<int64_t>());
   MOEFLOW_CUDA_LAUNCH_CHECK();
-  // 3. own slots' rows stored in place, each token once into every peer's stage
-  if (T > 0) {
-    nvl::dispatch_push_kernel<<<nvlink_grid(g, T), nvl::kWarps * 32, 0, stream>>>(
-        s.view(), o, static_cast<const uint8_t*>(x.data),
-        x.strides[0] * int64_t(dtype_size(x.dtype)), g.row_bytes, s.local_ids.data_ptr<int32_t>(),
-        s.probs.data_ptr<float>(), T, K, E, L, W, g.rank, g.tmax,
-        s.local.dest_row.data_ptr<int64_t>(), s.local.expert_row_offsets.data_ptr<int64_t>(),
-        s.first_row.data_ptr<int64_t>(), s.fit.data_ptr<int64_t>(),
-        s.dest_rank.data_ptr<int32_t>(), s.dest_row.data_ptr<int64_t>());
-    MOEFLOW_CUDA_LAUNCH_CHECK();
-  }
-  nvlink_barrier(s, stream);  // everything has landed everywhere
-  // 4. the peers' tokens from the stage into their rows
-  if (W > 1) {
-    nvl::expand_kernel<<<static_cast<unsigned>(g.opt.nvlink_blocks), nvl::kWarps * 32, 0,
-                         stream>>>(base + o.stage, base + o.x,
-                                   reinterpret_cast<const int32_t*>(base + o.row_src), g.row_bytes,
-                                   g.rank, g.tmax, s.recv.total_rows.data_ptr<int64_t>());
-    MOEFLOW_CUDA_LAUNCH_CHECK();
-  }
+  g.mark("rows", stream);
+  g.print_marks("nvlink dispatch");
   const TensorView rx = TensorView::strided(base + o.x, g.opt.dtype, dev, {g.capacity, H}, {H, 1});
   const TensorView rp = TensorView::strided(base + o.probs, DType::kFloat32, dev, {g.capacity}, {1});
   return EpDispatchResult{rx, rp, &s.recv, -1};
 }
 
-// 16 / sizeof(T) elements per lane when rows and strides allow 16-byte
-// accesses of every operand, else 1.
+// 16-byte accesses of every operand's rows (addresses and strides in bytes).
 bool nvlink_vec(int64_t H, int n, std::initializer_list<std::pair<const void*, int64_t>> rows) {
   if (H % n != 0) return false;
   for (const auto& r : rows)
@@ -719,38 +729,29 @@ void nvlink_combine(EpGroup::Impl& g, TensorView y, bool weighted, TensorView ou
   const int64_t H = g.opt.hidden;
   const int K = g.opt.topk, W = g.world, me = g.rank;
   MOEFLOW_CHECK(y.strides[1] == 1, "y rows must be contiguous (stride(1) == 1)");
-  nvlink_barrier(s, stream);  // the home ranks are done with their partials
+  uint8_t* base = static_cast<uint8_t*>(s.base);
+  g.mark("start", stream);
+  nvl::op_start_kernel<<<1, 128, 0, stream>>>(s.view(), reinterpret_cast<int32_t*>(base + o.epoch));
+  MOEFLOW_CUDA_LAUNCH_CHECK();
+  g.mark("barrier", stream);
   const float* w = weighted ? s.probs.data_ptr<float>() : nullptr;
   auto launch = [&](auto* yt, auto* ot) {
     using TY = std::remove_const_t<std::remove_pointer_t<decltype(yt)>>;
     using TO = std::remove_pointer_t<decltype(ot)>;
     constexpr int N = 16 / sizeof(TY);
     const int64_t ys = y.strides[0], os = out.strides[0];
-    const bool vy = nvlink_vec(H, N, {{y.data, ys * int64_t(sizeof(TY))}});
-    const bool vo = vy && nvlink_vec(H, N, {{out.data, os * int64_t(sizeof(TO))}}) &&
-                    (N * sizeof(TO)) % 16 == 0;
+    const bool vec = nvlink_vec(H, N, {{y.data, ys * int64_t(sizeof(TY))}}) &&
+                     addr(out.data) % (N * sizeof(TO)) == 0 && (os * sizeof(TO)) % (N * sizeof(TO)) == 0;
     const TY* yp = static_cast<const TY*>(y.data);
-    if (W > 1) {  // the peers' tokens: partials to their home ranks
-      const unsigned blocks = static_cast<unsigned>(g.opt.nvlink_blocks);
-      if (vy)
-        nvl::combine_partial_kernel<TY, N><<<blocks, nvl::kWarps * 32, 0, stream>>>(
-            s.view(), o, yp, ys, H, K, W, me, g.tmax, weighted);
-      else
-        nvl::combine_partial_kernel<TY, 1><<<blocks, nvl::kWarps * 32, 0, stream>>>(
-            s.view(), o, yp, ys, H, K, W, me, g.tmax, weighted);
-      MOEFLOW_CUDA_LAUNCH_CHECK();
-    }
-    nvlink_barrier(s, stream);  // every partial has landed
-    if (s.T == 0) return;
-    const unsigned blocks = nvlink_grid(g, s.T);
-    const int32_t* dr = s.dest_rank.data_ptr<int32_t>();
-    const int64_t* dw = s.dest_row.data_ptr<int64_t>();
-    if (vo)
-      nvl::combine_home_kernel<TY, TO, N><<<blocks, nvl::kWarps * 32, 0, stream>>>(
-          s.view(), o, yp, ys, H, s.T, K, W, me, g.tmax, dr, dw, w, ot, os);
+    const int P = nvlink_home_blocks(g);
+    if (vec)
+      nvl::combine_kernel<TY, TO, N><<<nvlink_grid(g), nvl::kWarps * 32, 0, stream>>>(
+          s.view(), o, P, yp, ys, H, s.T, K, W, me, g.tmax, s.dest_rank.data_ptr<int32_t>(),
+          s.dest_row.data_ptr<int64_t>(), w, weighted, ot, os);
     else
-      nvl::combine_home_kernel<TY, TO, 1><<<blocks, nvl::kWarps * 32, 0, stream>>>(
-          s.view(), o, yp, ys, H, s.T, K, W, me, g.tmax, dr, dw, w, ot, os);
+      nvl::combine_kernel<TY, TO, 1><<<nvlink_grid(g), nvl::kWarps * 32, 0, stream>>>(
+          s.view(), o, P, yp, ys, H, s.T, K, W, me, g.tmax, s.dest_rank.data_ptr<int32_t>(),
+          s.dest_row.data_ptr<int64_t>(), w, weighted, ot, os);
     MOEFLOW_CUDA_LAUNCH_CHECK();
   };
   auto with_out = [&](auto* yt) {
@@ -765,12 +766,16 @@ void nvlink_combine(EpGroup::Impl& g, TensorView y, bool weighted, TensorView ou
   };
   switch (y.dtype) {
     case DType::kFloat32:
-      return with_out(static_cast<const float*>(nullptr));
+      with_out(static_cast<const float*>(nullptr));
+      break;
     case DType::kFloat16:
-      return with_out(static_cast<const __half*>(nullptr));
+      with_out(static_cast<const __half*>(nullptr));
+      break;
     default:
-      return with_out(static_cast<const __nv_bfloat16*>(nullptr));
+      with_out(static_cast<const __nv_bfloat16*>(nullptr));
   }
+  g.mark("sum", stream);
+  g.print_marks("nvlink combine");
 }
 
 void nvlink_combine_backward(EpGroup::Impl& g, TensorView dout, TensorView y, bool weighted,
@@ -789,21 +794,18 @@ void nvlink_combine_backward(EpGroup::Impl& g, TensorView dout, TensorView y, bo
                                 {grad_y.data, grad_y.strides[0] * esz}}),
                 "the nvlink backend needs 16-byte aligned rows of dout, y and grad_y");
   uint8_t* base = static_cast<uint8_t*>(s.base);
-  nvlink_barrier(s, stream);  // the holders are done with their stage
-  if (s.T > 0 && W > 1) {
-    nvl::push_dout_kernel<<<nvlink_grid(g, s.T), nvl::kWarps * 32, 0, stream>>>(
-        s.view(), o, static_cast<const uint8_t*>(dout.data), dout.strides[0] * esz, g.row_bytes,
-        s.T, K, W, me, g.tmax, s.dest_rank.data_ptr<int32_t>());
-    MOEFLOW_CUDA_LAUNCH_CHECK();
-  }
-  nvlink_barrier(s, stream);  // every dout row has landed
+  nvl::op_start_kernel<<<1, 128, 0, stream>>>(s.view(), reinterpret_cast<int32_t*>(base + o.epoch));
+  MOEFLOW_CUDA_LAUNCH_CHECK();
+  nvlink_zero_pads(g, static_cast<uint8_t*>(grad_y.data), grad_y.strides[0] * esz, nullptr,
+                   nullptr, stream);
+  const float* w = weighted ? s.probs.data_ptr<float>() : nullptr;
   auto rows = [&](auto* tp) {
     using T = std::remove_pointer_t<decltype(tp)>;
-    nvl::grad_rows_kernel<T><<<static_cast<unsigned>(g.opt.nvlink_blocks), nvl::kWarps * 32, 0,
-                               stream>>>(
-        s.view(), o, static_cast<const T*>(dout.data), dout.strides[0],
+    nvl::combine_bwd_kernel<T><<<nvlink_grid(g), nvl::kWarps * 32, 0, stream>>>(
+        s.view(), o, nvlink_home_blocks(g), static_cast<const T*>(dout.data), dout.strides[0],
         static_cast<const T*>(y.data), y.strides[0], static_cast<T*>(grad_y.data),
-        grad_y.strides[0], H, K, me, g.tmax, weighted, s.recv.total_rows.data_ptr<int64_t>());
+        grad_y.strides[0], H, s.T, K, W, me, g.tmax, s.dest_rank.data_ptr<int32_t>(),
+        s.dest_row.data_ptr<int64_t>(), w);
   };
   switch (y.dtype) {
     case DType::kFloat32:

@@ -98,8 +98,9 @@ __global__ void counts_kernel(Window win, size_t off_counts, size_t off_ntok,
                               int64_t capacity,
                               int align, int64_t* first_row, int64_t* fit, int32_t* kept,
                               int32_t* padded, int64_t* offsets, int64_t* total_rows,
-                              int32_t* overflow) {
+                              int32_t* overflow, int32_t* epoch) {
   win.barrier();  // the peers are done with the last round
+  if (threadIdx.x == 0) ++*epoch;  // this dispatch's number, which its flags carry
   for (int i = threadIdx.x; i < W * E; i += blockDim.x) {
     const int p = i / E, g = i % E;
     int32_t* dst = static_cast<int32_t*>(
@@ -127,16 +128,40 @@ __global__ void counts_kernel(Window win, size_t off_counts, size_t off_ntok,
 
 // Where each part of the window starts (bytes).
 struct Offsets {
-  size_t x, probs, row_src, row_k, counts, ntok, inv, stage, partial, dp;
+  size_t x, probs, row_src, row_k, counts, ntok, inv, stage, partial, dp, flag, epoch;
 };
 
 constexpr unsigned kFull = 0xffffffffu;
-constexpr int kWarps = 8;     // warps per block of the row kernels (256 threads)
+constexpr int kWarps = 32;    // warps per block of the row kernels (1024 threads, one block per SM)
 constexpr int kMaxDest = 40;  // destinations of one token: K <= 32 own slots + W - 1 <= 7 peers
-constexpr int kUnroll = 4;    // 16-byte vectors in flight per lane
+constexpr int kUnroll = 6;    // 16-byte vectors in flight per lane of a row copy
+
+// Per-token signals. Every lane's stores to the peers are made visible
+// system-wide before lane 0 stores the flag (release); a waiting warp's lane 0
+// spins on the flag (acquire) before the warp reads what it announced (loads
+// that bypass L1: the data is written while the kernel runs).
+__device__ __forceinline__ void warp_publish() {
+  __threadfence_system();
+  __syncwarp();
+}
+__device__ __forceinline__ void st_flag(int32_t* p, int32_t v) {
+  asm volatile("st.release.sys.global.s32 [%0], %1;" ::"l"(p), "r"(v) : "memory");
+}
+__device__ __forceinline__ void spin_flag(const int32_t* p, int32_t v) {
+  int32_t got;
+  do {
+    asm volatile("ld.acquire.sys.global.s32 %0, [%1];" : "=r"(got) : "l"(p) : "memory");
+  } while (got != v);
+}
+__device__ __forceinline__ void warp_wait_flag(const int32_t* p, int32_t v, int lane) {
+  if (lane == 0) spin_flag(p, v);
+  __syncwarp();
+}
 
 // One warp copies a row of n16 16-byte vectors from src to each of the nd
-// destinations dst[0..nd), reading every vector once.
+// destinations dst[0..nd), reading every vector once. kCoherent: src is
+// written while the kernel runs (loads through L2 only).
+template <bool kCoherent>
 __device__ __forceinline__ void warp_copy_row(const uint4* __restrict__ src, uint4* const* dst,
                                               int nd, int64_t n16, int lane) {
   for (int64_t b = 0; b < n16; b += 32 * kUnroll) {
@@ -144,7 +169,7 @@ __device__ __forceinline__ void warp_copy_row(const uint4* __restrict__ src, uin
 #pragma unroll
     for (int u = 0; u < kUnroll; ++u) {
       const int64_t i = b + u * 32 + lane;
-      if (i < n16) v[u] = __ldg(src + i);
+      if (i < n16) v[u] = kCoherent ? __ldcg(src + i) : __ldg(src + i);
     }
     for (int d = 0; d < nd; ++d) {
       uint4* o = dst[d];
@@ -157,101 +182,143 @@ __device__ __forceinline__ void warp_copy_row(const uint4* __restrict__ src, uin
   }
 }
 
-// Pad rows of this rank's layout: zero rows, zero probs, row_src -1.
-__global__ void pads_kernel(uint8_t* recv_x, float* recv_probs, int32_t* row_src,
-                            int64_t row_bytes, int L, const int32_t* kept, const int32_t* padded,
-                            const int64_t* offsets) {
+// Pad rows of this rank's layout: rows zeroed; probs 0 and row_src -1 when given.
+__global__ void pads_kernel(uint8_t* rows, int64_t stride_bytes, float* recv_probs,
+                            int32_t* row_src, int64_t row_bytes, int L, const int32_t* kept,
+                            const int32_t* padded, const int64_t* offsets) {
   const int e = blockIdx.x;
   if (e >= L) return;
   for (int64_t r = offsets[e] + kept[e]; r < offsets[e] + padded[e]; ++r) {
-    uint4* dst = reinterpret_cast<uint4*>(recv_x + r * row_bytes);
+    uint4* dst = reinterpret_cast<uint4*>(rows + r * stride_bytes);
     for (int64_t v = threadIdx.x; v < row_bytes / 16; v += blockDim.x) dst[v] = make_uint4(0, 0, 0, 0);
-    if (threadIdx.x == 0) {
+    if (threadIdx.x == 0 && recv_probs) {
       recv_probs[r] = 0.0f;
       row_src[r] = -1;
     }
   }
 }
 
-// Dispatch step 3, one warp per token. The slot (t,k) to global expert g has
-// rank local_dest[t,k] - local_offsets[g] among this rank's slots to g (the
-// local plan); it lands on row first_row[g] + that rank of rank g / L when the
-// rank is below fit[g], and is dropped otherwise.
+// The work of the two roles of a fused kernel. Home role (blocks [0, P)): the
+// rank's own tokens, warp w takes t = w, w + warps, ... Holder role (blocks
+// [P, grid)): the peers' tokens (t, s), t-major, so that it follows the home
+// roles of the peers, which publish their tokens in about that order.
+struct Roles {
+  bool home;
+  int64_t warp, warps;
+  __device__ Roles(int P) {
+    home = static_cast<int>(blockIdx.x) < P;
+    const int64_t b = home ? blockIdx.x : blockIdx.x - P;
+    const int64_t nb = home ? P : gridDim.x - P;
+    warp = b * kWarps + threadIdx.x / 32;
+    warps = nb * kWarps;
+  }
+};
+template <typename F>
+__device__ __forceinline__ void for_peer_tokens(const Roles& ro, const int32_t* ntok, int W, int me,
+                                                F&& f) {
+  if (W < 2) return;
+  int64_t tm = 0;
+  for (int s = 0; s < W; ++s)
+    if (s != me && ntok[s] > tm) tm = ntok[s];
+  const int64_t items = tm * (W - 1);
+  for (int64_t j = ro.warp; j < items; j += ro.warps) {
+    const int64_t t = j / (W - 1);
+    const int si = static_cast<int>(j % (W - 1));
+    const int s = si + (si >= me);
+    if (t < ntok[s]) f(s, t);
+  }
+}
+
+// The dispatch after the count exchange (one kernel, two roles). The slot
+// (t,k) to global expert g has rank local_dest[t,k] - local_offsets[g] among
+// this rank's slots to g (the local plan); it lands on row first_row[g] + that
+// rank of rank g / L when the rank is below fit[g], and is dropped otherwise.
+// Home: x[t] read once and stored into each own kept slot's row and once into
+// the stage of every peer holding a kept slot of t; every rank learns (inv)
+// where t's slots are on it, the holders get the slots' probs / row_src /
+// row_k; then t is announced to every peer. Holder: once (s, t) is announced,
+// the staged row is copied into the rows of t's slots here.
 __global__ void __launch_bounds__(kWarps * 32)
-    dispatch_push_kernel(Window win, Offsets o, const uint8_t* x, int64_t x_stride_bytes,
-                         int64_t row_bytes, const int32_t* ids, const float* probs, int64_t T,
-                         int K, int E, int L, int W, int me, int64_t tmax,
-                         const int64_t* local_dest, const int64_t* local_offsets,
-                         const int64_t* first_row, const int64_t* fit, int32_t* dest_rank,
-                         int64_t* dest_row) {
+    dispatch_kernel(Window win, Offsets o, int P, const uint8_t* x, int64_t x_stride_bytes,
+                    int64_t row_bytes, const int32_t* ids, const float* probs, int64_t T, int K,
+                    int E, int L, int W, int me, int64_t tmax, const int64_t* local_dest,
+                    const int64_t* local_offsets, const int64_t* first_row, const int64_t* fit,
+                    int32_t* dest_rank, int64_t* dest_row) {
   __shared__ uint4* dests[kWarps][kMaxDest];
-  const int lane = threadIdx.x % 32, wib = threadIdx.x / 32;
-  uint4** my = dests[wib];
-  const int64_t warps = int64_t{gridDim.x} * kWarps;
-  for (int64_t t = blockIdx.x * int64_t{kWarps} + wib; t < T; t += warps) {
-    int q = -1;
-    int64_t row = -1;
-    if (lane < K) {
-      const int g = ids[t * K + lane];
-      if (g >= 0 && g < E) {  // ids outside [-1, E) are unrouted (counted by the plan)
-        const int64_t rk = local_dest[t * K + lane] - local_offsets[g];
-        if (rk >= 0 && rk < fit[g]) {
-          row = first_row[g] + rk;
-          q = g / L;
+  const int lane = threadIdx.x % 32;
+  uint4** my = dests[threadIdx.x / 32];
+  const Roles ro(P);
+  const int32_t epoch = *reinterpret_cast<const int32_t*>(win.local + o.epoch);
+  if (ro.home) {
+    for (int64_t t = ro.warp; t < T; t += ro.warps) {
+      int q = -1;
+      int64_t row = -1;
+      if (lane < K) {
+        const int g = ids[t * K + lane];
+        if (g >= 0 && g < E) {  // ids outside [-1, E) are unrouted (counted by the plan)
+          const int64_t rk = local_dest[t * K + lane] - local_offsets[g];
+          if (rk >= 0 && rk < fit[g]) {
+            row = first_row[g] + rk;
+            q = g / L;
+          }
         }
-      }
-      dest_rank[t * K + lane] = q;
-      dest_row[t * K + lane] = row;
-      if (row >= 0) {
-        *static_cast<float*>(win.at(o.probs + row * sizeof(float), q)) =
-            probs ? probs[t * K + lane] : 0.0f;
-        *static_cast<int32_t*>(win.at(o.row_src + row * sizeof(int32_t), q)) =
-            static_cast<int32_t>(me * tmax + t);
-        *static_cast<int32_t*>(win.at(o.row_k + row * sizeof(int32_t), q)) = lane;
-      }
-      for (int p = 0; p < W; ++p)  // every peer learns where t's slots are on it
-        if (p != me)
+        dest_rank[t * K + lane] = q;
+        dest_row[t * K + lane] = row;
+        if (row >= 0) {
+          *static_cast<float*>(win.at(o.probs + row * sizeof(float), q)) =
+              probs ? probs[t * K + lane] : 0.0f;
+          *static_cast<int32_t*>(win.at(o.row_src + row * sizeof(int32_t), q)) =
+              static_cast<int32_t>(me * tmax + t);
+          *static_cast<int32_t*>(win.at(o.row_k + row * sizeof(int32_t), q)) = lane;
+        }
+        for (int p = 0; p < W; ++p)
           *static_cast<int32_t*>(
               win.at(o.inv + ((size_t(me) * tmax + t) * K + lane) * sizeof(int32_t), p)) =
               q == p ? static_cast<int32_t>(row) : -1;
+      }
+      // destinations: the own kept slots' rows (k ascending), then the stage
+      // of each peer holding a kept slot
+      const unsigned own = __ballot_sync(kFull, row >= 0 && q == me);
+      if ((own >> lane) & 1u)
+        my[__popc(own & ((1u << lane) - 1u))] =
+            reinterpret_cast<uint4*>(win.local + o.x + row * row_bytes);
+      int nd = __popc(own);
+      for (int p = 0; p < W; ++p) {
+        if (p == me || !__ballot_sync(kFull, row >= 0 && q == p)) continue;
+        if (lane == 0)
+          my[nd] = static_cast<uint4*>(win.at(o.stage + (size_t(me) * tmax + t) * row_bytes, p));
+        ++nd;
+      }
+      __syncwarp();
+      warp_copy_row<false>(reinterpret_cast<const uint4*>(x + t * x_stride_bytes), my, nd,
+                           row_bytes / 16, lane);
+      warp_publish();
+      if (lane < W && lane != me)
+        st_flag(static_cast<int32_t*>(win.at(o.flag + (size_t(me) * tmax + t) * 4, lane)), epoch);
     }
-    // destinations: the own kept slots' rows (k ascending), then the stage
-    // of each peer holding a kept slot
-    const unsigned own = __ballot_sync(kFull, row >= 0 && q == me);
-    if ((own >> lane) & 1u)
-      my[__popc(own & ((1u << lane) - 1u))] =
+    return;
+  }
+  const int32_t* ntok = reinterpret_cast<const int32_t*>(win.local + o.ntok);
+  const int32_t* inv = reinterpret_cast<const int32_t*>(win.local + o.inv);
+  const int32_t* flag = reinterpret_cast<const int32_t*>(win.local + o.flag);
+  const uint8_t* stage = win.local + o.stage;
+  for_peer_tokens(ro, ntok, W, me, [&](int s, int64_t t) {
+    const size_t st = size_t(s) * tmax + t;
+    warp_wait_flag(flag + st, epoch, lane);
+    const int64_t row = lane < K ? __ldcg(inv + st * K + lane) : -1;
+    const unsigned mine = __ballot_sync(kFull, row >= 0);
+    if (!mine) return;
+    if (row >= 0)
+      my[__popc(mine & ((1u << lane) - 1u))] =
           reinterpret_cast<uint4*>(win.local + o.x + row * row_bytes);
-    int nd = __popc(own);
-    for (int p = 0; p < W; ++p) {
-      if (p == me || !__ballot_sync(kFull, row >= 0 && q == p)) continue;
-      if (lane == 0)
-        my[nd] = static_cast<uint4*>(win.at(o.stage + (size_t(me) * tmax + t) * row_bytes, p));
-      ++nd;
-    }
     __syncwarp();
-    warp_copy_row(reinterpret_cast<const uint4*>(x + t * x_stride_bytes), my, nd, row_bytes / 16,
-                  lane);
-    __syncwarp();  // the list is rewritten for the next token
-  }
+    warp_copy_row<true>(reinterpret_cast<const uint4*>(stage + st * row_bytes), my, __popc(mine),
+                        row_bytes / 16, lane);
+    __syncwarp();
+  });
 }
 
-// Dispatch step 4: every used row that came from a peer, from the stage into
-// its final row (rows of this rank's own tokens were stored directly).
-__global__ void __launch_bounds__(kWarps * 32)
-    expand_kernel(const uint8_t* stage, uint8_t* recv_x, const int32_t* row_src,
-                  int64_t row_bytes, int me, int64_t tmax, const int64_t* total_rows) {
-  const int lane = threadIdx.x % 32;
-  const int64_t rows = *total_rows, warps = int64_t{gridDim.x} * kWarps;
-  for (int64_t r = blockIdx.x * int64_t{kWarps} + threadIdx.x / 32; r < rows; r += warps) {
-    const int32_t st = row_src[r];
-    if (st < 0 || st / tmax == me) continue;
-    uint4* dst = reinterpret_cast<uint4*>(recv_x + r * row_bytes);
-    warp_copy_row(reinterpret_cast<const uint4*>(stage + st * row_bytes), &dst, 1, row_bytes / 16,
-                  lane);
-  }
-}
-
-// N floats of a partial row from / to memory (16-byte stores when N % 4 == 0).
+// N floats of a partial row from / to memory (16-byte accesses when N % 4 == 0).
 template <int N>
 __device__ __forceinline__ void store_floats(float* dst, const float (&v)[N]) {
   if constexpr (N % 4 == 0) {
@@ -264,11 +331,11 @@ __device__ __forceinline__ void store_floats(float* dst, const float (&v)[N]) {
   }
 }
 template <int N>
-__device__ __forceinline__ void load_floats(const float* src, float (&v)[N]) {
+__device__ __forceinline__ void load_floats_cg(const float* src, float (&v)[N]) {
   if constexpr (N % 4 == 0) {
 #pragma unroll
     for (int j = 0; j < N; j += 4) {
-      const float4 f = *reinterpret_cast<const float4*>(src + j);
+      const float4 f = __ldcg(reinterpret_cast<const float4*>(src + j));
       v[j] = f.x;
       v[j + 1] = f.y;
       v[j + 2] = f.z;
@@ -276,16 +343,17 @@ __device__ __forceinline__ void load_floats(const float* src, float (&v)[N]) {
     }
   } else {
 #pragma unroll
-    for (int j = 0; j < N; ++j) v[j] = src[j];
+    for (int j = 0; j < N; ++j) v[j] = __ldcg(src + j);
   }
 }
 
-// part = sum over the slots in `mask` (k ascending) of w_k * y[row_k] for the
-// N elements at `col`; rows and weights are held by lane k. Every lane of the
-// warp calls it (shuffles); only lanes with `ok` load.
-template <typename T, int N>
+// part[u] = sum over the slots in `mask` (k ascending) of w_k * y[row_k] for
+// the N elements at cols p0 + u*32 + lane (u < U) of packs; rows and weights
+// are held by lane k. Every lane of the warp calls it (shuffles).
+template <typename T, int N, int U>
 __device__ __forceinline__ void slot_sum(const T* y, int64_t y_stride, unsigned mask, int64_t row,
-                                         float w, int64_t col, bool ok, float (&part)[N]) {
+                                         float w, int64_t p0, int64_t packs, int lane,
+                                         float (&part)[U][N]) {
   using P = cuda::Pack<T, N>;
   bool any = false;
   while (mask) {
@@ -293,185 +361,233 @@ __device__ __forceinline__ void slot_sum(const T* y, int64_t y_stride, unsigned 
     mask &= mask - 1;
     const int64_t r = __shfl_sync(kFull, row, k);
     const float wk = __shfl_sync(kFull, w, k);
-    if (!ok) continue;
-    const P v = *reinterpret_cast<const P*>(y + r * y_stride + col);
+    const P* yr = reinterpret_cast<const P*>(y + r * y_stride);
+    P v[U];
 #pragma unroll
-    for (int j = 0; j < N; ++j) part[j] = fmaf(wk, cuda::to_float(v.v[j]), any ? part[j] : 0.0f);
+    for (int u = 0; u < U; ++u) {
+      const int64_t p = p0 + u * 32 + lane;
+      if (p < packs) v[u] = yr[p];
+    }
+#pragma unroll
+    for (int u = 0; u < U; ++u)
+#pragma unroll
+      for (int j = 0; j < N; ++j)
+        part[u][j] = fmaf(wk, cuda::to_float(v[u].v[j]), any ? part[u][j] : 0.0f);
     any = true;
   }
 }
 
-// Combine, on the holder: one warp per peer token with kept slots here; its
-// float32 partial (slots k ascending, weighted by the received probs when
-// `weighted`) stored into the home rank's partial[me][t].
-template <typename T, int N>
+// The combine (one kernel, two roles). Holder: for each peer token with kept
+// slots here, the float32 sum of its slots (k ascending, weighted by the
+// received probs when `weighted`) stored into the home rank's partial[me][t],
+// then announced. Home: for each own token, ranks ascending: the own slots
+// summed here (k ascending), the peers' partials once announced.
+template <typename T, typename TOut, int N>
 __global__ void __launch_bounds__(kWarps * 32)
-    combine_partial_kernel(Window win, Offsets o, const T* y, int64_t y_stride, int64_t H, int K,
-                           int W, int me, int64_t tmax, bool weighted) {
+    combine_kernel(Window win, Offsets o, int P, const T* y, int64_t y_stride, int64_t H,
+                   int64_t Tn, int K, int W, int me, int64_t tmax, const int32_t* dest_rank,
+                   const int64_t* dest_row, const float* weights, bool weighted, TOut* out,
+                   int64_t out_stride) {
+  constexpr int U = 2;
+  using PO = cuda::Pack<TOut, N>;
   const int lane = threadIdx.x % 32;
+  const int64_t packs = H / N;
+  const Roles ro(P);
+  const int32_t epoch = *reinterpret_cast<const int32_t*>(win.local + o.epoch);
+  const int32_t* flag = reinterpret_cast<const int32_t*>(win.local + o.flag);
+  if (ro.home) {
+    const float* partial = reinterpret_cast<const float*>(win.local + o.partial);
+    for (int64_t t = ro.warp; t < Tn; t += ro.warps) {
+      int q = -1;
+      int64_t row = -1;
+      float w = 0.0f;
+      if (lane < K) {
+        q = dest_rank[t * K + lane];
+        row = dest_row[t * K + lane];
+        w = weights ? weights[t * K + lane] : 1.0f;
+      }
+      const unsigned ranks = __reduce_or_sync(kFull, q >= 0 ? 1u << q : 0u);
+      const unsigned own = __ballot_sync(kFull, q >= 0 && q == me);
+      if (lane < W && lane != me && ((ranks >> lane) & 1u))  // lane p waits for rank p
+        spin_flag(flag + size_t(lane) * tmax + t, epoch);
+      __syncwarp();
+      for (int64_t p0 = 0; p0 < packs; p0 += 32 * U) {
+        float acc[U][N];
+        bool first = true;
+        for (int r = 0; r < W; ++r) {
+          if (!((ranks >> r) & 1u)) continue;
+          float part[U][N];
+          if (r == me) {
+            slot_sum<T, N, U>(y, y_stride, own, row, w, p0, packs, lane, part);
+          } else {
+#pragma unroll
+            for (int u = 0; u < U; ++u) {
+              const int64_t p = p0 + u * 32 + lane;
+              if (p < packs) load_floats_cg<N>(partial + (size_t(r) * tmax + t) * H + p * N, part[u]);
+            }
+          }
+#pragma unroll
+          for (int u = 0; u < U; ++u)
+#pragma unroll
+            for (int j = 0; j < N; ++j) acc[u][j] = first ? part[u][j] : acc[u][j] + part[u][j];
+          first = false;
+        }
+#pragma unroll
+        for (int u = 0; u < U; ++u) {
+          const int64_t p = p0 + u * 32 + lane;
+          if (p >= packs) continue;
+          PO v;
+#pragma unroll
+          for (int j = 0; j < N; ++j) v.v[j] = cuda::from_float<TOut>(first ? 0.0f : acc[u][j]);
+          *reinterpret_cast<PO*>(out + t * out_stride + p * N) = v;
+        }
+      }
+    }
+    return;
+  }
   const int32_t* ntok = reinterpret_cast<const int32_t*>(win.local + o.ntok);
   const int32_t* inv = reinterpret_cast<const int32_t*>(win.local + o.inv);
   const float* rprobs = reinterpret_cast<const float*>(win.local + o.probs);
-  int64_t items = 0;
-  for (int s = 0; s < W; ++s)
-    if (s != me) items += ntok[s];
-  const int64_t warps = int64_t{gridDim.x} * kWarps;
-  for (int64_t i = blockIdx.x * int64_t{kWarps} + threadIdx.x / 32; i < items; i += warps) {
-    int s = 0;
-    int64_t t = i;
-    for (;; ++s) {  // item i -> (peer s, token t)
-      if (s == me) continue;
-      if (t < ntok[s]) break;
-      t -= ntok[s];
-    }
+  for_peer_tokens(ro, ntok, W, me, [&](int s, int64_t t) {
+    const size_t st = size_t(s) * tmax + t;
     int64_t row = -1;
     float w = 0.0f;
     if (lane < K) {
-      row = inv[(size_t(s) * tmax + t) * K + lane];
+      row = inv[st * K + lane];
       if (row >= 0) w = weighted ? rprobs[row] : 1.0f;
     }
     const unsigned mask = __ballot_sync(kFull, row >= 0);
-    if (!mask) continue;
+    if (!mask) return;
     float* dst = static_cast<float*>(win.at(o.partial + (size_t(me) * tmax + t) * H * 4, s));
-    for (int64_t p0 = 0; p0 < H / N; p0 += 32) {  // warp-uniform trips (shuffles inside)
-      const int64_t p = p0 + lane;
-      const bool ok = p < H / N;
-      float part[N];
-      slot_sum<T, N>(y, y_stride, mask, row, w, p * N, ok, part);
-      if (ok) store_floats<N>(dst + p * N, part);
-    }
-  }
-}
-
-// Combine, at home: one warp per token; ranks ascending, the own slots summed
-// here (k ascending), the peers' partials read from this rank's window.
-template <typename T, typename TOut, int N>
-__global__ void __launch_bounds__(kWarps * 32)
-    combine_home_kernel(Window win, Offsets o, const T* y, int64_t y_stride, int64_t H,
-                        int64_t Tn, int K, int W, int me, int64_t tmax, const int32_t* dest_rank,
-                        const int64_t* dest_row, const float* weights, TOut* out,
-                        int64_t out_stride) {
-  using PO = cuda::Pack<TOut, N>;
-  const int lane = threadIdx.x % 32;
-  const float* partial = reinterpret_cast<const float*>(win.local + o.partial);
-  const int64_t warps = int64_t{gridDim.x} * kWarps;
-  for (int64_t t = blockIdx.x * int64_t{kWarps} + threadIdx.x / 32; t < Tn; t += warps) {
-    int q = -1;
-    int64_t row = -1;
-    float w = 0.0f;
-    if (lane < K) {
-      q = dest_rank[t * K + lane];
-      row = dest_row[t * K + lane];
-      w = weights ? weights[t * K + lane] : 1.0f;
-    }
-    const unsigned ranks = __reduce_or_sync(kFull, q >= 0 ? 1u << q : 0u);
-    const unsigned own = __ballot_sync(kFull, q == me && q >= 0);
-    for (int64_t p0 = 0; p0 < H / N; p0 += 32) {  // warp-uniform trips (shuffles inside)
-      const int64_t p = p0 + lane;
-      const bool ok = p < H / N;
-      float acc[N];
-      bool first = true;
-      for (int r = 0; r < W; ++r) {
-        if (!((ranks >> r) & 1u)) continue;
-        float part[N];
-        if (r == me)
-          slot_sum<T, N>(y, y_stride, own, row, w, p * N, ok, part);
-        else if (ok)
-          load_floats<N>(partial + (size_t(r) * tmax + t) * H + p * N, part);
+    for (int64_t p0 = 0; p0 < packs; p0 += 32 * U) {
+      float part[U][N];
+      slot_sum<T, N, U>(y, y_stride, mask, row, w, p0, packs, lane, part);
 #pragma unroll
-        for (int j = 0; j < N; ++j) acc[j] = first ? part[j] : acc[j] + part[j];
-        first = false;
+      for (int u = 0; u < U; ++u) {
+        const int64_t p = p0 + u * 32 + lane;
+        if (p < packs) store_floats<N>(dst + p * N, part[u]);
       }
-      PO v;
-#pragma unroll
-      for (int j = 0; j < N; ++j) v.v[j] = cuda::from_float<TOut>(first ? 0.0f : acc[j]);
-      if (ok) *reinterpret_cast<PO*>(out + t * out_stride + p * N) = v;
     }
-  }
+    warp_publish();
+    if (lane == 0) st_flag(static_cast<int32_t*>(win.at(o.flag + (size_t(me) * tmax + t) * 4, s)), epoch);
+  });
 }
 
-// Combine backward, at home: dout[t] stored once into the stage of every peer
-// holding a kept slot of t.
-__global__ void __launch_bounds__(kWarps * 32)
-    push_dout_kernel(Window win, Offsets o, const uint8_t* dout, int64_t dout_stride_bytes,
-                     int64_t row_bytes, int64_t Tn, int K, int W, int me, int64_t tmax,
-                     const int32_t* dest_rank) {
-  __shared__ uint4* dests[kWarps][kMaxDest];
-  const int lane = threadIdx.x % 32, wib = threadIdx.x / 32;
-  uint4** my = dests[wib];
-  const int64_t warps = int64_t{gridDim.x} * kWarps;
-  for (int64_t t = blockIdx.x * int64_t{kWarps} + wib; t < Tn; t += warps) {
-    const int q = lane < K ? dest_rank[t * K + lane] : -1;
-    int nd = 0;
-    for (int p = 0; p < W; ++p) {
-      if (p == me || !__ballot_sync(kFull, q == p)) continue;
-      if (lane == 0)
-        my[nd] = static_cast<uint4*>(win.at(o.stage + (size_t(me) * tmax + t) * row_bytes, p));
-      ++nd;
-    }
-    if (nd == 0) continue;
-    __syncwarp();
-    warp_copy_row(reinterpret_cast<const uint4*>(dout + t * dout_stride_bytes), my, nd,
-                  row_bytes / 16, lane);
-    __syncwarp();
-  }
-}
-
-// Combine backward, on the holder: one warp per used row: grad_y[r] = w *
-// dout[t] (w = the row's prob when `weighted`; pad rows 0), and <dout[t],
-// y[r]> stored into dp[t*K + k] of the home rank. dout[t] is this rank's own
-// (home == holder) or the home rank's copy in the stage.
-template <typename T>
-__global__ void __launch_bounds__(kWarps * 32)
-    grad_rows_kernel(Window win, Offsets o, const T* dout, int64_t dout_stride, const T* y,
-                     int64_t y_stride, T* grad_y, int64_t g_stride, int64_t H, int K, int me,
-                     int64_t tmax, bool weighted, const int64_t* total_rows) {
+// grad_y[row] = w * d and <d, y[row]> for one slot row (warp-wide; returns the
+// dot product on every lane).
+template <typename T, bool kCoherent>
+__device__ __forceinline__ float grad_row(const T* d, const T* yrow, T* grow, float w, int64_t H,
+                                          int lane) {
   constexpr int N = 16 / sizeof(T);
   using P = cuda::Pack<T, N>;
+  float dot = 0.0f;
+  for (int64_t p = lane; p < H / N; p += 32) {
+    const uint4 raw = kCoherent ? __ldcg(reinterpret_cast<const uint4*>(d) + p)
+                                : __ldg(reinterpret_cast<const uint4*>(d) + p);
+    const P dv = *reinterpret_cast<const P*>(&raw);
+    const P yv = reinterpret_cast<const P*>(yrow)[p];
+    P gv;
+#pragma unroll
+    for (int j = 0; j < N; ++j) {
+      const float f = cuda::to_float(dv.v[j]);
+      gv.v[j] = cuda::from_float<T>(w * f);
+      dot = fmaf(f, cuda::to_float(yv.v[j]), dot);
+    }
+    reinterpret_cast<P*>(grow)[p] = gv;
+  }
+#pragma unroll
+  for (int m = 16; m > 0; m >>= 1) dot += __shfl_xor_sync(kFull, dot, m);
+  return dot;
+}
+
+// The combine backward (one kernel, two roles). Home: dout[t] stored once into
+// the stage of every peer holding a kept slot of t and announced; the own
+// slots' grad_y rows and dot products done here. Holder: once (s, t) is
+// announced, grad_y of each of t's rows here from the staged dout, and the dot
+// products stored into the home rank's dp[t, k]. Pad rows: pads_kernel.
+template <typename T>
+__global__ void __launch_bounds__(kWarps * 32)
+    combine_bwd_kernel(Window win, Offsets o, int P, const T* dout, int64_t dout_stride,
+                       const T* y, int64_t y_stride, T* grad_y, int64_t g_stride, int64_t H,
+                       int64_t Tn, int K, int W, int me, int64_t tmax, const int32_t* dest_rank,
+                       const int64_t* dest_row, const float* weights) {
+  __shared__ uint4* dests[kWarps][kMaxDest];
   const int lane = threadIdx.x % 32;
-  const int32_t* row_src = reinterpret_cast<const int32_t*>(win.local + o.row_src);
-  const int32_t* row_k = reinterpret_cast<const int32_t*>(win.local + o.row_k);
+  uint4** my = dests[threadIdx.x / 32];
+  const Roles ro(P);
+  const int32_t epoch = *reinterpret_cast<const int32_t*>(win.local + o.epoch);
+  const int64_t row_bytes = H * int64_t(sizeof(T));
+  float* dp_local = reinterpret_cast<float*>(win.local + o.dp);
+  if (ro.home) {
+    for (int64_t t = ro.warp; t < Tn; t += ro.warps) {
+      const int q = lane < K ? dest_rank[t * K + lane] : -1;
+      const int64_t row = lane < K ? dest_row[t * K + lane] : -1;
+      const float w = lane < K && weights ? weights[t * K + lane] : 1.0f;
+      int nd = 0;
+      unsigned peers = 0;
+      for (int p = 0; p < W; ++p) {
+        if (p == me || !__ballot_sync(kFull, q == p)) continue;
+        if (lane == 0)
+          my[nd] = static_cast<uint4*>(win.at(o.stage + (size_t(me) * tmax + t) * row_bytes, p));
+        ++nd;
+        peers |= 1u << p;
+      }
+      const T* d = dout + t * dout_stride;
+      if (nd) {
+        __syncwarp();
+        warp_copy_row<false>(reinterpret_cast<const uint4*>(d), my, nd, row_bytes / 16, lane);
+        warp_publish();
+        if (lane < W && ((peers >> lane) & 1u))
+          st_flag(static_cast<int32_t*>(win.at(o.flag + (size_t(me) * tmax + t) * 4, lane)), epoch);
+      }
+      unsigned own = __ballot_sync(kFull, q >= 0 && q == me);
+      while (own) {
+        const int k = __ffs(own) - 1;
+        own &= own - 1;
+        const int64_t r = __shfl_sync(kFull, row, k);
+        const float wk = __shfl_sync(kFull, w, k);
+        const float dot = grad_row<T, false>(d, y + r * y_stride, grad_y + r * g_stride, wk, H, lane);
+        if (lane == 0) dp_local[t * K + k] = dot;
+      }
+    }
+    return;
+  }
+  const int32_t* ntok = reinterpret_cast<const int32_t*>(win.local + o.ntok);
+  const int32_t* inv = reinterpret_cast<const int32_t*>(win.local + o.inv);
+  const int32_t* flag = reinterpret_cast<const int32_t*>(win.local + o.flag);
   const float* rprobs = reinterpret_cast<const float*>(win.local + o.probs);
   const T* stage = reinterpret_cast<const T*>(win.local + o.stage);
-  const int64_t rows = *total_rows, warps = int64_t{gridDim.x} * kWarps;
-  for (int64_t r = blockIdx.x * int64_t{kWarps} + threadIdx.x / 32; r < rows; r += warps) {
-    const int32_t st = row_src[r];
-    P* g = reinterpret_cast<P*>(grad_y + r * g_stride);
-    if (st < 0) {  // pad row
-      P z;
-#pragma unroll
-      for (int j = 0; j < N; ++j) z.v[j] = cuda::from_float<T>(0.0f);
-      for (int64_t p = lane; p < H / N; p += 32) g[p] = z;
-      continue;
+  for_peer_tokens(ro, ntok, W, me, [&](int s, int64_t t) {
+    const size_t st = size_t(s) * tmax + t;
+    const int64_t row = lane < K ? inv[st * K + lane] : -1;
+    unsigned mask = __ballot_sync(kFull, row >= 0);
+    if (!mask) return;
+    warp_wait_flag(flag + st, epoch, lane);
+    const float w = row >= 0 && weights ? rprobs[row] : 1.0f;
+    while (mask) {
+      const int k = __ffs(mask) - 1;
+      mask &= mask - 1;
+      const int64_t r = __shfl_sync(kFull, row, k);
+      const float wk = __shfl_sync(kFull, w, k);
+      const float dot =
+          grad_row<T, true>(stage + st * H, y + r * y_stride, grad_y + r * g_stride, wk, H, lane);
+      if (lane == 0) *static_cast<float*>(win.at(o.dp + (size_t(t) * K + k) * 4, s)) = dot;
     }
-    const int s = static_cast<int>(st / tmax);
-    const int64_t t = st % tmax;
-    const T* d = s == me ? dout + t * dout_stride : stage + st * H;
-    const float w = weighted ? rprobs[r] : 1.0f;
-    float dot = 0.0f;
-    for (int64_t p = lane; p < H / N; p += 32) {
-      const P dv = reinterpret_cast<const P*>(d)[p];
-      const P yv = reinterpret_cast<const P*>(y + r * y_stride)[p];
-      P gv;
-#pragma unroll
-      for (int j = 0; j < N; ++j) {
-        const float f = cuda::to_float(dv.v[j]);
-        gv.v[j] = cuda::from_float<T>(w * f);
-        dot = fmaf(f, cuda::to_float(yv.v[j]), dot);
-      }
-      g[p] = gv;
-    }
-#pragma unroll
-    for (int m = 16; m > 0; m >>= 1) dot += __shfl_xor_sync(kFull, dot, m);
-    if (lane == 0)
-      *static_cast<float*>(win.at(o.dp + (size_t(t) * K + row_k[r]) * sizeof(float), s)) = dot;
-  }
+  });
 }
 
 // dprobs[t,k] = dp[t,k] for kept slots, 0 for unrouted or dropped ones.
 __global__ void dprobs_kernel(const float* dp, const int32_t* dest_rank, int64_t n, float* dprobs) {
   const int64_t i = blockIdx.x * int64_t{blockDim.x} + threadIdx.x;
   if (i < n) dprobs[i] = dest_rank[i] >= 0 ? dp[i] : 0.0f;
+}
+
+// The start of a combine or combine backward: an LSA barrier (the peers are
+// done reading what this operation overwrites in their windows), then the
+// operation's number, which its flags carry.
+__global__ void op_start_kernel(Window w, int32_t* epoch) {
+  w.barrier();
+  if (threadIdx.x == 0) ++*epoch;
 }
 
 }  // namespace nvl
