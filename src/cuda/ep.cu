@@ -745,11 +745,11 @@ void nvlink_combine(EpGroup::Impl& g, TensorView y, bool weighted, TensorView ou
     const TY* yp = static_cast<const TY*>(y.data);
     const int P = nvlink_home_blocks(g);
     if (vec)
-      nvl::combine_kernel<TY, TO, N><<<nvlink_grid(g), nvl::kWarps * 32, 0, stream>>>(
+      nvl::combine_kernel<TY, TO, N><<<nvlink_grid(g), nvl::kSumWarps * 32, 0, stream>>>(
           s.view(), o, P, yp, ys, H, s.T, K, W, me, g.tmax, s.dest_rank.data_ptr<int32_t>(),
           s.dest_row.data_ptr<int64_t>(), w, weighted, ot, os);
     else
-      nvl::combine_kernel<TY, TO, 1><<<nvlink_grid(g), nvl::kWarps * 32, 0, stream>>>(
+      nvl::combine_kernel<TY, TO, 1><<<nvlink_grid(g), nvl::kSumWarps * 32, 0, stream>>>(
           s.view(), o, P, yp, ys, H, s.T, K, W, me, g.tmax, s.dest_rank.data_ptr<int32_t>(),
           s.dest_row.data_ptr<int64_t>(), w, weighted, ot, os);
     MOEFLOW_CUDA_LAUNCH_CHECK();
@@ -801,7 +801,7 @@ void nvlink_combine_backward(EpGroup::Impl& g, TensorView dout, TensorView y, bo
   const float* w = weighted ? s.probs.data_ptr<float>() : nullptr;
   auto rows = [&](auto* tp) {
     using T = std::remove_pointer_t<decltype(tp)>;
-    nvl::combine_bwd_kernel<T><<<nvlink_grid(g), nvl::kWarps * 32, 0, stream>>>(
+    nvl::combine_bwd_kernel<T><<<nvlink_grid(g), nvl::kSumWarps * 32, 0, stream>>>(
         s.view(), o, nvlink_home_blocks(g), static_cast<const T*>(dout.data), dout.strides[0],
         static_cast<const T*>(y.data), y.strides[0], static_cast<T*>(grad_y.data),
         grad_y.strides[0], H, s.T, K, W, me, g.tmax, s.dest_rank.data_ptr<int32_t>(),

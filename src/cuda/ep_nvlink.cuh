@@ -202,19 +202,47 @@ __global__ void pads_kernel(uint8_t* rows, int64_t stride_bytes, float* recv_pro
 // rank's own tokens, warp w takes t = w, w + warps, ... Holder role (blocks
 // [P, grid)): the peers' tokens (t, s), t-major, so that it follows the home
 // roles of the peers, which publish their tokens in about that order.
+template <int NW>
 struct Roles {
   bool home;
   int64_t warp, warps;
-  __device__ Roles(int P) {
+  __device__ explicit Roles(int P) {
     home = static_cast<int>(blockIdx.x) < P;
     const int64_t b = home ? blockIdx.x : blockIdx.x - P;
     const int64_t nb = home ? P : gridDim.x - P;
-    warp = b * kWarps + threadIdx.x / 32;
-    warps = nb * kWarps;
+    warp = b * NW + threadIdx.x / 32;
+    warps = nb * NW;
   }
 };
-template <typename F>
-__device__ __forceinline__ void for_peer_tokens(const Roles& ro, const int32_t* ntok, int W, int me,
+
+// Tokens a warp has finished but not yet announced: up to kBatch of them are
+// announced together after one fence (a fence per token would stall the warp
+// on the NVLink round trip each time). Lane i holds entry i.
+constexpr int kBatch = 4;
+struct Pending {
+  int n = 0;
+  int64_t mine = -1;  // lane i: the announcement's index into the flags (-1: none)
+  unsigned peers = 0; // lane i: the ranks to announce it to
+  __device__ void add(int64_t idx, unsigned to, int lane) {
+    if (lane == n) {
+      mine = idx;
+      peers = to;
+    }
+    ++n;
+  }
+  // Fence, then each entry's flag stored on its ranks.
+  __device__ void flush(const Window& win, size_t off_flag, int32_t epoch, int lane) {
+    if (n == 0) return;
+    warp_publish();
+    if (lane < n)
+      for (unsigned m = peers; m; m &= m - 1)
+        st_flag(static_cast<int32_t*>(win.at(off_flag + size_t(mine) * 4, __ffs(m) - 1)), epoch);
+    n = 0;
+    __syncwarp();
+  }
+};
+template <int NW, typename F>
+__device__ __forceinline__ void for_peer_tokens(const Roles<NW>& ro, const int32_t* ntok, int W, int me,
                                                 F&& f) {
   if (W < 2) return;
   int64_t tm = 0;
@@ -247,9 +275,11 @@ __global__ void __launch_bounds__(kWarps * 32)
   __shared__ uint4* dests[kWarps][kMaxDest];
   const int lane = threadIdx.x % 32;
   uint4** my = dests[threadIdx.x / 32];
-  const Roles ro(P);
+  const Roles<kWarps> ro(P);
   const int32_t epoch = *reinterpret_cast<const int32_t*>(win.local + o.epoch);
   if (ro.home) {
+    Pending pend;
+    const unsigned peers = ((1u << W) - 1u) & ~(1u << me);
     for (int64_t t = ro.warp; t < T; t += ro.warps) {
       int q = -1;
       int64_t row = -1;
@@ -292,10 +322,11 @@ __global__ void __launch_bounds__(kWarps * 32)
       __syncwarp();
       warp_copy_row<false>(reinterpret_cast<const uint4*>(x + t * x_stride_bytes), my, nd,
                            row_bytes / 16, lane);
-      warp_publish();
-      if (lane < W && lane != me)
-        st_flag(static_cast<int32_t*>(win.at(o.flag + (size_t(me) * tmax + t) * 4, lane)), epoch);
+      __syncwarp();  // the list is rewritten for the next token
+      pend.add(size_t(me) * tmax + t, peers, lane);
+      if (pend.n == kBatch) pend.flush(win, o.flag, epoch, lane);
     }
+    pend.flush(win, o.flag, epoch, lane);
     return;
   }
   const int32_t* ntok = reinterpret_cast<const int32_t*>(win.local + o.ntok);
@@ -347,33 +378,60 @@ __device__ __forceinline__ void load_floats_cg(const float* src, float (&v)[N]) 
   }
 }
 
-// part[u] = sum over the slots in `mask` (k ascending) of w_k * y[row_k] for
-// the N elements at cols p0 + u*32 + lane (u < U) of packs; rows and weights
-// are held by lane k. Every lane of the warp calls it (shuffles).
-template <typename T, int N, int U>
-__device__ __forceinline__ void slot_sum(const T* y, int64_t y_stride, unsigned mask, int64_t row,
-                                         float w, int64_t p0, int64_t packs, int lane,
-                                         float (&part)[U][N]) {
+// A warp's slots of one token in shared memory, compacted in k order: lane k
+// with a bit in `mask` stores its row and weight at its rank in the mask.
+struct SlotList {
+  int64_t row[32];
+  float w[32];
+  int k[32];
+};
+__device__ __forceinline__ int collect_slots(SlotList& l, unsigned mask, int64_t row, float w,
+                                             int lane) {
+  if ((mask >> lane) & 1u) {
+    const int i = __popc(mask & ((1u << lane) - 1u));
+    l.row[i] = row;
+    l.w[i] = w;
+    l.k[i] = lane;
+  }
+  __syncwarp();
+  return __popc(mask);
+}
+
+constexpr int kSumWarps = 16;  // warps per block of the combine kernels (128 registers a thread)
+constexpr int kSumKB = 4;      // slots loaded together
+// packs (of N elements) per lane per step: 16 float32 values of a sum
+template <int N>
+constexpr int sum_u() {
+  return N >= 8 ? 2 : 4;
+}
+
+// part[u] = sum over the n listed slots (k ascending) of w * y[row] for the N
+// elements of pack p0 + u*32 + lane (u < U). n >= 1. kSumKB slots x U packs
+// are in flight per lane.
+template <typename T, int N, int U = sum_u<N>()>
+__device__ __forceinline__ void slot_sum(const T* y, int64_t y_stride, const SlotList& l, int n,
+                                         int64_t p0, int64_t packs, int lane, float (&part)[U][N]) {
   using P = cuda::Pack<T, N>;
-  bool any = false;
-  while (mask) {
-    const int k = __ffs(mask) - 1;
-    mask &= mask - 1;
-    const int64_t r = __shfl_sync(kFull, row, k);
-    const float wk = __shfl_sync(kFull, w, k);
-    const P* yr = reinterpret_cast<const P*>(y + r * y_stride);
-    P v[U];
+  constexpr int kSumU = U;
+  for (int b = 0; b < n; b += kSumKB) {
+    P v[kSumKB][kSumU];
 #pragma unroll
-    for (int u = 0; u < U; ++u) {
-      const int64_t p = p0 + u * 32 + lane;
-      if (p < packs) v[u] = yr[p];
+    for (int i = 0; i < kSumKB; ++i)
+#pragma unroll
+      for (int u = 0; u < kSumU; ++u) {
+        const int64_t p = p0 + u * 32 + lane;
+        if (b + i < n && p < packs) v[i][u] = reinterpret_cast<const P*>(y + l.row[b + i] * y_stride)[p];
+      }
+#pragma unroll
+    for (int i = 0; i < kSumKB; ++i) {
+      if (b + i >= n) break;
+      const float wk = l.w[b + i];
+#pragma unroll
+      for (int u = 0; u < kSumU; ++u)
+#pragma unroll
+        for (int j = 0; j < N; ++j)
+          part[u][j] = fmaf(wk, cuda::to_float(v[i][u].v[j]), b + i > 0 ? part[u][j] : 0.0f);
     }
-#pragma unroll
-    for (int u = 0; u < U; ++u)
-#pragma unroll
-      for (int j = 0; j < N; ++j)
-        part[u][j] = fmaf(wk, cuda::to_float(v[u].v[j]), any ? part[u][j] : 0.0f);
-    any = true;
   }
 }
 
@@ -383,16 +441,18 @@ __device__ __forceinline__ void slot_sum(const T* y, int64_t y_stride, unsigned 
 // then announced. Home: for each own token, ranks ascending: the own slots
 // summed here (k ascending), the peers' partials once announced.
 template <typename T, typename TOut, int N>
-__global__ void __launch_bounds__(kWarps * 32)
+__global__ void __launch_bounds__(kSumWarps * 32)
     combine_kernel(Window win, Offsets o, int P, const T* y, int64_t y_stride, int64_t H,
                    int64_t Tn, int K, int W, int me, int64_t tmax, const int32_t* dest_rank,
                    const int64_t* dest_row, const float* weights, bool weighted, TOut* out,
                    int64_t out_stride) {
-  constexpr int U = 2;
+  constexpr int U = sum_u<N>();
   using PO = cuda::Pack<TOut, N>;
+  __shared__ SlotList lists[kSumWarps];
   const int lane = threadIdx.x % 32;
+  SlotList& l = lists[threadIdx.x / 32];
   const int64_t packs = H / N;
-  const Roles ro(P);
+  const Roles<kSumWarps> ro(P);
   const int32_t epoch = *reinterpret_cast<const int32_t*>(win.local + o.epoch);
   const int32_t* flag = reinterpret_cast<const int32_t*>(win.local + o.flag);
   if (ro.home) {
@@ -407,7 +467,7 @@ __global__ void __launch_bounds__(kWarps * 32)
         w = weights ? weights[t * K + lane] : 1.0f;
       }
       const unsigned ranks = __reduce_or_sync(kFull, q >= 0 ? 1u << q : 0u);
-      const unsigned own = __ballot_sync(kFull, q >= 0 && q == me);
+      const int n = collect_slots(l, __ballot_sync(kFull, q >= 0 && q == me), row, w, lane);
       if (lane < W && lane != me && ((ranks >> lane) & 1u))  // lane p waits for rank p
         spin_flag(flag + size_t(lane) * tmax + t, epoch);
       __syncwarp();
@@ -418,7 +478,7 @@ __global__ void __launch_bounds__(kWarps * 32)
           if (!((ranks >> r) & 1u)) continue;
           float part[U][N];
           if (r == me) {
-            slot_sum<T, N, U>(y, y_stride, own, row, w, p0, packs, lane, part);
+            slot_sum<T, N>(y, y_stride, l, n, p0, packs, lane, part);
           } else {
 #pragma unroll
             for (int u = 0; u < U; ++u) {
@@ -442,12 +502,14 @@ __global__ void __launch_bounds__(kWarps * 32)
           *reinterpret_cast<PO*>(out + t * out_stride + p * N) = v;
         }
       }
+      __syncwarp();  // the list is rewritten for the next token
     }
     return;
   }
   const int32_t* ntok = reinterpret_cast<const int32_t*>(win.local + o.ntok);
   const int32_t* inv = reinterpret_cast<const int32_t*>(win.local + o.inv);
   const float* rprobs = reinterpret_cast<const float*>(win.local + o.probs);
+  Pending pend;
   for_peer_tokens(ro, ntok, W, me, [&](int s, int64_t t) {
     const size_t st = size_t(s) * tmax + t;
     int64_t row = -1;
@@ -456,44 +518,60 @@ __global__ void __launch_bounds__(kWarps * 32)
       row = inv[st * K + lane];
       if (row >= 0) w = weighted ? rprobs[row] : 1.0f;
     }
-    const unsigned mask = __ballot_sync(kFull, row >= 0);
-    if (!mask) return;
+    const int n = collect_slots(l, __ballot_sync(kFull, row >= 0), row, w, lane);
+    if (n == 0) return;
     float* dst = static_cast<float*>(win.at(o.partial + (size_t(me) * tmax + t) * H * 4, s));
     for (int64_t p0 = 0; p0 < packs; p0 += 32 * U) {
       float part[U][N];
-      slot_sum<T, N, U>(y, y_stride, mask, row, w, p0, packs, lane, part);
+      slot_sum<T, N>(y, y_stride, l, n, p0, packs, lane, part);
 #pragma unroll
       for (int u = 0; u < U; ++u) {
         const int64_t p = p0 + u * 32 + lane;
         if (p < packs) store_floats<N>(dst + p * N, part[u]);
       }
     }
-    warp_publish();
-    if (lane == 0) st_flag(static_cast<int32_t*>(win.at(o.flag + (size_t(me) * tmax + t) * 4, s)), epoch);
+    __syncwarp();  // the list is rewritten for the next token
+    pend.add(size_t(me) * tmax + t, 1u << s, lane);
+    if (pend.n == kBatch) pend.flush(win, o.flag, epoch, lane);
   });
+  pend.flush(win, o.flag, epoch, lane);
 }
 
 // grad_y[row] = w * d and <d, y[row]> for one slot row (warp-wide; returns the
-// dot product on every lane).
+// dot product on every lane). 4 packs of d and y in flight per lane.
 template <typename T, bool kCoherent>
 __device__ __forceinline__ float grad_row(const T* d, const T* yrow, T* grow, float w, int64_t H,
                                           int lane) {
   constexpr int N = 16 / sizeof(T);
+  constexpr int kSumU = 4;
   using P = cuda::Pack<T, N>;
+  const int64_t packs = H / N;
   float dot = 0.0f;
-  for (int64_t p = lane; p < H / N; p += 32) {
-    const uint4 raw = kCoherent ? __ldcg(reinterpret_cast<const uint4*>(d) + p)
-                                : __ldg(reinterpret_cast<const uint4*>(d) + p);
-    const P dv = *reinterpret_cast<const P*>(&raw);
-    const P yv = reinterpret_cast<const P*>(yrow)[p];
-    P gv;
+  for (int64_t p0 = 0; p0 < packs; p0 += 32 * kSumU) {
+    uint4 dv[kSumU];
+    P yv[kSumU];
 #pragma unroll
-    for (int j = 0; j < N; ++j) {
-      const float f = cuda::to_float(dv.v[j]);
-      gv.v[j] = cuda::from_float<T>(w * f);
-      dot = fmaf(f, cuda::to_float(yv.v[j]), dot);
+    for (int u = 0; u < kSumU; ++u) {
+      const int64_t p = p0 + u * 32 + lane;
+      if (p >= packs) continue;
+      dv[u] = kCoherent ? __ldcg(reinterpret_cast<const uint4*>(d) + p)
+                        : __ldg(reinterpret_cast<const uint4*>(d) + p);
+      yv[u] = reinterpret_cast<const P*>(yrow)[p];
     }
-    reinterpret_cast<P*>(grow)[p] = gv;
+#pragma unroll
+    for (int u = 0; u < kSumU; ++u) {
+      const int64_t p = p0 + u * 32 + lane;
+      if (p >= packs) continue;
+      const P& dp = *reinterpret_cast<const P*>(&dv[u]);
+      P gv;
+#pragma unroll
+      for (int j = 0; j < N; ++j) {
+        const float f = cuda::to_float(dp.v[j]);
+        gv.v[j] = cuda::from_float<T>(w * f);
+        dot = fmaf(f, cuda::to_float(yv[u].v[j]), dot);
+      }
+      reinterpret_cast<P*>(grow)[p] = gv;
+    }
   }
 #pragma unroll
   for (int m = 16; m > 0; m >>= 1) dot += __shfl_xor_sync(kFull, dot, m);
@@ -506,19 +584,22 @@ __device__ __forceinline__ float grad_row(const T* d, const T* yrow, T* grow, fl
 // announced, grad_y of each of t's rows here from the staged dout, and the dot
 // products stored into the home rank's dp[t, k]. Pad rows: pads_kernel.
 template <typename T>
-__global__ void __launch_bounds__(kWarps * 32)
+__global__ void __launch_bounds__(kSumWarps * 32)
     combine_bwd_kernel(Window win, Offsets o, int P, const T* dout, int64_t dout_stride,
                        const T* y, int64_t y_stride, T* grad_y, int64_t g_stride, int64_t H,
                        int64_t Tn, int K, int W, int me, int64_t tmax, const int32_t* dest_rank,
                        const int64_t* dest_row, const float* weights) {
-  __shared__ uint4* dests[kWarps][kMaxDest];
+  __shared__ uint4* dests[kSumWarps][kMaxDest];
+  __shared__ SlotList lists[kSumWarps];
   const int lane = threadIdx.x % 32;
   uint4** my = dests[threadIdx.x / 32];
-  const Roles ro(P);
+  SlotList& l = lists[threadIdx.x / 32];
+  const Roles<kSumWarps> ro(P);
   const int32_t epoch = *reinterpret_cast<const int32_t*>(win.local + o.epoch);
   const int64_t row_bytes = H * int64_t(sizeof(T));
   float* dp_local = reinterpret_cast<float*>(win.local + o.dp);
   if (ro.home) {
+    Pending pend;
     for (int64_t t = ro.warp; t < Tn; t += ro.warps) {
       const int q = lane < K ? dest_rank[t * K + lane] : -1;
       const int64_t row = lane < K ? dest_row[t * K + lane] : -1;
@@ -536,20 +617,19 @@ __global__ void __launch_bounds__(kWarps * 32)
       if (nd) {
         __syncwarp();
         warp_copy_row<false>(reinterpret_cast<const uint4*>(d), my, nd, row_bytes / 16, lane);
-        warp_publish();
-        if (lane < W && ((peers >> lane) & 1u))
-          st_flag(static_cast<int32_t*>(win.at(o.flag + (size_t(me) * tmax + t) * 4, lane)), epoch);
+        __syncwarp();
+        pend.add(size_t(me) * tmax + t, peers, lane);
+        if (pend.n == kBatch) pend.flush(win, o.flag, epoch, lane);
       }
-      unsigned own = __ballot_sync(kFull, q >= 0 && q == me);
-      while (own) {
-        const int k = __ffs(own) - 1;
-        own &= own - 1;
-        const int64_t r = __shfl_sync(kFull, row, k);
-        const float wk = __shfl_sync(kFull, w, k);
-        const float dot = grad_row<T, false>(d, y + r * y_stride, grad_y + r * g_stride, wk, H, lane);
-        if (lane == 0) dp_local[t * K + k] = dot;
+      const int n = collect_slots(l, __ballot_sync(kFull, q >= 0 && q == me), row, w, lane);
+      for (int i = 0; i < n; ++i) {
+        const int64_t r = l.row[i];
+        const float dot = grad_row<T, false>(d, y + r * y_stride, grad_y + r * g_stride, l.w[i], H, lane);
+        if (lane == 0) dp_local[t * K + l.k[i]] = dot;
       }
+      __syncwarp();
     }
+    pend.flush(win, o.flag, epoch, lane);
     return;
   }
   const int32_t* ntok = reinterpret_cast<const int32_t*>(win.local + o.ntok);
@@ -560,19 +640,17 @@ __global__ void __launch_bounds__(kWarps * 32)
   for_peer_tokens(ro, ntok, W, me, [&](int s, int64_t t) {
     const size_t st = size_t(s) * tmax + t;
     const int64_t row = lane < K ? inv[st * K + lane] : -1;
-    unsigned mask = __ballot_sync(kFull, row >= 0);
-    if (!mask) return;
-    warp_wait_flag(flag + st, epoch, lane);
     const float w = row >= 0 && weights ? rprobs[row] : 1.0f;
-    while (mask) {
-      const int k = __ffs(mask) - 1;
-      mask &= mask - 1;
-      const int64_t r = __shfl_sync(kFull, row, k);
-      const float wk = __shfl_sync(kFull, w, k);
+    const int n = collect_slots(l, __ballot_sync(kFull, row >= 0), row, w, lane);
+    if (n == 0) return;
+    warp_wait_flag(flag + st, epoch, lane);
+    for (int i = 0; i < n; ++i) {
+      const int64_t r = l.row[i];
       const float dot =
-          grad_row<T, true>(stage + st * H, y + r * y_stride, grad_y + r * g_stride, wk, H, lane);
-      if (lane == 0) *static_cast<float*>(win.at(o.dp + (size_t(t) * K + k) * 4, s)) = dot;
+          grad_row<T, true>(stage + st * H, y + r * y_stride, grad_y + r * g_stride, l.w[i], H, lane);
+      if (lane == 0) *static_cast<float*>(win.at(o.dp + (size_t(t) * K + l.k[i]) * 4, s)) = dot;
     }
+    __syncwarp();
   });
 }
 
