@@ -24,30 +24,38 @@ struct EpSlotRange {
   int64_t fit;        // how many of the source's slots to this expert are kept
 };
 
-// Where source rank `s` sends its slots to global expert g. O(W + L).
-MOEFLOW_HD inline EpSlotRange ep_slot_range(const int32_t* counts, int W, int E, int s, int g,
-                                            int64_t capacity, int align) {
-  const int L = E / W, q = g / L, e = g % L;
-  // offset of expert e on rank q: padded routed counts of the experts before it
-  int64_t prefix = 0;
-  for (int e2 = 0; e2 < e; ++e2) {
-    int64_t routed = 0;
-    for (int s2 = 0; s2 < W; ++s2) routed += counts[s2 * E + q * L + e2];
-    prefix += (routed + align - 1) / align * align;
-  }
-  int64_t routed = 0, before = 0;
-  for (int s2 = 0; s2 < W; ++s2) {
-    const int64_t c = counts[s2 * E + g];
-    if (s2 < s) before += c;
-    routed += c;
-  }
+// Slots routed to global expert g by all sources.
+MOEFLOW_HD inline int64_t ep_routed(const int32_t* counts, int W, int E, int g) {
+  int64_t routed = 0;
+  for (int s = 0; s < W; ++s) routed += counts[s * E + g];
+  return routed;
+}
+
+// Where a source sends its `mine` slots to an expert that receives `routed`
+// slots in all, `before` of them from the sources before it, and whose segment
+// would start at `prefix` (the padded routed counts of the experts before it
+// on its rank) without the capacity.
+MOEFLOW_HD inline EpSlotRange ep_slot_range_at(int64_t routed, int64_t prefix, int64_t before,
+                                               int64_t mine, int64_t capacity, int align) {
   const ExpertLayout l = layout_expert(routed, prefix, capacity, align);
   EpSlotRange r;
   r.first_row = l.offset + before;
   const int64_t room = l.kept - before;
-  const int64_t mine = counts[s * E + g];
   r.fit = room <= 0 ? 0 : (room < mine ? room : mine);
   return r;
+}
+
+// Where source rank `s` sends its slots to global expert g. O(W * L).
+MOEFLOW_HD inline EpSlotRange ep_slot_range(const int32_t* counts, int W, int E, int s, int g,
+                                            int64_t capacity, int align) {
+  const int L = E / W, q = g / L, e = g % L;
+  int64_t prefix = 0;
+  for (int e2 = 0; e2 < e; ++e2)
+    prefix += (ep_routed(counts, W, E, q * L + e2) + align - 1) / align * align;
+  int64_t before = 0;
+  for (int s2 = 0; s2 < s; ++s2) before += counts[s2 * E + g];
+  return ep_slot_range_at(ep_routed(counts, W, E, g), prefix, before, counts[s * E + g], capacity,
+                          align);
 }
 
 // The receive plan of rank q: kept rows per local expert, segment offsets

@@ -438,6 +438,9 @@ struct EpGroup::Impl {
                     ", rank ", rank, ")");
     }
     MOEFLOW_CUDA_CHECK(cudaMemset(s.base, 0, s.bytes));
+    // tuning knobs (benchmarks): tokens per announcement, the home role's share of the blocks
+    if (const char* v = std::getenv("MOEFLOW_NVL_BATCH")) s.batch = std::clamp(std::atoi(v), 1, 32);
+    if (const char* v = std::getenv("MOEFLOW_NVL_HOME")) s.home_percent = std::clamp(std::atoi(v), 1, 99);
     const Device dev = Device::cuda(device);
     s.local_ids = Tensor::empty({tmax, K}, DType::kInt32, dev);
     PlanConfig lc;
@@ -633,7 +636,9 @@ void nvlink_barrier(NvlinkState& s, cudaStream_t stream) {
 
 // Blocks of the home role of a fused kernel (the rest: the holder role).
 int nvlink_home_blocks(const EpGroup::Impl& g) {
-  return g.world == 1 ? g.opt.nvlink_blocks : std::max(1, g.opt.nvlink_blocks / 2);
+  if (g.world == 1) return g.opt.nvlink_blocks;
+  const int P = g.opt.nvlink_blocks * g.nvl->home_percent / 100;
+  return std::clamp(P, 1, g.opt.nvlink_blocks - 1);
 }
 unsigned nvlink_grid(const EpGroup::Impl& g) {
   return static_cast<unsigned>(g.opt.nvlink_blocks);
@@ -700,7 +705,7 @@ EpDispatchResult nvlink_dispatch(EpGroup::Impl& g, TensorView x, TensorView ids,
   g.mark("counts", stream);
   // 3. the rows: own slots in place, the peers' through their stage
   nvl::dispatch_kernel<<<nvlink_grid(g), nvl::kWarps * 32, 0, stream>>>(
-      s.view(), o, nvlink_home_blocks(g), static_cast<const uint8_t*>(x.data),
+      s.view(), o, nvlink_home_blocks(g), s.batch, static_cast<const uint8_t*>(x.data),
       x.strides[0] * int64_t(dtype_size(x.dtype)), g.row_bytes, s.local_ids.data_ptr<int32_t>(),
       s.probs.data_ptr<float>(), T, K, E, L, W, g.rank, g.tmax,
       s.local.dest_row.data_ptr<int64_t>(), s.local.expert_row_offsets.data_ptr<int64_t>(),
@@ -746,11 +751,11 @@ void nvlink_combine(EpGroup::Impl& g, TensorView y, bool weighted, TensorView ou
     const int P = nvlink_home_blocks(g);
     if (vec)
       nvl::combine_kernel<TY, TO, N><<<nvlink_grid(g), nvl::kSumWarps * 32, 0, stream>>>(
-          s.view(), o, P, yp, ys, H, s.T, K, W, me, g.tmax, s.dest_rank.data_ptr<int32_t>(),
+          s.view(), o, P, s.batch, yp, ys, H, s.T, K, W, me, g.tmax, s.dest_rank.data_ptr<int32_t>(),
           s.dest_row.data_ptr<int64_t>(), w, weighted, ot, os);
     else
       nvl::combine_kernel<TY, TO, 1><<<nvlink_grid(g), nvl::kSumWarps * 32, 0, stream>>>(
-          s.view(), o, P, yp, ys, H, s.T, K, W, me, g.tmax, s.dest_rank.data_ptr<int32_t>(),
+          s.view(), o, P, s.batch, yp, ys, H, s.T, K, W, me, g.tmax, s.dest_rank.data_ptr<int32_t>(),
           s.dest_row.data_ptr<int64_t>(), w, weighted, ot, os);
     MOEFLOW_CUDA_LAUNCH_CHECK();
   };
@@ -801,8 +806,8 @@ void nvlink_combine_backward(EpGroup::Impl& g, TensorView dout, TensorView y, bo
   const float* w = weighted ? s.probs.data_ptr<float>() : nullptr;
   auto rows = [&](auto* tp) {
     using T = std::remove_pointer_t<decltype(tp)>;
-    nvl::combine_bwd_kernel<T><<<nvlink_grid(g), nvl::kSumWarps * 32, 0, stream>>>(
-        s.view(), o, nvlink_home_blocks(g), static_cast<const T*>(dout.data), dout.strides[0],
+    nvl::combine_bwd_kernel<T><<<nvlink_grid(g), nvl::kBwdWarps * 32, 0, stream>>>(
+        s.view(), o, nvlink_home_blocks(g), s.batch, static_cast<const T*>(dout.data), dout.strides[0],
         static_cast<const T*>(y.data), y.strides[0], static_cast<T*>(grad_y.data),
         grad_y.strides[0], H, s.T, K, W, me, g.tmax, s.dest_rank.data_ptr<int32_t>(),
         s.dest_row.data_ptr<int64_t>(), w);

@@ -92,6 +92,8 @@ __global__ void copy_ids_kernel(const IdT* ids, int64_t T, int K, int64_t tmax, 
   out[i] = v >= -1 && v <= INT32_MAX ? static_cast<int32_t>(v) : -2;  // -2: invalid, counted
 }
 
+constexpr int kMaxExperts = 2048;
+
 // Step 2 (one block): counts exchanged, slot ranges and the receive plan.
 __global__ void counts_kernel(Window win, size_t off_counts, size_t off_ntok,
                               const int32_t* my_counts, int32_t my_T, int E, int W, int me,
@@ -110,17 +112,45 @@ __global__ void counts_kernel(Window win, size_t off_counts, size_t off_ntok,
   for (int p = threadIdx.x; p < W; p += blockDim.x)
     *static_cast<int32_t*>(win.at(off_ntok + size_t(me) * sizeof(int32_t), p)) = my_T;
   win.barrier();  // every row of the matrix is in
+  // The layout of every expert from the matrix (core/ep_layout.h), the
+  // prefix sums per rank in shared memory.
+  __shared__ int32_t routed[kMaxExperts];
+  __shared__ int64_t prefix[kMaxExperts];
+  __shared__ int64_t dropped;
   const int32_t* C = static_cast<const int32_t*>(win.at(off_counts, me));
+  const int L = E / W;
+  if (threadIdx.x == 0) dropped = 0;
+  for (int g = threadIdx.x; g < E; g += blockDim.x) routed[g] = static_cast<int32_t>(ep_routed(C, W, E, g));
+  __syncthreads();
+  if (threadIdx.x < W) {
+    int64_t pre = 0;
+    for (int g = threadIdx.x * L; g < (threadIdx.x + 1) * L; ++g) {
+      prefix[g] = pre;
+      pre += (routed[g] + align - 1) / align * align;
+    }
+  }
+  __syncthreads();
   for (int g = threadIdx.x; g < E; g += blockDim.x) {
-    const EpSlotRange r = ep_slot_range(C, W, E, me, g, capacity, align);
+    int64_t before = 0;
+    for (int s = 0; s < me; ++s) before += C[s * E + g];
+    const EpSlotRange r =
+        ep_slot_range_at(routed[g], prefix[g], before, C[me * E + g], capacity, align);
     first_row[g] = r.first_row;
     fit[g] = r.fit;
+    if (g / L == me) {  // this rank's receive plan
+      const int e = g % L;
+      const ExpertLayout l = layout_expert(routed[g], prefix[g], capacity, align);
+      kept[e] = l.kept;
+      padded[e] = l.padded;
+      offsets[e] = l.offset;
+      if (e == L - 1) offsets[L] = l.offset + l.padded;
+      atomicAdd(reinterpret_cast<unsigned long long*>(&dropped),
+                static_cast<unsigned long long>(routed[g] - l.kept));
+    }
   }
+  __syncthreads();
   if (threadIdx.x == 0) {
-    int64_t dropped = 0;
-    ep_recv_layout(C, W, E, me, capacity, align, kept, offsets, &dropped);
-    const int L = E / W;
-    for (int e = 0; e < L; ++e) padded[e] = static_cast<int32_t>((kept[e] + align - 1) / align * align);
+    if (L == 0) offsets[0] = 0;
     *total_rows = offsets[L];
     *overflow = static_cast<int32_t>(dropped);
   }
@@ -215,10 +245,9 @@ struct Roles {
   }
 };
 
-// Tokens a warp has finished but not yet announced: up to kBatch of them are
+// Tokens a warp has finished but not yet announced: up to `batch` of them are
 // announced together after one fence (a fence per token would stall the warp
 // on the NVLink round trip each time). Lane i holds entry i.
-constexpr int kBatch = 4;
 struct Pending {
   int n = 0;
   int64_t mine = -1;  // lane i: the announcement's index into the flags (-1: none)
@@ -267,7 +296,7 @@ __device__ __forceinline__ void for_peer_tokens(const Roles<NW>& ro, const int32
 // row_k; then t is announced to every peer. Holder: once (s, t) is announced,
 // the staged row is copied into the rows of t's slots here.
 __global__ void __launch_bounds__(kWarps * 32)
-    dispatch_kernel(Window win, Offsets o, int P, const uint8_t* x, int64_t x_stride_bytes,
+    dispatch_kernel(Window win, Offsets o, int P, int batch, const uint8_t* x, int64_t x_stride_bytes,
                     int64_t row_bytes, const int32_t* ids, const float* probs, int64_t T, int K,
                     int E, int L, int W, int me, int64_t tmax, const int64_t* local_dest,
                     const int64_t* local_offsets, const int64_t* first_row, const int64_t* fit,
@@ -324,7 +353,7 @@ __global__ void __launch_bounds__(kWarps * 32)
                            row_bytes / 16, lane);
       __syncwarp();  // the list is rewritten for the next token
       pend.add(size_t(me) * tmax + t, peers, lane);
-      if (pend.n == kBatch) pend.flush(win, o.flag, epoch, lane);
+      if (pend.n == batch) pend.flush(win, o.flag, epoch, lane);
     }
     pend.flush(win, o.flag, epoch, lane);
     return;
@@ -397,12 +426,13 @@ __device__ __forceinline__ int collect_slots(SlotList& l, unsigned mask, int64_t
   return __popc(mask);
 }
 
-constexpr int kSumWarps = 16;  // warps per block of the combine kernels (128 registers a thread)
-constexpr int kSumKB = 4;      // slots loaded together
-// packs (of N elements) per lane per step: 16 float32 values of a sum
+constexpr int kSumWarps = 32;  // warps per block of the combine kernel
+constexpr int kBwdWarps = 16;  // of the combine backward kernel (128 registers a thread)
+constexpr int kSumKB = 2;      // slots loaded together
+// packs (of N elements) per lane per step: 8 float32 values of a sum
 template <int N>
 constexpr int sum_u() {
-  return N >= 8 ? 2 : 4;
+  return N >= 8 ? 1 : 2;
 }
 
 // part[u] = sum over the n listed slots (k ascending) of w * y[row] for the N
@@ -442,7 +472,7 @@ __device__ __forceinline__ void slot_sum(const T* y, int64_t y_stride, const Slo
 // summed here (k ascending), the peers' partials once announced.
 template <typename T, typename TOut, int N>
 __global__ void __launch_bounds__(kSumWarps * 32)
-    combine_kernel(Window win, Offsets o, int P, const T* y, int64_t y_stride, int64_t H,
+    combine_kernel(Window win, Offsets o, int P, int batch, const T* y, int64_t y_stride, int64_t H,
                    int64_t Tn, int K, int W, int me, int64_t tmax, const int32_t* dest_rank,
                    const int64_t* dest_row, const float* weights, bool weighted, TOut* out,
                    int64_t out_stride) {
@@ -532,7 +562,7 @@ __global__ void __launch_bounds__(kSumWarps * 32)
     }
     __syncwarp();  // the list is rewritten for the next token
     pend.add(size_t(me) * tmax + t, 1u << s, lane);
-    if (pend.n == kBatch) pend.flush(win, o.flag, epoch, lane);
+    if (pend.n == batch) pend.flush(win, o.flag, epoch, lane);
   });
   pend.flush(win, o.flag, epoch, lane);
 }
@@ -584,17 +614,17 @@ __device__ __forceinline__ float grad_row(const T* d, const T* yrow, T* grow, fl
 // announced, grad_y of each of t's rows here from the staged dout, and the dot
 // products stored into the home rank's dp[t, k]. Pad rows: pads_kernel.
 template <typename T>
-__global__ void __launch_bounds__(kSumWarps * 32)
-    combine_bwd_kernel(Window win, Offsets o, int P, const T* dout, int64_t dout_stride,
+__global__ void __launch_bounds__(kBwdWarps * 32)
+    combine_bwd_kernel(Window win, Offsets o, int P, int batch, const T* dout, int64_t dout_stride,
                        const T* y, int64_t y_stride, T* grad_y, int64_t g_stride, int64_t H,
                        int64_t Tn, int K, int W, int me, int64_t tmax, const int32_t* dest_rank,
                        const int64_t* dest_row, const float* weights) {
-  __shared__ uint4* dests[kSumWarps][kMaxDest];
-  __shared__ SlotList lists[kSumWarps];
+  __shared__ uint4* dests[kBwdWarps][kMaxDest];
+  __shared__ SlotList lists[kBwdWarps];
   const int lane = threadIdx.x % 32;
   uint4** my = dests[threadIdx.x / 32];
   SlotList& l = lists[threadIdx.x / 32];
-  const Roles<kSumWarps> ro(P);
+  const Roles<kBwdWarps> ro(P);
   const int32_t epoch = *reinterpret_cast<const int32_t*>(win.local + o.epoch);
   const int64_t row_bytes = H * int64_t(sizeof(T));
   float* dp_local = reinterpret_cast<float*>(win.local + o.dp);
@@ -619,7 +649,7 @@ __global__ void __launch_bounds__(kSumWarps * 32)
         warp_copy_row<false>(reinterpret_cast<const uint4*>(d), my, nd, row_bytes / 16, lane);
         __syncwarp();
         pend.add(size_t(me) * tmax + t, peers, lane);
-        if (pend.n == kBatch) pend.flush(win, o.flag, epoch, lane);
+        if (pend.n == batch) pend.flush(win, o.flag, epoch, lane);
       }
       const int n = collect_slots(l, __ballot_sync(kFull, q >= 0 && q == me), row, w, lane);
       for (int i = 0; i < n; ++i) {
@@ -679,6 +709,8 @@ struct NvlinkState {
   ncclDevComm dc{};
   bool have_win = false, have_dc = false;
   nvl::Offsets off{};
+  int batch = 4;           // tokens a warp announces together (MOEFLOW_NVL_BATCH)
+  int home_percent = 50;   // the home role's share of nvlink_blocks (MOEFLOW_NVL_HOME)
   Tensor local_ids;     // [tmax, K] int32
   RoutingPlan local;    // over the E global experts, align 1, nothing dropped
   Tensor local_ws;
