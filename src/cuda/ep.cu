@@ -300,7 +300,7 @@ struct EpGroup::Impl {
     MOEFLOW_CHECK(o.pipeline_chunks >= 1 && o.pipeline_chunks <= kMaxChunks,
                   "pipeline_chunks must be in [1, ", kMaxChunks, "], got ", o.pipeline_chunks);
     MOEFLOW_CHECK(o.overlap_blocks >= 0, "overlap_blocks must be >= 0, got ", o.overlap_blocks);
-    MOEFLOW_CHECK(o.nvlink_blocks >= 1, "nvlink_blocks must be >= 1, got ", o.nvlink_blocks);
+    MOEFLOW_CHECK(o.nvlink_blocks >= 2, "nvlink_blocks must be >= 2, got ", o.nvlink_blocks);
     MOEFLOW_CHECK(o.max_tokens_per_rank >= 0, "max_tokens_per_rank must be >= 0, got ",
                   o.max_tokens_per_rank);
     MOEFLOW_CHECK(
@@ -378,8 +378,8 @@ struct EpGroup::Impl {
     MOEFLOW_CHECK(K <= 32, "the nvlink backend takes topk <= 32, got ", K);
     MOEFLOW_CHECK(world <= 8, "the nvlink backend takes at most 8 ranks, got ", world);
     MOEFLOW_CUDA_CHECK(cudaDeviceGetAttribute(&sm_count, cudaDevAttrMultiProcessorCount, device));
-    MOEFLOW_CHECK(opt.nvlink_blocks >= (world > 1 ? 2 : 1) && opt.nvlink_blocks <= sm_count,
-                  "nvlink_blocks must be in [", world > 1 ? 2 : 1, ", ", sm_count,
+    MOEFLOW_CHECK(opt.nvlink_blocks >= 2 && opt.nvlink_blocks <= sm_count,
+                  "nvlink_blocks must be in [2, ", sm_count,
                   "] (the SMs: its roles wait on each other across ranks), got ", opt.nvlink_blocks);
     MOEFLOW_CHECK(capacity < INT32_MAX && int64_t(world) * tmax < INT32_MAX,
                   "the nvlink backend indexes rows with int32: capacity ", capacity,
@@ -438,9 +438,12 @@ struct EpGroup::Impl {
                     ", rank ", rank, ")");
     }
     MOEFLOW_CUDA_CHECK(cudaMemset(s.base, 0, s.bytes));
+    s.batch = row_bytes >= 12288 ? 1 : 4;  // long rows: announce each at once
     // tuning knobs (benchmarks): tokens per announcement, the home role's share of the blocks
     if (const char* v = std::getenv("MOEFLOW_NVL_BATCH")) s.batch = std::clamp(std::atoi(v), 1, 32);
     if (const char* v = std::getenv("MOEFLOW_NVL_HOME")) s.home_percent = std::clamp(std::atoi(v), 1, 99);
+    if (const char* v = std::getenv("MOEFLOW_NVL_CHOME"))
+      s.combine_home_percent = std::clamp(std::atoi(v), 1, 99);
     const Device dev = Device::cuda(device);
     s.local_ids = Tensor::empty({tmax, K}, DType::kInt32, dev);
     PlanConfig lc;
@@ -525,8 +528,8 @@ const EpOptions& EpGroup::options() const {
   return impl_->opt;
 }
 void EpGroup::set_nvlink_blocks(int blocks) {
-  MOEFLOW_CHECK(blocks >= (impl_->world > 1 ? 2 : 1) && blocks <= impl_->sm_count,
-                "nvlink_blocks must be in [", impl_->world > 1 ? 2 : 1, ", ", impl_->sm_count,
+  MOEFLOW_CHECK(blocks >= 2 && blocks <= impl_->sm_count,
+                "nvlink_blocks must be in [2, ", impl_->sm_count,
                 "] (the SMs: its roles wait on each other across ranks), got ", blocks);
   impl_->opt.nvlink_blocks = blocks;
 }
@@ -635,9 +638,8 @@ void nvlink_barrier(NvlinkState& s, cudaStream_t stream) {
 }
 
 // Blocks of the home role of a fused kernel (the rest: the holder role).
-int nvlink_home_blocks(const EpGroup::Impl& g) {
-  if (g.world == 1) return g.opt.nvlink_blocks;
-  const int P = g.opt.nvlink_blocks * g.nvl->home_percent / 100;
+int nvlink_home_blocks(const EpGroup::Impl& g, int percent) {
+  const int P = g.opt.nvlink_blocks * percent / 100;
   return std::clamp(P, 1, g.opt.nvlink_blocks - 1);
 }
 unsigned nvlink_grid(const EpGroup::Impl& g) {
@@ -705,7 +707,7 @@ EpDispatchResult nvlink_dispatch(EpGroup::Impl& g, TensorView x, TensorView ids,
   g.mark("counts", stream);
   // 3. the rows: own slots in place, the peers' through their stage
   nvl::dispatch_kernel<<<nvlink_grid(g), nvl::kWarps * 32, 0, stream>>>(
-      s.view(), o, nvlink_home_blocks(g), s.batch, static_cast<const uint8_t*>(x.data),
+      s.view(), o, nvlink_home_blocks(g, s.home_percent), s.batch, static_cast<const uint8_t*>(x.data),
       x.strides[0] * int64_t(dtype_size(x.dtype)), g.row_bytes, s.local_ids.data_ptr<int32_t>(),
       s.probs.data_ptr<float>(), T, K, E, L, W, g.rank, g.tmax,
       s.local.dest_row.data_ptr<int64_t>(), s.local.expert_row_offsets.data_ptr<int64_t>(),
@@ -748,15 +750,15 @@ void nvlink_combine(EpGroup::Impl& g, TensorView y, bool weighted, TensorView ou
     const bool vec = nvlink_vec(H, N, {{y.data, ys * int64_t(sizeof(TY))}}) &&
                      addr(out.data) % (N * sizeof(TO)) == 0 && (os * sizeof(TO)) % (N * sizeof(TO)) == 0;
     const TY* yp = static_cast<const TY*>(y.data);
-    const int P = nvlink_home_blocks(g);
+    const int Pc = nvlink_home_blocks(g, s.combine_home_percent);
     if (vec)
       nvl::combine_kernel<TY, TO, N><<<nvlink_grid(g), nvl::kSumWarps * 32, 0, stream>>>(
-          s.view(), o, P, s.batch, yp, ys, H, s.T, K, W, me, g.tmax, s.dest_rank.data_ptr<int32_t>(),
-          s.dest_row.data_ptr<int64_t>(), w, weighted, ot, os);
+          s.view(), o, Pc, s.batch, yp, ys, H, s.T, K, W, me, g.tmax,
+          s.dest_rank.data_ptr<int32_t>(), weighted, ot, os);
     else
       nvl::combine_kernel<TY, TO, 1><<<nvlink_grid(g), nvl::kSumWarps * 32, 0, stream>>>(
-          s.view(), o, P, s.batch, yp, ys, H, s.T, K, W, me, g.tmax, s.dest_rank.data_ptr<int32_t>(),
-          s.dest_row.data_ptr<int64_t>(), w, weighted, ot, os);
+          s.view(), o, Pc, s.batch, yp, ys, H, s.T, K, W, me, g.tmax,
+          s.dest_rank.data_ptr<int32_t>(), weighted, ot, os);
     MOEFLOW_CUDA_LAUNCH_CHECK();
   };
   auto with_out = [&](auto* yt) {
@@ -807,7 +809,7 @@ void nvlink_combine_backward(EpGroup::Impl& g, TensorView dout, TensorView y, bo
   auto rows = [&](auto* tp) {
     using T = std::remove_pointer_t<decltype(tp)>;
     nvl::combine_bwd_kernel<T><<<nvlink_grid(g), nvl::kBwdWarps * 32, 0, stream>>>(
-        s.view(), o, nvlink_home_blocks(g), s.batch, static_cast<const T*>(dout.data), dout.strides[0],
+        s.view(), o, nvlink_home_blocks(g, s.home_percent), s.batch, static_cast<const T*>(dout.data), dout.strides[0],
         static_cast<const T*>(y.data), y.strides[0], static_cast<T*>(grad_y.data),
         grad_y.strides[0], H, s.T, K, W, me, g.tmax, s.dest_rank.data_ptr<int32_t>(),
         s.dest_row.data_ptr<int64_t>(), w);

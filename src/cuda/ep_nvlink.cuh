@@ -270,18 +270,21 @@ struct Pending {
     __syncwarp();
   }
 };
+// The holder role's items: (s, t) for every rank s (but this one unless
+// `self`) and t < ntok[s], t-major; each warp takes every warps-th item.
 template <int NW, typename F>
-__device__ __forceinline__ void for_peer_tokens(const Roles<NW>& ro, const int32_t* ntok, int W, int me,
-                                                F&& f) {
-  if (W < 2) return;
+__device__ __forceinline__ void for_tokens(const Roles<NW>& ro, const int32_t* ntok, int W, int me,
+                                           bool self, F&& f) {
+  const int n = self ? W : W - 1;
+  if (n == 0) return;
   int64_t tm = 0;
   for (int s = 0; s < W; ++s)
-    if (s != me && ntok[s] > tm) tm = ntok[s];
-  const int64_t items = tm * (W - 1);
+    if ((self || s != me) && ntok[s] > tm) tm = ntok[s];
+  const int64_t items = tm * n;
   for (int64_t j = ro.warp; j < items; j += ro.warps) {
-    const int64_t t = j / (W - 1);
-    const int si = static_cast<int>(j % (W - 1));
-    const int s = si + (si >= me);
+    const int64_t t = j / n;
+    const int si = static_cast<int>(j % n);
+    const int s = self ? si : si + (si >= me);
     if (t < ntok[s]) f(s, t);
   }
 }
@@ -362,7 +365,7 @@ __global__ void __launch_bounds__(kWarps * 32)
   const int32_t* inv = reinterpret_cast<const int32_t*>(win.local + o.inv);
   const int32_t* flag = reinterpret_cast<const int32_t*>(win.local + o.flag);
   const uint8_t* stage = win.local + o.stage;
-  for_peer_tokens(ro, ntok, W, me, [&](int s, int64_t t) {
+  for_tokens(ro, ntok, W, me, false, [&](int s, int64_t t) {
     const size_t st = size_t(s) * tmax + t;
     warp_wait_flag(flag + st, epoch, lane);
     const int64_t row = lane < K ? __ldcg(inv + st * K + lane) : -1;
@@ -428,11 +431,17 @@ __device__ __forceinline__ int collect_slots(SlotList& l, unsigned mask, int64_t
 
 constexpr int kSumWarps = 32;  // warps per block of the combine kernel
 constexpr int kBwdWarps = 16;  // of the combine backward kernel (128 registers a thread)
-constexpr int kSumKB = 2;      // slots loaded together
-// packs (of N elements) per lane per step: 8 float32 values of a sum
+constexpr int kSumKB = 1;      // slots loaded together
+
+// packs (of N elements) per lane per step of the home's sums: 16 float32 values
 template <int N>
 constexpr int sum_u() {
-  return N >= 8 ? 1 : 2;
+  return N >= 8 ? 2 : 4;
+}
+// the same, of the holder's sums
+template <int N>
+constexpr int hold_u() {
+  return N >= 8 ? 2 : 4;
 }
 
 // part[u] = sum over the n listed slots (k ascending) of w * y[row] for the N
@@ -465,17 +474,17 @@ __device__ __forceinline__ void slot_sum(const T* y, int64_t y_stride, const Slo
   }
 }
 
-// The combine (one kernel, two roles). Holder: for each peer token with kept
-// slots here, the float32 sum of its slots (k ascending, weighted by the
-// received probs when `weighted`) stored into the home rank's partial[me][t],
-// then announced. Home: for each own token, ranks ascending: the own slots
-// summed here (k ascending), the peers' partials once announced.
+// The combine (one kernel, two roles). Holder: for every token with kept
+// slots here (this rank's own included), the float32 sum of its slots (k
+// ascending, weighted by the received probs when `weighted`) stored into the
+// home rank's partial[me][t] and announced. Home: for each own token, once the
+// partials of the ranks holding its slots are announced, their sum in
+// ascending rank order: the reference's order.
 template <typename T, typename TOut, int N>
 __global__ void __launch_bounds__(kSumWarps * 32)
-    combine_kernel(Window win, Offsets o, int P, int batch, const T* y, int64_t y_stride, int64_t H,
-                   int64_t Tn, int K, int W, int me, int64_t tmax, const int32_t* dest_rank,
-                   const int64_t* dest_row, const float* weights, bool weighted, TOut* out,
-                   int64_t out_stride) {
+    combine_kernel(Window win, Offsets o, int P, int batch, const T* y, int64_t y_stride,
+                   int64_t H, int64_t Tn, int K, int W, int me, int64_t tmax,
+                   const int32_t* dest_rank, bool weighted, TOut* out, int64_t out_stride) {
   constexpr int U = sum_u<N>();
   using PO = cuda::Pack<TOut, N>;
   __shared__ SlotList lists[kSumWarps];
@@ -488,17 +497,9 @@ __global__ void __launch_bounds__(kSumWarps * 32)
   if (ro.home) {
     const float* partial = reinterpret_cast<const float*>(win.local + o.partial);
     for (int64_t t = ro.warp; t < Tn; t += ro.warps) {
-      int q = -1;
-      int64_t row = -1;
-      float w = 0.0f;
-      if (lane < K) {
-        q = dest_rank[t * K + lane];
-        row = dest_row[t * K + lane];
-        w = weights ? weights[t * K + lane] : 1.0f;
-      }
+      const int q = lane < K ? dest_rank[t * K + lane] : -1;
       const unsigned ranks = __reduce_or_sync(kFull, q >= 0 ? 1u << q : 0u);
-      const int n = collect_slots(l, __ballot_sync(kFull, q >= 0 && q == me), row, w, lane);
-      if (lane < W && lane != me && ((ranks >> lane) & 1u))  // lane p waits for rank p
+      if (lane < W && ((ranks >> lane) & 1u))  // lane p waits for rank p
         spin_flag(flag + size_t(lane) * tmax + t, epoch);
       __syncwarp();
       for (int64_t p0 = 0; p0 < packs; p0 += 32 * U) {
@@ -507,14 +508,10 @@ __global__ void __launch_bounds__(kSumWarps * 32)
         for (int r = 0; r < W; ++r) {
           if (!((ranks >> r) & 1u)) continue;
           float part[U][N];
-          if (r == me) {
-            slot_sum<T, N>(y, y_stride, l, n, p0, packs, lane, part);
-          } else {
 #pragma unroll
-            for (int u = 0; u < U; ++u) {
-              const int64_t p = p0 + u * 32 + lane;
-              if (p < packs) load_floats_cg<N>(partial + (size_t(r) * tmax + t) * H + p * N, part[u]);
-            }
+          for (int u = 0; u < U; ++u) {
+            const int64_t p = p0 + u * 32 + lane;
+            if (p < packs) load_floats_cg<N>(partial + (size_t(r) * tmax + t) * H + p * N, part[u]);
           }
 #pragma unroll
           for (int u = 0; u < U; ++u)
@@ -532,7 +529,6 @@ __global__ void __launch_bounds__(kSumWarps * 32)
           *reinterpret_cast<PO*>(out + t * out_stride + p * N) = v;
         }
       }
-      __syncwarp();  // the list is rewritten for the next token
     }
     return;
   }
@@ -540,7 +536,7 @@ __global__ void __launch_bounds__(kSumWarps * 32)
   const int32_t* inv = reinterpret_cast<const int32_t*>(win.local + o.inv);
   const float* rprobs = reinterpret_cast<const float*>(win.local + o.probs);
   Pending pend;
-  for_peer_tokens(ro, ntok, W, me, [&](int s, int64_t t) {
+  for_tokens(ro, ntok, W, me, true, [&](int s, int64_t t) {
     const size_t st = size_t(s) * tmax + t;
     int64_t row = -1;
     float w = 0.0f;
@@ -551,11 +547,12 @@ __global__ void __launch_bounds__(kSumWarps * 32)
     const int n = collect_slots(l, __ballot_sync(kFull, row >= 0), row, w, lane);
     if (n == 0) return;
     float* dst = static_cast<float*>(win.at(o.partial + (size_t(me) * tmax + t) * H * 4, s));
-    for (int64_t p0 = 0; p0 < packs; p0 += 32 * U) {
-      float part[U][N];
-      slot_sum<T, N>(y, y_stride, l, n, p0, packs, lane, part);
+    constexpr int UH = hold_u<N>();
+    for (int64_t p0 = 0; p0 < packs; p0 += 32 * UH) {
+      float part[UH][N];
+      slot_sum<T, N, UH>(y, y_stride, l, n, p0, packs, lane, part);
 #pragma unroll
-      for (int u = 0; u < U; ++u) {
+      for (int u = 0; u < UH; ++u) {
         const int64_t p = p0 + u * 32 + lane;
         if (p < packs) store_floats<N>(dst + p * N, part[u]);
       }
@@ -667,7 +664,7 @@ __global__ void __launch_bounds__(kBwdWarps * 32)
   const int32_t* flag = reinterpret_cast<const int32_t*>(win.local + o.flag);
   const float* rprobs = reinterpret_cast<const float*>(win.local + o.probs);
   const T* stage = reinterpret_cast<const T*>(win.local + o.stage);
-  for_peer_tokens(ro, ntok, W, me, [&](int s, int64_t t) {
+  for_tokens(ro, ntok, W, me, false, [&](int s, int64_t t) {
     const size_t st = size_t(s) * tmax + t;
     const int64_t row = lane < K ? inv[st * K + lane] : -1;
     const float w = row >= 0 && weights ? rprobs[row] : 1.0f;
@@ -711,6 +708,7 @@ struct NvlinkState {
   nvl::Offsets off{};
   int batch = 4;           // tokens a warp announces together (MOEFLOW_NVL_BATCH)
   int home_percent = 50;   // the home role's share of nvlink_blocks (MOEFLOW_NVL_HOME)
+  int combine_home_percent = 34;  // the same in combine (MOEFLOW_NVL_CHOME): its holders sum all slots
   Tensor local_ids;     // [tmax, K] int32
   RoutingPlan local;    // over the E global experts, align 1, nothing dropped
   Tensor local_ws;
