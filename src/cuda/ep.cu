@@ -754,11 +754,11 @@ void nvlink_combine(EpGroup::Impl& g, TensorView y, bool weighted, TensorView ou
     if (vec)
       nvl::combine_kernel<TY, TO, N><<<nvlink_grid(g), nvl::kSumWarps * 32, 0, stream>>>(
           s.view(), o, Pc, s.batch, yp, ys, H, s.T, K, W, me, g.tmax,
-          s.dest_rank.data_ptr<int32_t>(), weighted, ot, os);
+          s.dest_rank.data_ptr<int32_t>(), s.dest_row.data_ptr<int64_t>(), w, weighted, ot, os);
     else
       nvl::combine_kernel<TY, TO, 1><<<nvlink_grid(g), nvl::kSumWarps * 32, 0, stream>>>(
           s.view(), o, Pc, s.batch, yp, ys, H, s.T, K, W, me, g.tmax,
-          s.dest_rank.data_ptr<int32_t>(), weighted, ot, os);
+          s.dest_rank.data_ptr<int32_t>(), s.dest_row.data_ptr<int64_t>(), w, weighted, ot, os);
     MOEFLOW_CUDA_LAUNCH_CHECK();
   };
   auto with_out = [&](auto* yt) {

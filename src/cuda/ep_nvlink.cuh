@@ -188,13 +188,33 @@ __device__ __forceinline__ void warp_wait_flag(const int32_t* p, int32_t v, int 
   __syncwarp();
 }
 
+// Bulk prefetch of [p, p + bytes) into L2 (TMA; 16-byte aligned, bytes % 16
+// == 0): the loads that follow hit L2, so a warp's few loads in flight
+// cover more bandwidth.
+__device__ __forceinline__ void prefetch_l2(const void* p, int64_t bytes) {
+  if (bytes > 0)
+    asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(p),
+                 "r"(static_cast<uint32_t>(bytes))
+                 : "memory");
+}
+// Lane 0 prefetches bytes [from, to) of a row of `len` bytes (clipped).
+__device__ __forceinline__ void prefetch_span(const void* row, int64_t from, int64_t to,
+                                              int64_t len) {
+  if (to > len) to = len;
+  if (from < to) prefetch_l2(static_cast<const uint8_t*>(row) + from, to - from);
+}
+constexpr int kAhead = 4;  // steps of a row prefetched ahead of the loads
+
 // One warp copies a row of n16 16-byte vectors from src to each of the nd
 // destinations dst[0..nd), reading every vector once. kCoherent: src is
 // written while the kernel runs (loads through L2 only).
 template <bool kCoherent>
 __device__ __forceinline__ void warp_copy_row(const uint4* __restrict__ src, uint4* const* dst,
                                               int nd, int64_t n16, int lane) {
+  constexpr int64_t step = 32 * kUnroll * 16;
+  if (lane == 0) prefetch_span(src, 0, 2 * step, n16 * 16);
   for (int64_t b = 0; b < n16; b += 32 * kUnroll) {
+    if (lane == 0) prefetch_span(src, (b / (32 * kUnroll) + 2) * step, (b / (32 * kUnroll) + 3) * step, n16 * 16);
     uint4 v[kUnroll];
 #pragma unroll
     for (int u = 0; u < kUnroll; ++u) {
@@ -429,9 +449,9 @@ __device__ __forceinline__ int collect_slots(SlotList& l, unsigned mask, int64_t
   return __popc(mask);
 }
 
-constexpr int kSumWarps = 32;  // warps per block of the combine kernel
+constexpr int kSumWarps = 16;  // warps per block of the combine kernel (128 registers a thread)
 constexpr int kBwdWarps = 16;  // of the combine backward kernel (128 registers a thread)
-constexpr int kSumKB = 1;      // slots loaded together
+constexpr int kSumKB = 2;      // slots loaded together
 
 // packs (of N elements) per lane per step of the home's sums: 16 float32 values
 template <int N>
@@ -474,17 +494,30 @@ __device__ __forceinline__ void slot_sum(const T* y, int64_t y_stride, const Slo
   }
 }
 
-// The combine (one kernel, two roles). Holder: for every token with kept
-// slots here (this rank's own included), the float32 sum of its slots (k
-// ascending, weighted by the received probs when `weighted`) stored into the
-// home rank's partial[me][t] and announced. Home: for each own token, once the
-// partials of the ranks holding its slots are announced, their sum in
-// ascending rank order: the reference's order.
+// Lanes i < n prefetch step `step` (packs [step*per, (step+1)*per) of N
+// elements of T) of the listed slot rows.
+template <typename T, int N>
+__device__ __forceinline__ void prefetch_slots(const T* y, int64_t y_stride, const SlotList& l,
+                                               int n, int64_t step, int64_t per, int64_t packs,
+                                               int lane) {
+  if (lane < n) {
+    const int64_t b = sizeof(T) * N;
+    prefetch_span(y + l.row[lane] * y_stride, step * per * b, (step + 1) * per * b, packs * b);
+  }
+}
+
+// The combine (one kernel, two roles). Holder: for each peer token with kept
+// slots here, the float32 sum of its slots (k ascending, weighted by the
+// received probs when `weighted`) stored into the home rank's partial[me][t],
+// then announced. Home: for each own token, ranks ascending: the own slots
+// summed here (k ascending), the peers' partials once announced: the
+// reference's order. Rows are prefetched into L2 kAhead steps ahead.
 template <typename T, typename TOut, int N>
 __global__ void __launch_bounds__(kSumWarps * 32)
     combine_kernel(Window win, Offsets o, int P, int batch, const T* y, int64_t y_stride,
                    int64_t H, int64_t Tn, int K, int W, int me, int64_t tmax,
-                   const int32_t* dest_rank, bool weighted, TOut* out, int64_t out_stride) {
+                   const int32_t* dest_rank, const int64_t* dest_row, const float* weights,
+                   bool weighted, TOut* out, int64_t out_stride) {
   constexpr int U = sum_u<N>();
   using PO = cuda::Pack<TOut, N>;
   __shared__ SlotList lists[kSumWarps];
@@ -497,21 +530,40 @@ __global__ void __launch_bounds__(kSumWarps * 32)
   if (ro.home) {
     const float* partial = reinterpret_cast<const float*>(win.local + o.partial);
     for (int64_t t = ro.warp; t < Tn; t += ro.warps) {
-      const int q = lane < K ? dest_rank[t * K + lane] : -1;
+      int q = -1;
+      int64_t row = -1;
+      float w = 0.0f;
+      if (lane < K) {
+        q = dest_rank[t * K + lane];
+        row = dest_row[t * K + lane];
+        w = weights ? weights[t * K + lane] : 1.0f;
+      }
       const unsigned ranks = __reduce_or_sync(kFull, q >= 0 ? 1u << q : 0u);
-      if (lane < W && ((ranks >> lane) & 1u))  // lane p waits for rank p
+      const int n = collect_slots(l, __ballot_sync(kFull, q >= 0 && q == me), row, w, lane);
+      for (int st = 0; st < kAhead; ++st) prefetch_slots<T, N>(y, y_stride, l, n, st, 32 * U, packs, lane);
+      if (lane < W && lane != me && ((ranks >> lane) & 1u)) {  // lane p waits for rank p
         spin_flag(flag + size_t(lane) * tmax + t, epoch);
+        prefetch_span(partial + (size_t(lane) * tmax + t) * H, 0, kAhead * 32 * U * N * 4, H * 4);
+      }
       __syncwarp();
-      for (int64_t p0 = 0; p0 < packs; p0 += 32 * U) {
+      for (int64_t p0 = 0, st = 0; p0 < packs; p0 += 32 * U, ++st) {
+        prefetch_slots<T, N>(y, y_stride, l, n, st + kAhead, 32 * U, packs, lane);
+        if (lane < W && lane != me && ((ranks >> lane) & 1u))
+          prefetch_span(partial + (size_t(lane) * tmax + t) * H, (st + kAhead) * 32 * U * N * 4,
+                        (st + kAhead + 1) * 32 * U * N * 4, H * 4);
         float acc[U][N];
         bool first = true;
         for (int r = 0; r < W; ++r) {
           if (!((ranks >> r) & 1u)) continue;
           float part[U][N];
+          if (r == me) {
+            slot_sum<T, N, U>(y, y_stride, l, n, p0, packs, lane, part);
+          } else {
 #pragma unroll
-          for (int u = 0; u < U; ++u) {
-            const int64_t p = p0 + u * 32 + lane;
-            if (p < packs) load_floats_cg<N>(partial + (size_t(r) * tmax + t) * H + p * N, part[u]);
+            for (int u = 0; u < U; ++u) {
+              const int64_t p = p0 + u * 32 + lane;
+              if (p < packs) load_floats_cg<N>(partial + (size_t(r) * tmax + t) * H + p * N, part[u]);
+            }
           }
 #pragma unroll
           for (int u = 0; u < U; ++u)
@@ -529,6 +581,7 @@ __global__ void __launch_bounds__(kSumWarps * 32)
           *reinterpret_cast<PO*>(out + t * out_stride + p * N) = v;
         }
       }
+      __syncwarp();  // the list is rewritten for the next token
     }
     return;
   }
@@ -536,7 +589,7 @@ __global__ void __launch_bounds__(kSumWarps * 32)
   const int32_t* inv = reinterpret_cast<const int32_t*>(win.local + o.inv);
   const float* rprobs = reinterpret_cast<const float*>(win.local + o.probs);
   Pending pend;
-  for_tokens(ro, ntok, W, me, true, [&](int s, int64_t t) {
+  for_tokens(ro, ntok, W, me, false, [&](int s, int64_t t) {
     const size_t st = size_t(s) * tmax + t;
     int64_t row = -1;
     float w = 0.0f;
@@ -546,9 +599,11 @@ __global__ void __launch_bounds__(kSumWarps * 32)
     }
     const int n = collect_slots(l, __ballot_sync(kFull, row >= 0), row, w, lane);
     if (n == 0) return;
-    float* dst = static_cast<float*>(win.at(o.partial + (size_t(me) * tmax + t) * H * 4, s));
     constexpr int UH = hold_u<N>();
-    for (int64_t p0 = 0; p0 < packs; p0 += 32 * UH) {
+    for (int k = 0; k < kAhead; ++k) prefetch_slots<T, N>(y, y_stride, l, n, k, 32 * UH, packs, lane);
+    float* dst = static_cast<float*>(win.at(o.partial + (size_t(me) * tmax + t) * H * 4, s));
+    for (int64_t p0 = 0, k = 0; p0 < packs; p0 += 32 * UH, ++k) {
+      prefetch_slots<T, N>(y, y_stride, l, n, k + kAhead, 32 * UH, packs, lane);
       float part[UH][N];
       slot_sum<T, N, UH>(y, y_stride, l, n, p0, packs, lane, part);
 #pragma unroll
@@ -707,8 +762,8 @@ struct NvlinkState {
   bool have_win = false, have_dc = false;
   nvl::Offsets off{};
   int batch = 4;           // tokens a warp announces together (MOEFLOW_NVL_BATCH)
-  int home_percent = 50;   // the home role's share of nvlink_blocks (MOEFLOW_NVL_HOME)
-  int combine_home_percent = 34;  // the same in combine (MOEFLOW_NVL_CHOME): its holders sum all slots
+  int home_percent = 60;   // the home role's share of nvlink_blocks (MOEFLOW_NVL_HOME)
+  int combine_home_percent = 50;  // the same in combine (MOEFLOW_NVL_CHOME)
   Tensor local_ids;     // [tmax, K] int32
   RoutingPlan local;    // over the E global experts, align 1, nothing dropped
   Tensor local_ws;
