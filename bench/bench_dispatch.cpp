@@ -6,9 +6,10 @@
 // Bytes counted: the token rows (H * dtype bytes) that leave a rank for the
 // other ranks, once per (token, rank); combine: the float32 partial rows that
 // leave a rank (combine sends float32 partial sums so that the result is
-// bitwise the reference's). The nvlink backend (--backend nvlink) stores a
-// row once per kept slot (reported as link bytes too) and its combine pulls
-// bf16 rows; it is compared against the same a2a figures.
+// bitwise the reference's). The nvlink backend (--backend nvlink) moves the
+// same bytes over the links; it also reports the token rows its own SMs store
+// (own slots' rows, the peers' stages, the peers' rows expanded here): at a
+// few SMs that store traffic, not the links, bounds the dispatch.
 // The routing metadata (K ids + K probs per row) is sent too but not counted.
 #include <fmt/format.h>
 #include <nccl.h>
@@ -140,12 +141,13 @@ void run_dispatch_bench(const DispatchBenchOptions& opt) {
                                     : ids.data_ptr<int32_t>()[t * p.topk + k];
               if (e < 0) continue;
               on[e / L] = 1;
-              if (s == r && e / L != r) rr.link_bytes += static_cast<double>(row);
+              if (e / L == r) rr.link_bytes += static_cast<double>(row);  // a slot row here
             }
             for (int q = 0; q < W; ++q) {
               if (!on[q]) continue;
               if (s == r) ++sent[q];
               if (q == r) ++got[s];
+              if (s == r && q != r) rr.link_bytes += static_cast<double>(row);  // a peer's stage
             }
           }
         }
@@ -203,8 +205,7 @@ void run_dispatch_bench(const DispatchBenchOptions& opt) {
       fmt::print("          {}: dispatch/combine us:{}\n",
                  nvlink ? "1 x kernel blocks (SMs)" : "pieces x overlap blocks", sweep);
       if (nvlink)
-        fmt::print("          nvlink dispatch stores each kept slot: {:.1f} MB over the links, "
-                   "{:.1f} GB/s\n",
+        fmt::print("          token rows stored by this rank's SMs: {:.1f} MB, {:.1f} GB/s\n",
                    rr.link_bytes / 1e6, rr.link_bytes / rr.dispatch_ms / 1e6);
       all.push_back({{"preset", name},
                      {"pipeline_chunks", groups[r]->options().pipeline_chunks},
@@ -222,7 +223,7 @@ void run_dispatch_bench(const DispatchBenchOptions& opt) {
                      {"nccl_a2a_GBps", a_gbs},
                      {"nccl_a2a_f32_GBps", af_gbs},
                      {"backend", opt.backend},
-                     {"link_bytes", rr.link_bytes},
+                     {"sm_store_bytes", rr.link_bytes},
                      {"out_bytes", rr.out_bytes},
                      {"back_bytes", rr.back_bytes}});
     }
