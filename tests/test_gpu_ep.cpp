@@ -61,6 +61,11 @@ void run_rounds(int W, const std::vector<Round>& rounds, int64_t capacity_rows =
     std::vector<int> devs;
     for (int r = 0; r < W; ++r) devs.push_back(r);
     auto groups = EpGroup::create_local(devs, opt);
+    for (auto& g : groups) {  // the SM budget of the nvlink kernels: [2, SMs], any backend
+      EXPECT_ANY_THROW(g->set_nvlink_blocks(1));
+      EXPECT_ANY_THROW(g->set_nvlink_blocks(100000));
+      g->set_nvlink_blocks(opt.nvlink_blocks);
+    }
     uint32_t seed = 7;
     for (const Round& rd : rounds) {
       if (rd.tag_tokens && dt != DType::kFloat32) continue;

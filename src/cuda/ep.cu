@@ -291,6 +291,7 @@ struct EpGroup::Impl {
     MOEFLOW_NCCL_CHECK(ncclCommUserRank(comm, &rank));
     MOEFLOW_NCCL_CHECK(ncclCommCount(comm, &world));
     MOEFLOW_CUDA_CHECK(cudaGetDevice(&device));
+    MOEFLOW_CUDA_CHECK(cudaDeviceGetAttribute(&sm_count, cudaDevAttrMultiProcessorCount, device));
     MOEFLOW_CHECK(o.num_experts > 0 && o.num_experts % world == 0,
                   "num_experts must be a positive multiple of the world size ", world, ", got ",
                   o.num_experts);
@@ -377,7 +378,6 @@ struct EpGroup::Impl {
     MOEFLOW_CHECK(E <= 2048, "the nvlink backend takes at most 2048 experts, got ", E);
     MOEFLOW_CHECK(K <= 32, "the nvlink backend takes topk <= 32, got ", K);
     MOEFLOW_CHECK(world <= 8, "the nvlink backend takes at most 8 ranks, got ", world);
-    MOEFLOW_CUDA_CHECK(cudaDeviceGetAttribute(&sm_count, cudaDevAttrMultiProcessorCount, device));
     MOEFLOW_CHECK(opt.nvlink_blocks >= 2 && opt.nvlink_blocks <= sm_count,
                   "nvlink_blocks must be in [2, ", sm_count,
                   "] (the SMs: its roles wait on each other across ranks), got ", opt.nvlink_blocks);
