@@ -44,7 +44,7 @@ Tensor to_host(TensorView v) {
 }
 
 void run_rounds(int W, const std::vector<Round>& rounds, int64_t capacity_rows = -1,
-                EpBackend backend = EpBackend::kNccl) {
+                EpBackend backend = EpBackend::kNccl, bool bulk_copies = false) {
   ASSERT_GE(cuda_device_count(), W);
   const int E = 8 * W, K = 4;
   const int64_t H = 96, tmax = 300;
@@ -58,6 +58,7 @@ void run_rounds(int W, const std::vector<Round>& rounds, int64_t capacity_rows =
     opt.max_tokens_per_rank = tmax;
     opt.capacity_rows = capacity_rows;
     opt.backend = backend;
+    opt.nvlink_bulk_copies = bulk_copies;
     std::vector<int> devs;
     for (int r = 0; r < W; ++r) devs.push_back(r);
     auto groups = EpGroup::create_local(devs, opt);
@@ -248,6 +249,19 @@ TEST(MultiGpuEpNvlink, MatchesReference) {
   slow.slow_rank0 = true;
   to_peer.one_rank = true;  // rank W-1's tokens too: everything crosses except its own
   run_rounds(W, {uneven, empty_rank, one_rank, tagged, slow, to_peer}, -1, EpBackend::kNvlink);
+}
+
+// The dispatch with TMA bulk copies (EpOptions::nvlink_bulk_copies).
+TEST(MultiGpuEpNvlink, BulkCopiesMatchReference) {
+  const int W = cuda_device_count();
+  if (W < 2) GTEST_SKIP() << "needs 2+ GPUs (label multigpu)";
+  MultiRounds m(W);
+  Round to_peer = m.tagged;
+  to_peer.one_rank = true;
+  run_rounds(W, {m.uneven, m.empty_rank, m.tagged, to_peer}, -1, EpBackend::kNvlink, true);
+  Round full;
+  for (int r = 0; r < W; ++r) full.tokens.push_back(280);
+  run_rounds(W, {full}, 256, EpBackend::kNvlink, true);  // overflow
 }
 
 TEST(MultiGpuEpNvlink, OverflowIsCountedNotWritten) {

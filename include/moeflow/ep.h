@@ -79,6 +79,11 @@ struct EpOptions {
   // per SM; HybridEP's num_blocks_permute). The rest of the GPU stays free
   // for compute that overlaps the transfers.
   int nvlink_blocks = 32;
+  // Backend nvlink: dispatch moves token rows with TMA bulk copies through
+  // shared memory instead of 16-byte stores. Same speed at 32 SMs (both are
+  // bound by the SMs' store rate), faster with many SMs (2 x H200, dsv3 at
+  // 132 SMs: 448 vs 521 us; docs/perf/ep-nvlink-2xh200-2026-11-22.md).
+  bool nvlink_bulk_copies = false;
 };
 
 class EpGroup {

@@ -442,6 +442,11 @@ struct EpGroup::Impl {
     // tuning knobs (benchmarks): tokens per announcement, the home role's share of the blocks
     if (const char* v = std::getenv("MOEFLOW_NVL_BATCH")) s.batch = std::clamp(std::atoi(v), 1, 32);
     if (const char* v = std::getenv("MOEFLOW_NVL_HOME")) s.home_percent = std::clamp(std::atoi(v), 1, 99);
+    s.tma = opt.nvlink_bulk_copies;
+    if (const char* v = std::getenv("MOEFLOW_NVL_TMA")) s.tma = std::atoi(v) != 0;
+    MOEFLOW_CUDA_CHECK(cudaFuncSetAttribute(nvl::dispatch_tma_kernel,
+                                            cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                            static_cast<int>(nvl::kTmaSmem)));
     if (const char* v = std::getenv("MOEFLOW_NVL_CHOME"))
       s.combine_home_percent = std::clamp(std::atoi(v), 1, 99);
     const Device dev = Device::cuda(device);
@@ -706,7 +711,10 @@ EpDispatchResult nvlink_dispatch(EpGroup::Impl& g, TensorView x, TensorView ids,
                    reinterpret_cast<int32_t*>(base + o.row_src), stream);
   g.mark("counts", stream);
   // 3. the rows: own slots in place, the peers' through their stage
-  nvl::dispatch_kernel<<<nvlink_grid(g), nvl::kWarps * 32, 0, stream>>>(
+  // the same roles with bulk copies (MOEFLOW_NVL_TMA) or with 16-byte stores
+  auto* kernel = s.tma ? nvl::dispatch_tma_kernel : nvl::dispatch_kernel;
+  kernel<<<nvlink_grid(g), (s.tma ? nvl::kTmaWarps : nvl::kWarps) * 32, s.tma ? nvl::kTmaSmem : 0,
+           stream>>>(
       s.view(), o, nvlink_home_blocks(g, s.home_percent), s.batch, static_cast<const uint8_t*>(x.data),
       x.strides[0] * int64_t(dtype_size(x.dtype)), g.row_bytes, s.local_ids.data_ptr<int32_t>(),
       s.probs.data_ptr<float>(), T, K, E, L, W, g.rank, g.tmax,

@@ -43,6 +43,7 @@
 #include <nccl_device.h>
 
 #include "core/ep_layout.h"
+#include "cuda/bulk.cuh"
 
 namespace moeflow {
 namespace nvl {
@@ -192,10 +193,12 @@ __device__ __forceinline__ void warp_wait_flag(const int32_t* p, int32_t v, int 
 // == 0): the loads that follow hit L2, so a warp's few loads in flight
 // cover more bandwidth.
 __device__ __forceinline__ void prefetch_l2(const void* p, int64_t bytes) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   if (bytes > 0)
     asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(p),
                  "r"(static_cast<uint32_t>(bytes))
                  : "memory");
+#endif
 }
 // Lane 0 prefetches bytes [from, to) of a row of `len` bytes (clipped).
 __device__ __forceinline__ void prefetch_span(const void* row, int64_t from, int64_t to,
@@ -494,6 +497,145 @@ __device__ __forceinline__ void slot_sum(const T* y, int64_t y_stride, const Slo
   }
 }
 
+// The dispatch with bulk copies (TMA, MOEFLOW_NVL_TMA=1): the same roles and
+// announcements as dispatch_kernel, but lane 0 of each warp moves the rows
+// through two shared-memory buffers with bulk loads and bulk stores, kilobytes
+// per instruction instead of 16 bytes per lane. Blocks of kTmaWarps warps.
+constexpr int kTmaWarps = 8;
+constexpr uint32_t kTmaChunk = 8192;  // bytes per bulk copy
+constexpr size_t kTmaSmem = size_t(kTmaWarps) * 2 * kTmaChunk + size_t(kTmaWarps) * 2 * 8;
+
+// One warp's copy pipeline (lane 0 only): buffer b is loaded while the other's
+// stores are in flight.
+struct TmaPipe {
+  uint8_t* buf;   // [2][kTmaChunk]
+  uint64_t* bar;  // [2]
+  uint32_t phase = 0;  // bit b: the parity bar[b] completes next
+  int next = 0;
+  __device__ void init(uint8_t* b, uint64_t* mb) {
+    buf = b;
+    bar = mb;
+    cuda::bulk::mbar_init(&bar[0], 1);
+    cuda::bulk::mbar_init(&bar[1], 1);
+    cuda::bulk::fence_barrier_init();
+  }
+  __device__ void copy(const uint8_t* src, uint8_t* const* dst, int nd, int64_t bytes) {
+    for (int64_t off = 0; off < bytes; off += kTmaChunk) {
+      const uint32_t n = static_cast<uint32_t>(bytes - off < kTmaChunk ? bytes - off : kTmaChunk);
+      const int b = next;
+      next ^= 1;
+      uint8_t* sb = buf + size_t(b) * kTmaChunk;
+      cuda::bulk::wait_read(1);  // the group that last read this buffer is done with it
+      cuda::bulk::mbar_expect_tx(&bar[b], n);
+      cuda::bulk::load(sb, src + off, n, &bar[b]);
+      cuda::bulk::mbar_wait(&bar[b], (phase >> b) & 1u);
+      phase ^= 1u << b;
+      for (int d = 0; d < nd; ++d) cuda::bulk::store(dst[d] + off, sb, n);
+      cuda::bulk::commit();
+    }
+  }
+  // Every bulk store done and ordered before the lane's later stores (flags).
+  __device__ void drain() {
+    cuda::bulk::wait_all();
+    cuda::bulk::fence_async_global();
+  }
+};
+
+__global__ void __launch_bounds__(kTmaWarps * 32)
+    dispatch_tma_kernel(Window win, Offsets o, int P, int batch, const uint8_t* x,
+                        int64_t x_stride_bytes, int64_t row_bytes, const int32_t* ids,
+                        const float* probs, int64_t T, int K, int E, int L, int W, int me,
+                        int64_t tmax, const int64_t* local_dest, const int64_t* local_offsets,
+                        const int64_t* first_row, const int64_t* fit, int32_t* dest_rank,
+                        int64_t* dest_row) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  extern __shared__ __align__(128) uint8_t tma_smem[];
+  __shared__ uint8_t* dests[kTmaWarps][kMaxDest];
+  const int lane = threadIdx.x % 32, wib = threadIdx.x / 32;
+  uint8_t** my = dests[wib];
+  TmaPipe pipe;
+  if (lane == 0)
+    pipe.init(tma_smem + size_t(wib) * 2 * kTmaChunk,
+              reinterpret_cast<uint64_t*>(tma_smem + size_t(kTmaWarps) * 2 * kTmaChunk) + 2 * wib);
+  __syncwarp();
+  const Roles<kTmaWarps> ro(P);
+  const int32_t epoch = *reinterpret_cast<const int32_t*>(win.local + o.epoch);
+  if (ro.home) {
+    Pending pend;
+    const unsigned peers = ((1u << W) - 1u) & ~(1u << me);
+    for (int64_t t = ro.warp; t < T; t += ro.warps) {
+      int q = -1;
+      int64_t row = -1;
+      if (lane < K) {
+        const int g = ids[t * K + lane];
+        if (g >= 0 && g < E) {
+          const int64_t rk = local_dest[t * K + lane] - local_offsets[g];
+          if (rk >= 0 && rk < fit[g]) {
+            row = first_row[g] + rk;
+            q = g / L;
+          }
+        }
+        dest_rank[t * K + lane] = q;
+        dest_row[t * K + lane] = row;
+        if (row >= 0) {
+          *static_cast<float*>(win.at(o.probs + row * sizeof(float), q)) =
+              probs ? probs[t * K + lane] : 0.0f;
+          *static_cast<int32_t*>(win.at(o.row_src + row * sizeof(int32_t), q)) =
+              static_cast<int32_t>(me * tmax + t);
+          *static_cast<int32_t*>(win.at(o.row_k + row * sizeof(int32_t), q)) = lane;
+        }
+        for (int p = 0; p < W; ++p)
+          *static_cast<int32_t*>(
+              win.at(o.inv + ((size_t(me) * tmax + t) * K + lane) * sizeof(int32_t), p)) =
+              q == p ? static_cast<int32_t>(row) : -1;
+      }
+      const unsigned own = __ballot_sync(kFull, row >= 0 && q == me);
+      if ((own >> lane) & 1u) my[__popc(own & ((1u << lane) - 1u))] = win.local + o.x + row * row_bytes;
+      int nd = __popc(own);
+      for (int p = 0; p < W; ++p) {
+        if (p == me || !__ballot_sync(kFull, row >= 0 && q == p)) continue;
+        if (lane == 0)
+          my[nd] = static_cast<uint8_t*>(win.at(o.stage + (size_t(me) * tmax + t) * row_bytes, p));
+        ++nd;
+      }
+      __syncwarp();
+      if (lane == 0) pipe.copy(x + t * x_stride_bytes, my, nd, row_bytes);
+      __syncwarp();
+      pend.add(size_t(me) * tmax + t, peers, lane);
+      if (pend.n == batch) {
+        if (lane == 0) pipe.drain();
+        __syncwarp();
+        pend.flush(win, o.flag, epoch, lane);
+      }
+    }
+    if (lane == 0) pipe.drain();
+    __syncwarp();
+    pend.flush(win, o.flag, epoch, lane);
+    return;
+  }
+  const int32_t* ntok = reinterpret_cast<const int32_t*>(win.local + o.ntok);
+  const int32_t* inv = reinterpret_cast<const int32_t*>(win.local + o.inv);
+  const int32_t* flag = reinterpret_cast<const int32_t*>(win.local + o.flag);
+  const uint8_t* stage = win.local + o.stage;
+  for_tokens(ro, ntok, W, me, false, [&](int s, int64_t t) {
+    const size_t st = size_t(s) * tmax + t;
+    if (lane == 0) {
+      spin_flag(flag + st, epoch);
+      cuda::bulk::fence_async_global();  // the bulk loads below see what the flag announced
+    }
+    __syncwarp();
+    const int64_t row = lane < K ? __ldcg(inv + st * K + lane) : -1;
+    const unsigned mine = __ballot_sync(kFull, row >= 0);
+    if (!mine) return;
+    if (row >= 0) my[__popc(mine & ((1u << lane) - 1u))] = win.local + o.x + row * row_bytes;
+    __syncwarp();
+    if (lane == 0) pipe.copy(stage + st * row_bytes, my, __popc(mine), row_bytes);
+    __syncwarp();
+  });
+  if (lane == 0) pipe.drain();
+#endif
+}
+
 // Lanes i < n prefetch step `step` (packs [step*per, (step+1)*per) of N
 // elements of T) of the listed slot rows.
 template <typename T, int N>
@@ -764,6 +906,7 @@ struct NvlinkState {
   int batch = 4;           // tokens a warp announces together (MOEFLOW_NVL_BATCH)
   int home_percent = 60;   // the home role's share of nvlink_blocks (MOEFLOW_NVL_HOME)
   int combine_home_percent = 50;  // the same in combine (MOEFLOW_NVL_CHOME)
+  bool tma = false;        // dispatch rows moved with bulk copies (MOEFLOW_NVL_TMA)
   Tensor local_ids;     // [tmax, K] int32
   RoutingPlan local;    // over the E global experts, align 1, nothing dropped
   Tensor local_ws;

@@ -31,6 +31,7 @@
 
 #include <cuda.h>
 
+#include "cuda/bulk.cuh"
 #include "cuda/gemm_epilogue.cuh"
 #include "cuda/grouped_gemm_sm90.cuh"
 
@@ -59,31 +60,11 @@ struct Smem {
 // How the epilogue leaves the kernel (see the header comment).
 enum class StoreKind : int { kDirect = 0, kTensor2d = 1, kTensor3d = 2 };
 
-__device__ __forceinline__ uint32_t smem_u32(const void* p) {
-  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
-}
-__device__ __forceinline__ void mbar_init(uint64_t* bar, uint32_t count) {
-  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(smem_u32(bar)), "r"(count));
-}
-__device__ __forceinline__ void mbar_expect_tx(uint64_t* bar, uint32_t bytes) {
-  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(smem_u32(bar)),
-               "r"(bytes)
-               : "memory");
-}
-__device__ __forceinline__ void mbar_arrive(uint64_t* bar) {
-  asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" ::"r"(smem_u32(bar)) : "memory");
-}
-__device__ __forceinline__ void mbar_wait(uint64_t* bar, uint32_t parity) {
-  asm volatile(
-      "{\n"
-      ".reg .pred done;\n"
-      "WAIT_%=:\n"
-      "mbarrier.try_wait.parity.shared::cta.b64 done, [%0], %1;\n"
-      "@!done bra WAIT_%=;\n"
-      "}\n" ::"r"(smem_u32(bar)),
-      "r"(parity)
-      : "memory");
-}
+using bulk::mbar_arrive;
+using bulk::mbar_expect_tx;
+using bulk::mbar_init;
+using bulk::mbar_wait;
+using bulk::smem_u32;
 __device__ __forceinline__ void tma_load_2d(void* dst, const CUtensorMap* map, uint64_t* bar,
                                             int c0, int c1) {
   asm volatile(
@@ -118,27 +99,14 @@ __device__ __forceinline__ void tma_store_3d(const CUtensorMap* map, const void*
         : "memory");
 }
 __device__ __forceinline__ void bulk_commit() {
-  asm volatile("cp.async.bulk.commit_group;\n" ::: "memory");
+  bulk::commit();
 }
 // Waits until at most n (1..4) bulk groups of this thread still read shared memory.
 __device__ __forceinline__ void bulk_wait_read(int n) {
-  switch (n) {
-    case 1:
-      asm volatile("cp.async.bulk.wait_group.read 1;\n" ::: "memory");
-      break;
-    case 2:
-      asm volatile("cp.async.bulk.wait_group.read 2;\n" ::: "memory");
-      break;
-    case 3:
-      asm volatile("cp.async.bulk.wait_group.read 3;\n" ::: "memory");
-      break;
-    default:
-      asm volatile("cp.async.bulk.wait_group.read 4;\n" ::: "memory");
-      break;
-  }
+  bulk::wait_read(n);
 }
 __device__ __forceinline__ void bulk_wait_all() {
-  asm volatile("cp.async.bulk.wait_group 0;\n" ::: "memory");
+  bulk::wait_all();
 }
 __device__ __forceinline__ void named_barrier(int id, int threads) {
   asm volatile("bar.sync %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
