@@ -49,6 +49,7 @@ struct DispatchBenchOptions {
   int64_t tokens = 0;                // tokens per GPU; 0: the preset's
   int align = 16;
   std::string backend = "nccl";      // nccl | nvlink
+  bool bulk_copies = false;          // nvlink: EpOptions::nvlink_bulk_copies
   TimingOptions timing;
   std::string json_path;
 };

@@ -73,6 +73,7 @@ void run_dispatch_bench(const DispatchBenchOptions& opt) {
     eo.max_tokens_per_rank = T;
     const bool nvlink = opt.backend == "nvlink";
     eo.backend = nvlink ? EpBackend::kNvlink : EpBackend::kNccl;
+    eo.nvlink_bulk_copies = opt.bulk_copies;
     fmt::print("[{}] W={} T={} per GPU, H={}, E={}, K={}, bf16, align {}, backend {} ...\n", name,
                W, T, p.hidden, p.num_experts, p.topk, opt.align, opt.backend);
     std::fflush(stdout);
@@ -223,6 +224,7 @@ void run_dispatch_bench(const DispatchBenchOptions& opt) {
                      {"nccl_a2a_GBps", a_gbs},
                      {"nccl_a2a_f32_GBps", af_gbs},
                      {"backend", opt.backend},
+                     {"bulk_copies", opt.bulk_copies},
                      {"sm_store_bytes", rr.link_bytes},
                      {"out_bytes", rr.out_bytes},
                      {"back_bytes", rr.back_bytes}});

@@ -59,7 +59,7 @@ int main(int argc, char** argv) {
       ->capture_default_str();
 
   auto* bdisp = bench->add_subcommand(
-      "dispatch", "expert-parallel dispatch/combine over the GPUs of this host (NCCL)");
+      "dispatch", "expert-parallel dispatch/combine over the GPUs of this host (nccl or nvlink)");
   bench::DispatchBenchOptions dopt;
   std::vector<std::string> disp_presets;
   bdisp->add_option("--preset", disp_presets, "presets (default: dsv3 mixtral)");
@@ -70,6 +70,8 @@ int main(int argc, char** argv) {
   bdisp->add_option("--backend", dopt.backend, "nccl or nvlink")
       ->check(CLI::IsMember({"nccl", "nvlink"}))
       ->capture_default_str();
+  bdisp->add_flag("--bulk-copies", dopt.bulk_copies,
+                  "backend nvlink: dispatch rows with TMA bulk copies (EpOptions::nvlink_bulk_copies)");
   bdisp->add_option("--json", dopt.json_path, "also write the results as JSON to this file");
   bdisp->add_option("--iters", dopt.timing.iters, "timed runs per op (median)")
       ->capture_default_str();
