@@ -6,6 +6,7 @@ plus the bytes a forward must move (A, W, C once), for the memory bound.
 """
 import argparse, json
 import torch
+from peer_timing import bench_ms
 
 
 def sweep_split(E, R, skewed):
@@ -17,17 +18,6 @@ def sweep_split(E, R, skewed):
     return s
 
 
-def bench_ms(fn, iters=20, warm=5):
-    for _ in range(warm):
-        fn()
-    torch.cuda.synchronize()
-    ts = []
-    for _ in range(iters):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record(); fn(); b.record(); torch.cuda.synchronize()
-        ts.append(a.elapsed_time(b))
-    ts.sort()
-    return ts[len(ts) // 2]
 
 
 def main():
@@ -47,7 +37,7 @@ def main():
             M = sum(sizes)
             offs = torch.tensor(sizes, device=dev).cumsum(0).to(torch.int32)
             A = torch.randn(M, K, device=dev, dtype=torch.bfloat16)
-            ms = bench_ms(lambda: torch._grouped_mm(A, W.transpose(-2, -1), offs=offs))
+            ms = bench_ms(lambda: torch._grouped_mm(A, W.transpose(-2, -1), offs=offs), iters=20, warm=5)
             name = f"{'skew' if skewed else 'unif'}-{R}"
             flops = 2 * M * K * N
             moved = (M * K + E * N * K + M * N) * 2

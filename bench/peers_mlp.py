@@ -10,23 +10,13 @@ the step allocates beyond its inputs and weights.
 import argparse, json
 import torch
 import torch.nn.functional as F
+from peer_timing import bench_ms
 
 # name, local experts, rows, H, F  (shared/BENCHMARKS.md GEMM cases)
 CASES = [("dsv3", 32, 65536, 7168, 2048), ("mixtral", 8, 32768, 4096, 14336),
          ("qwen3-30b", 128, 131072, 2048, 768)]
 
 
-def bench_ms(fn, iters=10, warm=3):
-    for _ in range(warm):
-        fn()
-    torch.cuda.synchronize()
-    ts = []
-    for _ in range(iters):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record(); fn(); b.record(); torch.cuda.synchronize()
-        ts.append(a.elapsed_time(b))
-    ts.sort()
-    return ts[len(ts) // 2]
 
 
 def split(E, M, seed=0):
