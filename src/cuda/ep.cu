@@ -444,7 +444,7 @@ struct EpGroup::Impl {
     if (const char* v = std::getenv("MOEFLOW_NVL_HOME")) s.home_percent = std::clamp(std::atoi(v), 1, 99);
     s.tma = opt.nvlink_bulk_copies;
     if (const char* v = std::getenv("MOEFLOW_NVL_TMA")) s.tma = std::atoi(v) != 0;
-    MOEFLOW_CUDA_CHECK(cudaFuncSetAttribute(nvl::dispatch_tma_kernel,
+    MOEFLOW_CUDA_CHECK(cudaFuncSetAttribute(nvl::dispatch_kernel<nvl::TmaMover, nvl::kTmaWarps>,
                                             cudaFuncAttributeMaxDynamicSharedMemorySize,
                                             static_cast<int>(nvl::kTmaSmem)));
     if (const char* v = std::getenv("MOEFLOW_NVL_CHOME"))
@@ -712,15 +712,17 @@ EpDispatchResult nvlink_dispatch(EpGroup::Impl& g, TensorView x, TensorView ids,
   g.mark("counts", stream);
   // 3. the rows: own slots in place, the peers' through their stage
   // the same roles with bulk copies (MOEFLOW_NVL_TMA) or with 16-byte stores
-  auto* kernel = s.tma ? nvl::dispatch_tma_kernel : nvl::dispatch_kernel;
+  auto* kernel = s.tma ? nvl::dispatch_kernel<nvl::TmaMover, nvl::kTmaWarps>
+                       : nvl::dispatch_kernel<nvl::LsuMover, nvl::kWarps>;
+  const nvl::HomeArgs home{s.local_ids.data_ptr<int32_t>(), s.probs.data_ptr<float>(), K, E, L, W,
+                           g.rank, g.tmax, g.row_bytes, s.local.dest_row.data_ptr<int64_t>(),
+                           s.local.expert_row_offsets.data_ptr<int64_t>(),
+                           s.first_row.data_ptr<int64_t>(), s.fit.data_ptr<int64_t>(),
+                           s.dest_rank.data_ptr<int32_t>(), s.dest_row.data_ptr<int64_t>()};
   kernel<<<nvlink_grid(g), (s.tma ? nvl::kTmaWarps : nvl::kWarps) * 32, s.tma ? nvl::kTmaSmem : 0,
-           stream>>>(
-      s.view(), o, nvlink_home_blocks(g, s.home_percent), s.batch, static_cast<const uint8_t*>(x.data),
-      x.strides[0] * int64_t(dtype_size(x.dtype)), g.row_bytes, s.local_ids.data_ptr<int32_t>(),
-      s.probs.data_ptr<float>(), T, K, E, L, W, g.rank, g.tmax,
-      s.local.dest_row.data_ptr<int64_t>(), s.local.expert_row_offsets.data_ptr<int64_t>(),
-      s.first_row.data_ptr<int64_t>(), s.fit.data_ptr<int64_t>(), s.dest_rank.data_ptr<int32_t>(),
-      s.dest_row.data_ptr<int64_t>());
+           stream>>>(s.view(), o, nvlink_home_blocks(g, s.home_percent), s.batch,
+                     static_cast<const uint8_t*>(x.data), x.strides[0] * int64_t(dtype_size(x.dtype)),
+                     T, home);
   MOEFLOW_CUDA_LAUNCH_CHECK();
   g.mark("rows", stream);
   g.print_marks("nvlink dispatch");

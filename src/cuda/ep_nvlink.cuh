@@ -212,7 +212,7 @@ constexpr int kAhead = 4;  // steps of a row prefetched ahead of the loads
 // destinations dst[0..nd), reading every vector once. kCoherent: src is
 // written while the kernel runs (loads through L2 only).
 template <bool kCoherent>
-__device__ __forceinline__ void warp_copy_row(const uint4* __restrict__ src, uint4* const* dst,
+__device__ __forceinline__ void warp_copy_row(const uint4* __restrict__ src, uint8_t* const* dst,
                                               int nd, int64_t n16, int lane) {
   constexpr int64_t step = 32 * kUnroll * 16;
   if (lane == 0) prefetch_span(src, 0, 2 * step, n16 * 16);
@@ -225,7 +225,7 @@ __device__ __forceinline__ void warp_copy_row(const uint4* __restrict__ src, uin
       if (i < n16) v[u] = kCoherent ? __ldcg(src + i) : __ldg(src + i);
     }
     for (int d = 0; d < nd; ++d) {
-      uint4* o = dst[d];
+      uint4* o = reinterpret_cast<uint4*>(dst[d]);
 #pragma unroll
       for (int u = 0; u < kUnroll; ++u) {
         const int64_t i = b + u * 32 + lane;
@@ -312,96 +312,71 @@ __device__ __forceinline__ void for_tokens(const Roles<NW>& ro, const int32_t* n
   }
 }
 
-// The dispatch after the count exchange (one kernel, two roles). The slot
-// (t,k) to global expert g has rank local_dest[t,k] - local_offsets[g] among
-// this rank's slots to g (the local plan); it lands on row first_row[g] + that
-// rank of rank g / L when the rank is below fit[g], and is dropped otherwise.
-// Home: x[t] read once and stored into each own kept slot's row and once into
-// the stage of every peer holding a kept slot of t; every rank learns (inv)
-// where t's slots are on it, the holders get the slots' probs / row_src /
-// row_k; then t is announced to every peer. Holder: once (s, t) is announced,
-// the staged row is copied into the rows of t's slots here.
-__global__ void __launch_bounds__(kWarps * 32)
-    dispatch_kernel(Window win, Offsets o, int P, int batch, const uint8_t* x, int64_t x_stride_bytes,
-                    int64_t row_bytes, const int32_t* ids, const float* probs, int64_t T, int K,
-                    int E, int L, int W, int me, int64_t tmax, const int64_t* local_dest,
-                    const int64_t* local_offsets, const int64_t* first_row, const int64_t* fit,
-                    int32_t* dest_rank, int64_t* dest_row) {
-  __shared__ uint4* dests[kWarps][kMaxDest];
-  const int lane = threadIdx.x % 32;
-  uint4** my = dests[threadIdx.x / 32];
-  const Roles<kWarps> ro(P);
-  const int32_t epoch = *reinterpret_cast<const int32_t*>(win.local + o.epoch);
-  if (ro.home) {
-    Pending pend;
-    const unsigned peers = ((1u << W) - 1u) & ~(1u << me);
-    for (int64_t t = ro.warp; t < T; t += ro.warps) {
-      int q = -1;
-      int64_t row = -1;
-      if (lane < K) {
-        const int g = ids[t * K + lane];
-        if (g >= 0 && g < E) {  // ids outside [-1, E) are unrouted (counted by the plan)
-          const int64_t rk = local_dest[t * K + lane] - local_offsets[g];
-          if (rk >= 0 && rk < fit[g]) {
-            row = first_row[g] + rk;
-            q = g / L;
-          }
-        }
-        dest_rank[t * K + lane] = q;
-        dest_row[t * K + lane] = row;
-        if (row >= 0) {
-          *static_cast<float*>(win.at(o.probs + row * sizeof(float), q)) =
-              probs ? probs[t * K + lane] : 0.0f;
-          *static_cast<int32_t*>(win.at(o.row_src + row * sizeof(int32_t), q)) =
-              static_cast<int32_t>(me * tmax + t);
-          *static_cast<int32_t*>(win.at(o.row_k + row * sizeof(int32_t), q)) = lane;
-        }
-        for (int p = 0; p < W; ++p)
-          *static_cast<int32_t*>(
-              win.at(o.inv + ((size_t(me) * tmax + t) * K + lane) * sizeof(int32_t), p)) =
-              q == p ? static_cast<int32_t>(row) : -1;
+// Dispatch, home role, token t. Lane k < K places slot (t,k): the slot to
+// global expert g has rank local_dest[t,k] - local_offsets[g] among this
+// rank's slots to g (the local plan); it lands on row first_row[g] + that rank
+// of rank g / L when the rank is below fit[g], and is dropped otherwise. The
+// slot's prob, row_src and row_k go to its rank, every rank gets the token's
+// inv entry. Lists where x[t] goes in my[]: the own kept slots' rows (k
+// ascending), then the stage of each peer holding a kept slot; returns how
+// many.
+// Lanes with a row >= 0 list those rows of `x` in my[] (k ascending);
+// returns how many (warp-wide).
+__device__ __forceinline__ int list_rows(uint8_t** my, int64_t row, uint8_t* x, int64_t row_bytes,
+                                         int lane) {
+  const unsigned mine = __ballot_sync(kFull, row >= 0);
+  if (row >= 0) my[__popc(mine & ((1u << lane) - 1u))] = x + row * row_bytes;
+  __syncwarp();
+  return __popc(mine);
+}
+
+struct HomeArgs {
+  const int32_t* ids;
+  const float* probs;
+  int K, E, L, W, me;
+  int64_t tmax, row_bytes;
+  const int64_t *local_dest, *local_offsets, *first_row, *fit;
+  int32_t* dest_rank;
+  int64_t* dest_row;
+};
+__device__ __forceinline__ int place_token(const Window& win, const Offsets& o, const HomeArgs& a,
+                                           int64_t t, int lane, uint8_t** my) {
+  const int K = a.K, W = a.W, me = a.me;
+  int q = -1;
+  int64_t row = -1;
+  if (lane < K) {
+    const int g = a.ids[t * K + lane];
+    if (g >= 0 && g < a.E) {  // ids outside [-1, E) are unrouted (counted by the plan)
+      const int64_t rk = a.local_dest[t * K + lane] - a.local_offsets[g];
+      if (rk >= 0 && rk < a.fit[g]) {
+        row = a.first_row[g] + rk;
+        q = g / a.L;
       }
-      // destinations: the own kept slots' rows (k ascending), then the stage
-      // of each peer holding a kept slot
-      const unsigned own = __ballot_sync(kFull, row >= 0 && q == me);
-      if ((own >> lane) & 1u)
-        my[__popc(own & ((1u << lane) - 1u))] =
-            reinterpret_cast<uint4*>(win.local + o.x + row * row_bytes);
-      int nd = __popc(own);
-      for (int p = 0; p < W; ++p) {
-        if (p == me || !__ballot_sync(kFull, row >= 0 && q == p)) continue;
-        if (lane == 0)
-          my[nd] = static_cast<uint4*>(win.at(o.stage + (size_t(me) * tmax + t) * row_bytes, p));
-        ++nd;
-      }
-      __syncwarp();
-      warp_copy_row<false>(reinterpret_cast<const uint4*>(x + t * x_stride_bytes), my, nd,
-                           row_bytes / 16, lane);
-      __syncwarp();  // the list is rewritten for the next token
-      pend.add(size_t(me) * tmax + t, peers, lane);
-      if (pend.n == batch) pend.flush(win, o.flag, epoch, lane);
     }
-    pend.flush(win, o.flag, epoch, lane);
-    return;
+    a.dest_rank[t * K + lane] = q;
+    a.dest_row[t * K + lane] = row;
+    if (row >= 0) {
+      *static_cast<float*>(win.at(o.probs + row * sizeof(float), q)) =
+          a.probs ? a.probs[t * K + lane] : 0.0f;
+      *static_cast<int32_t*>(win.at(o.row_src + row * sizeof(int32_t), q)) =
+          static_cast<int32_t>(me * a.tmax + t);
+      *static_cast<int32_t*>(win.at(o.row_k + row * sizeof(int32_t), q)) = lane;
+    }
+    for (int p = 0; p < W; ++p)
+      *static_cast<int32_t*>(
+          win.at(o.inv + ((size_t(me) * a.tmax + t) * K + lane) * sizeof(int32_t), p)) =
+          q == p ? static_cast<int32_t>(row) : -1;
   }
-  const int32_t* ntok = reinterpret_cast<const int32_t*>(win.local + o.ntok);
-  const int32_t* inv = reinterpret_cast<const int32_t*>(win.local + o.inv);
-  const int32_t* flag = reinterpret_cast<const int32_t*>(win.local + o.flag);
-  const uint8_t* stage = win.local + o.stage;
-  for_tokens(ro, ntok, W, me, false, [&](int s, int64_t t) {
-    const size_t st = size_t(s) * tmax + t;
-    warp_wait_flag(flag + st, epoch, lane);
-    const int64_t row = lane < K ? __ldcg(inv + st * K + lane) : -1;
-    const unsigned mine = __ballot_sync(kFull, row >= 0);
-    if (!mine) return;
-    if (row >= 0)
-      my[__popc(mine & ((1u << lane) - 1u))] =
-          reinterpret_cast<uint4*>(win.local + o.x + row * row_bytes);
-    __syncwarp();
-    warp_copy_row<true>(reinterpret_cast<const uint4*>(stage + st * row_bytes), my, __popc(mine),
-                        row_bytes / 16, lane);
-    __syncwarp();
-  });
+  const unsigned own = __ballot_sync(kFull, row >= 0 && q == me);
+  if ((own >> lane) & 1u) my[__popc(own & ((1u << lane) - 1u))] = win.local + o.x + row * a.row_bytes;
+  int nd = __popc(own);
+  for (int p = 0; p < W; ++p) {
+    if (p == me || !__ballot_sync(kFull, row >= 0 && q == p)) continue;
+    if (lane == 0)
+      my[nd] = static_cast<uint8_t*>(win.at(o.stage + (size_t(me) * a.tmax + t) * a.row_bytes, p));
+    ++nd;
+  }
+  return nd;
 }
 
 // N floats of a partial row from / to memory (16-byte accesses when N % 4 == 0).
@@ -497,10 +472,10 @@ __device__ __forceinline__ void slot_sum(const T* y, int64_t y_stride, const Slo
   }
 }
 
-// The dispatch with bulk copies (TMA, MOEFLOW_NVL_TMA=1): the same roles and
-// announcements as dispatch_kernel, but lane 0 of each warp moves the rows
-// through two shared-memory buffers with bulk loads and bulk stores, kilobytes
-// per instruction instead of 16 bytes per lane. Blocks of kTmaWarps warps.
+// Bulk copies (TMA; EpOptions::nvlink_bulk_copies): lane 0 of each warp
+// moves the rows through two shared-memory buffers with bulk loads and bulk
+// stores, kilobytes per instruction instead of 16 bytes per lane. Blocks of
+// kTmaWarps warps.
 constexpr int kTmaWarps = 8;
 constexpr uint32_t kTmaChunk = 8192;  // bytes per bulk copy
 constexpr size_t kTmaSmem = size_t(kTmaWarps) * 2 * kTmaChunk + size_t(kTmaWarps) * 2 * 8;
@@ -541,75 +516,80 @@ struct TmaPipe {
   }
 };
 
-__global__ void __launch_bounds__(kTmaWarps * 32)
-    dispatch_tma_kernel(Window win, Offsets o, int P, int batch, const uint8_t* x,
-                        int64_t x_stride_bytes, int64_t row_bytes, const int32_t* ids,
-                        const float* probs, int64_t T, int K, int E, int L, int W, int me,
-                        int64_t tmax, const int64_t* local_dest, const int64_t* local_offsets,
-                        const int64_t* first_row, const int64_t* fit, int32_t* dest_rank,
-                        int64_t* dest_row) {
+// How a warp moves a row to its destinations: 16-byte loads and stores of
+// every lane (LsuMover), or lane 0's bulk copies through shared memory
+// (TmaMover). kCoherent: the source was written while the kernel runs.
+struct LsuMover {
+  __device__ void init(uint8_t*, int, int) {}
+  template <bool kCoherent>
+  __device__ void copy(const uint8_t* src, uint8_t* const* dst, int nd, int64_t bytes, int lane) {
+    warp_copy_row<kCoherent>(reinterpret_cast<const uint4*>(src), dst, nd, bytes / 16, lane);
+  }
+  __device__ void drain(int) {}
+};
+struct TmaMover {
+  TmaPipe pipe;
+  __device__ void init(uint8_t* smem, int wib, int lane) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  extern __shared__ __align__(128) uint8_t tma_smem[];
-  __shared__ uint8_t* dests[kTmaWarps][kMaxDest];
+    if (lane == 0)
+      pipe.init(smem + size_t(wib) * 2 * kTmaChunk,
+                reinterpret_cast<uint64_t*>(smem + size_t(kTmaWarps) * 2 * kTmaChunk) + 2 * wib);
+    __syncwarp();
+#endif
+  }
+  template <bool kCoherent>
+  __device__ void copy(const uint8_t* src, uint8_t* const* dst, int nd, int64_t bytes, int lane) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    if (lane == 0) {
+      if (kCoherent) cuda::bulk::fence_async_global();  // the bulk loads see what was announced
+      pipe.copy(src, dst, nd, bytes);
+    }
+    __syncwarp();
+#endif
+  }
+  __device__ void drain(int lane) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    if (lane == 0) pipe.drain();
+    __syncwarp();
+#endif
+  }
+};
+
+// The dispatch after the count exchange (one kernel, two roles). Home
+// (place_token): x[t] read once and stored into each own kept slot's row and
+// once into the stage of every peer holding a kept slot of t; every rank
+// learns (inv) where t's slots are on it, the holders get the slots' probs /
+// row_src / row_k; then t is announced to every peer. Holder: once (s, t) is
+// announced, the staged row is copied into the rows of t's slots here.
+template <class Mover, int NW>
+__global__ void __launch_bounds__(NW * 32)
+    dispatch_kernel(Window win, Offsets o, int P, int batch, const uint8_t* x,
+                    int64_t x_stride_bytes, int64_t T, HomeArgs a) {
+  extern __shared__ __align__(128) uint8_t dyn_smem[];
+  __shared__ uint8_t* dests[NW][kMaxDest];
   const int lane = threadIdx.x % 32, wib = threadIdx.x / 32;
   uint8_t** my = dests[wib];
-  TmaPipe pipe;
-  if (lane == 0)
-    pipe.init(tma_smem + size_t(wib) * 2 * kTmaChunk,
-              reinterpret_cast<uint64_t*>(tma_smem + size_t(kTmaWarps) * 2 * kTmaChunk) + 2 * wib);
-  __syncwarp();
-  const Roles<kTmaWarps> ro(P);
+  Mover mover;
+  mover.init(dyn_smem, wib, lane);
+  const Roles<NW> ro(P);
+  const int K = a.K, W = a.W, me = a.me;
+  const int64_t tmax = a.tmax, row_bytes = a.row_bytes;
   const int32_t epoch = *reinterpret_cast<const int32_t*>(win.local + o.epoch);
   if (ro.home) {
     Pending pend;
     const unsigned peers = ((1u << W) - 1u) & ~(1u << me);
     for (int64_t t = ro.warp; t < T; t += ro.warps) {
-      int q = -1;
-      int64_t row = -1;
-      if (lane < K) {
-        const int g = ids[t * K + lane];
-        if (g >= 0 && g < E) {
-          const int64_t rk = local_dest[t * K + lane] - local_offsets[g];
-          if (rk >= 0 && rk < fit[g]) {
-            row = first_row[g] + rk;
-            q = g / L;
-          }
-        }
-        dest_rank[t * K + lane] = q;
-        dest_row[t * K + lane] = row;
-        if (row >= 0) {
-          *static_cast<float*>(win.at(o.probs + row * sizeof(float), q)) =
-              probs ? probs[t * K + lane] : 0.0f;
-          *static_cast<int32_t*>(win.at(o.row_src + row * sizeof(int32_t), q)) =
-              static_cast<int32_t>(me * tmax + t);
-          *static_cast<int32_t*>(win.at(o.row_k + row * sizeof(int32_t), q)) = lane;
-        }
-        for (int p = 0; p < W; ++p)
-          *static_cast<int32_t*>(
-              win.at(o.inv + ((size_t(me) * tmax + t) * K + lane) * sizeof(int32_t), p)) =
-              q == p ? static_cast<int32_t>(row) : -1;
-      }
-      const unsigned own = __ballot_sync(kFull, row >= 0 && q == me);
-      if ((own >> lane) & 1u) my[__popc(own & ((1u << lane) - 1u))] = win.local + o.x + row * row_bytes;
-      int nd = __popc(own);
-      for (int p = 0; p < W; ++p) {
-        if (p == me || !__ballot_sync(kFull, row >= 0 && q == p)) continue;
-        if (lane == 0)
-          my[nd] = static_cast<uint8_t*>(win.at(o.stage + (size_t(me) * tmax + t) * row_bytes, p));
-        ++nd;
-      }
+      const int nd = place_token(win, o, a, t, lane, my);
       __syncwarp();
-      if (lane == 0) pipe.copy(x + t * x_stride_bytes, my, nd, row_bytes);
-      __syncwarp();
+      mover.template copy<false>(x + t * x_stride_bytes, my, nd, row_bytes, lane);
+      __syncwarp();  // the list is rewritten for the next token
       pend.add(size_t(me) * tmax + t, peers, lane);
       if (pend.n == batch) {
-        if (lane == 0) pipe.drain();
-        __syncwarp();
+        mover.drain(lane);
         pend.flush(win, o.flag, epoch, lane);
       }
     }
-    if (lane == 0) pipe.drain();
-    __syncwarp();
+    mover.drain(lane);
     pend.flush(win, o.flag, epoch, lane);
     return;
   }
@@ -619,21 +599,14 @@ __global__ void __launch_bounds__(kTmaWarps * 32)
   const uint8_t* stage = win.local + o.stage;
   for_tokens(ro, ntok, W, me, false, [&](int s, int64_t t) {
     const size_t st = size_t(s) * tmax + t;
-    if (lane == 0) {
-      spin_flag(flag + st, epoch);
-      cuda::bulk::fence_async_global();  // the bulk loads below see what the flag announced
-    }
-    __syncwarp();
+    warp_wait_flag(flag + st, epoch, lane);
     const int64_t row = lane < K ? __ldcg(inv + st * K + lane) : -1;
-    const unsigned mine = __ballot_sync(kFull, row >= 0);
-    if (!mine) return;
-    if (row >= 0) my[__popc(mine & ((1u << lane) - 1u))] = win.local + o.x + row * row_bytes;
-    __syncwarp();
-    if (lane == 0) pipe.copy(stage + st * row_bytes, my, __popc(mine), row_bytes);
+    const int n = list_rows(my, row, win.local + o.x, row_bytes, lane);
+    if (n == 0) return;
+    mover.template copy<true>(stage + st * row_bytes, my, n, row_bytes, lane);
     __syncwarp();
   });
-  if (lane == 0) pipe.drain();
-#endif
+  mover.drain(lane);
 }
 
 // Lanes i < n prefetch step `step` (packs [step*per, (step+1)*per) of N
@@ -813,10 +786,10 @@ __global__ void __launch_bounds__(kBwdWarps * 32)
                        const T* y, int64_t y_stride, T* grad_y, int64_t g_stride, int64_t H,
                        int64_t Tn, int K, int W, int me, int64_t tmax, const int32_t* dest_rank,
                        const int64_t* dest_row, const float* weights) {
-  __shared__ uint4* dests[kBwdWarps][kMaxDest];
+  __shared__ uint8_t* dests[kBwdWarps][kMaxDest];
   __shared__ SlotList lists[kBwdWarps];
   const int lane = threadIdx.x % 32;
-  uint4** my = dests[threadIdx.x / 32];
+  uint8_t** my = dests[threadIdx.x / 32];
   SlotList& l = lists[threadIdx.x / 32];
   const Roles<kBwdWarps> ro(P);
   const int32_t epoch = *reinterpret_cast<const int32_t*>(win.local + o.epoch);
@@ -833,7 +806,7 @@ __global__ void __launch_bounds__(kBwdWarps * 32)
       for (int p = 0; p < W; ++p) {
         if (p == me || !__ballot_sync(kFull, q == p)) continue;
         if (lane == 0)
-          my[nd] = static_cast<uint4*>(win.at(o.stage + (size_t(me) * tmax + t) * row_bytes, p));
+          my[nd] = static_cast<uint8_t*>(win.at(o.stage + (size_t(me) * tmax + t) * row_bytes, p));
         ++nd;
         peers |= 1u << p;
       }
