@@ -6,10 +6,10 @@
 // turns it into kOutCols output columns per 256-column tile, 8 per fragment
 // column j_out, two at a time:
 //
-//   float2 value(acc, j_out, half, out_col, row) -> outputs (out_col, out_col+1)
+//   float2 value(acc, j_out, half, out_col, tile) -> outputs (out_col, out_col+1)
 //
-// out_col is the global output column, `row` the per-row state made by
-// row_state() once per tile (e.g. the router probability of the row). Rows
+// out_col is the global output column, `t` the tile state that load_tile()
+// read when the tile started (e.g. the bias and the rows' probabilities). Rows
 // past a group's data rows get zeros without calling the functor. With
 // save_raw() the kernel also stores the tile's pre-activation values
 // (raw_value(), 256 columns) to a second output at raw_col().
@@ -24,21 +24,25 @@ namespace moeflow::cuda::gemm::sm90tma {
 struct EpiIdentity {
   static constexpr int kOutCols = 256;
   static constexpr bool kSplitB = false;  // B tile from one 256-row box
-  struct Row {};
-  __device__ __forceinline__ Row row_state(int, int64_t, bool) const { return {}; }
-  // Accumulator start values of a tile (the bias of a fused epilogue).
-  __device__ __forceinline__ void init(float (&acc)[128], int, int, int) const {
-#pragma unroll
-    for (int i = 0; i < 128; ++i) acc[i] = 0.0f;
+  // What a tile's epilogue needs from global memory, loaded when the tile
+  // starts so that the loads' latency hides behind its main loop.
+  struct Tile {};
+  static constexpr int kBiasSmem = 0;  // shared-memory bytes per warpgroup for the bias
+  __device__ __forceinline__ Tile load_tile(int, int, int, int, int64_t, int, int) const {
+    return {};
   }
-  __device__ __forceinline__ void finish(float (&)[128], int, int, int) const {}
+  __device__ __forceinline__ bool has_bias() const {
+    return false;
+  }
+  __device__ __forceinline__ void stage_bias(uint32_t*, const Tile&, int) const {}
+  __device__ __forceinline__ void finish(float (&)[128], const uint32_t*, int) const {}
   struct Only {};
   template <typename F>
   __device__ __forceinline__ void dispatch(F&& f) const {
     f(Only{});
   }
   __device__ __forceinline__ float2 value(Only, const float (&acc)[128], int j, int half, int64_t,
-                                          int, const Row&) const {
+                                          int, const Tile&) const {
     return make_float2(acc[4 * j + 2 * half], acc[4 * j + 2 * half + 1]);
   }
   __device__ __forceinline__ bool save_raw() const {
@@ -46,7 +50,7 @@ struct EpiIdentity {
   }
   __device__ __forceinline__ float2 raw_value(const float (&acc)[128], int j, int half, int64_t,
                                               int) const {
-    return value(Only{}, acc, j, half, 0, 0, Row{});
+    return value(Only{}, acc, j, half, 0, 0, Tile{});
   }
   __device__ __forceinline__ int raw_col(int, int) const {
     return 0;
@@ -81,12 +85,6 @@ struct EpiMlpFc1 {
   const float* probs = nullptr;  // [rows] float32, or null
   TOut* raw = nullptr;           // [rows, N1] pre-activation (with bias) output, or null
 
-  struct Row {
-    float prob;
-  };
-  __device__ __forceinline__ Row row_state(int, int64_t row, bool data) const {
-    return Row{probs != nullptr && data ? probs[row] : 1.0f};
-  }
   // Weight row (= FC1 output column) of the gate / up of activation column c.
   __device__ __forceinline__ int64_t gate_row(int64_t c) const {
     if (!GATED) return c;
@@ -108,26 +106,78 @@ struct EpiMlpFc1 {
       return c;
     }
   }
-  __device__ __forceinline__ void init(float (&acc)[128], int, int, int) const {
-#pragma unroll
-    for (int i = 0; i < 128; ++i) acc[i] = 0.0f;
+  // Per tile and thread: the probabilities of its two rows and one column
+  // pair of the tile's bias, loaded when the tile starts so that the loads'
+  // latency hides behind the main loop. After the main loop the warpgroup
+  // puts the 128 pairs into shared memory (stage_bias), laid out so that each
+  // thread reads the 32 pairs it adds (columns 8j + 2(lane%4) + {0,1}) as
+  // eight 16-byte loads: pair (q = lane%4, j) at word q*36 + j (the padding
+  // keeps the four q rows on different banks). Read straight from global
+  // memory, the 32 loads per thread ran one after another (the accumulators
+  // leave no registers to batch them) and cost up to 14 % on small-K shapes.
+  struct Tile {
+    float prob[2];
+    uint32_t bias_pair;
+  };
+  static constexpr int kBiasSmem = 4 * 36 * 4;
+  __device__ __forceinline__ bool has_bias() const {
+    return bias != nullptr;
+  }
+  __device__ __forceinline__ int64_t n1() const {
+    return GATED ? 2 * f : f;
+  }
+  // wg_row0: the global row of the warpgroup's first row; rl: the thread's
+  // first row in it; data_rows: rows of the warpgroup's 64 that hold data.
+  // With an even row length (always when gated) a column pair is one aligned
+  // 4-byte load (the host checks the bias's alignment), otherwise two 2-byte loads.
+  __device__ __forceinline__ Tile load_tile(int group, int n0, int tid, int, int64_t wg_row0,
+                                            int rl, int data_rows) const {
+    Tile t;
+    t.prob[0] = probs != nullptr && rl < data_rows ? probs[wg_row0 + rl] : 1.0f;
+    t.prob[1] = probs != nullptr && rl + 8 < data_rows ? probs[wg_row0 + rl + 8] : 1.0f;
+    t.bias_pair = 0;
+    if (bias == nullptr) return t;
+    const TOut* b = bias + int64_t{group} * n1();
+    bool ok0, ok1;
+    const int64_t c = n1_col(n0 / 256, 2 * tid, ok0);
+    n1_col(n0 / 256, 2 * tid + 1, ok1);
+    Pack<TOut, 2> p;
+    if (ok1 && (GATED || f % 2 == 0)) {
+      p = *reinterpret_cast<const Pack<TOut, 2>*>(b + c);
+    } else {
+      p.v[0] = ok0 ? b[c] : from_float<TOut>(0.0f);
+      p.v[1] = ok1 ? b[c + 1] : from_float<TOut>(0.0f);
+    }
+    t.bias_pair = *reinterpret_cast<const uint32_t*>(&p);
+    return t;
+  }
+  // Thread tid holds tile columns 2 tid, 2 tid + 1: pair (q = tid % 4, j = tid / 4).
+  __device__ __forceinline__ void stage_bias(uint32_t* sb, const Tile& t, int tid) const {
+    sb[(tid % 4) * 36 + tid / 4] = t.bias_pair;
   }
   // The bias is added to the accumulators once the tile's last wgmma has
   // completed (as a start value it would serialise the wgmma pipeline: ptxas
   // C7515), so raw = acc is the pre-activation FC1 output.
-  __device__ __forceinline__ void finish(float (&acc)[128], int group, int n0, int lane) const {
+  __device__ __forceinline__ void finish(float (&acc)[128], const uint32_t* sb, int lane) const {
     if (bias == nullptr) return;
-    const TOut* b = bias + int64_t{group} * (GATED ? 2 * f : f);
+    const uint4* row = reinterpret_cast<const uint4*>(sb + (lane % 4) * 36);
 #pragma unroll
-    for (int j = 0; j < 32; ++j)
+    for (int i = 0; i < 8; ++i) {
+      const uint4 w = row[i];
+      const uint32_t words[4] = {w.x, w.y, w.z, w.w};
 #pragma unroll
-      for (int e = 0; e < 2; ++e) {
-        bool ok;
-        const int64_t c = n1_col(n0 / 256, 8 * j + 2 * (lane % 4) + e, ok);
-        const float v = ok ? to_float(b[c]) : 0.0f;
-        acc[4 * j + e] += v;
-        acc[4 * j + 2 + e] += v;
+      for (int k = 0; k < 4; ++k) {
+        Pack<TOut, 2> p;
+        *reinterpret_cast<uint32_t*>(&p) = words[k];
+        const int j = 4 * i + k;
+#pragma unroll
+        for (int e = 0; e < 2; ++e) {
+          const float v = to_float(p.v[e]);
+          acc[4 * j + e] += v;
+          acc[4 * j + 2 + e] += v;
+        }
       }
+    }
   }
   // Tile fragment column of the gate of output fragment column j (0..15) for
   // interleave blocks of IL fragments: a constant once j is.
@@ -184,15 +234,15 @@ struct EpiMlpFc1 {
   }
   template <Activation A>
   __device__ __forceinline__ float2 value(Act<A>, const float (&acc)[128], int j, int half,
-                                          int64_t col, int group, const Row& r) const {
+                                          int64_t col, int group, const Tile& t) const {
     float out[2];
 #pragma unroll
     for (int e = 0; e < 2; ++e) {
       if constexpr (GATED)
         out[e] = act_forward(A, pick(acc, j, 2 * half + e, 0), pick(acc, j, 2 * half + e, 1), ap) *
-                 r.prob;
+                 t.prob[half];
       else
-        out[e] = act_forward(A, acc[4 * j + 2 * half + e], 0.0f, ap) * r.prob;
+        out[e] = act_forward(A, acc[4 * j + 2 * half + e], 0.0f, ap) * t.prob[half];
     }
     return make_float2(out[0], out[1]);
   }

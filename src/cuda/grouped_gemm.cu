@@ -186,8 +186,8 @@ bool launch_tma(const Params& p, cudaStream_t stream, const Epi& epi = {}) {
   const int want_stages = g_tune_stages.load(), want_bufs = g_tune_bufs.load();
   int stages = want_stages > 0 ? std::min(want_stages, t::kMaxStages) : t::kMaxStages;
   const int bufs = want_bufs > 0 ? std::clamp(want_bufs, 2, t::kMaxBufs) : 2;
-  while (stages > 2 && t::Smem::bytes(stages, bufs, p.num_groups) > limit) --stages;
-  const size_t smem = t::Smem::bytes(stages, bufs, p.num_groups);
+  while (stages > 2 && t::Smem::bytes(stages, bufs, p.num_groups, Epi::kBiasSmem) > limit) --stages;
+  const size_t smem = t::Smem::bytes(stages, bufs, p.num_groups, Epi::kBiasSmem);
   if (smem > limit) return false;
   MOEFLOW_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                           static_cast<int>(smem)));
@@ -386,6 +386,7 @@ bool mlp_fc1_fusable(const MlpFc1Call& c) {
   if (is_gated(c.act) && il == 0 && c.ffn % 64 != 0) return false;
   if (is_gated(c.act) && il != 0 && (il % 8 != 0 || 256 % (2 * il) != 0 || n1 % (2 * il) != 0))
     return false;
+  if (c.bias1.defined() && addr_of(c.bias1.data) % 4 != 0) return false;
   return c.rows < (int64_t{1} << 31) && c.num_groups * n1 < (int64_t{1} << 31);
 }
 
@@ -407,6 +408,8 @@ void mlp_fc1_forward(const MlpFc1Call& c, cudaStream_t stream) {
   Params p = base_params(c.groups, c.num_groups, c.rows, c.x, "x");
   check_rows16(c.out, "out");
   MOEFLOW_CHECK(addr_of(c.w1.data) % 16 == 0, "w1 must be 16-byte aligned");
+  MOEFLOW_CHECK(!c.bias1.defined() || addr_of(c.bias1.data) % 4 == 0,
+                "fused FC1: bias1 must be 4-byte aligned");
   p.b = c.w1.data;
   p.b_group_stride = n1 * c.hidden;
   p.ldb = c.hidden;

@@ -49,10 +49,12 @@ constexpr int kChunkBytes = 64 * 128;  // one staging buffer: 64 rows x 128 byte
 constexpr int kMaxBufs = 5;            // staging buffers per consumer warpgroup: 2..5
 
 struct Smem {
-  // stages (1024-aligned) | staging (2 x bufs chunks) | full[] | empty[] | go |
+  // stages (1024-aligned) | staging (2 x bufs chunks) | bias (2 x Epi::kBiasSmem) |
+  // full[] | empty[] | go |
   // zeroed[] | claim[] + broadcast[2] | tile_start[E+1]
-  static size_t bytes(int stages, int bufs, int num_groups) {
+  static size_t bytes(int stages, int bufs, int num_groups, int bias_smem) {
     return 1024 + size_t(stages) * kStageBytes + size_t(2 * bufs) * kChunkBytes +
+           size_t(2 * bias_smem) +
            (3 * kMaxStages + 1) * 8 + (kMaxStages + 2) * 4 + size_t(num_groups + 1) * 4;
   }
 };
@@ -163,7 +165,9 @@ __global__ void __launch_bounds__(kThreads, 1)
   uint8_t* smem =
       reinterpret_cast<uint8_t*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t{1023});
   uint8_t* staging = smem + stages * kStageBytes;  // 1024-aligned
-  uint64_t* full = reinterpret_cast<uint64_t*>(staging + 2 * bufs * kChunkBytes);
+  uint32_t* bias_smem = reinterpret_cast<uint32_t*>(staging + 2 * bufs * kChunkBytes);
+  uint64_t* full = reinterpret_cast<uint64_t*>(staging + 2 * bufs * kChunkBytes +
+                                               2 * Epi::kBiasSmem);
   uint64_t* empty = full + kMaxStages;
   uint64_t* go = empty + kMaxStages;  // consumer 1 starts after consumer 0's first slices
   // wgrad: the weight rows of a group's last slice are zeroed past its end by
@@ -223,6 +227,8 @@ __global__ void __launch_bounds__(kThreads, 1)
         }
       }
       uint32_t it = 0;
+      int ps = 0;           // stage of slice `it`
+      uint32_t pphase = 0;  // its phase (flips each time the stages wrap)
       Loads cur{};
       if (static_cast<int32_t>(blockIdx.x) < num_tiles) cur = loads_of(blockIdx.x);
       for (int32_t tile = blockIdx.x; tile < num_tiles; tile += gridDim.x) {
@@ -232,8 +238,12 @@ __global__ void __launch_bounds__(kThreads, 1)
         Loads nxt{};
         bool have_next = false;
         for (int kt = 0; kt < cur.k_tiles; ++kt, ++it) {
-          const int s = it % stages;
-          mbar_wait(&empty[s], ((it / stages) & 1) ^ 1);
+          const int s = ps;
+          mbar_wait(&empty[s], pphase ^ 1);
+          if (++ps == stages) {
+            ps = 0;
+            pphase ^= 1;
+          }
           uint8_t* stage = smem + s * kStageBytes;
           mbar_expect_tx(&full[s], kStageBytes);
           if constexpr (MODE == 2) {  // rows of dC and A: MN-major boxes
@@ -296,7 +306,10 @@ __global__ void __launch_bounds__(kThreads, 1)
       w.data_rows = static_cast<int>(min(int64_t{kTileM}, max(int64_t{0}, tg.data_rows)));
       return w;
     };
-    uint32_t it = 0, chunk_no = 0, zero_phase = 0;
+    uint32_t it = 0, zero_phase = 0;
+    int cs = 0, prev_s = 0, buf_i = 0;  // stage of slice `it`, of slice it-1; staging buffer
+    uint32_t cphase = 0;                // phase of stage cs
+    uint32_t* my_bias = bias_smem + c * (Epi::kBiasSmem / 4);
     // Stagger: consumer 1 starts `stagger` K slices after consumer 0, so the
     // two warpgroups reach their epilogues at different times and one keeps
     // the tensor cores busy while the other stores (the stages are shared:
@@ -308,11 +321,18 @@ __global__ void __launch_bounds__(kThreads, 1)
     for (int32_t tile = blockIdx.x; tile < num_tiles; tile += gridDim.x) {
       const int32_t next = tile + gridDim.x;
       float acc[128];
-      epi.init(acc, tw.group, tw.n0, lane);
+#pragma unroll
+      for (int i = 0; i < 128; ++i) acc[i] = 0.0f;
       sm90::fence_operands(acc);  // start values in place before the first wgmma
+      // The epilogue's loads (probabilities, bias) are issued now: their
+      // latency hides behind the main loop.
+      const int rl0 = warp * 16 + lane / 4;  // the thread's first row in the warpgroup's 64
+      const typename Epi::Tile ts =
+          epi.load_tile(tw.group, tw.n0, tid, lane, int64_t{tw.m0} + c * 64, rl0,
+                        max(0, min(64, tw.data_rows - c * 64)));
       for (int kt = 0; kt < tw.k_tiles; ++kt, ++it) {
-        const int s = it % stages;
-        mbar_wait(&full[s], (it / stages) & 1);
+        const int s = cs;
+        mbar_wait(&full[s], cphase);
         if constexpr (MODE == 2) {
           if (kt == tw.k_tiles - 1 && tw.last_rows < kTileK) {
             // The group's last slice: zero the rows past its end. Each
@@ -362,7 +382,12 @@ __global__ void __launch_bounds__(kThreads, 1)
         sm90::wgmma_wait<1>();
         sm90::fence_operands(acc);
         // NOTE: the group of slice it-1 is complete: its stage is free again.
-        if (kt > 0 && tid == 0) mbar_arrive(&empty[(it - 1) % stages]);
+        if (kt > 0 && tid == 0) mbar_arrive(&empty[prev_s]);
+        prev_s = s;
+        if (++cs == stages) {
+          cs = 0;
+          cphase ^= 1;
+        }
         if (!go_sent && static_cast<int>(it) + 1 >= stagger) {
           if (tid == 0) mbar_arrive(go);
           go_sent = true;
@@ -370,8 +395,13 @@ __global__ void __launch_bounds__(kThreads, 1)
       }
       sm90::wgmma_wait<0>();
       sm90::fence_operands(acc);
-      if (tw.k_tiles > 0 && tid == 0) mbar_arrive(&empty[(it - 1) % stages]);
-      epi.finish(acc, tw.group, tw.n0, lane);  // e.g. + bias
+      if (tw.k_tiles > 0 && tid == 0) mbar_arrive(&empty[prev_s]);
+      if (epi.has_bias()) {  // uniform
+        named_barrier(2 + c, 128);  // the previous tile's reads of my_bias are done
+        epi.stage_bias(my_bias, ts, tid);
+        named_barrier(2 + c, 128);
+      }
+      epi.finish(acc, my_bias, lane);  // e.g. + bias
       // The next tile's geometry: its loads run while this epilogue does.
       Work nw{};
       if (next < num_tiles) nw = work_of(next);
@@ -390,11 +420,6 @@ __global__ void __launch_bounds__(kThreads, 1)
                 : static_cast<TOut*>(p.c);
         constexpr int kCw = 128 / static_cast<int>(sizeof(TOut));  // columns per chunk
         constexpr int kVec = 16 / static_cast<int>(sizeof(TOut));  // elements per 16-byte piece
-        // Per-row state of the thread's two rows (e.g. router probabilities).
-        const int rl0 = warp * 16 + lane / 4;
-        const typename Epi::Row row_st[2] = {
-            epi.row_state(tw.group, wg_row0 + rl0, rl0 < data_rows),
-            epi.row_state(tw.group, wg_row0 + rl0 + 8, rl0 + 8 < data_rows)};
         // One 64-row x 128-byte chunk: value(jj, half, col) gives the two
         // outputs of fragment column jj (0..kCw/8-1) at output column col.
         auto emit = [&](const auto& value, const CUtensorMap* map, TOut* base, int64_t ld, int col0,
@@ -402,7 +427,8 @@ __global__ void __launch_bounds__(kThreads, 1)
           if (col0 >= col_lim) return;
           if (tid == 0) bulk_wait_read(bufs - 1);  // the store that last read this buffer is done
           named_barrier(2 + c, 128);
-          uint8_t* buf = my_staging + (chunk_no++ % bufs) * kChunkBytes;
+          uint8_t* buf = my_staging + buf_i * kChunkBytes;
+          if (++buf_i == bufs) buf_i = 0;
 #pragma unroll
           for (int jj = 0; jj < kCw / 8; ++jj) {
 #pragma unroll
@@ -475,8 +501,7 @@ __global__ void __launch_bounds__(kThreads, 1)
           for (int q = 0; q < Epi::kOutCols / kCw; ++q) {
             emit(
                 [&](int jj, int half, int64_t col) {
-                  return epi.value(variant, acc, q * (kCw / 8) + jj, half, col, tw.group,
-                                   row_st[half]);
+                  return epi.value(variant, acc, q * (kCw / 8) + jj, half, col, tw.group, ts);
                 },
                 &map_c, out, p.ldc, tile_n * Epi::kOutCols + q * kCw, out_cols);
           }
