@@ -24,6 +24,10 @@ namespace moeflow::cuda::gemm::sm90tma {
 struct EpiIdentity {
   static constexpr int kOutCols = 256;
   static constexpr bool kSplitB = false;  // B tile from one 256-row box
+  // Helper mode: the consumer warpgroups stage the accumulators (as raw
+  // values) and the producer warpgroup's spare warps apply the activation
+  // and store (grouped_gemm_sm90_tma.cuh).
+  static constexpr bool kHelperAct = false;
   // What a tile's epilogue needs from global memory, loaded when the tile
   // starts so that the loads' latency hides behind its main loop.
   struct Tile {};
@@ -77,6 +81,9 @@ struct EpiMlpFc1 {
   static constexpr bool halves = KIND == kHalves;
   static constexpr int kOutCols = GATED ? 128 : 256;
   static constexpr bool kSplitB = halves;  // gate and up rows loaded as two 128-row boxes
+  // Halves and plain: activation chunk q is computed in place over the staged
+  // pre-activation chunk q (with its up chunk q + 2), by the helper warps.
+  static constexpr bool kHelperAct = KIND != kInterleaved;
   Activation act = Activation::kSwiGLU;
   ActivationParams ap;
   int64_t f = 0;                 // F: activation columns (the gated FC1 has 2F rows)
@@ -245,6 +252,14 @@ struct EpiMlpFc1 {
         out[e] = act_forward(A, acc[4 * j + 2 * half + e], 0.0f, ap) * t.prob[half];
     }
     return make_float2(out[0], out[1]);
+  }
+  // Helper mode: one output from the staged (rounded) pre-activation values.
+  template <Activation A>
+  __device__ __forceinline__ float act_value(Act<A>, float g, float u, float prob) const {
+    return act_forward(A, g, u, ap) * prob;
+  }
+  __device__ __forceinline__ float row_prob(int64_t row) const {
+    return probs != nullptr ? probs[row] : 1.0f;
   }
   __device__ __forceinline__ bool save_raw() const {
     return raw != nullptr;

@@ -185,7 +185,8 @@ bool launch_tma(const Params& p, cudaStream_t stream, const Epi& epi = {}) {
   // leaves no room.
   const int want_stages = g_tune_stages.load(), want_bufs = g_tune_bufs.load();
   int stages = want_stages > 0 ? std::min(want_stages, t::kMaxStages) : t::kMaxStages;
-  const int bufs = want_bufs > 0 ? std::clamp(want_bufs, 2, t::kMaxBufs) : 2;
+  // Helper mode stages all four 64-column chunks of a warpgroup's tile at once.
+  const int bufs = Epi::kHelperAct ? 4 : want_bufs > 0 ? std::clamp(want_bufs, 2, t::kMaxBufs) : 2;
   while (stages > 2 && t::Smem::bytes(stages, bufs, p.num_groups, Epi::kBiasSmem) > limit) --stages;
   const size_t smem = t::Smem::bytes(stages, bufs, p.num_groups, Epi::kBiasSmem);
   if (smem > limit) return false;

@@ -48,13 +48,29 @@ constexpr int kStageBytes = kStageBytesA + kStageBytesB;
 constexpr int kChunkBytes = 64 * 128;  // one staging buffer: 64 rows x 128 bytes
 constexpr int kMaxBufs = 5;            // staging buffers per consumer warpgroup: 2..5
 
+// Helper mode (Epi::kHelperAct): what a consumer warpgroup tells the helper
+// warps about the chunks it staged, and the two barriers per warpgroup.
+struct HelperInfo {
+  int64_t wg_row0;  // global row of the warpgroup's first row
+  int wg_rows;      // rows to store (0..64)
+  int data_rows;    // rows holding data (the rest are pad rows)
+  int tile_n;       // 256-column tile index
+  int tma;          // stored by the TMA (else masked 16-byte copies)
+  int pad[2];
+};
+struct HelperBlock {
+  HelperInfo info[2];
+  uint64_t staged[2];  // consumer c staged its chunks (count 1)
+  uint64_t freed[2];   // the helpers are done with consumer c's chunks (count 1)
+};
+
 struct Smem {
   // stages (1024-aligned) | staging (2 x bufs chunks) | bias (2 x Epi::kBiasSmem) |
   // full[] | empty[] | go |
   // zeroed[] | claim[] + broadcast[2] | tile_start[E+1]
   static size_t bytes(int stages, int bufs, int num_groups, int bias_smem) {
     return 1024 + size_t(stages) * kStageBytes + size_t(2 * bufs) * kChunkBytes +
-           size_t(2 * bias_smem) +
+           size_t(2 * bias_smem) + sizeof(HelperBlock) +
            (3 * kMaxStages + 1) * 8 + (kMaxStages + 2) * 4 + size_t(num_groups + 1) * 4;
   }
 };
@@ -166,8 +182,9 @@ __global__ void __launch_bounds__(kThreads, 1)
       reinterpret_cast<uint8_t*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t{1023});
   uint8_t* staging = smem + stages * kStageBytes;  // 1024-aligned
   uint32_t* bias_smem = reinterpret_cast<uint32_t*>(staging + 2 * bufs * kChunkBytes);
-  uint64_t* full = reinterpret_cast<uint64_t*>(staging + 2 * bufs * kChunkBytes +
-                                               2 * Epi::kBiasSmem);
+  HelperBlock* hb =
+      reinterpret_cast<HelperBlock*>(staging + 2 * bufs * kChunkBytes + 2 * Epi::kBiasSmem);
+  uint64_t* full = reinterpret_cast<uint64_t*>(hb + 1);
   uint64_t* empty = full + kMaxStages;
   uint64_t* go = empty + kMaxStages;  // consumer 1 starts after consumer 0's first slices
   // wgrad: the weight rows of a group's last slice are zeroed past its end by
@@ -182,6 +199,10 @@ __global__ void __launch_bounds__(kThreads, 1)
       mbar_init(&empty[s], 2);  // one arrive per consumer warpgroup
     }
     mbar_init(go, 1);
+    for (int i = 0; i < 2; ++i) {
+      mbar_init(&hb->staged[i], 1);
+      mbar_init(&hb->freed[i], 1);
+    }
     for (int s = 0; s < kMaxStages; ++s) {
       mbar_init(&zeroed[s], 1);
       claim[s] = 0;
@@ -279,6 +300,100 @@ __global__ void __launch_bounds__(kThreads, 1)
         if (!have_next && next < num_tiles) nxt = loads_of(next);
         cur = nxt;
       }
+    } else if constexpr (Epi::kHelperAct) {
+      // Helper warps 1-3: for each tile and consumer warpgroup in order, store
+      // the staged pre-activation chunks, apply the activation in place over
+      // them and store the activation chunks, then hand the buffers back.
+      if (threadIdx.x >= 32) {
+        const int htid = threadIdx.x - 32;  // 0..95
+        constexpr int kHelpers = 96;
+        constexpr int kCw = 128 / static_cast<int>(sizeof(TOut));
+        constexpr int kVec = 16 / static_cast<int>(sizeof(TOut));
+        constexpr int kActChunks = Epi::kOutCols / kCw;
+        const int64_t out_cols = p.n_store > 0 ? p.n_store : p.n_out;
+        uint32_t phase = 0;
+        // Masked copy of staged chunk `buf` to columns [col0, col0 + kCw) of
+        // rows [row0, row0 + rows) of `base` (row length ld, columns < lim).
+        auto copy_out = [&](const uint8_t* buf, TOut* base, int64_t ld, int64_t row0, int rows,
+                            int64_t col0, int64_t lim) {
+          for (int i = htid; i < 64 * 8; i += kHelpers) {
+            const int r = i / 8, piece = i % 8;
+            const int64_t col = col0 + piece * kVec;
+            if (r >= rows || col >= lim) continue;
+            *reinterpret_cast<Pack<TOut, kVec>*>(base + (row0 + r) * ld + col) =
+                *reinterpret_cast<const Pack<TOut, kVec>*>(buf + r * 128 +
+                                                           ((piece ^ (r & 7)) << 4));
+          }
+        };
+        for (int32_t tile = blockIdx.x; tile < num_tiles; tile += gridDim.x) {
+          for (int cw = 0; cw < 2; ++cw) {
+            mbar_wait(&hb->staged[cw], (phase >> cw) & 1);
+            phase ^= 1u << cw;
+            const HelperInfo inf = hb->info[cw];
+            uint8_t* st = staging + cw * bufs * kChunkBytes;
+            if (inf.wg_rows > 0) {
+              if (epi.save_raw()) {
+                for (int q = 0; q < kTileN / kCw; ++q) {
+                  const int64_t col0 = epi.raw_col(inf.tile_n, q);
+                  const int64_t lim = (Epi::kSplitB && q < 2) ? p.n_out / 2 : p.n_out;
+                  if (col0 >= lim) continue;
+                  if (inf.tma) {
+                    if (htid == 0)
+                      tma_store_2d(&map_raw, st + q * kChunkBytes, static_cast<int>(col0),
+                                   static_cast<int>(inf.wg_row0));
+                  } else {
+                    copy_out(st + q * kChunkBytes, static_cast<TOut*>(epi.raw_ptr()), p.n_out,
+                             inf.wg_row0, inf.wg_rows, col0, lim);
+                  }
+                }
+                if (inf.tma && htid == 0) {
+                  bulk_commit();
+                  bulk_wait_read(0);  // the chunks are rewritten in place next
+                }
+              }
+              named_barrier(1, kHelpers);
+              epi.dispatch([&](auto variant) {
+                for (int i = htid; i < kActChunks * 64 * 8; i += kHelpers) {
+                  const int q = i / 512, r = (i / 8) % 64, piece = i % 8;
+                  uint8_t* gp = st + q * kChunkBytes + r * 128 + ((piece ^ (r & 7)) << 4);
+                  const Pack<TOut, kVec> g = *reinterpret_cast<const Pack<TOut, kVec>*>(gp);
+                  Pack<TOut, kVec> u{};
+                  if constexpr (Epi::GATED)
+                    u = *reinterpret_cast<const Pack<TOut, kVec>*>(gp + 2 * kChunkBytes);
+                  const float prob = r < inf.data_rows ? epi.row_prob(inf.wg_row0 + r) : 0.0f;
+                  Pack<TOut, kVec> o;
+#pragma unroll
+                  for (int e = 0; e < kVec; ++e)
+                    o.v[e] = from_float<TOut>(epi.act_value(
+                        variant, to_float(g.v[e]), Epi::GATED ? to_float(u.v[e]) : 0.0f, prob));
+                  *reinterpret_cast<Pack<TOut, kVec>*>(gp) = o;
+                }
+              });
+              if (inf.tma) sm90::fence_proxy_async();
+              named_barrier(1, kHelpers);
+              for (int q = 0; q < kActChunks; ++q) {
+                const int64_t col0 = int64_t{inf.tile_n} * Epi::kOutCols + q * kCw;
+                if (col0 >= out_cols) continue;
+                if (inf.tma) {
+                  if (htid == 0)
+                    tma_store_2d(&map_c, st + q * kChunkBytes, static_cast<int>(col0),
+                                 static_cast<int>(inf.wg_row0));
+                } else {
+                  copy_out(st + q * kChunkBytes, static_cast<TOut*>(p.c), p.ldc, inf.wg_row0,
+                           inf.wg_rows, col0, out_cols);
+                }
+              }
+              if (inf.tma && htid == 0) {
+                bulk_commit();
+                bulk_wait_read(0);  // the consumer may rewrite the chunks once freed
+              }
+              named_barrier(1, kHelpers);  // every helper's reads of the chunks are done
+            }
+            if (htid == 0) mbar_arrive(&hb->freed[cw]);
+          }
+        }
+        if (htid == 0) bulk_wait_all();
+      }
     }
   } else {
     // Consumers: warpgroup c = wg - 1 owns rows c*64 .. c*64+63 of each tile.
@@ -310,6 +425,7 @@ __global__ void __launch_bounds__(kThreads, 1)
     int cs = 0, prev_s = 0, buf_i = 0;  // stage of slice `it`, of slice it-1; staging buffer
     uint32_t cphase = 0;                // phase of stage cs
     uint32_t* my_bias = bias_smem + c * (Epi::kBiasSmem / 4);
+    uint32_t free_phase = 0;  // helper mode: phase of hb->freed[c]
     // Stagger: consumer 1 starts `stagger` K slices after consumer 0, so the
     // two warpgroups reach their epilogues at different times and one keeps
     // the tensor cores busy while the other stores (the stages are shared:
@@ -409,7 +525,47 @@ __global__ void __launch_bounds__(kThreads, 1)
       // Epilogue. Fragment of thread (warp, lane): rows warp*16 + lane/4 (+8),
       // columns 8j + 2(lane%4) (+1), j = 0..31, in acc[4j + 2*half + {0,1}].
       const int wg_rows = min(64, tw.store_rows - c * 64);  // rows this warpgroup writes
-      if (wg_rows > 0) {                                    // uniform over the warpgroup
+      if constexpr (Epi::kHelperAct) {
+        // Stage the 256 pre-activation columns (pad rows zero) in this
+        // warpgroup's four buffers and hand them to the helper warps.
+        const int data_rows = max(0, min(64, tw.data_rows - c * 64));
+        if (tid == 0) mbar_wait(&hb->freed[c], free_phase ^ 1);
+        free_phase ^= 1;
+        named_barrier(2 + c, 128);
+        if (wg_rows > 0) {
+#pragma unroll
+          for (int q = 0; q < 4; ++q) {
+            uint8_t* buf = my_staging + q * kChunkBytes;
+#pragma unroll
+            for (int jj = 0; jj < 8; ++jj) {
+#pragma unroll
+              for (int half = 0; half < 2; ++half) {
+                const int rl = rl0 + half * 8;
+                const int cl = jj * 8 + 2 * (lane % 4);
+                const float2 v = rl < data_rows ? epi.raw_value(acc, q * 8 + jj, half, 0, 0)
+                                                : make_float2(0.0f, 0.0f);
+                Pack<TOut, 2> o;
+                o.v[0] = from_float<TOut>(v.x);
+                o.v[1] = from_float<TOut>(v.y);
+                const int byte = cl * static_cast<int>(sizeof(TOut));
+                *reinterpret_cast<Pack<TOut, 2>*>(buf + rl * 128 +
+                                                  (((byte >> 4) ^ (rl & 7)) << 4) + (byte & 15)) = o;
+              }
+            }
+          }
+          sm90::fence_proxy_async();  // generic-proxy writes -> visible to the TMA
+        }
+        named_barrier(2 + c, 128);
+        if (tid == 0) {
+          HelperInfo& inf = hb->info[c];
+          inf.wg_row0 = int64_t{tw.m0} + c * 64;
+          inf.wg_rows = max(0, wg_rows);
+          inf.data_rows = data_rows;
+          inf.tile_n = tw.n0 / kTileN;
+          inf.tma = store_kind != StoreKind::kDirect && wg_rows == 64;
+          mbar_arrive(&hb->staged[c]);
+        }
+      } else if (wg_rows > 0) {  // uniform over the warpgroup
         const int64_t wg_row0 = int64_t{tw.m0} + c * 64;
         // The TMA may write all 64 rows (rows past the matrix are clipped by the map).
         const bool tma = store_kind != StoreKind::kDirect && (MODE == 2 || wg_rows == 64);
