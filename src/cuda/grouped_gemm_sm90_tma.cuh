@@ -49,7 +49,12 @@ constexpr int kChunkBytes = 64 * 128;  // one staging buffer: 64 rows x 128 byte
 constexpr int kMaxBufs = 5;            // staging buffers per consumer warpgroup: 2..5
 
 // Helper mode (Epi::kHelperAct): what a consumer warpgroup tells the helper
-// warps about the chunks it staged, and the two barriers per warpgroup.
+// warps about the chunks it staged. Hand-over through named barriers
+// (bar.arrive by one side, bar.sync by the other, 128 + 96 threads): id
+// kStagedBar + c "consumer c staged its chunks", kFreedBar + c "the helpers
+// are done with consumer c's chunks" (skipped before the first tile and
+// after the last).
+constexpr int kHelperBar = 1, kStagedBar = 4, kFreedBar = 6, kHandOver = 128 + 96;
 struct HelperInfo {
   int64_t wg_row0;  // global row of the warpgroup's first row
   int wg_rows;      // rows to store (0..64)
@@ -60,8 +65,6 @@ struct HelperInfo {
 };
 struct HelperBlock {
   HelperInfo info[2];
-  uint64_t staged[2];  // consumer c staged its chunks (count 1)
-  uint64_t freed[2];   // the helpers are done with consumer c's chunks (count 1)
 };
 
 struct Smem {
@@ -128,6 +131,11 @@ __device__ __forceinline__ void bulk_wait_all() {
 }
 __device__ __forceinline__ void named_barrier(int id, int threads) {
   asm volatile("bar.sync %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
+}
+// Arrives without waiting: the prior memory accesses of this thread are
+// performed for the threads that bar.sync on the same barrier.
+__device__ __forceinline__ void named_barrier_arrive(int id, int threads) {
+  asm volatile("bar.arrive %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
 }
 
 template <int N>
@@ -199,10 +207,6 @@ __global__ void __launch_bounds__(kThreads, 1)
       mbar_init(&empty[s], 2);  // one arrive per consumer warpgroup
     }
     mbar_init(go, 1);
-    for (int i = 0; i < 2; ++i) {
-      mbar_init(&hb->staged[i], 1);
-      mbar_init(&hb->freed[i], 1);
-    }
     for (int s = 0; s < kMaxStages; ++s) {
       mbar_init(&zeroed[s], 1);
       claim[s] = 0;
@@ -311,7 +315,6 @@ __global__ void __launch_bounds__(kThreads, 1)
         constexpr int kVec = 16 / static_cast<int>(sizeof(TOut));
         constexpr int kActChunks = Epi::kOutCols / kCw;
         const int64_t out_cols = p.n_store > 0 ? p.n_store : p.n_out;
-        uint32_t phase = 0;
         // Masked copy of staged chunk `buf` to columns [col0, col0 + kCw) of
         // rows [row0, row0 + rows) of `base` (row length ld, columns < lim).
         auto copy_out = [&](const uint8_t* buf, TOut* base, int64_t ld, int64_t row0, int rows,
@@ -327,8 +330,7 @@ __global__ void __launch_bounds__(kThreads, 1)
         };
         for (int32_t tile = blockIdx.x; tile < num_tiles; tile += gridDim.x) {
           for (int cw = 0; cw < 2; ++cw) {
-            mbar_wait(&hb->staged[cw], (phase >> cw) & 1);
-            phase ^= 1u << cw;
+            named_barrier(kStagedBar + cw, kHandOver);
             const HelperInfo inf = hb->info[cw];
             uint8_t* st = staging + cw * bufs * kChunkBytes;
             if (inf.wg_rows > 0) {
@@ -351,7 +353,7 @@ __global__ void __launch_bounds__(kThreads, 1)
                   bulk_wait_read(0);  // the chunks are rewritten in place next
                 }
               }
-              named_barrier(1, kHelpers);
+              named_barrier(kHelperBar, kHelpers);
               epi.dispatch([&](auto variant) {
                 for (int i = htid; i < kActChunks * 64 * 8; i += kHelpers) {
                   const int q = i / 512, r = (i / 8) % 64, piece = i % 8;
@@ -370,7 +372,7 @@ __global__ void __launch_bounds__(kThreads, 1)
                 }
               });
               if (inf.tma) sm90::fence_proxy_async();
-              named_barrier(1, kHelpers);
+              named_barrier(kHelperBar, kHelpers);
               for (int q = 0; q < kActChunks; ++q) {
                 const int64_t col0 = int64_t{inf.tile_n} * Epi::kOutCols + q * kCw;
                 if (col0 >= out_cols) continue;
@@ -387,9 +389,10 @@ __global__ void __launch_bounds__(kThreads, 1)
                 bulk_commit();
                 bulk_wait_read(0);  // the consumer may rewrite the chunks once freed
               }
-              named_barrier(1, kHelpers);  // every helper's reads of the chunks are done
+              named_barrier(kHelperBar, kHelpers);  // every helper's reads of the chunks are done
             }
-            if (htid == 0) mbar_arrive(&hb->freed[cw]);
+            if (tile + static_cast<int32_t>(gridDim.x) < num_tiles)
+              named_barrier_arrive(kFreedBar + cw, kHandOver);
           }
         }
         if (htid == 0) bulk_wait_all();
@@ -425,7 +428,6 @@ __global__ void __launch_bounds__(kThreads, 1)
     int cs = 0, prev_s = 0, buf_i = 0;  // stage of slice `it`, of slice it-1; staging buffer
     uint32_t cphase = 0;                // phase of stage cs
     uint32_t* my_bias = bias_smem + c * (Epi::kBiasSmem / 4);
-    uint32_t free_phase = 0;  // helper mode: phase of hb->freed[c]
     // Stagger: consumer 1 starts `stagger` K slices after consumer 0, so the
     // two warpgroups reach their epilogues at different times and one keeps
     // the tensor cores busy while the other stores (the stages are shared:
@@ -529,9 +531,7 @@ __global__ void __launch_bounds__(kThreads, 1)
         // Stage the 256 pre-activation columns (pad rows zero) in this
         // warpgroup's four buffers and hand them to the helper warps.
         const int data_rows = max(0, min(64, tw.data_rows - c * 64));
-        if (tid == 0) mbar_wait(&hb->freed[c], free_phase ^ 1);
-        free_phase ^= 1;
-        named_barrier(2 + c, 128);
+        if (tile != static_cast<int32_t>(blockIdx.x)) named_barrier(kFreedBar + c, kHandOver);
         if (wg_rows > 0) {
 #pragma unroll
           for (int q = 0; q < 4; ++q) {
@@ -555,7 +555,6 @@ __global__ void __launch_bounds__(kThreads, 1)
           }
           sm90::fence_proxy_async();  // generic-proxy writes -> visible to the TMA
         }
-        named_barrier(2 + c, 128);
         if (tid == 0) {
           HelperInfo& inf = hb->info[c];
           inf.wg_row0 = int64_t{tw.m0} + c * 64;
@@ -563,8 +562,8 @@ __global__ void __launch_bounds__(kThreads, 1)
           inf.data_rows = data_rows;
           inf.tile_n = tw.n0 / kTileN;
           inf.tma = store_kind != StoreKind::kDirect && wg_rows == 64;
-          mbar_arrive(&hb->staged[c]);
         }
+        named_barrier_arrive(kStagedBar + c, kHandOver);
       } else if (wg_rows > 0) {  // uniform over the warpgroup
         const int64_t wg_row0 = int64_t{tw.m0} + c * 64;
         // The TMA may write all 64 rows (rows past the matrix are clipped by the map).
