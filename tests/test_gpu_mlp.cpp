@@ -188,8 +188,20 @@ TEST(GpuMlp, FusedFc1MatchesCpuReference) {
 TEST(GpuMlp, ApiMatchesReference) {
   ASSERT_GT(cuda_device_count(), 0);
   uint32_t seed = 500;
-  if (is_hopper())  // FC1 fused into the TMA GEMM
+  if (is_hopper()) {  // FC1 fused into the TMA GEMM; the dGLU separate, then fused
     for (const MlpApiCase& c : mlp_api_cases()) run_mlp_api_case(c, kGpu, seed++);
+    uint32_t wide = 900;
+    for (const MlpApiCase& c : mlp_api_wide_cases()) run_mlp_api_case(c, kGpu, wide++);
+    cuda::set_mlp_fused_dglu(true);
+    {
+      SCOPED_TRACE("dGLU fused into FC2 dgrad");
+      uint32_t s = 500;  // the same inputs as the unfused run
+      for (const MlpApiCase& c : mlp_api_cases()) run_mlp_api_case(c, kGpu, s++);
+      s = 900;
+      for (const MlpApiCase& c : mlp_api_wide_cases()) run_mlp_api_case(c, kGpu, s++);
+    }
+    cuda::set_mlp_fused_dglu(false);
+  }
   // the unfused path (other GPUs): portable GEMMs + the activation kernel
   cuda::set_gemm_path(cuda::GemmPath::kPortable);
   for (const MlpApiCase& c : mlp_api_cases()) run_mlp_api_case(c, kGpu, seed++);

@@ -13,6 +13,8 @@ namespace {
 TEST(GroupedMlpApi, CpuMatchesReference) {
   uint32_t seed = 1;
   for (const MlpApiCase& c : mlp_api_cases()) run_mlp_api_case(c, Device::cpu(), seed++);
+  uint32_t wide = 900;
+  for (const MlpApiCase& c : mlp_api_wide_cases()) run_mlp_api_case(c, Device::cpu(), wide++);
 }
 
 // The GLU column map of the backends equals the reference's.

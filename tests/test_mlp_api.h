@@ -27,6 +27,12 @@ inline std::vector<MlpApiCase> mlp_api_cases() {
     cases.push_back({act, 0, true, true, 48, 64});
   return cases;
 }
+// F over several 256-column tiles, the last one partial (the fused dGLU's
+// per-tile partial dprobs).
+inline std::vector<MlpApiCase> mlp_api_wide_cases() {
+  return {{Activation::kSwiGLU, 0, true, true, 40, 320},
+          {Activation::kGeGLU, 32, false, true, 48, 288}};
+}
 
 inline std::vector<double> doubles_of(const Tensor& t, int64_t n = -1) {
   std::vector<double> v(n < 0 ? t.numel() : n);

@@ -93,6 +93,11 @@ struct TmaTuning {
   int desync = -1;   // block b starts (b % 8) x desync x 1000 cycles late (TMA); -1 = default
 };
 void set_tma_tuning(TmaTuning tuning);
+// Experimental, off by default: the grouped MLP's FC2 dgrad with the dGLU
+// fused into its epilogue (helper warps; mlp_fc2_dgrad_dglu). Measured slower
+// than FC2 dgrad + the separate dGLU kernel (docs/perf/mlp-h200-2026-11-22.md).
+void set_mlp_fused_dglu(bool on);
+bool mlp_fused_dglu();
 size_t plan_workspace_bytes(int64_t num_tokens, int topk, const PlanConfig& config);
 void build_plan(const RoutingInput& in, RoutingPlan& plan, TensorView workspace,
                 cudaStream_t stream);

@@ -123,12 +123,50 @@ void grouped_mlp_backward_dgrad(TensorView dy, const GroupedMlpWeights& w,
     MOEFLOW_CHECK(probs.defined(), "dprobs needs probs (the weighted forward)");
     detail::expect(dprobs, "dprobs", Expect{{DType::kFloat32}, {d.rows}, d.dev});
   }
-  // d(a) = dy · W2_e lands in the last F columns of d_h; dGLU turns d_h into d(h) in place.
   const int64_t esz = static_cast<int64_t>(dtype_size(d.dtype));
+  const MlpRows r = rows_of(groups, d);
+#ifdef MOEFLOW_WITH_CUDA
+  if (d.dev.is_cuda()) {
+    // Experimental (off by default, slower today): FC2 dgrad with the dGLU
+    // fused, d(a) never leaves the chip. The partial
+    // dprobs per 256-column tile go to dx's memory, free until FC1 dgrad
+    // writes it (no scratch allocation).
+    MlpDgluCall call;
+    call.dy = dy;
+    call.w2 = w.fc2;
+    call.groups = groups;
+    call.h = saved.h;
+    call.d_h = d_h;
+    call.probs = probs;
+    call.act = c.activation;
+    call.params = c.params;
+    call.glu_interleave = c.glu_interleave;
+    call.rows = d.rows;
+    call.num_groups = d.experts;
+    call.hidden = d.hidden;
+    call.ffn = d.ffn;
+    const int64_t tiles = (d.ffn + 255) / 256;
+    const int64_t ld_bytes = dx.strides[0] * esz;
+    bool ok = !dprobs.defined() ||
+              (reinterpret_cast<uintptr_t>(dx.data) % 4 == 0 && ld_bytes % 4 == 0 &&
+               ld_bytes / 4 >= tiles);
+    if (dprobs.defined()) {
+      call.part = static_cast<float*>(dx.data);
+      call.part_ld = ld_bytes / 4;
+    }
+    if (ok && cuda::mlp_fused_dglu() && w.fc2.is_contiguous() && cuda::mlp_dglu_fusable(call)) {
+      cuda::mlp_fc2_dgrad_dglu(call, stream);
+      if (dprobs.defined())
+        cuda::mlp_dprobs_from_partials(r, call.part, call.part_ld, tiles, dprobs, stream);
+      grouped_gemm_dgrad(d_h, GroupedWeights::from_stacked(w.fc1), groups, dx, stream);
+      return;
+    }
+  }
+#endif
+  // d(a) = dy · W2_e lands in the last F columns of d_h; dGLU turns d_h into d(h) in place.
   TensorView d_a = TensorView::strided(static_cast<uint8_t*>(d_h.data) + (d.n1 - d.ffn) * esz,
                                        d.dtype, d.dev, {d.rows, d.ffn}, {d.n1, 1});
   grouped_gemm_dgrad(dy, GroupedWeights::from_stacked(w.fc2), groups, d_a, stream);
-  const MlpRows r = rows_of(groups, d);
   if (d.dev.is_cpu()) {
     cpu::mlp_dglu(r, saved.h, d_h, probs, c.activation, c.params, c.glu_interleave, d.ffn, dprobs);
   } else {

@@ -22,6 +22,26 @@ struct MlpFc1Call {
   int64_t rows = 0, num_groups = 0, hidden = 0, ffn = 0;
 };
 
+// FC2 dgrad with the dGLU fused (CUDA, Hopper): d(a) = dy . W2_e stays on
+// chip; d_h = d(h) is written from it and the saved h. With dprobs, each
+// row's partial <d(a), act(h)> per 256-column tile goes to part (float32,
+// part_ld floats per row, ceil(F / 256) used) and mlp_dprobs_from_partials()
+// sums them in order.
+struct MlpDgluCall {
+  TensorView dy;  // [rows, H]
+  TensorView w2;  // [E, H, F] stacked
+  GroupLayout groups;
+  TensorView h;      // [rows, N1] saved pre-activation
+  TensorView d_h;    // [rows, N1] out
+  TensorView probs;  // [rows] float32, or undefined
+  Activation act = Activation::kSwiGLU;
+  ActivationParams params;
+  int glu_interleave = 0;
+  float* part = nullptr;  // or null (no dprobs)
+  int64_t part_ld = 0;
+  int64_t rows = 0, num_groups = 0, hidden = 0, ffn = 0;
+};
+
 // The elementwise steps of the grouped MLP around its GEMMs (validated
 // arguments; groups as in grouped_gemm.h; pad rows are left zero / get none).
 struct MlpRows {
@@ -55,6 +75,11 @@ void mlp_bias_add(const MlpRows& r, TensorView y, TensorView bias, cudaStream_t 
 void mlp_dglu(const MlpRows& r, TensorView h, TensorView d_h, TensorView probs, Activation act,
               const ActivationParams& ap, int interleave, int64_t ffn, TensorView dprobs,
               cudaStream_t stream);
+bool mlp_dglu_fusable(const MlpDgluCall& call);
+void mlp_fc2_dgrad_dglu(const MlpDgluCall& call, cudaStream_t stream);
+// dprobs[row] = sum over t < tiles of part[row * part_ld + t] (rows inside the groups).
+void mlp_dprobs_from_partials(const MlpRows& r, const float* part, int64_t part_ld, int64_t tiles,
+                              TensorView dprobs, cudaStream_t stream);
 void mlp_segment_colsum(const MlpRows& r, TensorView src, TensorView dst, bool accumulate,
                         cudaStream_t stream);
 }  // namespace cuda

@@ -28,6 +28,7 @@ struct EpiIdentity {
   // values) and the producer warpgroup's spare warps apply the activation
   // and store (grouped_gemm_sm90_tma.cuh).
   static constexpr bool kHelperAct = false;
+  static constexpr bool kDglu = false;  // helper mode runs the dGLU (EpiMlpDglu)
   // What a tile's epilogue needs from global memory, loaded when the tile
   // starts so that the loads' latency hides behind its main loop.
   struct Tile {};
@@ -84,6 +85,7 @@ struct EpiMlpFc1 {
   // Halves and plain: activation chunk q is computed in place over the staged
   // pre-activation chunk q (with its up chunk q + 2), by the helper warps.
   static constexpr bool kHelperAct = KIND != kInterleaved;
+  static constexpr bool kDglu = false;
   Activation act = Activation::kSwiGLU;
   ActivationParams ap;
   int64_t f = 0;                 // F: activation columns (the gated FC1 has 2F rows)
@@ -276,6 +278,128 @@ struct EpiMlpFc1 {
   __device__ __forceinline__ int raw_col(int t, int q) const {
     if (halves) return q < 2 ? t * 128 + q * 64 : static_cast<int>(f) + t * 128 + (q - 2) * 64;
     return t * 256 + q * 64;
+  }
+};
+
+// FC2 dgrad of the expert MLP with the dGLU fused (helper mode only): the
+// consumer warpgroups stage d(a) (the GEMM's output tile, 256 columns of F,
+// rounded to the output type as the unfused path stores it) and the helper
+// warps turn it into d(h) = (d gate, d up) with the saved pre-activation h,
+// writing d_h [rows, N1] directly and, with probs, each row's partial
+// <d(a), act(h)> over the tile's columns into part[row * part_ld + tile]
+// (summed over the tiles in order afterwards: deterministic). Pad rows get
+// zeros. Needs F % 16 == 0.
+template <typename TOut, int KIND>
+struct EpiMlpDglu {
+  static_assert(sizeof(TOut) == 2, "the fused dGLU reads 16-bit values");
+  static constexpr bool GATED = KIND != kPlain;
+  static constexpr int kOutCols = 256;
+  static constexpr bool kSplitB = false;
+  static constexpr bool kHelperAct = true;
+  static constexpr bool kDglu = true;
+  static constexpr int kBiasSmem = 0;
+  Activation act = Activation::kSwiGLU;
+  ActivationParams ap;
+  int64_t f = 0;                 // F
+  int il = 0;                    // interleave (gated; 0 = halves)
+  const TOut* h = nullptr;       // [rows, N1] pre-activation (bias included)
+  TOut* d_h = nullptr;           // [rows, N1] out
+  const float* probs = nullptr;  // [rows] or null
+  float* part = nullptr;         // partial dprobs, or null
+  int64_t part_ld = 0;
+
+  struct Tile {};
+  __device__ __forceinline__ Tile load_tile(int, int, int, int, int64_t, int, int) const {
+    return {};
+  }
+  __device__ __forceinline__ bool has_bias() const {
+    return false;
+  }
+  __device__ __forceinline__ void stage_bias(uint32_t*, const Tile&, int) const {}
+  __device__ __forceinline__ void finish(float (&)[128], const uint32_t*, int) const {}
+  __device__ __forceinline__ int64_t n1() const {
+    return GATED ? 2 * f : f;
+  }
+  __device__ __forceinline__ int64_t gate_col(int64_t j) const {
+    return GATED ? glu_gate_col(j, il) : j;
+  }
+  __device__ __forceinline__ int64_t up_col(int64_t j) const {
+    return glu_up_col(j, il, f);
+  }
+  __device__ __forceinline__ float2 raw_value(const float (&acc)[128], int j, int half, int64_t,
+                                              int) const {
+    return make_float2(acc[4 * j + 2 * half], acc[4 * j + 2 * half + 1]);
+  }
+  __device__ __forceinline__ bool save_raw() const {
+    return false;
+  }
+  __device__ __forceinline__ void* raw_ptr() const {
+    return nullptr;
+  }
+  __device__ __forceinline__ int raw_col(int, int) const {
+    return 0;
+  }
+  template <Activation A>
+  struct Act {};
+  template <typename F>
+  __device__ __forceinline__ void dispatch(F&& fn) const {
+    if constexpr (GATED) {
+      switch (act) {
+        case Activation::kGeGLU:
+          return fn(Act<Activation::kGeGLU>{});
+        case Activation::kClampedQuickGeGLU:
+          return fn(Act<Activation::kClampedQuickGeGLU>{});
+        default:
+          return fn(Act<Activation::kSwiGLU>{});
+      }
+    } else {
+      switch (act) {
+        case Activation::kRelu:
+          return fn(Act<Activation::kRelu>{});
+        case Activation::kSquaredRelu:
+          return fn(Act<Activation::kSquaredRelu>{});
+        default:
+          return fn(Act<Activation::kGelu>{});
+      }
+    }
+  }
+  // One 16-column piece pair (two 16-byte halves of 8 columns each) of row
+  // `row`, d(a) columns j0..j0+15 from `da` (the staged values): writes d(h)
+  // and returns the piece's <d(a), act(h)>. data: the row holds data (else
+  // zeros are written).
+  template <Activation A>
+  __device__ __forceinline__ float dglu16(Act<A>, int64_t row, int64_t j0, const Pack<TOut, 8> (&da)[2],
+                                          bool data, float prob) const {
+    using V = Pack<TOut, 8>;
+    const int64_t base = row * n1();
+    V g[2], u[2];
+    if (data) {
+#pragma unroll
+      for (int k = 0; k < 2; ++k) {
+        g[k] = *reinterpret_cast<const V*>(h + base + gate_col(j0 + 8 * k));
+        if constexpr (GATED) u[k] = *reinterpret_cast<const V*>(h + base + up_col(j0 + 8 * k));
+      }
+    }
+    float dp = 0.0f;
+#pragma unroll
+    for (int k = 0; k < 2; ++k) {
+      V dg, du;
+#pragma unroll
+      for (int i = 0; i < 8; ++i) {
+        float dgv = 0.0f, duv = 0.0f;
+        if (data) {
+          const float gv = to_float(g[k].v[i]), uv = GATED ? to_float(u[k].v[i]) : 0.0f;
+          const float dav = to_float(da[k].v[i]);
+          dp += dav * act_forward(A, gv, uv, ap);
+          act_backward(A, gv, uv, dav * prob, ap, &dgv, &duv);
+        }
+        dg.v[i] = from_float<TOut>(dgv);
+        du.v[i] = from_float<TOut>(duv);
+      }
+      *reinterpret_cast<V*>(d_h + base + gate_col(j0 + 8 * k)) = dg;
+      if constexpr (GATED) *reinterpret_cast<V*>(d_h + base + up_col(j0 + 8 * k)) = du;
+    }
+    return dp;
   }
 };
 

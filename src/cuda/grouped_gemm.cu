@@ -16,6 +16,13 @@
 namespace moeflow::cuda {
 
 static std::atomic<GemmPath> g_gemm_path{GemmPath::kAuto};
+static std::atomic<bool> g_fused_dglu{false};
+void set_mlp_fused_dglu(bool on) {
+  g_fused_dglu = on;
+}
+bool mlp_fused_dglu() {
+  return g_fused_dglu.load();
+}
 void set_gemm_path(GemmPath path) {
   g_gemm_path = path;
 }
@@ -128,7 +135,7 @@ size_t max_dynamic_smem(Kernel kernel) {
 // tensor (stacked weights; the activations for wgrad), indices within int32.
 template <typename TIn, typename TOut, int MODE, typename Epi = gemm::sm90tma::EpiIdentity>
 bool launch_tma(const Params& p, cudaStream_t stream, const Epi& epi = {}) {
-  constexpr bool kFused = !std::is_same_v<Epi, gemm::sm90tma::EpiIdentity>;
+  constexpr bool kFused = !std::is_same_v<Epi, gemm::sm90tma::EpiIdentity> && !Epi::kDglu;
   namespace t = gemm::sm90tma;
   if (MODE != 2 && (p.b_ptrs != nullptr || p.b == nullptr)) return false;
   const int64_t w_rows =
@@ -421,6 +428,61 @@ void mlp_fc1_forward(const MlpFc1Call& c, cudaStream_t stream) {
   p.n_store = c.ffn;
   if (c.x.dtype == DType::kBFloat16) return launch_fc1_kind<__nv_bfloat16>(c, p, stream);
   return launch_fc1_kind<__half>(c, p, stream);
+}
+
+namespace {
+template <typename T, int KIND>
+void launch_dglu(const MlpDgluCall& c, const Params& p, cudaStream_t stream) {
+  gemm::sm90tma::EpiMlpDglu<T, KIND> epi;
+  epi.act = c.act;
+  epi.ap = c.params;
+  epi.f = c.ffn;
+  epi.il = KIND == gemm::sm90tma::kInterleaved ? c.glu_interleave : 0;
+  epi.h = static_cast<const T*>(c.h.data);
+  epi.d_h = static_cast<T*>(c.d_h.data);
+  epi.probs = c.probs.defined() ? c.probs.data_ptr<float>() : nullptr;
+  epi.part = c.part;
+  epi.part_ld = c.part_ld;
+  MOEFLOW_CHECK((launch_tma<T, T, 1>(p, stream, epi)),
+                "fused dGLU: the TMA grouped GEMM does not take this problem");
+}
+}  // namespace
+
+bool mlp_dglu_fusable(const MlpDgluCall& c) {
+  if (!use_sm90() || c.ffn % 16 != 0) return false;
+  const bool gated = is_gated(c.act);
+  if (gated && c.glu_interleave != 0 && c.glu_interleave % 8 != 0) return false;
+  const int64_t n1 = gated ? 2 * c.ffn : c.ffn;
+  const auto a16 = [](const void* q) { return reinterpret_cast<uintptr_t>(q) % 16 == 0; };
+  if (!a16(c.h.data) || !a16(c.d_h.data) || !a16(c.w2.data)) return false;
+  if (!c.h.is_contiguous() || !c.d_h.is_contiguous()) return false;
+  return c.rows < (int64_t{1} << 31) && c.num_groups * c.hidden < (int64_t{1} << 31) &&
+         n1 * 2 % 16 == 0;
+}
+
+void mlp_fc2_dgrad_dglu(const MlpDgluCall& c, cudaStream_t stream) {
+  MOEFLOW_CHECK(mlp_dglu_fusable(c), "fused dGLU: call not supported (see mlp_dglu_fusable)");
+  Params p = base_params(c.groups, c.num_groups, c.rows, c.dy, "dy");
+  p.reduce_grouped = false;
+  p.b = c.w2.data;  // W2_e [H, F]: dA[rows, F] = dC[rows, H] . W2_e
+  p.b_group_stride = c.hidden * c.ffn;
+  p.ldb = c.ffn;
+  p.c = c.d_h.data;  // (the helpers write d_h themselves; no output map is used)
+  p.ldc = c.d_h.strides[0];
+  p.n_out = c.ffn;
+  p.k_red = c.hidden;
+  const bool bf16 = c.dy.dtype == DType::kBFloat16;
+  const bool gated = is_gated(c.act);
+  auto go = [&](auto tag) {
+    using T = decltype(tag);
+    if (!gated) return launch_dglu<T, gemm::sm90tma::kPlain>(c, p, stream);
+    if (c.glu_interleave == 0) return launch_dglu<T, gemm::sm90tma::kHalves>(c, p, stream);
+    return launch_dglu<T, gemm::sm90tma::kInterleaved>(c, p, stream);
+  };
+  if (bf16)
+    go(__nv_bfloat16{});
+  else
+    go(__half{});
 }
 
 }  // namespace moeflow::cuda

@@ -167,6 +167,51 @@ __device__ __forceinline__ void zero_slice_rows(uint8_t* base, int blocks, int f
   }
 }
 
+// Helper warps, fused dGLU (EpiMlpDglu): units of one row and 16 columns of
+// the staged d(a) tile (64 rows x 16 units), strided over the 96 helpers
+// (neighbouring helpers take neighbouring columns of a row: coalesced loads
+// of h and stores of d(h)). A unit's partial <d(a), act(h)> overwrites its
+// own staged bytes; after a barrier helper r < 64 adds row r's 16 partials in
+// column order (deterministic) and writes the tile's partial for the row.
+template <typename Epi>
+__device__ __forceinline__ void help_dglu(const Epi& epi, const HelperInfo& inf, uint8_t* st,
+                                          int htid) {
+  constexpr int kHelpers = 96;
+  auto slot = [&](int r, int unit) {  // the 16 bytes of piece 2*(unit%4) of chunk unit/4
+    const int piece = (unit % 4) * 2;
+    return st + (unit / 4) * kChunkBytes + r * 128 + ((piece ^ (r & 7)) << 4);
+  };
+  epi.dispatch([&](auto variant) {
+    for (int i = htid; i < 64 * 16; i += kHelpers) {
+      const int r = i / 16, unit = i % 16;
+      if (r >= inf.wg_rows) continue;
+      const int piece = (unit % 4) * 2;
+      const int64_t j0 = int64_t{inf.tile_n} * kTileN + (unit / 4) * 64 + piece * 8;
+      float dp = 0.0f;
+      uint8_t* s0 = slot(r, unit);
+      if (j0 < epi.f) {
+        using P = Pack<typename std::remove_pointer<decltype(epi.d_h)>::type, 8>;
+        const P da[2] = {*reinterpret_cast<const P*>(s0),
+                         *reinterpret_cast<const P*>(st + (unit / 4) * kChunkBytes + r * 128 +
+                                                     (((piece + 1) ^ (r & 7)) << 4))};
+        const bool data = r < inf.data_rows;
+        const int64_t row = inf.wg_row0 + r;
+        const float prob = data && epi.probs != nullptr ? epi.probs[row] : 1.0f;
+        dp = epi.dglu16(variant, row, j0, da, data, prob);
+      }
+      *reinterpret_cast<float*>(s0) = dp;
+    }
+  });
+  named_barrier(kHelperBar, kHelpers);
+  if (epi.part != nullptr && htid < inf.wg_rows) {
+    float sum = 0.0f;
+#pragma unroll
+    for (int unit = 0; unit < 16; ++unit) sum += *reinterpret_cast<const float*>(slot(htid, unit));
+    epi.part[(inf.wg_row0 + htid) * epi.part_ld + inf.tile_n] = sum;
+  }
+  named_barrier(kHelperBar, kHelpers);  // every helper's reads of the chunks are done
+}
+
 // MODE 0, forward: A [rows,K] and W_e [N,K] K-major.
 // MODE 1, dgrad: A = dC [rows,N] K-major; B = W_e read MN-major (its rows are
 //   the reduction), four 64 x 64 boxes per slice.
@@ -333,7 +378,9 @@ __global__ void __launch_bounds__(kThreads, 1)
             named_barrier(kStagedBar + cw, kHandOver);
             const HelperInfo inf = hb->info[cw];
             uint8_t* st = staging + cw * bufs * kChunkBytes;
-            if (inf.wg_rows > 0) {
+            if constexpr (Epi::kDglu) {
+              if (inf.wg_rows > 0) help_dglu(epi, inf, st, htid);
+            } else if (inf.wg_rows > 0) {
               if (epi.save_raw()) {
                 for (int q = 0; q < kTileN / kCw; ++q) {
                   const int64_t col0 = epi.raw_col(inf.tile_n, q);

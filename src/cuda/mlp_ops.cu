@@ -294,6 +294,28 @@ void mlp_dglu(const MlpRows& r, TensorView h, TensorView d_h, TensorView probs, 
   MOEFLOW_CUDA_LAUNCH_CHECK();
 }
 
+namespace {
+__global__ void dprobs_from_partials_kernel(RowMap m, const float* part, int64_t ld,
+                                            int64_t tiles, float* dprobs, int64_t rows) {
+  const int64_t row = blockIdx.x * int64_t{blockDim.x} + threadIdx.x;
+  if (row >= rows) return;
+  bool data;
+  if (m.expert_of(row, data) < 0) return;  // past the groups: untouched
+  float s = 0.0f;
+  for (int64_t t = 0; t < tiles; ++t) s += part[row * ld + t];
+  dprobs[row] = data ? s : 0.0f;
+}
+}  // namespace
+
+void mlp_dprobs_from_partials(const MlpRows& r, const float* part, int64_t part_ld, int64_t tiles,
+                              TensorView dprobs, cudaStream_t stream) {
+  if (r.rows == 0) return;
+  const unsigned blocks = static_cast<unsigned>((r.rows + 255) / 256);
+  dprobs_from_partials_kernel<<<blocks, 256, 0, stream>>>(row_map(r), part, part_ld, tiles,
+                                                          dprobs.data_ptr<float>(), r.rows);
+  MOEFLOW_CUDA_LAUNCH_CHECK();
+}
+
 void mlp_segment_colsum(const MlpRows& r, TensorView src, TensorView dst, bool accumulate,
                         cudaStream_t stream) {
   if (r.num_groups == 0) return;
