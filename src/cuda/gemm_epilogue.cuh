@@ -20,6 +20,35 @@
 
 namespace moeflow::cuda::gemm::sm90tma {
 
+// An activation as a compile-time tag: dispatch_activation() branches once
+// (per tile) and calls f(ActTag<A>{}), so each instantiation of f holds one
+// activation's code. GATED: SwiGLU / GeGLU / clamped quick-GeGLU, else
+// GELU / ReLU / squared ReLU.
+template <Activation A>
+struct ActTag {};
+template <bool GATED, typename F>
+__device__ __forceinline__ void dispatch_activation(Activation act, F&& f) {
+  if constexpr (GATED) {
+    switch (act) {
+      case Activation::kGeGLU:
+        return f(ActTag<Activation::kGeGLU>{});
+      case Activation::kClampedQuickGeGLU:
+        return f(ActTag<Activation::kClampedQuickGeGLU>{});
+      default:
+        return f(ActTag<Activation::kSwiGLU>{});
+    }
+  } else {
+    switch (act) {
+      case Activation::kRelu:
+        return f(ActTag<Activation::kRelu>{});
+      case Activation::kSquaredRelu:
+        return f(ActTag<Activation::kSquaredRelu>{});
+      default:
+        return f(ActTag<Activation::kGelu>{});
+    }
+  }
+}
+
 // C = accumulator (the plain grouped GEMM).
 struct EpiIdentity {
   static constexpr int kOutCols = 256;
@@ -218,28 +247,10 @@ struct EpiMlpFc1 {
   // The activation as a compile-time variant: dispatch() branches once per
   // tile and value() of that variant holds one activation's code.
   template <Activation A>
-  struct Act {};
+  using Act = ActTag<A>;
   template <typename F>
   __device__ __forceinline__ void dispatch(F&& f) const {
-    if constexpr (GATED) {
-      switch (act) {
-        case Activation::kGeGLU:
-          return f(Act<Activation::kGeGLU>{});
-        case Activation::kClampedQuickGeGLU:
-          return f(Act<Activation::kClampedQuickGeGLU>{});
-        default:
-          return f(Act<Activation::kSwiGLU>{});
-      }
-    } else {
-      switch (act) {
-        case Activation::kRelu:
-          return f(Act<Activation::kRelu>{});
-        case Activation::kSquaredRelu:
-          return f(Act<Activation::kSquaredRelu>{});
-        default:
-          return f(Act<Activation::kGelu>{});
-      }
-    }
+    dispatch_activation<GATED>(act, f);
   }
   template <Activation A>
   __device__ __forceinline__ float2 value(Act<A>, const float (&acc)[128], int j, int half,
@@ -340,28 +351,10 @@ struct EpiMlpDglu {
     return 0;
   }
   template <Activation A>
-  struct Act {};
+  using Act = ActTag<A>;
   template <typename F>
-  __device__ __forceinline__ void dispatch(F&& fn) const {
-    if constexpr (GATED) {
-      switch (act) {
-        case Activation::kGeGLU:
-          return fn(Act<Activation::kGeGLU>{});
-        case Activation::kClampedQuickGeGLU:
-          return fn(Act<Activation::kClampedQuickGeGLU>{});
-        default:
-          return fn(Act<Activation::kSwiGLU>{});
-      }
-    } else {
-      switch (act) {
-        case Activation::kRelu:
-          return fn(Act<Activation::kRelu>{});
-        case Activation::kSquaredRelu:
-          return fn(Act<Activation::kSquaredRelu>{});
-        default:
-          return fn(Act<Activation::kGelu>{});
-      }
-    }
+  __device__ __forceinline__ void dispatch(F&& f) const {
+    dispatch_activation<GATED>(act, f);
   }
   // One 16-column piece pair (two 16-byte halves of 8 columns each) of row
   // `row`, d(a) columns j0..j0+15 from `da` (the staged values): writes d(h)
