@@ -180,6 +180,41 @@ void run_gemm_bench(const GemmBenchOptions& opt) {
                                     CUDA_R_16BF, N, CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT));
         });
     add("forward", fwd, fwd_dense);
+    if (c.name.size() > 4 && c.name.substr(c.name.size() - 4) == "-fc1" && K % 8 == 0) {
+      // Gathered A rows (what a token-major dispatch would feed FC1): every
+      // row of the product reads a row of a source with M/4 rows through a
+      // random row map, against the contiguous forward, in alternation.
+      const int64_t src_rows = std::max<int64_t>(1, M / 4);
+      Tensor src = Tensor::empty({src_rows, K}, DType::kBFloat16, dev);
+      fill_bytes(src, 0x3C, stream);
+      Tensor map_h = Tensor::empty({M}, DType::kInt32);
+      std::mt19937 rng(7);
+      for (int64_t r = 0; r < M; ++r)
+        map_h.data_ptr<int32_t>()[r] = std::uniform_int_distribution<int32_t>(
+            0, static_cast<int32_t>(src_rows) - 1)(rng);
+      Tensor map = map_h.to(dev);
+      GroupedGemmCall g;
+      g.op = GroupedGemmCall::kForward;
+      g.a = src;
+      g.a_rows = map;
+      g.w = GroupedWeights::from_stacked(w);
+      g.groups = layout;
+      g.out = out;
+      g.rows = M;
+      g.num_groups = E;
+      g.n = N;
+      g.k = K;
+      const auto [gat, contig] = paired(
+          [&] { cuda::grouped_gemm(g, stream); },
+          [&] { grouped_gemm_forward(a, GroupedWeights::from_stacked(w), layout, out, stream); });
+      fmt::print(
+          "    forward with gathered A rows (random row map into M/4 source rows) {:7.1f} "
+          "TFLOP/s, contiguous {:7.1f}: gathered costs {:.3f}x\n",
+          gat, contig, contig / gat);
+      Row r{c.name, "forward_gathered_rows", flops / gat / 1e6, 0, 0, 0};
+      r.extra = {{"TFLOPs", gat}, {"contiguous_TFLOPs", contig}, {"time_ratio", contig / gat}};
+      rows_out.push_back(r);
+    }
     std::optional<MlpFc1Call> fused_call;  // views of act, bias, probs
     Tensor act, bias, probs;
     if (c.name.size() > 4 && c.name.substr(c.name.size() - 4) == "-fc1" && N % 128 == 0) {

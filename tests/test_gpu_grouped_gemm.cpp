@@ -7,6 +7,7 @@
 #include <cuda_runtime.h>
 
 #include "core/backends.h"
+#include "gpu_util.h"
 #include "test_util.h"
 
 namespace moeflow::test {
@@ -384,6 +385,76 @@ TEST_P(GpuGemm, BadOffsetsAreFlaggedAndClamped) {
   Tensor got = make_tensor({100, N}, DType::kFloat32);
   MOEFLOW_CUDA_CHECK(cudaMemcpy(got.data(), c_g.data(), got.nbytes(), cudaMemcpyDeviceToHost));
   EXPECT_LE(rel_error(got, ref), gemm_tolerance(DType::kFloat32));
+}
+
+// Gathered A rows (GroupedGemmCall::a_rows): the forward over a row map into a
+// smaller source matrix equals, bitwise, the forward over the gathered
+// matrix (the same kernel and accumulation order); -1 rows are zeros; the
+// tail past the groups keeps its poison.
+TEST(GpuGemmGather, GatheredRowsEqualContiguous) {
+  ASSERT_GT(cuda_device_count(), 0);
+  if (!is_hopper()) GTEST_SKIP() << "gathered A rows run on Hopper only";
+  uint32_t seed = 70;
+  for (const Problem& pr : kProblems) {
+    if (pr.k % 8 != 0) continue;
+    for (DType dt : {DType::kBFloat16, DType::kFloat16}) {
+      SCOPED_TRACE(name_of(pr) + " " + dtype_name(dt));
+      const Data d = make_data(pr);
+      const int64_t E = pr.seg.size(), K = pr.k, N = pr.n;
+      const int64_t src_rows = std::max<int64_t>(1, d.rows / 3 + 7);
+      Tensor src = make_tensor({src_rows, K}, dt), w = make_tensor({E, N, K}, dt);
+      fill_random(src, seed++);
+      fill_random(w, seed++);
+      std::mt19937 rng(seed++);
+      Tensor map = make_tensor({d.rows}, DType::kInt32);
+      Tensor a = make_tensor({d.rows, K}, dt);
+      for (int64_t r = 0; r < d.rows; ++r) {
+        int32_t m = std::uniform_int_distribution<int32_t>(-1, static_cast<int32_t>(src_rows) - 1)(rng);
+        if (r % 11 == 3) m = -1;
+        map.data_ptr<int32_t>()[r] = m;
+        for (int64_t j = 0; j < K; ++j)
+          detail::store_float(a.data(), dt, r * K + j,
+                              m < 0 ? 0.0f : detail::load_float(src.data(), dt, m * K + j));
+      }
+      Tensor src_g = src.to(kGpu), a_g = a.to(kGpu), w_g = w.to(kGpu), map_g = map.to(kGpu);
+      Tensor want = poisoned_gpu({d.rows, N}, dt), got = poisoned_gpu({d.rows, N}, dt);
+      GroupedGemmCall call;
+      call.op = GroupedGemmCall::kForward;
+      call.w = GroupedWeights::from_stacked(w_g);
+      call.groups = d.gpu_layout();
+      call.rows = d.rows;
+      call.num_groups = E;
+      call.n = N;
+      call.k = K;
+      call.a = a_g;
+      call.out = want;
+      cuda::grouped_gemm(call, nullptr);
+      call.a = src_g;
+      call.a_rows = map_g;
+      call.out = got;
+      cuda::grouped_gemm(call, nullptr);
+      MOEFLOW_CUDA_CHECK(cudaDeviceSynchronize());
+      Tensor want_h = want.to(Device::cpu()), got_h = got.to(Device::cpu());
+      ASSERT_EQ(std::memcmp(want_h.data(), got_h.data(), want_h.nbytes()), 0)
+          << "gathered forward differs from the contiguous forward";
+    }
+  }
+  // bad input: a row map of the wrong length
+  const Problem& pr = kProblems[1];
+  const Data d = make_data(pr);
+  GroupedGemmCall call;
+  call.op = GroupedGemmCall::kForward;
+  Tensor w_g = Tensor::empty({2, pr.n, pr.k}, DType::kBFloat16, kGpu);
+  call.w = GroupedWeights::from_stacked(w_g);
+  call.groups = d.gpu_layout();
+  call.rows = d.rows;
+  call.num_groups = 2;
+  call.n = pr.n;
+  call.k = pr.k;
+  call.a = Tensor::empty({8, pr.k}, DType::kBFloat16, kGpu);
+  call.out = Tensor::empty({d.rows, pr.n}, DType::kBFloat16, kGpu);
+  call.a_rows = Tensor::empty({d.rows - 1}, DType::kInt32, kGpu);
+  EXPECT_THROW(cuda::grouped_gemm(call, nullptr), Error);
 }
 
 INSTANTIATE_TEST_SUITE_P(

@@ -15,6 +15,7 @@
 #include "core/mlp_call.h"
 #include "cpu/grouped_mlp.h"
 #include "moeflow/grouped_mlp.h"
+#include "gpu_util.h"
 #include "test_mlp_api.h"
 #include "test_util.h"
 
@@ -22,12 +23,6 @@ namespace moeflow::test {
 namespace {
 
 const Device kGpu = Device::cuda(0);
-
-bool is_hopper() {
-  int major = 0;
-  cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, 0);
-  return major == 9;
-}
 
 struct Case {
   Activation act;

@@ -57,6 +57,11 @@ struct GroupedGemmCall {
   int64_t rows = 0;       // rows of a (and b, out)
   int64_t num_groups = 0; // E
   int64_t n = 0, k = 0;   // each weight is [n,k]
+  // Forward only (CUDA, Hopper, stacked weights): gathered A rows, int32
+  // [rows]: row m of the product uses row a_rows[m] of `a` (-1: a zero row),
+  // so tokens received once per GPU can feed every expert they go to
+  // without being copied per expert. Values are not checked on the host.
+  TensorView a_rows;
 };
 
 namespace cpu {

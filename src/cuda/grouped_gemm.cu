@@ -146,6 +146,7 @@ bool launch_tma(const Params& p, cudaStream_t stream, const Epi& epi = {}) {
   CUtensorMap map_a, map_w, map_c, map_raw;
   std::memset(&map_raw, 0, sizeof(map_raw));
   if (MODE == 0) {  // A [rows,K] in 128 x 64 boxes; W as [E*N, K] in 256 x 64 boxes
+    // (gathered rows: A is read by cp.async, this map is not used)
     map_a = tensor_map_2d(p.a, p.rows, p.k_red, p.lda, t::kTileM);
     // (fused GLU halves: two 128-row boxes per tile, gate rows then up rows)
     map_w = tensor_map_2d(p.b, w_rows, p.k_red, p.ldb, Epi::kSplitB ? t::kTileN / 2 : t::kTileN);
@@ -338,6 +339,25 @@ void grouped_gemm(const GroupedGemmCall& c, cudaStream_t stream) {
       check_rows16(c.out, fwd ? "c" : "da");
       p.n_out = fwd ? c.n : c.k;
       p.k_red = fwd ? c.k : c.n;
+      if (c.a_rows.defined()) {
+        MOEFLOW_CHECK(fwd, "a_rows (gathered A rows) applies to the forward only");
+        MOEFLOW_CHECK(c.a_rows.dtype == DType::kInt32 && c.a_rows.ndim == 1 &&
+                          c.a_rows.shape[0] == c.rows && c.a_rows.is_contiguous(),
+                      "a_rows must be contiguous int32 [", c.rows, "], got ", c.a_rows.str());
+        MOEFLOW_CHECK(use_sm90() && stacked != nullptr && c.k % 8 == 0,
+                      "gathered A rows need a Hopper GPU, stacked weights and K % 8 == 0");
+        MOEFLOW_CHECK(c.a.ndim == 2 && c.a.shape[0] >= 1 && c.a.shape[0] < (int64_t{1} << 31),
+                      "gathered A rows: a must be [source rows, K] with 1 <= rows < 2^31, got ",
+                      c.a.str());
+        p.a_rows = c.a_rows.data_ptr<int32_t>();
+        p.a_src_rows = c.a.shape[0];
+        const bool bf = in == DType::kBFloat16;
+        MOEFLOW_CHECK(c.out.dtype == in, "gathered A rows: out must have a's dtype");
+        const bool ok = bf ? launch_tma<__nv_bfloat16, __nv_bfloat16, 0>(p, stream)
+                           : launch_tma<__half, __half, 0>(p, stream);
+        MOEFLOW_CHECK(ok, "gathered A rows: the TMA grouped GEMM does not take this problem");
+        return;
+      }
       if (fwd)
         launch_in<true, true>(in, c.out.dtype, p, stream);
       else

@@ -72,6 +72,9 @@ struct Params {
   int64_t k_red;   // rows-grouped: reduction length
   int raster = kRasterBand;  // m tiles per raster band
   int64_t n_store = 0;       // output columns when they differ from n_out (fused GLU: F)
+  // Forward on the TMA path only: row m of A is row a_rows[m] of `a` (-1: zeros).
+  const int32_t* a_rows = nullptr;
+  int64_t a_src_rows = 0;  // rows of `a` when a_rows is given
 };
 
 // Shared-memory tile of R rows x C bf16/fp16 elements, in 16-byte chunks with

@@ -248,7 +248,9 @@ __global__ void __launch_bounds__(kThreads, 1)
 
   if (threadIdx.x == 0) {
     for (int s = 0; s < stages; ++s) {
-      mbar_init(&full[s], 1);   // the producer's arrive (+ the TMA bytes)
+      // the producer's arrive (+ the TMA bytes); gathered A rows: + one
+      // cp.async completion arrive per producer lane
+      mbar_init(&full[s], MODE == 0 && p.a_rows != nullptr ? 1 + 32 : 1);
       mbar_init(&empty[s], 2);  // one arrive per consumer warpgroup
     }
     mbar_init(go, 1);
@@ -269,9 +271,12 @@ __global__ void __launch_bounds__(kThreads, 1)
   const int wg = threadIdx.x / 128;
 
   if (wg == 0) {
-    // Producer: one thread walks the same tiles and K slices as the consumers.
+    // Producer: one thread walks the same tiles and K slices as the consumers
+    // (gathered A rows: the 32 lanes of warp 0, lane 0 issuing the TMA loads).
     setmaxnreg_dec<56>();
-    if (threadIdx.x == 0) {
+    const bool gather = MODE == 0 && p.a_rows != nullptr;
+    if (threadIdx.x == 0 || (gather && threadIdx.x < 32)) {
+      const bool leader = threadIdx.x == 0;
       // What the producer needs of a tile, in 32-bit (the TMA path keeps rows < 2^31).
       struct Loads {
         int k_tiles, m0, n0, kr0, w_row;
@@ -307,6 +312,15 @@ __global__ void __launch_bounds__(kThreads, 1)
         const int32_t next = tile + gridDim.x;
         Loads nxt{};
         bool have_next = false;
+        // Gathered A: source rows of tile rows lane + 32 i (-1: a zero row).
+        int32_t src[4] = {-1, -1, -1, -1};
+        if (gather) {
+#pragma unroll
+          for (int i = 0; i < 4; ++i) {
+            const int64_t row = int64_t{cur.m0} + threadIdx.x + 32 * i;
+            if (cur.k_tiles > 0 && row < p.rows) src[i] = p.a_rows[row];
+          }
+        }
         for (int kt = 0; kt < cur.k_tiles; ++kt, ++it) {
           const int s = ps;
           mbar_wait(&empty[s], pphase ^ 1);
@@ -315,7 +329,38 @@ __global__ void __launch_bounds__(kThreads, 1)
             pphase ^= 1;
           }
           uint8_t* stage = smem + s * kStageBytes;
-          mbar_expect_tx(&full[s], kStageBytes);
+          if (gather) {
+            // A rows by cp.async into the 128-byte swizzled layout the TMA
+            // would write (16-byte piece c of row r at piece c ^ (r % 8));
+            // rows -1 and columns past K are zero-filled.
+            const TIn* a = static_cast<const TIn*>(p.a);
+#pragma unroll
+            for (int i = 0; i < 4; ++i) {
+              const int r = threadIdx.x + 32 * i;
+#pragma unroll
+              for (int piece = 0; piece < 8; ++piece) {
+                const int64_t col = int64_t{kt} * kTileK + piece * 8;
+                const bool ok = src[i] >= 0 && col < p.k_red;
+                const TIn* g = ok ? a + int64_t{src[i]} * p.lda + col : a;
+                asm volatile(
+                    "cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(
+                        smem_u32(stage + r * 128 + ((piece ^ (r & 7)) << 4))),
+                    "l"(g), "r"(ok ? 16 : 0)
+                    : "memory");
+              }
+            }
+            asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];\n" ::"r"(
+                             smem_u32(&full[s]))
+                         : "memory");
+          }
+          if (!leader) {  // gather lanes: the A rows only
+            if (kt == 0 && next < num_tiles) {
+              nxt = loads_of(next);
+              have_next = true;
+            }
+            continue;
+          }
+          mbar_expect_tx(&full[s], gather ? kStageBytesB : kStageBytes);
           if constexpr (MODE == 2) {  // rows of dC and A: MN-major boxes
             const int r = cur.kr0 + kt * kTileK;
 #pragma unroll
@@ -325,7 +370,7 @@ __global__ void __launch_bounds__(kThreads, 1)
             for (int i = 0; i < kTileN / 64; ++i)
               tma_load_2d(stage + kStageBytesA + i * 8192, &map_w, &full[s], cur.n0 + i * 64, r);
           } else {
-            tma_load_2d(stage, &map_a, &full[s], kt * kTileK, cur.m0);
+            if (!gather) tma_load_2d(stage, &map_a, &full[s], kt * kTileK, cur.m0);
             if constexpr (MODE == 1) {
               // NOTE: reduction rows past N read the next expert's rows; they meet
               // the zero-filled columns of A (dC) past N and add nothing.
@@ -498,6 +543,9 @@ __global__ void __launch_bounds__(kThreads, 1)
       for (int kt = 0; kt < tw.k_tiles; ++kt, ++it) {
         const int s = cs;
         mbar_wait(&full[s], cphase);
+        // gathered A rows came by cp.async (generic proxy): order them before
+        // the wgmma reads (async proxy)
+        if (MODE == 0 && p.a_rows != nullptr) sm90::fence_proxy_async();
         if constexpr (MODE == 2) {
           if (kt == tw.k_tiles - 1 && tw.last_rows < kTileK) {
             // The group's last slice: zero the rows past its end. Each
