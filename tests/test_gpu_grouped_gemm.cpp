@@ -134,6 +134,9 @@ const std::vector<Problem> kProblems = {
     random_problem(16, 300, 256, 192, 2, 64),
     random_problem(5, 1000, 512, 264, 3, 128),
     random_problem(33, 40, 128, 256, 4, 1),
+    // a pad-only tile after one with data, odd tile counts, a group whose
+    // rows are all padding
+    {{384, 512, 128, 256}, {100, 300, 0, 256}, 64, 520},
 };
 
 TEST_P(GpuGemm, ForwardDgradWgradMatchCpu) {

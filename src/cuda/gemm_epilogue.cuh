@@ -49,6 +49,25 @@ __device__ __forceinline__ void dispatch_activation(Activation act, F&& f) {
   }
 }
 
+// Router probabilities of a warpgroup's 64 rows for the helper warps
+// (helper-mode epilogues): each consumer thread loads those of its two rows
+// (rl, rl + 8) when the tile starts; after the main loop the threads of lane
+// % 4 == 0 put them in shared memory, where the helpers read them. (Read from
+// global memory inside the helpers' loop, the load latency of every 16-byte
+// piece serialised their work and held the consumers up.)
+__device__ __forceinline__ void load_row_probs(const float* probs, float (&pr)[2], int64_t wg_row0,
+                                               int rl, int data_rows) {
+  pr[0] = probs != nullptr && rl < data_rows ? probs[wg_row0 + rl] : 1.0f;
+  pr[1] = probs != nullptr && rl + 8 < data_rows ? probs[wg_row0 + rl + 8] : 1.0f;
+}
+__device__ __forceinline__ void stage_row_probs(float* sm, const float (&pr)[2], int rl, int lane) {
+  if (lane % 4 == 0) {
+    sm[rl] = pr[0];
+    sm[rl + 8] = pr[1];
+  }
+}
+constexpr int kRowProbSmem = 64 * 4;  // bytes per warpgroup
+
 // C = accumulator (the plain grouped GEMM).
 struct EpiIdentity {
   static constexpr int kOutCols = 256;
@@ -171,8 +190,7 @@ struct EpiMlpFc1 {
   __device__ __forceinline__ Tile load_tile(int group, int n0, int tid, int, int64_t wg_row0,
                                             int rl, int data_rows) const {
     Tile t;
-    t.prob[0] = probs != nullptr && rl < data_rows ? probs[wg_row0 + rl] : 1.0f;
-    t.prob[1] = probs != nullptr && rl + 8 < data_rows ? probs[wg_row0 + rl + 8] : 1.0f;
+    load_row_probs(probs, t.prob, wg_row0, rl, data_rows);
     t.bias_pair = 0;
     if (bias == nullptr) return t;
     const TOut* b = bias + int64_t{group} * n1();
@@ -271,8 +289,13 @@ struct EpiMlpFc1 {
   __device__ __forceinline__ float act_value(Act<A>, float g, float u, float prob) const {
     return act_forward(A, g, u, ap) * prob;
   }
-  __device__ __forceinline__ float row_prob(int64_t row) const {
-    return probs != nullptr ? probs[row] : 1.0f;
+  // Helper mode: the rows' probabilities through shared memory (sm: the
+  // warpgroup's kRowProbSmem bytes, free once finish() has read the bias).
+  __device__ __forceinline__ void stage_probs(float* sm, const Tile& t, int rl, int lane) const {
+    if (probs != nullptr) stage_row_probs(sm, t.prob, rl, lane);
+  }
+  __device__ __forceinline__ float staged_prob(const float* sm, int r) const {
+    return probs != nullptr ? sm[r] : 1.0f;
   }
   __device__ __forceinline__ bool save_raw() const {
     return raw != nullptr;
@@ -308,7 +331,7 @@ struct EpiMlpDglu {
   static constexpr bool kSplitB = false;
   static constexpr bool kHelperAct = true;
   static constexpr bool kDglu = true;
-  static constexpr int kBiasSmem = 0;
+  static constexpr int kBiasSmem = kRowProbSmem;  // no bias: the rows' probabilities
   Activation act = Activation::kSwiGLU;
   ActivationParams ap;
   int64_t f = 0;                 // F
@@ -319,15 +342,26 @@ struct EpiMlpDglu {
   float* part = nullptr;         // partial dprobs, or null
   int64_t part_ld = 0;
 
-  struct Tile {};
-  __device__ __forceinline__ Tile load_tile(int, int, int, int, int64_t, int, int) const {
-    return {};
+  struct Tile {
+    float prob[2];
+  };
+  __device__ __forceinline__ Tile load_tile(int, int, int, int, int64_t wg_row0, int rl,
+                                            int data_rows) const {
+    Tile t;
+    load_row_probs(probs, t.prob, wg_row0, rl, data_rows);
+    return t;
   }
   __device__ __forceinline__ bool has_bias() const {
     return false;
   }
   __device__ __forceinline__ void stage_bias(uint32_t*, const Tile&, int) const {}
   __device__ __forceinline__ void finish(float (&)[128], const uint32_t*, int) const {}
+  __device__ __forceinline__ void stage_probs(float* sm, const Tile& t, int rl, int lane) const {
+    if (probs != nullptr) stage_row_probs(sm, t.prob, rl, lane);
+  }
+  __device__ __forceinline__ float staged_prob(const float* sm, int r) const {
+    return probs != nullptr ? sm[r] : 1.0f;
+  }
   __device__ __forceinline__ int64_t n1() const {
     return GATED ? 2 * f : f;
   }

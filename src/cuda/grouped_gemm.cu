@@ -186,7 +186,12 @@ bool launch_tma(const Params& p, cudaStream_t stream, const Epi& epi = {}) {
                                 {p.n_out * int64_t{sizeof(TOut)}}, {kCw, 64});
     }
   }
-  const auto kernel = t::grouped_gemm_tma_kernel<TIn, TOut, MODE, Epi>;
+  auto kernel = t::grouped_gemm_tma_kernel<TIn, TOut, MODE, Epi, false>;
+  if constexpr (MODE == 0 && std::is_same_v<Epi, t::EpiIdentity>) {
+    if (p.a_rows != nullptr) kernel = t::grouped_gemm_tma_kernel<TIn, TOut, MODE, Epi, true>;
+  } else {
+    MOEFLOW_CHECK(p.a_rows == nullptr, "gathered A rows apply to the plain forward only");
+  }
   const size_t limit = max_dynamic_smem(kernel);
   // Pipeline stages and staging buffers per warpgroup: the tuned default (4, 2)
   // unless set_tma_tuning() asks otherwise; fewer stages when the group table
@@ -194,6 +199,8 @@ bool launch_tma(const Params& p, cudaStream_t stream, const Epi& epi = {}) {
   const int want_stages = g_tune_stages.load(), want_bufs = g_tune_bufs.load();
   int stages = want_stages > 0 ? std::min(want_stages, t::kMaxStages) : t::kMaxStages;
   // Helper mode stages all four 64-column chunks of a warpgroup's tile at once.
+  // (Four chunks shared by the two warpgroups, which lets four stages fit,
+  // measured slower: the second warpgroup waits for the helpers.)
   const int bufs = Epi::kHelperAct ? 4 : want_bufs > 0 ? std::clamp(want_bufs, 2, t::kMaxBufs) : 2;
   while (stages > 2 && t::Smem::bytes(stages, bufs, p.num_groups, Epi::kBiasSmem) > limit) --stages;
   const size_t smem = t::Smem::bytes(stages, bufs, p.num_groups, Epi::kBiasSmem);

@@ -52,8 +52,8 @@ constexpr int kMaxBufs = 5;            // staging buffers per consumer warpgroup
 // warps about the chunks it staged. Hand-over through named barriers
 // (bar.arrive by one side, bar.sync by the other, 128 + 96 threads): id
 // kStagedBar + c "consumer c staged its chunks", kFreedBar + c "the helpers
-// are done with consumer c's chunks" (skipped before the first tile and
-// after the last).
+// are done with consumer c's chunks and probabilities" (skipped before the
+// first tile and after the last).
 constexpr int kHelperBar = 1, kStagedBar = 4, kFreedBar = 6, kHandOver = 128 + 96;
 struct HelperInfo {
   int64_t wg_row0;  // global row of the warpgroup's first row
@@ -175,7 +175,7 @@ __device__ __forceinline__ void zero_slice_rows(uint8_t* base, int blocks, int f
 // column order (deterministic) and writes the tile's partial for the row.
 template <typename Epi>
 __device__ __forceinline__ void help_dglu(const Epi& epi, const HelperInfo& inf, uint8_t* st,
-                                          int htid) {
+                                          const float* probs_sm, int htid) {
   constexpr int kHelpers = 96;
   auto slot = [&](int r, int unit) {  // the 16 bytes of piece 2*(unit%4) of chunk unit/4
     const int piece = (unit % 4) * 2;
@@ -196,7 +196,7 @@ __device__ __forceinline__ void help_dglu(const Epi& epi, const HelperInfo& inf,
                                                      (((piece + 1) ^ (r & 7)) << 4))};
         const bool data = r < inf.data_rows;
         const int64_t row = inf.wg_row0 + r;
-        const float prob = data && epi.probs != nullptr ? epi.probs[row] : 1.0f;
+        const float prob = data ? epi.staged_prob(probs_sm, r) : 1.0f;
         dp = epi.dglu16(variant, row, j0, da, data, prob);
       }
       *reinterpret_cast<float*>(s0) = dp;
@@ -222,7 +222,9 @@ __device__ __forceinline__ void help_dglu(const Epi& epi, const HelperInfo& inf,
 // The epilogue functor (gemm_epilogue.cuh) maps the accumulators to the
 // output: identity, or the fused FC1 bias + activation + probability scale,
 // which also stores the pre-activation values through map_raw.
-template <typename TIn, typename TOut, int MODE, typename Epi = EpiIdentity>
+// GATHER (forward only): row m of A is row p.a_rows[m] (a template flag, so
+// that the other kernels' producer carries none of its registers).
+template <typename TIn, typename TOut, int MODE, typename Epi = EpiIdentity, bool GATHER = false>
 __global__ void __launch_bounds__(kThreads, 1)
     grouped_gemm_tma_kernel(Params p, const __grid_constant__ CUtensorMap map_a,
                             const __grid_constant__ CUtensorMap map_w,
@@ -234,7 +236,9 @@ __global__ void __launch_bounds__(kThreads, 1)
   uint8_t* smem =
       reinterpret_cast<uint8_t*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t{1023});
   uint8_t* staging = smem + stages * kStageBytes;  // 1024-aligned
+  // (helper mode: after the bias is added, the rows' probabilities for the helpers)
   uint32_t* bias_smem = reinterpret_cast<uint32_t*>(staging + 2 * bufs * kChunkBytes);
+  static_assert(!Epi::kHelperAct || Epi::kBiasSmem >= kRowProbSmem, "room for the probabilities");
   HelperBlock* hb =
       reinterpret_cast<HelperBlock*>(staging + 2 * bufs * kChunkBytes + 2 * Epi::kBiasSmem);
   uint64_t* full = reinterpret_cast<uint64_t*>(hb + 1);
@@ -250,7 +254,7 @@ __global__ void __launch_bounds__(kThreads, 1)
     for (int s = 0; s < stages; ++s) {
       // the producer's arrive (+ the TMA bytes); gathered A rows: + one
       // cp.async completion arrive per producer lane
-      mbar_init(&full[s], MODE == 0 && p.a_rows != nullptr ? 1 + 32 : 1);
+      mbar_init(&full[s], GATHER ? 1 + 32 : 1);
       mbar_init(&empty[s], 2);  // one arrive per consumer warpgroup
     }
     mbar_init(go, 1);
@@ -274,9 +278,10 @@ __global__ void __launch_bounds__(kThreads, 1)
     // Producer: one thread walks the same tiles and K slices as the consumers
     // (gathered A rows: the 32 lanes of warp 0, lane 0 issuing the TMA loads).
     setmaxnreg_dec<56>();
-    const bool gather = MODE == 0 && p.a_rows != nullptr;
+    constexpr bool gather = GATHER;
+    static_assert(!GATHER || MODE == 0, "gathered A rows: forward only");
     if (threadIdx.x == 0 || (gather && threadIdx.x < 32)) {
-      const bool leader = threadIdx.x == 0;
+      const bool leader = !gather || threadIdx.x == 0;
       // What the producer needs of a tile, in 32-bit (the TMA path keeps rows < 2^31).
       struct Loads {
         int k_tiles, m0, n0, kr0, w_row;
@@ -314,7 +319,7 @@ __global__ void __launch_bounds__(kThreads, 1)
         bool have_next = false;
         // Gathered A: source rows of tile rows lane + 32 i (-1: a zero row).
         int32_t src[4] = {-1, -1, -1, -1};
-        if (gather) {
+        if constexpr (gather) {
 #pragma unroll
           for (int i = 0; i < 4; ++i) {
             const int64_t row = int64_t{cur.m0} + threadIdx.x + 32 * i;
@@ -329,7 +334,7 @@ __global__ void __launch_bounds__(kThreads, 1)
             pphase ^= 1;
           }
           uint8_t* stage = smem + s * kStageBytes;
-          if (gather) {
+          if constexpr (gather) {
             // A rows by cp.async into the 128-byte swizzled layout the TMA
             // would write (16-byte piece c of row r at piece c ^ (r % 8));
             // rows -1 and columns past K are zero-filled.
@@ -423,8 +428,10 @@ __global__ void __launch_bounds__(kThreads, 1)
             named_barrier(kStagedBar + cw, kHandOver);
             const HelperInfo inf = hb->info[cw];
             uint8_t* st = staging + cw * bufs * kChunkBytes;
+            const float* probs_sm =
+                reinterpret_cast<const float*>(bias_smem) + cw * (Epi::kBiasSmem / 4);
             if constexpr (Epi::kDglu) {
-              if (inf.wg_rows > 0) help_dglu(epi, inf, st, htid);
+              if (inf.wg_rows > 0) help_dglu(epi, inf, st, probs_sm, htid);
             } else if (inf.wg_rows > 0) {
               if (epi.save_raw()) {
                 for (int q = 0; q < kTileN / kCw; ++q) {
@@ -454,7 +461,7 @@ __global__ void __launch_bounds__(kThreads, 1)
                   Pack<TOut, kVec> u{};
                   if constexpr (Epi::GATED)
                     u = *reinterpret_cast<const Pack<TOut, kVec>*>(gp + 2 * kChunkBytes);
-                  const float prob = r < inf.data_rows ? epi.row_prob(inf.wg_row0 + r) : 0.0f;
+                  const float prob = r < inf.data_rows ? epi.staged_prob(probs_sm, r) : 0.0f;
                   Pack<TOut, kVec> o;
 #pragma unroll
                   for (int e = 0; e < kVec; ++e)
@@ -545,7 +552,7 @@ __global__ void __launch_bounds__(kThreads, 1)
         mbar_wait(&full[s], cphase);
         // gathered A rows came by cp.async (generic proxy): order them before
         // the wgmma reads (async proxy)
-        if (MODE == 0 && p.a_rows != nullptr) sm90::fence_proxy_async();
+        if constexpr (GATHER) sm90::fence_proxy_async();
         if constexpr (MODE == 2) {
           if (kt == tw.k_tiles - 1 && tw.last_rows < kTileK) {
             // The group's last slice: zero the rows past its end. Each
@@ -609,12 +616,21 @@ __global__ void __launch_bounds__(kThreads, 1)
       sm90::wgmma_wait<0>();
       sm90::fence_operands(acc);
       if (tw.k_tiles > 0 && tid == 0) mbar_arrive(&empty[prev_s]);
+      // Helper mode: the helpers are done with the staging chunks and the
+      // probabilities this warpgroup last handed them.
+      if constexpr (Epi::kHelperAct) {
+        if (tile != static_cast<int32_t>(blockIdx.x)) named_barrier(kFreedBar + c, kHandOver);
+      }
       if (epi.has_bias()) {  // uniform
         named_barrier(2 + c, 128);  // the previous tile's reads of my_bias are done
         epi.stage_bias(my_bias, ts, tid);
         named_barrier(2 + c, 128);
       }
       epi.finish(acc, my_bias, lane);  // e.g. + bias
+      if constexpr (Epi::kHelperAct) {  // the rows' probabilities, where the bias was
+        if (epi.has_bias()) named_barrier(2 + c, 128);  // every thread's reads of the bias are done
+        epi.stage_probs(reinterpret_cast<float*>(my_bias), ts, rl0, lane);
+      }
       // The next tile's geometry: its loads run while this epilogue does.
       Work nw{};
       if (next < num_tiles) nw = work_of(next);
@@ -626,7 +642,6 @@ __global__ void __launch_bounds__(kThreads, 1)
         // Stage the 256 pre-activation columns (pad rows zero) in this
         // warpgroup's four buffers and hand them to the helper warps.
         const int data_rows = max(0, min(64, tw.data_rows - c * 64));
-        if (tile != static_cast<int32_t>(blockIdx.x)) named_barrier(kFreedBar + c, kHandOver);
         if (wg_rows > 0) {
 #pragma unroll
           for (int q = 0; q < 4; ++q) {
