@@ -273,14 +273,18 @@ struct EpiMlpFc1 {
   template <Activation A>
   __device__ __forceinline__ float2 value(Act<A>, const float (&acc)[128], int j, int half,
                                           int64_t col, int group, const Tile& t) const {
+    // from the pre-activation values rounded as they are stored (as the
+    // helper warps, the backward and the CPU reference take them)
+    auto rounded = [](float v) { return to_float(from_float<TOut>(v)); };
     float out[2];
 #pragma unroll
     for (int e = 0; e < 2; ++e) {
       if constexpr (GATED)
-        out[e] = act_forward(A, pick(acc, j, 2 * half + e, 0), pick(acc, j, 2 * half + e, 1), ap) *
+        out[e] = act_forward(A, rounded(pick(acc, j, 2 * half + e, 0)),
+                             rounded(pick(acc, j, 2 * half + e, 1)), ap) *
                  t.prob[half];
       else
-        out[e] = act_forward(A, acc[4 * j + 2 * half + e], 0.0f, ap) * t.prob[half];
+        out[e] = act_forward(A, rounded(acc[4 * j + 2 * half + e]), 0.0f, ap) * t.prob[half];
     }
     return make_float2(out[0], out[1]);
   }
