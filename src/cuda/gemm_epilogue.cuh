@@ -394,42 +394,39 @@ struct EpiMlpDglu {
   __device__ __forceinline__ void dispatch(F&& f) const {
     dispatch_activation<GATED>(act, f);
   }
-  // One 16-column piece pair (two 16-byte halves of 8 columns each) of row
-  // `row`, d(a) columns j0..j0+15 from `da` (the staged values): writes d(h)
-  // and returns the piece's <d(a), act(h)>. data: the row holds data (else
-  // zeros are written).
+  // One 8-column piece of row `row`, d(a) columns j0..j0+7 from `da` (the
+  // staged values): writes d(h) and returns the piece's <d(a), act(h)>.
+  // data: the row holds data (else zeros are written).
   template <Activation A>
-  __device__ __forceinline__ float dglu16(Act<A>, int64_t row, int64_t j0, const Pack<TOut, 8> (&da)[2],
-                                          bool data, float prob) const {
+  __device__ __forceinline__ float dglu8(Act<A>, int64_t row, int64_t j0, const Pack<TOut, 8>& da,
+                                         bool data, float prob) const {
     using V = Pack<TOut, 8>;
     const int64_t base = row * n1();
-    V g[2], u[2];
-    if (data) {
-#pragma unroll
-      for (int k = 0; k < 2; ++k) {
-        g[k] = *reinterpret_cast<const V*>(h + base + gate_col(j0 + 8 * k));
-        if constexpr (GATED) u[k] = *reinterpret_cast<const V*>(h + base + up_col(j0 + 8 * k));
+    V g{}, u{};
+    if (data) {  // read-only path: h is never written by this kernel
+      const uint4 gw = __ldg(reinterpret_cast<const uint4*>(h + base + gate_col(j0)));
+      g = *reinterpret_cast<const V*>(&gw);
+      if constexpr (GATED) {
+        const uint4 uw = __ldg(reinterpret_cast<const uint4*>(h + base + up_col(j0)));
+        u = *reinterpret_cast<const V*>(&uw);
       }
     }
     float dp = 0.0f;
+    V dg, du;
 #pragma unroll
-    for (int k = 0; k < 2; ++k) {
-      V dg, du;
-#pragma unroll
-      for (int i = 0; i < 8; ++i) {
-        float dgv = 0.0f, duv = 0.0f;
-        if (data) {
-          const float gv = to_float(g[k].v[i]), uv = GATED ? to_float(u[k].v[i]) : 0.0f;
-          const float dav = to_float(da[k].v[i]);
-          dp += dav * act_forward(A, gv, uv, ap);
-          act_backward(A, gv, uv, dav * prob, ap, &dgv, &duv);
-        }
-        dg.v[i] = from_float<TOut>(dgv);
-        du.v[i] = from_float<TOut>(duv);
+    for (int i = 0; i < 8; ++i) {
+      float dgv = 0.0f, duv = 0.0f;
+      if (data) {
+        const float gv = to_float(g.v[i]), uv = GATED ? to_float(u.v[i]) : 0.0f;
+        const float dav = to_float(da.v[i]);
+        dp += dav * act_forward(A, gv, uv, ap);
+        act_backward(A, gv, uv, dav * prob, ap, &dgv, &duv);
       }
-      *reinterpret_cast<V*>(d_h + base + gate_col(j0 + 8 * k)) = dg;
-      if constexpr (GATED) *reinterpret_cast<V*>(d_h + base + up_col(j0 + 8 * k)) = du;
+      dg.v[i] = from_float<TOut>(dgv);
+      du.v[i] = from_float<TOut>(duv);
     }
+    *reinterpret_cast<V*>(d_h + base + gate_col(j0)) = dg;
+    if constexpr (GATED) *reinterpret_cast<V*>(d_h + base + up_col(j0)) = du;
     return dp;
   }
 };

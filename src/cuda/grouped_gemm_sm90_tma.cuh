@@ -167,37 +167,36 @@ __device__ __forceinline__ void zero_slice_rows(uint8_t* base, int blocks, int f
   }
 }
 
-// Helper warps, fused dGLU (EpiMlpDglu): units of one row and 16 columns of
-// the staged d(a) tile (64 rows x 16 units), strided over the 96 helpers
-// (neighbouring helpers take neighbouring columns of a row: coalesced loads
-// of h and stores of d(h)). A unit's partial <d(a), act(h)> overwrites its
-// own staged bytes; after a barrier helper r < 64 adds row r's 16 partials in
-// column order (deterministic) and writes the tile's partial for the row.
+// Helper warps, fused dGLU (EpiMlpDglu): units of one row and 8 columns (one
+// 16-byte piece) of the staged d(a) tile (64 rows x 32 units), strided over
+// the 96 helpers (neighbouring helpers take neighbouring columns of a row:
+// coalesced loads of h and stores of d(h)). Units of 8 columns keep the
+// helpers within their 56 registers (16-column units spilled). A unit's
+// partial <d(a), act(h)> overwrites its own staged bytes; after a barrier
+// helper r < 64 adds row r's 32 partials in column order (deterministic) and
+// writes the tile's partial for the row.
 template <typename Epi>
 __device__ __forceinline__ void help_dglu(const Epi& epi, const HelperInfo& inf, uint8_t* st,
                                           const float* probs_sm, int htid) {
   constexpr int kHelpers = 96;
-  auto slot = [&](int r, int unit) {  // the 16 bytes of piece 2*(unit%4) of chunk unit/4
-    const int piece = (unit % 4) * 2;
-    return st + (unit / 4) * kChunkBytes + r * 128 + ((piece ^ (r & 7)) << 4);
+  auto slot = [&](int r, int unit) {  // piece unit%8 of chunk unit/8
+    return st + (unit / 8) * kChunkBytes + r * 128 + (((unit % 8) ^ (r & 7)) << 4);
   };
   epi.dispatch([&](auto variant) {
-    for (int i = htid; i < 64 * 16; i += kHelpers) {
-      const int r = i / 16, unit = i % 16;
+    // (two units per step: the loads of h of both are in flight together)
+#pragma unroll 2
+    for (int i = htid; i < 64 * 32; i += kHelpers) {
+      const int r = i / 32, unit = i % 32;
       if (r >= inf.wg_rows) continue;
-      const int piece = (unit % 4) * 2;
-      const int64_t j0 = int64_t{inf.tile_n} * kTileN + (unit / 4) * 64 + piece * 8;
+      const int64_t j0 = int64_t{inf.tile_n} * kTileN + unit * 8;
       float dp = 0.0f;
       uint8_t* s0 = slot(r, unit);
       if (j0 < epi.f) {
         using P = Pack<typename std::remove_pointer<decltype(epi.d_h)>::type, 8>;
-        const P da[2] = {*reinterpret_cast<const P*>(s0),
-                         *reinterpret_cast<const P*>(st + (unit / 4) * kChunkBytes + r * 128 +
-                                                     (((piece + 1) ^ (r & 7)) << 4))};
+        const P da = *reinterpret_cast<const P*>(s0);
         const bool data = r < inf.data_rows;
-        const int64_t row = inf.wg_row0 + r;
         const float prob = data ? epi.staged_prob(probs_sm, r) : 1.0f;
-        dp = epi.dglu16(variant, row, j0, da, data, prob);
+        dp = epi.dglu8(variant, inf.wg_row0 + r, j0, da, data, prob);
       }
       *reinterpret_cast<float*>(s0) = dp;
     }
@@ -206,7 +205,7 @@ __device__ __forceinline__ void help_dglu(const Epi& epi, const HelperInfo& inf,
   if (epi.part != nullptr && htid < inf.wg_rows) {
     float sum = 0.0f;
 #pragma unroll
-    for (int unit = 0; unit < 16; ++unit) sum += *reinterpret_cast<const float*>(slot(htid, unit));
+    for (int unit = 0; unit < 32; ++unit) sum += *reinterpret_cast<const float*>(slot(htid, unit));
     epi.part[(inf.wg_row0 + htid) * epi.part_ld + inf.tile_n] = sum;
   }
   named_barrier(kHelperBar, kHelpers);  // every helper's reads of the chunks are done
