@@ -103,6 +103,18 @@ __device__ __forceinline__ void tma_store_2d(const CUtensorMap* map, const void*
       "r"(smem_u32(src)), "r"(c0), "r"(c1)
       : "memory");
 }
+// The same with an L2 evict-first hint (outputs not read again soon: they
+// should not push the operand tiles out of L2).
+__device__ __forceinline__ void tma_store_2d_stream(const CUtensorMap* map, const void* src,
+                                                    int c0, int c1) {
+  uint64_t policy;
+  asm volatile("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;\n" : "=l"(policy));
+  asm volatile(
+      "cp.async.bulk.tensor.2d.global.shared::cta.tile.bulk_group.L2::cache_hint"
+      " [%0, {%2, %3}], [%1], %4;\n" ::"l"(reinterpret_cast<uint64_t>(map)),
+      "r"(smem_u32(src)), "r"(c0), "r"(c1), "l"(policy)
+      : "memory");
+}
 template <bool ADD>
 __device__ __forceinline__ void tma_store_3d(const CUtensorMap* map, const void* src, int c0,
                                              int c1, int c2) {
@@ -439,7 +451,7 @@ __global__ void __launch_bounds__(kThreads, 1)
                   if (col0 >= lim) continue;
                   if (inf.tma) {
                     if (htid == 0)
-                      tma_store_2d(&map_raw, st + q * kChunkBytes, static_cast<int>(col0),
+                      tma_store_2d_stream(&map_raw, st + q * kChunkBytes, static_cast<int>(col0),
                                    static_cast<int>(inf.wg_row0));
                   } else {
                     copy_out(st + q * kChunkBytes, static_cast<TOut*>(epi.raw_ptr()), p.n_out,
@@ -476,7 +488,7 @@ __global__ void __launch_bounds__(kThreads, 1)
                 if (col0 >= out_cols) continue;
                 if (inf.tma) {
                   if (htid == 0)
-                    tma_store_2d(&map_c, st + q * kChunkBytes, static_cast<int>(col0),
+                    tma_store_2d_stream(&map_c, st + q * kChunkBytes, static_cast<int>(col0),
                                  static_cast<int>(inf.wg_row0));
                 } else {
                   copy_out(st + q * kChunkBytes, static_cast<TOut*>(p.c), p.ldc, inf.wg_row0,
