@@ -270,19 +270,6 @@ void run_gemm_bench(const GemmBenchOptions& opt) {
             "    fused parts: SwiGLU only {:7.1f}, + pre-activation saved {:7.1f}, + bias {:7.1f}, "
             "+ probs (all) {:7.1f} TFLOP/s\n",
             act_only, act_raw, act_raw_bias, fused);
-        // The fused epilogue's outputs leaving by 16-byte stores of the helper
-        // warps instead of TMA stores (which share the TMA unit with the loads).
-        const auto [fused_st, plain_st] = paired(
-            [&] {
-              cuda::set_gemm_path(cuda::GemmPath::kTmaDirectStore);
-              cuda::mlp_fc1_forward(call, stream);
-              cuda::set_gemm_path(cuda::GemmPath::kAuto);
-            },
-            [&] { grouped_gemm_forward(a, GroupedWeights::from_stacked(w), layout, out, stream); });
-        fmt::print(
-            "    fused with the outputs stored by 16-byte stores {:7.1f} TFLOP/s, FC1 alone {:7.1f}: "
-            "costs {:.3f}x\n",
-            fused_st, plain_st, plain_st / fused_st);
       }
     }
     if (opt.tune) {  // TMA kernel: pipeline stages x staging buffers x raster x stagger

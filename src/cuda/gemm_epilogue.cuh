@@ -192,7 +192,7 @@ struct EpiMlpFc1 {
     Tile t;
     load_row_probs(probs, t.prob, wg_row0, rl, data_rows);
     t.bias_pair = 0;
-    if (bias == nullptr) return t;
+    if (bias == nullptr || kHelperAct) return t;  // helper mode: the helpers add it
     const TOut* b = bias + int64_t{group} * n1();
     bool ok0, ok1;
     const int64_t c = n1_col(n0 / 256, 2 * tid, ok0);
@@ -287,6 +287,12 @@ struct EpiMlpFc1 {
         out[e] = act_forward(A, rounded(acc[4 * j + 2 * half + e]), 0.0f, ap) * t.prob[half];
     }
     return make_float2(out[0], out[1]);
+  }
+  // Helper mode: the bias of FC1 output columns col..col+7 (zeros from lim on).
+  __device__ __forceinline__ void bias8(int group, int64_t col, int64_t lim, float (&b)[8]) const {
+    const TOut* src = bias + int64_t{group} * n1();
+#pragma unroll
+    for (int e = 0; e < 8; ++e) b[e] = col + e < lim ? to_float(src[col + e]) : 0.0f;
   }
   // Helper mode: one output from the staged (rounded) pre-activation values.
   template <Activation A>

@@ -61,7 +61,8 @@ struct HelperInfo {
   int data_rows;    // rows holding data (the rest are pad rows)
   int tile_n;       // 256-column tile index
   int tma;          // stored by the TMA (else masked 16-byte copies)
-  int pad[2];
+  int group;
+  int pad;
 };
 struct HelperBlock {
   HelperInfo info[2];
@@ -444,6 +445,28 @@ __global__ void __launch_bounds__(kThreads, 1)
             if constexpr (Epi::kDglu) {
               if (inf.wg_rows > 0) help_dglu(epi, inf, st, probs_sm, htid);
             } else if (inf.wg_rows > 0) {
+              if (epi.has_bias()) {
+                // The bias, added to the staged (rounded) GEMM output of the
+                // data rows: 32 column pieces of 8 per row; the helper
+                // stride (96) keeps each helper on one column piece, so it
+                // loads its 8 bias values once.
+                const int cp = htid % 32, q = cp / 8, piece = cp % 8;
+                const int64_t col = epi.raw_col(inf.tile_n, q) + piece * 8;
+                const int64_t lim = (Epi::kSplitB && q < 2) ? p.n_out / 2 : p.n_out;
+                if (col < lim) {
+                  float b[8];
+                  epi.bias8(inf.group, col, lim, b);
+                  for (int r = htid / 32; r < inf.data_rows; r += kHelpers / 32) {
+                    uint8_t* gp = st + q * kChunkBytes + r * 128 + ((piece ^ (r & 7)) << 4);
+                    Pack<TOut, 8> v = *reinterpret_cast<const Pack<TOut, 8>*>(gp);
+#pragma unroll
+                    for (int e = 0; e < 8; ++e) v.v[e] = from_float<TOut>(to_float(v.v[e]) + b[e]);
+                    *reinterpret_cast<Pack<TOut, 8>*>(gp) = v;
+                  }
+                }
+                if (inf.tma) sm90::fence_proxy_async();  // generic writes -> the TMA
+                named_barrier(kHelperBar, kHelpers);
+              }
               if (epi.save_raw()) {
                 for (int q = 0; q < kTileN / kCw; ++q) {
                   const int64_t col0 = epi.raw_col(inf.tile_n, q);
@@ -632,15 +655,17 @@ __global__ void __launch_bounds__(kThreads, 1)
       if constexpr (Epi::kHelperAct) {
         if (tile != static_cast<int32_t>(blockIdx.x)) named_barrier(kFreedBar + c, kHandOver);
       }
-      if (epi.has_bias()) {  // uniform
-        named_barrier(2 + c, 128);  // the previous tile's reads of my_bias are done
-        epi.stage_bias(my_bias, ts, tid);
-        named_barrier(2 + c, 128);
-      }
-      epi.finish(acc, my_bias, lane);  // e.g. + bias
-      if constexpr (Epi::kHelperAct) {  // the rows' probabilities, where the bias was
-        if (epi.has_bias()) named_barrier(2 + c, 128);  // every thread's reads of the bias are done
+      if constexpr (Epi::kHelperAct) {
+        // Helper mode: the helpers add the bias to the staged tile; the
+        // rows' probabilities go where the bias would be staged.
         epi.stage_probs(reinterpret_cast<float*>(my_bias), ts, rl0, lane);
+      } else {
+        if (epi.has_bias()) {  // uniform
+          named_barrier(2 + c, 128);  // the previous tile's reads of my_bias are done
+          epi.stage_bias(my_bias, ts, tid);
+          named_barrier(2 + c, 128);
+        }
+        epi.finish(acc, my_bias, lane);  // e.g. + bias
       }
       // The next tile's geometry: its loads run while this epilogue does.
       Work nw{};
@@ -683,6 +708,7 @@ __global__ void __launch_bounds__(kThreads, 1)
           inf.data_rows = data_rows;
           inf.tile_n = tw.n0 / kTileN;
           inf.tma = store_kind != StoreKind::kDirect && wg_rows == 64;
+          inf.group = tw.group;
         }
         named_barrier_arrive(kStagedBar + c, kHandOver);
       } else if (wg_rows > 0) {  // uniform over the warpgroup
