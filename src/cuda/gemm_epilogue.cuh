@@ -300,7 +300,8 @@ struct EpiMlpFc1 {
     return act_forward(A, g, u, ap) * prob;
   }
   // Helper mode: the rows' probabilities through shared memory (sm: the
-  // warpgroup's kRowProbSmem bytes, free once finish() has read the bias).
+  // warpgroup's kRowProbSmem bytes of the bias area, which helper mode does
+  // not use for the bias: the helpers add it).
   __device__ __forceinline__ void stage_probs(float* sm, const Tile& t, int rl, int lane) const {
     if (probs != nullptr) stage_row_probs(sm, t.prob, rl, lane);
   }

@@ -248,7 +248,7 @@ __global__ void __launch_bounds__(kThreads, 1)
   uint8_t* smem =
       reinterpret_cast<uint8_t*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t{1023});
   uint8_t* staging = smem + stages * kStageBytes;  // 1024-aligned
-  // (helper mode: after the bias is added, the rows' probabilities for the helpers)
+  // (helper mode: the rows' probabilities for the helpers instead)
   uint32_t* bias_smem = reinterpret_cast<uint32_t*>(staging + 2 * bufs * kChunkBytes);
   static_assert(!Epi::kHelperAct || Epi::kBiasSmem >= kRowProbSmem, "room for the probabilities");
   HelperBlock* hb =
