@@ -274,8 +274,9 @@ void run_gemm_bench(const GemmBenchOptions& opt) {
     }
     if (opt.tune) {  // TMA kernel: pipeline stages x staging buffers x raster x stagger
       for (const auto [st, nb, rb, sg, ds] :
-           {std::tuple{4, 2, 8, 1, 0}, {3, 2, 8, 1, 0}, {3, 3, 8, 1, 0}, {3, 4, 8, 1, 0},
-            {3, 5, 8, 1, 0}, {3, 5, 8, 2, 0}, {3, 5, 8, 0, 0}, {4, 2, 8, 1, 2}}) {
+           {std::tuple{4, 2, 8, 1, 0}, {3, 2, 8, 1, 0}, {3, 4, 8, 1, 0}, {3, 5, 8, 2, 0},
+            {4, 2, 8, 1, 2}, {4, 2, 2, 1, 0}, {4, 2, 4, 1, 0}, {4, 2, 16, 1, 0},
+            {4, 2, 32, 1, 0}}) {
         cuda::set_tma_tuning({st, nb, rb, sg, ds});
         const double f = tflops(
             [&] { grouped_gemm_forward(a, GroupedWeights::from_stacked(w), layout, out, stream); });
