@@ -68,6 +68,22 @@ __device__ __forceinline__ void stage_row_probs(float* sm, const float (&pr)[2],
 }
 constexpr int kRowProbSmem = 64 * 4;  // bytes per warpgroup
 
+// The router probabilities of the helper-mode epilogues (EpiMlpFc1,
+// EpiMlpDglu): loaded per thread at tile start into Tile::prob, staged by the
+// consumers, read by the helpers from shared memory (sm: the warpgroup's
+// kRowProbSmem bytes of the bias area, which helper mode does not use for the
+// bias).
+struct RowProbs {
+  const float* probs = nullptr;  // [rows] float32, or null
+  template <typename Tile>
+  __device__ __forceinline__ void stage_probs(float* sm, const Tile& t, int rl, int lane) const {
+    if (probs != nullptr) stage_row_probs(sm, t.prob, rl, lane);
+  }
+  __device__ __forceinline__ float staged_prob(const float* sm, int r) const {
+    return probs != nullptr ? sm[r] : 1.0f;
+  }
+};
+
 // C = accumulator (the plain grouped GEMM).
 struct EpiIdentity {
   static constexpr int kOutCols = 256;
@@ -124,7 +140,7 @@ struct EpiIdentity {
 enum Fc1Kind : int { kPlain = 0, kHalves = 1, kInterleaved = 2 };
 
 template <typename TOut, int KIND>
-struct EpiMlpFc1 {
+struct EpiMlpFc1 : RowProbs {
   static_assert(sizeof(TOut) == 2, "the fused FC1 writes 16-bit outputs");
   static constexpr bool GATED = KIND != kPlain;
   static constexpr bool halves = KIND == kHalves;
@@ -139,7 +155,6 @@ struct EpiMlpFc1 {
   int64_t f = 0;                 // F: activation columns (the gated FC1 has 2F rows)
   int il8 = 16;                  // gated: interleave block in fragment columns (il / 8); halves: 16
   const TOut* bias = nullptr;    // [E, N1] in weight-row order, or null
-  const float* probs = nullptr;  // [rows] float32, or null
   TOut* raw = nullptr;           // [rows, N1] pre-activation (with bias) output, or null
 
   // Weight row (= FC1 output column) of the gate / up of activation column c.
@@ -299,15 +314,6 @@ struct EpiMlpFc1 {
   __device__ __forceinline__ float act_value(Act<A>, float g, float u, float prob) const {
     return act_forward(A, g, u, ap) * prob;
   }
-  // Helper mode: the rows' probabilities through shared memory (sm: the
-  // warpgroup's kRowProbSmem bytes of the bias area, which helper mode does
-  // not use for the bias: the helpers add it).
-  __device__ __forceinline__ void stage_probs(float* sm, const Tile& t, int rl, int lane) const {
-    if (probs != nullptr) stage_row_probs(sm, t.prob, rl, lane);
-  }
-  __device__ __forceinline__ float staged_prob(const float* sm, int r) const {
-    return probs != nullptr ? sm[r] : 1.0f;
-  }
   __device__ __forceinline__ bool save_raw() const {
     return raw != nullptr;
   }
@@ -335,7 +341,7 @@ struct EpiMlpFc1 {
 // (summed over the tiles in order afterwards: deterministic). Pad rows get
 // zeros. Needs F % 16 == 0.
 template <typename TOut, int KIND>
-struct EpiMlpDglu {
+struct EpiMlpDglu : RowProbs {
   static_assert(sizeof(TOut) == 2, "the fused dGLU reads 16-bit values");
   static constexpr bool GATED = KIND != kPlain;
   static constexpr int kOutCols = 256;
@@ -349,7 +355,6 @@ struct EpiMlpDglu {
   int il = 0;                    // interleave (gated; 0 = halves)
   const TOut* h = nullptr;       // [rows, N1] pre-activation (bias included)
   TOut* d_h = nullptr;           // [rows, N1] out
-  const float* probs = nullptr;  // [rows] or null
   float* part = nullptr;         // partial dprobs, or null
   int64_t part_ld = 0;
 
@@ -367,12 +372,6 @@ struct EpiMlpDglu {
   }
   __device__ __forceinline__ void stage_bias(uint32_t*, const Tile&, int) const {}
   __device__ __forceinline__ void finish(float (&)[128], const uint32_t*, int) const {}
-  __device__ __forceinline__ void stage_probs(float* sm, const Tile& t, int rl, int lane) const {
-    if (probs != nullptr) stage_row_probs(sm, t.prob, rl, lane);
-  }
-  __device__ __forceinline__ float staged_prob(const float* sm, int r) const {
-    return probs != nullptr ? sm[r] : 1.0f;
-  }
   __device__ __forceinline__ int64_t n1() const {
     return GATED ? 2 * f : f;
   }

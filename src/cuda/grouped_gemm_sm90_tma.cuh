@@ -435,6 +435,18 @@ __global__ void __launch_bounds__(kThreads, 1)
                                                            ((piece ^ (r & 7)) << 4));
           }
         };
+        // Staged chunk `buf` to columns [col0, col0 + kCw) of the warpgroup's
+        // rows: a TMA store (L2 evict-first: not read again soon) issued by
+        // one helper, or masked copies by all.
+        auto store_chunk = [&](const HelperInfo& inf, const CUtensorMap* map, const uint8_t* buf,
+                               TOut* base, int64_t ld, int64_t col0, int64_t lim) {
+          if (inf.tma) {
+            if (htid == 0)
+              tma_store_2d_stream(map, buf, static_cast<int>(col0), static_cast<int>(inf.wg_row0));
+          } else {
+            copy_out(buf, base, ld, inf.wg_row0, inf.wg_rows, col0, lim);
+          }
+        };
         for (int32_t tile = blockIdx.x; tile < num_tiles; tile += gridDim.x) {
           for (int cw = 0; cw < 2; ++cw) {
             named_barrier(kStagedBar + cw, kHandOver);
@@ -471,15 +483,9 @@ __global__ void __launch_bounds__(kThreads, 1)
                 for (int q = 0; q < kTileN / kCw; ++q) {
                   const int64_t col0 = epi.raw_col(inf.tile_n, q);
                   const int64_t lim = (Epi::kSplitB && q < 2) ? p.n_out / 2 : p.n_out;
-                  if (col0 >= lim) continue;
-                  if (inf.tma) {
-                    if (htid == 0)
-                      tma_store_2d_stream(&map_raw, st + q * kChunkBytes, static_cast<int>(col0),
-                                   static_cast<int>(inf.wg_row0));
-                  } else {
-                    copy_out(st + q * kChunkBytes, static_cast<TOut*>(epi.raw_ptr()), p.n_out,
-                             inf.wg_row0, inf.wg_rows, col0, lim);
-                  }
+                  if (col0 < lim)
+                    store_chunk(inf, &map_raw, st + q * kChunkBytes,
+                                static_cast<TOut*>(epi.raw_ptr()), p.n_out, col0, lim);
                 }
                 if (inf.tma && htid == 0) {
                   bulk_commit();
@@ -508,15 +514,9 @@ __global__ void __launch_bounds__(kThreads, 1)
               named_barrier(kHelperBar, kHelpers);
               for (int q = 0; q < kActChunks; ++q) {
                 const int64_t col0 = int64_t{inf.tile_n} * Epi::kOutCols + q * kCw;
-                if (col0 >= out_cols) continue;
-                if (inf.tma) {
-                  if (htid == 0)
-                    tma_store_2d_stream(&map_c, st + q * kChunkBytes, static_cast<int>(col0),
-                                 static_cast<int>(inf.wg_row0));
-                } else {
-                  copy_out(st + q * kChunkBytes, static_cast<TOut*>(p.c), p.ldc, inf.wg_row0,
-                           inf.wg_rows, col0, out_cols);
-                }
+                if (col0 < out_cols)
+                  store_chunk(inf, &map_c, st + q * kChunkBytes, static_cast<TOut*>(p.c), p.ldc,
+                              col0, out_cols);
               }
               if (inf.tma && htid == 0) {
                 bulk_commit();
