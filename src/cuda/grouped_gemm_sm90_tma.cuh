@@ -235,7 +235,9 @@ __device__ __forceinline__ void help_dglu(const Epi& epi, const HelperInfo& inf,
 // output: identity, or the fused FC1 bias + activation + probability scale,
 // which also stores the pre-activation values through map_raw.
 // GATHER (forward only): row m of A is row p.a_rows[m] (a template flag, so
-// that the other kernels' producer carries none of its registers).
+// that the other kernels' producer carries none of its registers), read by
+// the 128 threads of warpgroup 0 with cp.async, 8 threads per row (a 16-byte
+// piece each: a warp's request covers four whole 128-byte lines).
 template <typename TIn, typename TOut, int MODE, typename Epi = EpiIdentity, bool GATHER = false>
 __global__ void __launch_bounds__(kThreads, 1)
     grouped_gemm_tma_kernel(Params p, const __grid_constant__ CUtensorMap map_a,
@@ -265,8 +267,8 @@ __global__ void __launch_bounds__(kThreads, 1)
   if (threadIdx.x == 0) {
     for (int s = 0; s < stages; ++s) {
       // the producer's arrive (+ the TMA bytes); gathered A rows: + one
-      // cp.async completion arrive per producer lane
-      mbar_init(&full[s], GATHER ? 1 + 32 : 1);
+      // cp.async completion arrive per thread of warpgroup 0
+      mbar_init(&full[s], GATHER ? 1 + 128 : 1);
       mbar_init(&empty[s], 2);  // one arrive per consumer warpgroup
     }
     mbar_init(go, 1);
@@ -288,11 +290,12 @@ __global__ void __launch_bounds__(kThreads, 1)
 
   if (wg == 0) {
     // Producer: one thread walks the same tiles and K slices as the consumers
-    // (gathered A rows: the 32 lanes of warp 0, lane 0 issuing the TMA loads).
+    // (gathered A rows: the 128 threads of warpgroup 0, thread 0 issuing the
+    // TMA loads).
     setmaxnreg_dec<56>();
     constexpr bool gather = GATHER;
-    static_assert(!GATHER || MODE == 0, "gathered A rows: forward only");
-    if (threadIdx.x == 0 || (gather && threadIdx.x < 32)) {
+    static_assert(!GATHER || (MODE == 0 && !Epi::kHelperAct), "gathered A rows: plain forward only");
+    if (threadIdx.x == 0 || gather) {
       const bool leader = !gather || threadIdx.x == 0;
       // What the producer needs of a tile, in 32-bit (the TMA path keeps rows < 2^31).
       struct Loads {
@@ -329,12 +332,13 @@ __global__ void __launch_bounds__(kThreads, 1)
         const int32_t next = tile + gridDim.x;
         Loads nxt{};
         bool have_next = false;
-        // Gathered A: source rows of tile rows lane + 32 i (-1: a zero row).
-        int32_t src[4] = {-1, -1, -1, -1};
+        // Gathered A: piece threadIdx.x % 8 of tile rows threadIdx.x / 8 + 16 i;
+        // their source rows (-1: a zero row).
+        int32_t src[8] = {-1, -1, -1, -1, -1, -1, -1, -1};
         if constexpr (gather) {
 #pragma unroll
-          for (int i = 0; i < 4; ++i) {
-            const int64_t row = int64_t{cur.m0} + threadIdx.x + 32 * i;
+          for (int i = 0; i < 8; ++i) {
+            const int64_t row = int64_t{cur.m0} + threadIdx.x / 8 + 16 * i;
             if (cur.k_tiles > 0 && row < p.rows) src[i] = p.a_rows[row];
           }
         }
@@ -351,26 +355,24 @@ __global__ void __launch_bounds__(kThreads, 1)
             // would write (16-byte piece c of row r at piece c ^ (r % 8));
             // rows -1 and columns past K are zero-filled.
             const TIn* a = static_cast<const TIn*>(p.a);
+            const int piece = threadIdx.x % 8;
+            const int64_t col = int64_t{kt} * kTileK + piece * 8;
 #pragma unroll
-            for (int i = 0; i < 4; ++i) {
-              const int r = threadIdx.x + 32 * i;
-#pragma unroll
-              for (int piece = 0; piece < 8; ++piece) {
-                const int64_t col = int64_t{kt} * kTileK + piece * 8;
-                const bool ok = src[i] >= 0 && col < p.k_red;
-                const TIn* g = ok ? a + int64_t{src[i]} * p.lda + col : a;
-                asm volatile(
-                    "cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(
-                        smem_u32(stage + r * 128 + ((piece ^ (r & 7)) << 4))),
-                    "l"(g), "r"(ok ? 16 : 0)
-                    : "memory");
-              }
+            for (int i = 0; i < 8; ++i) {
+              const int r = threadIdx.x / 8 + 16 * i;
+              const bool ok = src[i] >= 0 && col < p.k_red;
+              const TIn* g = ok ? a + int64_t{src[i]} * p.lda + col : a;
+              asm volatile(
+                  "cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(
+                      smem_u32(stage + r * 128 + ((piece ^ (r & 7)) << 4))),
+                  "l"(g), "r"(ok ? 16 : 0)
+                  : "memory");
             }
             asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];\n" ::"r"(
                              smem_u32(&full[s]))
                          : "memory");
           }
-          if (!leader) {  // gather lanes: the A rows only
+          if (!leader) {  // gathering threads: the A rows only
             if (kt == 0 && next < num_tiles) {
               nxt = loads_of(next);
               have_next = true;
