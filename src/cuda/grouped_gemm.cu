@@ -356,6 +356,11 @@ void grouped_gemm(const GroupedGemmCall& c, cudaStream_t stream) {
         MOEFLOW_CHECK(c.a.ndim == 2 && c.a.shape[0] >= 1 && c.a.shape[0] < (int64_t{1} << 31),
                       "gathered A rows: a must be [source rows, K] with 1 <= rows < 2^31, got ",
                       c.a.str());
+        // (the kernel addresses source rows in 16-byte units held in 32 bits)
+        const int64_t row_bytes = c.a.strides[0] * static_cast<int64_t>(dtype_size(in));
+        MOEFLOW_CHECK(c.a.shape[0] * row_bytes <= (int64_t{1} << 36) && row_bytes % 16 == 0,
+                      "gathered A rows: a must span at most 64 GiB with 16-byte aligned rows, got ",
+                      c.a.str());
         p.a_rows = c.a_rows.data_ptr<int32_t>();
         p.a_src_rows = c.a.shape[0];
         const bool bf = in == DType::kBFloat16;

@@ -333,13 +333,19 @@ __global__ void __launch_bounds__(kThreads, 1)
         Loads nxt{};
         bool have_next = false;
         // Gathered A: piece threadIdx.x % 8 of tile rows threadIdx.x / 8 + 16 i;
-        // their source rows (-1: a zero row).
-        int32_t src[8] = {-1, -1, -1, -1, -1, -1, -1, -1};
+        // where their source rows start, in 16-byte units of A, and which
+        // are zero rows (bit i of zrows), so that a slice costs one
+        // multiply-add per piece (every instruction here slows the gather).
+        uint32_t src16[8], zrows = 0;
         if constexpr (gather) {
 #pragma unroll
           for (int i = 0; i < 8; ++i) {
             const int64_t row = int64_t{cur.m0} + threadIdx.x / 8 + 16 * i;
-            if (cur.k_tiles > 0 && row < p.rows) src[i] = p.a_rows[row];
+            const int32_t sr = cur.k_tiles > 0 && row < p.rows ? p.a_rows[row] : -1;
+            src16[i] = sr < 0 ? 0u
+                              : static_cast<uint32_t>(int64_t{sr} * p.lda *
+                                                      int64_t{sizeof(TIn)} / 16);
+            if (sr < 0) zrows |= 1u << i;
           }
         }
         for (int kt = 0; kt < cur.k_tiles; ++kt, ++it) {
@@ -354,18 +360,22 @@ __global__ void __launch_bounds__(kThreads, 1)
             // A rows by cp.async into the 128-byte swizzled layout the TMA
             // would write (16-byte piece c of row r at piece c ^ (r % 8));
             // rows -1 and columns past K are zero-filled.
-            const TIn* a = static_cast<const TIn*>(p.a);
+            const uint8_t* a = static_cast<const uint8_t*>(p.a);
             const int piece = threadIdx.x % 8;
             const int64_t col = int64_t{kt} * kTileK + piece * 8;
+            // bytes read per piece: 0 past K and for zero rows (zero-filled,
+            // nothing is read at the address)
+            const uint32_t n = col < p.k_red ? 16u : 0u;
+            const uint8_t* at = a + col * int64_t{sizeof(TIn)};
 #pragma unroll
             for (int i = 0; i < 8; ++i) {
               const int r = threadIdx.x / 8 + 16 * i;
-              const bool ok = src[i] >= 0 && col < p.k_red;
-              const TIn* g = ok ? a + int64_t{src[i]} * p.lda + col : a;
+              const uint32_t bytes = (zrows >> i) & 1u ? 0u : n;
+              const uint8_t* g = at + uint64_t{src16[i]} * 16;
               asm volatile(
                   "cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(
                       smem_u32(stage + r * 128 + ((piece ^ (r & 7)) << 4))),
-                  "l"(g), "r"(ok ? 16 : 0)
+                  "l"(g), "r"(bytes)
                   : "memory");
             }
             asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];\n" ::"r"(
