@@ -414,10 +414,13 @@ TEST(GpuGemmGather, GatheredRowsEqualContiguous) {
       for (int64_t r = 0; r < d.rows; ++r) {
         int32_t m = std::uniform_int_distribution<int32_t>(-1, static_cast<int32_t>(src_rows) - 1)(rng);
         if (r % 11 == 3) m = -1;
+        // entries past the source rows read as zero rows
+        if (r % 13 == 5) m = static_cast<int32_t>(src_rows + r % 3);
         map.data_ptr<int32_t>()[r] = m;
+        const bool zero = m < 0 || m >= src_rows;
         for (int64_t j = 0; j < K; ++j)
           detail::store_float(a.data(), dt, r * K + j,
-                              m < 0 ? 0.0f : detail::load_float(src.data(), dt, m * K + j));
+                              zero ? 0.0f : detail::load_float(src.data(), dt, m * K + j));
       }
       Tensor src_g = src.to(kGpu), a_g = a.to(kGpu), w_g = w.to(kGpu), map_g = map.to(kGpu);
       Tensor want = poisoned_gpu({d.rows, N}, dt), got = poisoned_gpu({d.rows, N}, dt);

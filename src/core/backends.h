@@ -60,7 +60,8 @@ struct GroupedGemmCall {
   // Forward only (CUDA, Hopper, stacked weights): gathered A rows, int32
   // [rows]: row m of the product uses row a_rows[m] of `a` (-1: a zero row),
   // so tokens received once per GPU can feed every expert they go to
-  // without being copied per expert. Values are not checked on the host.
+  // without being copied per expert. Values are not checked on the host;
+  // entries past a's rows read as zero rows (nothing out of bounds is read).
   TensorView a_rows;
 };
 

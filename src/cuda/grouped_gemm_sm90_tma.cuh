@@ -341,7 +341,8 @@ __global__ void __launch_bounds__(kThreads, 1)
 #pragma unroll
           for (int i = 0; i < 8; ++i) {
             const int64_t row = int64_t{cur.m0} + threadIdx.x / 8 + 16 * i;
-            const int32_t sr = cur.k_tiles > 0 && row < p.rows ? p.a_rows[row] : -1;
+            int32_t sr = cur.k_tiles > 0 && row < p.rows ? p.a_rows[row] : -1;
+            if (sr >= p.a_src_rows) sr = -1;  // a bad map entry reads nothing (a zero row)
             src16[i] = sr < 0 ? 0u
                               : static_cast<uint32_t>(int64_t{sr} * p.lda *
                                                       int64_t{sizeof(TIn)} / 16);
