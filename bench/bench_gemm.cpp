@@ -307,6 +307,19 @@ void run_gemm_bench(const GemmBenchOptions& opt) {
             st, nb, rb, sg, ds, f, d, g, fu);
         std::fflush(stdout);
       }
+      // The fused FC1's held-stage window (helper mode): K slices the ring
+      // skips the stage the helpers hold after a tile.
+      if (fused_call)
+        for (const int st : {4, 3})
+          for (const int hold : {0, 4, 8, 12, 16, 24, 1000}) {
+            cuda::TmaTuning t;
+            t.stages = st;
+            t.hold = hold;
+            cuda::set_tma_tuning(t);
+            fmt::print("    tune fused fc1 stages={} hold={}: {:7.1f} TFLOP/s\n", st, hold,
+                       tflops([&] { cuda::mlp_fc1_forward(*fused_call, stream); }));
+            std::fflush(stdout);
+          }
       cuda::set_tma_tuning({});
     }
     const auto [dg, dg_dense] = paired(

@@ -44,7 +44,8 @@ std::string describe(const Case& c) {
 void run_case(const Case& cs, uint32_t seed) {
   SCOPED_TRACE(describe(cs));
   std::mt19937 rng(seed);
-  // groups: 7 experts, rows in [0, 300] (some 0 and 1), padded to 16; 5 rows past the groups
+  // groups: 7 experts, rows in [0, 300] (some 0 and 1), padded to 16 (one to 272
+  // rows more); 5 rows past the groups
   const int E = 7;
   std::vector<int64_t> offsets{0}, real;
   for (int e = 0; e < E; ++e) {
@@ -52,7 +53,8 @@ void run_case(const Case& cs, uint32_t seed) {
     if (e == 1) r = 0;
     if (e == 4) r = 1;
     real.push_back(r);
-    offsets.push_back(offsets.back() + (r + 15) / 16 * 16);
+    // expert 5 padded far past its rows: 128-row tiles of pad rows only
+    offsets.push_back(offsets.back() + (r + 15) / 16 * 16 + (e == 5 ? 272 : 0));
   }
   const int64_t used = offsets.back(), rows = used + 5, H = cs.h, F = cs.f;
   cpu::mlp::Shape shape{E, H, F};
@@ -162,6 +164,16 @@ TEST(GpuMlp, FusedFc1MatchesCpuReference) {
     cuda::set_tma_tuning(t);
     run_case({Activation::kSwiGLU, 0, true, true, 200, 192, DType::kBFloat16}, seed++);
     run_case({Activation::kClampedQuickGeGLU, 32, true, false, 200, 160, DType::kBFloat16}, seed++);
+  }
+  // The ring's window skipping the stage the helpers hold (StageRing): none,
+  // one slice, longer than any tile; two and three stages (hidden 520: 9 slices)
+  for (const auto& [st, hold] : {std::pair{4, 0}, {4, 1}, {4, 1000}, {2, 3}, {3, 1000}}) {
+    cuda::TmaTuning t;
+    t.stages = st;
+    t.hold = hold;
+    cuda::set_tma_tuning(t);
+    run_case({Activation::kSwiGLU, 0, true, true, 520, 192, DType::kBFloat16}, seed++);
+    run_case({Activation::kGeGLU, 0, false, true, 200, 320, DType::kBFloat16}, seed++);
   }
   cuda::set_tma_tuning({});
   // Without the pre-activation output (inference), and with every chunk

@@ -55,9 +55,10 @@ inline void run_mlp_api_case(const MlpApiCase& cs, Device dev, uint32_t seed) {
                " il=" + std::to_string(cs.interleave) + (cs.bias ? " bias" : "") +
                (cs.probs ? " probs" : "") + " on " + dev.str());
   const DType dt = DType::kBFloat16;
-  const int E = 4;
-  const std::vector<int64_t> offsets = {0, 32, 32, 48, 80},
-                             real = {29, 0, 1, 32};  // pad rows, an empty expert
+  const int E = 5;
+  // pad rows, an empty expert, and an expert padded far past its rows (a
+  // capacity layout: 128-row tiles of pad rows only)
+  const std::vector<int64_t> offsets = {0, 32, 32, 48, 80, 400}, real = {29, 0, 1, 32, 7};
   const int64_t rows = offsets.back(), H = cs.h, F = cs.f;
   cpu::mlp::Shape shape{E, H, F};
   cpu::mlp::Config cfg;

@@ -27,8 +27,9 @@ void set_gemm_path(GemmPath path) {
   g_gemm_path = path;
 }
 static std::atomic<int> g_tune_stages{0}, g_tune_bufs{0}, g_tune_raster{0}, g_tune_stagger{-1},
-    g_tune_desync{-1};
+    g_tune_desync{-1}, g_tune_hold{-1};
 void set_tma_tuning(TmaTuning tuning) {
+  g_tune_hold = tuning.hold;
   g_tune_stages = tuning.stages;
   g_tune_bufs = tuning.bufs;
   g_tune_raster = tuning.raster;
@@ -47,6 +48,12 @@ constexpr int kDefaultStagger = 1;
 // this late (wgrad / forward); measured with `moeflow bench gemm --tune`.
 constexpr int kDefaultDesyncWgrad = 4;
 constexpr int kDefaultDesync = 0;
+// Helper mode: K slices during which the pipeline ring skips the stage that
+// holds the previous tile's staged chunks. The helpers take most of a tile's
+// main loop (qwen3-fc1, 32 slices: skipping for 24 slices ran at 632 TFLOP/s,
+// for the whole tile at 700), so the default skips it until the next tile
+// ends (the ring then has stages - 1 stages, rotating through all of them).
+constexpr int kDefaultHold = 1 << 30;
 
 // The wgmma path needs a Hopper GPU and sm_90a code in this build.
 bool use_sm90() {
@@ -198,12 +205,14 @@ bool launch_tma(const Params& p, cudaStream_t stream, const Epi& epi = {}) {
   // leaves no room.
   const int want_stages = g_tune_stages.load(), want_bufs = g_tune_bufs.load();
   int stages = want_stages > 0 ? std::min(want_stages, t::kMaxStages) : t::kMaxStages;
-  // Helper mode stages all four 64-column chunks of a warpgroup's tile at once.
-  // (Four chunks shared by the two warpgroups, which lets four stages fit,
-  // measured slower: the second warpgroup waits for the helpers.)
+  // Helper mode stages the four 64-column chunks of a warpgroup's tile in the
+  // stage of the tile's last K slice plus 16 KB of its own (HelperChunks), so
+  // four stages fit.
   const int bufs = Epi::kHelperAct ? 4 : want_bufs > 0 ? std::clamp(want_bufs, 2, t::kMaxBufs) : 2;
-  while (stages > 2 && t::Smem::bytes(stages, bufs, p.num_groups, Epi::kBiasSmem) > limit) --stages;
-  const size_t smem = t::Smem::bytes(stages, bufs, p.num_groups, Epi::kBiasSmem);
+  const int chunks = t::staging_chunks<Epi>(bufs);
+  while (stages > 2 && t::Smem::bytes(stages, chunks, p.num_groups, Epi::kBiasSmem) > limit)
+    --stages;
+  const size_t smem = t::Smem::bytes(stages, chunks, p.num_groups, Epi::kBiasSmem);
   if (smem > limit) return false;
   MOEFLOW_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                           static_cast<int>(smem)));
@@ -213,8 +222,12 @@ bool launch_tma(const Params& p, cudaStream_t stream, const Epi& epi = {}) {
   const int want_desync = g_tune_desync.load();
   const int desync =
       want_desync >= 0 ? want_desync : (MODE == 2 ? kDefaultDesyncWgrad : kDefaultDesync);
+  // Helper mode: K slices during which the ring skips the stage the helpers
+  // hold (StageRing).
+  const int want_hold = g_tune_hold.load();
+  const int hold = want_hold >= 0 ? want_hold : kDefaultHold;
   kernel<<<sm_count(), t::kThreads, smem, stream>>>(p, map_a, map_w, map_c, map_raw, stages, bufs,
-                                                    stagger, desync, kind, epi);
+                                                    stagger, desync, hold, kind, epi);
   MOEFLOW_CUDA_LAUNCH_CHECK();
   return true;
 }

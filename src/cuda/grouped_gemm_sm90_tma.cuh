@@ -54,7 +54,9 @@ constexpr int kMaxBufs = 5;            // staging buffers per consumer warpgroup
 // kStagedBar + c "consumer c staged its chunks", kFreedBar + c "the helpers
 // are done with consumer c's chunks and probabilities" (skipped before the
 // first tile and after the last).
-constexpr int kHelperBar = 1, kStagedBar = 4, kFreedBar = 6, kHandOver = 128 + 96;
+// kEpiBar (256 consumer threads): both warpgroups' wgmma reads of the tile's
+// last stage are done, so its bytes may hold staged chunks.
+constexpr int kHelperBar = 1, kStagedBar = 4, kFreedBar = 6, kEpiBar = 8, kHandOver = 128 + 96;
 struct HelperInfo {
   int64_t wg_row0;  // global row of the warpgroup's first row
   int wg_rows;      // rows to store (0..64)
@@ -62,18 +64,79 @@ struct HelperInfo {
   int tile_n;       // 256-column tile index
   int tma;          // stored by the TMA (else masked 16-byte copies)
   int group;
-  int pad;
+  int stage;        // pipeline stage holding the chunks (-1: a pad-only tile, nothing staged)
 };
+// Helper mode keeps the four 64-column chunks of each consumer warpgroup's
+// tile in the pipeline stage of the tile's last K slice, which the consumers
+// do not release: warpgroup 0's in the 32 KB of B, warpgroup 1's first two in
+// the 16 KB of A and its last two in 16 KB of dedicated staging (the only
+// staging helper mode adds to the stages, so four stages fit). The helpers
+// release the stage once they are done with both warpgroups' chunks. Meanwhile
+// the ring of stages skips the held one (StageRing) for `hold` K slices, so
+// the next tile's first slices run with stages - 1 in flight and the rest
+// with all of them.
+// Chunks 0-1 (gate, or the first half) lie at lo, 2-3 at lo + hi_delta (one
+// pointer and an offset: the 56-register helpers have few to spare).
+struct HelperChunks {
+  uint8_t* lo;
+  int32_t hi_delta;
+  __device__ __forceinline__ uint8_t* operator()(int q) const {
+    return lo + (q < 2 ? 0 : hi_delta) + (q & 1) * kChunkBytes;
+  }
+};
+__device__ __forceinline__ HelperChunks helper_chunks(uint8_t* smem, int stages, int stage,
+                                                      int wg) {
+  const int32_t st = stage * kStageBytes;
+  return wg == 0 ? HelperChunks{smem + st + kStageBytesA, 2 * kChunkBytes}
+                 : HelperChunks{smem + st, stages * kStageBytes - st};
+}
+static_assert(kStageBytesA == 2 * kChunkBytes && kStageBytesB == 4 * kChunkBytes,
+              "helper-mode chunks fill a stage");
+
+// The order in which the producer fills and the consumers drain the stages;
+// both sides step it identically (it depends on the tiles' slice counts
+// only). A plain ring, except that after a tile the stage of its last slice
+// (held for the helpers) is skipped until `hold` more slices were issued.
+// Every use of a stage is guarded by its mbarriers, so any common order is
+// correct; the parity of stage s's barriers is bit s of `bits`.
+struct StageRing {
+  int cur = 0;               // the ring position of the next slice
+  int excl = -1;             // the held stage, skipped while it < excl_until
+  uint32_t excl_until = 0;
+  uint32_t bits = 0;
+  // The stage of slice `it` and its phase parity.
+  __device__ __forceinline__ int next(uint32_t it, int stages, uint32_t& parity) {
+    int s = cur;
+    if (++cur == stages) cur = 0;
+    if (s == excl && it < excl_until) {
+      s = cur;
+      if (++cur == stages) cur = 0;
+    }
+    parity = (bits >> s) & 1u;
+    bits ^= 1u << s;
+    return s;
+  }
+  // After a tile whose last slice `it - 1` used stage `last`.
+  __device__ __forceinline__ void hold_stage(int last, uint32_t it, int hold) {
+    excl = last;
+    excl_until = it + static_cast<uint32_t>(hold);
+  }
+};
+// Dedicated staging chunks (both warpgroups).
+template <typename Epi>
+constexpr int staging_chunks(int bufs) {
+  return Epi::kHelperAct ? 2 : 2 * bufs;
+}
 struct HelperBlock {
   HelperInfo info[2];
 };
 
 struct Smem {
-  // stages (1024-aligned) | staging (2 x bufs chunks) | bias (2 x Epi::kBiasSmem) |
+  // stages (1024-aligned) | staging (staging_chunks()) | bias (2 x Epi::kBiasSmem) |
   // full[] | empty[] | go |
   // zeroed[] | claim[] + broadcast[2] | tile_start[E+1]
-  static size_t bytes(int stages, int bufs, int num_groups, int bias_smem) {
-    return 1024 + size_t(stages) * kStageBytes + size_t(2 * bufs) * kChunkBytes +
+  static size_t bytes(int stages, int chunks, int num_groups, int bias_smem) {
+    return 1024 + size_t(stages) * kStageBytes + size_t(chunks) * kChunkBytes +
            size_t(2 * bias_smem) + sizeof(HelperBlock) +
            (3 * kMaxStages + 1) * 8 + (kMaxStages + 2) * 4 + size_t(num_groups + 1) * 4;
   }
@@ -187,13 +250,16 @@ __device__ __forceinline__ void zero_slice_rows(uint8_t* base, int blocks, int f
 // helpers within their 56 registers (16-column units spilled). A unit's
 // partial <d(a), act(h)> overwrites its own staged bytes; after a barrier
 // helper r < 64 adds row r's 32 partials in column order (deterministic) and
-// writes the tile's partial for the row.
+// writes the tile's partial for the row. A pad-only tile (inf.stage < 0)
+// staged nothing: its d(h) rows are zeros and so are its partials.
 template <typename Epi>
-__device__ __forceinline__ void help_dglu(const Epi& epi, const HelperInfo& inf, uint8_t* st,
-                                          const float* probs_sm, int htid) {
+__device__ __forceinline__ void help_dglu(const Epi& epi, const HelperInfo& inf,
+                                          const HelperChunks& st, const float* probs_sm,
+                                          int htid) {
   constexpr int kHelpers = 96;
+  const bool staged = inf.stage >= 0;
   auto slot = [&](int r, int unit) {  // piece unit%8 of chunk unit/8
-    return st + (unit / 8) * kChunkBytes + r * 128 + (((unit % 8) ^ (r & 7)) << 4);
+    return st(unit / 8) + r * 128 + (((unit % 8) ^ (r & 7)) << 4);
   };
   epi.dispatch([&](auto variant) {
     // (two units per step: the loads of h of both are in flight together)
@@ -206,19 +272,22 @@ __device__ __forceinline__ void help_dglu(const Epi& epi, const HelperInfo& inf,
       uint8_t* s0 = slot(r, unit);
       if (j0 < epi.f) {
         using P = Pack<typename std::remove_pointer<decltype(epi.d_h)>::type, 8>;
-        const P da = *reinterpret_cast<const P*>(s0);
-        const bool data = r < inf.data_rows;
+        const P da = staged ? *reinterpret_cast<const P*>(s0) : P{};
+        const bool data = staged && r < inf.data_rows;
         const float prob = data ? epi.staged_prob(probs_sm, r) : 1.0f;
         dp = epi.dglu8(variant, inf.wg_row0 + r, j0, da, data, prob);
       }
-      *reinterpret_cast<float*>(s0) = dp;
+      if (staged) *reinterpret_cast<float*>(s0) = dp;
     }
   });
   named_barrier(kHelperBar, kHelpers);
   if (epi.part != nullptr && htid < inf.wg_rows) {
     float sum = 0.0f;
+    if (staged) {
 #pragma unroll
-    for (int unit = 0; unit < 32; ++unit) sum += *reinterpret_cast<const float*>(slot(htid, unit));
+      for (int unit = 0; unit < 32; ++unit)
+        sum += *reinterpret_cast<const float*>(slot(htid, unit));
+    }
     epi.part[(inf.wg_row0 + htid) * epi.part_ld + inf.tile_n] = sum;
   }
   named_barrier(kHelperBar, kHelpers);  // every helper's reads of the chunks are done
@@ -244,17 +313,18 @@ __global__ void __launch_bounds__(kThreads, 1)
                             const __grid_constant__ CUtensorMap map_w,
                             const __grid_constant__ CUtensorMap map_c,
                             const __grid_constant__ CUtensorMap map_raw, int stages, int bufs,
-                            int stagger, int desync, StoreKind store_kind, Epi epi) {
+                            int stagger, int desync, int hold, StoreKind store_kind, Epi epi) {
 #if defined(__CUDA_ARCH__) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
   extern __shared__ uint8_t smem_raw[];
   uint8_t* smem =
       reinterpret_cast<uint8_t*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t{1023});
   uint8_t* staging = smem + stages * kStageBytes;  // 1024-aligned
   // (helper mode: the rows' probabilities for the helpers instead)
-  uint32_t* bias_smem = reinterpret_cast<uint32_t*>(staging + 2 * bufs * kChunkBytes);
+  const int chunks = staging_chunks<Epi>(bufs);
+  uint32_t* bias_smem = reinterpret_cast<uint32_t*>(staging + chunks * kChunkBytes);
   static_assert(!Epi::kHelperAct || Epi::kBiasSmem >= kRowProbSmem, "room for the probabilities");
   HelperBlock* hb =
-      reinterpret_cast<HelperBlock*>(staging + 2 * bufs * kChunkBytes + 2 * Epi::kBiasSmem);
+      reinterpret_cast<HelperBlock*>(staging + chunks * kChunkBytes + 2 * Epi::kBiasSmem);
   uint64_t* full = reinterpret_cast<uint64_t*>(hb + 1);
   uint64_t* empty = full + kMaxStages;
   uint64_t* go = empty + kMaxStages;  // consumer 1 starts after consumer 0's first slices
@@ -322,8 +392,8 @@ __global__ void __launch_bounds__(kThreads, 1)
         }
       }
       uint32_t it = 0;
-      int ps = 0;           // stage of slice `it`
-      uint32_t pphase = 0;  // its phase (flips each time the stages wrap)
+      StageRing ring;
+      int ps = 0;  // stage of the last slice issued
       Loads cur{};
       if (static_cast<int32_t>(blockIdx.x) < num_tiles) cur = loads_of(blockIdx.x);
       for (int32_t tile = blockIdx.x; tile < num_tiles; tile += gridDim.x) {
@@ -350,12 +420,10 @@ __global__ void __launch_bounds__(kThreads, 1)
           }
         }
         for (int kt = 0; kt < cur.k_tiles; ++kt, ++it) {
-          const int s = ps;
-          mbar_wait(&empty[s], pphase ^ 1);
-          if (++ps == stages) {
-            ps = 0;
-            pphase ^= 1;
-          }
+          uint32_t parity;
+          const int s = ring.next(it, stages, parity);
+          ps = s;
+          mbar_wait(&empty[s], parity ^ 1);
           uint8_t* stage = smem + s * kStageBytes;
           if constexpr (gather) {
             // A rows by cp.async into the 128-byte swizzled layout the TMA
@@ -422,12 +490,16 @@ __global__ void __launch_bounds__(kThreads, 1)
           }
         }
         if (!have_next && next < num_tiles) nxt = loads_of(next);
+        if constexpr (Epi::kHelperAct) {
+          if (cur.k_tiles > 0) ring.hold_stage(ps, it, hold);
+        }
         cur = nxt;
       }
     } else if constexpr (Epi::kHelperAct) {
       // Helper warps 1-3: for each tile and consumer warpgroup in order, store
       // the staged pre-activation chunks, apply the activation in place over
-      // them and store the activation chunks, then hand the buffers back.
+      // them and store the activation chunks, then hand the buffers back (and
+      // release the stage that held them once both warpgroups' are done).
       if (threadIdx.x >= 32) {
         const int htid = threadIdx.x - 32;  // 0..95
         constexpr int kHelpers = 96;
@@ -435,8 +507,9 @@ __global__ void __launch_bounds__(kThreads, 1)
         constexpr int kVec = 16 / static_cast<int>(sizeof(TOut));
         constexpr int kActChunks = Epi::kOutCols / kCw;
         const int64_t out_cols = p.n_store > 0 ? p.n_store : p.n_out;
-        // Masked copy of staged chunk `buf` to columns [col0, col0 + kCw) of
-        // rows [row0, row0 + rows) of `base` (row length ld, columns < lim).
+        // Masked copy of staged chunk `buf` (null: zeros) to columns
+        // [col0, col0 + kCw) of rows [row0, row0 + rows) of `base` (row
+        // length ld, columns < lim).
         auto copy_out = [&](const uint8_t* buf, TOut* base, int64_t ld, int64_t row0, int rows,
                             int64_t col0, int64_t lim) {
           for (int i = htid; i < 64 * 8; i += kHelpers) {
@@ -444,8 +517,9 @@ __global__ void __launch_bounds__(kThreads, 1)
             const int64_t col = col0 + piece * kVec;
             if (r >= rows || col >= lim) continue;
             *reinterpret_cast<Pack<TOut, kVec>*>(base + (row0 + r) * ld + col) =
-                *reinterpret_cast<const Pack<TOut, kVec>*>(buf + r * 128 +
-                                                           ((piece ^ (r & 7)) << 4));
+                buf != nullptr ? *reinterpret_cast<const Pack<TOut, kVec>*>(
+                                     buf + r * 128 + ((piece ^ (r & 7)) << 4))
+                               : Pack<TOut, kVec>{};
           }
         };
         // Staged chunk `buf` to columns [col0, col0 + kCw) of the warpgroup's
@@ -464,7 +538,11 @@ __global__ void __launch_bounds__(kThreads, 1)
           for (int cw = 0; cw < 2; ++cw) {
             named_barrier(kStagedBar + cw, kHandOver);
             const HelperInfo inf = hb->info[cw];
-            uint8_t* st = staging + cw * bufs * kChunkBytes;
+            // (a pad-only tile staged nothing: its rows are stored as zeros)
+            const bool staged = inf.stage >= 0;
+            const HelperChunks st =
+                staged ? helper_chunks(smem, stages, inf.stage, cw) : HelperChunks{};
+            auto chunk = [&](int q) -> const uint8_t* { return staged ? st(q) : nullptr; };
             const float* probs_sm =
                 reinterpret_cast<const float*>(bias_smem) + cw * (Epi::kBiasSmem / 4);
             if constexpr (Epi::kDglu) {
@@ -482,7 +560,7 @@ __global__ void __launch_bounds__(kThreads, 1)
                   float b[8];
                   epi.bias8(inf.group, col, lim, b);
                   for (int r = htid / 32; r < inf.data_rows; r += kHelpers / 32) {
-                    uint8_t* gp = st + q * kChunkBytes + r * 128 + ((piece ^ (r & 7)) << 4);
+                    uint8_t* gp = st(q) + r * 128 + ((piece ^ (r & 7)) << 4);
                     Pack<TOut, 8> v = *reinterpret_cast<const Pack<TOut, 8>*>(gp);
 #pragma unroll
                     for (int e = 0; e < 8; ++e) v.v[e] = from_float<TOut>(to_float(v.v[e]) + b[e]);
@@ -497,8 +575,8 @@ __global__ void __launch_bounds__(kThreads, 1)
                   const int64_t col0 = epi.raw_col(inf.tile_n, q);
                   const int64_t lim = (Epi::kSplitB && q < 2) ? p.n_out / 2 : p.n_out;
                   if (col0 < lim)
-                    store_chunk(inf, &map_raw, st + q * kChunkBytes,
-                                static_cast<TOut*>(epi.raw_ptr()), p.n_out, col0, lim);
+                    store_chunk(inf, &map_raw, chunk(q), static_cast<TOut*>(epi.raw_ptr()),
+                                p.n_out, col0, lim);
                 }
                 if (inf.tma && htid == 0) {
                   bulk_commit();
@@ -506,14 +584,15 @@ __global__ void __launch_bounds__(kThreads, 1)
                 }
               }
               named_barrier(kHelperBar, kHelpers);
-              epi.dispatch([&](auto variant) {
+              if (staged) epi.dispatch([&](auto variant) {
                 for (int i = htid; i < kActChunks * 64 * 8; i += kHelpers) {
                   const int q = i / 512, r = (i / 8) % 64, piece = i % 8;
-                  uint8_t* gp = st + q * kChunkBytes + r * 128 + ((piece ^ (r & 7)) << 4);
+                  const int off = r * 128 + ((piece ^ (r & 7)) << 4);
+                  uint8_t* gp = st(q) + off;
                   const Pack<TOut, kVec> g = *reinterpret_cast<const Pack<TOut, kVec>*>(gp);
                   Pack<TOut, kVec> u{};
                   if constexpr (Epi::GATED)
-                    u = *reinterpret_cast<const Pack<TOut, kVec>*>(gp + 2 * kChunkBytes);
+                    u = *reinterpret_cast<const Pack<TOut, kVec>*>(st(q + 2) + off);
                   const float prob = r < inf.data_rows ? epi.staged_prob(probs_sm, r) : 0.0f;
                   Pack<TOut, kVec> o;
 #pragma unroll
@@ -528,14 +607,23 @@ __global__ void __launch_bounds__(kThreads, 1)
               for (int q = 0; q < kActChunks; ++q) {
                 const int64_t col0 = int64_t{inf.tile_n} * Epi::kOutCols + q * kCw;
                 if (col0 < out_cols)
-                  store_chunk(inf, &map_c, st + q * kChunkBytes, static_cast<TOut*>(p.c), p.ldc,
-                              col0, out_cols);
+                  store_chunk(inf, &map_c, chunk(q), static_cast<TOut*>(p.c), p.ldc, col0,
+                              out_cols);
               }
               if (inf.tma && htid == 0) {
                 bulk_commit();
                 bulk_wait_read(0);  // the consumer may rewrite the chunks once freed
               }
               named_barrier(kHelperBar, kHelpers);  // every helper's reads of the chunks are done
+            }
+            if (staged) {
+              // Release this warpgroup's share of the stage (the "empty"
+              // barrier counts one arrive per warpgroup): every helper's
+              // accesses of the chunks are done (the barriers above), and
+              // ordered before the TMA writes the stage again.
+              sm90::fence_proxy_async();
+              named_barrier(kHelperBar, kHelpers);
+              if (htid == 0) mbar_arrive(&empty[inf.stage]);
             }
             if (tile + static_cast<int32_t>(gridDim.x) < num_tiles)
               named_barrier_arrive(kFreedBar + cw, kHandOver);
@@ -549,7 +637,7 @@ __global__ void __launch_bounds__(kThreads, 1)
     setmaxnreg_inc<224>();  // 128 x 56 + 256 x 224 <= 64K registers
     const int c = wg - 1;
     const int tid = threadIdx.x % 128, lane = threadIdx.x % 32, warp = tid / 32;
-    uint8_t* my_staging = staging + c * bufs * kChunkBytes;
+    uint8_t* my_staging = staging + c * bufs * kChunkBytes;  // (not in helper mode)
     // What the consumers need of a tile, in 32-bit (the TMA path keeps rows
     // < 2^31): few registers stay live next to the 128 accumulators.
     struct Work {
@@ -571,8 +659,8 @@ __global__ void __launch_bounds__(kThreads, 1)
       return w;
     };
     uint32_t it = 0, zero_phase = 0;
-    int cs = 0, prev_s = 0, buf_i = 0;  // stage of slice `it`, of slice it-1; staging buffer
-    uint32_t cphase = 0;                // phase of stage cs
+    StageRing ring;
+    int prev_s = 0, buf_i = 0;  // stage of slice it-1; staging buffer
     uint32_t* my_bias = bias_smem + c * (Epi::kBiasSmem / 4);
     // Stagger: consumer 1 starts `stagger` K slices after consumer 0, so the
     // two warpgroups reach their epilogues at different times and one keeps
@@ -595,8 +683,9 @@ __global__ void __launch_bounds__(kThreads, 1)
           epi.load_tile(tw.group, tw.n0, tid, lane, int64_t{tw.m0} + c * 64, rl0,
                         max(0, min(64, tw.data_rows - c * 64)));
       for (int kt = 0; kt < tw.k_tiles; ++kt, ++it) {
-        const int s = cs;
-        mbar_wait(&full[s], cphase);
+        uint32_t parity;
+        const int s = ring.next(it, stages, parity);
+        mbar_wait(&full[s], parity);
         // gathered A rows came by cp.async (generic proxy): order them before
         // the wgmma reads (async proxy)
         if constexpr (GATHER) sm90::fence_proxy_async();
@@ -651,10 +740,6 @@ __global__ void __launch_bounds__(kThreads, 1)
         // NOTE: the group of slice it-1 is complete: its stage is free again.
         if (kt > 0 && tid == 0) mbar_arrive(&empty[prev_s]);
         prev_s = s;
-        if (++cs == stages) {
-          cs = 0;
-          cphase ^= 1;
-        }
         if (!go_sent && static_cast<int>(it) + 1 >= stagger) {
           if (tid == 0) mbar_arrive(go);
           go_sent = true;
@@ -662,7 +747,12 @@ __global__ void __launch_bounds__(kThreads, 1)
       }
       sm90::wgmma_wait<0>();
       sm90::fence_operands(acc);
-      if (tw.k_tiles > 0 && tid == 0) mbar_arrive(&empty[prev_s]);
+      // (helper mode: the last slice's stage holds the staged chunks; the
+      // helpers release it, and the ring skips it for a while)
+      if (!Epi::kHelperAct && tw.k_tiles > 0 && tid == 0) mbar_arrive(&empty[prev_s]);
+      if constexpr (Epi::kHelperAct) {
+        if (tw.k_tiles > 0) ring.hold_stage(prev_s, it, hold);
+      }
       // Helper mode: the helpers are done with the staging chunks and the
       // probabilities this warpgroup last handed them.
       if constexpr (Epi::kHelperAct) {
@@ -689,12 +779,18 @@ __global__ void __launch_bounds__(kThreads, 1)
       const int wg_rows = min(64, tw.store_rows - c * 64);  // rows this warpgroup writes
       if constexpr (Epi::kHelperAct) {
         // Stage the 256 pre-activation columns (pad rows zero) in this
-        // warpgroup's four buffers and hand them to the helper warps.
+        // warpgroup's four chunks of the last slice's stage (HelperChunks)
+        // and hand them to the helper warps. A pad-only tile (no K slices)
+        // holds no stage and stages nothing: the helpers store zeros.
         const int data_rows = max(0, min(64, tw.data_rows - c * 64));
-        if (wg_rows > 0) {
+        const bool staged = tw.k_tiles > 0;
+        // both warpgroups' wgmma reads of the stage are done
+        if (staged) named_barrier(kEpiBar, 256);
+        const HelperChunks chunks_of = helper_chunks(smem, stages, prev_s, c);
+        if (wg_rows > 0 && staged) {
 #pragma unroll
           for (int q = 0; q < 4; ++q) {
-            uint8_t* buf = my_staging + q * kChunkBytes;
+            uint8_t* buf = chunks_of(q);
 #pragma unroll
             for (int jj = 0; jj < 8; ++jj) {
 #pragma unroll
@@ -720,8 +816,9 @@ __global__ void __launch_bounds__(kThreads, 1)
           inf.wg_rows = max(0, wg_rows);
           inf.data_rows = data_rows;
           inf.tile_n = tw.n0 / kTileN;
-          inf.tma = store_kind != StoreKind::kDirect && wg_rows == 64;
+          inf.tma = store_kind != StoreKind::kDirect && wg_rows == 64 && staged;
           inf.group = tw.group;
+          inf.stage = staged ? prev_s : -1;
         }
         named_barrier_arrive(kStagedBar + c, kHandOver);
       } else if (wg_rows > 0) {  // uniform over the warpgroup
