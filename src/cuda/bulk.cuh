@@ -51,9 +51,13 @@ __device__ __forceinline__ void store(void* dst, const void* src, uint32_t bytes
 __device__ __forceinline__ void commit() {
   asm volatile("cp.async.bulk.commit_group;\n" ::: "memory");
 }
-// Waits until at most n (1..4) bulk groups of this thread still read shared memory.
+// Waits until at most n (0..4) bulk groups of this thread still read shared
+// memory (n > 4 waits for at most 4).
 __device__ __forceinline__ void wait_read(int n) {
   switch (n) {
+    case 0:
+      asm volatile("cp.async.bulk.wait_group.read 0;\n" ::: "memory");
+      break;
     case 1:
       asm volatile("cp.async.bulk.wait_group.read 1;\n" ::: "memory");
       break;

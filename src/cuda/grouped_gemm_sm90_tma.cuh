@@ -198,7 +198,7 @@ __device__ __forceinline__ void tma_store_3d(const CUtensorMap* map, const void*
 __device__ __forceinline__ void bulk_commit() {
   bulk::commit();
 }
-// Waits until at most n (1..4) bulk groups of this thread still read shared memory.
+// Waits until at most n (0..4) bulk groups of this thread still read shared memory.
 __device__ __forceinline__ void bulk_wait_read(int n) {
   bulk::wait_read(n);
 }
@@ -571,16 +571,22 @@ __global__ void __launch_bounds__(kThreads, 1)
                 named_barrier(kHelperBar, kHelpers);
               }
               if (epi.save_raw()) {
+                // Gated (halves): the activation overwrites chunks 0-1 only
+                // and reads 2-3, so it waits for the first bulk group (the
+                // TMA's reads of chunks 0-1), not for the second.
+                constexpr bool kTwoGroups = Epi::GATED && kActChunks <= 2;
                 for (int q = 0; q < kTileN / kCw; ++q) {
                   const int64_t col0 = epi.raw_col(inf.tile_n, q);
                   const int64_t lim = (Epi::kSplitB && q < 2) ? p.n_out / 2 : p.n_out;
                   if (col0 < lim)
                     store_chunk(inf, &map_raw, chunk(q), static_cast<TOut*>(epi.raw_ptr()),
                                 p.n_out, col0, lim);
+                  if (kTwoGroups && q == 1 && inf.tma && htid == 0) bulk_commit();
                 }
                 if (inf.tma && htid == 0) {
                   bulk_commit();
-                  bulk_wait_read(0);  // the chunks are rewritten in place next
+                  // the chunks are rewritten in place next
+                  bulk_wait_read(kTwoGroups ? 1 : 0);
                 }
               }
               named_barrier(kHelperBar, kHelpers);
