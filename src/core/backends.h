@@ -97,7 +97,7 @@ struct TmaTuning {
   int raster = 0;    // m tiles per raster band (all kernels)
   int stagger = -1;  // K slices consumer warpgroup 1 lags consumer 0 (TMA kernel); -1 = default
   int desync = -1;   // block b starts (b % 8) x desync x 1000 cycles late (TMA); -1 = default
-  int hold = -1;     // helper mode: K slices the ring skips the stage the helpers hold; -1 = default
+  int hold = -1;     // helper mode: K slices the stage ring skips the held stage; -1 = default
 };
 void set_tma_tuning(TmaTuning tuning);
 // Experimental, off by default: the grouped MLP's FC2 dgrad with the dGLU

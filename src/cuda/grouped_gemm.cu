@@ -29,12 +29,12 @@ void set_gemm_path(GemmPath path) {
 static std::atomic<int> g_tune_stages{0}, g_tune_bufs{0}, g_tune_raster{0}, g_tune_stagger{-1},
     g_tune_desync{-1}, g_tune_hold{-1};
 void set_tma_tuning(TmaTuning tuning) {
-  g_tune_hold = tuning.hold;
   g_tune_stages = tuning.stages;
   g_tune_bufs = tuning.bufs;
   g_tune_raster = tuning.raster;
   g_tune_stagger = tuning.stagger;
   g_tune_desync = tuning.desync;
+  g_tune_hold = tuning.hold;
 }
 
 namespace {

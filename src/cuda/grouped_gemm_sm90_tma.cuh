@@ -618,15 +618,15 @@ __global__ void __launch_bounds__(kThreads, 1)
               }
               if (inf.tma && htid == 0) {
                 bulk_commit();
-                bulk_wait_read(0);  // the consumer may rewrite the chunks once freed
+                bulk_wait_read(0);  // the chunks may be rewritten once released
               }
-              named_barrier(kHelperBar, kHelpers);  // every helper's reads of the chunks are done
             }
             if (staged) {
               // Release this warpgroup's share of the stage (the "empty"
-              // barrier counts one arrive per warpgroup): every helper's
-              // accesses of the chunks are done (the barriers above), and
-              // ordered before the TMA writes the stage again.
+              // barrier counts one arrive per warpgroup) once every helper's
+              // accesses of the chunks are done, ordered before the TMA
+              // writes the stage again. (A pad-only tile's helpers read no
+              // chunks; their bar.arrive below orders their other accesses.)
               sm90::fence_proxy_async();
               named_barrier(kHelperBar, kHelpers);
               if (htid == 0) mbar_arrive(&empty[inf.stage]);
@@ -753,16 +753,15 @@ __global__ void __launch_bounds__(kThreads, 1)
       }
       sm90::wgmma_wait<0>();
       sm90::fence_operands(acc);
-      // (helper mode: the last slice's stage holds the staged chunks; the
-      // helpers release it, and the ring skips it for a while)
-      if (!Epi::kHelperAct && tw.k_tiles > 0 && tid == 0) mbar_arrive(&empty[prev_s]);
       if constexpr (Epi::kHelperAct) {
+        // The last slice's stage holds the staged chunks: the helpers release
+        // it, and the ring skips it for a while. Wait until the helpers are
+        // done with the dedicated chunks and the probabilities this warpgroup
+        // last handed them.
         if (tw.k_tiles > 0) ring.hold_stage(prev_s, it, hold);
-      }
-      // Helper mode: the helpers are done with the staging chunks and the
-      // probabilities this warpgroup last handed them.
-      if constexpr (Epi::kHelperAct) {
         if (tile != static_cast<int32_t>(blockIdx.x)) named_barrier(kFreedBar + c, kHandOver);
+      } else {
+        if (tw.k_tiles > 0 && tid == 0) mbar_arrive(&empty[prev_s]);
       }
       if constexpr (Epi::kHelperAct) {
         // Helper mode: the helpers add the bias to the staged tile; the
