@@ -76,7 +76,7 @@ struct HelperInfo {
 // the next tile's first slices run with stages - 1 in flight and the rest
 // with all of them.
 // Chunks 0-1 (gate, or the first half) lie at lo, 2-3 at lo + hi_delta (one
-// pointer and an offset: the 56-register helpers have few to spare).
+// pointer and an offset: the helpers have few registers to spare).
 struct HelperChunks {
   uint8_t* lo;
   int32_t hi_delta;
@@ -122,6 +122,19 @@ struct StageRing {
     excl_until = it + static_cast<uint32_t>(hold);
   }
 };
+// Registers per thread after setmaxnreg: the producer warpgroup (helper mode:
+// warp 0 the TMA producer, warps 1-3 the helpers) and the consumer
+// warpgroups; 128 x producer + 256 x consumer = 384 x 168, what the launch
+// bound gives a block. Helper mode gives the helpers 72 (with 56 the fused
+// FC1's helpers spilled 64 bytes, the fused dGLU's up to 108), which leaves
+// the consumers 216 (their 128 accumulators fit without spills); the plain
+// GEMMs keep 56 / 224.
+template <typename Epi>
+constexpr int kProducerRegs = Epi::kHelperAct ? 72 : 56;
+template <typename Epi>
+constexpr int kConsumerRegs = Epi::kHelperAct ? 216 : 224;
+static_assert(128 * 72 + 256 * 216 == 384 * 168 && 128 * 56 + 256 * 224 == 384 * 168,
+              "the register split fills the block's registers");
 // Dedicated staging chunks (both warpgroups).
 template <typename Epi>
 constexpr int staging_chunks(int bufs) {
@@ -247,7 +260,7 @@ __device__ __forceinline__ void zero_slice_rows(uint8_t* base, int blocks, int f
 // 16-byte piece) of the staged d(a) tile (64 rows x 32 units), strided over
 // the 96 helpers (neighbouring helpers take neighbouring columns of a row:
 // coalesced loads of h and stores of d(h)). Units of 8 columns keep the
-// helpers within their 56 registers (16-column units spilled). A unit's
+// helpers within their registers (16-column units spilled at 56). A unit's
 // partial <d(a), act(h)> overwrites its own staged bytes; after a barrier
 // helper r < 64 adds row r's 32 partials in column order (deterministic) and
 // writes the tile's partial for the row. A pad-only tile (inf.stage < 0)
@@ -362,7 +375,7 @@ __global__ void __launch_bounds__(kThreads, 1)
     // Producer: one thread walks the same tiles and K slices as the consumers
     // (gathered A rows: the 128 threads of warpgroup 0, thread 0 issuing the
     // TMA loads).
-    setmaxnreg_dec<56>();
+    setmaxnreg_dec<kProducerRegs<Epi>>();
     constexpr bool gather = GATHER;
     static_assert(!GATHER || (MODE == 0 && !Epi::kHelperAct), "gathered A rows: plain forward only");
     if (threadIdx.x == 0 || gather) {
@@ -640,7 +653,7 @@ __global__ void __launch_bounds__(kThreads, 1)
     }
   } else {
     // Consumers: warpgroup c = wg - 1 owns rows c*64 .. c*64+63 of each tile.
-    setmaxnreg_inc<224>();  // 128 x 56 + 256 x 224 <= 64K registers
+    setmaxnreg_inc<kConsumerRegs<Epi>>();
     const int c = wg - 1;
     const int tid = threadIdx.x % 128, lane = threadIdx.x % 32, warp = tid / 32;
     uint8_t* my_staging = staging + c * bufs * kChunkBytes;  // (not in helper mode)
