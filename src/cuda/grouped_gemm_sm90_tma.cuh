@@ -691,6 +691,11 @@ __global__ void __launch_bounds__(kThreads, 1)
     if (static_cast<int32_t>(blockIdx.x) < num_tiles) tw = work_of(blockIdx.x);
     for (int32_t tile = blockIdx.x; tile < num_tiles; tile += gridDim.x) {
       const int32_t next = tile + gridDim.x;
+      // The next tile's geometry (a search of the group table, global loads,
+      // 64-bit divisions), worked out before the main loop so that its
+      // latency hides behind it rather than delaying the epilogue.
+      Work nw{};
+      if (next < num_tiles) nw = work_of(next);
       float acc[128];
 #pragma unroll
       for (int i = 0; i < 128; ++i) acc[i] = 0.0f;
@@ -788,9 +793,6 @@ __global__ void __launch_bounds__(kThreads, 1)
         }
         epi.finish(acc, my_bias, lane);  // e.g. + bias
       }
-      // The next tile's geometry: its loads run while this epilogue does.
-      Work nw{};
-      if (next < num_tiles) nw = work_of(next);
 
       // Epilogue. Fragment of thread (warp, lane): rows warp*16 + lane/4 (+8),
       // columns 8j + 2(lane%4) (+1), j = 0..31, in acc[4j + 2*half + {0,1}].
