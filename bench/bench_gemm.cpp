@@ -320,6 +320,25 @@ void run_gemm_bench(const GemmBenchOptions& opt) {
                        tflops([&] { cuda::mlp_fc1_forward(*fused_call, stream); }));
             std::fflush(stdout);
           }
+      // Consumer warpgroup 1's lag (K slices) in the fused FC1, each timed
+      // in alternation with FC1 alone at its default.
+      if (fused_call)
+        for (const int sg : {0, 1, 2, 3}) {
+          cuda::TmaTuning t;
+          t.stagger = sg;
+          const auto [fu, plain] = paired(
+              [&] {
+                cuda::set_tma_tuning(t);
+                cuda::mlp_fc1_forward(*fused_call, stream);
+              },
+              [&] {
+                cuda::set_tma_tuning({});
+                grouped_gemm_forward(a, GroupedWeights::from_stacked(w), layout, out, stream);
+              });
+          fmt::print("    tune fused fc1 stagger={}: {:7.1f} TFLOP/s, FC1 alone {:7.1f}: {:.3f}x\n",
+                     sg, fu, plain, plain / fu);
+          std::fflush(stdout);
+        }
       cuda::set_tma_tuning({});
     }
     const auto [dg, dg_dense] = paired(
