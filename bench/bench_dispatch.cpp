@@ -6,7 +6,10 @@
 // Bytes counted: the token rows (H * dtype bytes) that leave a rank for the
 // other ranks, once per (token, rank); combine: the float32 partial rows that
 // leave a rank (combine sends float32 partial sums so that the result is
-// bitwise the reference's). The nvlink backend (--backend nvlink) moves the
+// bitwise the reference's), also timed against an all-to-all of the bf16
+// token rows coming home (the stricter comparison: what a combine that sums
+// in bf16 would move). The nvlink combine sends a token's only slot on a
+// rank as that slot's bf16 row instead of a float32 partial. The nvlink backend (--backend nvlink) moves the
 // same bytes over the links; it also reports the token rows its own SMs store
 // (own slots' rows, the peers' stages, the peers' rows expanded here): at a
 // few SMs that store traffic, not the links, bounds the dispatch.
@@ -85,8 +88,8 @@ void run_dispatch_bench(const DispatchBenchOptions& opt) {
                : std::vector<std::pair<int, int>>{{1, 0},  {2, 0},  {4, 0},  {1, 32},
                                                   {2, 32}, {4, 32}, {2, 64}, {4, 64}};
     struct Result {
-      double dispatch_ms = 0, combine_ms = 0, a2a_ms = 0, a2a_f32_ms = 0;
-      double out_bytes = 0, back_bytes = 0, link_bytes = 0;
+      double dispatch_ms = 0, combine_ms = 0, a2a_ms = 0, a2a_f32_ms = 0, a2a_back_ms = 0;
+      double out_bytes = 0, back_bytes = 0, link_bytes = 0, wire_back_bytes = 0;
       std::vector<double> sweep_dispatch_ms, sweep_combine_ms;  // per configs
     };
     std::vector<Result> res(W);
@@ -136,14 +139,20 @@ void run_dispatch_bench(const DispatchBenchOptions& opt) {
           Tensor ids = rs.ids.to(Device::cpu());
           for (int64_t t = 0; t < T; ++t) {
             std::vector<char> on(W, 0);
+            int here = 0;  // slots of (s, t) on this rank
             for (int k = 0; k < p.topk; ++k) {
               const int64_t e = ids.dtype() == DType::kInt64
                                     ? ids.data_ptr<int64_t>()[t * p.topk + k]
                                     : ids.data_ptr<int32_t>()[t * p.topk + k];
               if (e < 0) continue;
               on[e / L] = 1;
-              if (e / L == r) rr.link_bytes += static_cast<double>(row);  // a slot row here
+              if (e / L == r) {
+                rr.link_bytes += static_cast<double>(row);  // a slot row here
+                ++here;
+              }
             }
+            // combine sends a peer token's one slot here as a bf16 row, else a float32 partial
+            if (s != r && here > 0) rr.wire_back_bytes += here == 1 ? row : p.hidden * 4;
             for (int q = 0; q < W; ++q) {
               if (!on[q]) continue;
               if (s == r) ++sent[q];
@@ -185,6 +194,7 @@ void run_dispatch_bench(const DispatchBenchOptions& opt) {
       };
       rr.a2a_ms = a2a(sent, got, row);
       rr.a2a_f32_ms = a2a(got, sent, p.hidden * 4);
+      rr.a2a_back_ms = a2a(got, sent, row);  // the token rows coming home in bf16
       MOEFLOW_CUDA_CHECK(cudaStreamDestroy(stream));
     });
     for (int r = 0; r < W; ++r) {
@@ -196,9 +206,10 @@ void run_dispatch_bench(const DispatchBenchOptions& opt) {
       fmt::print(
           "  rank {}: dispatch {:8.1f} us {:7.1f} GB/s out (NCCL a2a same bytes {:7.1f} GB/s, "
           "ratio {:.2f}) | "
-          "combine {:8.1f} us {:7.1f} GB/s out (a2a {:7.1f}, ratio {:.2f})\n",
+          "combine {:8.1f} us {:7.1f} GB/s out (a2a {:7.1f}, ratio {:.2f}; a2a of the bf16 token "
+          "rows {:.1f} us, ratio {:.2f})\n",
           r, rr.dispatch_ms * 1e3, d_gbs, a_gbs, d_gbs / a_gbs, rr.combine_ms * 1e3, c_gbs, af_gbs,
-          c_gbs / af_gbs);
+          c_gbs / af_gbs, rr.a2a_back_ms * 1e3, rr.a2a_back_ms / rr.combine_ms);
       std::string sweep;
       for (size_t i = 0; i < configs.size(); ++i)
         sweep += fmt::format(" {}x{}: {:.0f}/{:.0f}", configs[i].first, configs[i].second,
@@ -206,8 +217,11 @@ void run_dispatch_bench(const DispatchBenchOptions& opt) {
       fmt::print("          {}: dispatch/combine us:{}\n",
                  nvlink ? "1 x kernel blocks (SMs)" : "pieces x overlap blocks", sweep);
       if (nvlink)
-        fmt::print("          token rows stored by this rank's SMs: {:.1f} MB, {:.1f} GB/s\n",
-                   rr.link_bytes / 1e6, rr.link_bytes / rr.dispatch_ms / 1e6);
+        fmt::print(
+            "          token rows stored by this rank's SMs: {:.1f} MB, {:.1f} GB/s; combine "
+            "sends {:.1f} MB (float32 partials, bf16 rows of one-slot tokens), {:.1f} GB/s\n",
+            rr.link_bytes / 1e6, rr.link_bytes / rr.dispatch_ms / 1e6, rr.wire_back_bytes / 1e6,
+            rr.wire_back_bytes / rr.combine_ms / 1e6);
       all.push_back({{"preset", name},
                      {"pipeline_chunks", groups[r]->options().pipeline_chunks},
                      {"overlap_blocks", groups[r]->options().overlap_blocks},
@@ -223,6 +237,9 @@ void run_dispatch_bench(const DispatchBenchOptions& opt) {
                      {"combine_GBps", c_gbs},
                      {"nccl_a2a_GBps", a_gbs},
                      {"nccl_a2a_f32_GBps", af_gbs},
+                     {"nccl_a2a_back_bf16_us", rr.a2a_back_ms * 1e3},
+                     {"combine_vs_bf16_a2a", rr.a2a_back_ms / rr.combine_ms},
+                     {"combine_wire_bytes", rr.wire_back_bytes},
                      {"backend", opt.backend},
                      {"bulk_copies", opt.bulk_copies},
                      {"sm_store_bytes", rr.link_bytes},

@@ -48,7 +48,9 @@ namespace moeflow {
 // runs with), no host synchronisation: dispatch, the MLP and combine are
 // capturable in one CUDA graph. A token crosses to a rank once and is
 // expanded there into its slots' rows; combine sums each token's slots on the
-// rank that holds them and sends one float32 partial home. received_tokens is
+// rank that holds them and sends one float32 partial home, or, for a token
+// with one slot on that rank, the slot's row of y itself (half the bytes when
+// y is 16-bit; the result is the same bits). received_tokens is
 // -1 (the count stays on the device) and the plan's row_token / row_k /
 // dest_row are not filled; combine_backward takes y of the token dtype. One
 // stream per group: its kernels meet in device-side barriers, so operations

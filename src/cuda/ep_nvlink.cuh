@@ -31,9 +31,11 @@
 //      into its final row.
 // combine: barrier; on the holder, one warp per peer token with kept slots
 // here: the float32 sum of its slots (k ascending, weighted) stored into the
-// home rank's partial; barrier; one warp per home token: own slots summed (k
-// ascending) and the partials of the ranks added, ranks ascending: the
-// reference's order, bitwise the nccl backend's.
+// home rank's partial, or, when it holds one slot of the token, that slot's
+// row as is (y's type: half the bytes of a float32 partial for 16-bit y; the
+// home weights it exactly as the holder would have); barrier; one warp per
+// home token: own slots summed (k ascending) and the partials of the ranks
+// added, ranks ascending: the reference's order, bitwise the nccl backend's.
 // combine backward: barrier; dout[t] stored once into the stage of every peer
 // holding a slot of t; barrier; one warp per received row: grad_y = w * dout
 // (pad rows 0) and <dout, y> stored into the home rank's dp; barrier; dprobs.
@@ -408,6 +410,28 @@ __device__ __forceinline__ void load_floats_cg(const float* src, float (&v)[N]) 
   }
 }
 
+// A pack of N elements of T loaded through L2 only (written while the kernel runs).
+template <typename T, int N>
+__device__ __forceinline__ cuda::Pack<T, N> load_pack_cg(const cuda::Pack<T, N>* p) {
+  using P = cuda::Pack<T, N>;
+  P v;
+  if constexpr (sizeof(P) == 16) {
+    const uint4 r = __ldcg(reinterpret_cast<const uint4*>(p));
+    memcpy(&v, &r, 16);
+  } else if constexpr (sizeof(P) == 8) {
+    const uint2 r = __ldcg(reinterpret_cast<const uint2*>(p));
+    memcpy(&v, &r, 8);
+  } else if constexpr (sizeof(P) == 4) {
+    const unsigned r = __ldcg(reinterpret_cast<const unsigned*>(p));
+    memcpy(&v, &r, 4);
+  } else {
+    static_assert(sizeof(P) == 2, "packs of 2, 4, 8 or 16 bytes");
+    const unsigned short r = __ldcg(reinterpret_cast<const unsigned short*>(p));
+    memcpy(&v, &r, 2);
+  }
+  return v;
+}
+
 // A warp's slots of one token in shared memory, compacted in k order: lane k
 // with a bit in `mask` stores its row and weight at its rank in the mask.
 struct SlotList {
@@ -623,8 +647,8 @@ __device__ __forceinline__ void prefetch_slots(const T* y, int64_t y_stride, con
 
 // The combine (one kernel, two roles). Holder: for each peer token with kept
 // slots here, the float32 sum of its slots (k ascending, weighted by the
-// received probs when `weighted`) stored into the home rank's partial[me][t],
-// then announced. Home: for each own token, ranks ascending: the own slots
+// received probs when `weighted`) stored into the home rank's partial[me][t]
+// (a token with one slot here: that slot's row of y as is), then announced. Home: for each own token, ranks ascending: the own slots
 // summed here (k ascending), the peers' partials once announced: the
 // reference's order. Rows are prefetched into L2 kAhead steps ahead.
 template <typename T, typename TOut, int N>
@@ -635,6 +659,7 @@ __global__ void __launch_bounds__(kSumWarps * 32)
                    bool weighted, TOut* out, int64_t out_stride) {
   constexpr int U = sum_u<N>();
   using PO = cuda::Pack<TOut, N>;
+  using PY = cuda::Pack<T, N>;
   __shared__ SlotList lists[kSumWarps];
   const int lane = threadIdx.x % 32;
   SlotList& l = lists[threadIdx.x / 32];
@@ -654,18 +679,32 @@ __global__ void __launch_bounds__(kSumWarps * 32)
         w = weights ? weights[t * K + lane] : 1.0f;
       }
       const unsigned ranks = __reduce_or_sync(kFull, q >= 0 ? 1u << q : 0u);
+      // A peer holding one kept slot of t sent that slot's row as is (single
+      // bit); its weight (lane r: rank r's) is applied here as the holder's
+      // sum would: fmaf(w, y, 0).
+      unsigned single = 0;
+      float wsingle = 0.0f;
+      for (int r = 0; r < W; ++r) {
+        const unsigned m = __ballot_sync(kFull, q == r);
+        if (r == me || __popc(m) != 1) continue;
+        single |= 1u << r;
+        const float wr = __shfl_sync(kFull, w, __ffs(m) - 1);
+        if (lane == r) wsingle = wr;
+      }
       const int n = collect_slots(l, __ballot_sync(kFull, q >= 0 && q == me), row, w, lane);
       for (int st = 0; st < kAhead; ++st) prefetch_slots<T, N>(y, y_stride, l, n, st, 32 * U, packs, lane);
+      // lane p < W: the bytes per element of rank p's partial
+      const int64_t eb = ((single >> lane) & 1u) ? int64_t{sizeof(T)} : 4;
       if (lane < W && lane != me && ((ranks >> lane) & 1u)) {  // lane p waits for rank p
         spin_flag(flag + size_t(lane) * tmax + t, epoch);
-        prefetch_span(partial + (size_t(lane) * tmax + t) * H, 0, kAhead * 32 * U * N * 4, H * 4);
+        prefetch_span(partial + (size_t(lane) * tmax + t) * H, 0, kAhead * 32 * U * N * eb, H * eb);
       }
       __syncwarp();
       for (int64_t p0 = 0, st = 0; p0 < packs; p0 += 32 * U, ++st) {
         prefetch_slots<T, N>(y, y_stride, l, n, st + kAhead, 32 * U, packs, lane);
         if (lane < W && lane != me && ((ranks >> lane) & 1u))
-          prefetch_span(partial + (size_t(lane) * tmax + t) * H, (st + kAhead) * 32 * U * N * 4,
-                        (st + kAhead + 1) * 32 * U * N * 4, H * 4);
+          prefetch_span(partial + (size_t(lane) * tmax + t) * H, (st + kAhead) * 32 * U * N * eb,
+                        (st + kAhead + 1) * 32 * U * N * eb, H * eb);
         float acc[U][N];
         bool first = true;
         for (int r = 0; r < W; ++r) {
@@ -673,6 +712,17 @@ __global__ void __launch_bounds__(kSumWarps * 32)
           float part[U][N];
           if (r == me) {
             slot_sum<T, N, U>(y, y_stride, l, n, p0, packs, lane, part);
+          } else if ((single >> r) & 1u) {
+            const float ws = __shfl_sync(kFull, wsingle, r);
+            const PY* prow = reinterpret_cast<const PY*>(partial + (size_t(r) * tmax + t) * H);
+#pragma unroll
+            for (int u = 0; u < U; ++u) {
+              const int64_t p = p0 + u * 32 + lane;
+              if (p >= packs) continue;
+              const PY v = load_pack_cg<T, N>(prow + p);
+#pragma unroll
+              for (int j = 0; j < N; ++j) part[u][j] = fmaf(ws, cuda::to_float(v.v[j]), 0.0f);
+            }
           } else {
 #pragma unroll
             for (int u = 0; u < U; ++u) {
@@ -719,6 +769,21 @@ __global__ void __launch_bounds__(kSumWarps * 32)
     float* dst = static_cast<float*>(win.at(o.partial + (size_t(me) * tmax + t) * H * 4, s));
     for (int64_t p0 = 0, k = 0; p0 < packs; p0 += 32 * UH, ++k) {
       prefetch_slots<T, N>(y, y_stride, l, n, k + kAhead, 32 * UH, packs, lane);
+      if (n == 1) {  // one slot here: its row goes home as is, the home weights it
+        const PY* src = reinterpret_cast<const PY*>(y + l.row[0] * y_stride);
+        PY v[UH];
+#pragma unroll
+        for (int u = 0; u < UH; ++u) {
+          const int64_t p = p0 + u * 32 + lane;
+          if (p < packs) v[u] = src[p];
+        }
+#pragma unroll
+        for (int u = 0; u < UH; ++u) {
+          const int64_t p = p0 + u * 32 + lane;
+          if (p < packs) reinterpret_cast<PY*>(dst)[p] = v[u];
+        }
+        continue;
+      }
       float part[UH][N];
       slot_sum<T, N, UH>(y, y_stride, l, n, p0, packs, lane, part);
 #pragma unroll
@@ -878,7 +943,7 @@ struct NvlinkState {
   nvl::Offsets off{};
   int batch = 4;           // tokens a warp announces together (MOEFLOW_NVL_BATCH)
   int home_percent = 60;   // the home role's share of nvlink_blocks (MOEFLOW_NVL_HOME)
-  int combine_home_percent = 50;  // the same in combine (MOEFLOW_NVL_CHOME)
+  int combine_home_percent = 50;  // the same in combine (by K / W; MOEFLOW_NVL_CHOME)
   bool tma = false;        // dispatch rows moved with bulk copies (MOEFLOW_NVL_TMA)
   Tensor local_ids;     // [tmax, K] int32
   RoutingPlan local;    // over the E global experts, align 1, nothing dropped
