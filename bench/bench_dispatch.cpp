@@ -8,8 +8,8 @@
 // leave a rank (combine sends float32 partial sums so that the result is
 // bitwise the reference's), also timed against an all-to-all of the bf16
 // token rows coming home (the stricter comparison: what a combine that sums
-// in bf16 would move). The nvlink combine sends a token's only slot on a
-// rank as that slot's bf16 row instead of a float32 partial. The nvlink backend (--backend nvlink) moves the
+// in bf16 would move). Both backends send a token's only slot on a rank as
+// that slot's bf16 row instead of a float32 partial. The nvlink backend (--backend nvlink) moves the
 // same bytes over the links; it also reports the token rows its own SMs store
 // (own slots' rows, the peers' stages, the peers' rows expanded here): at a
 // few SMs that store traffic, not the links, bounds the dispatch.
@@ -130,10 +130,9 @@ void run_dispatch_bench(const DispatchBenchOptions& opt) {
                                 opt.timing.warmup, opt.timing.iters);
       std::vector<int64_t> sent = g.last_send_rows(), got = g.last_recv_rows();
       const int64_t row = p.hidden * 2;
-      if (nvlink) {  // counts stay on the device: the same figures from the routings
+      {  // nvlink: counts stay on the device, the same figures from the routings
         const int L = p.num_experts / W;
-        sent.assign(W, 0);
-        got.assign(W, 0);
+        std::vector<int64_t> rsent(W, 0), rgot(W, 0);
         for (int s = 0; s < W; ++s) {
           Routing rs = random_routing(T, p.num_experts, p.topk, 1000 + s, dev);
           Tensor ids = rs.ids.to(Device::cpu());
@@ -155,11 +154,15 @@ void run_dispatch_bench(const DispatchBenchOptions& opt) {
             if (s != r && here > 0) rr.wire_back_bytes += here == 1 ? row : p.hidden * 4;
             for (int q = 0; q < W; ++q) {
               if (!on[q]) continue;
-              if (s == r) ++sent[q];
-              if (q == r) ++got[s];
+              if (s == r) ++rsent[q];
+              if (q == r) ++rgot[s];
               if (s == r && q != r) rr.link_bytes += static_cast<double>(row);  // a peer's stage
             }
           }
+        }
+        if (nvlink) {
+          sent = rsent;
+          got = rgot;
         }
       }
       for (int q = 0; q < W; ++q)
@@ -217,11 +220,12 @@ void run_dispatch_bench(const DispatchBenchOptions& opt) {
       fmt::print("          {}: dispatch/combine us:{}\n",
                  nvlink ? "1 x kernel blocks (SMs)" : "pieces x overlap blocks", sweep);
       if (nvlink)
-        fmt::print(
-            "          token rows stored by this rank's SMs: {:.1f} MB, {:.1f} GB/s; combine "
-            "sends {:.1f} MB (float32 partials, bf16 rows of one-slot tokens), {:.1f} GB/s\n",
-            rr.link_bytes / 1e6, rr.link_bytes / rr.dispatch_ms / 1e6, rr.wire_back_bytes / 1e6,
-            rr.wire_back_bytes / rr.combine_ms / 1e6);
+        fmt::print("          token rows stored by this rank's SMs: {:.1f} MB, {:.1f} GB/s\n",
+                   rr.link_bytes / 1e6, rr.link_bytes / rr.dispatch_ms / 1e6);
+      fmt::print(
+          "          combine sends {:.1f} MB (float32 partials, bf16 rows of one-slot tokens), "
+          "{:.1f} GB/s\n",
+          rr.wire_back_bytes / 1e6, rr.wire_back_bytes / rr.combine_ms / 1e6);
       all.push_back({{"preset", name},
                      {"pipeline_chunks", groups[r]->options().pipeline_chunks},
                      {"overlap_blocks", groups[r]->options().overlap_blocks},

@@ -22,7 +22,9 @@
 // packing, permuting and the combine's partial sums overlap them; every
 // function returns with all its work ordered before later work on `stream`.
 // Token counts may differ per rank (including 0) up to max_tokens_per_rank,
-// with no extra all-reduce.
+// with no extra all-reduce. Combine sends float32 partial sums home, except
+// for a token with one slot on a rank: that slot's row of y goes home as is
+// (half the bytes for 16-bit y) and is weighted there, with the same bits.
 //
 // Every rank must call each collective operation (dispatch, combine and the
 // backward functions) in the same order. The views returned point into

@@ -47,6 +47,17 @@ __device__ __forceinline__ __nv_bfloat16 from_float<__nv_bfloat16>(float v) {
 template <>
 __device__ __forceinline__ __half from_float<__half>(float v) { return __float2half_rn(v); }
 
+// fn(T{}) with T the element type of a float dtype (float32 / bfloat16 / float16).
+template <typename Fn>
+void with_float_type(DType dtype, Fn fn) {
+  switch (dtype) {
+    case DType::kFloat32: return fn(float{});
+    case DType::kBFloat16: return fn(__nv_bfloat16{});
+    case DType::kFloat16: return fn(__half{});
+    default: MOEFLOW_CHECK(false, "unsupported dtype ", dtype_name(dtype));
+  }
+}
+
 // Number of SMs of the current device (cached per device).
 int sm_count();
 

@@ -63,31 +63,124 @@ constexpr int kMaxWorld = 64;  // ranks per group (combine keeps one pointer per
 constexpr int kMaxChunks = 16;
 
 // flags[q*T + t] = 1 when token t has a valid slot on rank q; invalid ids
-// (outside [-1, E)) are counted and ignored.
+// (outside [-1, E)) are counted and ignored. single[q*T + t] = 1 when that
+// is exactly one slot and q is a peer: combine brings it home as its row of
+// y instead of a float32 partial.
 template <typename IdT>
-__global__ void ep_flags_kernel(const IdT* ids, int64_t T, int K, int E, int epr, int W,
-                                int32_t* flags, int32_t* invalid) {
+__global__ void ep_flags_kernel(const IdT* ids, int64_t T, int K, int E, int epr, int W, int self,
+                                int32_t* flags, int32_t* single, int32_t* invalid) {
   const int64_t t = blockIdx.x * int64_t{blockDim.x} + threadIdx.x;
   if (t >= T) return;
-  for (int q = 0; q < W; ++q) flags[q * T + t] = 0;
+  for (int q = 0; q < W; ++q) flags[q * T + t] = single[q * T + t] = 0;
   int bad = 0;
   for (int k = 0; k < K; ++k) {
     const int64_t id = static_cast<int64_t>(ids[t * K + k]);
-    if (id >= 0 && id < E)
+    if (id >= 0 && id < E) {
       flags[(id / epr) * T + t] = 1;
-    else if (id != -1)
+      ++single[(id / epr) * T + t];  // this thread's entries only: slots per rank
+    } else if (id != -1) {
       ++bad;
+    }
   }
+  for (int q = 0; q < W; ++q) single[q * T + t] = q != self && single[q * T + t] == 1;
   if (bad) atomicAdd(invalid, bad);
+}
+
+// Receiver side of the same flag: rsingle[r] = 1 when received row r (not
+// one of this rank's own rows [self_b, self_e)) has exactly one slot here.
+__global__ void ep_recv_single_kernel(const int32_t* recv_ids, int64_t rows, int K, int64_t self_b,
+                                      int64_t self_e, int32_t* rsingle) {
+  const int64_t r = blockIdx.x * int64_t{blockDim.x} + threadIdx.x;
+  if (r > rows) return;
+  int n = 0;
+  if (r < rows && (r < self_b || r >= self_e))
+    for (int k = 0; k < K; ++k) n += recv_ids[r * K + k] >= 0;
+  rsingle[r] = n == 1;
 }
 
 // counts[q*C + c] = rows sent to rank q for the tokens of piece c, tokens
 // [T*c/C, T*(c+1)/C) (from the exclusive scan of the flags).
-__global__ void ep_counts_kernel(const int32_t* pos, int64_t T, int W, int C, int32_t* counts) {
+// scounts: the same for the single rows (from the scan of `single`).
+__global__ void ep_counts_kernel(const int32_t* pos, const int32_t* spos, int64_t T, int W, int C,
+                                 int32_t* counts, int32_t* scounts) {
   const int i = threadIdx.x;
   if (i >= W * C) return;
   const int q = i / C, c = i % C;
   counts[i] = pos[q * T + T * (c + 1) / C] - pos[q * T + T * c / C];
+  scounts[i] = spos[q * T + T * (c + 1) / C] - spos[q * T + T * c / C];
+}
+
+// Combine, on the rank holding the slots: for received rows [r0, r0 + n),
+// one warp per row. A single row (rsingle) sends its slot's row of y as is
+// (zeros when the slot was dropped) to single_rows[rspos[r]]; any other row
+// its float32 partial, the kept slots in ascending k, acc = fmaf(w, y, acc)
+// from 0 (unpermute's sum, bit for bit), to partial[r - rspos[r]].
+template <typename TY, int N>
+__global__ void ep_holder_kernel(const TY* y, int64_t y_stride, int64_t H, const int64_t* dest_row,
+                                 const int32_t* recv_ids, const float* weights, int K, int64_t r0,
+                                 int64_t n, const int32_t* rsingle, const int32_t* rspos,
+                                 float* partial, TY* single_rows) {
+  constexpr int kU = 4;
+  using P = cuda::Pack<TY, N>;
+  using F = cuda::Pack<float, N>;
+  const int lane = threadIdx.x % cuda::kWarpSize;
+  const int64_t warps = int64_t{gridDim.x} * blockDim.x / cuda::kWarpSize;
+  const int64_t packs = H / N;
+  for (int64_t i = (blockIdx.x * int64_t{blockDim.x} + threadIdx.x) / cuda::kWarpSize; i < n;
+       i += warps) {
+    const int64_t r = r0 + i;
+    if (rsingle[r]) {
+      int64_t row = -1;
+      for (int k = 0; k < K; ++k)
+        if (recv_ids[r * K + k] >= 0) row = dest_row[r * K + k];
+      P* dst = reinterpret_cast<P*>(single_rows + int64_t{rspos[r]} * H);
+      const P* src = reinterpret_cast<const P*>(y + (row >= 0 ? row : 0) * y_stride);
+      for (int64_t p = lane; p < packs; p += cuda::kWarpSize) {
+        P v;
+        if (row >= 0) {
+          v = src[p];
+        } else {
+#pragma unroll
+          for (int j = 0; j < N; ++j) v.v[j] = cuda::from_float<TY>(0.0f);
+        }
+        dst[p] = v;
+      }
+      continue;
+    }
+    F* dst = reinterpret_cast<F*>(partial + (r - rspos[r]) * H);
+    for (int64_t p0 = 0; p0 < packs; p0 += kU * cuda::kWarpSize) {
+      float acc[kU][N];
+#pragma unroll
+      for (int u = 0; u < kU; ++u)
+#pragma unroll
+        for (int j = 0; j < N; ++j) acc[u][j] = 0.0f;
+      for (int k = 0; k < K; ++k) {  // ascending k
+        const int64_t row = dest_row[r * K + k];
+        if (row < 0) continue;
+        const float w = weights ? weights[r * K + k] : 1.0f;
+        const P* src = reinterpret_cast<const P*>(y + row * y_stride);
+        P v[kU];
+#pragma unroll
+        for (int u = 0; u < kU; ++u) {
+          const int64_t p = p0 + u * cuda::kWarpSize + lane;
+          if (p < packs) v[u] = src[p];
+        }
+#pragma unroll
+        for (int u = 0; u < kU; ++u)
+#pragma unroll
+          for (int j = 0; j < N; ++j) acc[u][j] = fmaf(w, cuda::to_float(v[u].v[j]), acc[u][j]);
+      }
+#pragma unroll
+      for (int u = 0; u < kU; ++u) {
+        const int64_t p = p0 + u * cuda::kWarpSize + lane;
+        if (p >= packs) continue;
+        F o;
+#pragma unroll
+        for (int j = 0; j < N; ++j) o.v[j] = acc[u][j];
+        dst[p] = o;
+      }
+    }
+  }
 }
 
 // One thread per (q, t) with a flag: the K local ids and probs of the row;
@@ -149,35 +242,63 @@ __global__ void ep_dprobs_kernel(const float* back, const int32_t* send_ids, int
 }
 
 // out[t] = partials of t added in ascending rank order (first taken as is).
-// The partial of rank q sits in back[pos[q,t]], or for this rank (self) in
-// partial[pos[self,t] + self_shift]; N floats per access.
-template <typename TOut, int N>
-__global__ void ep_combine_kernel(const float* back, const float* partial, int self,
-                                  int64_t self_shift, int64_t H, int64_t T, int64_t t0, int W,
-                                  const int32_t* flags, const int32_t* pos, TOut* out,
-                                  int64_t out_stride) {
+// The partial of peer q sits in back[pos[q,t] - spos[q,t]], or, when t has
+// one slot on q (single), q sent that slot's row of y: back_single[spos[q,t]],
+// weighted here as the holder would have (fmaf(w, y, 0)); this rank's own
+// partial is in partial[pos[self,t] + self_shift]. N elements per access.
+template <typename TY, typename TOut, int N>
+__global__ void ep_combine_kernel(const float* back, const TY* back_single, const float* partial,
+                                  int self, int64_t self_shift, int64_t H, int64_t T, int64_t t0,
+                                  int W, int K, const int32_t* flags, const int32_t* pos,
+                                  const int32_t* single, const int32_t* spos,
+                                  const int32_t* send_ids, const float* send_probs, bool weighted,
+                                  TOut* out, int64_t out_stride) {
   const int64_t t = t0 + blockIdx.x;
-  __shared__ const float* src[kMaxWorld];
+  __shared__ const void* src[kMaxWorld];
+  __shared__ float wsrc[kMaxWorld];  // weight of a single row
+  __shared__ bool one[kMaxWorld];    // a single row (else a float32 partial)
   __shared__ int count;
   if (threadIdx.x == 0) {
     int n = 0;
     for (int q = 0; q < W; ++q) {
       if (!flags[q * T + t]) continue;
       const int64_t row = pos[q * T + t];
-      src[n++] = q == self ? partial + (row + self_shift) * H : back + row * H;
+      one[n] = false;
+      if (q == self) {
+        src[n] = partial + (row + self_shift) * H;
+      } else if (single[q * T + t]) {
+        float w = 1.0f;
+        for (int k = 0; k < K; ++k)
+          if (send_ids[row * K + k] >= 0 && weighted) w = send_probs[row * K + k];
+        src[n] = back_single + int64_t{spos[q * T + t]} * H;
+        wsrc[n] = w;
+        one[n] = true;
+      } else {
+        src[n] = back + (row - spos[q * T + t]) * H;
+      }
+      ++n;
     }
     count = n;
   }
   __syncthreads();
   const int n = count;
   using In = cuda::Pack<float, N>;
+  using InY = cuda::Pack<TY, N>;
   using Out = cuda::Pack<TOut, N>;
   for (int64_t v = threadIdx.x; v < H / N; v += blockDim.x) {
     In acc;
 #pragma unroll
     for (int j = 0; j < N; ++j) acc.v[j] = 0.0f;
     for (int i = 0; i < n; ++i) {
-      const In p = reinterpret_cast<const In*>(src[i])[v];
+      In p;
+      if (one[i]) {
+        const float w = wsrc[i];
+        const InY yv = reinterpret_cast<const InY*>(src[i])[v];
+#pragma unroll
+        for (int j = 0; j < N; ++j) p.v[j] = fmaf(w, cuda::to_float(yv.v[j]), 0.0f);
+      } else {
+        p = reinterpret_cast<const In*>(src[i])[v];
+      }
 #pragma unroll
       for (int j = 0; j < N; ++j) acc.v[j] = i == 0 ? p.v[j] : acc.v[j] + p.v[j];
     }
@@ -206,7 +327,13 @@ struct EpGroup::Impl {
   int64_t tmax = 0, rows_max = 0, send_max = 0, capacity = 0, row_bytes = 0;
 
   Tensor flags, pos, scan_tmp, counts, invalid, self_src;  // device
-  int32_t* host = nullptr;  // pinned: send counts [W*C], recv counts [W*C], invalid
+  // single[q*T + t]: token t has one slot on peer q (combine sends that row
+  // of y home instead of a float32 partial); spos its exclusive scan; rsingle /
+  // rspos the same over the received rows.
+  Tensor single, spos, rsingle, rspos;
+  // pinned: send counts [W*C], recv counts [W*C], the same of the single rows
+  // [W*C] x 2, invalid
+  int32_t* host = nullptr;
   Tensor send_x, send_ids, send_probs, recv_x, recv_ids, recv_probs;
   RoutingPlan plan;
   Tensor plan_ws, out_x, out_probs, partial, back;
@@ -219,6 +346,12 @@ struct EpGroup::Impl {
   // rows of piece c to / from rank q start at *_pc[q*(C+1) + c] inside q's range.
   int pieces = 1;
   std::vector<int64_t> send_pc, recv_pc;
+  // combine's way back, split into float32 partials (m) and single rows (s):
+  // offsets per rank and piece prefixes, like the above; the single rows sit
+  // after the partial rows in `partial` (holder) and `back` (home).
+  std::vector<int64_t> send_moff, send_mpc, send_soff, send_spc;  // home side (back)
+  std::vector<int64_t> recv_moff, recv_mpc, recv_soff, recv_spc;  // holder side (partial)
+  int64_t send_mrows = 0, recv_mrows = 0;
 
   // NCCL runs on `comm_stream`; events order it with the caller's stream.
   cudaStream_t comm_stream = nullptr;
@@ -318,14 +451,18 @@ struct EpGroup::Impl {
     const Device dev = Device::cuda(device);
     flags = Tensor::empty({rows_max + 1}, DType::kInt32, dev);
     pos = Tensor::empty({rows_max + 1}, DType::kInt32, dev);
+    single = Tensor::empty({rows_max + 1}, DType::kInt32, dev);
+    spos = Tensor::empty({rows_max + 1}, DType::kInt32, dev);
+    rsingle = Tensor::empty({rows_max + 1}, DType::kInt32, dev);
+    rspos = Tensor::empty({rows_max + 1}, DType::kInt32, dev);
     size_t scan_bytes = 0;
     MOEFLOW_CUDA_CHECK(cub::DeviceScan::ExclusiveSum(nullptr, scan_bytes, flags.data_ptr<int32_t>(),
                                                      pos.data_ptr<int32_t>(), rows_max + 1));
     scan_tmp = Tensor::empty({static_cast<int64_t>(scan_bytes) + 16}, DType::kUInt8, dev);
-    counts = Tensor::empty({2 * world * kMaxChunks}, DType::kInt32, dev);
+    counts = Tensor::empty({4 * world * kMaxChunks}, DType::kInt32, dev);
     invalid = Tensor::empty({1}, DType::kInt32, dev);
     self_src = Tensor::empty({tmax}, DType::kInt32, dev);
-    MOEFLOW_CUDA_CHECK(cudaMallocHost(&host, sizeof(int32_t) * (2 * world * kMaxChunks + 1)));
+    MOEFLOW_CUDA_CHECK(cudaMallocHost(&host, sizeof(int32_t) * (4 * world * kMaxChunks + 1)));
     if (o.backend == EpBackend::kNccl) allocate_nccl_buffers(dev);
     // The highest priority: NCCL's blocks get the SMs first when the permute
     // kernels that run beside the transfers free them.
@@ -877,6 +1014,9 @@ EpDispatchResult ep_dispatch(EpGroup& group, TensorView x, TensorView ids, Tenso
   int32_t* flags = g.flags.data_ptr<int32_t>();
   int32_t* pos = g.pos.data_ptr<int32_t>();
   MOEFLOW_CUDA_CHECK(cudaMemsetAsync(flags, 0, sizeof(int32_t) * (W * T + 1), stream));
+  int32_t* single = g.single.data_ptr<int32_t>();
+  int32_t* spos = g.spos.data_ptr<int32_t>();
+  MOEFLOW_CUDA_CHECK(cudaMemsetAsync(single, 0, sizeof(int32_t) * (W * T + 1), stream));
   MOEFLOW_CUDA_CHECK(cudaMemsetAsync(g.invalid.data(), 0, sizeof(int32_t), stream));
   const int E = g.opt.num_experts;
   if (T > 0) {
@@ -884,19 +1024,26 @@ EpDispatchResult ep_dispatch(EpGroup& group, TensorView x, TensorView ids, Tenso
     const unsigned blocks = static_cast<unsigned>((T + threads - 1) / threads);
     if (ids.dtype == DType::kInt32)
       ep_flags_kernel<<<blocks, threads, 0, stream>>>(ids.data_ptr<int32_t>(), T, K, E, g.epr, W,
-                                                      flags, g.invalid.data_ptr<int32_t>());
+                                                      g.rank, flags, single,
+                                                      g.invalid.data_ptr<int32_t>());
     else
       ep_flags_kernel<<<blocks, threads, 0, stream>>>(ids.data_ptr<int64_t>(), T, K, E, g.epr, W,
-                                                      flags, g.invalid.data_ptr<int32_t>());
+                                                      g.rank, flags, single,
+                                                      g.invalid.data_ptr<int32_t>());
     MOEFLOW_CUDA_LAUNCH_CHECK();
   }
   size_t scan_bytes = static_cast<size_t>(g.scan_tmp.numel());
   MOEFLOW_CUDA_CHECK(
       cub::DeviceScan::ExclusiveSum(g.scan_tmp.data(), scan_bytes, flags, pos, W * T + 1, stream));
+  MOEFLOW_CUDA_CHECK(
+      cub::DeviceScan::ExclusiveSum(g.scan_tmp.data(), scan_bytes, single, spos, W * T + 1, stream));
   int32_t* counts = g.counts.data_ptr<int32_t>();
   const int C = g.chunks();
   g.pieces = C;
-  ep_counts_kernel<<<1, 32 * ((W * C + 31) / 32), 0, stream>>>(pos, T, W, C, counts);
+  // counts: [send W*C | recv W*C | single send W*C | single recv W*C]
+  int32_t* scounts = counts + 2 * W * C;
+  ep_counts_kernel<<<1, 32 * ((W * C + 31) / 32), 0, stream>>>(pos, spos, T, W, C, counts,
+                                                                 scounts);
   MOEFLOW_CUDA_LAUNCH_CHECK();
   // Counts: send counts to each peer, receive theirs (the one host sync), on
   // the NCCL stream while the pack runs on the caller's.
@@ -906,11 +1053,13 @@ EpDispatchResult ep_dispatch(EpGroup& group, TensorView x, TensorView ids, Tenso
   for (int q = 0; q < W; ++q) {
     MOEFLOW_NCCL_CHECK(ncclSend(counts + q * C, C, ncclInt32, q, g.comm, cs));
     MOEFLOW_NCCL_CHECK(ncclRecv(counts + (W + q) * C, C, ncclInt32, q, g.comm, cs));
+    MOEFLOW_NCCL_CHECK(ncclSend(scounts + q * C, C, ncclInt32, q, g.comm, cs));
+    MOEFLOW_NCCL_CHECK(ncclRecv(scounts + (W + q) * C, C, ncclInt32, q, g.comm, cs));
   }
   MOEFLOW_NCCL_CHECK(ncclGroupEnd());
   MOEFLOW_CUDA_CHECK(
-      cudaMemcpyAsync(g.host, counts, sizeof(int32_t) * 2 * W * C, cudaMemcpyDeviceToHost, cs));
-  MOEFLOW_CUDA_CHECK(cudaMemcpyAsync(g.host + 2 * W * C, g.invalid.data(), sizeof(int32_t),
+      cudaMemcpyAsync(g.host, counts, sizeof(int32_t) * 4 * W * C, cudaMemcpyDeviceToHost, cs));
+  MOEFLOW_CUDA_CHECK(cudaMemcpyAsync(g.host + 4 * W * C, g.invalid.data(), sizeof(int32_t),
                                      cudaMemcpyDeviceToHost, cs));
   MOEFLOW_CUDA_CHECK(cudaEventRecord(g.ev_host, cs));
   g.mark("counts", cs);
@@ -970,6 +1119,27 @@ EpDispatchResult ep_dispatch(EpGroup& group, TensorView x, TensorView ids, Tenso
     ro += g.recv_cnt[q];
   }
   g.received = ro;
+  // combine's way back: single rows and float32 partials, per rank and piece
+  for (auto* v : {&g.send_moff, &g.send_soff, &g.recv_moff, &g.recv_soff}) v->assign(W, 0);
+  for (auto* v : {&g.send_mpc, &g.send_spc, &g.recv_mpc, &g.recv_spc}) v->assign(W * (C + 1), 0);
+  int64_t sso = 0, rso = 0;
+  for (int q = 0; q < W; ++q) {
+    for (int c = 0; c < C; ++c) {
+      const int i = q * (C + 1) + c;
+      g.send_spc[i + 1] = g.send_spc[i] + g.host[(2 * W + q) * C + c];
+      g.recv_spc[i + 1] = g.recv_spc[i] + g.host[(3 * W + q) * C + c];
+      g.send_mpc[i + 1] = g.send_pc[i + 1] - g.send_spc[i + 1];
+      g.recv_mpc[i + 1] = g.recv_pc[i + 1] - g.recv_spc[i + 1];
+    }
+    g.send_soff[q] = sso;
+    g.recv_soff[q] = rso;
+    g.send_moff[q] = g.send_off[q] - sso;
+    g.recv_moff[q] = g.recv_off[q] - rso;
+    sso += g.send_spc[q * (C + 1) + C];
+    rso += g.recv_spc[q * (C + 1) + C];
+  }
+  g.send_mrows = so - sso;
+  g.recv_mrows = ro - rso;
   // The routing metadata first (self included: the plan is built over all
   // received rows), then the token rows piece by piece (peers only).
   MOEFLOW_CUDA_CHECK(cudaStreamWaitEvent(cs, g.ev_packed, 0));
@@ -995,6 +1165,18 @@ EpDispatchResult ep_dispatch(EpGroup& group, TensorView x, TensorView ids, Tenso
   // Unpack + permute + pad: the received rows routed over the local experts.
   MOEFLOW_CUDA_CHECK(cudaStreamWaitEvent(stream, g.ev_meta, 0));
   build_plan(g.recv_ids, g.plan, g.plan_ws, stream);
+  {  // which received rows combine sends home as single rows, and their index
+    int32_t* rs = g.rsingle.data_ptr<int32_t>();
+    const unsigned blocks = static_cast<unsigned>((g.received + 1 + 255) / 256);
+    ep_recv_single_kernel<<<blocks, 256, 0, stream>>>(g.recv_ids.data_ptr<int32_t>(), g.received,
+                                                      K, g.recv_off[me],
+                                                      g.recv_off[me] + g.recv_cnt[me], rs);
+    MOEFLOW_CUDA_LAUNCH_CHECK();
+    size_t sb = static_cast<size_t>(g.scan_tmp.numel());
+    MOEFLOW_CUDA_CHECK(cub::DeviceScan::ExclusiveSum(g.scan_tmp.data(), sb, rs,
+                                                     g.rspos.data_ptr<int32_t>(), g.received + 1,
+                                                     stream));
+  }
   g.mark("plan", stream);
   PermuteExtras extras;
   extras.probs = g.recv_probs;
@@ -1022,7 +1204,7 @@ EpDispatchResult ep_dispatch(EpGroup& group, TensorView x, TensorView ids, Tenso
     g.mark("perm" + std::to_string(c), stream);
   }
   g.print_marks("dispatch");
-  MOEFLOW_CHECK(g.host[2 * W * C] == 0, "ids: ", g.host[2 * W * C], " routing entries outside [-1, ", E,
+  MOEFLOW_CHECK(g.host[4 * W * C] == 0, "ids: ", g.host[4 * W * C], " routing entries outside [-1, ", E,
                 ") on rank ", g.rank, " (treated as unrouted; the dispatch completed)");
   return EpDispatchResult{g.out_x, g.out_probs, &g.plan, g.received};
 }
@@ -1040,41 +1222,79 @@ void combine_impl(EpGroup::Impl& g, TensorView y, bool weighted, TensorView out,
       Expect{{DType::kFloat32, DType::kFloat16, DType::kBFloat16}, {g.T, g.opt.hidden}, dev});
   MOEFLOW_CHECK(out.strides[1] == 1, "out rows must be contiguous (stride(1) == 1)");
   if (g.nvl) return nvlink_combine(g, y, weighted, out, stream);
-  const int W = g.world, me = g.rank, C = g.pieces;
+  const int W = g.world, me = g.rank, C = g.pieces, K = g.opt.topk;
   const int64_t H = g.opt.hidden;
-  const TensorView weights = weighted ? TensorView(g.recv_probs) : TensorView{};
+  const float* weights = weighted ? g.recv_probs.data_ptr<float>() : nullptr;
   cudaStream_t cs = g.comm_stream;
   // Piece c of every peer's rows is summed, then sent back while the next is
   // summed; this rank's own partials are summed last and stay in place; the
   // home tokens of piece c are added up as soon as their partials are all back.
-  const int64_t pb = H * 4;
+  // A row with one slot here goes back as that slot's row of y (ysize bytes
+  // per element instead of 4), after the float32 partials of the buffer.
+  const int64_t pb = H * 4, ysize = static_cast<int64_t>(dtype_size(y.dtype)), yb = H * ysize;
+  uint8_t* partial_b = static_cast<uint8_t*>(g.partial.data());
+  uint8_t* back_b = static_cast<uint8_t*>(g.back.data());
+  uint8_t* partial_s = partial_b + g.recv_mrows * pb;  // single rows sent
+  uint8_t* back_s = back_b + g.send_mrows * pb;         // single rows received
+  const int32_t* rsingle = g.rsingle.data_ptr<int32_t>();
+  const int32_t* rspos = g.rspos.data_ptr<int32_t>();
+  const int64_t* dest_row = g.plan.dest_row.data_ptr<int64_t>();
+  const int32_t* recv_ids = g.recv_ids.data_ptr<int32_t>();
+  auto holder = [&](int64_t r0, int64_t n, int max_blocks) {
+    if (n <= 0) return;
+    cuda::with_float_type(y.dtype, [&](auto ty) {
+      using TY = decltype(ty);
+      constexpr int N = 16 / sizeof(TY);
+      const int64_t ys = y.strides[0];
+      const bool vec = H % N == 0 && addr(y.data) % 16 == 0 && (ys * ysize) % 16 == 0;
+      int64_t blocks = (n * cuda::kWarpSize + 255) / 256;
+      blocks = std::min<int64_t>(blocks, max_blocks > 0 ? max_blocks : 4 * g.sm_count);
+      const TY* yp = static_cast<const TY*>(y.data);
+      float* pp = reinterpret_cast<float*>(partial_b);
+      TY* sp = reinterpret_cast<TY*>(partial_s);
+      if (vec)
+        ep_holder_kernel<TY, N><<<static_cast<unsigned>(blocks), 256, 0, stream>>>(
+            yp, ys, H, dest_row, recv_ids, weights, K, r0, n, rsingle, rspos, pp, sp);
+      else
+        ep_holder_kernel<TY, 1><<<static_cast<unsigned>(blocks), 256, 0, stream>>>(
+            yp, ys, H, dest_row, recv_ids, weights, K, r0, n, rsingle, rspos, pp, sp);
+      MOEFLOW_CUDA_LAUNCH_CHECK();
+    });
+  };
   g.mark("start", stream);
   for (int c = 0; c < C; ++c) {
     for (int q = 0; q < W; ++q) {
       if (q == me) continue;
       const int64_t b = g.recv_pc[q * (C + 1) + c], e = g.recv_pc[q * (C + 1) + c + 1];
-      cuda::unpermute_tokens(y, g.plan, g.recv_off[q] + b, e - b, g.partial, weights, {}, {},
-                             stream, c > 0 ? g.opt.overlap_blocks : 0);
+      holder(g.recv_off[q] + b, e - b, c > 0 ? g.opt.overlap_blocks : 0);
     }
     g.mark("unperm" + std::to_string(c), stream);
     EpGroup::Impl::order(g.ev_piece[c], stream, cs);
-    g.exchange_piece(c, static_cast<const uint8_t*>(g.partial.data()), pb, g.recv_off, g.recv_pc,
-                     static_cast<uint8_t*>(g.back.data()), pb, g.send_off, g.send_pc, cs);
+    MOEFLOW_NCCL_CHECK(ncclGroupStart());
+    g.exchange_piece(c, partial_b, pb, g.recv_moff, g.recv_mpc, back_b, pb, g.send_moff,
+                     g.send_mpc, cs);
+    g.exchange_piece(c, partial_s, yb, g.recv_soff, g.recv_spc, back_s, yb, g.send_soff,
+                     g.send_spc, cs);
+    MOEFLOW_NCCL_CHECK(ncclGroupEnd());
     MOEFLOW_CUDA_CHECK(cudaEventRecord(g.ev_back[c], cs));
     g.mark("back" + std::to_string(c), cs);
   }
-  cuda::unpermute_tokens(y, g.plan, g.recv_off[me], g.recv_cnt[me], g.partial, weights, {}, {},
-                         stream, g.opt.overlap_blocks);
+  holder(g.recv_off[me], g.recv_cnt[me], g.opt.overlap_blocks);
   g.mark("self", stream);
   const float* back = g.back.data_ptr<float>();
   const float* partial = g.partial.data_ptr<float>();
-  const int64_t shift = g.recv_off[me] - g.send_off[me];
+  // own rows: partial index = recv row - single rows received before them
+  const int64_t shift = g.recv_off[me] - g.send_off[me] - g.recv_soff[me];
   const bool vec4 = H % 4 == 0 && addr(out.data) % (4 * dtype_size(out.dtype)) == 0 &&
                     out.strides[0] % 4 == 0;
   const int64_t per = vec4 ? H / 4 : H;
   const int threads = static_cast<int>(std::min<int64_t>(256, (per + 31) / 32 * 32));
   const int32_t* fl = g.flags.data_ptr<int32_t>();
   const int32_t* ps = g.pos.data_ptr<int32_t>();
+  const int32_t* sg = g.single.data_ptr<int32_t>();
+  const int32_t* sps = g.spos.data_ptr<int32_t>();
+  const int32_t* sids = g.send_ids.data_ptr<int32_t>();
+  const float* sprobs = g.send_probs.data_ptr<float>();
   const int64_t T = g.T;
   for (int c = 0; c < C; ++c) {
     MOEFLOW_CUDA_CHECK(cudaStreamWaitEvent(stream, g.ev_back[c], 0));
@@ -1083,12 +1303,18 @@ void combine_impl(EpGroup::Impl& g, TensorView y, bool weighted, TensorView out,
     const unsigned blocks = static_cast<unsigned>(t1 - t0);
     auto launch = [&](auto* o) {
       using TOut = std::remove_pointer_t<decltype(o)>;
-      if (vec4)
-        ep_combine_kernel<TOut, 4><<<blocks, threads, 0, stream>>>(
-            back, partial, me, shift, H, T, t0, W, fl, ps, o, out.strides[0]);
-      else
-        ep_combine_kernel<TOut, 1><<<blocks, threads, 0, stream>>>(
-            back, partial, me, shift, H, T, t0, W, fl, ps, o, out.strides[0]);
+      cuda::with_float_type(y.dtype, [&](auto ty) {
+        using TY = decltype(ty);
+        const TY* bs = reinterpret_cast<const TY*>(back_s);
+        if (vec4)
+          ep_combine_kernel<TY, TOut, 4><<<blocks, threads, 0, stream>>>(
+              back, bs, partial, me, shift, H, T, t0, W, K, fl, ps, sg, sps, sids, sprobs, weighted,
+              o, out.strides[0]);
+        else
+          ep_combine_kernel<TY, TOut, 1><<<blocks, threads, 0, stream>>>(
+              back, bs, partial, me, shift, H, T, t0, W, K, fl, ps, sg, sps, sids, sprobs, weighted,
+              o, out.strides[0]);
+      });
     };
     switch (out.dtype) {
       case DType::kFloat32:

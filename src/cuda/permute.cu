@@ -417,18 +417,6 @@ __global__ void __launch_bounds__(kThreads, 4) unpermute_bwd_kernel(UnpermuteBwd
   }
 }
 
-// --- dtype dispatch ---------------------------------------------------------
-
-template <typename Fn>
-void with_float_type(DType dtype, Fn fn) {
-  switch (dtype) {
-    case DType::kFloat32: return fn(float{});
-    case DType::kBFloat16: return fn(__nv_bfloat16{});
-    case DType::kFloat16: return fn(__half{});
-    default: MOEFLOW_CHECK(false, "unsupported dtype ", dtype_name(dtype));
-  }
-}
-
 int64_t addr(const void* p) { return static_cast<int64_t>(reinterpret_cast<uintptr_t>(p)); }
 
 }  // namespace
