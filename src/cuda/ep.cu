@@ -65,11 +65,14 @@ constexpr int kMaxChunks = 16;
 // flags[q*T + t] = 1 when token t has a valid slot on rank q; invalid ids
 // (outside [-1, E)) are counted and ignored. single[q*T + t] = 1 when that
 // is exactly one slot and q is a peer: combine brings it home as its row of
-// y instead of a float32 partial.
+// y instead of a float32 partial. Both arrays end in a zero pad entry
+// [W*T], and single starts right after flags' pad, so that one exclusive scan
+// of the two gives both prefixes (single's offset by the flags' total).
 template <typename IdT>
 __global__ void ep_flags_kernel(const IdT* ids, int64_t T, int K, int E, int epr, int W, int self,
                                 int32_t* flags, int32_t* single, int32_t* invalid) {
   const int64_t t = blockIdx.x * int64_t{blockDim.x} + threadIdx.x;
+  if (t == 0) flags[W * T] = single[W * T] = 0;
   if (t >= T) return;
   for (int q = 0; q < W; ++q) flags[q * T + t] = single[q * T + t] = 0;
   int bad = 0;
@@ -98,16 +101,17 @@ __global__ void ep_recv_single_kernel(const int32_t* recv_ids, int64_t rows, int
   rsingle[r] = n == 1;
 }
 
-// counts[q*C + c] = rows sent to rank q for the tokens of piece c, tokens
-// [T*c/C, T*(c+1)/C) (from the exclusive scan of the flags).
-// scounts: the same for the single rows (from the scan of `single`).
+// counts[q*2C + c] = rows sent to rank q for the tokens of piece c, tokens
+// [T*c/C, T*(c+1)/C) (from the exclusive scan of the flags), and
+// counts[q*2C + C + c] the same for the single rows (from the scan of
+// `single`; any offset of spos cancels): one message of 2C per peer.
 __global__ void ep_counts_kernel(const int32_t* pos, const int32_t* spos, int64_t T, int W, int C,
-                                 int32_t* counts, int32_t* scounts) {
+                                 int32_t* counts) {
   const int i = threadIdx.x;
   if (i >= W * C) return;
   const int q = i / C, c = i % C;
-  counts[i] = pos[q * T + T * (c + 1) / C] - pos[q * T + T * c / C];
-  scounts[i] = spos[q * T + T * (c + 1) / C] - spos[q * T + T * c / C];
+  counts[q * 2 * C + c] = pos[q * T + T * (c + 1) / C] - pos[q * T + T * c / C];
+  counts[q * 2 * C + C + c] = spos[q * T + T * (c + 1) / C] - spos[q * T + T * c / C];
 }
 
 // Combine, on the rank holding the slots: for received rows [r0, r0 + n),
@@ -242,6 +246,7 @@ __global__ void ep_dprobs_kernel(const float* back, const int32_t* send_ids, int
 }
 
 // out[t] = partials of t added in ascending rank order (first taken as is).
+// spos[q,t] = spos_raw[q*T + t] - *sbase (the scan shared with the flags).
 // The partial of peer q sits in back[pos[q,t] - spos[q,t]], or, when t has
 // one slot on q (single), q sent that slot's row of y: back_single[spos[q,t]],
 // weighted here as the holder would have (fmaf(w, y, 0)); this rank's own
@@ -250,9 +255,10 @@ template <typename TY, typename TOut, int N>
 __global__ void ep_combine_kernel(const float* back, const TY* back_single, const float* partial,
                                   int self, int64_t self_shift, int64_t H, int64_t T, int64_t t0,
                                   int W, int K, const int32_t* flags, const int32_t* pos,
-                                  const int32_t* single, const int32_t* spos,
-                                  const int32_t* send_ids, const float* send_probs, bool weighted,
-                                  TOut* out, int64_t out_stride) {
+                                  const int32_t* single, const int32_t* spos_raw,
+                                  const int32_t* sbase, const int32_t* send_ids,
+                                  const float* send_probs, bool weighted, TOut* out,
+                                  int64_t out_stride) {
   const int64_t t = t0 + blockIdx.x;
   __shared__ const void* src[kMaxWorld];
   __shared__ float wsrc[kMaxWorld];  // weight of a single row
@@ -260,6 +266,7 @@ __global__ void ep_combine_kernel(const float* back, const TY* back_single, cons
   __shared__ int count;
   if (threadIdx.x == 0) {
     int n = 0;
+    const int32_t base = *sbase;
     for (int q = 0; q < W; ++q) {
       if (!flags[q * T + t]) continue;
       const int64_t row = pos[q * T + t];
@@ -270,11 +277,11 @@ __global__ void ep_combine_kernel(const float* back, const TY* back_single, cons
         float w = 1.0f;
         for (int k = 0; k < K; ++k)
           if (send_ids[row * K + k] >= 0 && weighted) w = send_probs[row * K + k];
-        src[n] = back_single + int64_t{spos[q * T + t]} * H;
+        src[n] = back_single + int64_t{spos_raw[q * T + t] - base} * H;
         wsrc[n] = w;
         one[n] = true;
       } else {
-        src[n] = back + (row - spos[q * T + t]) * H;
+        src[n] = back + (row - (spos_raw[q * T + t] - base)) * H;
       }
       ++n;
     }
@@ -326,13 +333,18 @@ struct EpGroup::Impl {
   EpOptions opt;
   int64_t tmax = 0, rows_max = 0, send_max = 0, capacity = 0, row_bytes = 0;
 
+  // flags holds [flags | single] of the last dispatch, each W*T + 1 entries
+  // (ep_flags_kernel), pos their one exclusive scan: pos, then spos offset by
+  // the flags' total (pos[W*T]). single[q*T + t]: token t has one slot on
+  // peer q (combine sends that row of y home instead of a float32 partial).
   Tensor flags, pos, scan_tmp, counts, invalid, self_src;  // device
-  // single[q*T + t]: token t has one slot on peer q (combine sends that row
-  // of y home instead of a float32 partial); spos its exclusive scan; rsingle /
-  // rspos the same over the received rows.
-  Tensor single, spos, rsingle, rspos;
-  // pinned: send counts [W*C], recv counts [W*C], the same of the single rows
-  // [W*C] x 2, invalid
+  int32_t* single() { return flags.data_ptr<int32_t>() + world * T + 1; }
+  int32_t* spos_raw() { return pos.data_ptr<int32_t>() + world * T + 1; }
+  int32_t* spos_base() { return pos.data_ptr<int32_t>() + world * T; }
+  // rsingle / rspos: the same flag and its scan over the received rows.
+  Tensor rsingle, rspos;
+  // pinned: per peer q, [rows per piece (C) | single rows per piece (C)]
+  // sent, then the same received ([W][2C] x 2), then invalid
   int32_t* host = nullptr;
   Tensor send_x, send_ids, send_probs, recv_x, recv_ids, recv_probs;
   RoutingPlan plan;
@@ -354,20 +366,24 @@ struct EpGroup::Impl {
   int64_t send_mrows = 0, recv_mrows = 0;
 
   // NCCL runs on `comm_stream`; events order it with the caller's stream.
-  cudaStream_t comm_stream = nullptr;
+  // `aux_stream` runs dispatch's receiver-side pass for combine beside the
+  // permutes.
+  cudaStream_t comm_stream = nullptr, aux_stream = nullptr;
   cudaEvent_t ev_start = nullptr, ev_host = nullptr, ev_packed = nullptr, ev_meta = nullptr;
+  cudaEvent_t ev_aux = nullptr;
   cudaEvent_t ev_piece[kMaxChunks] = {}, ev_back[kMaxChunks] = {}, ev_rows[kMaxChunks] = {};
   std::unique_ptr<NvlinkState> nvl;  // backend nvlink
   int sm_count = 0;
 
   ~Impl() {
-    for (cudaEvent_t e : {ev_start, ev_host, ev_packed, ev_meta})
+    for (cudaEvent_t e : {ev_start, ev_host, ev_packed, ev_meta, ev_aux})
       if (e) cudaEventDestroy(e);
     for (auto& m : marks) cudaEventDestroy(m.second);
     for (cudaEvent_t* arr : {ev_piece, ev_back, ev_rows})
       for (int i = 0; i < kMaxChunks; ++i)
         if (arr[i]) cudaEventDestroy(arr[i]);
     if (comm_stream) cudaStreamDestroy(comm_stream);
+    if (aux_stream) cudaStreamDestroy(aux_stream);
     if (host) cudaFreeHost(host);
     // The window and the device communicator go with an owned communicator
     // (deregistering them one group after the other from one thread could
@@ -449,15 +465,13 @@ struct EpGroup::Impl {
     capacity = ep_reference::recv_capacity_rows(rc, o.topk);
     row_bytes = o.hidden * static_cast<int64_t>(dtype_size(o.dtype));
     const Device dev = Device::cuda(device);
-    flags = Tensor::empty({rows_max + 1}, DType::kInt32, dev);
-    pos = Tensor::empty({rows_max + 1}, DType::kInt32, dev);
-    single = Tensor::empty({rows_max + 1}, DType::kInt32, dev);
-    spos = Tensor::empty({rows_max + 1}, DType::kInt32, dev);
+    flags = Tensor::empty({2 * (rows_max + 1)}, DType::kInt32, dev);
+    pos = Tensor::empty({2 * (rows_max + 1)}, DType::kInt32, dev);
     rsingle = Tensor::empty({rows_max + 1}, DType::kInt32, dev);
     rspos = Tensor::empty({rows_max + 1}, DType::kInt32, dev);
     size_t scan_bytes = 0;
     MOEFLOW_CUDA_CHECK(cub::DeviceScan::ExclusiveSum(nullptr, scan_bytes, flags.data_ptr<int32_t>(),
-                                                     pos.data_ptr<int32_t>(), rows_max + 1));
+                                                     pos.data_ptr<int32_t>(), 2 * (rows_max + 1)));
     scan_tmp = Tensor::empty({static_cast<int64_t>(scan_bytes) + 16}, DType::kUInt8, dev);
     counts = Tensor::empty({4 * world * kMaxChunks}, DType::kInt32, dev);
     invalid = Tensor::empty({1}, DType::kInt32, dev);
@@ -469,9 +483,10 @@ struct EpGroup::Impl {
     int lo = 0, hi = 0;
     MOEFLOW_CUDA_CHECK(cudaDeviceGetStreamPriorityRange(&lo, &hi));
     MOEFLOW_CUDA_CHECK(cudaStreamCreateWithPriority(&comm_stream, cudaStreamNonBlocking, hi));
+    MOEFLOW_CUDA_CHECK(cudaStreamCreateWithFlags(&aux_stream, cudaStreamNonBlocking));
     const char* tr = std::getenv("MOEFLOW_EP_TRACE");
     tracing = tr != nullptr && tr[0] == '1' && rank == 0;
-    for (cudaEvent_t* e : {&ev_start, &ev_host, &ev_packed, &ev_meta})
+    for (cudaEvent_t* e : {&ev_start, &ev_host, &ev_packed, &ev_meta, &ev_aux})
       MOEFLOW_CUDA_CHECK(cudaEventCreateWithFlags(e, cudaEventDisableTiming));
     for (cudaEvent_t* arr : {ev_piece, ev_back, ev_rows})
       for (int i = 0; i < kMaxChunks; ++i)
@@ -1013,15 +1028,13 @@ EpDispatchResult ep_dispatch(EpGroup& group, TensorView x, TensorView ids, Tenso
   g.mark("start", stream);
   int32_t* flags = g.flags.data_ptr<int32_t>();
   int32_t* pos = g.pos.data_ptr<int32_t>();
-  MOEFLOW_CUDA_CHECK(cudaMemsetAsync(flags, 0, sizeof(int32_t) * (W * T + 1), stream));
-  int32_t* single = g.single.data_ptr<int32_t>();
-  int32_t* spos = g.spos.data_ptr<int32_t>();
-  MOEFLOW_CUDA_CHECK(cudaMemsetAsync(single, 0, sizeof(int32_t) * (W * T + 1), stream));
+  int32_t* single = g.single();
+  const int32_t* spos = g.spos_raw();  // offset by the flags' total: differences only
   MOEFLOW_CUDA_CHECK(cudaMemsetAsync(g.invalid.data(), 0, sizeof(int32_t), stream));
   const int E = g.opt.num_experts;
-  if (T > 0) {
+  {  // also for T == 0: the pad entries
     const int threads = 256;
-    const unsigned blocks = static_cast<unsigned>((T + threads - 1) / threads);
+    const unsigned blocks = static_cast<unsigned>(std::max<int64_t>(1, (T + threads - 1) / threads));
     if (ids.dtype == DType::kInt32)
       ep_flags_kernel<<<blocks, threads, 0, stream>>>(ids.data_ptr<int32_t>(), T, K, E, g.epr, W,
                                                       g.rank, flags, single,
@@ -1033,17 +1046,13 @@ EpDispatchResult ep_dispatch(EpGroup& group, TensorView x, TensorView ids, Tenso
     MOEFLOW_CUDA_LAUNCH_CHECK();
   }
   size_t scan_bytes = static_cast<size_t>(g.scan_tmp.numel());
-  MOEFLOW_CUDA_CHECK(
-      cub::DeviceScan::ExclusiveSum(g.scan_tmp.data(), scan_bytes, flags, pos, W * T + 1, stream));
-  MOEFLOW_CUDA_CHECK(
-      cub::DeviceScan::ExclusiveSum(g.scan_tmp.data(), scan_bytes, single, spos, W * T + 1, stream));
+  MOEFLOW_CUDA_CHECK(cub::DeviceScan::ExclusiveSum(g.scan_tmp.data(), scan_bytes, flags, pos,
+                                                   2 * (W * T + 1), stream));
   int32_t* counts = g.counts.data_ptr<int32_t>();
   const int C = g.chunks();
   g.pieces = C;
-  // counts: [send W*C | recv W*C | single send W*C | single recv W*C]
-  int32_t* scounts = counts + 2 * W * C;
-  ep_counts_kernel<<<1, 32 * ((W * C + 31) / 32), 0, stream>>>(pos, spos, T, W, C, counts,
-                                                                 scounts);
+  // counts: [sent W x (rows C | single rows C) | received, the same]
+  ep_counts_kernel<<<1, 32 * ((W * C + 31) / 32), 0, stream>>>(pos, spos, T, W, C, counts);
   MOEFLOW_CUDA_LAUNCH_CHECK();
   // Counts: send counts to each peer, receive theirs (the one host sync), on
   // the NCCL stream while the pack runs on the caller's.
@@ -1051,10 +1060,8 @@ EpDispatchResult ep_dispatch(EpGroup& group, TensorView x, TensorView ids, Tenso
   EpGroup::Impl::order(g.ev_start, stream, cs);
   MOEFLOW_NCCL_CHECK(ncclGroupStart());
   for (int q = 0; q < W; ++q) {
-    MOEFLOW_NCCL_CHECK(ncclSend(counts + q * C, C, ncclInt32, q, g.comm, cs));
-    MOEFLOW_NCCL_CHECK(ncclRecv(counts + (W + q) * C, C, ncclInt32, q, g.comm, cs));
-    MOEFLOW_NCCL_CHECK(ncclSend(scounts + q * C, C, ncclInt32, q, g.comm, cs));
-    MOEFLOW_NCCL_CHECK(ncclRecv(scounts + (W + q) * C, C, ncclInt32, q, g.comm, cs));
+    MOEFLOW_NCCL_CHECK(ncclSend(counts + q * 2 * C, 2 * C, ncclInt32, q, g.comm, cs));
+    MOEFLOW_NCCL_CHECK(ncclRecv(counts + (W + q) * 2 * C, 2 * C, ncclInt32, q, g.comm, cs));
   }
   MOEFLOW_NCCL_CHECK(ncclGroupEnd());
   MOEFLOW_CUDA_CHECK(
@@ -1108,8 +1115,9 @@ EpDispatchResult ep_dispatch(EpGroup& group, TensorView x, TensorView ids, Tenso
   int64_t so = 0, ro = 0;
   for (int q = 0; q < W; ++q) {
     for (int c = 0; c < C; ++c) {
-      g.send_pc[q * (C + 1) + c + 1] = g.send_pc[q * (C + 1) + c] + g.host[q * C + c];
-      g.recv_pc[q * (C + 1) + c + 1] = g.recv_pc[q * (C + 1) + c] + g.host[(W + q) * C + c];
+      g.send_pc[q * (C + 1) + c + 1] = g.send_pc[q * (C + 1) + c] + g.host[q * 2 * C + c];
+      g.recv_pc[q * (C + 1) + c + 1] =
+          g.recv_pc[q * (C + 1) + c] + g.host[(W + q) * 2 * C + c];
     }
     g.send_off[q] = so;
     g.send_cnt[q] = g.send_pc[q * (C + 1) + C];
@@ -1126,8 +1134,8 @@ EpDispatchResult ep_dispatch(EpGroup& group, TensorView x, TensorView ids, Tenso
   for (int q = 0; q < W; ++q) {
     for (int c = 0; c < C; ++c) {
       const int i = q * (C + 1) + c;
-      g.send_spc[i + 1] = g.send_spc[i] + g.host[(2 * W + q) * C + c];
-      g.recv_spc[i + 1] = g.recv_spc[i] + g.host[(3 * W + q) * C + c];
+      g.send_spc[i + 1] = g.send_spc[i] + g.host[q * 2 * C + C + c];
+      g.recv_spc[i + 1] = g.recv_spc[i] + g.host[(W + q) * 2 * C + C + c];
       g.send_mpc[i + 1] = g.send_pc[i + 1] - g.send_spc[i + 1];
       g.recv_mpc[i + 1] = g.recv_pc[i + 1] - g.recv_spc[i + 1];
     }
@@ -1165,17 +1173,22 @@ EpDispatchResult ep_dispatch(EpGroup& group, TensorView x, TensorView ids, Tenso
   // Unpack + permute + pad: the received rows routed over the local experts.
   MOEFLOW_CUDA_CHECK(cudaStreamWaitEvent(stream, g.ev_meta, 0));
   build_plan(g.recv_ids, g.plan, g.plan_ws, stream);
-  {  // which received rows combine sends home as single rows, and their index
+  {  // which received rows combine sends home as single rows, and their index:
+     // on the side stream, beside the plan and the permutes (only combine
+     // reads them; the caller's stream waits for them at the end)
+    cudaStream_t as = g.aux_stream;
+    MOEFLOW_CUDA_CHECK(cudaStreamWaitEvent(as, g.ev_meta, 0));
     int32_t* rs = g.rsingle.data_ptr<int32_t>();
     const unsigned blocks = static_cast<unsigned>((g.received + 1 + 255) / 256);
-    ep_recv_single_kernel<<<blocks, 256, 0, stream>>>(g.recv_ids.data_ptr<int32_t>(), g.received,
-                                                      K, g.recv_off[me],
-                                                      g.recv_off[me] + g.recv_cnt[me], rs);
+    ep_recv_single_kernel<<<blocks, 256, 0, as>>>(g.recv_ids.data_ptr<int32_t>(), g.received, K,
+                                                  g.recv_off[me], g.recv_off[me] + g.recv_cnt[me],
+                                                  rs);
     MOEFLOW_CUDA_LAUNCH_CHECK();
     size_t sb = static_cast<size_t>(g.scan_tmp.numel());
     MOEFLOW_CUDA_CHECK(cub::DeviceScan::ExclusiveSum(g.scan_tmp.data(), sb, rs,
                                                      g.rspos.data_ptr<int32_t>(), g.received + 1,
-                                                     stream));
+                                                     as));
+    MOEFLOW_CUDA_CHECK(cudaEventRecord(g.ev_aux, as));
   }
   g.mark("plan", stream);
   PermuteExtras extras;
@@ -1203,6 +1216,7 @@ EpDispatchResult ep_dispatch(EpGroup& group, TensorView x, TensorView ids, Tenso
     }
     g.mark("perm" + std::to_string(c), stream);
   }
+  MOEFLOW_CUDA_CHECK(cudaStreamWaitEvent(stream, g.ev_aux, 0));
   g.print_marks("dispatch");
   MOEFLOW_CHECK(g.host[4 * W * C] == 0, "ids: ", g.host[4 * W * C], " routing entries outside [-1, ", E,
                 ") on rank ", g.rank, " (treated as unrouted; the dispatch completed)");
@@ -1291,8 +1305,9 @@ void combine_impl(EpGroup::Impl& g, TensorView y, bool weighted, TensorView out,
   const int threads = static_cast<int>(std::min<int64_t>(256, (per + 31) / 32 * 32));
   const int32_t* fl = g.flags.data_ptr<int32_t>();
   const int32_t* ps = g.pos.data_ptr<int32_t>();
-  const int32_t* sg = g.single.data_ptr<int32_t>();
-  const int32_t* sps = g.spos.data_ptr<int32_t>();
+  const int32_t* sg = g.single();
+  const int32_t* sps = g.spos_raw();
+  const int32_t* sbase = g.spos_base();
   const int32_t* sids = g.send_ids.data_ptr<int32_t>();
   const float* sprobs = g.send_probs.data_ptr<float>();
   const int64_t T = g.T;
@@ -1308,12 +1323,12 @@ void combine_impl(EpGroup::Impl& g, TensorView y, bool weighted, TensorView out,
         const TY* bs = reinterpret_cast<const TY*>(back_s);
         if (vec4)
           ep_combine_kernel<TY, TOut, 4><<<blocks, threads, 0, stream>>>(
-              back, bs, partial, me, shift, H, T, t0, W, K, fl, ps, sg, sps, sids, sprobs, weighted,
-              o, out.strides[0]);
+              back, bs, partial, me, shift, H, T, t0, W, K, fl, ps, sg, sps, sbase, sids, sprobs,
+              weighted, o, out.strides[0]);
         else
           ep_combine_kernel<TY, TOut, 1><<<blocks, threads, 0, stream>>>(
-              back, bs, partial, me, shift, H, T, t0, W, K, fl, ps, sg, sps, sids, sprobs, weighted,
-              o, out.strides[0]);
+              back, bs, partial, me, shift, H, T, t0, W, K, fl, ps, sg, sps, sbase, sids, sprobs,
+              weighted, o, out.strides[0]);
       });
     };
     switch (out.dtype) {
