@@ -811,14 +811,17 @@ unsigned nvlink_grid(const EpGroup::Impl& g) {
 }
 
 // Pad rows of this rank's receive layout in `rows` (stride in bytes) zeroed.
+// This rank's pad rows (its receive plan of the last dispatch).
+nvl::Pads nvlink_pads(EpGroup::Impl& g) {
+  NvlinkState& s = *g.nvl;
+  return nvl::Pads{g.epr, s.recv.tokens_per_expert.data_ptr<int32_t>(),
+                   s.recv.padded_tokens_per_expert.data_ptr<int32_t>(),
+                   s.recv.expert_row_offsets.data_ptr<int64_t>()};
+}
 void nvlink_zero_pads(EpGroup::Impl& g, uint8_t* rows, int64_t stride_bytes, float* probs,
                       int32_t* row_src, cudaStream_t stream) {
-  NvlinkState& s = *g.nvl;
   nvl::pads_kernel<<<static_cast<unsigned>(std::max(g.epr, 1)), 256, 0, stream>>>(
-      rows, stride_bytes, probs, row_src, g.row_bytes, g.epr,
-      s.recv.tokens_per_expert.data_ptr<int32_t>(),
-      s.recv.padded_tokens_per_expert.data_ptr<int32_t>(),
-      s.recv.expert_row_offsets.data_ptr<int64_t>());
+      rows, stride_bytes, probs, row_src, g.row_bytes, nvlink_pads(g));
   MOEFLOW_CUDA_LAUNCH_CHECK();
 }
 
@@ -833,24 +836,27 @@ EpDispatchResult nvlink_dispatch(EpGroup::Impl& g, TensorView x, TensorView ids,
                 "the nvlink backend needs 16-byte aligned rows of x");
   s.T = T;
   g.mark("start", stream);
-  {  // 1. the rank's slots ranked per global expert
-    const int64_t n = g.tmax * K;
-    const unsigned blocks = static_cast<unsigned>((n + 255) / 256);
-    if (ids.dtype == DType::kInt32)
-      nvl::copy_ids_kernel<<<blocks, 256, 0, stream>>>(ids.data_ptr<int32_t>(), T, K, g.tmax,
-                                                       s.local_ids.data_ptr<int32_t>());
-    else
-      nvl::copy_ids_kernel<<<blocks, 256, 0, stream>>>(ids.data_ptr<int64_t>(), T, K, g.tmax,
-                                                       s.local_ids.data_ptr<int32_t>());
-    MOEFLOW_CUDA_LAUNCH_CHECK();
-    build_plan(s.local_ids, s.local, s.local_ws, stream);
-    if (T > 0) {
-      if (probs.defined())
-        MOEFLOW_CUDA_CHECK(cudaMemcpyAsync(s.probs.data(), probs.data, size_t(T) * K * 4,
-                                           cudaMemcpyDeviceToDevice, stream));
-      else
-        MOEFLOW_CUDA_CHECK(cudaMemsetAsync(s.probs.data(), 0, size_t(T) * K * 4, stream));
+  // 1. the rank's slots ranked per global expert, over the caller's int32 ids
+  // as they are (ids outside [-1, E) are unrouted there and counted), int64
+  // ids narrowed first. The probs are copied by the dispatch kernel (combine
+  // weights with them).
+  const int32_t* ids32 = ids.dtype == DType::kInt32 ? ids.data_ptr<int32_t>() : nullptr;
+  if (!ids32) {
+    const int64_t n = T * K;
+    if (n > 0) {
+      nvl::copy_ids_kernel<<<static_cast<unsigned>((n + 255) / 256), 256, 0, stream>>>(
+          ids.data_ptr<int64_t>(), T, K, T, s.local_ids.data_ptr<int32_t>());
+      MOEFLOW_CUDA_LAUNCH_CHECK();
     }
+    ids32 = s.local_ids.data_ptr<int32_t>();
+  }
+  {
+    RoutingInput in;
+    in.kind = RoutingInput::kIds32;
+    in.data = ids32;
+    in.num_tokens = T;
+    in.topk = K;
+    cuda::build_plan(in, s.local, s.local_ws, stream);
   }
   g.mark("plan", stream);
   uint8_t* base = static_cast<uint8_t*>(s.base);
@@ -862,18 +868,16 @@ EpDispatchResult nvlink_dispatch(EpGroup::Impl& g, TensorView x, TensorView ids,
       s.recv.tokens_per_expert.data_ptr<int32_t>(),
       s.recv.padded_tokens_per_expert.data_ptr<int32_t>(),
       s.recv.expert_row_offsets.data_ptr<int64_t>(), s.recv.total_rows.data_ptr<int64_t>(),
-      s.recv.overflow.data_ptr<int32_t>(), reinterpret_cast<int32_t*>(base + o.epoch));
+      s.recv.overflow.data_ptr<int32_t>(), reinterpret_cast<int32_t*>(base + o.epoch),
+      s.local.invalid_ids.data_ptr<int32_t>(), s.recv.invalid_ids.data_ptr<int32_t>());
   MOEFLOW_CUDA_LAUNCH_CHECK();
-  MOEFLOW_CUDA_CHECK(cudaMemcpyAsync(s.recv.invalid_ids.data(), s.local.invalid_ids.data(), 4,
-                                     cudaMemcpyDeviceToDevice, stream));
-  nvlink_zero_pads(g, base + o.x, g.row_bytes, reinterpret_cast<float*>(base + o.probs),
-                   reinterpret_cast<int32_t*>(base + o.row_src), stream);
   g.mark("counts", stream);
   // 3. the rows: own slots in place, the peers' through their stage
   // the same roles with bulk copies (MOEFLOW_NVL_TMA) or with 16-byte stores
   auto* kernel = s.tma ? nvl::dispatch_kernel<nvl::TmaMover, nvl::kTmaWarps>
                        : nvl::dispatch_kernel<nvl::LsuMover, nvl::kWarps>;
-  const nvl::HomeArgs home{s.local_ids.data_ptr<int32_t>(), s.probs.data_ptr<float>(), K, E, L, W,
+  const nvl::HomeArgs home{ids32, probs.defined() ? probs.data_ptr<float>() : nullptr,
+                           s.probs.data_ptr<float>(), K, E, L, W,
                            g.rank, g.tmax, g.row_bytes, s.local.dest_row.data_ptr<int64_t>(),
                            s.local.expert_row_offsets.data_ptr<int64_t>(),
                            s.first_row.data_ptr<int64_t>(), s.fit.data_ptr<int64_t>(),
@@ -881,7 +885,7 @@ EpDispatchResult nvlink_dispatch(EpGroup::Impl& g, TensorView x, TensorView ids,
   kernel<<<nvlink_grid(g), (s.tma ? nvl::kTmaWarps : nvl::kWarps) * 32, s.tma ? nvl::kTmaSmem : 0,
            stream>>>(s.view(), o, nvlink_home_blocks(g, s.home_percent), s.batch,
                      static_cast<const uint8_t*>(x.data), x.strides[0] * int64_t(dtype_size(x.dtype)),
-                     T, home);
+                     T, home, nvlink_pads(g));
   MOEFLOW_CUDA_LAUNCH_CHECK();
   g.mark("rows", stream);
   g.print_marks("nvlink dispatch");

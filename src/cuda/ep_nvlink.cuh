@@ -103,8 +103,10 @@ __global__ void counts_kernel(Window win, size_t off_counts, size_t off_ntok,
                               int64_t capacity,
                               int align, int64_t* first_row, int64_t* fit, int32_t* kept,
                               int32_t* padded, int64_t* offsets, int64_t* total_rows,
-                              int32_t* overflow, int32_t* epoch) {
+                              int32_t* overflow, int32_t* epoch, const int32_t* invalid_src,
+                              int32_t* invalid_dst) {
   win.barrier();  // the peers are done with the last round
+  if (threadIdx.x == 0) *invalid_dst = *invalid_src;  // the plan's count of invalid ids
   if (threadIdx.x == 0) ++*epoch;  // this dispatch's number, which its flags carry
   for (int i = threadIdx.x; i < W * E; i += blockDim.x) {
     const int p = i / E, g = i % E;
@@ -238,19 +240,28 @@ __device__ __forceinline__ void warp_copy_row(const uint4* __restrict__ src, uin
 }
 
 // Pad rows of this rank's layout: rows zeroed; probs 0 and row_src -1 when given.
-__global__ void pads_kernel(uint8_t* rows, int64_t stride_bytes, float* recv_probs,
-                            int32_t* row_src, int64_t row_bytes, int L, const int32_t* kept,
-                            const int32_t* padded, const int64_t* offsets) {
-  const int e = blockIdx.x;
-  if (e >= L) return;
-  for (int64_t r = offsets[e] + kept[e]; r < offsets[e] + padded[e]; ++r) {
-    uint4* dst = reinterpret_cast<uint4*>(rows + r * stride_bytes);
-    for (int64_t v = threadIdx.x; v < row_bytes / 16; v += blockDim.x) dst[v] = make_uint4(0, 0, 0, 0);
-    if (threadIdx.x == 0 && recv_probs) {
-      recv_probs[r] = 0.0f;
-      row_src[r] = -1;
+struct Pads {
+  int L;
+  const int32_t *kept, *padded;
+  const int64_t* offsets;
+  // Threads [i0, i0 + n) of the block zero the pad rows of expert e.
+  __device__ void zero(int e, uint8_t* rows, int64_t stride_bytes, float* recv_probs,
+                       int32_t* row_src, int64_t row_bytes, int i0, int n) const {
+    const int i = static_cast<int>(threadIdx.x) - i0;
+    for (int64_t r = offsets[e] + kept[e]; r < offsets[e] + padded[e]; ++r) {
+      uint4* dst = reinterpret_cast<uint4*>(rows + r * stride_bytes);
+      for (int64_t v = i; v < row_bytes / 16; v += n) dst[v] = make_uint4(0, 0, 0, 0);
+      if (i == 0 && recv_probs) {
+        recv_probs[r] = 0.0f;
+        row_src[r] = -1;
+      }
     }
   }
+};
+__global__ void pads_kernel(uint8_t* rows, int64_t stride_bytes, float* recv_probs,
+                            int32_t* row_src, int64_t row_bytes, Pads pads) {
+  if (static_cast<int>(blockIdx.x) < pads.L)
+    pads.zero(blockIdx.x, rows, stride_bytes, recv_probs, row_src, row_bytes, 0, blockDim.x);
 }
 
 // The work of the two roles of a fused kernel. Home role (blocks [0, P)): the
@@ -334,7 +345,8 @@ __device__ __forceinline__ int list_rows(uint8_t** my, int64_t row, uint8_t* x, 
 
 struct HomeArgs {
   const int32_t* ids;
-  const float* probs;
+  const float* probs;  // the caller's [T,K] (nullable: 0)
+  float* probs_out;    // their copy for combine [T,K]
   int K, E, L, W, me;
   int64_t tmax, row_bytes;
   const int64_t *local_dest, *local_offsets, *first_row, *fit;
@@ -346,7 +358,10 @@ __device__ __forceinline__ int place_token(const Window& win, const Offsets& o, 
   const int K = a.K, W = a.W, me = a.me;
   int q = -1;
   int64_t row = -1;
+  float pw = 0.0f;
   if (lane < K) {
+    pw = a.probs ? a.probs[t * K + lane] : 0.0f;
+    a.probs_out[t * K + lane] = pw;
     const int g = a.ids[t * K + lane];
     if (g >= 0 && g < a.E) {  // ids outside [-1, E) are unrouted (counted by the plan)
       const int64_t rk = a.local_dest[t * K + lane] - a.local_offsets[g];
@@ -358,8 +373,7 @@ __device__ __forceinline__ int place_token(const Window& win, const Offsets& o, 
     a.dest_rank[t * K + lane] = q;
     a.dest_row[t * K + lane] = row;
     if (row >= 0) {
-      *static_cast<float*>(win.at(o.probs + row * sizeof(float), q)) =
-          a.probs ? a.probs[t * K + lane] : 0.0f;
+      *static_cast<float*>(win.at(o.probs + row * sizeof(float), q)) = pw;
       *static_cast<int32_t*>(win.at(o.row_src + row * sizeof(int32_t), q)) =
           static_cast<int32_t>(me * a.tmax + t);
       *static_cast<int32_t*>(win.at(o.row_k + row * sizeof(int32_t), q)) = lane;
@@ -588,7 +602,7 @@ struct TmaMover {
 template <class Mover, int NW>
 __global__ void __launch_bounds__(NW * 32)
     dispatch_kernel(Window win, Offsets o, int P, int batch, const uint8_t* x,
-                    int64_t x_stride_bytes, int64_t T, HomeArgs a) {
+                    int64_t x_stride_bytes, int64_t T, HomeArgs a, Pads pads) {
   extern __shared__ __align__(128) uint8_t dyn_smem[];
   __shared__ uint8_t* dests[NW][kMaxDest];
   const int lane = threadIdx.x % 32, wib = threadIdx.x / 32;
@@ -599,6 +613,11 @@ __global__ void __launch_bounds__(NW * 32)
   const int K = a.K, W = a.W, me = a.me;
   const int64_t tmax = a.tmax, row_bytes = a.row_bytes;
   const int32_t epoch = *reinterpret_cast<const int32_t*>(win.local + o.epoch);
+  // this rank's pad rows, an expert per warp of the grid (nothing else writes them)
+  for (int e = blockIdx.x * NW + wib; e < pads.L; e += gridDim.x * NW)
+    pads.zero(e, win.local + o.x, row_bytes, reinterpret_cast<float*>(win.local + o.probs),
+              reinterpret_cast<int32_t*>(win.local + o.row_src), row_bytes, wib * 32, 32);
+  __syncwarp();
   if (ro.home) {
     Pending pend;
     const unsigned peers = ((1u << W) - 1u) & ~(1u << me);
