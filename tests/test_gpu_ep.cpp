@@ -31,7 +31,15 @@ struct Round {
   int chunks = 4;               // pipeline pieces per peer (EpOptions::pipeline_chunks)
   int blocks = 0;               // EpOptions::overlap_blocks
   bool slow_rank0 = false;      // rank 0 starts its dispatch 50 ms after the others
+  bool ids64 = false;           // the routing ids passed as int64
 };
+
+// The same ids as int64 (host).
+Tensor widen_ids(const Tensor& ids) {
+  Tensor w = Tensor::empty(ids.sizes(), DType::kInt64, Device::cpu());
+  for (int64_t i = 0; i < ids.numel(); ++i) w.data_ptr<int64_t>()[i] = ids.data_ptr<int32_t>()[i];
+  return w;
+}
 
 bool same_bytes(const void* a, const void* b, size_t n) {
   return std::memcmp(a, b, n) == 0;
@@ -122,8 +130,8 @@ void run_rounds(int W, const std::vector<Round>& rounds, int64_t capacity_rows =
       std::vector<Tensor> got_gy(W), got_dprobs(W);
       EpGroup::run_local(groups, [&](int r) {
         const Device dev = groups[r]->device();
-        Tensor x = in[r].x.to(dev), ids = in[r].ids.to(dev), probs = in[r].probs.to(dev),
-               yy = y[r].to(dev);
+        Tensor x = in[r].x.to(dev), ids = (rd.ids64 ? widen_ids(in[r].ids) : in[r].ids).to(dev),
+               probs = in[r].probs.to(dev), yy = y[r].to(dev);
         if (rd.slow_rank0 && r == 0) {
           MOEFLOW_CUDA_CHECK(cudaDeviceSynchronize());
           std::this_thread::sleep_for(std::chrono::milliseconds(50));
@@ -232,12 +240,15 @@ TEST(MultiGpuEp, MatchesReference) {
   Round uneven_pieces = uneven;
   uneven_pieces.chunks = 7;
   uneven_pieces.blocks = 1;
+  uneven_pieces.ids64 = true;
   run_rounds(W, {uneven, empty_rank, one_rank, tagged, uneven_pieces});
 }
 
 // Backend nvlink: the same rounds, bitwise the same results.
 TEST(GpuEpNvlink, OneRankMatchesReference) {
-  run_rounds(1, {{{257}}, {{0}}, {{300}, false, true}}, -1, EpBackend::kNvlink);
+  Round ids64{{257}};
+  ids64.ids64 = true;
+  run_rounds(1, {{{257}}, {{0}}, {{300}, false, true}, ids64}, -1, EpBackend::kNvlink);
 }
 
 TEST(MultiGpuEpNvlink, MatchesReference) {
@@ -247,6 +258,7 @@ TEST(MultiGpuEpNvlink, MatchesReference) {
   auto& [uneven, empty_rank, one_rank, tagged] = m;
   Round slow = uneven, to_peer = tagged;
   slow.slow_rank0 = true;
+  empty_rank.ids64 = true;
   to_peer.one_rank = true;  // rank W-1's tokens too: everything crosses except its own
   run_rounds(W, {uneven, empty_rank, one_rank, tagged, slow, to_peer}, -1, EpBackend::kNvlink);
 }
