@@ -810,18 +810,16 @@ unsigned nvlink_grid(const EpGroup::Impl& g) {
   return static_cast<unsigned>(g.opt.nvlink_blocks);
 }
 
-// Pad rows of this rank's receive layout in `rows` (stride in bytes) zeroed.
-// This rank's pad rows (its receive plan of the last dispatch).
-nvl::Pads nvlink_pads(EpGroup::Impl& g) {
-  NvlinkState& s = *g.nvl;
-  return nvl::Pads{g.epr, s.recv.tokens_per_expert.data_ptr<int32_t>(),
-                   s.recv.padded_tokens_per_expert.data_ptr<int32_t>(),
-                   s.recv.expert_row_offsets.data_ptr<int64_t>()};
-}
+// Pad rows of this rank's receive layout (its plan of the last dispatch) in
+// `rows` (stride in bytes) zeroed.
 void nvlink_zero_pads(EpGroup::Impl& g, uint8_t* rows, int64_t stride_bytes, float* probs,
                       int32_t* row_src, cudaStream_t stream) {
+  NvlinkState& s = *g.nvl;
+  const nvl::Pads pads{g.epr, s.recv.tokens_per_expert.data_ptr<int32_t>(),
+                       s.recv.padded_tokens_per_expert.data_ptr<int32_t>(),
+                       s.recv.expert_row_offsets.data_ptr<int64_t>()};
   nvl::pads_kernel<<<static_cast<unsigned>(std::max(g.epr, 1)), 256, 0, stream>>>(
-      rows, stride_bytes, probs, row_src, g.row_bytes, nvlink_pads(g));
+      rows, stride_bytes, probs, row_src, g.row_bytes, pads);
   MOEFLOW_CUDA_LAUNCH_CHECK();
 }
 
@@ -872,6 +870,13 @@ EpDispatchResult nvlink_dispatch(EpGroup::Impl& g, TensorView x, TensorView ids,
       s.local.invalid_ids.data_ptr<int32_t>(), s.recv.invalid_ids.data_ptr<int32_t>());
   MOEFLOW_CUDA_LAUNCH_CHECK();
   g.mark("counts", stream);
+  // The pad rows (nothing else writes them) on the side stream, on the SMs
+  // the fused kernel leaves free; the caller's stream waits at the end.
+  MOEFLOW_CUDA_CHECK(cudaEventRecord(g.ev_meta, stream));
+  MOEFLOW_CUDA_CHECK(cudaStreamWaitEvent(g.aux_stream, g.ev_meta, 0));
+  nvlink_zero_pads(g, base + o.x, g.row_bytes, reinterpret_cast<float*>(base + o.probs),
+                   reinterpret_cast<int32_t*>(base + o.row_src), g.aux_stream);
+  MOEFLOW_CUDA_CHECK(cudaEventRecord(g.ev_aux, g.aux_stream));
   // 3. the rows: own slots in place, the peers' through their stage
   // the same roles with bulk copies (MOEFLOW_NVL_TMA) or with 16-byte stores
   auto* kernel = s.tma ? nvl::dispatch_kernel<nvl::TmaMover, nvl::kTmaWarps>
@@ -885,8 +890,9 @@ EpDispatchResult nvlink_dispatch(EpGroup::Impl& g, TensorView x, TensorView ids,
   kernel<<<nvlink_grid(g), (s.tma ? nvl::kTmaWarps : nvl::kWarps) * 32, s.tma ? nvl::kTmaSmem : 0,
            stream>>>(s.view(), o, nvlink_home_blocks(g, s.home_percent), s.batch,
                      static_cast<const uint8_t*>(x.data), x.strides[0] * int64_t(dtype_size(x.dtype)),
-                     T, home, nvlink_pads(g));
+                     T, home);
   MOEFLOW_CUDA_LAUNCH_CHECK();
+  MOEFLOW_CUDA_CHECK(cudaStreamWaitEvent(stream, g.ev_aux, 0));
   g.mark("rows", stream);
   g.print_marks("nvlink dispatch");
   const TensorView rx = TensorView::strided(base + o.x, g.opt.dtype, dev, {g.capacity, H}, {H, 1});

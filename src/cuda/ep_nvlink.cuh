@@ -602,7 +602,7 @@ struct TmaMover {
 template <class Mover, int NW>
 __global__ void __launch_bounds__(NW * 32)
     dispatch_kernel(Window win, Offsets o, int P, int batch, const uint8_t* x,
-                    int64_t x_stride_bytes, int64_t T, HomeArgs a, Pads pads) {
+                    int64_t x_stride_bytes, int64_t T, HomeArgs a) {
   extern __shared__ __align__(128) uint8_t dyn_smem[];
   __shared__ uint8_t* dests[NW][kMaxDest];
   const int lane = threadIdx.x % 32, wib = threadIdx.x / 32;
@@ -613,11 +613,6 @@ __global__ void __launch_bounds__(NW * 32)
   const int K = a.K, W = a.W, me = a.me;
   const int64_t tmax = a.tmax, row_bytes = a.row_bytes;
   const int32_t epoch = *reinterpret_cast<const int32_t*>(win.local + o.epoch);
-  // this rank's pad rows, an expert per warp of the grid (nothing else writes them)
-  for (int e = blockIdx.x * NW + wib; e < pads.L; e += gridDim.x * NW)
-    pads.zero(e, win.local + o.x, row_bytes, reinterpret_cast<float*>(win.local + o.probs),
-              reinterpret_cast<int32_t*>(win.local + o.row_src), row_bytes, wib * 32, 32);
-  __syncwarp();
   if (ro.home) {
     Pending pend;
     const unsigned peers = ((1u << W) - 1u) & ~(1u << me);
