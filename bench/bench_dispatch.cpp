@@ -145,18 +145,17 @@ void run_dispatch_bench(const DispatchBenchOptions& opt) {
                                     : ids.data_ptr<int32_t>()[t * p.topk + k];
               if (e < 0) continue;
               on[e / L] = 1;
-              if (e / L == r) {
-                rr.link_bytes += static_cast<double>(row);  // a slot row here
-                ++here;
-              }
+              if (e / L == r) ++here;
             }
+            // the slot rows here: a peer token's only slot is pushed by the peer
+            if (s == r || here >= 2) rr.link_bytes += static_cast<double>(here) * row;
             // combine sends a peer token's one slot here as a bf16 row, else a float32 partial
             if (s != r && here > 0) rr.wire_back_bytes += here == 1 ? row : p.hidden * 4;
             for (int q = 0; q < W; ++q) {
               if (!on[q]) continue;
               if (s == r) ++rsent[q];
               if (q == r) ++rgot[s];
-              if (s == r && q != r) rr.link_bytes += static_cast<double>(row);  // a peer's stage
+              if (s == r && q != r) rr.link_bytes += static_cast<double>(row);  // a peer's stage or row
             }
           }
         }

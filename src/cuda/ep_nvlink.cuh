@@ -24,11 +24,13 @@
 //      expert's rank (core/ep_layout.h: the reference's layout and drop rule)
 //      and the rank's own receive plan; pad rows zeroed;
 //   3. one warp per token: x[t] read once and stored into each own kept slot's
-//      final row, and once into the stage of every peer holding a kept slot
-//      (a token crosses to a rank once); per kept slot its prob, row_src and
-//      row_k, and per peer the token's inv entries;
-//   4. barrier; one warp per received row from a peer: copied from the stage
-//      into its final row.
+//      final row, and once into every peer holding a kept slot (a token
+//      crosses to a rank once): straight into its final row there when the
+//      peer holds one slot of t, else into the peer's stage; per kept slot
+//      its prob, row_src and row_k, and per peer the token's inv entries;
+//   4. one warp per peer token with two or more slots here, once announced:
+//      copied from the stage into its final rows (pad rows: a small kernel
+//      on a side stream beside this one).
 // combine: barrier; on the holder, one warp per peer token with kept slots
 // here: the float32 sum of its slots (k ascending, weighted) stored into the
 // home rank's partial, or, when it holds one slot of the token, that slot's
@@ -331,8 +333,8 @@ __device__ __forceinline__ void for_tokens(const Roles<NW>& ro, const int32_t* n
 // of rank g / L when the rank is below fit[g], and is dropped otherwise. The
 // slot's prob, row_src and row_k go to its rank, every rank gets the token's
 // inv entry. Lists where x[t] goes in my[]: the own kept slots' rows (k
-// ascending), then the stage of each peer holding a kept slot; returns how
-// many.
+// ascending), then for each peer holding kept slots the row of its only one
+// there, or its stage when it holds several; returns how many.
 // Lanes with a row >= 0 list those rows of `x` in my[] (k ascending);
 // returns how many (warp-wide).
 __device__ __forceinline__ int list_rows(uint8_t** my, int64_t row, uint8_t* x, int64_t row_bytes,
@@ -387,9 +389,14 @@ __device__ __forceinline__ int place_token(const Window& win, const Offsets& o, 
   if ((own >> lane) & 1u) my[__popc(own & ((1u << lane) - 1u))] = win.local + o.x + row * a.row_bytes;
   int nd = __popc(own);
   for (int p = 0; p < W; ++p) {
-    if (p == me || !__ballot_sync(kFull, row >= 0 && q == p)) continue;
+    const unsigned on = __ballot_sync(kFull, row >= 0 && q == p);
+    if (p == me || !on) continue;
+    // one slot on p: its row there directly; more: the stage, the holder copies
+    const int64_t r1 = __shfl_sync(kFull, row, __ffs(on) - 1);
     if (lane == 0)
-      my[nd] = static_cast<uint8_t*>(win.at(o.stage + (size_t(me) * a.tmax + t) * a.row_bytes, p));
+      my[nd] = static_cast<uint8_t*>(
+          __popc(on) == 1 ? win.at(o.x + r1 * a.row_bytes, p)
+                          : win.at(o.stage + (size_t(me) * a.tmax + t) * a.row_bytes, p));
     ++nd;
   }
   return nd;
@@ -595,10 +602,12 @@ struct TmaMover {
 
 // The dispatch after the count exchange (one kernel, two roles). Home
 // (place_token): x[t] read once and stored into each own kept slot's row and
-// once into the stage of every peer holding a kept slot of t; every rank
-// learns (inv) where t's slots are on it, the holders get the slots' probs /
-// row_src / row_k; then t is announced to every peer. Holder: once (s, t) is
-// announced, the staged row is copied into the rows of t's slots here.
+// once into every peer holding a kept slot of t (its row, or its stage); every
+// rank learns (inv) where t's slots are on it, the holders get the slots'
+// probs / row_src / row_k; then t is announced to every peer. Holder: once
+// (s, t) is announced, a staged row is copied into the rows of t's slots here
+// (tokens with one slot here: nothing to do; the flag still orders them
+// before the kernel's end).
 template <class Mover, int NW>
 __global__ void __launch_bounds__(NW * 32)
     dispatch_kernel(Window win, Offsets o, int P, int batch, const uint8_t* x,
@@ -640,7 +649,7 @@ __global__ void __launch_bounds__(NW * 32)
     warp_wait_flag(flag + st, epoch, lane);
     const int64_t row = lane < K ? __ldcg(inv + st * K + lane) : -1;
     const int n = list_rows(my, row, win.local + o.x, row_bytes, lane);
-    if (n == 0) return;
+    if (n <= 1) return;  // an only slot here was stored by the home rank
     mover.template copy<true>(stage + st * row_bytes, my, n, row_bytes, lane);
     __syncwarp();
   });
