@@ -162,6 +162,10 @@ void run_rounds(int W, const std::vector<Round>& rounds, int64_t capacity_rows =
           got_gy[r] = gy.to(Device::cpu());
           got_dprobs[r] = dp.to(Device::cpu());
         }
+        // poisoned for the next round: its dispatch must write every row and
+        // pad row it reports
+        fill_bytes(res.x, 0xFF);
+        fill_bytes(res.probs, 0xFF);
         MOEFLOW_CUDA_CHECK(cudaDeviceSynchronize());
       });
       for (int r = 0; r < W; ++r) {
