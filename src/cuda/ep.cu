@@ -877,7 +877,8 @@ EpDispatchResult nvlink_dispatch(EpGroup::Impl& g, TensorView x, TensorView ids,
   nvlink_zero_pads(g, base + o.x, g.row_bytes, reinterpret_cast<float*>(base + o.probs),
                    reinterpret_cast<int32_t*>(base + o.row_src), g.aux_stream);
   MOEFLOW_CUDA_CHECK(cudaEventRecord(g.ev_aux, g.aux_stream));
-  // 3. the rows: own slots in place, the peers' through their stage
+  // 3. the rows: own slots in place, a peer's only slot of a token straight
+  // into its row there, several through the peer's stage
   // the same roles with bulk copies (MOEFLOW_NVL_TMA) or with 16-byte stores
   auto* kernel = s.tma ? nvl::dispatch_kernel<nvl::TmaMover, nvl::kTmaWarps>
                        : nvl::dispatch_kernel<nvl::LsuMover, nvl::kWarps>;

@@ -22,7 +22,7 @@
 //   2. one block: barrier, the rank's counts and T stored into every peer's
 //      matrix, barrier; from the matrix, where each of its slots lands on its
 //      expert's rank (core/ep_layout.h: the reference's layout and drop rule)
-//      and the rank's own receive plan; pad rows zeroed;
+//      and the rank's own receive plan;
 //   3. one warp per token: x[t] read once and stored into each own kept slot's
 //      final row, and once into every peer holding a kept slot (a token
 //      crosses to a rank once): straight into its final row there when the
@@ -241,29 +241,25 @@ __device__ __forceinline__ void warp_copy_row(const uint4* __restrict__ src, uin
   }
 }
 
-// Pad rows of this rank's layout: rows zeroed; probs 0 and row_src -1 when given.
+// Pad rows of this rank's layout: rows zeroed; probs 0 and row_src -1 when
+// given. A block per expert.
 struct Pads {
   int L;
   const int32_t *kept, *padded;
   const int64_t* offsets;
-  // Threads [i0, i0 + n) of the block zero the pad rows of expert e.
-  __device__ void zero(int e, uint8_t* rows, int64_t stride_bytes, float* recv_probs,
-                       int32_t* row_src, int64_t row_bytes, int i0, int n) const {
-    const int i = static_cast<int>(threadIdx.x) - i0;
-    for (int64_t r = offsets[e] + kept[e]; r < offsets[e] + padded[e]; ++r) {
-      uint4* dst = reinterpret_cast<uint4*>(rows + r * stride_bytes);
-      for (int64_t v = i; v < row_bytes / 16; v += n) dst[v] = make_uint4(0, 0, 0, 0);
-      if (i == 0 && recv_probs) {
-        recv_probs[r] = 0.0f;
-        row_src[r] = -1;
-      }
-    }
-  }
 };
 __global__ void pads_kernel(uint8_t* rows, int64_t stride_bytes, float* recv_probs,
                             int32_t* row_src, int64_t row_bytes, Pads pads) {
-  if (static_cast<int>(blockIdx.x) < pads.L)
-    pads.zero(blockIdx.x, rows, stride_bytes, recv_probs, row_src, row_bytes, 0, blockDim.x);
+  const int e = blockIdx.x;
+  if (e >= pads.L) return;
+  for (int64_t r = pads.offsets[e] + pads.kept[e]; r < pads.offsets[e] + pads.padded[e]; ++r) {
+    uint4* dst = reinterpret_cast<uint4*>(rows + r * stride_bytes);
+    for (int64_t v = threadIdx.x; v < row_bytes / 16; v += blockDim.x) dst[v] = make_uint4(0, 0, 0, 0);
+    if (threadIdx.x == 0 && recv_probs) {
+      recv_probs[r] = 0.0f;
+      row_src[r] = -1;
+    }
+  }
 }
 
 // The work of the two roles of a fused kernel. Home role (blocks [0, P)): the
