@@ -52,10 +52,11 @@ Tensor to_host(TensorView v) {
 }
 
 void run_rounds(int W, const std::vector<Round>& rounds, int64_t capacity_rows = -1,
-                EpBackend backend = EpBackend::kNccl, bool bulk_copies = false) {
+                EpBackend backend = EpBackend::kNccl, bool bulk_copies = false,
+                bool register_buffers = false, int64_t H = 96) {
   ASSERT_GE(cuda_device_count(), W);
   const int E = 8 * W, K = 4;
-  const int64_t H = 96, tmax = 300;
+  const int64_t tmax = 300;
   for (DType dt : {DType::kBFloat16, DType::kFloat32}) {
     EpOptions opt;
     opt.num_experts = E;
@@ -67,6 +68,7 @@ void run_rounds(int W, const std::vector<Round>& rounds, int64_t capacity_rows =
     opt.capacity_rows = capacity_rows;
     opt.backend = backend;
     opt.nvlink_bulk_copies = bulk_copies;
+    opt.nccl_register_buffers = register_buffers;
     std::vector<int> devs;
     for (int r = 0; r < W; ++r) devs.push_back(r);
     auto groups = EpGroup::create_local(devs, opt);
@@ -371,6 +373,20 @@ TEST(MultiGpuEpNvlink, GraphReplayWithNewRouting) {
         EXPECT_FALSE(same_bytes(eager[i][r].data(), eager[i - 1][r].data(), eager[i][r].nbytes()))
             << "new routings must change the result";
     }
+}
+
+// Backend nccl, long rows (8-16 KB): the messages are large enough for
+// NCCL's simple protocol, where registered buffers are copied straight into
+// and plain ones go through NCCL's own buffers; the same bits.
+TEST(MultiGpuEp, LongRowsRegisteredOrNotMatchReference) {
+  const int W = cuda_device_count();
+  if (W < 2) GTEST_SKIP() << "needs 2+ GPUs (label multigpu)";
+  MultiRounds m(W);
+  m.tagged.chunks = 3;
+  for (const bool reg : {true, false}) {
+    SCOPED_TRACE(reg ? "registered" : "plain");
+    run_rounds(W, {m.uneven, m.empty_rank, m.tagged}, -1, EpBackend::kNccl, false, reg, 4096);
+  }
 }
 
 TEST(MultiGpuEp, OverflowIsCountedNotWritten) {

@@ -88,6 +88,13 @@ struct EpOptions {
   // bound by the SMs' store rate), faster with many SMs (2 x H200, dsv3 at
   // 132 SMs: 448 vs 521 us; docs/perf/ep-nvlink-2xh200-2026-11-22.md).
   bool nvlink_bulk_copies = false;
+  // Backend nccl: the staging buffers NCCL moves come from ncclMemAlloc and
+  // are registered with the communicator (ncclCommRegister), so that NCCL's
+  // send/recv over NVLink copies straight between them instead of through
+  // its own FIFO buffers (one copy less on the receiver). Every rank must use
+  // the same value. MOEFLOW_EP_REGISTER=0/1 overrides it. Off until measured
+  // on two GPUs.
+  bool nccl_register_buffers = false;
 };
 
 class EpGroup {

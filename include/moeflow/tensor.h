@@ -94,6 +94,10 @@ class Tensor {
   Tensor() = default;
   static Tensor empty(const std::vector<int64_t>& shape, DType dtype, Device device = Device::cpu());
   static Tensor zeros(const std::vector<int64_t>& shape, DType dtype, Device device = Device::cpu());
+  // A tensor over memory allocated elsewhere (e.g. by ncclMemAlloc): `view`
+  // must be contiguous; `owner` keeps the memory alive (its deleter frees it
+  // when the last copy of the tensor goes).
+  static Tensor adopt(const TensorView& view, std::shared_ptr<void> owner);
 
   const TensorView& view() const { return view_; }
   operator TensorView() const { return view_; }

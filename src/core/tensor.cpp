@@ -103,6 +103,17 @@ Tensor Tensor::empty(const std::vector<int64_t>& shape, DType dtype, Device devi
   return t;
 }
 
+Tensor Tensor::adopt(const TensorView& view, std::shared_ptr<void> owner) {
+  MOEFLOW_CHECK(view.defined() && view.is_contiguous(), "Tensor::adopt needs a contiguous view, got ",
+                view.str());
+  MOEFLOW_CHECK(owner != nullptr || view.numel() == 0, "Tensor::adopt needs an owner for ",
+                view.str());
+  Tensor t;
+  t.view_ = view;
+  t.storage_ = std::move(owner);
+  return t;
+}
+
 Tensor Tensor::zeros(const std::vector<int64_t>& shape, DType dtype, Device device) {
   Tensor t = empty(shape, dtype, device);
   fill_bytes(t, 0);

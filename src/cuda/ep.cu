@@ -34,11 +34,14 @@
 #include <cub/device/device_scan.cuh>
 #include <exception>
 #include <initializer_list>
+#include <iterator>
+#include <memory>
 #include <type_traits>
 #include <mutex>
 #include <string>
 #include <thread>
 #include <utility>
+#include <vector>
 
 #include "core/backends.h"
 #include "core/internal.h"
@@ -350,6 +353,9 @@ struct EpGroup::Impl {
   RoutingPlan plan;
   Tensor plan_ws, out_x, out_probs, partial, back;
   Tensor recv_dprobs, back_dprobs;  // combine backward
+  // nccl_register_buffers: the buffers above that NCCL moves live in one
+  // ncclMemAlloc arena registered with the communicator (handle).
+  void* arena_reg = nullptr;
 
   // the last dispatch
   int64_t T = 0, received = 0;
@@ -389,6 +395,9 @@ struct EpGroup::Impl {
     // (deregistering them one group after the other from one thread could
     // wait on the peers); on a caller's communicator they are released here.
     if (nvl && !owns_comm) nvl->release(comm);
+    // An owned communicator drops its registrations when destroyed; the
+    // arena itself goes (ncclMemFree) with the last tensor over it.
+    if (arena_reg && !owns_comm) ncclCommDeregister(comm, arena_reg);
     if (owns_comm && comm) ncclCommDestroy(comm);
     if (nvl && nvl->base) {
       if (nvl->plain)
@@ -496,12 +505,42 @@ struct EpGroup::Impl {
   // The staging buffers and the receive plan of the nccl backend.
   void allocate_nccl_buffers(const Device& dev) {
     const int64_t K = opt.topk, H = opt.hidden;
-    send_x = Tensor::empty({send_max, H}, opt.dtype, dev);
-    send_ids = Tensor::empty({send_max, K}, DType::kInt32, dev);
-    send_probs = Tensor::empty({send_max, K}, DType::kFloat32, dev);
-    recv_x = Tensor::empty({rows_max, H}, opt.dtype, dev);
-    recv_ids = Tensor::empty({rows_max, K}, DType::kInt32, dev);
-    recv_probs = Tensor::empty({rows_max, K}, DType::kFloat32, dev);
+    // What NCCL sends and receives: registered (one arena) or plain.
+    struct Buf {
+      Tensor* t;
+      std::vector<int64_t> shape;
+      DType dtype;
+    };
+    const Buf bufs[] = {{&send_x, {send_max, H}, opt.dtype},
+                        {&send_ids, {send_max, K}, DType::kInt32},
+                        {&send_probs, {send_max, K}, DType::kFloat32},
+                        {&recv_x, {rows_max, H}, opt.dtype},
+                        {&recv_ids, {rows_max, K}, DType::kInt32},
+                        {&recv_probs, {rows_max, K}, DType::kFloat32},
+                        {&partial, {rows_max, H}, DType::kFloat32},
+                        {&back, {send_max, H}, DType::kFloat32},
+                        {&recv_dprobs, {rows_max, K}, DType::kFloat32},
+                        {&back_dprobs, {send_max, K}, DType::kFloat32}};
+    bool reg = opt.nccl_register_buffers;
+    if (const char* v = std::getenv("MOEFLOW_EP_REGISTER")) reg = std::atoi(v) != 0;
+    if (reg && world > 1) {
+      std::vector<size_t> off;
+      size_t at = 0;
+      for (const Buf& b : bufs) {
+        off.push_back(at);
+        at += (TensorView(nullptr, b.dtype, dev, b.shape).nbytes() + 255) / 256 * 256;
+      }
+      void* base = nullptr;
+      MOEFLOW_NCCL_CHECK(ncclMemAlloc(&base, at));
+      std::shared_ptr<void> owner(base, [](void* p) { ncclMemFree(p); });
+      MOEFLOW_NCCL_CHECK(ncclCommRegister(comm, base, at, &arena_reg));
+      for (size_t i = 0; i < std::size(bufs); ++i)
+        *bufs[i].t = Tensor::adopt(
+            TensorView(static_cast<uint8_t*>(base) + off[i], bufs[i].dtype, dev, bufs[i].shape),
+            owner);
+    } else {
+      for (const Buf& b : bufs) *b.t = Tensor::empty(b.shape, b.dtype, dev);
+    }
     PlanConfig pc;
     pc.num_experts = epr;
     pc.align = opt.align;
@@ -511,10 +550,6 @@ struct EpGroup::Impl {
                             DType::kUInt8, dev);
     out_x = Tensor::empty({capacity, H}, opt.dtype, dev);
     out_probs = Tensor::empty({capacity}, DType::kFloat32, dev);
-    partial = Tensor::empty({rows_max, H}, DType::kFloat32, dev);
-    back = Tensor::empty({send_max, H}, DType::kFloat32, dev);
-    recv_dprobs = Tensor::empty({rows_max, K}, DType::kFloat32, dev);
-    back_dprobs = Tensor::empty({send_max, K}, DType::kFloat32, dev);
   }
 
 
