@@ -50,6 +50,7 @@ struct DispatchBenchOptions {
   int align = 16;
   std::string backend = "nccl";      // nccl | nvlink
   bool bulk_copies = false;          // nvlink: EpOptions::nvlink_bulk_copies
+  bool sweep = true;                 // also time the pieces / SM-count sweep
   TimingOptions timing;
   std::string json_path;
 };

@@ -84,9 +84,10 @@ void run_dispatch_bench(const DispatchBenchOptions& opt) {
     // nccl: pipeline pieces per peer x blocks of the kernels beside the
     // transfers; nvlink: (1, blocks of its kernels), the SM-count sweep
     const std::vector<std::pair<int, int>> configs =
-        nvlink ? std::vector<std::pair<int, int>>{{1, 8}, {1, 16}, {1, 32}, {1, 64}, {1, 132}}
-               : std::vector<std::pair<int, int>>{{1, 0},  {2, 0},  {4, 0},  {1, 32},
-                                                  {2, 32}, {4, 32}, {2, 64}, {4, 64}};
+        !opt.sweep ? std::vector<std::pair<int, int>>{}
+        : nvlink   ? std::vector<std::pair<int, int>>{{1, 8}, {1, 16}, {1, 32}, {1, 64}, {1, 132}}
+                   : std::vector<std::pair<int, int>>{{1, 0},  {2, 0},  {4, 0},  {1, 32},
+                                                      {2, 32}, {4, 32}, {2, 64}, {4, 64}};
     struct Result {
       double dispatch_ms = 0, combine_ms = 0, a2a_ms = 0, a2a_f32_ms = 0, a2a_back_ms = 0;
       double out_bytes = 0, back_bytes = 0, link_bytes = 0, wire_back_bytes = 0;

@@ -72,6 +72,8 @@ int main(int argc, char** argv) {
       ->capture_default_str();
   bdisp->add_flag("--bulk-copies", dopt.bulk_copies,
                   "backend nvlink: dispatch rows with TMA bulk copies (EpOptions::nvlink_bulk_copies)");
+  bdisp->add_flag("--no-sweep", [&](int64_t) { dopt.sweep = false; },
+                  "skip the pieces / SM-count sweep (only the default configuration)");
   bdisp->add_option("--json", dopt.json_path, "also write the results as JSON to this file");
   bdisp->add_option("--iters", dopt.timing.iters, "timed runs per op (median)")
       ->capture_default_str();
