@@ -10,13 +10,15 @@
 using namespace moeflow;
 
 int main(int argc, char** argv) {
-  CLI::App app{"moeflow: the MoE token path (routing plan, permute+pad, unpermute) on GPUs"};
+  CLI::App app{
+      "moeflow: the MoE token path on GPUs (routing plan, permute+pad, grouped expert MLP, "
+      "unpermute, expert-parallel dispatch/combine)"};
   app.require_subcommand(0, 1);
   app.fallthrough();
   std::string device = "auto";
   app.add_option("--device", device, "auto, cpu, cuda or cuda:N")->capture_default_str();
 
-  auto* run = app.add_subcommand("run", "one checked MoE token-path step on a preset (default)");
+  auto* run = app.add_subcommand("run", "one checked MoE layer step on a preset (default): plan, permute, expert MLP, unpermute, forward and backward");
   bench::RunOptions run_opt;
   std::string presets_help = "one of: ";
   for (const auto& n : bench::preset_names()) presets_help += n + " ";

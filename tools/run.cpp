@@ -1,9 +1,10 @@
 // `moeflow run`: one MoE token-path step on a preset, checked as it goes.
 // Route (random router scores, softmax top-k) -> plan -> permute+pad ->
 // identity experts -> unpermute with probs merged (must equal x * sum_k
-// probs), the backward ops (same identity); then linear experts (grouped GEMM
-// FC1 [E,F,H] and FC2 [E,H,F], no activation yet: the fused GLU comes with
-// the grouped MLP) checked against a naive float64 computation per token.
+// probs), the backward ops (same identity); then the grouped expert MLP
+// (FC1 [E,2F,H] -> probs-weighted SwiGLU -> FC2 [E,H,F]) forward and backward,
+// checked against float64 per token and, on a GPU, against the CPU reference.
+#include <algorithm>
 #include <chrono>
 #include <cmath>
 
@@ -17,63 +18,165 @@ namespace moeflow::bench {
 
 namespace {
 
-// FC1 -> FC2 through the grouped GEMM on the plan's padded layout, then
-// unpermute; checked against out[t] = sum_k p_k W2_e bf16(W1_e x_t) in float64.
-bool run_linear_experts(const Preset& p, const RunOptions& opt, const Routing& routing,
-                        const Tensor& x, const Tensor& x_host, const RoutingPlan& plan) {
+// What one expert-MLP step produced, on the host.
+struct MlpStep {
+  Tensor out, dx, dprobs, dw1, dw2;
+};
+
+// The grouped expert MLP on the plan's padded layout: permute (probs along)
+// -> FC1 + weighted SwiGLU (the rows' probs) -> FC2 -> unpermute, then the
+// backward of all of it with dout given: unpermute_backward -> MLP input
+// gradient (+ dprobs of the rows) -> permute_backward, and the weight
+// gradients (delayed wgrad). Runs on the device of `x`.
+MlpStep mlp_step(const Preset& p, const RoutingPlan& plan, const Tensor& x, const Tensor& probs,
+                 const Tensor& w1, const Tensor& w2, const Tensor& dout, bool backward,
+                 double* us) {
+  const Device dev = x.device();
+  const int64_t T = p.num_tokens, H = p.hidden, F = p.ffn, rows = plan.capacity_rows;
+  const int E = p.num_experts;
+  Tensor xr = Tensor::empty({rows, H}, DType::kBFloat16, dev);
+  Tensor pr = Tensor::empty({rows}, DType::kFloat32, dev);
+  Tensor h = Tensor::empty({rows, 2 * F}, DType::kBFloat16, dev);
+  Tensor a = Tensor::empty({rows, F}, DType::kBFloat16, dev);
+  Tensor yr = Tensor::empty({rows, H}, DType::kBFloat16, dev);
+  Tensor out = Tensor::empty({T, H}, DType::kFloat32, dev);
+  Tensor dyr = Tensor::empty({rows, H}, DType::kBFloat16, dev);
+  Tensor dxr = Tensor::empty({rows, H}, DType::kBFloat16, dev);
+  Tensor dh = Tensor::empty({rows, 2 * F}, DType::kBFloat16, dev);
+  Tensor dpr = Tensor::empty({rows}, DType::kFloat32, dev);
+  Tensor dx = Tensor::empty({T, H}, DType::kFloat32, dev);
+  Tensor dw1 = Tensor::empty({E, 2 * F, H}, DType::kFloat32, dev);
+  Tensor dw2 = Tensor::empty({E, H, F}, DType::kFloat32, dev);
+  const GroupLayout groups = GroupLayout::from_plan(plan);
+  const GroupedMlpWeights w{w1, w2, {}, {}};
+  const GroupedMlpConfig cfg{};  // SwiGLU, [gate; up] halves
+  const GroupedMlpSaved saved{h, a};
+  if (dev.is_cuda()) detail::cuda_stream_sync(nullptr);
+  const auto t0 = std::chrono::steady_clock::now();
+  permute(x, plan, xr, PermuteExtras{probs, pr, {}, {}});
+  grouped_mlp_forward(xr, w, groups, pr, cfg, yr, saved);
+  unpermute(yr, plan, out);
+  if (backward) {
+    unpermute_backward(dout, plan, {}, {}, dyr, {});
+    grouped_mlp_backward_dgrad(dyr, w, groups, pr, cfg, saved, dxr, dh, dpr);
+    permute_backward(dxr, plan, dx);
+    grouped_mlp_backward_wgrad(dyr, xr, groups, saved, dh, GroupedMlpGrads{dw1, dw2, {}, {}, false});
+  }
+  if (dev.is_cuda()) detail::cuda_stream_sync(nullptr);
+  *us = std::chrono::duration<double, std::micro>(std::chrono::steady_clock::now() - t0).count();
+  const Device cpu = Device::cpu();
+  if (!backward) return {out.to(cpu), {}, {}, {}, {}};
+  return {out.to(cpu), dx.to(cpu), dpr.to(cpu), dw1.to(cpu), dw2.to(cpu)};
+}
+
+// Relative norm error of got against want (same shape, float32 or bf16).
+double rel_err(const Tensor& got, const Tensor& want) {
+  double num = 0, den = 0;
+  for (int64_t i = 0; i < want.numel(); ++i) {
+    const double g = detail::load_float(got.data(), got.dtype(), i),
+                 w = detail::load_float(want.data(), want.dtype(), i);
+    num += (g - w) * (g - w);
+    den += w * w;
+  }
+  return std::sqrt(num / (den > 0 ? den : 1.0));
+}
+
+// The expert MLP step on opt.device, checked: the forward output of up to 64
+// tokens spread over T against float64, and on a GPU (small presets) the
+// whole step (out, dx, dW1, dW2, dprobs) against the CPU reference backend on
+// the same inputs.
+bool run_expert_mlp(const Preset& p, const RunOptions& opt, const Routing& routing,
+                    const Tensor& x_host, const RoutingPlan& plan) {
   const Device dev = opt.device;
   const int64_t T = p.num_tokens, H = p.hidden, F = p.ffn;
   const int K = p.topk, E = p.num_experts;
-  Tensor w1h = Tensor::empty({E, F, H}, DType::kBFloat16), w2h = Tensor::empty({E, H, F}, DType::kBFloat16);
+  Tensor w1h = Tensor::empty({E, 2 * F, H}, DType::kBFloat16), w2h = Tensor::empty({E, H, F}, DType::kBFloat16);
   for (int64_t i = 0; i < w1h.numel(); ++i)
-    detail::store_float(w1h.data(), DType::kBFloat16, i, std::cos(0.37f * static_cast<float>(i % 9973)) / std::sqrt(float(H)));
+    detail::store_float(w1h.data(), DType::kBFloat16, i, 2.0f * std::cos(0.37f * static_cast<float>(i % 9973)) / std::sqrt(float(H)));
   for (int64_t i = 0; i < w2h.numel(); ++i)
     detail::store_float(w2h.data(), DType::kBFloat16, i, std::sin(0.53f * static_cast<float>(i % 7919)) / std::sqrt(float(F)));
-  Tensor w1 = dev.is_cpu() ? w1h : w1h.to(dev), w2 = dev.is_cpu() ? w2h : w2h.to(dev);
-  Tensor y = Tensor::empty({plan.capacity_rows, H}, DType::kBFloat16, dev);
-  Tensor h = Tensor::empty({plan.capacity_rows, F}, DType::kBFloat16, dev);
-  Tensor y2 = Tensor::empty({plan.capacity_rows, H}, DType::kBFloat16, dev);
-  Tensor out = Tensor::empty({T, H}, DType::kFloat32, dev);
-  const GroupLayout groups = GroupLayout::from_plan(plan);
-  auto t0 = std::chrono::steady_clock::now();
-  permute(x, plan, y);
-  grouped_gemm_forward(y, GroupedWeights::from_stacked(w1), groups, h);
-  grouped_gemm_forward(h, GroupedWeights::from_stacked(w2), groups, y2);
-  unpermute(y2, plan, out, routing.probs);
-  if (dev.is_cuda()) detail::cuda_stream_sync(nullptr);
-  const double us = std::chrono::duration<double, std::micro>(std::chrono::steady_clock::now() - t0).count();
-  fmt::print("  {:<34} {:>9.1f} us\n", "linear experts (permute, FC1, FC2, unpermute)", us);
+  // The CPU reference costs about 18 x rows x H x F multiply-adds (fwd+bwd).
+  const bool small = 18.0 * double(plan.capacity_rows) * double(H) * double(F) < 3e10;
+  if (dev.is_cpu() && !small) {
+    fmt::print("  expert MLP skipped: preset {} is too large for the CPU reference backend (use a "
+               "GPU, or --preset tiny)\n", p.name);
+    return true;
+  }
+  Tensor douth = Tensor::empty({T, H}, DType::kFloat32);
+  for (int64_t i = 0; i < douth.numel(); ++i) douth.data_ptr<float>()[i] = std::cos(0.011f * static_cast<float>(i % 10007));
+  const Tensor ids = routing.ids.to(Device::cpu()), pr = routing.probs.to(Device::cpu());
+  double us = 0;
+  const MlpStep got = mlp_step(p, plan, x_host.to(dev), routing.probs, w1h.to(dev), w2h.to(dev), douth.to(dev), opt.backward, &us);
+  fmt::print("  {:<34} {:>9.1f} us\n",
+             opt.backward ? "expert MLP fwd+bwd (SwiGLU)" : "expert MLP forward (SwiGLU)", us);
 
-  Tensor o = out.to(Device::cpu()), ids = routing.ids.to(Device::cpu()), pr = routing.probs.to(Device::cpu());
+  // Forward, float64 per token with the kernels' bf16 roundings (h, a, y).
+  // tokens checked: up to 64, fewer on large presets (about 2e9 multiply-adds)
+  const int64_t n_check = std::clamp<int64_t>(2'000'000'000 / (int64_t{K} * 3 * F * H), 1, 64);
+  const int64_t step = std::max<int64_t>(1, T / n_check);
   double num = 0, den = 0;
-  std::vector<float> xt(H), hid(F);
-  for (int64_t t = 0; t < T; ++t) {
+  std::vector<double> xt(H), hid(2 * F), act(F);
+  auto w1 = [&](int64_t i) { return detail::load_float(w1h.data(), DType::kBFloat16, i); };
+  auto w2 = [&](int64_t i) { return detail::load_float(w2h.data(), DType::kBFloat16, i); };
+  auto bf = [](double v) { return double(detail::bf16_to_float(detail::float_to_bf16(static_cast<float>(v)))); };
+  for (int64_t t = 0; t < T; t += step) {
     for (int64_t j = 0; j < H; ++j) xt[j] = detail::load_float(x_host.data(), DType::kBFloat16, t * H + j);
     std::vector<double> want(H, 0.0);
     for (int k = 0; k < K; ++k) {
       const int e = ids.data_ptr<int32_t>()[t * K + k];
       if (e < 0) continue;
-      const double w = pr.data_ptr<float>()[t * K + k];
-      for (int64_t f = 0; f < F; ++f) {
+      const double pk = pr.data_ptr<float>()[t * K + k];
+      for (int64_t f = 0; f < 2 * F; ++f) {
         double s = 0;
-        for (int64_t j = 0; j < H; ++j) s += double(xt[j]) * detail::load_float(w1h.data(), DType::kBFloat16, (e * F + f) * H + j);
-        hid[f] = detail::bf16_to_float(detail::float_to_bf16(static_cast<float>(s)));
+        for (int64_t j = 0; j < H; ++j) s += xt[j] * w1((e * 2 * F + f) * H + j);
+        hid[f] = bf(s);
+      }
+      for (int64_t f = 0; f < F; ++f) {
+        const double g = hid[f], u = hid[F + f];
+        act[f] = bf(pk * g / (1.0 + std::exp(-g)) * u);
       }
       for (int64_t j = 0; j < H; ++j) {
         double s = 0;
-        for (int64_t f = 0; f < F; ++f) s += double(hid[f]) * detail::load_float(w2h.data(), DType::kBFloat16, (e * H + j) * F + f);
-        want[j] += w * detail::bf16_to_float(detail::float_to_bf16(static_cast<float>(s)));
+        for (int64_t f = 0; f < F; ++f) s += act[f] * w2((e * H + j) * F + f);
+        want[j] += bf(s);
       }
     }
     for (int64_t j = 0; j < H; ++j) {
-      const double d = o.data_ptr<float>()[t * H + j] - want[j];
+      const double d = got.out.data_ptr<float>()[t * H + j] - want[j];
       num += d * d;
       den += want[j] * want[j];
     }
   }
-  const double rel = std::sqrt(num / (den > 0 ? den : 1.0));
-  const bool ok = rel < 1e-2;
-  fmt::print("  check: linear experts vs float64: relative norm error {:.2e} {}\n", rel, ok ? "ok" : "FAILED");
+  const double fwd = std::sqrt(num / (den > 0 ? den : 1.0));
+  bool ok = fwd < 1e-2;
+  fmt::print("  check: expert MLP out vs float64 ({} tokens): relative norm error {:.2e} {}\n",
+             (T + step - 1) / step, fwd, fwd < 1e-2 ? "ok" : "FAILED");
+  // The same step on the CPU reference backend (small presets).
+  if (dev.is_cuda() && !small)
+    fmt::print("  check: expert MLP fwd+bwd vs CPU reference skipped (preset too large for the "
+               "CPU; the tests cover it)\n");
+  if (dev.is_cuda() && small) {
+    const PlanConfig pc{E, opt.align, -1};
+    RoutingPlan cplan = allocate_plan(T, K, pc, Device::cpu());
+    Tensor ws = Tensor::empty({static_cast<int64_t>(plan_workspace_bytes(T, K, pc))}, DType::kUInt8);
+    build_plan(ids, cplan, ws);
+    double cus = 0;
+    const MlpStep want = mlp_step(p, cplan, x_host, pr, w1h, w2h, douth, opt.backward, &cus);
+    const struct { const char* what; const Tensor& g; const Tensor& w; } cmp[] = {
+        {"out", got.out, want.out}, {"dx", got.dx, want.dx}, {"dprobs", got.dprobs, want.dprobs},
+        {"dW1", got.dw1, want.dw1}, {"dW2", got.dw2, want.dw2}};
+    std::string line;
+    bool all = true;
+    for (const auto& c : cmp) {
+      if (!c.w.defined()) continue;  // --no-backward
+      const double e = rel_err(c.g, c.w);
+      all = all && e < 2e-2;
+      line += fmt::format(" {} {:.1e}", c.what, e);
+    }
+    ok = ok && all;
+    fmt::print("  check: expert MLP fwd+bwd vs CPU reference, relative norm errors:{} {}\n", line,
+               all ? "ok" : "FAILED");
+  }
   return ok;
 }
 
@@ -169,7 +272,7 @@ int run_layer(const RunOptions& opt) {
     fmt::print("  check: dprobs = sum_h x: max rel error {:.2e} {}\n", max_err_dp,
                max_err_dp < 1e-4 ? "ok" : "FAILED");
   }
-  ok = run_linear_experts(p, opt, routing, x, x_host, plan) && ok;
+  ok = run_expert_mlp(p, opt, routing, x_host, plan) && ok;
   fmt::print("{}\n", ok ? "moeflow run: OK" : "moeflow run: FAILED");
   return ok ? 0 : 1;
 }
