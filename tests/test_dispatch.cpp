@@ -154,6 +154,44 @@ TEST(EpReference, RandomRoutingsEverySlotArrivesOnce) {
   }
 }
 
+// Scales [T,S] travel with their token: every kept slot's row holds its
+// token's scales, pad rows zeros; scales on some ranks only are refused.
+TEST(EpReference, ScalesTravelWithTheirRows) {
+  const int W = 4, S = 3;
+  EpSetup s = random_setup(W, 32, 4, 40, 16, 321);
+  for (int r = 0; r < W; ++r) {
+    const int64_t T = s.in[r].x.size(0);
+    s.in[r].scales = Tensor::empty({T, S}, DType::kFloat32);
+    for (int64_t t = 0; t < T; ++t)
+      for (int j = 0; j < S; ++j) s.in[r].scales.data_ptr<float>()[t * S + j] = 1000.0f * r + t + 0.25f * (j + 1);
+  }
+  Handle h;
+  auto recv = ep_reference::dispatch(s.in, s.cfg, h);
+  for (int q = 0; q < W; ++q) {
+    ASSERT_TRUE(recv[q].scales.defined());
+    ASSERT_EQ(recv[q].scales.sizes(), std::vector<int64_t>({recv[q].x.size(0), S}));
+    auto off = to_vec<int64_t>(recv[q].expert_row_offsets);
+    for (int64_t row = 0; row < off.back(); ++row) {
+      const int32_t sr = recv[q].src_rank.data_ptr<int32_t>()[row], st = recv[q].src_token.data_ptr<int32_t>()[row];
+      for (int j = 0; j < S; ++j) {
+        const float got = recv[q].scales.data_ptr<float>()[row * S + j];
+        if (sr < 0)
+          ASSERT_EQ(got, 0.0f) << "pad row " << row;
+        else
+          ASSERT_EQ(got, 1000.0f * sr + st + 0.25f * (j + 1)) << "row " << row;
+      }
+    }
+  }
+  // without scales: none received
+  EpSetup plain = random_setup(W, 32, 4, 40, 16, 321);
+  EXPECT_FALSE(ep_reference::dispatch(plain.in, plain.cfg, h)[0].scales.defined());
+  // scales on rank 0 only, or of another width on rank 1: clear errors
+  plain.in[0].scales = s.in[0].scales;
+  EXPECT_THROW(ep_reference::dispatch(plain.in, plain.cfg, h), Error);
+  s.in[1].scales = Tensor::empty({s.in[1].x.size(0), S + 1}, DType::kFloat32);
+  EXPECT_THROW(ep_reference::dispatch(s.in, s.cfg, h), Error);
+}
+
 // The layout the fused NVLink dispatch computes on the device from the
 // exchanged count matrix (core/ep_layout.h) gives every slot the reference's
 // row, and every rank the reference's plan, with and without drops.

@@ -69,6 +69,11 @@ void run_rounds(int W, const std::vector<Round>& rounds, int64_t capacity_rows =
     opt.backend = backend;
     opt.nvlink_bulk_copies = bulk_copies;
     opt.nccl_register_buffers = register_buffers;
+    // scales travel with the rows (every other round): 3 float32 (4-byte
+    // words) with bf16 tokens, 5 bytes with float32 tokens
+    opt.scale_cols = dt == DType::kBFloat16 ? 3 : 5;
+    opt.scale_dtype = dt == DType::kBFloat16 ? DType::kFloat32 : DType::kUInt8;
+    int round_no = 0;
     std::vector<int> devs;
     for (int r = 0; r < W; ++r) devs.push_back(r);
     auto groups = EpGroup::create_local(devs, opt);
@@ -80,9 +85,11 @@ void run_rounds(int W, const std::vector<Round>& rounds, int64_t capacity_rows =
     uint32_t seed = 7;
     for (const Round& rd : rounds) {
       if (rd.tag_tokens && dt != DType::kFloat32) continue;
+      const bool with_scales = round_no++ % 2 == 0;
       SCOPED_TRACE("W=" + std::to_string(W) + " " + dtype_name(dt) +
                    " T0=" + std::to_string(rd.tokens[0]) + (rd.one_rank ? " one-rank" : "") +
-                   " pieces=" + std::to_string(rd.chunks) + " blocks=" + std::to_string(rd.blocks));
+                   " pieces=" + std::to_string(rd.chunks) + " blocks=" + std::to_string(rd.blocks) +
+                   (with_scales ? " scales" : ""));
       for (auto& g : groups) {
         g->set_pipeline_chunks(rd.chunks);
         g->set_overlap_blocks(rd.blocks);
@@ -104,6 +111,12 @@ void run_rounds(int W, const std::vector<Round>& rounds, int64_t capacity_rows =
           }
         in[r].probs = make_tensor({T, K}, DType::kFloat32);
         fill_random(in[r].probs, seed++, 0.1f, 1.0f);
+        if (with_scales) {
+          in[r].scales = Tensor::empty({T, opt.scale_cols}, opt.scale_dtype);
+          for (size_t b = 0; b < in[r].scales.nbytes(); ++b)  // nonzero bytes
+            static_cast<uint8_t*>(in[r].scales.data())[b] = static_cast<uint8_t>(1 + (seed + b * 7) % 251);
+          ++seed;
+        }
       }
       EpConfig cfg{W, E, opt.align, tmax, capacity_rows};
       ep_reference::Handle handle;
@@ -127,7 +140,7 @@ void run_rounds(int W, const std::vector<Round>& rounds, int64_t capacity_rows =
 
       // GPU, one thread per rank
       std::vector<Tensor> got_x(W), got_probs(W), got_tpe(W), got_off(W), got_out(W), got_out2(W),
-          got_unw(W);
+          got_unw(W), got_scales(W);
       std::vector<int64_t> got_overflow(W), got_received(W);
       std::vector<Tensor> got_gy(W), got_dprobs(W);
       EpGroup::run_local(groups, [&](int r) {
@@ -138,10 +151,13 @@ void run_rounds(int W, const std::vector<Round>& rounds, int64_t capacity_rows =
           MOEFLOW_CUDA_CHECK(cudaDeviceSynchronize());
           std::this_thread::sleep_for(std::chrono::milliseconds(50));
         }
-        EpDispatchResult res = ep_dispatch(*groups[r], x, ids, probs);
+        Tensor sc = with_scales ? in[r].scales.to(dev) : Tensor{};
+        EpDispatchResult res = ep_dispatch(*groups[r], x, ids, probs, sc);
         got_received[r] = res.received_tokens;
         got_x[r] = to_host(res.x);
         got_probs[r] = to_host(res.probs);
+        EXPECT_EQ(res.scales.defined(), with_scales);
+        if (with_scales) got_scales[r] = to_host(res.scales);
         got_tpe[r] = res.plan->tokens_per_expert.to(Device::cpu());
         got_off[r] = res.plan->expert_row_offsets.to(Device::cpu());
         got_overflow[r] = plan_status(*res.plan).overflow;
@@ -168,6 +184,7 @@ void run_rounds(int W, const std::vector<Round>& rounds, int64_t capacity_rows =
         // pad row it reports
         fill_bytes(res.x, 0xFF);
         fill_bytes(res.probs, 0xFF);
+        if (with_scales) fill_bytes(res.scales, 0xFF);
         MOEFLOW_CUDA_CHECK(cudaDeviceSynchronize());
       });
       for (int r = 0; r < W; ++r) {
@@ -181,6 +198,10 @@ void run_rounds(int W, const std::vector<Round>& rounds, int64_t capacity_rows =
             << "received rows differ";
         EXPECT_TRUE(same_bytes(got_probs[r].data(), w.probs.data(), used * 4))
             << "received probs differ";
+        if (with_scales)
+          EXPECT_TRUE(same_bytes(got_scales[r].data(), w.scales.data(),
+                                 used * opt.scale_cols * dtype_size(opt.scale_dtype)))
+              << "received scales differ";
         if (rd.tag_tokens)  // every row holds the token the reference says
           for (int64_t row = 0; row < used; ++row) {
             const int32_t sr = w.src_rank.data_ptr<int32_t>()[row],

@@ -42,15 +42,18 @@ int64_t recv_capacity_rows(const EpConfig& config, int topk);
 
 // What one rank sends: tokens x [T,H] (float32/bfloat16/float16; T may be 0
 // and may differ per rank), ids [T,K] int32/int64 global expert ids (-1: none),
-// probs [T,K] float32.
+// probs [T,K] float32, scales optional [T,S] (any dtype, e.g. the float32
+// block scales of FP8 rows; the same S and dtype on every rank): they travel
+// with their token's rows.
 struct RankInput {
-  Tensor x, ids, probs;
+  Tensor x, ids, probs, scales;
 };
 
 // What one rank receives, all on the CPU.
 struct RankReceive {
   Tensor x;                  // [capacity, H] dtype of the inputs
   Tensor probs;              // [capacity] float32
+  Tensor scales;             // [capacity, S] when the inputs had scales (pad rows 0)
   Tensor tokens_per_expert;  // [E/W] int32 rows kept per local expert
   Tensor expert_row_offsets; // [E/W+1] int64
   Tensor src_rank, src_token, src_k;  // [capacity] int32, -1 on pad rows

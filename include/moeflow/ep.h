@@ -70,6 +70,10 @@ struct EpOptions {
   int align = 16;                   // receive segments padded to this many rows
   int64_t max_tokens_per_rank = 0;  // bound on T of every rank (sizes all buffers)
   int64_t capacity_rows = -1;       // receive rows; -1: the worst case (ep_reference)
+  // Per-token scales that travel with the rows (e.g. the float32 block scales
+  // of FP8 rows: H / 128 columns): [T, scale_cols] of scale_dtype; 0: none.
+  int64_t scale_cols = 0;
+  DType scale_dtype = DType::kFloat32;
   // Token rows (dispatch) and partial rows (combine) cross in this many pieces
   // per peer (1..16), so that the receiver's permute and the sender's
   // unpermute run while the rest is in flight; 1 = one transfer.
@@ -144,6 +148,7 @@ class EpGroup {
 struct EpDispatchResult {
   TensorView x;             // [capacity, H] received tokens, expert-major, padded; pad rows zero
   TensorView probs;         // [capacity] float32: probability of each row, 0 on pad rows
+  TensorView scales;        // [capacity, scale_cols] when dispatched with scales; 0 on pad rows
   const RoutingPlan* plan;  // the local experts' plan (device counts/offsets; overflow = dropped)
   int64_t received_tokens;  // tokens that arrived (host value, known after the count
                             // exchange; -1 on the nvlink backend)
@@ -153,6 +158,10 @@ struct EpDispatchResult {
 // expert ids (-1: none), probs [T,K] float32.
 EpDispatchResult ep_dispatch(EpGroup& group, TensorView x, TensorView ids, TensorView probs,
                              cudaStream_t stream = nullptr);
+// The same with per-token scales [T, scale_cols] (EpOptions::scale_cols and
+// scale_dtype), written beside each of the token's rows on the receiver.
+EpDispatchResult ep_dispatch(EpGroup& group, TensorView x, TensorView ids, TensorView probs,
+                             TensorView scales, cudaStream_t stream = nullptr);
 
 // y [capacity, H] (the expert outputs of the dispatched rows, float32/float16/
 // bfloat16) -> out [T,H] of the last dispatch: out[t] = sum over ranks q

@@ -66,6 +66,9 @@ std::vector<RankReceive> dispatch(const std::vector<RankInput>& in, const EpConf
   const int K = in[0].ids.defined() && in[0].ids.ndim() == 2 ? static_cast<int>(in[0].ids.size(1)) : -1;
   MOEFLOW_CHECK(H >= 0 && K >= 0, "dispatch: rank 0 needs x [T,H] and ids [T,K]");
   const DType dt = in[0].x.dtype();
+  const bool with_scales = in[0].scales.defined();
+  const int64_t S = with_scales && in[0].scales.ndim() == 2 ? in[0].scales.size(1) : 0;
+  const DType sdt = with_scales ? in[0].scales.dtype() : DType::kFloat32;
   for (int r = 0; r < W; ++r) {
     const RankInput& ri = in[r];
     MOEFLOW_CHECK(ri.x.defined() && ri.x.ndim() == 2 && ri.x.size(1) == H && ri.x.dtype() == dt,
@@ -79,6 +82,14 @@ std::vector<RankReceive> dispatch(const std::vector<RankInput>& in, const EpConf
     MOEFLOW_CHECK(ri.probs.defined() && ri.probs.sizes() == std::vector<int64_t>({T, K}) &&
                       ri.probs.dtype() == DType::kFloat32,
                   "rank ", r, ": probs must be float32 [", T, ",", K, "], got ", ri.probs.view().str());
+    MOEFLOW_CHECK(ri.scales.defined() == with_scales &&
+                      (!with_scales || (ri.scales.sizes() == std::vector<int64_t>({T, S}) &&
+                                        ri.scales.dtype() == sdt)),
+                  "rank ", r, ": scales must be ",
+                  with_scales ? std::string(dtype_name(sdt)) + " [" + std::to_string(T) + "," +
+                                    std::to_string(S) + "] (as rank 0's)"
+                              : std::string("omitted (as on rank 0)"),
+                  ", got ", ri.scales.view().str());
     for (int64_t i = 0; i < T * K; ++i) {
       const int64_t e = expert_of(ri.ids, i);
       MOEFLOW_CHECK(e >= -1 && e < c.num_experts, "rank ", r, ": ids[", i / K, ",", i % K, "] = ", e,
@@ -137,9 +148,15 @@ std::vector<RankReceive> dispatch(const std::vector<RankInput>& in, const EpConf
     rq.src_token = Tensor::empty({cap}, DType::kInt32);
     rq.src_k = Tensor::empty({cap}, DType::kInt32);
     for (Tensor* t : {&rq.x, &rq.probs, &rq.src_rank, &rq.src_token, &rq.src_k}) fill_bytes(*t, 0xFF);
+    const int64_t scale_size = S * static_cast<int64_t>(dtype_size(sdt));
+    if (with_scales) {
+      rq.scales = Tensor::empty({cap, S}, sdt);
+      fill_bytes(rq.scales, 0xFF);
+    }
     for (int e = 0; e < local; ++e)  // pad rows
       for (int64_t row = lay[e].offset + lay[e].kept; row < lay[e].offset + lay[e].padded; ++row) {
         std::memset(row_bytes(rq.x, row), 0, row_size);
+        if (with_scales && scale_size > 0) std::memset(row_bytes(rq.scales, row), 0, scale_size);
         rq.probs.data_ptr<float>()[row] = 0.0f;
         rq.src_rank.data_ptr<int32_t>()[row] = rq.src_token.data_ptr<int32_t>()[row] =
             rq.src_k.data_ptr<int32_t>()[row] = -1;
@@ -154,6 +171,8 @@ std::vector<RankReceive> dispatch(const std::vector<RankInput>& in, const EpConf
         if (rank >= lay[le].kept) continue;  // dropped: over capacity
         const int64_t row = lay[le].offset + rank, t = i / K;
         std::memcpy(row_bytes(rq.x, row), row_bytes(in[r].x, t), row_size);
+        if (with_scales && scale_size > 0)
+          std::memcpy(row_bytes(rq.scales, row), row_bytes(in[r].scales, t), scale_size);
         rq.probs.data_ptr<float>()[row] = in[r].probs.data_ptr<float>()[i];
         rq.src_rank.data_ptr<int32_t>()[row] = r;
         rq.src_token.data_ptr<int32_t>()[row] = static_cast<int32_t>(t);

@@ -250,6 +250,22 @@ __global__ void ep_dprobs_kernel(const float* back, const int32_t* send_ids, int
 
 // out[t] = partials of t added in ascending rank order (first taken as is).
 // spos[q,t] = spos_raw[q*T + t] - *sbase (the scan shared with the flags).
+// Per-token scales rows into the send buffer: (q, t) with a slot on q goes
+// to row pos[q*T + t] (the token rows' layout). One thread per (q, t).
+__global__ void ep_pack_scales_kernel(const uint8_t* scales, int64_t sb, int64_t T, int W,
+                                      const int32_t* flags, const int32_t* pos, uint8_t* send) {
+  const int64_t i = blockIdx.x * int64_t{blockDim.x} + threadIdx.x;
+  if (i >= int64_t{W} * T || !flags[i]) return;
+  const uint8_t* src = scales + (i % T) * sb;
+  uint8_t* dst = send + int64_t{pos[i]} * sb;
+  if (sb % 4 == 0 && reinterpret_cast<uintptr_t>(src) % 4 == 0 &&
+      reinterpret_cast<uintptr_t>(dst) % 4 == 0)
+    for (int64_t j = 0; j < sb / 4; ++j)
+      reinterpret_cast<uint32_t*>(dst)[j] = reinterpret_cast<const uint32_t*>(src)[j];
+  else
+    for (int64_t j = 0; j < sb; ++j) dst[j] = src[j];
+}
+
 // The partial of peer q sits in back[pos[q,t] - spos[q,t]], or, when t has
 // one slot on q (single), q sent that slot's row of y: back_single[spos[q,t]],
 // weighted here as the holder would have (fmaf(w, y, 0)); this rank's own
@@ -350,6 +366,8 @@ struct EpGroup::Impl {
   // sent, then the same received ([W][2C] x 2), then invalid
   int32_t* host = nullptr;
   Tensor send_x, send_ids, send_probs, recv_x, recv_ids, recv_probs;
+  Tensor send_scales, recv_scales, out_scales;  // scale_cols > 0
+  int64_t scale_bytes = 0;                      // per token: scale_cols x its dtype
   RoutingPlan plan;
   Tensor plan_ws, out_x, out_probs, partial, back;
   Tensor recv_dprobs, back_dprobs;  // combine backward
@@ -465,6 +483,8 @@ struct EpGroup::Impl {
     MOEFLOW_CHECK(
         o.dtype == DType::kFloat32 || o.dtype == DType::kFloat16 || o.dtype == DType::kBFloat16,
         "dtype must be float32, float16 or bfloat16, got ", dtype_name(o.dtype));
+    MOEFLOW_CHECK(o.scale_cols >= 0, "scale_cols must be >= 0, got ", o.scale_cols);
+    scale_bytes = o.scale_cols * static_cast<int64_t>(dtype_size(o.scale_dtype));
     epr = o.num_experts / world;
     tmax = std::max<int64_t>(o.max_tokens_per_rank, 1);
     rows_max = tmax * world;
@@ -520,7 +540,9 @@ struct EpGroup::Impl {
                         {&partial, {rows_max, H}, DType::kFloat32},
                         {&back, {send_max, H}, DType::kFloat32},
                         {&recv_dprobs, {rows_max, K}, DType::kFloat32},
-                        {&back_dprobs, {send_max, K}, DType::kFloat32}};
+                        {&back_dprobs, {send_max, K}, DType::kFloat32},
+                        {&send_scales, {send_max, opt.scale_cols}, opt.scale_dtype},
+                        {&recv_scales, {rows_max, opt.scale_cols}, opt.scale_dtype}};
     bool reg = opt.nccl_register_buffers;
     if (const char* v = std::getenv("MOEFLOW_EP_REGISTER")) reg = std::atoi(v) != 0;
     if (reg && world > 1) {
@@ -550,6 +572,7 @@ struct EpGroup::Impl {
                             DType::kUInt8, dev);
     out_x = Tensor::empty({capacity, H}, opt.dtype, dev);
     out_probs = Tensor::empty({capacity}, DType::kFloat32, dev);
+    out_scales = Tensor::empty({capacity, opt.scale_cols}, opt.scale_dtype, dev);
   }
 
 
@@ -590,6 +613,7 @@ struct EpGroup::Impl {
     o.dp = take(size_t(tmax) * K * 4);
     o.flag = take(size_t(world) * tmax * 4);
     o.epoch = take(4);
+    o.scales = take(size_t(capacity) * scale_bytes);
     s.bytes = at;
     if (world == 1) {
       // NCCL gives a one-rank communicator no symmetric memory: the window is
@@ -681,6 +705,16 @@ struct EpGroup::Impl {
                                     ncclUint8, q, comm, stream));
     }
     MOEFLOW_NCCL_CHECK(ncclGroupEnd());
+  }
+
+  // The same without this rank's own range (no self transfer).
+  void exchange_peers(const uint8_t* send, int64_t send_row_bytes, const std::vector<int64_t>& s_off,
+                      const std::vector<int64_t>& s_cnt, uint8_t* recv, int64_t recv_row_bytes,
+                      const std::vector<int64_t>& r_off, const std::vector<int64_t>& r_cnt,
+                      cudaStream_t stream) {
+    std::vector<int64_t> sc = s_cnt, rc = r_cnt;
+    sc[rank] = rc[rank] = 0;
+    exchange(send, send_row_bytes, s_off, sc, recv, recv_row_bytes, r_off, rc, stream);
   }
 
   // Grouped send/recv of piece c of the per-peer row ranges, peers only (no
@@ -848,18 +882,18 @@ unsigned nvlink_grid(const EpGroup::Impl& g) {
 // Pad rows of this rank's receive layout (its plan of the last dispatch) in
 // `rows` (stride in bytes) zeroed.
 void nvlink_zero_pads(EpGroup::Impl& g, uint8_t* rows, int64_t stride_bytes, float* probs,
-                      int32_t* row_src, cudaStream_t stream) {
+                      int32_t* row_src, cudaStream_t stream, uint8_t* scales = nullptr) {
   NvlinkState& s = *g.nvl;
   const nvl::Pads pads{g.epr, s.recv.tokens_per_expert.data_ptr<int32_t>(),
                        s.recv.padded_tokens_per_expert.data_ptr<int32_t>(),
                        s.recv.expert_row_offsets.data_ptr<int64_t>()};
   nvl::pads_kernel<<<static_cast<unsigned>(std::max(g.epr, 1)), 256, 0, stream>>>(
-      rows, stride_bytes, probs, row_src, g.row_bytes, pads);
+      rows, stride_bytes, probs, row_src, g.row_bytes, pads, scales, g.scale_bytes);
   MOEFLOW_CUDA_LAUNCH_CHECK();
 }
 
 EpDispatchResult nvlink_dispatch(EpGroup::Impl& g, TensorView x, TensorView ids, TensorView probs,
-                                 cudaStream_t stream) {
+                                 TensorView scales, cudaStream_t stream) {
   NvlinkState& s = *g.nvl;
   const nvl::Offsets& o = s.off;
   const int K = g.opt.topk, W = g.world, E = g.opt.num_experts, L = g.epr;
@@ -910,7 +944,8 @@ EpDispatchResult nvlink_dispatch(EpGroup::Impl& g, TensorView x, TensorView ids,
   MOEFLOW_CUDA_CHECK(cudaEventRecord(g.ev_meta, stream));
   MOEFLOW_CUDA_CHECK(cudaStreamWaitEvent(g.aux_stream, g.ev_meta, 0));
   nvlink_zero_pads(g, base + o.x, g.row_bytes, reinterpret_cast<float*>(base + o.probs),
-                   reinterpret_cast<int32_t*>(base + o.row_src), g.aux_stream);
+                   reinterpret_cast<int32_t*>(base + o.row_src), g.aux_stream,
+                   scales.defined() ? base + o.scales : nullptr);
   MOEFLOW_CUDA_CHECK(cudaEventRecord(g.ev_aux, g.aux_stream));
   // 3. the rows: own slots in place, a peer's only slot of a token straight
   // into its row there, several through the peer's stage
@@ -922,7 +957,9 @@ EpDispatchResult nvlink_dispatch(EpGroup::Impl& g, TensorView x, TensorView ids,
                            g.rank, g.tmax, g.row_bytes, s.local.dest_row.data_ptr<int64_t>(),
                            s.local.expert_row_offsets.data_ptr<int64_t>(),
                            s.first_row.data_ptr<int64_t>(), s.fit.data_ptr<int64_t>(),
-                           s.dest_rank.data_ptr<int32_t>(), s.dest_row.data_ptr<int64_t>()};
+                           s.dest_rank.data_ptr<int32_t>(), s.dest_row.data_ptr<int64_t>(),
+                           scales.defined() ? static_cast<const uint8_t*>(scales.data) : nullptr,
+                           g.scale_bytes};
   kernel<<<nvlink_grid(g), (s.tma ? nvl::kTmaWarps : nvl::kWarps) * 32, s.tma ? nvl::kTmaSmem : 0,
            stream>>>(s.view(), o, nvlink_home_blocks(g, s.home_percent), s.batch,
                      static_cast<const uint8_t*>(x.data), x.strides[0] * int64_t(dtype_size(x.dtype)),
@@ -933,7 +970,11 @@ EpDispatchResult nvlink_dispatch(EpGroup::Impl& g, TensorView x, TensorView ids,
   g.print_marks("nvlink dispatch");
   const TensorView rx = TensorView::strided(base + o.x, g.opt.dtype, dev, {g.capacity, H}, {H, 1});
   const TensorView rp = TensorView::strided(base + o.probs, DType::kFloat32, dev, {g.capacity}, {1});
-  return EpDispatchResult{rx, rp, &s.recv, -1};
+  const TensorView rs =
+      scales.defined() ? TensorView::strided(base + o.scales, g.opt.scale_dtype, dev,
+                                             {g.capacity, g.opt.scale_cols}, {g.opt.scale_cols, 1})
+                       : TensorView{};
+  return EpDispatchResult{rx, rp, rs, &s.recv, -1};
 }
 
 // 16-byte accesses of every operand's rows (addresses and strides in bytes).
@@ -1053,7 +1094,7 @@ void nvlink_combine_backward(EpGroup::Impl& g, TensorView dout, TensorView y, bo
 }  // namespace
 
 EpDispatchResult ep_dispatch(EpGroup& group, TensorView x, TensorView ids, TensorView probs,
-                             cudaStream_t stream) {
+                             TensorView scales, cudaStream_t stream) {
   EpGroup::Impl& g = group.impl();
   const Device dev = Device::cuda(g.device);
   const int K = g.opt.topk, W = g.world;
@@ -1069,8 +1110,14 @@ EpDispatchResult ep_dispatch(EpGroup& group, TensorView x, TensorView ids, Tenso
     detail::expect(probs, "probs", Expect{{DType::kFloat32}, {T, K}, dev});
     MOEFLOW_CHECK(probs.is_contiguous(), "probs must be contiguous");
   }
+  if (scales.defined()) {
+    MOEFLOW_CHECK(g.opt.scale_cols > 0,
+                  "scales given but the group was made with EpOptions::scale_cols = 0");
+    detail::expect(scales, "scales", Expect{{g.opt.scale_dtype}, {T, g.opt.scale_cols}, dev});
+    MOEFLOW_CHECK(scales.is_contiguous(), "scales must be contiguous");
+  }
   g.T = T;
-  if (g.nvl) return nvlink_dispatch(g, x, ids, probs, stream);
+  if (g.nvl) return nvlink_dispatch(g, x, ids, probs, scales, stream);
   g.mark("start", stream);
   int32_t* flags = g.flags.data_ptr<int32_t>();
   int32_t* pos = g.pos.data_ptr<int32_t>();
@@ -1134,6 +1181,12 @@ EpDispatchResult ep_dispatch(EpGroup& group, TensorView x, TensorView ids, Tenso
           g.epr, W, me, flags, pos, g.send_ids.data_ptr<int32_t>(), g.send_probs.data_ptr<float>(),
           self_src);
     MOEFLOW_CUDA_LAUNCH_CHECK();
+    if (scales.defined() && g.scale_bytes > 0) {
+      ep_pack_scales_kernel<<<blocks, 256, 0, stream>>>(
+          static_cast<const uint8_t*>(scales.data), g.scale_bytes, T, W, flags, pos,
+          static_cast<uint8_t*>(g.send_scales.data()));
+      MOEFLOW_CUDA_LAUNCH_CHECK();
+    }
   }
   MOEFLOW_CUDA_CHECK(cudaEventRecord(g.ev_packed, stream));
   const int64_t xs = x.strides[0] * static_cast<int64_t>(dtype_size(x.dtype));
@@ -1205,6 +1258,10 @@ EpDispatchResult ep_dispatch(EpGroup& group, TensorView x, TensorView ids, Tenso
              static_cast<uint8_t*>(g.recv_ids.data()), idb, g.recv_off, g.recv_cnt, cs);
   g.exchange(static_cast<const uint8_t*>(g.send_probs.data()), idb, g.send_off, g.send_cnt,
              static_cast<uint8_t*>(g.recv_probs.data()), idb, g.recv_off, g.recv_cnt, cs);
+  if (scales.defined() && g.scale_bytes > 0)  // the peers' rows' scales (own rows: from scales)
+    g.exchange_peers(static_cast<const uint8_t*>(g.send_scales.data()), g.scale_bytes, g.send_off,
+                     g.send_cnt, static_cast<uint8_t*>(g.recv_scales.data()), g.scale_bytes,
+                     g.recv_off, g.recv_cnt, cs);
   MOEFLOW_NCCL_CHECK(ncclGroupEnd());
   MOEFLOW_CUDA_CHECK(cudaEventRecord(g.ev_meta, cs));
   g.mark("meta", cs);
@@ -1240,6 +1297,10 @@ EpDispatchResult ep_dispatch(EpGroup& group, TensorView x, TensorView ids, Tenso
   PermuteExtras extras;
   extras.probs = g.recv_probs;
   extras.permuted_probs = g.out_probs;
+  if (scales.defined()) {  // own rows: the caller's scales, by token (self_src)
+    extras.scales = scales;
+    extras.permuted_scales = g.out_scales;
+  }
   const int64_t H = g.opt.hidden;
   auto rows_of = [&](Tensor& buf, int64_t first, int64_t n) {
     return TensorView::strided(static_cast<uint8_t*>(buf.data()) + first * g.row_bytes,
@@ -1255,6 +1316,10 @@ EpDispatchResult ep_dispatch(EpGroup& group, TensorView x, TensorView ids, Tenso
     for (int q = 0; q < W; ++q) {
       if (q == me) continue;
       const int64_t b = g.recv_pc[q * (C + 1) + c], e = g.recv_pc[q * (C + 1) + c + 1];
+      if (e > b && scales.defined())  // the piece's scales, row by row with its rows
+        extras.scales = TensorView::strided(
+            static_cast<uint8_t*>(g.recv_scales.data()) + (g.recv_off[q] + b) * g.scale_bytes,
+            g.opt.scale_dtype, dev, {e - b, g.opt.scale_cols}, {g.opt.scale_cols, 1});
       if (e > b)
         cuda::permute_tokens(rows_of(g.recv_x, g.recv_off[q] + b, e - b), g.recv_off[q] + b,
                              e - b, false, g.plan, g.out_x, extras, stream, nullptr,
@@ -1266,7 +1331,13 @@ EpDispatchResult ep_dispatch(EpGroup& group, TensorView x, TensorView ids, Tenso
   g.print_marks("dispatch");
   MOEFLOW_CHECK(g.host[4 * W * C] == 0, "ids: ", g.host[4 * W * C], " routing entries outside [-1, ", E,
                 ") on rank ", g.rank, " (treated as unrouted; the dispatch completed)");
-  return EpDispatchResult{g.out_x, g.out_probs, &g.plan, g.received};
+  return EpDispatchResult{g.out_x, g.out_probs, scales.defined() ? g.out_scales.view() : TensorView{},
+                          &g.plan, g.received};
+}
+
+EpDispatchResult ep_dispatch(EpGroup& group, TensorView x, TensorView ids, TensorView probs,
+                             cudaStream_t stream) {
+  return ep_dispatch(group, x, ids, probs, TensorView{}, stream);
 }
 
 namespace {

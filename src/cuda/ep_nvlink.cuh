@@ -166,6 +166,7 @@ __global__ void counts_kernel(Window win, size_t off_counts, size_t off_ntok,
 // Where each part of the window starts (bytes).
 struct Offsets {
   size_t x, probs, row_src, row_k, counts, ntok, inv, stage, partial, dp, flag, epoch;
+  size_t scales = 0;  // [capacity][scale bytes] (EpOptions::scale_cols)
 };
 
 constexpr unsigned kFull = 0xffffffffu;
@@ -249,12 +250,15 @@ struct Pads {
   const int64_t* offsets;
 };
 __global__ void pads_kernel(uint8_t* rows, int64_t stride_bytes, float* recv_probs,
-                            int32_t* row_src, int64_t row_bytes, Pads pads) {
+                            int32_t* row_src, int64_t row_bytes, Pads pads, uint8_t* scales,
+                            int64_t scale_bytes) {
   const int e = blockIdx.x;
   if (e >= pads.L) return;
   for (int64_t r = pads.offsets[e] + pads.kept[e]; r < pads.offsets[e] + pads.padded[e]; ++r) {
     uint4* dst = reinterpret_cast<uint4*>(rows + r * stride_bytes);
     for (int64_t v = threadIdx.x; v < row_bytes / 16; v += blockDim.x) dst[v] = make_uint4(0, 0, 0, 0);
+    if (scales)
+      for (int64_t b = threadIdx.x; b < scale_bytes; b += blockDim.x) scales[r * scale_bytes + b] = 0;
     if (threadIdx.x == 0 && recv_probs) {
       recv_probs[r] = 0.0f;
       row_src[r] = -1;
@@ -350,7 +354,30 @@ struct HomeArgs {
   const int64_t *local_dest, *local_offsets, *first_row, *fit;
   int32_t* dest_rank;
   int64_t* dest_row;
+  const uint8_t* scales = nullptr;  // the caller's [T][scale_bytes], or null
+  int64_t scale_bytes = 0;
 };
+
+// The scales row of token t to the rows of its kept slots (any rank),
+// warp-wide, slot by slot: 4-byte words when aligned, else bytes.
+__device__ __forceinline__ void place_scales(const Window& win, const Offsets& o,
+                                             const HomeArgs& a, int64_t t, int q, int64_t row,
+                                             int lane) {
+  const int64_t sb = a.scale_bytes;
+  const uint8_t* src = a.scales + t * sb;
+  const bool words = sb % 4 == 0 && reinterpret_cast<uintptr_t>(src) % 4 == 0;
+  for (unsigned m = __ballot_sync(kFull, row >= 0); m; m &= m - 1) {
+    const int k = __ffs(m) - 1;
+    const int qk = __shfl_sync(kFull, q, k);
+    const int64_t rk = __shfl_sync(kFull, row, k);
+    uint8_t* dst = static_cast<uint8_t*>(win.at(o.scales + rk * sb, qk));
+    if (words)
+      for (int64_t j = lane; j < sb / 4; j += 32)
+        reinterpret_cast<uint32_t*>(dst)[j] = reinterpret_cast<const uint32_t*>(src)[j];
+    else
+      for (int64_t j = lane; j < sb; j += 32) dst[j] = src[j];
+  }
+}
 __device__ __forceinline__ int place_token(const Window& win, const Offsets& o, const HomeArgs& a,
                                            int64_t t, int lane, uint8_t** my) {
   const int K = a.K, W = a.W, me = a.me;
@@ -381,6 +408,7 @@ __device__ __forceinline__ int place_token(const Window& win, const Offsets& o, 
           win.at(o.inv + ((size_t(me) * a.tmax + t) * K + lane) * sizeof(int32_t), p)) =
           q == p ? static_cast<int32_t>(row) : -1;
   }
+  if (a.scales) place_scales(win, o, a, t, q, row, lane);
   const unsigned own = __ballot_sync(kFull, row >= 0 && q == me);
   if ((own >> lane) & 1u) my[__popc(own & ((1u << lane) - 1u))] = win.local + o.x + row * a.row_bytes;
   int nd = __popc(own);
