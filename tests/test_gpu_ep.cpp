@@ -53,11 +53,14 @@ Tensor to_host(TensorView v) {
 
 void run_rounds(int W, const std::vector<Round>& rounds, int64_t capacity_rows = -1,
                 EpBackend backend = EpBackend::kNccl, bool bulk_copies = false,
-                bool register_buffers = false, int64_t H = 96) {
+                bool register_buffers = false, int64_t H = 96,
+                const std::vector<DType>& dtypes = {DType::kBFloat16, DType::kFloat32}) {
   ASSERT_GE(cuda_device_count(), W);
   const int E = 8 * W, K = 4;
   const int64_t tmax = 300;
-  for (DType dt : {DType::kBFloat16, DType::kFloat32}) {
+  for (DType dt : dtypes) {
+    // FP8 tokens (random bytes) go out; expert outputs and gradients are bf16
+    const DType ydt = dtype_is_arith_float(dt) ? dt : DType::kBFloat16;
     EpOptions opt;
     opt.num_experts = E;
     opt.topk = K;
@@ -71,8 +74,8 @@ void run_rounds(int W, const std::vector<Round>& rounds, int64_t capacity_rows =
     opt.nccl_register_buffers = register_buffers;
     // scales travel with the rows (every other round): 3 float32 (4-byte
     // words) with bf16 tokens, 5 bytes with float32 tokens
-    opt.scale_cols = dt == DType::kBFloat16 ? 3 : 5;
-    opt.scale_dtype = dt == DType::kBFloat16 ? DType::kFloat32 : DType::kUInt8;
+    opt.scale_cols = dt != DType::kFloat32 ? 3 : 5;
+    opt.scale_dtype = dt != DType::kFloat32 ? DType::kFloat32 : DType::kUInt8;
     int round_no = 0;
     std::vector<int> devs;
     for (int r = 0; r < W; ++r) devs.push_back(r);
@@ -125,15 +128,15 @@ void run_rounds(int W, const std::vector<Round>& rounds, int64_t capacity_rows =
       ASSERT_EQ(cap, ep_reference::recv_capacity_rows(cfg, K));
       std::vector<Tensor> y(W), weights(W);
       for (int r = 0; r < W; ++r) {
-        y[r] = make_tensor({cap, H}, dt);
+        y[r] = make_tensor({cap, H}, ydt);
         fill_random(y[r], seed++);
         weights[r] = in[r].probs;
       }
-      std::vector<Tensor> want_out = ep_reference::combine(y, handle, weights, dt);
-      std::vector<Tensor> want_unw = ep_reference::combine(y, handle, std::vector<Tensor>(W), dt);
+      std::vector<Tensor> want_out = ep_reference::combine(y, handle, weights, ydt);
+      std::vector<Tensor> want_unw = ep_reference::combine(y, handle, std::vector<Tensor>(W), ydt);
       std::vector<Tensor> dout(W), want_gy, want_dprobs;
       for (int r = 0; r < W; ++r) {
-        dout[r] = make_tensor({rd.tokens[r], H}, dt);
+        dout[r] = make_tensor({rd.tokens[r], H}, ydt);
         fill_random(dout[r], seed++);
       }
       ep_reference::combine_backward(dout, handle, y, weights, want_gy, want_dprobs);
@@ -161,7 +164,7 @@ void run_rounds(int W, const std::vector<Round>& rounds, int64_t capacity_rows =
         got_tpe[r] = res.plan->tokens_per_expert.to(Device::cpu());
         got_off[r] = res.plan->expert_row_offsets.to(Device::cpu());
         got_overflow[r] = plan_status(*res.plan).overflow;
-        Tensor out = Tensor::empty({rd.tokens[r], H}, dt, dev);
+        Tensor out = Tensor::empty({rd.tokens[r], H}, ydt, dev);
         fill_bytes(out, 0xFF);
         ep_combine(*groups[r], yy, true, out);
         got_out[r] = out.to(Device::cpu());
@@ -172,7 +175,7 @@ void run_rounds(int W, const std::vector<Round>& rounds, int64_t capacity_rows =
         ep_dispatch_backward(*groups[r], yy, out);
         got_unw[r] = out.to(Device::cpu());
         {
-          Tensor d = dout[r].to(dev), gy = Tensor::empty({cap, H}, dt, dev);
+          Tensor d = dout[r].to(dev), gy = Tensor::empty({cap, H}, ydt, dev);
           Tensor dp = Tensor::empty({rd.tokens[r], K}, DType::kFloat32, dev);
           fill_bytes(gy, 0xFF);
           fill_bytes(dp, 0xFF);
@@ -214,14 +217,14 @@ void run_rounds(int W, const std::vector<Round>& rounds, int64_t capacity_rows =
             ASSERT_EQ(gx[0], static_cast<float>(sr)) << "row " << row;
             ASSERT_EQ(gx[1], static_cast<float>(st)) << "row " << row;
           }
-        const size_t out_bytes = rd.tokens[r] * H * dtype_size(dt);
+        const size_t out_bytes = rd.tokens[r] * H * dtype_size(ydt);
         EXPECT_TRUE(same_bytes(got_out[r].data(), want_out[r].data(), out_bytes))
             << "combine differs";
         EXPECT_TRUE(same_bytes(got_out2[r].data(), got_out[r].data(), out_bytes))
             << "combine not deterministic";
         EXPECT_TRUE(same_bytes(got_unw[r].data(), want_unw[r].data(), out_bytes))
             << "dispatch backward differs";
-        EXPECT_TRUE(same_bytes(got_gy[r].data(), want_gy[r].data(), used * H * dtype_size(dt)))
+        EXPECT_TRUE(same_bytes(got_gy[r].data(), want_gy[r].data(), used * H * dtype_size(ydt)))
             << "combine backward grad_y differs";
         EXPECT_TRUE(all_close(got_dprobs[r], want_dprobs[r], dot_tolerance(H)))
             << "combine backward dprobs";
@@ -407,6 +410,20 @@ TEST(MultiGpuEp, LongRowsRegisteredOrNotMatchReference) {
   for (const bool reg : {true, false}) {
     SCOPED_TRACE(reg ? "registered" : "plain");
     run_rounds(W, {m.uneven, m.empty_rank, m.tagged}, -1, EpBackend::kNccl, false, reg, 4096);
+  }
+}
+
+// FP8 dispatch (e4m3 and e5m2 rows with their float32 block scales), bf16
+// expert outputs and gradients: both backends, one rank and all GPUs.
+TEST(GpuEp, Fp8TokensMatchReference) {
+  const int W = std::max(1, cuda_device_count());
+  Round rd;
+  for (int r = 0; r < W; ++r) rd.tokens.push_back(r == 0 ? 211 : 97 + r);
+  Round again = rd;  // the odd round runs without scales
+  for (const EpBackend b : {EpBackend::kNccl, EpBackend::kNvlink}) {
+    SCOPED_TRACE(b == EpBackend::kNccl ? "nccl" : "nvlink");
+    run_rounds(W, {rd, again}, -1, b, false, false, 96,
+               {DType::kFloat8E4M3, DType::kFloat8E5M2});
   }
 }
 

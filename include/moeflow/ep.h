@@ -54,7 +54,8 @@ namespace moeflow {
 // with one slot on that rank, the slot's row of y itself (half the bytes when
 // y is 16-bit; the result is the same bits). received_tokens is
 // -1 (the count stays on the device) and the plan's row_token / row_k /
-// dest_row are not filled; combine_backward takes y of the token dtype. One
+// dest_row are not filled; combine_backward takes y of the gradient dtype
+// (the token dtype, or EpOptions::backward_dtype with FP8 tokens). One
 // stream per group: its kernels meet in device-side barriers, so operations
 // of one group must not run concurrently, every rank must make the same calls
 // with the same nvlink_blocks, and an argument error thrown on one rank only
@@ -66,7 +67,13 @@ struct EpOptions {
   int num_experts = 0;              // E (global), a multiple of the world size
   int topk = 0;                     // K
   int64_t hidden = 0;               // H
-  DType dtype = DType::kBFloat16;   // token dtype (float32/float16/bfloat16)
+  // Token dtype of dispatch: float32/float16/bfloat16, or float8 e4m3/e5m2
+  // (FP8 dispatch: rows of H bytes, their block scales as `scales`; H a
+  // multiple of 16). Combine takes expert outputs of any float dtype.
+  DType dtype = DType::kBFloat16;
+  // With FP8 tokens: the dtype of the gradient rows (combine_backward's dout,
+  // y and grad_y); float32/float16/bfloat16. Float token dtypes use their own.
+  DType backward_dtype = DType::kBFloat16;
   int align = 16;                   // receive segments padded to this many rows
   int64_t max_tokens_per_rank = 0;  // bound on T of every rank (sizes all buffers)
   int64_t capacity_rows = -1;       // receive rows; -1: the worst case (ep_reference)

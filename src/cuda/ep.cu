@@ -351,6 +351,11 @@ struct EpGroup::Impl {
   int rank = 0, world = 1, device = 0, epr = 0;
   EpOptions opt;
   int64_t tmax = 0, rows_max = 0, send_max = 0, capacity = 0, row_bytes = 0;
+  // The gradient rows of combine_backward (the token dtype unless FP8).
+  DType bwd_dtype = DType::kBFloat16;
+  int64_t bwd_row_bytes = 0;
+  // The wider of the two: sizes the buffers both kinds of rows go through.
+  DType wide_dtype() const { return bwd_row_bytes > row_bytes ? bwd_dtype : opt.dtype; }
 
   // flags holds [flags | single] of the last dispatch, each W*T + 1 entries
   // (ep_flags_kernel), pos their one exclusive scan: pos, then spos offset by
@@ -480,9 +485,14 @@ struct EpGroup::Impl {
     MOEFLOW_CHECK(o.nvlink_blocks >= 2, "nvlink_blocks must be >= 2, got ", o.nvlink_blocks);
     MOEFLOW_CHECK(o.max_tokens_per_rank >= 0, "max_tokens_per_rank must be >= 0, got ",
                   o.max_tokens_per_rank);
-    MOEFLOW_CHECK(
-        o.dtype == DType::kFloat32 || o.dtype == DType::kFloat16 || o.dtype == DType::kBFloat16,
-        "dtype must be float32, float16 or bfloat16, got ", dtype_name(o.dtype));
+    MOEFLOW_CHECK(dtype_is_arith_float(o.dtype) || o.dtype == DType::kFloat8E4M3 ||
+                      o.dtype == DType::kFloat8E5M2,
+                  "dtype must be float32, float16, bfloat16, float8_e4m3 or float8_e5m2, got ",
+                  dtype_name(o.dtype));
+    bwd_dtype = dtype_is_arith_float(o.dtype) ? o.dtype : o.backward_dtype;
+    MOEFLOW_CHECK(dtype_is_arith_float(bwd_dtype),
+                  "backward_dtype must be float32, float16 or bfloat16 (FP8 tokens), got ",
+                  dtype_name(bwd_dtype));
     MOEFLOW_CHECK(o.scale_cols >= 0, "scale_cols must be >= 0, got ", o.scale_cols);
     scale_bytes = o.scale_cols * static_cast<int64_t>(dtype_size(o.scale_dtype));
     epr = o.num_experts / world;
@@ -493,6 +503,7 @@ struct EpGroup::Impl {
                               o.capacity_rows};
     capacity = ep_reference::recv_capacity_rows(rc, o.topk);
     row_bytes = o.hidden * static_cast<int64_t>(dtype_size(o.dtype));
+    bwd_row_bytes = o.hidden * static_cast<int64_t>(dtype_size(bwd_dtype));
     const Device dev = Device::cuda(device);
     flags = Tensor::empty({2 * (rows_max + 1)}, DType::kInt32, dev);
     pos = Tensor::empty({2 * (rows_max + 1)}, DType::kInt32, dev);
@@ -531,10 +542,10 @@ struct EpGroup::Impl {
       std::vector<int64_t> shape;
       DType dtype;
     };
-    const Buf bufs[] = {{&send_x, {send_max, H}, opt.dtype},
+    const Buf bufs[] = {{&send_x, {send_max, H}, wide_dtype()},
                         {&send_ids, {send_max, K}, DType::kInt32},
                         {&send_probs, {send_max, K}, DType::kFloat32},
-                        {&recv_x, {rows_max, H}, opt.dtype},
+                        {&recv_x, {rows_max, H}, wide_dtype()},
                         {&recv_ids, {rows_max, K}, DType::kInt32},
                         {&recv_probs, {rows_max, K}, DType::kFloat32},
                         {&partial, {rows_max, H}, DType::kFloat32},
@@ -608,7 +619,7 @@ struct EpGroup::Impl {
     o.counts = take(size_t(world) * E * 4);
     o.ntok = take(size_t(world) * 4);
     o.inv = take(size_t(world) * tmax * K * 4);
-    o.stage = take(size_t(world) * tmax * row_bytes);
+    o.stage = take(size_t(world) * tmax * std::max(row_bytes, bwd_row_bytes));
     o.partial = take(size_t(world) * tmax * H * 4);
     o.dp = take(size_t(tmax) * K * 4);
     o.flag = take(size_t(world) * tmax * 4);
@@ -881,14 +892,15 @@ unsigned nvlink_grid(const EpGroup::Impl& g) {
 
 // Pad rows of this rank's receive layout (its plan of the last dispatch) in
 // `rows` (stride in bytes) zeroed.
-void nvlink_zero_pads(EpGroup::Impl& g, uint8_t* rows, int64_t stride_bytes, float* probs,
-                      int32_t* row_src, cudaStream_t stream, uint8_t* scales = nullptr) {
+void nvlink_zero_pads(EpGroup::Impl& g, uint8_t* rows, int64_t stride_bytes, int64_t row_bytes,
+                      float* probs, int32_t* row_src, cudaStream_t stream,
+                      uint8_t* scales = nullptr) {
   NvlinkState& s = *g.nvl;
   const nvl::Pads pads{g.epr, s.recv.tokens_per_expert.data_ptr<int32_t>(),
                        s.recv.padded_tokens_per_expert.data_ptr<int32_t>(),
                        s.recv.expert_row_offsets.data_ptr<int64_t>()};
   nvl::pads_kernel<<<static_cast<unsigned>(std::max(g.epr, 1)), 256, 0, stream>>>(
-      rows, stride_bytes, probs, row_src, g.row_bytes, pads, scales, g.scale_bytes);
+      rows, stride_bytes, probs, row_src, row_bytes, pads, scales, g.scale_bytes);
   MOEFLOW_CUDA_LAUNCH_CHECK();
 }
 
@@ -943,7 +955,7 @@ EpDispatchResult nvlink_dispatch(EpGroup::Impl& g, TensorView x, TensorView ids,
   // the fused kernel leaves free; the caller's stream waits at the end.
   MOEFLOW_CUDA_CHECK(cudaEventRecord(g.ev_meta, stream));
   MOEFLOW_CUDA_CHECK(cudaStreamWaitEvent(g.aux_stream, g.ev_meta, 0));
-  nvlink_zero_pads(g, base + o.x, g.row_bytes, reinterpret_cast<float*>(base + o.probs),
+  nvlink_zero_pads(g, base + o.x, g.row_bytes, g.row_bytes, reinterpret_cast<float*>(base + o.probs),
                    reinterpret_cast<int32_t*>(base + o.row_src), g.aux_stream,
                    scales.defined() ? base + o.scales : nullptr);
   MOEFLOW_CUDA_CHECK(cudaEventRecord(g.ev_aux, g.aux_stream));
@@ -1047,8 +1059,9 @@ void nvlink_combine_backward(EpGroup::Impl& g, TensorView dout, TensorView y, bo
   const nvl::Offsets& o = s.off;
   const int64_t H = g.opt.hidden;
   const int K = g.opt.topk, W = g.world, me = g.rank;
-  MOEFLOW_CHECK(y.dtype == g.opt.dtype, "the nvlink backend needs y of the token dtype ",
-                dtype_name(g.opt.dtype), ", got ", y.str());
+  MOEFLOW_CHECK(y.dtype == g.bwd_dtype, "the nvlink backend needs y of the gradient dtype ",
+                dtype_name(g.bwd_dtype), " (the token dtype, or backward_dtype with FP8 tokens), got ",
+                y.str());
   const int64_t esz = int64_t(dtype_size(y.dtype));
   MOEFLOW_CHECK(y.strides[1] == 1 && grad_y.strides[1] == 1 &&
                     nvlink_vec(H, static_cast<int>(16 / esz),
@@ -1059,8 +1072,8 @@ void nvlink_combine_backward(EpGroup::Impl& g, TensorView dout, TensorView y, bo
   uint8_t* base = static_cast<uint8_t*>(s.base);
   nvl::op_start_kernel<<<1, 128, 0, stream>>>(s.view(), reinterpret_cast<int32_t*>(base + o.epoch));
   MOEFLOW_CUDA_LAUNCH_CHECK();
-  nvlink_zero_pads(g, static_cast<uint8_t*>(grad_y.data), grad_y.strides[0] * esz, nullptr,
-                   nullptr, stream);
+  nvlink_zero_pads(g, static_cast<uint8_t*>(grad_y.data), grad_y.strides[0] * esz, H * esz,
+                   nullptr, nullptr, stream);
   const float* w = weighted ? s.probs.data_ptr<float>() : nullptr;
   auto rows = [&](auto* tp) {
     using T = std::remove_pointer_t<decltype(tp)>;
@@ -1480,7 +1493,7 @@ void ep_combine_backward(EpGroup& group, TensorView dout, TensorView y, bool wei
   const Device dev = Device::cuda(g.device);
   const int K = g.opt.topk, W = g.world;
   const int64_t T = g.T, H = g.opt.hidden;
-  detail::expect(dout, "dout", Expect{{g.opt.dtype}, {T, H}, dev});
+  detail::expect(dout, "dout", Expect{{g.bwd_dtype}, {T, H}, dev});
   MOEFLOW_CHECK(dout.strides[1] == 1, "dout rows must be contiguous (stride(1) == 1)");
   detail::expect(
       y, "y", Expect{{DType::kFloat32, DType::kFloat16, DType::kBFloat16}, {g.capacity, H}, dev});
@@ -1494,20 +1507,23 @@ void ep_combine_backward(EpGroup& group, TensorView dout, TensorView y, bool wei
   const int32_t* pos = g.pos.data_ptr<int32_t>();
   if (T > 0) {  // dout rows along the dispatch routes
     const int64_t xs = dout.strides[0] * static_cast<int64_t>(dtype_size(dout.dtype));
-    const bool vec = addr(dout.data) % 16 == 0 && xs % 16 == 0 && g.row_bytes % 16 == 0;
+    const bool vec = addr(dout.data) % 16 == 0 && xs % 16 == 0 && g.bwd_row_bytes % 16 == 0;
     const unsigned blocks = static_cast<unsigned>((W * T * cuda::kWarpSize + 255) / 256);
     ep_pack_rows_kernel<<<blocks, 256, 0, stream>>>(static_cast<const uint8_t*>(dout.data), xs,
-                                                    g.row_bytes, vec, T, 0, T, W, -1, flags, pos,
-                                                    static_cast<uint8_t*>(g.send_x.data()));
+                                                    g.bwd_row_bytes, vec, T, 0, T, W, -1, flags,
+                                                    pos, static_cast<uint8_t*>(g.send_x.data()));
     MOEFLOW_CUDA_LAUNCH_CHECK();
   }
   MOEFLOW_NCCL_CHECK(ncclGroupStart());
-  g.exchange(static_cast<const uint8_t*>(g.send_x.data()), g.row_bytes, g.send_off, g.send_cnt,
-             static_cast<uint8_t*>(g.recv_x.data()), g.row_bytes, g.recv_off, g.recv_cnt, stream);
+  g.exchange(static_cast<const uint8_t*>(g.send_x.data()), g.bwd_row_bytes, g.send_off, g.send_cnt,
+             static_cast<uint8_t*>(g.recv_x.data()), g.bwd_row_bytes, g.recv_off, g.recv_cnt,
+             stream);
   MOEFLOW_NCCL_CHECK(ncclGroupEnd());
   // On the expert rank: the gradient of its unpermute (rows past the received
   // ones have no slots and are never read).
-  unpermute_backward(g.recv_x, g.plan, y, weighted ? TensorView(g.recv_probs) : TensorView{},
+  const TensorView recv_d =
+      TensorView::strided(g.recv_x.data(), g.bwd_dtype, dev, {g.rows_max, H}, {H, 1});
+  unpermute_backward(recv_d, g.plan, y, weighted ? TensorView(g.recv_probs) : TensorView{},
                      grad_y, dprobs.defined() ? TensorView(g.recv_dprobs) : TensorView{}, stream);
   if (!dprobs.defined()) return;
   const int64_t pb = int64_t{K} * 4;
