@@ -51,6 +51,7 @@ struct DispatchBenchOptions {
   std::string backend = "nccl";      // nccl | nvlink
   bool bulk_copies = false;          // nvlink: EpOptions::nvlink_bulk_copies
   bool sweep = true;                 // also time the pieces / SM-count sweep
+  bool fp8 = false;                  // e4m3 token rows + float32 scales per 128 columns
   TimingOptions timing;
   std::string json_path;
 };

@@ -71,14 +71,19 @@ void run_dispatch_bench(const DispatchBenchOptions& opt) {
     eo.num_experts = p.num_experts;
     eo.topk = p.topk;
     eo.hidden = p.hidden;
-    eo.dtype = DType::kBFloat16;
+    // --fp8: e4m3 token rows with float32 scales per 128 columns (DeepEP's
+    // FP8 dispatch); expert outputs and gradients stay bf16
+    eo.dtype = opt.fp8 ? DType::kFloat8E4M3 : DType::kBFloat16;
+    if (opt.fp8) eo.scale_cols = (p.hidden + 127) / 128;
     eo.align = opt.align;
     eo.max_tokens_per_rank = T;
     const bool nvlink = opt.backend == "nvlink";
     eo.backend = nvlink ? EpBackend::kNvlink : EpBackend::kNccl;
     eo.nvlink_bulk_copies = opt.bulk_copies;
-    fmt::print("[{}] W={} T={} per GPU, H={}, E={}, K={}, bf16, align {}, backend {} ...\n", name,
-               W, T, p.hidden, p.num_experts, p.topk, opt.align, opt.backend);
+    fmt::print("[{}] W={} T={} per GPU, H={}, E={}, K={}, {}, align {}, backend {} ...\n", name,
+               W, T, p.hidden, p.num_experts, p.topk,
+               opt.fp8 ? "fp8 e4m3 dispatch (+ float32 scales per 128), bf16 combine" : "bf16",
+               opt.align, opt.backend);
     std::fflush(stdout);
     auto groups = EpGroup::create_local(devs, eo);
     // nccl: pipeline pieces per peer x blocks of the kernels beside the
@@ -100,11 +105,19 @@ void run_dispatch_bench(const DispatchBenchOptions& opt) {
       cudaStream_t stream;
       MOEFLOW_CUDA_CHECK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
       Routing routing = random_routing(T, p.num_experts, p.topk, 1000 + r, dev);
-      Tensor x = Tensor::empty({T, p.hidden}, DType::kBFloat16, dev);
+      Tensor x = Tensor::empty({T, p.hidden}, eo.dtype, dev);
       fill_bytes(x, 0x3C, stream);
-      EpDispatchResult d = ep_dispatch(g, x, routing.ids, routing.probs, stream);
+      Tensor sc;
+      if (opt.fp8) {
+        sc = Tensor::empty({T, eo.scale_cols}, DType::kFloat32, dev);
+        fill_bytes(sc, 0x3C, stream);
+      }
+      EpDispatchResult d = ep_dispatch(g, x, routing.ids, routing.probs, sc, stream);
       Tensor y = Tensor::empty({g.capacity_rows(), p.hidden}, DType::kBFloat16, dev);
-      copy(d.x, y, stream);
+      if (opt.fp8)
+        fill_bytes(y, 0x3C, stream);
+      else
+        copy(d.x, y, stream);
       Tensor out = Tensor::empty({T, p.hidden}, DType::kBFloat16, dev);
       Result& rr = res[r];
       const int default_chunks = g.options().pipeline_chunks;
@@ -117,7 +130,7 @@ void run_dispatch_bench(const DispatchBenchOptions& opt) {
         else
           g.set_overlap_blocks(nb);
         rr.sweep_dispatch_ms.push_back(
-            median_ms([&] { ep_dispatch(g, x, routing.ids, routing.probs, stream); }, stream,
+            median_ms([&] { ep_dispatch(g, x, routing.ids, routing.probs, sc, stream); }, stream,
                       opt.timing.warmup, opt.timing.iters));
         rr.sweep_combine_ms.push_back(median_ms([&] { ep_combine(g, y, true, out, stream); },
                                                 stream, opt.timing.warmup, opt.timing.iters));
@@ -125,12 +138,14 @@ void run_dispatch_bench(const DispatchBenchOptions& opt) {
       g.set_pipeline_chunks(default_chunks);
       g.set_overlap_blocks(default_blocks);
       g.set_nvlink_blocks(default_nvl);
-      rr.dispatch_ms = median_ms([&] { ep_dispatch(g, x, routing.ids, routing.probs, stream); },
+      rr.dispatch_ms = median_ms([&] { ep_dispatch(g, x, routing.ids, routing.probs, sc, stream); },
                                  stream, opt.timing.warmup, opt.timing.iters);
       rr.combine_ms = median_ms([&] { ep_combine(g, y, true, out, stream); }, stream,
                                 opt.timing.warmup, opt.timing.iters);
       std::vector<int64_t> sent = g.last_send_rows(), got = g.last_recv_rows();
-      const int64_t row = p.hidden * 2;
+      const int64_t row = p.hidden * 2;  // bf16 rows (combine)
+      // a dispatched row: the token (and its scales)
+      const int64_t drow = p.hidden * int64_t(dtype_size(eo.dtype)) + eo.scale_cols * 4;
       {  // nvlink: counts stay on the device, the same figures from the routings
         const int L = p.num_experts / W;
         std::vector<int64_t> rsent(W, 0), rgot(W, 0);
@@ -149,14 +164,14 @@ void run_dispatch_bench(const DispatchBenchOptions& opt) {
               if (e / L == r) ++here;
             }
             // the slot rows here: a peer token's only slot is pushed by the peer
-            if (s == r || here >= 2) rr.link_bytes += static_cast<double>(here) * row;
+            if (s == r || here >= 2) rr.link_bytes += static_cast<double>(here) * drow;
             // combine sends a peer token's one slot here as a bf16 row, else a float32 partial
             if (s != r && here > 0) rr.wire_back_bytes += here == 1 ? row : p.hidden * 4;
             for (int q = 0; q < W; ++q) {
               if (!on[q]) continue;
               if (s == r) ++rsent[q];
               if (q == r) ++rgot[s];
-              if (s == r && q != r) rr.link_bytes += static_cast<double>(row);  // a peer's stage or row
+              if (s == r && q != r) rr.link_bytes += static_cast<double>(drow);  // a peer's stage or row
             }
           }
         }
@@ -167,7 +182,7 @@ void run_dispatch_bench(const DispatchBenchOptions& opt) {
       }
       for (int q = 0; q < W; ++q)
         if (q != r) {
-          rr.out_bytes += static_cast<double>(sent[q]) * row;
+          rr.out_bytes += static_cast<double>(sent[q]) * drow;
           rr.back_bytes += static_cast<double>(got[q]) * p.hidden * 4;
         }
       // Bare NCCL all-to-all of the same per-peer bytes (bf16 rows out; float32 back).
@@ -195,7 +210,7 @@ void run_dispatch_bench(const DispatchBenchOptions& opt) {
             },
             stream, opt.timing.warmup, opt.timing.iters);
       };
-      rr.a2a_ms = a2a(sent, got, row);
+      rr.a2a_ms = a2a(sent, got, drow);
       rr.a2a_f32_ms = a2a(got, sent, p.hidden * 4);
       rr.a2a_back_ms = a2a(got, sent, row);  // the token rows coming home in bf16
       MOEFLOW_CUDA_CHECK(cudaStreamDestroy(stream));
@@ -233,6 +248,7 @@ void run_dispatch_bench(const DispatchBenchOptions& opt) {
                      {"sweep_dispatch_ms", rr.sweep_dispatch_ms},
                      {"sweep_combine_ms", rr.sweep_combine_ms},
                      {"world", W},
+                     {"dtype", dtype_name(eo.dtype)},
                      {"rank", r},
                      {"tokens", T},
                      {"dispatch_us", rr.dispatch_ms * 1e3},

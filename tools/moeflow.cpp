@@ -74,6 +74,8 @@ int main(int argc, char** argv) {
       ->capture_default_str();
   bdisp->add_flag("--bulk-copies", dopt.bulk_copies,
                   "backend nvlink: dispatch rows with TMA bulk copies (EpOptions::nvlink_bulk_copies)");
+  bdisp->add_flag("--fp8", dopt.fp8,
+                  "FP8 dispatch: e4m3 token rows with float32 scales per 128 columns (bf16 combine)");
   bdisp->add_flag("--no-sweep", [&](int64_t) { dopt.sweep = false; },
                   "skip the pieces / SM-count sweep (only the default configuration)");
   bdisp->add_option("--json", dopt.json_path, "also write the results as JSON to this file");
