@@ -221,13 +221,17 @@ void run_dispatch_bench(const DispatchBenchOptions& opt) {
                    a_gbs = rr.out_bytes / rr.a2a_ms / 1e6;
       const double c_gbs = rr.back_bytes / rr.combine_ms / 1e6,
                    af_gbs = rr.back_bytes / rr.a2a_f32_ms / 1e6;
-      fmt::print(
-          "  rank {}: dispatch {:8.1f} us {:7.1f} GB/s out (NCCL a2a same bytes {:7.1f} GB/s, "
-          "ratio {:.2f}) | "
-          "combine {:8.1f} us {:7.1f} GB/s out (a2a {:7.1f}, ratio {:.2f}; a2a of the bf16 token "
-          "rows {:.1f} us, ratio {:.2f})\n",
-          r, rr.dispatch_ms * 1e3, d_gbs, a_gbs, d_gbs / a_gbs, rr.combine_ms * 1e3, c_gbs, af_gbs,
-          c_gbs / af_gbs, rr.a2a_back_ms * 1e3, rr.a2a_back_ms / rr.combine_ms);
+      if (W == 1)
+        fmt::print("  rank 0: dispatch {:8.1f} us | combine {:8.1f} us (one GPU: no bytes leave it)\n",
+                   rr.dispatch_ms * 1e3, rr.combine_ms * 1e3);
+      else
+        fmt::print(
+            "  rank {}: dispatch {:8.1f} us {:7.1f} GB/s out (NCCL a2a same bytes {:7.1f} GB/s, "
+            "ratio {:.2f}) | "
+            "combine {:8.1f} us {:7.1f} GB/s out (a2a {:7.1f}, ratio {:.2f}; a2a of the bf16 token "
+            "rows {:.1f} us, ratio {:.2f})\n",
+            r, rr.dispatch_ms * 1e3, d_gbs, a_gbs, d_gbs / a_gbs, rr.combine_ms * 1e3, c_gbs,
+            af_gbs, c_gbs / af_gbs, rr.a2a_back_ms * 1e3, rr.a2a_back_ms / rr.combine_ms);
       std::string sweep;
       for (size_t i = 0; i < configs.size(); ++i)
         sweep += fmt::format(" {}x{}: {:.0f}/{:.0f}", configs[i].first, configs[i].second,
