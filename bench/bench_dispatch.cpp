@@ -144,23 +144,27 @@ void run_dispatch_bench(const DispatchBenchOptions& opt) {
                                 opt.timing.warmup, opt.timing.iters);
       std::vector<int64_t> sent = g.last_send_rows(), got = g.last_recv_rows();
       const int64_t row = p.hidden * 2;  // bf16 rows (combine)
-      // a dispatched row: the token (and its scales)
+      double nvl_scale_extra = 0;
+      // a dispatched row: the token and its scales (nccl sends the scales
+      // once per token and rank, nvlink writes them beside every slot's row:
+      // the slots past the first are added below)
       const int64_t drow = p.hidden * int64_t(dtype_size(eo.dtype)) + eo.scale_cols * 4;
       {  // nvlink: counts stay on the device, the same figures from the routings
         const int L = p.num_experts / W;
         std::vector<int64_t> rsent(W, 0), rgot(W, 0);
+        nvl_scale_extra = 0;
         for (int s = 0; s < W; ++s) {
           Routing rs = random_routing(T, p.num_experts, p.topk, 1000 + s, dev);
           Tensor ids = rs.ids.to(Device::cpu());
           for (int64_t t = 0; t < T; ++t) {
-            std::vector<char> on(W, 0);
+            std::vector<int> on(W, 0);  // slots of (s, t) on each rank
             int here = 0;  // slots of (s, t) on this rank
             for (int k = 0; k < p.topk; ++k) {
               const int64_t e = ids.dtype() == DType::kInt64
                                     ? ids.data_ptr<int64_t>()[t * p.topk + k]
                                     : ids.data_ptr<int32_t>()[t * p.topk + k];
               if (e < 0) continue;
-              on[e / L] = 1;
+              ++on[e / L];
               if (e / L == r) ++here;
             }
             // the slot rows here: a peer token's only slot is pushed by the peer
@@ -171,7 +175,10 @@ void run_dispatch_bench(const DispatchBenchOptions& opt) {
               if (!on[q]) continue;
               if (s == r) ++rsent[q];
               if (q == r) ++rgot[s];
-              if (s == r && q != r) rr.link_bytes += static_cast<double>(drow);  // a peer's stage or row
+              if (s == r && q != r) {
+                rr.link_bytes += static_cast<double>(drow);  // a peer's stage or row
+                if (nvlink) nvl_scale_extra += static_cast<double>(on[q] - 1) * eo.scale_cols * 4;
+              }
             }
           }
         }
@@ -180,6 +187,7 @@ void run_dispatch_bench(const DispatchBenchOptions& opt) {
           got = rgot;
         }
       }
+      rr.out_bytes += nvl_scale_extra;
       for (int q = 0; q < W; ++q)
         if (q != r) {
           rr.out_bytes += static_cast<double>(sent[q]) * drow;

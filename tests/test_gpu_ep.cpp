@@ -72,15 +72,17 @@ void run_rounds(int W, const std::vector<Round>& rounds, int64_t capacity_rows =
     opt.backend = backend;
     opt.nvlink_bulk_copies = bulk_copies;
     opt.nccl_register_buffers = register_buffers;
-    // scales travel with the rows (every other round): 3 float32 (4-byte
-    // words) with bf16 tokens, 5 bytes with float32 tokens
-    opt.scale_cols = dt != DType::kFloat32 ? 3 : 5;
-    opt.scale_dtype = dt != DType::kFloat32 ? DType::kFloat32 : DType::kUInt8;
-    int round_no = 0;
+    // scales travel with the rows: 3 float32 (4-byte words) with bf16 and
+    // e4m3 tokens, 5 bytes with e5m2 tokens, none with float32 tokens
+    const bool with_scales = dt != DType::kFloat32;
+    opt.scale_cols = !with_scales ? 0 : dt == DType::kFloat8E5M2 ? 5 : 3;
+    opt.scale_dtype = dt == DType::kFloat8E5M2 ? DType::kUInt8 : DType::kFloat32;
     std::vector<int> devs;
     for (int r = 0; r < W; ++r) devs.push_back(r);
     auto groups = EpGroup::create_local(devs, opt);
     for (auto& g : groups) {  // the SM budget of the nvlink kernels: [2, SMs], any backend
+      if (backend == EpBackend::kNccl && W > 1)
+        EXPECT_EQ(g->nccl_buffers_registered(), register_buffers);
       EXPECT_ANY_THROW(g->set_nvlink_blocks(1));
       EXPECT_ANY_THROW(g->set_nvlink_blocks(100000));
       g->set_nvlink_blocks(opt.nvlink_blocks);
@@ -88,7 +90,6 @@ void run_rounds(int W, const std::vector<Round>& rounds, int64_t capacity_rows =
     uint32_t seed = 7;
     for (const Round& rd : rounds) {
       if (rd.tag_tokens && dt != DType::kFloat32) continue;
-      const bool with_scales = round_no++ % 2 == 0;
       SCOPED_TRACE("W=" + std::to_string(W) + " " + dtype_name(dt) +
                    " T0=" + std::to_string(rd.tokens[0]) + (rd.one_rank ? " one-rank" : "") +
                    " pieces=" + std::to_string(rd.chunks) + " blocks=" + std::to_string(rd.blocks) +
@@ -413,16 +414,53 @@ TEST(MultiGpuEp, LongRowsRegisteredOrNotMatchReference) {
   }
 }
 
-// FP8 dispatch (e4m3 and e5m2 rows with their float32 block scales), bf16
-// expert outputs and gradients: both backends, one rank and all GPUs.
+// FP8 dispatch (e4m3 rows with float32 block scales, e5m2 rows with byte
+// scales), bf16 expert outputs and gradients: both backends, one rank and
+// all GPUs.
+TEST(GpuEp, ScalesArgumentErrors) {
+  for (const EpBackend b : {EpBackend::kNccl, EpBackend::kNvlink}) {
+    EpOptions opt;
+    opt.backend = b;
+    opt.num_experts = 8;
+    opt.topk = 2;
+    opt.hidden = 64;
+    opt.max_tokens_per_rank = 16;
+    opt.scale_cols = 2;
+    auto groups = EpGroup::create_local({0}, opt);
+    const Device dev = groups[0]->device();
+    Tensor x = Tensor::zeros({16, 64}, DType::kBFloat16, dev);
+    Tensor ids = random_topk(16, 2, 8, 5).to(dev);
+    Tensor probs = Tensor::zeros({16, 2}, DType::kFloat32, dev);
+    // a group with scale_cols > 0 takes scales on every dispatch, of its shape and dtype
+    EXPECT_THROW(ep_dispatch(*groups[0], x, ids, probs), Error);
+    EXPECT_THROW(ep_dispatch(*groups[0], x, ids, probs, Tensor::zeros({16, 3}, DType::kFloat32, dev)),
+                 Error);
+    EXPECT_THROW(ep_dispatch(*groups[0], x, ids, probs, Tensor::zeros({16, 2}, DType::kFloat16, dev)),
+                 Error);
+    EpDispatchResult r = ep_dispatch(*groups[0], x, ids, probs, Tensor::zeros({16, 2}, DType::kFloat32, dev));
+    EXPECT_EQ(r.scales.sizes(), std::vector<int64_t>({groups[0]->capacity_rows(), 2}));
+    // and a group without them refuses them
+    opt.scale_cols = 0;
+    auto plain = EpGroup::create_local({0}, opt);
+    EXPECT_THROW(ep_dispatch(*plain[0], x, ids, probs, Tensor::zeros({16, 2}, DType::kFloat32, dev)),
+                 Error);
+    MOEFLOW_CUDA_CHECK(cudaDeviceSynchronize());
+  }
+}
+
+// FP8 dispatch (e4m3 rows with float32 block scales, e5m2 rows with byte
+// scales), bf16 expert outputs and gradients: both backends, one rank and
+// all GPUs.
 TEST(GpuEp, Fp8TokensMatchReference) {
   const int W = std::max(1, cuda_device_count());
-  Round rd;
-  for (int r = 0; r < W; ++r) rd.tokens.push_back(r == 0 ? 211 : 97 + r);
-  Round again = rd;  // the odd round runs without scales
+  Round rd, other;
+  for (int r = 0; r < W; ++r) {
+    rd.tokens.push_back(r == 0 ? 211 : 97 + r);
+    other.tokens.push_back(r == 0 ? 0 : 150);
+  }
   for (const EpBackend b : {EpBackend::kNccl, EpBackend::kNvlink}) {
     SCOPED_TRACE(b == EpBackend::kNccl ? "nccl" : "nvlink");
-    run_rounds(W, {rd, again}, -1, b, false, false, 96,
+    run_rounds(W, {rd, other}, -1, b, false, false, 96,
                {DType::kFloat8E4M3, DType::kFloat8E5M2});
   }
 }

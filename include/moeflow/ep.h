@@ -68,17 +68,20 @@ struct EpOptions {
   int topk = 0;                     // K
   int64_t hidden = 0;               // H
   // Token dtype of dispatch: float32/float16/bfloat16, or float8 e4m3/e5m2
-  // (FP8 dispatch: rows of H bytes, their block scales as `scales`; H a
-  // multiple of 16). Combine takes expert outputs of any float dtype.
+  // (FP8 dispatch: rows of H bytes, their block scales as `scales`; the
+  // nvlink backend needs 16-byte rows). Combine takes expert outputs of any
+  // float dtype.
   DType dtype = DType::kBFloat16;
-  // With FP8 tokens: the dtype of the gradient rows (combine_backward's dout,
-  // y and grad_y); float32/float16/bfloat16. Float token dtypes use their own.
+  // With FP8 tokens: the dtype of combine_backward's dout (and, on the nvlink
+  // backend, of its y and grad_y); float32/float16/bfloat16. Float token
+  // dtypes use their own.
   DType backward_dtype = DType::kBFloat16;
   int align = 16;                   // receive segments padded to this many rows
   int64_t max_tokens_per_rank = 0;  // bound on T of every rank (sizes all buffers)
   int64_t capacity_rows = -1;       // receive rows; -1: the worst case (ep_reference)
   // Per-token scales that travel with the rows (e.g. the float32 block scales
   // of FP8 rows: H / 128 columns): [T, scale_cols] of scale_dtype; 0: none.
+  // With scale_cols > 0 every dispatch on every rank takes scales.
   int64_t scale_cols = 0;
   DType scale_dtype = DType::kFloat32;
   // Token rows (dispatch) and partial rows (combine) cross in this many pieces
@@ -111,7 +114,9 @@ struct EpOptions {
 class EpGroup {
  public:
   // From an existing communicator (not owned, not destroyed). The current CUDA
-  // device must be the rank's GPU.
+  // device must be the rank's GPU. Destroy the groups of every rank before
+  // any rank destroys the communicator (their registered buffers and windows
+  // are released through it, with the peers' NCCL proxies).
   static std::unique_ptr<EpGroup> from_comm(ncclComm* comm, const EpOptions& options);
   // From an NCCL unique id broadcast by the framework (all ranks call together).
   static std::unique_ptr<EpGroup> from_unique_id(const std::array<char, 128>& id, int rank,
@@ -140,6 +145,9 @@ class EpGroup {
   void set_overlap_blocks(int blocks);
   void set_nvlink_blocks(int blocks);
   ncclComm* nccl_comm() const;
+  // Backend nccl: whether NCCL accepted the registration of the staging
+  // buffers (EpOptions::nccl_register_buffers; NCCL_LOCAL_REGISTER=0 declines).
+  bool nccl_buffers_registered() const;
   // Rows of the last dispatch sent to / received from each rank (host values).
   const std::vector<int64_t>& last_send_rows() const;
   const std::vector<int64_t>& last_recv_rows() const;

@@ -248,8 +248,6 @@ __global__ void ep_dprobs_kernel(const float* back, const int32_t* send_ids, int
   dprobs[i] = v;
 }
 
-// out[t] = partials of t added in ascending rank order (first taken as is).
-// spos[q,t] = spos_raw[q*T + t] - *sbase (the scan shared with the flags).
 // Per-token scales rows into the send buffer: (q, t) with a slot on q goes
 // to row pos[q*T + t] (the token rows' layout). One thread per (q, t).
 __global__ void ep_pack_scales_kernel(const uint8_t* scales, int64_t sb, int64_t T, int W,
@@ -266,6 +264,8 @@ __global__ void ep_pack_scales_kernel(const uint8_t* scales, int64_t sb, int64_t
     for (int64_t j = 0; j < sb; ++j) dst[j] = src[j];
 }
 
+// out[t] = partials of t added in ascending rank order (first taken as is).
+// spos[q,t] = spos_raw[q*T + t] - *sbase (the scan shared with the flags).
 // The partial of peer q sits in back[pos[q,t] - spos[q,t]], or, when t has
 // one slot on q (single), q sent that slot's row of y: back_single[spos[q,t]],
 // weighted here as the holder would have (fmaf(w, y, 0)); this rank's own
@@ -405,6 +405,14 @@ struct EpGroup::Impl {
   int sm_count = 0;
 
   ~Impl() {
+    // Work of this group may still run (NCCL on comm_stream, kernels on the
+    // callers' streams): let it finish before buffers are deregistered and
+    // freed (cudaFree would have waited; ncclMemFree does not).
+    int cur = -1;
+    if (cudaGetDevice(&cur) == cudaSuccess && cudaSetDevice(device) == cudaSuccess) {
+      cudaDeviceSynchronize();
+      cudaSetDevice(cur);
+    }
     for (cudaEvent_t e : {ev_start, ev_host, ev_packed, ev_meta, ev_aux})
       if (e) cudaEventDestroy(e);
     for (auto& m : marks) cudaEventDestroy(m.second);
@@ -758,6 +766,9 @@ int EpGroup::rank() const {
 }
 int EpGroup::world_size() const {
   return impl_->world;
+}
+bool EpGroup::nccl_buffers_registered() const {
+  return impl_->arena_reg != nullptr;
 }
 int EpGroup::local_experts() const {
   return impl_->epr;
@@ -1123,9 +1134,14 @@ EpDispatchResult ep_dispatch(EpGroup& group, TensorView x, TensorView ids, Tenso
     detail::expect(probs, "probs", Expect{{DType::kFloat32}, {T, K}, dev});
     MOEFLOW_CHECK(probs.is_contiguous(), "probs must be contiguous");
   }
+  // Every rank passes scales or none (their transfers pair up across ranks):
+  // a group made with scale_cols > 0 takes them on every dispatch.
+  MOEFLOW_CHECK(scales.defined() == (g.opt.scale_cols > 0),
+                scales.defined()
+                    ? "scales given but the group was made with EpOptions::scale_cols = 0"
+                    : "the group was made with EpOptions::scale_cols > 0: every dispatch takes "
+                      "scales");
   if (scales.defined()) {
-    MOEFLOW_CHECK(g.opt.scale_cols > 0,
-                  "scales given but the group was made with EpOptions::scale_cols = 0");
     detail::expect(scales, "scales", Expect{{g.opt.scale_dtype}, {T, g.opt.scale_cols}, dev});
     MOEFLOW_CHECK(scales.is_contiguous(), "scales must be contiguous");
   }
