@@ -71,11 +71,17 @@ struct RunOptions {
   int align = 16;
   Device device;
   bool backward = true;
+  bool ep = false;                    // run --ep: the layer with expert parallelism
+  std::string ep_backend = "nccl";    // nccl | nvlink
 };
 // One MoE token-path step (route, plan, permute, identity experts, unpermute,
 // and the backward ops), checked against the expected result. Returns 0 when
 // the checks pass.
 int run_layer(const RunOptions& opt);
+// One expert-parallel MoE layer forward on every visible GPU (dispatch ->
+// grouped MLP -> combine), checked against the layer without expert
+// parallelism (CUDA builds only).
+int run_ep_layer(const RunOptions& opt);
 
 // "auto" -> cuda:0 when a GPU is present, else cpu; "cpu"; "cuda" / "cuda:N".
 Device parse_device(const std::string& s);

@@ -28,6 +28,12 @@ int main(int argc, char** argv) {
       ->capture_default_str();
   bool no_backward = false;
   run->add_flag("--no-backward", no_backward, "skip the backward ops");
+  run->add_flag("--ep", run_opt.ep,
+                "the layer forward with expert parallelism over every visible GPU (dispatch, "
+                "expert MLP, combine), checked against the layer without it");
+  run->add_option("--backend", run_opt.ep_backend, "with --ep: nccl or nvlink")
+      ->check(CLI::IsMember({"nccl", "nvlink"}))
+      ->capture_default_str();
 
   auto* bench = app.add_subcommand("bench", "benchmarks against the device ceilings");
   bench->require_subcommand(1);
@@ -148,6 +154,14 @@ int main(int argc, char** argv) {
                   "--align must be one of 1, 16, 32, 64, 128, 256; got ", run_opt.align);
     run_opt.device = dev;
     run_opt.backward = !no_backward;
+    if (run_opt.ep) {
+#ifdef MOEFLOW_WITH_CUDA
+      MOEFLOW_CHECK(dev.is_cuda(), "run --ep needs CUDA GPUs (device ", dev.str(), ")");
+      return bench::run_ep_layer(run_opt);
+#else
+      MOEFLOW_CHECK(false, "run --ep needs the CUDA backend (built without CUDA)");
+#endif
+    }
     return bench::run_layer(run_opt);
   } catch (const Error& e) {
     fmt::print(stderr, "{}\n", e.what());
