@@ -78,9 +78,9 @@ struct RunOptions {
 // and the backward ops), checked against the expected result. Returns 0 when
 // the checks pass.
 int run_layer(const RunOptions& opt);
-// One expert-parallel MoE layer forward on every visible GPU (dispatch ->
-// grouped MLP -> combine), checked against the layer without expert
-// parallelism (CUDA builds only).
+// One expert-parallel MoE layer step on every visible GPU (dispatch ->
+// grouped MLP -> combine, and the backward), checked against the layer
+// without expert parallelism (CUDA builds only).
 int run_ep_layer(const RunOptions& opt);
 
 // "auto" -> cuda:0 when a GPU is present, else cpu; "cpu"; "cuda" / "cuda:N".

@@ -29,8 +29,8 @@ int main(int argc, char** argv) {
   bool no_backward = false;
   run->add_flag("--no-backward", no_backward, "skip the backward ops");
   run->add_flag("--ep", run_opt.ep,
-                "the layer forward with expert parallelism over every visible GPU (dispatch, "
-                "expert MLP, combine), checked against the layer without it");
+                "the layer step with expert parallelism over every visible GPU (dispatch, expert "
+                "MLP, combine, and their backward), checked against the layer without it");
   run->add_option("--backend", run_opt.ep_backend, "with --ep: nccl or nvlink")
       ->check(CLI::IsMember({"nccl", "nvlink"}))
       ->capture_default_str();

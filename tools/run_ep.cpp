@@ -1,10 +1,12 @@
-// `moeflow run --ep`: one expert-parallel MoE layer forward on every visible
+// `moeflow run --ep`: one expert-parallel MoE layer step on every visible
 // GPU (one rank each, one thread per rank): dispatch (the nccl or nvlink
 // backend) -> the rank's experts' grouped MLP (probs-weighted SwiGLU) ->
-// combine. Checked per rank against the same layer without expert
-// parallelism on that GPU (plan over all experts -> permute -> grouped MLP
-// with all experts' weights -> unpermute): the MLP rows are the same
-// computations, only the order of the final float32 sums differs.
+// combine, then (unless --no-backward) combine_backward -> the MLP's input
+// and weight gradients -> dispatch_backward. Checked per rank against the
+// same layer without expert parallelism on that GPU (plan over all experts
+// -> permute -> grouped MLP with all experts' weights -> unpermute, and
+// their backward): the MLP rows are the same computations, only the order of
+// the final float32 sums differs.
 #include <algorithm>
 #include <chrono>
 #include <cmath>
@@ -66,8 +68,15 @@ int run_ep_layer(const RunOptions& opt) {
   auto t0 = std::chrono::steady_clock::now();
   auto groups = EpGroup::create_local(devs, eo);
   fmt::print("  groups made ({:.1f} s)\n", seconds_since(t0));
-  std::vector<double> err(W, 0.0), dispatch_us(W), mlp_us(W), combine_us(W);
+  std::vector<double> err(W, 0.0), err_dx(W, 0.0), err_dw(W, 0.0), dispatch_us(W), mlp_us(W),
+      combine_us(W), bwd_us(W, 0.0);
   std::vector<int64_t> received(W, 0);
+  // dW: rank r's experts get the tokens of every rank, so the reference is the
+  // sum over ranks of each rank's all-expert gradients (compared on the host
+  // when that fits in a few GB)
+  const double dw_bytes = 2.0 * W * double(E) * 3 * F * H * 4;
+  const bool check_dw = opt.backward && dw_bytes < 16e9;
+  std::vector<Tensor> ep_dw1(W), ep_dw2(W), ref_dw1(W), ref_dw2(W);
   std::mutex print_mu;
   EpGroup::run_local(groups, [&](int r) {
     EpGroup& g = *groups[r];
@@ -89,7 +98,18 @@ int run_ep_layer(const RunOptions& opt) {
     Tensor y = Tensor::empty({cap, H}, DType::kBFloat16, dev);
     Tensor out = Tensor::empty({T, H}, DType::kFloat32, dev);
     const GroupedMlpConfig cfg{};
-    cudaEvent_t ev[4];
+    Tensor douth = Tensor::empty({T, H}, DType::kBFloat16);
+    for (int64_t i = 0; i < douth.numel(); ++i)
+      detail::store_float(douth.data(), DType::kBFloat16, i, std::cos(0.011f * static_cast<float>((i + r * 104729) % 10007)));
+    Tensor dout = douth.to(dev);
+    Tensor gy = Tensor::empty({cap, H}, DType::kBFloat16, dev);
+    Tensor dxr = Tensor::empty({cap, H}, DType::kBFloat16, dev);
+    Tensor dh = Tensor::empty({cap, 2 * F}, DType::kBFloat16, dev);
+    Tensor dpr = Tensor::empty({cap}, DType::kFloat32, dev);
+    Tensor dx = Tensor::empty({T, H}, DType::kFloat32, dev);
+    Tensor dw1 = Tensor::empty({L, 2 * F, H}, DType::kFloat32, dev);
+    Tensor dw2 = Tensor::empty({L, H, F}, DType::kFloat32, dev);
+    cudaEvent_t ev[5];
     for (auto& e : ev) MOEFLOW_CUDA_CHECK(cudaEventCreate(&e));
     for (int it = 0; it < 2; ++it) {  // the second pass is timed
       MOEFLOW_CUDA_CHECK(cudaEventRecord(ev[0], stream));
@@ -100,14 +120,25 @@ int run_ep_layer(const RunOptions& opt) {
       MOEFLOW_CUDA_CHECK(cudaEventRecord(ev[2], stream));
       ep_combine(g, y, false, out, stream);  // the probs were applied in the MLP
       MOEFLOW_CUDA_CHECK(cudaEventRecord(ev[3], stream));
+      if (opt.backward) {
+        const GroupLayout gl = GroupLayout::from_plan(*d.plan);
+        ep_combine_backward(g, dout, y, false, gy, {}, stream);
+        grouped_mlp_backward_dgrad(gy, GroupedMlpWeights{w1, w2, {}, {}}, gl, d.probs, cfg,
+                                   GroupedMlpSaved{h, a}, dxr, dh, dpr, stream);
+        ep_dispatch_backward(g, dxr, dx, stream);
+        grouped_mlp_backward_wgrad(gy, d.x, gl, GroupedMlpSaved{h, a}, dh,
+                                   GroupedMlpGrads{dw1, dw2, {}, {}, false}, stream);
+      }
+      MOEFLOW_CUDA_CHECK(cudaEventRecord(ev[4], stream));
       received[r] = d.received_tokens;
     }
-    MOEFLOW_CUDA_CHECK(cudaEventSynchronize(ev[3]));
-    float ms[3];
-    for (int i = 0; i < 3; ++i) MOEFLOW_CUDA_CHECK(cudaEventElapsedTime(&ms[i], ev[i], ev[i + 1]));
+    MOEFLOW_CUDA_CHECK(cudaEventSynchronize(ev[4]));
+    float ms[4];
+    for (int i = 0; i < 4; ++i) MOEFLOW_CUDA_CHECK(cudaEventElapsedTime(&ms[i], ev[i], ev[i + 1]));
     dispatch_us[r] = ms[0] * 1e3;
     mlp_us[r] = ms[1] * 1e3;
     combine_us[r] = ms[2] * 1e3;
+    bwd_us[r] = ms[3] * 1e3;
     // The same layer without expert parallelism, on this GPU, all experts.
     {
       Tensor w1a = expert_weights(0, E, 2 * F, H, s1, 0.37f, dev);
@@ -127,29 +158,78 @@ int run_ep_layer(const RunOptions& opt) {
       grouped_mlp_forward(xr, GroupedMlpWeights{w1a, w2a, {}, {}}, GroupLayout::from_plan(plan), pr,
                           cfg, yr, GroupedMlpSaved{hr, ar}, stream);
       unpermute(yr, plan, ref, {}, stream);
-      MOEFLOW_CUDA_CHECK(cudaStreamSynchronize(stream));
-      Tensor o = out.to(Device::cpu()), rf = ref.to(Device::cpu());
-      double num = 0, den = 0;
-      for (int64_t i = 0; i < o.numel(); ++i) {
-        const double d = double(o.data_ptr<float>()[i]) - rf.data_ptr<float>()[i];
-        num += d * d;
-        den += double(rf.data_ptr<float>()[i]) * rf.data_ptr<float>()[i];
+      Tensor dx_ref = Tensor::empty({T, H}, DType::kFloat32, dev);
+      Tensor dw1a = Tensor::empty({E, 2 * F, H}, DType::kFloat32, dev);
+      Tensor dw2a = Tensor::empty({E, H, F}, DType::kFloat32, dev);
+      if (opt.backward) {
+        Tensor dyr = Tensor::empty({rows, H}, DType::kBFloat16, dev);
+        Tensor dxr2 = Tensor::empty({rows, H}, DType::kBFloat16, dev);
+        Tensor dh2 = Tensor::empty({rows, 2 * F}, DType::kBFloat16, dev);
+        Tensor dp2 = Tensor::empty({rows}, DType::kFloat32, dev);
+        const GroupLayout gl = GroupLayout::from_plan(plan);
+        unpermute_backward(dout, plan, {}, {}, dyr, {}, stream);
+        grouped_mlp_backward_dgrad(dyr, GroupedMlpWeights{w1a, w2a, {}, {}}, gl, pr, cfg,
+                                   GroupedMlpSaved{hr, ar}, dxr2, dh2, dp2, stream);
+        permute_backward(dxr2, plan, dx_ref, {}, {}, stream);
+        grouped_mlp_backward_wgrad(dyr, xr, gl, GroupedMlpSaved{hr, ar}, dh2,
+                                   GroupedMlpGrads{dw1a, dw2a, {}, {}, false}, stream);
       }
-      err[r] = std::sqrt(num / (den > 0 ? den : 1.0));
+      MOEFLOW_CUDA_CHECK(cudaStreamSynchronize(stream));
+      auto rel = [](const Tensor& got, const Tensor& want, int64_t off) {
+        Tensor g = got.to(Device::cpu()), w = want.to(Device::cpu());
+        double num = 0, den = 0;
+        for (int64_t i = 0; i < g.numel(); ++i) {
+          const double gv = g.data_ptr<float>()[i], wv = w.data_ptr<float>()[off + i];
+          num += (gv - wv) * (gv - wv);
+          den += wv * wv;
+        }
+        return std::sqrt(num / (den > 0 ? den : 1.0));
+      };
+      err[r] = rel(out, ref, 0);
+      if (opt.backward) err_dx[r] = rel(dx, dx_ref, 0);
+      if (check_dw) {
+        ep_dw1[r] = dw1.to(Device::cpu());
+        ep_dw2[r] = dw2.to(Device::cpu());
+        ref_dw1[r] = dw1a.to(Device::cpu());
+        ref_dw2[r] = dw2a.to(Device::cpu());
+      }
     }
     for (auto& e : ev) MOEFLOW_CUDA_CHECK(cudaEventDestroy(e));
     MOEFLOW_CUDA_CHECK(cudaStreamDestroy(stream));
   });
+  if (check_dw)
+    for (int r = 0; r < W; ++r) {  // rank r's experts: rows [r*L, (r+1)*L) of the sums
+      auto rel_sum = [&](const Tensor& got, const std::vector<Tensor>& refs) {
+        const int64_t n = got.numel(), off = int64_t{r} * n;
+        double num = 0, den = 0;
+        for (int64_t i = 0; i < n; ++i) {
+          double w = 0;
+          for (int q = 0; q < W; ++q) w += refs[q].data_ptr<float>()[off + i];
+          const double d = got.data_ptr<float>()[i] - w;
+          num += d * d;
+          den += w * w;
+        }
+        return std::sqrt(num / (den > 0 ? den : 1.0));
+      };
+      err_dw[r] = std::max(rel_sum(ep_dw1[r], ref_dw1), rel_sum(ep_dw2[r], ref_dw2));
+    }
+  else if (opt.backward)
+    fmt::print("  (dW not compared: the all-expert gradients of {} ranks would take {:.0f} GB)\n",
+               W, dw_bytes / 1e9);
   bool ok = true;
   for (int r = 0; r < W; ++r) {
-    const bool good = err[r] < 1e-3;
+    const bool good = err[r] < 1e-3 && err_dx[r] < 1e-3 && err_dw[r] < 1e-3;
     ok = ok && good;
-    fmt::print("  rank {}: dispatch {:8.1f} us | expert MLP {:8.1f} us | combine {:8.1f} us{}\n", r,
+    fmt::print("  rank {}: dispatch {:8.1f} us | expert MLP {:8.1f} us | combine {:8.1f} us{}{}\n", r,
                dispatch_us[r], mlp_us[r], combine_us[r],
+               opt.backward ? fmt::format(" | backward {:8.1f} us", bwd_us[r]) : "",
                received[r] >= 0 ? fmt::format(" | {} tokens received", received[r]) : "");
-    fmt::print("  check rank {}: out vs the layer without expert parallelism: relative norm "
-               "error {:.2e} {}\n",
-               r, err[r], good ? "ok" : "FAILED");
+    fmt::print("  check rank {}: vs the layer without expert parallelism, relative norm errors: "
+               "out {:.1e}{}{} {}\n",
+               r, err[r],
+               opt.backward ? fmt::format(", dx {:.1e}", err_dx[r]) : "",
+               check_dw ? fmt::format(", dW1/dW2 {:.1e}", err_dw[r]) : "",
+               good ? "ok" : "FAILED");
   }
   fmt::print("{}\n", ok ? "moeflow run --ep: OK" : "moeflow run --ep: FAILED");
   return ok ? 0 : 1;
