@@ -11,7 +11,11 @@
 #include <cuda_runtime.h>
 
 #include <chrono>
+#include <condition_variable>
+#include <cstdio>
+#include <cstdlib>
 #include <cstring>
+#include <mutex>
 #include <thread>
 
 #include "moeflow/dispatch.h"
@@ -20,6 +24,14 @@
 
 namespace moeflow::test {
 namespace {
+
+// The simulated ranks (EpGroup::create_simulated) need every kernel loaded
+// when CUDA starts and a hardware queue per stream, set before any test runs.
+[[maybe_unused]] const bool kSimulationEnv = [] {
+  setenv("CUDA_MODULE_LOADING", "EAGER", 1);
+  setenv("CUDA_DEVICE_MAX_CONNECTIONS", "32", 1);
+  return true;
+}();
 
 using ep_reference::EpConfig;
 using ep_reference::RankInput;
@@ -45,17 +57,42 @@ bool same_bytes(const void* a, const void* b, size_t n) {
   return std::memcmp(a, b, n) == 0;
 }
 
+// Host threads meet here (simulated ranks: no rank launches its next
+// operation before every rank is ready to launch it, see create_simulated).
+class HostBarrier {
+ public:
+  explicit HostBarrier(int n) : n_(n) {}
+  void arrive_and_wait() {
+    std::unique_lock<std::mutex> lock(m_);
+    const int gen = gen_;
+    if (++arrived_ == n_) {
+      arrived_ = 0;
+      ++gen_;
+      cv_.notify_all();
+    } else {
+      cv_.wait(lock, [&] { return gen_ != gen; });
+    }
+  }
+
+ private:
+  std::mutex m_;
+  std::condition_variable cv_;
+  int n_, arrived_ = 0, gen_ = 0;
+};
+
 Tensor to_host(TensorView v) {
   Tensor t = Tensor::empty(v.sizes(), v.dtype, Device::cpu());
   copy(v, t);
   return t;
 }
 
+// simulated: W ranks of the nvlink backend on GPU 0 (EpGroup::create_simulated).
 void run_rounds(int W, const std::vector<Round>& rounds, int64_t capacity_rows = -1,
                 EpBackend backend = EpBackend::kNccl, bool bulk_copies = false,
                 bool register_buffers = false, int64_t H = 96,
-                const std::vector<DType>& dtypes = {DType::kBFloat16, DType::kFloat32}) {
-  ASSERT_GE(cuda_device_count(), W);
+                const std::vector<DType>& dtypes = {DType::kBFloat16, DType::kFloat32},
+                bool simulated = false) {
+  ASSERT_GE(cuda_device_count(), simulated ? 1 : W);
   const int E = 8 * W, K = 4;
   const int64_t tmax = 300;
   for (DType dt : dtypes) {
@@ -79,7 +116,18 @@ void run_rounds(int W, const std::vector<Round>& rounds, int64_t capacity_rows =
     opt.scale_dtype = dt == DType::kFloat8E5M2 ? DType::kUInt8 : DType::kFloat32;
     std::vector<int> devs;
     for (int r = 0; r < W; ++r) devs.push_back(r);
-    auto groups = EpGroup::create_local(devs, opt);
+    if (simulated) {  // every rank's kernels resident at once
+      int sms = 0;
+      MOEFLOW_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0));
+      opt.nvlink_blocks = std::min(opt.nvlink_blocks, sms / W);
+      if (const char* v = std::getenv("MOEFLOW_TEST_SIM_BLOCKS")) opt.nvlink_blocks = std::atoi(v);
+    }
+    auto groups = simulated ? EpGroup::create_simulated(W, 0, opt) : EpGroup::create_local(devs, opt);
+    // simulated: each rank's stream, made right after the groups' own streams
+    // (each stream on its own hardware queue)
+    std::vector<cudaStream_t> streams(W, nullptr);
+    if (simulated)
+      for (auto& st : streams) MOEFLOW_CUDA_CHECK(cudaStreamCreateWithFlags(&st, cudaStreamNonBlocking));
     for (auto& g : groups) {  // the SM budget of the nvlink kernels: [2, SMs], any backend
       if (backend == EpBackend::kNccl && W > 1)
         EXPECT_EQ(g->nccl_buffers_registered(), register_buffers);
@@ -147,16 +195,39 @@ void run_rounds(int W, const std::vector<Round>& rounds, int64_t capacity_rows =
           got_unw(W), got_scales(W);
       std::vector<int64_t> got_overflow(W), got_received(W);
       std::vector<Tensor> got_gy(W), got_dprobs(W);
+      // Simulated ranks share one GPU: each runs on its own stream, and every
+      // operation starts after all ranks are ready for it and ends with the
+      // rank's stream synchronised (see create_simulated).
+      HostBarrier ready(W);
       EpGroup::run_local(groups, [&](int r) {
         const Device dev = groups[r]->device();
+        cudaStream_t st = streams[r];
+        const bool trace = simulated && std::getenv("MOEFLOW_TEST_SIM_TRACE");
+        int op_no = 0;
+        auto op = [&](auto&& f) {
+          if (!simulated) return f();
+          ready.arrive_and_wait();
+          if (trace) std::fprintf(stderr, "rank %d op %d launch\n", r, op_no);
+          f();
+          if (trace) std::fprintf(stderr, "rank %d op %d launched\n", r, op_no);
+          MOEFLOW_CUDA_CHECK(cudaStreamSynchronize(st));
+          if (trace) std::fprintf(stderr, "rank %d op %d done\n", r, op_no);
+          ++op_no;
+        };
         Tensor x = in[r].x.to(dev), ids = (rd.ids64 ? widen_ids(in[r].ids) : in[r].ids).to(dev),
                probs = in[r].probs.to(dev), yy = y[r].to(dev);
-        if (rd.slow_rank0 && r == 0) {
+        if (rd.slow_rank0 && r == 0 && !simulated) {
           MOEFLOW_CUDA_CHECK(cudaDeviceSynchronize());
           std::this_thread::sleep_for(std::chrono::milliseconds(50));
         }
         Tensor sc = with_scales ? in[r].scales.to(dev) : Tensor{};
-        EpDispatchResult res = ep_dispatch(*groups[r], x, ids, probs, sc);
+        EpDispatchResult res;
+        op([&] {
+          // simulated: the others have launched their dispatch and wait on the GPU
+          if (rd.slow_rank0 && r == 0 && simulated)
+            std::this_thread::sleep_for(std::chrono::milliseconds(50));
+          res = ep_dispatch(*groups[r], x, ids, probs, sc, st);
+        });
         got_received[r] = res.received_tokens;
         got_x[r] = to_host(res.x);
         got_probs[r] = to_host(res.probs);
@@ -166,30 +237,43 @@ void run_rounds(int W, const std::vector<Round>& rounds, int64_t capacity_rows =
         got_off[r] = res.plan->expert_row_offsets.to(Device::cpu());
         got_overflow[r] = plan_status(*res.plan).overflow;
         Tensor out = Tensor::empty({rd.tokens[r], H}, ydt, dev);
-        fill_bytes(out, 0xFF);
-        ep_combine(*groups[r], yy, true, out);
+        op([&] {
+          fill_bytes(out, 0xFF, st);
+          ep_combine(*groups[r], yy, true, out, st);
+        });
         got_out[r] = out.to(Device::cpu());
-        fill_bytes(out, 0xFF);
-        ep_combine(*groups[r], yy, true, out);  // determinism
+        op([&] {
+          fill_bytes(out, 0xFF, st);
+          ep_combine(*groups[r], yy, true, out, st);  // determinism
+        });
         got_out2[r] = out.to(Device::cpu());
-        fill_bytes(out, 0xFF);
-        ep_dispatch_backward(*groups[r], yy, out);
+        op([&] {
+          fill_bytes(out, 0xFF, st);
+          ep_dispatch_backward(*groups[r], yy, out, st);
+        });
         got_unw[r] = out.to(Device::cpu());
         {
           Tensor d = dout[r].to(dev), gy = Tensor::empty({cap, H}, ydt, dev);
           Tensor dp = Tensor::empty({rd.tokens[r], K}, DType::kFloat32, dev);
-          fill_bytes(gy, 0xFF);
-          fill_bytes(dp, 0xFF);
-          ep_combine_backward(*groups[r], d, yy, true, gy, dp);
+          op([&] {
+            fill_bytes(gy, 0xFF, st);
+            fill_bytes(dp, 0xFF, st);
+            ep_combine_backward(*groups[r], d, yy, true, gy, dp, st);
+          });
           got_gy[r] = gy.to(Device::cpu());
           got_dprobs[r] = dp.to(Device::cpu());
         }
         // poisoned for the next round: its dispatch must write every row and
         // pad row it reports
-        fill_bytes(res.x, 0xFF);
-        fill_bytes(res.probs, 0xFF);
-        if (with_scales) fill_bytes(res.scales, 0xFF);
-        MOEFLOW_CUDA_CHECK(cudaDeviceSynchronize());
+        fill_bytes(res.x, 0xFF, st);
+        fill_bytes(res.probs, 0xFF, st);
+        if (with_scales) fill_bytes(res.scales, 0xFF, st);
+        if (simulated) {
+          MOEFLOW_CUDA_CHECK(cudaStreamSynchronize(st));
+          ready.arrive_and_wait();  // every rank done: nothing runs on the GPU now
+        } else {
+          MOEFLOW_CUDA_CHECK(cudaDeviceSynchronize());
+        }
       });
       for (int r = 0; r < W; ++r) {
         SCOPED_TRACE("rank " + std::to_string(r));
@@ -231,6 +315,8 @@ void run_rounds(int W, const std::vector<Round>& rounds, int64_t capacity_rows =
             << "combine backward dprobs";
       }
     }
+    for (cudaStream_t st : streams)
+      if (st) MOEFLOW_CUDA_CHECK(cudaStreamDestroy(st));
   }
 }
 
@@ -463,6 +549,74 @@ TEST(GpuEp, Fp8TokensMatchReference) {
     run_rounds(W, {rd, other}, -1, b, false, false, 96,
                {DType::kFloat8E4M3, DType::kFloat8E5M2});
   }
+}
+
+// Backend nvlink with W ranks simulated on one GPU (EpGroup::create_simulated:
+// windows in that GPU's memory, counter barriers): the multi-rank logic of the
+// kernels (count exchange, tokens crossing once, stages and flags, partials,
+// the backward) against the reference where only one GPU is at hand. The
+// real-GPU tests above remain the ones that count.
+TEST(GpuEpNvlinkSimulated, TwoRanksMatchReference) {
+  const int W = 2;
+  MultiRounds m(W);
+  auto& [uneven, empty_rank, one_rank, tagged] = m;
+  Round slow = uneven, to_peer = tagged;
+  slow.slow_rank0 = true;
+  empty_rank.ids64 = true;
+  to_peer.one_rank = true;
+  run_rounds(W, {uneven, empty_rank, one_rank, tagged, slow, to_peer}, -1, EpBackend::kNvlink,
+             false, false, 96, {DType::kBFloat16, DType::kFloat32}, true);
+  // FP8 rows with their scales, bulk copies, an overflow
+  run_rounds(W, {uneven, empty_rank}, -1, EpBackend::kNvlink, false, false, 96,
+             {DType::kFloat8E4M3, DType::kFloat8E5M2}, true);
+  run_rounds(W, {uneven, to_peer}, -1, EpBackend::kNvlink, true, false, 96,
+             {DType::kBFloat16, DType::kFloat32}, true);
+  Round full;
+  for (int r = 0; r < W; ++r) full.tokens.push_back(280);
+  run_rounds(W, {full}, 256, EpBackend::kNvlink, false, false, 96, {DType::kBFloat16}, true);
+}
+
+void simulated_ranks(int W) {
+  MultiRounds m(W);
+  Round to_peer = m.tagged;
+  to_peer.one_rank = true;
+  run_rounds(W, {m.uneven, m.empty_rank, m.one_rank, to_peer}, -1, EpBackend::kNvlink, false,
+             false, 96, {DType::kBFloat16, DType::kFloat32}, true);
+  run_rounds(W, {m.uneven}, -1, EpBackend::kNvlink, false, false, 96, {DType::kFloat8E4M3}, true);
+}
+// (MOEFLOW_TEST_SIM_W=3..8 runs it with another world size. Eight ranks on
+// one H100 passed in some fresh processes and hung in others, 17 streams
+// on 32 hardware queues; with three streams per rank they always hung.
+// Unsettled, so not part of the suite: ranks whose kernels wait on each
+// other need a hardware queue each, which CUDA does not promise.)
+TEST(GpuEpNvlinkSimulated, FourRanksMatchReference) {
+  const char* w = std::getenv("MOEFLOW_TEST_SIM_W");
+  simulated_ranks(w ? std::atoi(w) : 4);
+}
+
+TEST(GpuEpNvlinkSimulated, ArgumentErrors) {
+  EpOptions opt;
+  opt.num_experts = 16;
+  opt.topk = 2;
+  opt.hidden = 64;
+  opt.max_tokens_per_rank = 8;
+  EXPECT_THROW(EpGroup::create_simulated(2, 0, opt), Error);  // backend nccl
+  opt.backend = EpBackend::kNvlink;
+  EXPECT_THROW(EpGroup::create_simulated(1, 0, opt), Error);
+  EXPECT_THROW(EpGroup::create_simulated(9, 0, opt), Error);
+  EXPECT_THROW(EpGroup::create_simulated(2, cuda_device_count(), opt), Error);
+  int sms = 0;
+  MOEFLOW_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0));
+  opt.nvlink_blocks = sms / 2 + 1;  // two ranks' kernels would not fit at once
+  EXPECT_THROW(EpGroup::create_simulated(2, 0, opt), Error);
+  opt.nvlink_blocks = 8;
+  auto groups = EpGroup::create_simulated(2, 0, opt);
+  ASSERT_EQ(groups.size(), 2u);
+  EXPECT_EQ(groups[1]->rank(), 1);
+  EXPECT_EQ(groups[1]->world_size(), 2);
+  EXPECT_EQ(groups[0]->nccl_comm(), nullptr);
+  EXPECT_THROW(groups[0]->set_nvlink_blocks(sms / 2 + 1), Error);
+  groups[0]->set_nvlink_blocks(sms / 2);
 }
 
 TEST(MultiGpuEp, OverflowIsCountedNotWritten) {

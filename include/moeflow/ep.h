@@ -125,6 +125,26 @@ class EpGroup {
   // One group per listed GPU of this process (communicators made together).
   static std::vector<std::unique_ptr<EpGroup>> create_local(const std::vector<int>& devices,
                                                             const EpOptions& options);
+  // Testing aid: `world_size` (2..8) ranks of the nvlink backend on one GPU,
+  // for checking the multi-rank logic where only one GPU is at hand. Each
+  // rank's window is plain memory of that GPU, the barriers are counters in
+  // device memory, and no NCCL communicator exists (nccl_comm() is null).
+  // Drive them like create_local() groups (run_local), each rank on its own
+  // non-blocking stream; all ranks' kernels must be resident at once, so
+  // nvlink_blocks is at most SMs / world_size, and between operations no rank
+  // may call anything that waits for the whole device (cudaDeviceSynchronize,
+  // cudaFree) while another rank has already launched its next operation.
+  // Set before CUDA starts (both checked): CUDA_MODULE_LOADING=EAGER (with
+  // lazy loading, a kernel's first launch may wait for the whole GPU while
+  // another rank's kernel waits for it) and CUDA_DEVICE_MAX_CONNECTIONS=32
+  // (at least 2 x world_size + 1: the ranks' streams must not share hardware
+  // queues, where a kernel would wait behind another rank's waiting kernel);
+  // create the ranks' streams right after the groups, early in a process
+  // (in one that had made and destroyed many streams before, 8 simulated
+  // ranks were seen to deadlock: the queues are not handed out in a
+  // guaranteed order). Timings say nothing about NVLink.
+  static std::vector<std::unique_ptr<EpGroup>> create_simulated(int world_size, int device,
+                                                                const EpOptions& options);
   // Runs fn(rank) on one thread per group (each with its device current) and
   // rethrows the first error: the way to drive create_local() groups.
   static void run_local(const std::vector<std::unique_ptr<EpGroup>>& groups,

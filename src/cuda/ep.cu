@@ -439,6 +439,9 @@ struct EpGroup::Impl {
   }
 
   int chunks() const { return std::clamp(opt.pipeline_chunks, 1, kMaxChunks); }
+  // Blocks of one nvlink kernel: every SM; simulated ranks share the GPU, and
+  // all their kernels must be resident at once (they wait on each other).
+  int max_nvlink_blocks() const { return simulated ? sm_count / world : sm_count; }
 
   // MOEFLOW_EP_TRACE=1: rank 0 prints when each step of a dispatch / combine
   // finished on the GPU (us after the step began), for tuning the pipeline.
@@ -476,9 +479,22 @@ struct EpGroup::Impl {
   void init(ncclComm_t c, bool owns, const EpOptions& o) {
     comm = c;
     owns_comm = owns;
-    opt = o;
     MOEFLOW_NCCL_CHECK(ncclCommUserRank(comm, &rank));
     MOEFLOW_NCCL_CHECK(ncclCommCount(comm, &world));
+    init_common(o);
+  }
+  // Rank r of `w` simulated ranks on the current GPU (create_simulated): no
+  // communicator; the nvlink backend's windows are plain device memory.
+  void init_simulated(int r, int w, const EpOptions& o) {
+    simulated = true;
+    rank = r;
+    world = w;
+    init_common(o);
+  }
+  bool simulated = false;
+
+  void init_common(const EpOptions& o) {
+    opt = o;
     MOEFLOW_CUDA_CHECK(cudaGetDevice(&device));
     MOEFLOW_CUDA_CHECK(cudaDeviceGetAttribute(&sm_count, cudaDevAttrMultiProcessorCount, device));
     MOEFLOW_CHECK(o.num_experts > 0 && o.num_experts % world == 0,
@@ -528,9 +544,11 @@ struct EpGroup::Impl {
     if (o.backend == EpBackend::kNccl) allocate_nccl_buffers(dev);
     // The highest priority: NCCL's blocks get the SMs first when the permute
     // kernels that run beside the transfers free them.
+    // (The nvlink backend uses no NCCL stream.)
     int lo = 0, hi = 0;
     MOEFLOW_CUDA_CHECK(cudaDeviceGetStreamPriorityRange(&lo, &hi));
-    MOEFLOW_CUDA_CHECK(cudaStreamCreateWithPriority(&comm_stream, cudaStreamNonBlocking, hi));
+    if (o.backend == EpBackend::kNccl)
+      MOEFLOW_CUDA_CHECK(cudaStreamCreateWithPriority(&comm_stream, cudaStreamNonBlocking, hi));
     MOEFLOW_CUDA_CHECK(cudaStreamCreateWithFlags(&aux_stream, cudaStreamNonBlocking));
     const char* tr = std::getenv("MOEFLOW_EP_TRACE");
     tracing = tr != nullptr && tr[0] == '1' && rank == 0;
@@ -607,9 +625,10 @@ struct EpGroup::Impl {
     MOEFLOW_CHECK(E <= 2048, "the nvlink backend takes at most 2048 experts, got ", E);
     MOEFLOW_CHECK(K <= 32, "the nvlink backend takes topk <= 32, got ", K);
     MOEFLOW_CHECK(world <= 8, "the nvlink backend takes at most 8 ranks, got ", world);
-    MOEFLOW_CHECK(opt.nvlink_blocks >= 2 && opt.nvlink_blocks <= sm_count,
-                  "nvlink_blocks must be in [2, ", sm_count,
-                  "] (the SMs: its roles wait on each other across ranks), got ", opt.nvlink_blocks);
+    MOEFLOW_CHECK(opt.nvlink_blocks >= 2 && opt.nvlink_blocks <= max_nvlink_blocks(),
+                  "nvlink_blocks must be in [2, ", max_nvlink_blocks(),
+                  "] (the SMs", simulated ? " / the simulated ranks" : "",
+                  ": its roles wait on each other across ranks), got ", opt.nvlink_blocks);
     MOEFLOW_CHECK(capacity < INT32_MAX && int64_t(world) * tmax < INT32_MAX,
                   "the nvlink backend indexes rows with int32: capacity ", capacity,
                   " and world x max_tokens_per_rank ", int64_t(world) * tmax, " must be < 2^31");
@@ -634,9 +653,10 @@ struct EpGroup::Impl {
     o.epoch = take(4);
     o.scales = take(size_t(capacity) * scale_bytes);
     s.bytes = at;
-    if (world == 1) {
+    if (world == 1 || simulated) {
       // NCCL gives a one-rank communicator no symmetric memory: the window is
-      // plain device memory and the barriers are block-local.
+      // plain device memory and the barriers are block-local. Simulated
+      // ranks: plain device memory too, joined by create_simulated.
       s.plain = true;
       MOEFLOW_CUDA_CHECK(cudaMalloc(&s.base, s.bytes));
     } else {
@@ -783,8 +803,8 @@ const EpOptions& EpGroup::options() const {
   return impl_->opt;
 }
 void EpGroup::set_nvlink_blocks(int blocks) {
-  MOEFLOW_CHECK(blocks >= 2 && blocks <= impl_->sm_count,
-                "nvlink_blocks must be in [2, ", impl_->sm_count,
+  MOEFLOW_CHECK(blocks >= 2 && blocks <= impl_->max_nvlink_blocks(),
+                "nvlink_blocks must be in [2, ", impl_->max_nvlink_blocks(),
                 "] (the SMs: its roles wait on each other across ranks), got ", blocks);
   impl_->opt.nvlink_blocks = blocks;
 }
@@ -861,6 +881,52 @@ std::vector<std::unique_ptr<EpGroup>> EpGroup::create_local(const std::vector<in
   }
   if (options.backend == EpBackend::kNvlink)  // collective: one thread per rank
     run_local(groups, [&](int r) { groups[r]->impl().init_nvlink(); });
+  return groups;
+}
+
+std::vector<std::unique_ptr<EpGroup>> EpGroup::create_simulated(int world_size, int device,
+                                                                const EpOptions& options) {
+  MOEFLOW_CHECK(options.backend == EpBackend::kNvlink,
+                "create_simulated simulates the nvlink backend only (NCCL puts no two ranks on "
+                "one GPU), got backend nccl");
+  MOEFLOW_CHECK(world_size >= 2 && world_size <= nvl::kMaxSimRanks, "world_size must be in [2, ",
+                nvl::kMaxSimRanks, "], got ", world_size);
+  MOEFLOW_CHECK(device >= 0 && device < cuda_device_count(), "device must be in [0, ",
+                cuda_device_count(), "), got ", device);
+  // With lazy module loading, launching a kernel for the first time may wait
+  // for the whole GPU, where another rank's kernel spins until this one runs.
+  const char* loading = std::getenv("CUDA_MODULE_LOADING");
+  MOEFLOW_CHECK(loading && std::string(loading) == "EAGER",
+                "create_simulated needs CUDA_MODULE_LOADING=EAGER in the environment before CUDA "
+                "starts (a kernel loaded lazily while another rank's kernel waits for it can "
+                "deadlock the GPU), got ", loading ? loading : "(unset: lazy)");
+  // Every rank's streams (its caller's, the group's side stream) on their own hardware
+  // queue: a kernel queued behind another rank's waiting kernel would never run.
+  const char* conn = std::getenv("CUDA_DEVICE_MAX_CONNECTIONS");
+  const int need = 2 * world_size + 1;
+  MOEFLOW_CHECK(conn && std::atoi(conn) >= need,
+                "create_simulated needs CUDA_DEVICE_MAX_CONNECTIONS >= ", need,
+                " (2 streams per rank + the default stream, each on its own hardware queue; the "
+                "maximum is 32) in the environment before CUDA starts, got ",
+                conn ? conn : "(unset: 8)");
+  MOEFLOW_CUDA_CHECK(cudaSetDevice(device));
+  void* bar = nullptr;
+  MOEFLOW_CUDA_CHECK(cudaMalloc(&bar, 2 * sizeof(unsigned)));
+  std::shared_ptr<void> shared_bar(bar, [](void* p) { cudaFree(p); });
+  MOEFLOW_CUDA_CHECK(cudaMemset(bar, 0, 2 * sizeof(unsigned)));
+  std::vector<std::unique_ptr<EpGroup>> groups;
+  std::vector<uint8_t*> bases;
+  for (int r = 0; r < world_size; ++r) {
+    auto impl = std::make_unique<Impl>();
+    impl->init_simulated(r, world_size, options);
+    impl->init_nvlink();
+    bases.push_back(static_cast<uint8_t*>(impl->nvl->base));
+    groups.push_back(std::unique_ptr<EpGroup>(new EpGroup(std::move(impl))));
+  }
+  for (auto& g : groups) {
+    g->impl().nvl->sim_bar = shared_bar;
+    g->impl().nvl->sim_bases = bases;
+  }
   return groups;
 }
 

@@ -58,24 +58,59 @@ inline size_t round_up(size_t v) {
 }
 
 // The rank's window as kernels see it: NCCL's LSA pointers into the peers'
-// windows, or, for a group of one rank (NCCL gives a one-rank communicator
-// no symmetric memory), plain device memory and no barriers.
+// windows; for a group of one rank (NCCL gives a one-rank communicator no
+// symmetric memory), plain device memory and no barriers; for simulated
+// ranks (EpGroup::create_simulated: every rank on one GPU, a testing aid),
+// each rank's plain device memory and a counter barrier in device memory.
+constexpr int kMaxSimRanks = 8;
 struct Window {
-  ncclWindow_t win;  // null: one rank
+  ncclWindow_t win;  // null: one rank, or simulated ranks
   uint8_t* local;    // this rank's window
   ncclDevComm dc;
+  unsigned* sim_bar = nullptr;            // simulated: [arrived, generation]
+  int sim_world = 0;
+  uint8_t* sim_base[kMaxSimRanks] = {};  // simulated: every rank's window
   __device__ __forceinline__ void* at(size_t off, int q) const {
+    if (sim_bar) return sim_base[q] + off;
     return win ? ncclGetLsaPointer(win, off, q) : local + off;
   }
   // An LSA barrier of the whole block with the peers (every thread calls it).
   __device__ __forceinline__ void barrier() const {
     __threadfence_system();  // earlier stores to the peers, before the arrive
+    if (sim_bar) {
+      __syncthreads();
+      if (threadIdx.x == 0) sim_barrier();
+      __syncthreads();
+      return;
+    }
     if (!win) {
       __syncthreads();
       return;
     }
     ncclLsaBarrierSession<ncclCoopCta> bar(ncclCoopCta(), dc, ncclTeamTagLsa(), 0);
     bar.sync(ncclCoopCta(), ::cuda::memory_order_acq_rel);
+  }
+  // Sense by generation: the last of the sim_world arrivals resets the count
+  // and bumps the generation the others wait on (one thread per rank).
+  // (The generation is read with acquire loads at GPU scope: a stale value
+  // would let a rank through the next barrier early.)
+  __device__ __forceinline__ static unsigned load_acquire(const unsigned* p) {
+    unsigned v;
+    asm volatile("ld.acquire.gpu.global.u32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
+    return v;
+  }
+  __device__ __forceinline__ void sim_barrier() const {
+    unsigned* gen = sim_bar + 1;
+    const unsigned g = load_acquire(gen);  // read before arriving: it cannot move until we do
+    __threadfence();
+    if (atomicAdd(sim_bar, 1u) == static_cast<unsigned>(sim_world) - 1u) {
+      atomicExch(sim_bar, 0u);
+      __threadfence();
+      atomicAdd(gen, 1u);
+    } else {
+      while (load_acquire(gen) == g) __nanosleep(64);
+    }
+    __threadfence();
   }
 };
 
@@ -1001,8 +1036,19 @@ struct NvlinkState {
   RoutingPlan recv;                // this rank's receive plan (counts / offsets on the device)
   int64_t T = 0;
 
+  // Simulated ranks (EpGroup::create_simulated): the barrier words shared by
+  // the group's ranks and every rank's window.
+  std::shared_ptr<void> sim_bar;
+  std::vector<uint8_t*> sim_bases;
+
   nvl::Window view() const {
-    return nvl::Window{have_win ? win : nullptr, static_cast<uint8_t*>(base), dc};
+    nvl::Window w{have_win ? win : nullptr, static_cast<uint8_t*>(base), dc};
+    if (sim_bar) {
+      w.sim_bar = static_cast<unsigned*>(sim_bar.get());
+      w.sim_world = static_cast<int>(sim_bases.size());
+      for (size_t q = 0; q < sim_bases.size(); ++q) w.sim_base[q] = sim_bases[q];
+    }
+    return w;
   }
 
   // The device communicator and the window (the memory is freed by the owner).
