@@ -403,9 +403,8 @@ TEST(MultiGpuEpNvlink, OverflowIsCountedNotWritten) {
 
 // Dispatch + combine captured once in a CUDA graph (no host sync on this
 // backend) and replayed with new tokens and routings: bitwise the eager results.
-TEST(MultiGpuEpNvlink, GraphReplayWithNewRouting) {
-  const int W = cuda_device_count();
-  if (W < 2) GTEST_SKIP() << "needs 2+ GPUs (label multigpu)";
+// simulated: W ranks on GPU 0 (EpGroup::create_simulated).
+void graph_replay(int W, bool simulated) {
   const int E = 8 * W, K = 4, rounds = 3;
   const int64_t H = 96, T = 160;
   EpOptions opt;
@@ -417,7 +416,13 @@ TEST(MultiGpuEpNvlink, GraphReplayWithNewRouting) {
   opt.backend = EpBackend::kNvlink;
   std::vector<int> devs;
   for (int r = 0; r < W; ++r) devs.push_back(r);
-  auto groups = EpGroup::create_local(devs, opt);
+  auto groups = simulated ? EpGroup::create_simulated(W, 0, opt) : EpGroup::create_local(devs, opt);
+  std::vector<cudaStream_t> streams(W);
+  for (int r = 0; r < W; ++r) {  // (simulated: right after the groups' streams)
+    MOEFLOW_CUDA_CHECK(cudaSetDevice(groups[r]->device().index));
+    MOEFLOW_CUDA_CHECK(cudaStreamCreateWithFlags(&streams[r], cudaStreamNonBlocking));
+  }
+  HostBarrier ready(W);  // simulated: every launch after all ranks are ready for it
   const int64_t cap = groups[0]->capacity_rows();
   std::vector<std::vector<Tensor>> xs(rounds), ids(rounds), probs(rounds), ys(rounds);
   uint32_t seed = 41;
@@ -436,8 +441,7 @@ TEST(MultiGpuEpNvlink, GraphReplayWithNewRouting) {
   EpGroup::run_local(groups, [&](int r) {
     EpGroup& g = *groups[r];
     const Device dev = g.device();
-    cudaStream_t st;
-    MOEFLOW_CUDA_CHECK(cudaStreamCreateWithFlags(&st, cudaStreamNonBlocking));
+    cudaStream_t st = streams[r];
     Tensor x = Tensor::empty({T, H}, DType::kBFloat16, dev),
            id = Tensor::empty({T, K}, DType::kInt32, dev),
            pr = Tensor::empty({T, K}, DType::kFloat32, dev),
@@ -456,6 +460,7 @@ TEST(MultiGpuEpNvlink, GraphReplayWithNewRouting) {
     };
     for (int i = 0; i < rounds; ++i) {
       load(i);
+      if (simulated) ready.arrive_and_wait();
       step();
       MOEFLOW_CUDA_CHECK(cudaStreamSynchronize(st));
       eager[i][r] = out.to(Device::cpu());
@@ -468,10 +473,12 @@ TEST(MultiGpuEpNvlink, GraphReplayWithNewRouting) {
     MOEFLOW_CUDA_CHECK(cudaGraphInstantiate(&exec, graph, 0));
     for (int i = 0; i < rounds; ++i) {
       load(i);
+      if (simulated) ready.arrive_and_wait();
       MOEFLOW_CUDA_CHECK(cudaGraphLaunch(exec, st));
       MOEFLOW_CUDA_CHECK(cudaStreamSynchronize(st));
       replay[i][r] = out.to(Device::cpu());
     }
+    if (simulated) ready.arrive_and_wait();  // nothing of any rank runs now
     MOEFLOW_CUDA_CHECK(cudaGraphExecDestroy(exec));
     MOEFLOW_CUDA_CHECK(cudaGraphDestroy(graph));
     MOEFLOW_CUDA_CHECK(cudaStreamDestroy(st));
@@ -484,6 +491,16 @@ TEST(MultiGpuEpNvlink, GraphReplayWithNewRouting) {
         EXPECT_FALSE(same_bytes(eager[i][r].data(), eager[i - 1][r].data(), eager[i][r].nbytes()))
             << "new routings must change the result";
     }
+}
+
+TEST(MultiGpuEpNvlink, GraphReplayWithNewRouting) {
+  const int W = cuda_device_count();
+  if (W < 2) GTEST_SKIP() << "needs 2+ GPUs (label multigpu)";
+  graph_replay(W, false);
+}
+
+TEST(GpuEpNvlinkSimulated, GraphReplayWithNewRouting) {
+  graph_replay(2, true);
 }
 
 // Backend nccl, long rows (8-16 KB): the messages are large enough for
@@ -556,8 +573,13 @@ TEST(GpuEp, Fp8TokensMatchReference) {
 // kernels (count exchange, tokens crossing once, stages and flags, partials,
 // the backward) against the reference where only one GPU is at hand. The
 // real-GPU tests above remain the ones that count.
+// MOEFLOW_TEST_SIM_W=3..8 runs it with another world size: bitwise equal at
+// W = 4 and 8 where it ran to the end, but in some processes those hung (the
+// ranks' waiting kernels need a hardware queue each, which CUDA does not
+// promise; more streams, more often), so the suite keeps W = 2.
 TEST(GpuEpNvlinkSimulated, TwoRanksMatchReference) {
-  const int W = 2;
+  const char* w = std::getenv("MOEFLOW_TEST_SIM_W");
+  const int W = w ? std::atoi(w) : 2;
   MultiRounds m(W);
   auto& [uneven, empty_rank, one_rank, tagged] = m;
   Round slow = uneven, to_peer = tagged;
@@ -574,24 +596,6 @@ TEST(GpuEpNvlinkSimulated, TwoRanksMatchReference) {
   Round full;
   for (int r = 0; r < W; ++r) full.tokens.push_back(280);
   run_rounds(W, {full}, 256, EpBackend::kNvlink, false, false, 96, {DType::kBFloat16}, true);
-}
-
-void simulated_ranks(int W) {
-  MultiRounds m(W);
-  Round to_peer = m.tagged;
-  to_peer.one_rank = true;
-  run_rounds(W, {m.uneven, m.empty_rank, m.one_rank, to_peer}, -1, EpBackend::kNvlink, false,
-             false, 96, {DType::kBFloat16, DType::kFloat32}, true);
-  run_rounds(W, {m.uneven}, -1, EpBackend::kNvlink, false, false, 96, {DType::kFloat8E4M3}, true);
-}
-// (MOEFLOW_TEST_SIM_W=3..8 runs it with another world size. Eight ranks on
-// one H100 passed in some fresh processes and hung in others, 17 streams
-// on 32 hardware queues; with three streams per rank they always hung.
-// Unsettled, so not part of the suite: ranks whose kernels wait on each
-// other need a hardware queue each, which CUDA does not promise.)
-TEST(GpuEpNvlinkSimulated, FourRanksMatchReference) {
-  const char* w = std::getenv("MOEFLOW_TEST_SIM_W");
-  simulated_ranks(w ? std::atoi(w) : 4);
 }
 
 TEST(GpuEpNvlinkSimulated, ArgumentErrors) {

@@ -139,10 +139,10 @@ class EpGroup {
   // another rank's kernel waits for it) and CUDA_DEVICE_MAX_CONNECTIONS=32
   // (at least 2 x world_size + 1: the ranks' streams must not share hardware
   // queues, where a kernel would wait behind another rank's waiting kernel);
-  // create the ranks' streams right after the groups, early in a process
-  // (in one that had made and destroyed many streams before, 8 simulated
-  // ranks were seen to deadlock: the queues are not handed out in a
-  // guaranteed order). Timings say nothing about NVLink.
+  // create the ranks' streams right after the groups, early in a process.
+  // CUDA does not promise a hardware queue per stream: 4 and 8 simulated
+  // ranks deadlocked in some processes (2 never did, in every run so far).
+  // Timings say nothing about NVLink.
   static std::vector<std::unique_ptr<EpGroup>> create_simulated(int world_size, int device,
                                                                 const EpOptions& options);
   // Runs fn(rank) on one thread per group (each with its device current) and
