@@ -574,9 +574,8 @@ TEST(GpuEp, Fp8TokensMatchReference) {
 // the backward) against the reference where only one GPU is at hand. The
 // real-GPU tests above remain the ones that count.
 // MOEFLOW_TEST_SIM_W=3..8 runs it with another world size: bitwise equal at
-// W = 4 and 8 where it ran to the end, but in some processes those hung (the
-// ranks' waiting kernels need a hardware queue each, which CUDA does not
-// promise; more streams, more often), so the suite keeps W = 2.
+// W = 4 and 8 where it ran to the end, but in some processes those hung
+// (cause open: docs/architecture.md), so the suite keeps W = 2.
 TEST(GpuEpNvlinkSimulated, TwoRanksMatchReference) {
   const char* w = std::getenv("MOEFLOW_TEST_SIM_W");
   const int W = w ? std::atoi(w) : 2;

@@ -140,8 +140,8 @@ class EpGroup {
   // (at least 2 x world_size + 1: the ranks' streams must not share hardware
   // queues, where a kernel would wait behind another rank's waiting kernel);
   // create the ranks' streams right after the groups, early in a process.
-  // CUDA does not promise a hardware queue per stream: 4 and 8 simulated
-  // ranks deadlocked in some processes (2 never did, in every run so far).
+  // 4 and 8 simulated ranks deadlocked in some processes (2 never did, in
+  // every run so far; cause open, docs/architecture.md).
   // Timings say nothing about NVLink.
   static std::vector<std::unique_ptr<EpGroup>> create_simulated(int world_size, int device,
                                                                 const EpOptions& options);
