@@ -123,11 +123,10 @@ void run_rounds(int W, const std::vector<Round>& rounds, int64_t capacity_rows =
       if (const char* v = std::getenv("MOEFLOW_TEST_SIM_BLOCKS")) opt.nvlink_blocks = std::atoi(v);
     }
     auto groups = simulated ? EpGroup::create_simulated(W, 0, opt) : EpGroup::create_local(devs, opt);
-    // simulated: each rank's stream, made right after the groups' own streams
-    // (each stream on its own hardware queue)
+    // simulated: each rank runs on its group's stream (a hardware queue each)
     std::vector<cudaStream_t> streams(W, nullptr);
     if (simulated)
-      for (auto& st : streams) MOEFLOW_CUDA_CHECK(cudaStreamCreateWithFlags(&st, cudaStreamNonBlocking));
+      for (int r = 0; r < W; ++r) streams[r] = groups[r]->simulated_stream();
     for (auto& g : groups) {  // the SM budget of the nvlink kernels: [2, SMs], any backend
       if (backend == EpBackend::kNccl && W > 1)
         EXPECT_EQ(g->nccl_buffers_registered(), register_buffers);
@@ -315,8 +314,6 @@ void run_rounds(int W, const std::vector<Round>& rounds, int64_t capacity_rows =
             << "combine backward dprobs";
       }
     }
-    for (cudaStream_t st : streams)
-      if (st) MOEFLOW_CUDA_CHECK(cudaStreamDestroy(st));
   }
 }
 
@@ -418,9 +415,12 @@ void graph_replay(int W, bool simulated) {
   for (int r = 0; r < W; ++r) devs.push_back(r);
   auto groups = simulated ? EpGroup::create_simulated(W, 0, opt) : EpGroup::create_local(devs, opt);
   std::vector<cudaStream_t> streams(W);
-  for (int r = 0; r < W; ++r) {  // (simulated: right after the groups' streams)
+  for (int r = 0; r < W; ++r) {  // (simulated: the group's own stream)
     MOEFLOW_CUDA_CHECK(cudaSetDevice(groups[r]->device().index));
-    MOEFLOW_CUDA_CHECK(cudaStreamCreateWithFlags(&streams[r], cudaStreamNonBlocking));
+    if (simulated)
+      streams[r] = groups[r]->simulated_stream();
+    else
+      MOEFLOW_CUDA_CHECK(cudaStreamCreateWithFlags(&streams[r], cudaStreamNonBlocking));
   }
   HostBarrier ready(W);  // simulated: every launch after all ranks are ready for it
   const int64_t cap = groups[0]->capacity_rows();
@@ -481,7 +481,7 @@ void graph_replay(int W, bool simulated) {
     if (simulated) ready.arrive_and_wait();  // nothing of any rank runs now
     MOEFLOW_CUDA_CHECK(cudaGraphExecDestroy(exec));
     MOEFLOW_CUDA_CHECK(cudaGraphDestroy(graph));
-    MOEFLOW_CUDA_CHECK(cudaStreamDestroy(st));
+    if (!simulated) MOEFLOW_CUDA_CHECK(cudaStreamDestroy(st));
   });
   for (int i = 0; i < rounds; ++i)
     for (int r = 0; r < W; ++r) {
@@ -573,12 +573,8 @@ TEST(GpuEp, Fp8TokensMatchReference) {
 // kernels (count exchange, tokens crossing once, stages and flags, partials,
 // the backward) against the reference where only one GPU is at hand. The
 // real-GPU tests above remain the ones that count.
-// MOEFLOW_TEST_SIM_W=3..8 runs it with another world size: bitwise equal at
-// W = 4 and 8 where it ran to the end, but in some processes those hung
-// (cause open: docs/architecture.md), so the suite keeps W = 2.
-TEST(GpuEpNvlinkSimulated, TwoRanksMatchReference) {
-  const char* w = std::getenv("MOEFLOW_TEST_SIM_W");
-  const int W = w ? std::atoi(w) : 2;
+// (MOEFLOW_TEST_SIM_W=3..8 runs it with another world size.)
+void simulated_ranks(int W) {
   MultiRounds m(W);
   auto& [uneven, empty_rank, one_rank, tagged] = m;
   Round slow = uneven, to_peer = tagged;
@@ -595,6 +591,17 @@ TEST(GpuEpNvlinkSimulated, TwoRanksMatchReference) {
   Round full;
   for (int r = 0; r < W; ++r) full.tokens.push_back(280);
   run_rounds(W, {full}, 256, EpBackend::kNvlink, false, false, 96, {DType::kBFloat16}, true);
+}
+
+TEST(GpuEpNvlinkSimulated, TwoRanksMatchReference) {
+  const char* w = std::getenv("MOEFLOW_TEST_SIM_W");
+  simulated_ranks(w ? std::atoi(w) : 2);
+}
+TEST(GpuEpNvlinkSimulated, FourRanksMatchReference) {
+  simulated_ranks(4);
+}
+TEST(GpuEpNvlinkSimulated, EightRanksMatchReference) {
+  simulated_ranks(8);
 }
 
 TEST(GpuEpNvlinkSimulated, ArgumentErrors) {

@@ -129,20 +129,17 @@ class EpGroup {
   // for checking the multi-rank logic where only one GPU is at hand. Each
   // rank's window is plain memory of that GPU, the barriers are counters in
   // device memory, and no NCCL communicator exists (nccl_comm() is null).
-  // Drive them like create_local() groups (run_local), each rank on its own
-  // non-blocking stream; all ranks' kernels must be resident at once, so
-  // nvlink_blocks is at most SMs / world_size, and between operations no rank
-  // may call anything that waits for the whole device (cudaDeviceSynchronize,
-  // cudaFree) while another rank has already launched its next operation.
-  // Set before CUDA starts (both checked): CUDA_MODULE_LOADING=EAGER (with
-  // lazy loading, a kernel's first launch may wait for the whole GPU while
-  // another rank's kernel waits for it) and CUDA_DEVICE_MAX_CONNECTIONS=32
-  // (at least 2 x world_size + 1: the ranks' streams must not share hardware
-  // queues, where a kernel would wait behind another rank's waiting kernel);
-  // create the ranks' streams right after the groups, early in a process.
-  // 4 and 8 simulated ranks deadlocked in some processes (2 never did, in
-  // every run so far; cause open, docs/architecture.md).
-  // Timings say nothing about NVLink.
+  // Drive them like create_local() groups (run_local), each rank's
+  // operations on its simulated_stream(); all ranks' kernels must be
+  // resident at once, so nvlink_blocks is at most SMs / world_size, and
+  // between operations no rank may call anything that waits for the whole
+  // device (cudaDeviceSynchronize, cudaFree) while another rank has already
+  // launched its next operation. Set before CUDA starts (both checked):
+  // CUDA_MODULE_LOADING=EAGER (with lazy loading, a kernel's first launch may
+  // wait for the whole GPU while another rank's kernel waits for it) and
+  // CUDA_DEVICE_MAX_CONNECTIONS=32 (at least 17: the ranks' streams, taken
+  // from a pool made at the first call, need a hardware queue each). Timings
+  // say nothing about NVLink.
   static std::vector<std::unique_ptr<EpGroup>> create_simulated(int world_size, int device,
                                                                 const EpOptions& options);
   // Runs fn(rank) on one thread per group (each with its device current) and
@@ -165,6 +162,9 @@ class EpGroup {
   void set_overlap_blocks(int blocks);
   void set_nvlink_blocks(int blocks);
   ncclComm* nccl_comm() const;
+  // A group of create_simulated(): the stream its rank's operations must run
+  // on (from a process-wide pool, never destroyed); null for other groups.
+  cudaStream_t simulated_stream() const;
   // Backend nccl: whether NCCL accepted the registration of the staging
   // buffers (EpOptions::nccl_register_buffers; NCCL_LOCAL_REGISTER=0 declines).
   bool nccl_buffers_registered() const;

@@ -37,6 +37,7 @@
 #include <iterator>
 #include <memory>
 #include <type_traits>
+#include <map>
 #include <mutex>
 #include <string>
 #include <thread>
@@ -339,6 +340,29 @@ int64_t addr(const void* p) {
   return static_cast<int64_t>(reinterpret_cast<uintptr_t>(p));
 }
 
+// Simulated ranks (EpGroup::create_simulated) take their streams from one
+// process-wide pool per GPU, made once and never destroyed: the ranks'
+// kernels wait on each other, so each stream needs a hardware queue of its
+// own, and streams made later in a process (after others were made and
+// destroyed) were seen to share one (a rank's kernel then never started).
+constexpr int kSimPool = 8;
+struct SimStreams {
+  cudaStream_t rank[kSimPool] = {}, side[kSimPool] = {};
+};
+SimStreams& sim_streams(int device) {
+  static std::mutex mu;
+  static std::map<int, SimStreams> pool;
+  std::lock_guard<std::mutex> lock(mu);
+  auto it = pool.find(device);
+  if (it != pool.end()) return it->second;
+  SimStreams s;
+  for (int i = 0; i < kSimPool; ++i) {
+    MOEFLOW_CUDA_CHECK(cudaStreamCreateWithFlags(&s.rank[i], cudaStreamNonBlocking));
+    MOEFLOW_CUDA_CHECK(cudaStreamCreateWithFlags(&s.side[i], cudaStreamNonBlocking));
+  }
+  return pool.emplace(device, s).first->second;
+}
+
 }  // namespace
 
 }  // namespace moeflow
@@ -420,7 +444,7 @@ struct EpGroup::Impl {
       for (int i = 0; i < kMaxChunks; ++i)
         if (arr[i]) cudaEventDestroy(arr[i]);
     if (comm_stream) cudaStreamDestroy(comm_stream);
-    if (aux_stream) cudaStreamDestroy(aux_stream);
+    if (aux_stream && !simulated) cudaStreamDestroy(aux_stream);  // (pooled when simulated)
     if (host) cudaFreeHost(host);
     // The window and the device communicator go with an owned communicator
     // (deregistering them one group after the other from one thread could
@@ -549,7 +573,10 @@ struct EpGroup::Impl {
     MOEFLOW_CUDA_CHECK(cudaDeviceGetStreamPriorityRange(&lo, &hi));
     if (o.backend == EpBackend::kNccl)
       MOEFLOW_CUDA_CHECK(cudaStreamCreateWithPriority(&comm_stream, cudaStreamNonBlocking, hi));
-    MOEFLOW_CUDA_CHECK(cudaStreamCreateWithFlags(&aux_stream, cudaStreamNonBlocking));
+    if (simulated)
+      aux_stream = sim_streams(device).side[rank];
+    else
+      MOEFLOW_CUDA_CHECK(cudaStreamCreateWithFlags(&aux_stream, cudaStreamNonBlocking));
     const char* tr = std::getenv("MOEFLOW_EP_TRACE");
     tracing = tr != nullptr && tr[0] == '1' && rank == 0;
     for (cudaEvent_t* e : {&ev_start, &ev_host, &ev_packed, &ev_meta, &ev_aux})
@@ -817,6 +844,10 @@ void EpGroup::set_pipeline_chunks(int chunks) {
                 "], got ", chunks);
   impl_->opt.pipeline_chunks = chunks;
 }
+cudaStream_t EpGroup::simulated_stream() const {
+  return impl_->simulated ? sim_streams(impl_->device).rank[impl_->rank] : nullptr;
+}
+
 ncclComm* EpGroup::nccl_comm() const {
   return impl_->comm;
 }
@@ -903,13 +934,15 @@ std::vector<std::unique_ptr<EpGroup>> EpGroup::create_simulated(int world_size, 
   // Every rank's streams (its caller's, the group's side stream) on their own hardware
   // queue: a kernel queued behind another rank's waiting kernel would never run.
   const char* conn = std::getenv("CUDA_DEVICE_MAX_CONNECTIONS");
-  const int need = 2 * world_size + 1;
+  const int need = 2 * kSimPool + 1;
   MOEFLOW_CHECK(conn && std::atoi(conn) >= need,
                 "create_simulated needs CUDA_DEVICE_MAX_CONNECTIONS >= ", need,
-                " (2 streams per rank + the default stream, each on its own hardware queue; the "
+                " (its pool of 2 streams per rank + the default stream, each on its own hardware "
+                "queue; the "
                 "maximum is 32) in the environment before CUDA starts, got ",
                 conn ? conn : "(unset: 8)");
   MOEFLOW_CUDA_CHECK(cudaSetDevice(device));
+  sim_streams(device);  // the pool first, before anything else makes streams
   void* bar = nullptr;
   MOEFLOW_CUDA_CHECK(cudaMalloc(&bar, 2 * sizeof(unsigned)));
   std::shared_ptr<void> shared_bar(bar, [](void* p) { cudaFree(p); });
