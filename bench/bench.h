@@ -83,6 +83,20 @@ int run_layer(const RunOptions& opt);
 // without expert parallelism (CUDA builds only).
 int run_ep_layer(const RunOptions& opt);
 
+struct Preset;
+
+// What one expert-MLP step produced, on the host.
+struct MlpStep {
+  Tensor out, dx, dprobs, dw1, dw2;
+};
+// The grouped expert MLP of the preset on the plan's padded layout, forward
+// (permute with probs -> FC1 + probs-weighted SwiGLU -> FC2 -> unpermute)
+// and, when asked, backward with dout (input gradient, dprobs of the rows,
+// weight gradients), on the device of `x` and `stream`; *us: its wall time.
+MlpStep mlp_step(const Preset& p, const RoutingPlan& plan, const Tensor& x, const Tensor& probs,
+                 const Tensor& w1, const Tensor& w2, const Tensor& dout, bool backward, double* us,
+                 cudaStream_t stream = nullptr);
+
 // "auto" -> cuda:0 when a GPU is present, else cpu; "cpu"; "cuda" / "cuda:N".
 Device parse_device(const std::string& s);
 DType parse_float_dtype(const std::string& s);

@@ -16,13 +16,6 @@
 
 namespace moeflow::bench {
 
-namespace {
-
-// What one expert-MLP step produced, on the host.
-struct MlpStep {
-  Tensor out, dx, dprobs, dw1, dw2;
-};
-
 // The grouped expert MLP on the plan's padded layout: permute (probs along)
 // -> FC1 + weighted SwiGLU (the rows' probs) -> FC2 -> unpermute, then the
 // backward of all of it with dout given: unpermute_backward -> MLP input
@@ -30,7 +23,7 @@ struct MlpStep {
 // gradients (delayed wgrad). Runs on the device of `x`.
 MlpStep mlp_step(const Preset& p, const RoutingPlan& plan, const Tensor& x, const Tensor& probs,
                  const Tensor& w1, const Tensor& w2, const Tensor& dout, bool backward,
-                 double* us) {
+                 double* us, cudaStream_t stream) {
   const Device dev = x.device();
   const int64_t T = p.num_tokens, H = p.hidden, F = p.ffn, rows = plan.capacity_rows;
   const int E = p.num_experts;
@@ -51,23 +44,26 @@ MlpStep mlp_step(const Preset& p, const RoutingPlan& plan, const Tensor& x, cons
   const GroupedMlpWeights w{w1, w2, {}, {}};
   const GroupedMlpConfig cfg{};  // SwiGLU, [gate; up] halves
   const GroupedMlpSaved saved{h, a};
-  if (dev.is_cuda()) detail::cuda_stream_sync(nullptr);
+  if (dev.is_cuda()) detail::cuda_stream_sync(stream);
   const auto t0 = std::chrono::steady_clock::now();
-  permute(x, plan, xr, PermuteExtras{probs, pr, {}, {}});
-  grouped_mlp_forward(xr, w, groups, pr, cfg, yr, saved);
-  unpermute(yr, plan, out);
+  permute(x, plan, xr, PermuteExtras{probs, pr, {}, {}}, stream);
+  grouped_mlp_forward(xr, w, groups, pr, cfg, yr, saved, stream);
+  unpermute(yr, plan, out, {}, stream);
   if (backward) {
-    unpermute_backward(dout, plan, {}, {}, dyr, {});
-    grouped_mlp_backward_dgrad(dyr, w, groups, pr, cfg, saved, dxr, dh, dpr);
-    permute_backward(dxr, plan, dx);
-    grouped_mlp_backward_wgrad(dyr, xr, groups, saved, dh, GroupedMlpGrads{dw1, dw2, {}, {}, false});
+    unpermute_backward(dout, plan, {}, {}, dyr, {}, stream);
+    grouped_mlp_backward_dgrad(dyr, w, groups, pr, cfg, saved, dxr, dh, dpr, stream);
+    permute_backward(dxr, plan, dx, {}, {}, stream);
+    grouped_mlp_backward_wgrad(dyr, xr, groups, saved, dh, GroupedMlpGrads{dw1, dw2, {}, {}, false},
+                               stream);
   }
-  if (dev.is_cuda()) detail::cuda_stream_sync(nullptr);
+  if (dev.is_cuda()) detail::cuda_stream_sync(stream);
   *us = std::chrono::duration<double, std::micro>(std::chrono::steady_clock::now() - t0).count();
   const Device cpu = Device::cpu();
   if (!backward) return {out.to(cpu), {}, {}, {}, {}};
   return {out.to(cpu), dx.to(cpu), dpr.to(cpu), dw1.to(cpu), dw2.to(cpu)};
 }
+
+namespace {
 
 // Relative norm error of got against want (same shape, float32 or bf16).
 double rel_err(const Tensor& got, const Tensor& want) {

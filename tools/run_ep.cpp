@@ -147,51 +147,26 @@ int run_ep_layer(const RunOptions& opt) {
       RoutingPlan plan = allocate_plan(T, K, pc, dev);
       Tensor ws = Tensor::empty({static_cast<int64_t>(plan_workspace_bytes(T, K, pc))}, DType::kUInt8, dev);
       build_plan(routing.ids, plan, ws, stream);
-      const int64_t rows = plan.capacity_rows;
-      Tensor xr = Tensor::empty({rows, H}, DType::kBFloat16, dev);
-      Tensor pr = Tensor::empty({rows}, DType::kFloat32, dev);
-      Tensor hr = Tensor::empty({rows, 2 * F}, DType::kBFloat16, dev);
-      Tensor ar = Tensor::empty({rows, F}, DType::kBFloat16, dev);
-      Tensor yr = Tensor::empty({rows, H}, DType::kBFloat16, dev);
-      Tensor ref = Tensor::empty({T, H}, DType::kFloat32, dev);
-      permute(x, plan, xr, PermuteExtras{routing.probs, pr, {}, {}}, stream);
-      grouped_mlp_forward(xr, GroupedMlpWeights{w1a, w2a, {}, {}}, GroupLayout::from_plan(plan), pr,
-                          cfg, yr, GroupedMlpSaved{hr, ar}, stream);
-      unpermute(yr, plan, ref, {}, stream);
-      Tensor dx_ref = Tensor::empty({T, H}, DType::kFloat32, dev);
-      Tensor dw1a = Tensor::empty({E, 2 * F, H}, DType::kFloat32, dev);
-      Tensor dw2a = Tensor::empty({E, H, F}, DType::kFloat32, dev);
-      if (opt.backward) {
-        Tensor dyr = Tensor::empty({rows, H}, DType::kBFloat16, dev);
-        Tensor dxr2 = Tensor::empty({rows, H}, DType::kBFloat16, dev);
-        Tensor dh2 = Tensor::empty({rows, 2 * F}, DType::kBFloat16, dev);
-        Tensor dp2 = Tensor::empty({rows}, DType::kFloat32, dev);
-        const GroupLayout gl = GroupLayout::from_plan(plan);
-        unpermute_backward(dout, plan, {}, {}, dyr, {}, stream);
-        grouped_mlp_backward_dgrad(dyr, GroupedMlpWeights{w1a, w2a, {}, {}}, gl, pr, cfg,
-                                   GroupedMlpSaved{hr, ar}, dxr2, dh2, dp2, stream);
-        permute_backward(dxr2, plan, dx_ref, {}, {}, stream);
-        grouped_mlp_backward_wgrad(dyr, xr, gl, GroupedMlpSaved{hr, ar}, dh2,
-                                   GroupedMlpGrads{dw1a, dw2a, {}, {}, false}, stream);
-      }
-      MOEFLOW_CUDA_CHECK(cudaStreamSynchronize(stream));
-      auto rel = [](const Tensor& got, const Tensor& want, int64_t off) {
-        Tensor g = got.to(Device::cpu()), w = want.to(Device::cpu());
+      double ref_us = 0;
+      const MlpStep ref = mlp_step(p, plan, x, routing.probs, w1a, w2a, dout, opt.backward,
+                                   &ref_us, stream);
+      auto rel = [](const Tensor& got, const Tensor& want) {
+        Tensor g = got.to(Device::cpu());
         double num = 0, den = 0;
         for (int64_t i = 0; i < g.numel(); ++i) {
-          const double gv = g.data_ptr<float>()[i], wv = w.data_ptr<float>()[off + i];
+          const double gv = g.data_ptr<float>()[i], wv = want.data_ptr<float>()[i];
           num += (gv - wv) * (gv - wv);
           den += wv * wv;
         }
         return std::sqrt(num / (den > 0 ? den : 1.0));
       };
-      err[r] = rel(out, ref, 0);
-      if (opt.backward) err_dx[r] = rel(dx, dx_ref, 0);
+      err[r] = rel(out, ref.out);
+      if (opt.backward) err_dx[r] = rel(dx, ref.dx);
       if (check_dw) {
         ep_dw1[r] = dw1.to(Device::cpu());
         ep_dw2[r] = dw2.to(Device::cpu());
-        ref_dw1[r] = dw1a.to(Device::cpu());
-        ref_dw2[r] = dw2a.to(Device::cpu());
+        ref_dw1[r] = ref.dw1;
+        ref_dw2[r] = ref.dw2;
       }
     }
     for (auto& e : ev) MOEFLOW_CUDA_CHECK(cudaEventDestroy(e));
