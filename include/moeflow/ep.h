@@ -138,8 +138,9 @@ class EpGroup {
   // CUDA_MODULE_LOADING=EAGER (with lazy loading, a kernel's first launch may
   // wait for the whole GPU while another rank's kernel waits for it) and
   // CUDA_DEVICE_MAX_CONNECTIONS=32 (at least 17: the ranks' streams, taken
-  // from a pool made at the first call, need a hardware queue each). Timings
-  // say nothing about NVLink.
+  // from a pool made at the first call, need a hardware queue each; so use
+  // one set of simulated groups per GPU at a time). Timings say nothing about
+  // NVLink.
   static std::vector<std::unique_ptr<EpGroup>> create_simulated(int world_size, int device,
                                                                 const EpOptions& options);
   // Runs fn(rank) on one thread per group (each with its device current) and
