@@ -280,6 +280,19 @@ void run_gemm_bench(const GemmBenchOptions& opt) {
         };
         const double act_only = part(false, false, false), act_raw = part(true, false, false),
                      act_raw_bias = part(true, true, false);
+        // Both outputs copied out by the helper warps' 16-byte stores instead
+        // of TMA stores (the TMA then only loads operands), paired with FC1
+        // alone (TMA stores).
+        const auto [fused_direct, plain_direct] = paired(
+            [&] {
+              cuda::set_gemm_path(cuda::GemmPath::kTmaDirectStore);
+              cuda::mlp_fc1_forward(call, stream);
+              cuda::set_gemm_path(cuda::GemmPath::kAuto);
+            },
+            [&] { grouped_gemm_forward(a, GroupedWeights::from_stacked(w), layout, out, stream); });
+        fmt::print(
+            "    fused with masked-store outputs {:7.1f} TFLOP/s, FC1 alone {:7.1f}: {:.3f}x\n",
+            fused_direct, plain_direct, plain_direct / fused_direct);
         fmt::print(
             "    fused parts: SwiGLU only {:7.1f}, + pre-activation saved {:7.1f}, + bias {:7.1f}, "
             "+ probs (all) {:7.1f} TFLOP/s\n",
