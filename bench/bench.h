@@ -32,6 +32,7 @@ struct GemmBenchOptions {
   std::vector<std::string> cases;  // empty: all five cases of shared/BENCHMARKS.md
   bool sweep = false;              // rows per expert 64..4096, uniform and skewed
   bool tune = false;               // also time the shared-memory splits of the TMA kernel
+  std::vector<int> tune_hold;      // fused FC1 held-stage windows to time, paired with FC1 alone
   int sweep_experts = 32;
   int64_t sweep_k = 2048, sweep_n = 1536;
   Device device;

@@ -299,6 +299,31 @@ void run_gemm_bench(const GemmBenchOptions& opt) {
             act_only, act_raw, act_raw_bias, fused);
       }
     }
+    // The fused FC1's held-stage window, each value paired with FC1 alone.
+    if (fused_call)
+      for (const int hold : opt.tune_hold) {
+        cuda::TmaTuning t;
+        t.hold = hold;
+        const auto [fu, plain] = paired(
+            [&] {
+              cuda::set_tma_tuning(t);
+              cuda::mlp_fc1_forward(*fused_call, stream);
+            },
+            [&] {
+              cuda::set_tma_tuning({});
+              grouped_gemm_forward(a, GroupedWeights::from_stacked(w), layout, out, stream);
+            });
+        cuda::set_tma_tuning({});
+        fmt::print("    tune fused fc1 hold={:4d}: {:7.1f} TFLOP/s, FC1 alone {:7.1f}: {:.3f}x\n",
+                   hold, fu, plain, plain / fu);
+        std::fflush(stdout);
+        Row r{c.name, "tune_hold", flops / fu / 1e6, 0, 0, 0};
+        r.extra = {{"hold", hold},
+                   {"fused_fc1_TFLOPs", fu},
+                   {"fc1_alone_TFLOPs", plain},
+                   {"time_ratio", plain / fu}};
+        rows_out.push_back(r);
+      }
     if (opt.tune) {  // TMA kernel: pipeline stages x staging buffers x raster x stagger
       for (const auto [st, nb, rb, sg, ds] :
            {std::tuple{4, 2, 8, 1, 0}, {3, 2, 8, 1, 0}, {3, 4, 8, 1, 0}, {3, 5, 8, 2, 0},
@@ -324,7 +349,7 @@ void run_gemm_bench(const GemmBenchOptions& opt) {
       // skips the stage the helpers hold after a tile.
       if (fused_call)
         for (const int st : {4, 3})
-          for (const int hold : {0, 4, 8, 12, 16, 24, 1000}) {
+          for (const int hold : {0, 8, 16, 24, 32, 40, 48, 64, 1000}) {
             cuda::TmaTuning t;
             t.stages = st;
             t.hold = hold;

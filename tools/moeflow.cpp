@@ -58,6 +58,10 @@ int main(int argc, char** argv) {
   bgemm->add_flag(
       "--tune", gopt.tune,
       "also time the shared-memory splits (stages x epilogue buffers) of the TMA kernel");
+  bgemm->add_option("--tune-hold", gopt.tune_hold,
+                    "fused FC1: K slices the pipeline skips the stage the helpers hold, each "
+                    "value timed in alternation with FC1 alone")
+      ->check(CLI::Range(0, 1 << 20));
   bgemm->add_option("--sweep-experts", gopt.sweep_experts, "experts in the sweep")
       ->capture_default_str();
   bgemm->add_option("--sweep-k", gopt.sweep_k, "K in the sweep")->capture_default_str();

@@ -49,11 +49,20 @@ constexpr int kDefaultStagger = 1;
 constexpr int kDefaultDesyncWgrad = 4;
 constexpr int kDefaultDesync = 0;
 // Helper mode: K slices during which the pipeline ring skips the stage that
-// holds the previous tile's staged chunks. The helpers take most of a tile's
-// main loop (qwen3-fc1, 32 slices: skipping for 24 slices ran at 632 TFLOP/s,
-// for the whole tile at 700), so the default skips it until the next tile
-// ends (the ring then has stages - 1 stages, rotating through all of them).
-constexpr int kDefaultHold = 1 << 30;
+// holds the previous tile's staged chunks (three stages in flight), after
+// which the producer waits for the helpers to release it and the ring has
+// all four again. Measured with `moeflow bench gemm --tune-hold` on an H100
+// (docs/perf/mlp-h200-2026-11-22.md, sixteenth session): with the consumers
+// adding the bias, dsv3-fc1 (112 slices a tile) runs best at 20, mixtral-fc1
+// (64) at 20-24, qwen3-fc1 (32) at 16; skipping the stage for the whole next
+// tile, as before, cost 1.08x / 1.07x / 1.11x FC1 alone there.
+constexpr int kDefaultHold = 20;
+constexpr int kDefaultHoldTail = 16;  // slices at a tile's end that always have every stage
+int default_hold(int64_t k_red) {
+  const int64_t slices = (k_red + 63) / 64;
+  return static_cast<int>(
+      std::min<int64_t>(kDefaultHold, std::max<int64_t>(0, slices - kDefaultHoldTail)));
+}
 
 // The wgmma path needs a Hopper GPU and sm_90a code in this build.
 bool use_sm90() {
@@ -225,7 +234,7 @@ bool launch_tma(const Params& p, cudaStream_t stream, const Epi& epi = {}) {
   // Helper mode: K slices during which the ring skips the stage the helpers
   // hold (StageRing).
   const int want_hold = g_tune_hold.load();
-  const int hold = want_hold >= 0 ? want_hold : kDefaultHold;
+  const int hold = want_hold >= 0 ? want_hold : default_hold(p.k_red);
   kernel<<<sm_count(), t::kThreads, smem, stream>>>(p, map_a, map_w, map_c, map_raw, stages, bufs,
                                                     stagger, desync, hold, kind, epi);
   MOEFLOW_CUDA_LAUNCH_CHECK();

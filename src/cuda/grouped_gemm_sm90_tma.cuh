@@ -561,28 +561,6 @@ __global__ void __launch_bounds__(kThreads, 1)
             if constexpr (Epi::kDglu) {
               if (inf.wg_rows > 0) help_dglu(epi, inf, st, probs_sm, htid);
             } else if (inf.wg_rows > 0) {
-              if (epi.has_bias()) {
-                // The bias, added to the staged (rounded) GEMM output of the
-                // data rows: 32 column pieces of 8 per row; the helper
-                // stride (96) keeps each helper on one column piece, so it
-                // loads its 8 bias values once.
-                const int cp = htid % 32, q = cp / 8, piece = cp % 8;
-                const int64_t col = epi.raw_col(inf.tile_n, q) + piece * 8;
-                const int64_t lim = (Epi::kSplitB && q < 2) ? p.n_out / 2 : p.n_out;
-                if (col < lim) {
-                  float b[8];
-                  epi.bias8(inf.group, col, lim, b);
-                  for (int r = htid / 32; r < inf.data_rows; r += kHelpers / 32) {
-                    uint8_t* gp = st(q) + r * 128 + ((piece ^ (r & 7)) << 4);
-                    Pack<TOut, 8> v = *reinterpret_cast<const Pack<TOut, 8>*>(gp);
-#pragma unroll
-                    for (int e = 0; e < 8; ++e) v.v[e] = from_float<TOut>(to_float(v.v[e]) + b[e]);
-                    *reinterpret_cast<Pack<TOut, 8>*>(gp) = v;
-                  }
-                }
-                if (inf.tma) sm90::fence_proxy_async();  // generic writes -> the TMA
-                named_barrier(kHelperBar, kHelpers);
-              }
               if (epi.save_raw()) {
                 // Gated (halves): the activation overwrites chunks 0-1 only
                 // and reads 2-3, so it waits for the first bulk group (the
@@ -681,6 +659,7 @@ __global__ void __launch_bounds__(kThreads, 1)
     StageRing ring;
     int prev_s = 0, buf_i = 0;  // stage of slice it-1; staging buffer
     uint32_t* my_bias = bias_smem + c * (Epi::kBiasSmem / 4);
+    bool bias_parity = false;  // helper mode: which of the two bias buffers
     // Stagger: consumer 1 starts `stagger` K slices after consumer 0, so the
     // two warpgroups reach their epilogues at different times and one keeps
     // the tensor cores busy while the other stores (the stages are shared:
@@ -782,9 +761,22 @@ __global__ void __launch_bounds__(kThreads, 1)
         if (tw.k_tiles > 0 && tid == 0) mbar_arrive(&empty[prev_s]);
       }
       if constexpr (Epi::kHelperAct) {
-        // Helper mode: the helpers add the bias to the staged tile; the
-        // rows' probabilities go where the bias would be staged.
+        // Helper mode: the rows' probabilities for the helpers, at the start
+        // of the warpgroup's bias area.
         epi.stage_probs(reinterpret_cast<float*>(my_bias), ts, rl0, lane);
+        if constexpr (Epi::kConsumerBias) {
+          // The bias, added to the accumulators (one rounding of the sum):
+          // the tile's 256 column pairs, one per thread, through shared
+          // memory, in the buffer of this tile's parity.
+          if (epi.has_bias()) {  // uniform
+            uint32_t* sb =
+                my_bias + (kRowProbSmem + (bias_parity ? Epi::kBiasPairsSmem : 0)) / 4;
+            bias_parity = !bias_parity;
+            epi.stage_bias(sb, ts, tid);
+            named_barrier(2 + c, 128);
+            epi.finish(acc, sb, lane);
+          }
+        }
       } else {
         if (epi.has_bias()) {  // uniform
           named_barrier(2 + c, 128);  // the previous tile's reads of my_bias are done
