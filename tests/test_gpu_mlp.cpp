@@ -166,8 +166,10 @@ TEST(GpuMlp, FusedFc1MatchesCpuReference) {
     run_case({Activation::kClampedQuickGeGLU, 32, true, false, 200, 160, DType::kBFloat16}, seed++);
   }
   // The ring's window skipping the stage the helpers hold (StageRing): none,
-  // one slice, longer than any tile; two and three stages (hidden 520: 9 slices)
-  for (const auto& [st, hold] : {std::pair{4, 0}, {4, 1}, {4, 1000}, {2, 3}, {3, 1000}}) {
+  // one slice, most of a tile (the default's kind: it ends inside the next
+  // tile), longer than any tile; two and three stages (hidden 520: 9 slices)
+  for (const auto& [st, hold] :
+       {std::pair{4, 0}, {4, 1}, {4, 6}, {4, 1000}, {2, 3}, {3, 1000}}) {
     cuda::TmaTuning t;
     t.stages = st;
     t.hold = hold;
