@@ -299,21 +299,26 @@ void run_gemm_bench(const GemmBenchOptions& opt) {
             act_only, act_raw, act_raw_bias, fused);
       }
     }
+    // The fused FC1 with tuning t, timed in alternation with FC1 alone at its defaults.
+    auto fused_vs_alone = [&](const cuda::TmaTuning& t) {
+      const auto r = paired(
+          [&] {
+            cuda::set_tma_tuning(t);
+            cuda::mlp_fc1_forward(*fused_call, stream);
+          },
+          [&] {
+            cuda::set_tma_tuning({});
+            grouped_gemm_forward(a, GroupedWeights::from_stacked(w), layout, out, stream);
+          });
+      cuda::set_tma_tuning({});
+      return r;
+    };
     // The fused FC1's held-stage window, each value paired with FC1 alone.
     if (fused_call)
       for (const int hold : opt.tune_hold) {
         cuda::TmaTuning t;
         t.hold = hold;
-        const auto [fu, plain] = paired(
-            [&] {
-              cuda::set_tma_tuning(t);
-              cuda::mlp_fc1_forward(*fused_call, stream);
-            },
-            [&] {
-              cuda::set_tma_tuning({});
-              grouped_gemm_forward(a, GroupedWeights::from_stacked(w), layout, out, stream);
-            });
-        cuda::set_tma_tuning({});
+        const auto [fu, plain] = fused_vs_alone(t);
         fmt::print("    tune fused fc1 hold={:4d}: {:7.1f} TFLOP/s, FC1 alone {:7.1f}: {:.3f}x\n",
                    hold, fu, plain, plain / fu);
         std::fflush(stdout);
@@ -364,15 +369,7 @@ void run_gemm_bench(const GemmBenchOptions& opt) {
         for (const int sg : {0, 1, 2, 3}) {
           cuda::TmaTuning t;
           t.stagger = sg;
-          const auto [fu, plain] = paired(
-              [&] {
-                cuda::set_tma_tuning(t);
-                cuda::mlp_fc1_forward(*fused_call, stream);
-              },
-              [&] {
-                cuda::set_tma_tuning({});
-                grouped_gemm_forward(a, GroupedWeights::from_stacked(w), layout, out, stream);
-              });
+          const auto [fu, plain] = fused_vs_alone(t);
           fmt::print("    tune fused fc1 stagger={}: {:7.1f} TFLOP/s, FC1 alone {:7.1f}: {:.3f}x\n",
                      sg, fu, plain, plain / fu);
           std::fflush(stdout);
