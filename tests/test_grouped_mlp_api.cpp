@@ -46,6 +46,27 @@ TEST(GroupedMlpApi, BadInputIsRejected) {
               grouped_mlp_forward(x, GroupedMlpWeights{w1_bad, w2, {}, {}}, g, {}, cfg, y, {h, a});
             }).find("w.fc1"),
             std::string::npos);
+  // separate expert tensors: not together with the stacked weight, and of the right shape
+  Tensor ptrs = make_tensor({2}, DType::kInt64);
+  ptrs.data_ptr<int64_t>()[0] = reinterpret_cast<int64_t>(w1.data());
+  ptrs.data_ptr<int64_t>()[1] = reinterpret_cast<int64_t>(w1.data());
+  GroupedMlpWeights both = w;
+  both.fc1_experts = GroupedWeights::from_pointers(ptrs, DType::kBFloat16, 48, 40);
+  EXPECT_NE(message_of([&] {
+              grouped_mlp_forward(x, both, g, {}, cfg, y, {h, a});
+            }).find("exactly one"),
+            std::string::npos);
+  GroupedMlpWeights wrong{{}, w2, {}, {}};
+  wrong.fc1_experts = GroupedWeights::from_pointers(ptrs, DType::kBFloat16, 40, 40);
+  EXPECT_NE(message_of([&] {
+              grouped_mlp_forward(x, wrong, g, {}, cfg, y, {h, a});
+            }).find("w.fc1_experts must describe bfloat16 [48,40]"),
+            std::string::npos);
+  GroupedMlpWeights neither{{}, w2, {}, {}};
+  EXPECT_NE(message_of([&] {
+              grouped_mlp_forward(x, neither, g, {}, cfg, y, {h, a});
+            }).find("w.fc1 or w.fc1_experts"),
+            std::string::npos);
   cfg.glu_interleave = 7;
   EXPECT_NE(message_of([&] {
               grouped_mlp_forward(x, w, g, {}, cfg, y, {h, a});

@@ -2,6 +2,7 @@
 // device against the float64 reference.
 #pragma once
 
+#include <cstring>
 #include <random>
 
 #include "cpu/grouped_mlp.h"
@@ -15,6 +16,9 @@ struct MlpApiCase {
   int interleave;  // 0: halves
   bool bias, probs;
   int64_t h, f;
+  // FC weights and their float32 gradients as E separate tensors
+  // (GroupedMlpWeights::fc1_experts ..., pointer tables) instead of stacked
+  bool separate = false;
 };
 
 inline std::vector<MlpApiCase> mlp_api_cases() {
@@ -25,6 +29,10 @@ inline std::vector<MlpApiCase> mlp_api_cases() {
         for (bool probs : {false, true}) cases.push_back({act, il, bias, probs, 40, 64});
   for (Activation act : {Activation::kGelu, Activation::kRelu, Activation::kSquaredRelu})
     cases.push_back({act, 0, true, true, 48, 64});
+  // separate expert tensors (on Hopper: FC1 unfused, with its own activation kernel)
+  cases.push_back({Activation::kSwiGLU, 0, true, true, 40, 64, true});
+  cases.push_back({Activation::kGeGLU, 8, false, true, 48, 64, true});
+  cases.push_back({Activation::kGelu, 0, true, false, 48, 64, true});
   return cases;
 }
 // F over several 256-column tiles, the last one partial (the fused dGLU's
@@ -53,7 +61,8 @@ inline double rel_norm_error(const std::vector<double>& got, const std::vector<d
 inline void run_mlp_api_case(const MlpApiCase& cs, Device dev, uint32_t seed) {
   SCOPED_TRACE("act=" + std::to_string(static_cast<int>(cs.act)) +
                " il=" + std::to_string(cs.interleave) + (cs.bias ? " bias" : "") +
-               (cs.probs ? " probs" : "") + " on " + dev.str());
+               (cs.probs ? " probs" : "") + (cs.separate ? " separate" : "") + " on " +
+               dev.str());
   const DType dt = DType::kBFloat16;
   const int E = 5;
   // pad rows, an empty expert, and an expert padded far past its rows (a
@@ -111,6 +120,42 @@ inline void run_mlp_api_case(const MlpApiCase& cs, Device dev, uint32_t seed) {
   layout.real_rows = real_d;
   GroupedMlpWeights w{w1_d, w2_d, cs.bias ? TensorView(b1_d) : TensorView{},
                       cs.bias ? TensorView(b2_d) : TensorView{}};
+  // Separate storage: every expert's weight in its own allocation, and a
+  // device table of their addresses.
+  std::vector<Tensor> keep;
+  auto separate = [&](const Tensor& stacked, DType d) {
+    const int64_t n = stacked.size(1), k = stacked.size(2);
+    const size_t bytes = static_cast<size_t>(n * k) * dtype_size(d);
+    Tensor host_stacked = stacked.to(Device::cpu());
+    Tensor ptrs = make_tensor({E}, DType::kInt64);
+    for (int e = 0; e < E; ++e) {
+      Tensor one = make_tensor({n, k}, d);
+      std::memcpy(one.data(), static_cast<const uint8_t*>(host_stacked.data()) + e * bytes, bytes);
+      keep.push_back(one.to(dev));
+      ptrs.data_ptr<int64_t>()[e] = static_cast<int64_t>(reinterpret_cast<uintptr_t>(keep.back().data()));
+    }
+    keep.push_back(ptrs.to(dev));
+    return GroupedWeights::from_pointers(keep.back(), d, n, k);
+  };
+  // The E separate tensors of a pointer table, back into one host [E, n, k] tensor.
+  auto gather = [&](const GroupedWeights& g) {
+    Tensor out = make_tensor({E, g.n, g.k}, g.dtype), ptrs = make_tensor({E}, DType::kInt64);
+    copy(g.pointers, ptrs);
+    const size_t bytes = static_cast<size_t>(g.n * g.k) * dtype_size(g.dtype);
+    for (int e = 0; e < E; ++e) {
+      TensorView one(reinterpret_cast<void*>(static_cast<uintptr_t>(ptrs.data_ptr<int64_t>()[e])),
+                     g.dtype, dev, {g.n, g.k});
+      copy(one, TensorView(static_cast<uint8_t*>(out.data()) + e * bytes, g.dtype, Device::cpu(),
+                           {g.n, g.k}));
+    }
+    return out;
+  };
+  if (cs.separate) {
+    w.fc1_experts = separate(w1_d, dt);
+    w.fc2_experts = separate(w2_d, dt);
+    w.fc1 = TensorView{};
+    w.fc2 = TensorView{};
+  }
   GroupedMlpConfig c;
   c.activation = cs.act;
   c.params = cfg.params;
@@ -133,6 +178,12 @@ inline void run_mlp_api_case(const MlpApiCase& cs, Device dev, uint32_t seed) {
          db2 = Tensor::zeros({E, H}, DType::kFloat32, dev);
   GroupedMlpGrads grads{dw1, dw2, cs.bias ? TensorView(db1) : TensorView{},
                         cs.bias ? TensorView(db2) : TensorView{}, false};
+  if (cs.separate) {
+    grads.dw1_experts = separate(dw1, DType::kFloat32);
+    grads.dw2_experts = separate(dw2, DType::kFloat32);
+    grads.dw1 = TensorView{};
+    grads.dw2 = TensorView{};
+  }
   grouped_mlp_backward_wgrad(dy_d, x_d, layout, GroupedMlpSaved{h, a}, d_h, grads);
   grads.accumulate = true;  // twice the gradient
   grouped_mlp_backward_wgrad(dy_d, x_d, layout, GroupedMlpSaved{h, a}, d_h, grads);
@@ -152,8 +203,10 @@ inline void run_mlp_api_case(const MlpApiCase& cs, Device dev, uint32_t seed) {
     for (double& d : v) d *= 2;
     return v;
   };
-  EXPECT_LE(rel_norm_error(doubles_of(host(dw1)), twice(gr.dw1)), 2 * tol) << "dw1";
-  EXPECT_LE(rel_norm_error(doubles_of(host(dw2)), twice(gr.dw2)), 2 * tol) << "dw2";
+  const Tensor dw1_h = cs.separate ? gather(grads.dw1_experts) : host(dw1),
+               dw2_h = cs.separate ? gather(grads.dw2_experts) : host(dw2);
+  EXPECT_LE(rel_norm_error(doubles_of(dw1_h), twice(gr.dw1)), 2 * tol) << "dw1";
+  EXPECT_LE(rel_norm_error(doubles_of(dw2_h), twice(gr.dw2)), 2 * tol) << "dw2";
   if (cs.bias) {
     EXPECT_LE(rel_norm_error(doubles_of(host(db1)), twice(gr.db1)), 2 * tol) << "db1";
     EXPECT_LE(rel_norm_error(doubles_of(host(db2)), twice(gr.db2)), 2 * tol) << "db2";

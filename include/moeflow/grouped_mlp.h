@@ -29,12 +29,20 @@ struct GroupedMlpConfig {
   int glu_interleave = 0;  // gated FC1 row order: 0 = halves, else 8/16/32/64/128
 };
 
-// Weights (bf16 or fp16, one dtype): stacked tensors.
+// Weights (bf16 or fp16, one dtype): each FC weight either stacked in one
+// tensor or as E separate tensors (the two storages checkpoints load into,
+// moeflow/checkpoint.h); give exactly one of fc1 / fc1_experts and of fc2 /
+// fc2_experts. The fused FC1 kernel (Hopper) reads stacked weights only: with
+// separate FC1 tensors, FC1 and its activation run as two kernels.
 struct GroupedMlpWeights {
   TensorView fc1;    // [E, N1, H]
   TensorView fc2;    // [E, H, F]
   TensorView bias1;  // optional [E, N1]
   TensorView bias2;  // optional [E, H]
+  // Or GroupedWeights::from_pointers([E] int64 addresses, dtype, N1, H) of E
+  // contiguous [N1, H] tensors, and (..., H, F) of E [H, F] tensors.
+  GroupedWeights fc1_experts;
+  GroupedWeights fc2_experts;
 };
 
 // What forward keeps for backward: caller-owned buffers (sizes from shapes).
@@ -65,6 +73,11 @@ struct GroupedMlpGrads {
   TensorView dbias1;  // [E, N1]
   TensorView dbias2;  // [E, H]
   bool accumulate = false;
+  // Or E separate float32 tensors per weight gradient (at most one of dw1 /
+  // dw1_experts, of dw2 / dw2_experts): GroupedWeights::from_pointers(...,
+  // DType::kFloat32, N1, H) and (..., H, F).
+  GroupedWeights dw1_experts;
+  GroupedWeights dw2_experts;
 };
 
 // Weight gradients later (delayed wgrad): needs dy, x, saved.a and d_h.

@@ -20,25 +20,60 @@ struct Dims {
   int64_t rows, hidden, ffn, n1, experts;
   DType dtype;
   Device dev;
+  GroupedWeights fc1, fc2;  // stacked or E separate tensors
 };
+
+// One FC weight, stacked (name, [E, rows, cols]) or as E separate tensors
+// (name_experts, pointers); exactly one of the two.
+GroupedWeights weight_of(TensorView stacked, const GroupedWeights& experts, const char* name) {
+  const bool separate = experts.stacked.defined() || experts.pointers.defined();
+  MOEFLOW_CHECK(stacked.defined() != separate, "w.", name, " or w.", name,
+                "_experts: give exactly one of the two (the stacked weight or E separate tensors)");
+  if (!separate) {
+    MOEFLOW_CHECK(stacked.ndim == 3, "w.", name, " must be [E,N,K], got ", stacked.str());
+    MOEFLOW_CHECK(stacked.is_contiguous(), "w.", name, " must be contiguous");
+    return GroupedWeights::from_stacked(stacked);
+  }
+  MOEFLOW_CHECK(experts.pointers.defined() && !experts.stacked.defined(), "w.", name,
+                "_experts must come from GroupedWeights::from_pointers");
+  MOEFLOW_CHECK(experts.pointers.ndim == 1 && experts.pointers.dtype == DType::kInt64, "w.", name,
+                "_experts.pointers must be [E] int64, got ", experts.pointers.str());
+  return experts;
+}
 
 Dims check_weights(TensorView x, const GroupedMlpWeights& w, const GroupedMlpConfig& c,
                    const GroupLayout& groups) {
   MOEFLOW_CHECK(x.defined() && x.ndim == 2, "x must be [rows,H], got ", x.str());
-  MOEFLOW_CHECK(w.fc1.defined() && w.fc1.ndim == 3, "w.fc1 must be [E,N1,H], got ", w.fc1.str());
-  MOEFLOW_CHECK(w.fc2.defined() && w.fc2.ndim == 3, "w.fc2 must be [E,H,F], got ", w.fc2.str());
-  Dims d{x.shape[0], x.shape[1], w.fc2.shape[2], w.fc1.shape[1], w.fc1.shape[0], x.dtype, x.device};
+  const GroupedWeights w1 = weight_of(w.fc1, w.fc1_experts, "fc1");
+  const GroupedWeights w2 = weight_of(w.fc2, w.fc2_experts, "fc2");
+  Dims d{x.shape[0], x.shape[1], w2.stacked.defined() ? w2.stacked.shape[2] : w2.k,
+         w1.stacked.defined() ? w1.stacked.shape[1] : w1.n, w1.num_groups(), x.dtype, x.device,
+         w1, w2};
   const bool gated = is_gated(c.activation);
   detail::expect(x, "x", Expect{kHalf, {d.rows, d.hidden}, d.dev});
-  detail::expect(w.fc1, "w.fc1",
-                 Expect{{d.dtype}, {d.experts, gated ? 2 * d.ffn : d.ffn, d.hidden}, d.dev});
-  detail::expect(w.fc2, "w.fc2", Expect{{d.dtype}, {d.experts, d.hidden, d.ffn}, d.dev});
+  const int64_t n1 = gated ? 2 * d.ffn : d.ffn;
+  if (w1.stacked.defined()) {
+    detail::expect(w1.stacked, "w.fc1", Expect{{d.dtype}, {d.experts, n1, d.hidden}, d.dev});
+  } else {
+    detail::expect(w1.pointers, "w.fc1_experts.pointers",
+                   Expect{{DType::kInt64}, {d.experts}, d.dev});
+    MOEFLOW_CHECK(w1.dtype == d.dtype && w1.n == n1 && w1.k == d.hidden,
+                  "w.fc1_experts must describe ", dtype_name(d.dtype), " [", n1, ",", d.hidden,
+                  "] tensors, got ", dtype_name(w1.dtype), " [", w1.n, ",", w1.k, "]");
+  }
+  if (w2.stacked.defined()) {
+    detail::expect(w2.stacked, "w.fc2", Expect{{d.dtype}, {d.experts, d.hidden, d.ffn}, d.dev});
+  } else {
+    detail::expect(w2.pointers, "w.fc2_experts.pointers",
+                   Expect{{DType::kInt64}, {d.experts}, d.dev});
+    MOEFLOW_CHECK(w2.dtype == d.dtype && w2.n == d.hidden,
+                  "w.fc2_experts must describe ", dtype_name(d.dtype), " [", d.hidden, ",",
+                  d.ffn, "] tensors, got ", dtype_name(w2.dtype), " [", w2.n, ",", w2.k, "]");
+  }
   if (w.bias1.defined())
     detail::expect(w.bias1, "w.bias1", Expect{{d.dtype}, {d.experts, d.n1}, d.dev});
   if (w.bias2.defined())
     detail::expect(w.bias2, "w.bias2", Expect{{d.dtype}, {d.experts, d.hidden}, d.dev});
-  MOEFLOW_CHECK(w.fc1.is_contiguous() && w.fc2.is_contiguous(),
-                "w.fc1 and w.fc2 must be contiguous");
   if (gated && c.glu_interleave != 0)
     MOEFLOW_CHECK(c.glu_interleave > 0 && d.ffn % c.glu_interleave == 0,
                   "config.glu_interleave must divide F=", d.ffn, ", got ", c.glu_interleave);
@@ -68,7 +103,7 @@ void grouped_mlp_forward(TensorView x, const GroupedMlpWeights& w, const GroupLa
   if (probs.defined()) detail::expect(probs, "probs", Expect{{DType::kFloat32}, {d.rows}, d.dev});
   const MlpRows r = rows_of(groups, d);
   if (d.dev.is_cpu()) {
-    grouped_gemm_forward(x, GroupedWeights::from_stacked(w.fc1), groups, saved.h);
+    grouped_gemm_forward(x, d.fc1, groups, saved.h);
     cpu::mlp_fc1_epilogue(r, saved.h, w.bias1, probs, c.activation, c.params, c.glu_interleave,
                           saved.a);
   } else {
@@ -76,7 +111,7 @@ void grouped_mlp_forward(TensorView x, const GroupedMlpWeights& w, const GroupLa
     detail::cuda_set_device(d.dev.index);
     MlpFc1Call call;
     call.x = x;
-    call.w1 = w.fc1;
+    call.w1 = d.fc1.stacked;  // (undefined with separate tensors: not fusable)
     call.groups = groups;
     call.bias1 = w.bias1;
     call.probs = probs;
@@ -89,16 +124,16 @@ void grouped_mlp_forward(TensorView x, const GroupedMlpWeights& w, const GroupLa
     call.num_groups = d.experts;
     call.hidden = d.hidden;
     call.ffn = d.ffn;
-    if (cuda::mlp_fc1_fusable(call)) {
+    if (call.w1.defined() && cuda::mlp_fc1_fusable(call)) {
       cuda::mlp_fc1_forward(call, stream);
     } else {  // other GPUs / layouts: grouped GEMM, then the epilogue as its own kernel
-      grouped_gemm_forward(x, GroupedWeights::from_stacked(w.fc1), groups, saved.h, stream);
+      grouped_gemm_forward(x, d.fc1, groups, saved.h, stream);
       cuda::mlp_fc1_epilogue(r, saved.h, w.bias1, probs, c.activation, c.params, c.glu_interleave,
                              saved.a, stream);
     }
 #endif
   }
-  grouped_gemm_forward(saved.a, GroupedWeights::from_stacked(w.fc2), groups, y, stream);
+  grouped_gemm_forward(saved.a, d.fc2, groups, y, stream);
   if (w.bias2.defined()) {
     if (d.dev.is_cpu()) cpu::mlp_bias_add(r, y, w.bias2);
 #ifdef MOEFLOW_WITH_CUDA
@@ -133,7 +168,7 @@ void grouped_mlp_backward_dgrad(TensorView dy, const GroupedMlpWeights& w,
     // writes it (no scratch allocation).
     MlpDgluCall call;
     call.dy = dy;
-    call.w2 = w.fc2;
+    call.w2 = d.fc2.stacked;
     call.groups = groups;
     call.h = saved.h;
     call.d_h = d_h;
@@ -154,11 +189,11 @@ void grouped_mlp_backward_dgrad(TensorView dy, const GroupedMlpWeights& w,
       call.part = static_cast<float*>(dx.data);
       call.part_ld = ld_bytes / 4;
     }
-    if (ok && cuda::mlp_fused_dglu() && w.fc2.is_contiguous() && cuda::mlp_dglu_fusable(call)) {
+    if (ok && cuda::mlp_fused_dglu() && call.w2.defined() && cuda::mlp_dglu_fusable(call)) {
       cuda::mlp_fc2_dgrad_dglu(call, stream);
       if (dprobs.defined())
         cuda::mlp_dprobs_from_partials(r, call.part, call.part_ld, tiles, dprobs, stream);
-      grouped_gemm_dgrad(d_h, GroupedWeights::from_stacked(w.fc1), groups, dx, stream);
+      grouped_gemm_dgrad(d_h, d.fc1, groups, dx, stream);
       return;
     }
   }
@@ -166,7 +201,7 @@ void grouped_mlp_backward_dgrad(TensorView dy, const GroupedMlpWeights& w,
   // d(a) = dy · W2_e lands in the last F columns of d_h; dGLU turns d_h into d(h) in place.
   TensorView d_a = TensorView::strided(static_cast<uint8_t*>(d_h.data) + (d.n1 - d.ffn) * esz,
                                        d.dtype, d.dev, {d.rows, d.ffn}, {d.n1, 1});
-  grouped_gemm_dgrad(dy, GroupedWeights::from_stacked(w.fc2), groups, d_a, stream);
+  grouped_gemm_dgrad(dy, d.fc2, groups, d_a, stream);
   if (d.dev.is_cpu()) {
     cpu::mlp_dglu(r, saved.h, d_h, probs, c.activation, c.params, c.glu_interleave, d.ffn, dprobs);
   } else {
@@ -175,7 +210,7 @@ void grouped_mlp_backward_dgrad(TensorView dy, const GroupedMlpWeights& w,
                    stream);
 #endif
   }
-  grouped_gemm_dgrad(d_h, GroupedWeights::from_stacked(w.fc1), groups, dx, stream);
+  grouped_gemm_dgrad(d_h, d.fc1, groups, dx, stream);
 }
 
 void grouped_mlp_backward_wgrad(TensorView dy, TensorView x, const GroupLayout& groups,
@@ -185,11 +220,20 @@ void grouped_mlp_backward_wgrad(TensorView dy, TensorView x, const GroupLayout& 
                 "backward_wgrad needs dy, x, saved.a and d_h");
   const int64_t E = groups.offsets.defined() ? groups.offsets.shape[0] - 1 : 0;
   const MlpRows r{groups, E, x.shape[0]};
-  if (g.dw2.defined())
-    grouped_gemm_wgrad(dy, saved.a, groups, GroupedWeights::from_stacked(g.dw2), g.accumulate,
-                       stream);
-  if (g.dw1.defined())
-    grouped_gemm_wgrad(d_h, x, groups, GroupedWeights::from_stacked(g.dw1), g.accumulate, stream);
+  // Each weight gradient: stacked, E separate tensors, or not asked for.
+  auto grad_of = [](TensorView stacked, const GroupedWeights& experts, const char* name) {
+    const bool separate = experts.stacked.defined() || experts.pointers.defined();
+    MOEFLOW_CHECK(!(stacked.defined() && separate), "grads.", name, " and grads.", name,
+                  "_experts: give at most one of the two");
+    return separate ? experts : stacked.defined() ? GroupedWeights::from_stacked(stacked)
+                                                  : GroupedWeights{};
+  };
+  const GroupedWeights dw2 = grad_of(g.dw2, g.dw2_experts, "dw2");
+  const GroupedWeights dw1 = grad_of(g.dw1, g.dw1_experts, "dw1");
+  if (dw2.stacked.defined() || dw2.pointers.defined())
+    grouped_gemm_wgrad(dy, saved.a, groups, dw2, g.accumulate, stream);
+  if (dw1.stacked.defined() || dw1.pointers.defined())
+    grouped_gemm_wgrad(d_h, x, groups, dw1, g.accumulate, stream);
   for (const auto& [src, dst, name] :
        {std::tuple{dy, g.dbias2, "grads.dbias2"}, std::tuple{d_h, g.dbias1, "grads.dbias1"}}) {
     if (!dst.defined()) continue;
