@@ -147,6 +147,19 @@ TEST(GroupedGemm, PointerArrayWeightsEqualStacked) {
   grouped_gemm_forward(a, GroupedWeights::from_stacked(w), g.layout(), c1);
   grouped_gemm_forward(a, GroupedWeights::from_pointers(ptrs, DType::kFloat16, N, K), g.layout(), c2);
   EXPECT_TRUE(bytes_equal(c1, c2));
+  // the same table from make_expert_table
+  const ExpertTable t = make_expert_table({parts[0], parts[1], parts[2]});
+  ASSERT_EQ(t.weights.num_groups(), 3);
+  EXPECT_TRUE(bytes_equal(t.table, ptrs));
+  Tensor c3 = make_tensor({rows, N}, DType::kFloat16);
+  grouped_gemm_forward(a, t.weights, g.layout(), c3);
+  EXPECT_TRUE(bytes_equal(c1, c3));
+  // tensors that do not match the first are named
+  Tensor odd = make_tensor({N, K + 8}, DType::kFloat16);
+  EXPECT_NE(message_of([&] { make_expert_table({parts[0], odd}); })
+                .find("experts[1] must be float16 [16,32] on cpu as experts[0]"),
+            std::string::npos);
+  EXPECT_NE(message_of([&] { make_expert_table({}); }).find("at least one"), std::string::npos);
 }
 
 TEST(GroupedGemm, BadInputErrors) {

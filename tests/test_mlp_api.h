@@ -123,19 +123,20 @@ inline void run_mlp_api_case(const MlpApiCase& cs, Device dev, uint32_t seed) {
   // Separate storage: every expert's weight in its own allocation, and a
   // device table of their addresses.
   std::vector<Tensor> keep;
+  std::vector<ExpertTable> tables;
   auto separate = [&](const Tensor& stacked, DType d) {
     const int64_t n = stacked.size(1), k = stacked.size(2);
     const size_t bytes = static_cast<size_t>(n * k) * dtype_size(d);
     Tensor host_stacked = stacked.to(Device::cpu());
-    Tensor ptrs = make_tensor({E}, DType::kInt64);
+    std::vector<TensorView> views;
     for (int e = 0; e < E; ++e) {
       Tensor one = make_tensor({n, k}, d);
       std::memcpy(one.data(), static_cast<const uint8_t*>(host_stacked.data()) + e * bytes, bytes);
       keep.push_back(one.to(dev));
-      ptrs.data_ptr<int64_t>()[e] = static_cast<int64_t>(reinterpret_cast<uintptr_t>(keep.back().data()));
+      views.push_back(keep.back());
     }
-    keep.push_back(ptrs.to(dev));
-    return GroupedWeights::from_pointers(keep.back(), d, n, k);
+    tables.push_back(make_expert_table(views));
+    return tables.back().weights;
   };
   // The E separate tensors of a pointer table, back into one host [E, n, k] tensor.
   auto gather = [&](const GroupedWeights& g) {

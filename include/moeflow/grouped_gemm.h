@@ -45,6 +45,17 @@ struct GroupedWeights {
   Device device() const;
 };
 
+// The pointer table of E separate expert tensors (each [N,K] contiguous, one
+// dtype, one device): `table` holds their addresses ([E] int64, on their
+// device) and `weights` reads through it. Allocates the table: call it at
+// setup, not on the hot path, and keep the result (and the tensors) alive
+// while `weights` is used.
+struct ExpertTable {
+  Tensor table;
+  GroupedWeights weights;
+};
+ExpertTable make_expert_table(const std::vector<TensorView>& experts);
+
 struct GroupLayout {
   TensorView offsets;    // [E+1] int64, on the device of the data (monotone, offsets[0] >= 0)
   TensorView real_rows;  // optional [E] int32: real rows of each group (the rest are pad rows)

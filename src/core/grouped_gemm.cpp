@@ -36,6 +36,26 @@ int64_t GroupedWeights::num_groups() const {
 
 Device GroupedWeights::device() const { return stacked.defined() ? stacked.device : pointers.device; }
 
+ExpertTable make_expert_table(const std::vector<TensorView>& experts) {
+  MOEFLOW_CHECK(!experts.empty(), "experts: need at least one expert tensor");
+  const TensorView& f = experts[0];
+  MOEFLOW_CHECK(f.defined() && f.ndim == 2, "experts[0] must be [N,K], got ", f.str());
+  Tensor host = Tensor::empty({static_cast<int64_t>(experts.size())}, DType::kInt64);
+  for (size_t e = 0; e < experts.size(); ++e) {
+    const TensorView& t = experts[e];
+    MOEFLOW_CHECK(t.defined() && t.ndim == 2 && t.shape[0] == f.shape[0] &&
+                      t.shape[1] == f.shape[1] && t.dtype == f.dtype && t.device == f.device,
+                  "experts[", e, "] must be ", dtype_name(f.dtype), " ", f.shape_str(), " on ",
+                  f.device.str(), " as experts[0], got ", t.str());
+    MOEFLOW_CHECK(t.is_contiguous(), "experts[", e, "] must be contiguous");
+    host.data_ptr<int64_t>()[e] = static_cast<int64_t>(reinterpret_cast<uintptr_t>(t.data));
+  }
+  ExpertTable out;
+  out.table = f.device.is_cpu() ? host : host.to(f.device);
+  out.weights = GroupedWeights::from_pointers(out.table, f.dtype, f.shape[0], f.shape[1]);
+  return out;
+}
+
 GroupLayout GroupLayout::from_plan(const RoutingPlan& plan) {
   GroupLayout g;
   g.offsets = plan.expert_row_offsets;
