@@ -78,6 +78,11 @@ TEST(GroupedMlpApi, BadInputIsRejected) {
               grouped_mlp_forward(x, w, g, {}, cfg, y, {h, a_bad});
             }).find("saved.a"),
             std::string::npos);
+  // recompute: a's F must match h's 2F columns (gated)
+  EXPECT_NE(message_of([&] {
+              grouped_mlp_recompute_activation(h, g, {}, cfg, a_bad);
+            }).find("h must be"),
+            std::string::npos);
   Tensor dprobs = make_tensor({16}, DType::kFloat32);
   EXPECT_NE(message_of([&] {
               grouped_mlp_backward_dgrad(y, w, g, {}, cfg, {h, a}, x, h, dprobs);

@@ -173,6 +173,30 @@ inline void run_mlp_api_case(const MlpApiCase& cs, Device dev, uint32_t seed) {
          dprobs = poisoned({rows}, DType::kFloat32);
   grouped_mlp_backward_dgrad(dy_d, w, layout, pv, c, GroupedMlpSaved{h, a}, dx, d_h,
                              cs.probs ? TensorView(dprobs) : TensorView{});
+  // Keeping only h: backward_dgrad without saved.a gives the same bits, and
+  // a recomputed from h is the forward's a (bitwise on the CPU, within the
+  // tolerance on the GPU, where the forward's a may come from the fused FC1).
+  {
+    Tensor dx2 = poisoned({rows, H}, dt), d_h2 = poisoned({rows, N1}, dt),
+           dprobs2 = poisoned({rows}, DType::kFloat32);
+    grouped_mlp_backward_dgrad(dy_d, w, layout, pv, c, GroupedMlpSaved{h, {}}, dx2, d_h2,
+                               cs.probs ? TensorView(dprobs2) : TensorView{});
+    EXPECT_TRUE(bytes_equal(dx2.to(Device::cpu()), dx.to(Device::cpu()))) << "dx without saved.a";
+    EXPECT_TRUE(bytes_equal(d_h2.to(Device::cpu()), d_h.to(Device::cpu())))
+        << "d_h without saved.a";
+    if (cs.probs)
+      EXPECT_TRUE(bytes_equal(dprobs2.to(Device::cpu()), dprobs.to(Device::cpu())))
+          << "dprobs without saved.a";
+    Tensor a2 = poisoned({rows, F}, dt);
+    grouped_mlp_recompute_activation(h, layout, pv, c, a2);
+    if (dev.is_cpu()) EXPECT_TRUE(bytes_equal(a2, a)) << "recomputed a";
+    std::vector<double> a_want(saved_ref.a);
+    if (cs.probs)
+      for (int64_t r = 0; r < rows; ++r)
+        for (int64_t j = 0; j < F; ++j) a_want[r * F + j] *= pd[r];
+    EXPECT_LE(rel_norm_error(doubles_of(a2.to(Device::cpu())), a_want), 2 * gemm_tolerance(dt))
+        << "recomputed a";
+  }
   Tensor dw1 = Tensor::zeros({E, N1, H}, DType::kFloat32, dev),
          dw2 = Tensor::zeros({E, H, F}, DType::kFloat32, dev);
   Tensor db1 = Tensor::zeros({E, N1}, DType::kFloat32, dev),

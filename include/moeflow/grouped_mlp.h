@@ -59,6 +59,7 @@ void grouped_mlp_forward(TensorView x, const GroupedMlpWeights& w, const GroupLa
 
 // Input gradient now: dx [rows, H], d_h [rows, N1] (the FC1 output gradient,
 // kept for backward_wgrad), dprobs optional [rows] float32 (with probs).
+// Reads saved.h only: saved.a may be left undefined here.
 void grouped_mlp_backward_dgrad(TensorView dy, const GroupedMlpWeights& w,
                                 const GroupLayout& groups, TensorView probs,
                                 const GroupedMlpConfig& config, const GroupedMlpSaved& saved,
@@ -79,6 +80,17 @@ struct GroupedMlpGrads {
   GroupedWeights dw1_experts;
   GroupedWeights dw2_experts;
 };
+
+// Recomputes a = act(h) * p (pad rows: zeros) from the saved pre-activation,
+// with the forward's own arithmetic (the values the forward wrote, up to the
+// order of float operations on the GPU; bitwise on the CPU). With it, only
+// saved.h needs to live from forward to backward: give forward a scratch
+// buffer as saved.a, run backward_dgrad with saved.a undefined, and recompute
+// a into a buffer just before backward_wgrad (Megatron's recompute of the
+// MoE activation; costs one pass over h and a).
+void grouped_mlp_recompute_activation(TensorView h, const GroupLayout& groups, TensorView probs,
+                                      const GroupedMlpConfig& config, TensorView a,
+                                      cudaStream_t stream = nullptr);
 
 // Weight gradients later (delayed wgrad): needs dy, x, saved.a and d_h.
 void grouped_mlp_backward_wgrad(TensorView dy, TensorView x, const GroupLayout& groups,

@@ -81,11 +81,13 @@ Dims check_weights(TensorView x, const GroupedMlpWeights& w, const GroupedMlpCon
   return d;
 }
 
-void check_saved(const GroupedMlpSaved& s, const Dims& d) {
+// saved.a may be left out where it is not read (backward_dgrad).
+void check_saved(const GroupedMlpSaved& s, const Dims& d, bool need_a = true) {
   detail::expect(s.h, "saved.h", Expect{{d.dtype}, {d.rows, d.n1}, d.dev});
+  MOEFLOW_CHECK(s.h.is_contiguous(), "saved.h must be contiguous");
+  if (!need_a && !s.a.defined()) return;
   detail::expect(s.a, "saved.a", Expect{{d.dtype}, {d.rows, d.ffn}, d.dev});
-  MOEFLOW_CHECK(s.h.is_contiguous() && s.a.is_contiguous(),
-                "saved.h and saved.a must be contiguous");
+  MOEFLOW_CHECK(s.a.is_contiguous(), "saved.a must be contiguous");
 }
 
 MlpRows rows_of(const GroupLayout& g, const Dims& d) {
@@ -149,7 +151,7 @@ void grouped_mlp_backward_dgrad(TensorView dy, const GroupedMlpWeights& w,
                                 TensorView dx, TensorView d_h, TensorView dprobs,
                                 cudaStream_t stream) {
   const Dims d = check_weights(dx, w, c, groups);
-  check_saved(saved, d);
+  check_saved(saved, d, /*need_a=*/false);
   detail::expect(dy, "dy", Expect{{d.dtype}, {d.rows, d.hidden}, d.dev});
   detail::expect(d_h, "d_h", Expect{{d.dtype}, {d.rows, d.n1}, d.dev});
   MOEFLOW_CHECK(d_h.is_contiguous(), "d_h must be contiguous");
@@ -211,6 +213,37 @@ void grouped_mlp_backward_dgrad(TensorView dy, const GroupedMlpWeights& w,
 #endif
   }
   grouped_gemm_dgrad(d_h, d.fc1, groups, dx, stream);
+}
+
+void grouped_mlp_recompute_activation(TensorView h, const GroupLayout& groups, TensorView probs,
+                                      const GroupedMlpConfig& c, TensorView a,
+                                      cudaStream_t stream) {
+  MOEFLOW_CHECK(h.defined() && h.ndim == 2, "h must be [rows,N1], got ", h.str());
+  MOEFLOW_CHECK(a.defined() && a.ndim == 2, "a must be [rows,F], got ", a.str());
+  const int64_t rows = h.shape[0], f = a.shape[1];
+  const bool gated = is_gated(c.activation);
+  detail::expect(h, "h", Expect{kHalf, {rows, gated ? 2 * f : f}, h.device});
+  detail::expect(a, "a", Expect{{h.dtype}, {rows, f}, h.device});
+  MOEFLOW_CHECK(h.is_contiguous() && a.is_contiguous(), "h and a must be contiguous");
+  if (probs.defined())
+    detail::expect(probs, "probs", Expect{{DType::kFloat32}, {rows}, h.device});
+  if (gated && c.glu_interleave != 0)
+    MOEFLOW_CHECK(c.glu_interleave > 0 && f % c.glu_interleave == 0,
+                  "config.glu_interleave must divide F=", f, ", got ", c.glu_interleave);
+  MOEFLOW_CHECK(groups.offsets.defined() && groups.offsets.ndim == 1 && groups.offsets.shape[0] >= 2,
+                "groups.offsets must be [E+1] int64, got ", groups.offsets.str());
+  const int64_t E = groups.offsets.shape[0] - 1;
+  detail::expect(groups.offsets, "groups.offsets", Expect{{DType::kInt64}, {E + 1}, h.device});
+  const MlpRows r{groups, E, rows};
+  // The forward's epilogue without the bias (h has it already): h is only read.
+  if (h.device.is_cpu()) {
+    cpu::mlp_fc1_epilogue(r, h, {}, probs, c.activation, c.params, c.glu_interleave, a);
+  } else {
+#ifdef MOEFLOW_WITH_CUDA
+    detail::cuda_set_device(h.device.index);
+    cuda::mlp_fc1_epilogue(r, h, {}, probs, c.activation, c.params, c.glu_interleave, a, stream);
+#endif
+  }
 }
 
 void grouped_mlp_backward_wgrad(TensorView dy, TensorView x, const GroupLayout& groups,
