@@ -103,6 +103,61 @@ TEST(ExpertCheckpoint, AllLayoutsRoundTripBitwise) {
   }
 }
 
+// The user story of per-expert checkpoints: Megatron-style per-expert keys
+// with interleaved GLU rows, loaded into E separate tensors (canonical halves
+// rows), run through the grouped MLP by their address tables; the same as
+// loading into stacked weights, bitwise (CPU backend).
+TEST(ExpertCheckpoint, PerExpertTensorsRunTheMlpAsStacked) {
+  const int E = 3;
+  const int64_t F = 64, H = 32, rows = 40;
+  const ExpertParam p1 = fc1(E, F, H, 32);
+  ExpertParam p2;
+  p2.prefix = "decoder.layers.0.mlp.experts.linear_fc2.";
+  p2.num_experts = E;
+  p2.shape = {H, F};
+  Tensor w1 = make_tensor({E, 2 * F, H}, DType::kBFloat16), w2 = make_tensor({E, H, F}, DType::kBFloat16);
+  fill_random(w1, 11, -0.3f, 0.3f);
+  fill_random(w2, 12, -0.3f, 0.3f);
+  auto entries = export_expert_param(p1, w1.view(), ExpertKeyLayout::kPerExpert);
+  for (auto& e : export_expert_param(p2, w2.view(), ExpertKeyLayout::kPerExpert)) entries.push_back(e);
+  SafetensorsFile f = SafetensorsFile::parse(serialize_safetensors(views(entries)));
+
+  Tensor s1 = make_tensor({E, 2 * F, H}, DType::kBFloat16), s2 = make_tensor({E, H, F}, DType::kBFloat16);
+  load_expert_param(f, p1, s1.view());
+  load_expert_param(f, p2, s2.view());
+  std::vector<Tensor> parts;
+  std::vector<TensorView> v1, v2;
+  for (int e = 0; e < E; ++e) {
+    parts.push_back(make_tensor({2 * F, H}, DType::kBFloat16));
+    v1.push_back(parts.back());
+    parts.push_back(make_tensor({H, F}, DType::kBFloat16));
+    v2.push_back(parts.back());
+  }
+  load_expert_param(f, p1, v1);
+  load_expert_param(f, p2, v2);
+  const ExpertTable t1 = make_expert_table(v1), t2 = make_expert_table(v2);
+
+  Tensor x = make_tensor({rows, H}, DType::kBFloat16);
+  fill_random(x, 13);
+  Tensor offs = make_tensor({E + 1}, DType::kInt64);
+  const int64_t o[] = {0, 16, 16, rows};
+  for (int e = 0; e <= E; ++e) offs.data_ptr<int64_t>()[e] = o[e];
+  GroupLayout g;
+  g.offsets = offs;
+  GroupedMlpConfig cfg;
+  auto run = [&](const GroupedMlpWeights& w) {
+    Tensor y = make_tensor({rows, H}, DType::kBFloat16), h = make_tensor({rows, 2 * F}, DType::kBFloat16),
+           a = make_tensor({rows, F}, DType::kBFloat16);
+    grouped_mlp_forward(x, w, g, {}, cfg, y, GroupedMlpSaved{h, a});
+    return std::vector<Tensor>{y, h, a};
+  };
+  GroupedMlpWeights separate;
+  separate.fc1_experts = t1.weights;
+  separate.fc2_experts = t2.weights;
+  const auto want = run(GroupedMlpWeights{s1, s2, {}, {}}), got = run(separate);
+  for (size_t i = 0; i < want.size(); ++i) EXPECT_TRUE(bytes_equal(got[i], want[i])) << i;
+}
+
 // Interleaved file rows: blocks of g gate rows then g up rows.
 TEST(ExpertCheckpoint, InterleaveMapsGateAndUpRows) {
   const int64_t F = 4, H = 1;
