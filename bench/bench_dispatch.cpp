@@ -86,6 +86,9 @@ void run_dispatch_bench(const DispatchBenchOptions& opt) {
                opt.align, opt.backend);
     std::fflush(stdout);
     auto groups = EpGroup::create_local(devs, eo);
+    if (!nvlink && W > 1)
+      fmt::print("  staging buffers registered with NCCL: {}\n",
+                 groups[0]->nccl_buffers_registered() ? "yes" : "no (MOEFLOW_EP_REGISTER=0 or no cuMem)");
     // nccl: pipeline pieces per peer x blocks of the kernels beside the
     // transfers; nvlink: (1, blocks of its kernels), the SM-count sweep
     const std::vector<std::pair<int, int>> configs =
@@ -256,6 +259,7 @@ void run_dispatch_bench(const DispatchBenchOptions& opt) {
       all.push_back({{"preset", name},
                      {"pipeline_chunks", groups[r]->options().pipeline_chunks},
                      {"overlap_blocks", groups[r]->options().overlap_blocks},
+                     {"nccl_buffers_registered", groups[r]->nccl_buffers_registered()},
                      {"sweep_pieces_blocks", configs},
                      {"sweep_dispatch_ms", rr.sweep_dispatch_ms},
                      {"sweep_combine_ms", rr.sweep_combine_ms},

@@ -89,7 +89,7 @@ Tensor to_host(TensorView v) {
 // simulated: W ranks of the nvlink backend on GPU 0 (EpGroup::create_simulated).
 void run_rounds(int W, const std::vector<Round>& rounds, int64_t capacity_rows = -1,
                 EpBackend backend = EpBackend::kNccl, bool bulk_copies = false,
-                bool register_buffers = false, int64_t H = 96,
+                bool register_buffers = true, int64_t H = 96,
                 const std::vector<DType>& dtypes = {DType::kBFloat16, DType::kFloat32},
                 bool simulated = false) {
   ASSERT_GE(cuda_device_count(), simulated ? 1 : W);

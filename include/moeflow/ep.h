@@ -106,9 +106,13 @@ struct EpOptions {
   // are registered with the communicator (ncclCommRegister), so that NCCL's
   // send/recv over NVLink copies straight between them instead of through
   // its own FIFO buffers (one copy less on the receiver). Every rank must use
-  // the same value. MOEFLOW_EP_REGISTER=0/1 overrides it. Off until measured
-  // on two GPUs.
-  bool nccl_register_buffers = false;
+  // the same value. MOEFLOW_EP_REGISTER=0/1 overrides it. On by default:
+  // 2 x H100, registered vs plain in one run, mixtral dispatch 555 vs 656 us,
+  // combine 637 vs 820 us; dsv3 793 vs 954 / 1190 vs 1318 us
+  // (docs/perf/ep-nccl-2xh200-2026-11-22.md). Where ncclMemAlloc fails (no
+  // cuMem support) the buffers are plain device memory and
+  // nccl_buffers_registered() says false.
+  bool nccl_register_buffers = true;
 };
 
 class EpGroup {

@@ -617,14 +617,20 @@ struct EpGroup::Impl {
         at += (TensorView(nullptr, b.dtype, dev, b.shape).nbytes() + 255) / 256 * 256;
       }
       void* base = nullptr;
-      MOEFLOW_NCCL_CHECK(ncclMemAlloc(&base, at));
-      std::shared_ptr<void> owner(base, [](void* p) { ncclMemFree(p); });
-      MOEFLOW_NCCL_CHECK(ncclCommRegister(comm, base, at, &arena_reg));
-      for (size_t i = 0; i < std::size(bufs); ++i)
-        *bufs[i].t = Tensor::adopt(
-            TensorView(static_cast<uint8_t*>(base) + off[i], bufs[i].dtype, dev, bufs[i].shape),
-            owner);
-    } else {
+      if (ncclMemAlloc(&base, at) == ncclSuccess && base != nullptr) {
+        std::shared_ptr<void> owner(base, [](void* p) { ncclMemFree(p); });
+        MOEFLOW_NCCL_CHECK(ncclCommRegister(comm, base, at, &arena_reg));
+        for (size_t i = 0; i < std::size(bufs); ++i)
+          *bufs[i].t = Tensor::adopt(
+              TensorView(static_cast<uint8_t*>(base) + off[i], bufs[i].dtype, dev, bufs[i].shape),
+              owner);
+      } else {
+        // No cuMem allocations here: plain buffers, NCCL's own FIFOs.
+        cudaGetLastError();
+        reg = false;
+      }
+    }
+    if (!reg || world <= 1) {
       for (const Buf& b : bufs) *b.t = Tensor::empty(b.shape, b.dtype, dev);
     }
     PlanConfig pc;
