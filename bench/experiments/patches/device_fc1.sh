@@ -14,7 +14,7 @@ for r in 1 2; do
     grep -E "^\[|fused|tune" | tee -a $OUT/log
 done
 echo "t=$SECONDS" | tee -a $OUT/log
-./moeflow_reg bench mlp --json $OUT/mlp.json 2>&1 | grep -E "^\[|forward" | tee -a $OUT/log
+./moeflow_reg bench mlp --json $OUT/mlp.json 2>&1 | grep -E "^\[|forward|keeping" | tee -a $OUT/log
 python3 peers_mlp.py --json $OUT/peers_mlp.json 2>&1 | tail -20 | tee -a $OUT/log
 timeout 120 ./test_gpu_reg --gtest_filter='GpuMlp.*' 2>&1 | grep -E "OK|FAILED|PASSED" | tee -a $OUT/log
 echo "t=$SECONDS" | tee -a $OUT/log
