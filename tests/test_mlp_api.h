@@ -33,6 +33,10 @@ inline std::vector<MlpApiCase> mlp_api_cases() {
   cases.push_back({Activation::kSwiGLU, 0, true, true, 40, 64, true});
   cases.push_back({Activation::kGeGLU, 8, false, true, 48, 64, true});
   cases.push_back({Activation::kGelu, 0, true, false, 48, 64, true});
+  // an interleave that is not a multiple of 8: the unfused FC1 and the
+  // scalar epilogue / recompute kernel (the others take the vectorised one)
+  cases.push_back({Activation::kSwiGLU, 4, true, true, 40, 64});
+  cases.push_back({Activation::kGeGLU, 4, false, true, 48, 64, true});
   return cases;
 }
 // F over several 256-column tiles, the last one partial (the fused dGLU's
