@@ -107,8 +107,8 @@ struct EpOptions {
   // send/recv over NVLink copies straight between them instead of through
   // its own FIFO buffers (one copy less on the receiver). Every rank must use
   // the same value. MOEFLOW_EP_REGISTER=0/1 overrides it. On by default:
-  // 2 x H100, registered vs plain in one run, mixtral dispatch 555 vs 656 us,
-  // combine 637 vs 820 us; dsv3 793 vs 954 / 1190 vs 1318 us
+  // 2 x H100, registered vs plain in one run, mixtral dispatch 572 vs 663 us,
+  // combine 645 vs 822 us; dsv3 798 vs 989 / 1190 vs 1317 us
   // (docs/perf/ep-nccl-2xh200-2026-11-22.md). Where ncclMemAlloc fails (no
   // cuMem support) the buffers are plain device memory and
   // nccl_buffers_registered() says false.
