@@ -313,21 +313,26 @@ void run_gemm_bench(const GemmBenchOptions& opt) {
       cuda::set_tma_tuning({});
       return r;
     };
+    // One setting of the fused FC1 (knob = value), paired with FC1 alone:
+    // printed and kept as a JSON row "tune_<knob>".
+    auto tune_fused = [&](const char* knob, int value, const cuda::TmaTuning& t) {
+      const auto [fu, plain] = fused_vs_alone(t);
+      fmt::print("    tune fused fc1 {}={:4d}: {:7.1f} TFLOP/s, FC1 alone {:7.1f}: {:.3f}x\n", knob,
+                 value, fu, plain, plain / fu);
+      std::fflush(stdout);
+      Row r{c.name, std::string("tune_") + knob, flops / fu / 1e6, 0, 0, 0};
+      r.extra = {{knob, value},
+                 {"fused_fc1_TFLOPs", fu},
+                 {"fc1_alone_TFLOPs", plain},
+                 {"time_ratio", plain / fu}};
+      rows_out.push_back(r);
+    };
     // The fused FC1's held-stage window, each value paired with FC1 alone.
     if (fused_call)
       for (const int hold : opt.tune_hold) {
         cuda::TmaTuning t;
         t.hold = hold;
-        const auto [fu, plain] = fused_vs_alone(t);
-        fmt::print("    tune fused fc1 hold={:4d}: {:7.1f} TFLOP/s, FC1 alone {:7.1f}: {:.3f}x\n",
-                   hold, fu, plain, plain / fu);
-        std::fflush(stdout);
-        Row r{c.name, "tune_hold", flops / fu / 1e6, 0, 0, 0};
-        r.extra = {{"hold", hold},
-                   {"fused_fc1_TFLOPs", fu},
-                   {"fc1_alone_TFLOPs", plain},
-                   {"time_ratio", plain / fu}};
-        rows_out.push_back(r);
+        tune_fused("hold", hold, t);
       }
     if (opt.tune) {  // TMA kernel: pipeline stages x staging buffers x raster x stagger
       for (const auto [st, nb, rb, sg, ds] :
@@ -369,10 +374,7 @@ void run_gemm_bench(const GemmBenchOptions& opt) {
         for (const int sg : {0, 1, 2, 3}) {
           cuda::TmaTuning t;
           t.stagger = sg;
-          const auto [fu, plain] = fused_vs_alone(t);
-          fmt::print("    tune fused fc1 stagger={}: {:7.1f} TFLOP/s, FC1 alone {:7.1f}: {:.3f}x\n",
-                     sg, fu, plain, plain / fu);
-          std::fflush(stdout);
+          tune_fused("stagger", sg, t);
         }
       cuda::set_tma_tuning({});
     }
