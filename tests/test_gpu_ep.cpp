@@ -320,7 +320,9 @@ void run_rounds(int W, const std::vector<Round>& rounds, int64_t capacity_rows =
 }
 
 TEST(GpuEp, OneRankMatchesReference) {
-  run_rounds(1, {{{257}}, {{0}}, {{300}, false, true}});
+  Round two_pieces{{257}};
+  two_pieces.chunks = 2;
+  run_rounds(1, {{{257}}, {{0}}, {{300}, false, true}, two_pieces});
 }
 
 TEST(GpuEp, OneRankOverflowIsCountedNotWritten) {
@@ -357,7 +359,10 @@ TEST(MultiGpuEp, MatchesReference) {
   uneven_pieces.chunks = 7;
   uneven_pieces.blocks = 1;
   uneven_pieces.ids64 = true;
-  run_rounds(W, {uneven, empty_rank, one_rank, tagged, uneven_pieces});
+  // two pieces (the default): the first holds pipeline_first_share of the tokens
+  Round two_pieces = tagged;
+  two_pieces.chunks = 2;
+  run_rounds(W, {uneven, empty_rank, one_rank, tagged, uneven_pieces, two_pieces});
 }
 
 // Backend nvlink: the same rounds, bitwise the same results.

@@ -88,6 +88,11 @@ struct EpOptions {
   // per peer (1..16), so that the receiver's permute and the sender's
   // unpermute run while the rest is in flight; 1 = one transfer.
   int pipeline_chunks = 2;
+  // Backend nccl, two pieces: the first piece's share of each rank's tokens
+  // (in (0, 1)). The last piece's permute (dispatch) and sums (combine) are
+  // the operations' tails, so a smaller last piece ends them sooner: 0.65 was
+  // 1-3 % faster than halves on 2 x H100 (docs/perf/ep-nccl-2xh200-2026-11-22.md).
+  double pipeline_first_share = 0.65;
   // Thread blocks of the permute / unpermute kernels that run beside the
   // transfers (0: as many as the GPU holds). Fewer leave SMs and memory
   // bandwidth to NCCL's kernels (2 pieces x 64 blocks measured best on two

@@ -106,16 +106,24 @@ __global__ void ep_recv_single_kernel(const int32_t* recv_ids, int64_t rows, int
 }
 
 // counts[q*2C + c] = rows sent to rank q for the tokens of piece c, tokens
-// [T*c/C, T*(c+1)/C) (from the exclusive scan of the flags), and
+// [piece_start(c), piece_start(c+1)) (from the exclusive scan of the flags), and
 // counts[q*2C + C + c] the same for the single rows (from the scan of
 // `single`; any offset of spos cancels): one message of 2C per peer.
+// First home token of piece c of C (c = C: T). With two pieces, `split`
+// (per mille of T, 0: halves) sets where the second starts.
+__host__ __device__ inline int64_t piece_start(int64_t T, int c, int C, int split) {
+  if (C == 2 && c == 1 && split > 0) return T * split / 1000;
+  return T * c / C;
+}
+
 __global__ void ep_counts_kernel(const int32_t* pos, const int32_t* spos, int64_t T, int W, int C,
-                                 int32_t* counts) {
+                                 int split, int32_t* counts) {
   const int i = threadIdx.x;
   if (i >= W * C) return;
   const int q = i / C, c = i % C;
-  counts[q * 2 * C + c] = pos[q * T + T * (c + 1) / C] - pos[q * T + T * c / C];
-  counts[q * 2 * C + C + c] = spos[q * T + T * (c + 1) / C] - spos[q * T + T * c / C];
+  const int64_t t0 = piece_start(T, c, C, split), t1 = piece_start(T, c + 1, C, split);
+  counts[q * 2 * C + c] = pos[q * T + t1] - pos[q * T + t0];
+  counts[q * 2 * C + C + c] = spos[q * T + t1] - spos[q * T + t0];
 }
 
 // Combine, on the rank holding the slots: for received rows [r0, r0 + n),
@@ -407,7 +415,7 @@ struct EpGroup::Impl {
   // the last dispatch
   int64_t T = 0, received = 0;
   std::vector<int64_t> send_off, send_cnt, recv_off, recv_cnt;
-  // Pieces: piece c holds the home tokens [T*c/C, T*(c+1)/C) of each rank;
+  // Pieces: piece c holds the home tokens [piece_start(c), piece_start(c+1)) of each rank;
   // rows of piece c to / from rank q start at *_pc[q*(C+1) + c] inside q's range.
   int pieces = 1;
   std::vector<int64_t> send_pc, recv_pc;
@@ -444,6 +452,7 @@ struct EpGroup::Impl {
       for (int i = 0; i < kMaxChunks; ++i)
         if (arr[i]) cudaEventDestroy(arr[i]);
     if (comm_stream) cudaStreamDestroy(comm_stream);
+    if (trace_stream) cudaStreamDestroy(trace_stream);
     if (aux_stream && !simulated) cudaStreamDestroy(aux_stream);  // (pooled when simulated)
     if (host) cudaFreeHost(host);
     // The window and the device communicator go with an owned communicator
@@ -470,6 +479,7 @@ struct EpGroup::Impl {
   // MOEFLOW_EP_TRACE=1: rank 0 prints when each step of a dispatch / combine
   // finished on the GPU (us after the step began), for tuning the pipeline.
   bool tracing = false;
+  int split = 500;  // opt.pipeline_first_share per mille (piece_start)
   std::vector<std::pair<std::string, cudaEvent_t>> marks;
   size_t used_marks = 0;
   void mark(const std::string& what, cudaStream_t s) {
@@ -481,6 +491,15 @@ struct EpGroup::Impl {
     }
     marks[used_marks].first = what;
     MOEFLOW_CUDA_CHECK(cudaEventRecord(marks[used_marks++].second, s));
+  }
+  // The host's progress in GPU time: an event recorded on an idle stream
+  // completes as soon as the GPU sees it.
+  cudaStream_t trace_stream = nullptr;
+  void host_mark(const std::string& what) {
+    if (!tracing) return;
+    if (trace_stream == nullptr)
+      MOEFLOW_CUDA_CHECK(cudaStreamCreateWithFlags(&trace_stream, cudaStreamNonBlocking));
+    mark(what, trace_stream);
   }
   void print_marks(const char* op) {
     if (!tracing || used_marks == 0) return;
@@ -530,6 +549,8 @@ struct EpGroup::Impl {
     MOEFLOW_CHECK(o.pipeline_chunks >= 1 && o.pipeline_chunks <= kMaxChunks,
                   "pipeline_chunks must be in [1, ", kMaxChunks, "], got ", o.pipeline_chunks);
     MOEFLOW_CHECK(o.overlap_blocks >= 0, "overlap_blocks must be >= 0, got ", o.overlap_blocks);
+    MOEFLOW_CHECK(o.pipeline_first_share > 0.0 && o.pipeline_first_share < 1.0,
+                  "pipeline_first_share must be in (0, 1), got ", o.pipeline_first_share);
     MOEFLOW_CHECK(o.nvlink_blocks >= 2, "nvlink_blocks must be >= 2, got ", o.nvlink_blocks);
     MOEFLOW_CHECK(o.max_tokens_per_rank >= 0, "max_tokens_per_rank must be >= 0, got ",
                   o.max_tokens_per_rank);
@@ -579,6 +600,7 @@ struct EpGroup::Impl {
       MOEFLOW_CUDA_CHECK(cudaStreamCreateWithFlags(&aux_stream, cudaStreamNonBlocking));
     const char* tr = std::getenv("MOEFLOW_EP_TRACE");
     tracing = tr != nullptr && tr[0] == '1' && rank == 0;
+    split = std::clamp(static_cast<int>(std::lround(opt.pipeline_first_share * 1000)), 1, 999);
     for (cudaEvent_t* e : {&ev_start, &ev_host, &ev_packed, &ev_meta, &ev_aux})
       MOEFLOW_CUDA_CHECK(cudaEventCreateWithFlags(e, cudaEventDisableTiming));
     for (cudaEvent_t* arr : {ev_piece, ev_back, ev_rows})
@@ -1279,8 +1301,10 @@ EpDispatchResult ep_dispatch(EpGroup& group, TensorView x, TensorView ids, Tenso
   const int C = g.chunks();
   g.pieces = C;
   // counts: [sent W x (rows C | single rows C) | received, the same]
-  ep_counts_kernel<<<1, 32 * ((W * C + 31) / 32), 0, stream>>>(pos, spos, T, W, C, counts);
+  ep_counts_kernel<<<1, 32 * ((W * C + 31) / 32), 0, stream>>>(pos, spos, T, W, C, g.split,
+                                                                 counts);
   MOEFLOW_CUDA_LAUNCH_CHECK();
+  g.mark("ranked", stream);
   // Counts: send counts to each peer, receive theirs (the one host sync), on
   // the NCCL stream while the pack runs on the caller's.
   cudaStream_t cs = g.comm_stream;
@@ -1323,10 +1347,11 @@ EpDispatchResult ep_dispatch(EpGroup& group, TensorView x, TensorView ids, Tenso
     }
   }
   MOEFLOW_CUDA_CHECK(cudaEventRecord(g.ev_packed, stream));
+  g.mark("pmeta", stream);
   const int64_t xs = x.strides[0] * static_cast<int64_t>(dtype_size(x.dtype));
   const bool vec = addr(x.data) % 16 == 0 && xs % 16 == 0 && g.row_bytes % 16 == 0;
   for (int c = 0; c < C; ++c) {
-    const int64_t t0 = T * c / C, t1 = T * (c + 1) / C;
+    const int64_t t0 = piece_start(T, c, C, g.split), t1 = piece_start(T, c + 1, C, g.split);
     if (t1 > t0) {
       const int64_t warps = W * (t1 - t0);
       const unsigned blocks = static_cast<unsigned>((warps * cuda::kWarpSize + 255) / 256);
@@ -1336,9 +1361,11 @@ EpDispatchResult ep_dispatch(EpGroup& group, TensorView x, TensorView ids, Tenso
       MOEFLOW_CUDA_LAUNCH_CHECK();
     }
     MOEFLOW_CUDA_CHECK(cudaEventRecord(g.ev_rows[c], stream));
+    g.mark("pack" + std::to_string(c), stream);
   }
-  g.mark("pack", stream);
+  g.host_mark("h_sync");
   MOEFLOW_CUDA_CHECK(cudaEventSynchronize(g.ev_host));
+  g.host_mark("h_woke");
   g.send_off.assign(W, 0);
   g.send_cnt.assign(W, 0);
   g.recv_off.assign(W, 0);
@@ -1399,6 +1426,7 @@ EpDispatchResult ep_dispatch(EpGroup& group, TensorView x, TensorView ids, Tenso
   MOEFLOW_NCCL_CHECK(ncclGroupEnd());
   MOEFLOW_CUDA_CHECK(cudaEventRecord(g.ev_meta, cs));
   g.mark("meta", cs);
+  g.host_mark("h_meta");
   for (int c = 0; c < C; ++c) {
     MOEFLOW_CUDA_CHECK(cudaStreamWaitEvent(cs, g.ev_rows[c], 0));
     g.exchange_piece(c, static_cast<const uint8_t*>(g.send_x.data()), g.row_bytes, g.send_off,
@@ -1407,6 +1435,7 @@ EpDispatchResult ep_dispatch(EpGroup& group, TensorView x, TensorView ids, Tenso
     MOEFLOW_CUDA_CHECK(cudaEventRecord(g.ev_piece[c], cs));
     g.mark("x" + std::to_string(c), cs);
   }
+  g.host_mark("h_x");
   // Unpack + permute + pad: the received rows routed over the local experts.
   MOEFLOW_CUDA_CHECK(cudaStreamWaitEvent(stream, g.ev_meta, 0));
   build_plan(g.recv_ids, g.plan, g.plan_ws, stream);
@@ -1564,7 +1593,7 @@ void combine_impl(EpGroup::Impl& g, TensorView y, bool weighted, TensorView out,
   const int64_t T = g.T;
   for (int c = 0; c < C; ++c) {
     MOEFLOW_CUDA_CHECK(cudaStreamWaitEvent(stream, g.ev_back[c], 0));
-    const int64_t t0 = T * c / C, t1 = T * (c + 1) / C;
+    const int64_t t0 = piece_start(T, c, C, g.split), t1 = piece_start(T, c + 1, C, g.split);
     if (t1 == t0) continue;
     const unsigned blocks = static_cast<unsigned>(t1 - t0);
     auto launch = [&](auto* o) {
