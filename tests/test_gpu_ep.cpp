@@ -86,6 +86,9 @@ Tensor to_host(TensorView v) {
   return t;
 }
 
+// EpOptions::eager_share of the groups run_rounds makes (nccl backend).
+double g_eager_share = EpOptions{}.eager_share;
+
 // simulated: W ranks of the nvlink backend on GPU 0 (EpGroup::create_simulated).
 void run_rounds(int W, const std::vector<Round>& rounds, int64_t capacity_rows = -1,
                 EpBackend backend = EpBackend::kNccl, bool bulk_copies = false,
@@ -109,6 +112,7 @@ void run_rounds(int W, const std::vector<Round>& rounds, int64_t capacity_rows =
     opt.backend = backend;
     opt.nvlink_bulk_copies = bulk_copies;
     opt.nccl_register_buffers = register_buffers;
+    opt.eager_share = g_eager_share;
     // scales travel with the rows: 3 float32 (4-byte words) with bf16 and
     // e4m3 tokens, 5 bytes with e5m2 tokens, none with float32 tokens
     const bool with_scales = dt != DType::kFloat32;
@@ -362,7 +366,26 @@ TEST(MultiGpuEp, MatchesReference) {
   // two pieces (the default): the first holds pipeline_first_share of the tokens
   Round two_pieces = tagged;
   two_pieces.chunks = 2;
+  // After the first round, each dispatch sends an eager piece sized from the
+  // previous one's counts (rows past this one's count are padding).
   run_rounds(W, {uneven, empty_rank, one_rank, tagged, uneven_pieces, two_pieces});
+}
+
+// The same rounds without the eager piece: the rows go in the pipeline's
+// pieces only.
+TEST(MultiGpuEp, NoEagerPieceMatchesReference) {
+  const int W = cuda_device_count();
+  if (W < 2) GTEST_SKIP() << "needs 2+ GPUs (label multigpu)";
+  MultiRounds m(W);
+  auto& [uneven, empty_rank, one_rank, tagged] = m;
+  empty_rank.chunks = 1;
+  one_rank.chunks = 16;
+  tagged.chunks = 3;
+  Round two_pieces = tagged;
+  two_pieces.chunks = 2;
+  g_eager_share = 0.0;
+  run_rounds(W, {uneven, empty_rank, one_rank, tagged, two_pieces});
+  g_eager_share = EpOptions{}.eager_share;
 }
 
 // Backend nvlink: the same rounds, bitwise the same results.
@@ -555,6 +578,11 @@ TEST(GpuEp, ScalesArgumentErrors) {
     EXPECT_THROW(ep_dispatch(*plain[0], x, ids, probs, Tensor::zeros({16, 2}, DType::kFloat32, dev)),
                  Error);
     MOEFLOW_CUDA_CHECK(cudaDeviceSynchronize());
+    for (const double share : {-0.1, 1.0}) {  // the eager share is in [0, 1)
+      EpOptions bad = opt;
+      bad.eager_share = share;
+      EXPECT_THROW(EpGroup::create_local({0}, bad), Error) << share;
+    }
   }
 }
 
@@ -642,6 +670,62 @@ TEST(MultiGpuEp, OverflowIsCountedNotWritten) {
   Round rd;
   for (int r = 0; r < W; ++r) rd.tokens.push_back(280);
   run_rounds(W, {rd}, 256);
+}
+
+// Routing entries outside [-1, E) (int64 ids past 2^32 included: never
+// narrowed into a valid id) are counted and ignored on the way to every
+// rank, and the dispatch then reports them: the same rows per peer as the
+// routing with those entries set to -1.
+TEST(MultiGpuEp, InvalidIdsAreIgnoredAndReported) {
+  const int W = cuda_device_count();
+  if (W < 2) GTEST_SKIP() << "needs 2+ GPUs (label multigpu)";
+  const int E = 8 * W, K = 4;
+  const int64_t H = 64, T = 101;
+  EpOptions opt;
+  opt.num_experts = E;
+  opt.topk = K;
+  opt.hidden = H;
+  opt.align = 16;
+  opt.max_tokens_per_rank = T;
+  std::vector<int> devs;
+  for (int r = 0; r < W; ++r) devs.push_back(r);
+  auto groups = EpGroup::create_local(devs, opt);
+  std::vector<std::vector<int64_t>> bad_rows(W), good_rows(W), bad_sent(W), good_sent(W);
+  std::vector<int> threw(W, 0);
+  EpGroup::run_local(groups, [&](int r) {
+    const Device dev = groups[r]->device();
+    Tensor ids32 = random_topk(T, K, E, 31 + r, 0.5, 0.05);
+    Tensor bad = widen_ids(ids32), good = widen_ids(ids32);
+    int64_t* b = bad.data_ptr<int64_t>();
+    int64_t* gd = good.data_ptr<int64_t>();
+    const int64_t wrong[] = {(int64_t{1} << 32) + 1, E + 3, -7, (int64_t{1} << 40)};
+    for (int i = 0; i < 4; ++i) {
+      const int64_t at = (17 * i + 5 * r) * K + i % K;
+      b[at] = wrong[i];
+      gd[at] = -1;
+    }
+    Tensor x = make_tensor({T, H}, DType::kBFloat16);
+    fill_random(x, 3 + r);
+    Tensor xd = x.to(dev), probs = make_tensor({T, K}, DType::kFloat32);
+    fill_random(probs, 5 + r, 0.1f, 1.0f);
+    Tensor pd = probs.to(dev);
+    try {
+      ep_dispatch(*groups[r], xd, bad.to(dev), pd);
+    } catch (const Error& e) {
+      threw[r] = std::string(e.what()).find("outside [-1, ") != std::string::npos;
+    }
+    bad_rows[r] = groups[r]->last_recv_rows();
+    bad_sent[r] = groups[r]->last_send_rows();
+    ep_dispatch(*groups[r], xd, good.to(dev), pd);
+    good_rows[r] = groups[r]->last_recv_rows();
+    good_sent[r] = groups[r]->last_send_rows();
+    MOEFLOW_CUDA_CHECK(cudaDeviceSynchronize());
+  });
+  for (int r = 0; r < W; ++r) {
+    EXPECT_EQ(threw[r], 1) << "rank " << r;
+    EXPECT_EQ(bad_rows[r], good_rows[r]) << "rank " << r;
+    EXPECT_EQ(bad_sent[r], good_sent[r]) << "rank " << r;
+  }
 }
 
 }  // namespace

@@ -93,6 +93,17 @@ struct EpOptions {
   // the operations' tails, so a smaller last piece ends them sooner: 0.65 was
   // 1-3 % faster than halves on 2 x H100 (docs/perf/ep-nccl-2xh200-2026-11-22.md).
   double pipeline_first_share = 0.65;
+  // Backend nccl: an eager first piece. NCCL's send sizes are host arguments,
+  // so the rows for a peer could leave only after the host has this
+  // dispatch's counts. The eager piece does not wait: it carries the first
+  // floor(eager_share x n) rows for each peer, n being the rows this rank and
+  // that peer exchanged in the previous dispatch (both sides know it, so no
+  // message is needed), as a block of that fixed size (rows past this
+  // dispatch's count are padding, never read); the rest follows in the
+  // pieces above once the counts are known. In [0, 1); 0: off (the first
+  // dispatch of a group has none). Every rank must use the same value.
+  // Costs a staging buffer of (W - 1) x eager_share x max_tokens_per_rank rows.
+  double eager_share = 0.7;
   // Thread blocks of the permute / unpermute kernels that run beside the
   // transfers (0: as many as the GPU holds). Fewer leave SMs and memory
   // bandwidth to NCCL's kernels (2 pieces x 64 blocks measured best on two

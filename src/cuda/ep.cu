@@ -1,22 +1,26 @@
 // Expert-parallel dispatch / combine, backend "nccl" (see moeflow/ep.h).
 //
 // dispatch, on every rank:
-//   1. flags[q][t] = token t has a slot on rank q (one kernel), an exclusive
-//      scan over the W*T flags (CUB) gives each (q, t) its row in the send
-//      buffer: destination-major, tokens ascending;
-//   2. pack (one kernel): token rows, and per row the K local expert ids for
-//      that destination (-1 for slots elsewhere) and probs, into the send
-//      buffers; each token crosses to a rank once;
-//   3. per-destination counts through grouped ncclSend/ncclRecv, copied to the
-//      host (the one host synchronisation; the pack runs meanwhile), then
-//      grouped ncclSend/ncclRecv of the exact row ranges: ids and probs
-//      first, then the token rows in `pipeline_chunks` pieces per peer;
-//   4. the received rows (source rank ascending, then token) are a routing
-//      problem over the local experts: build_plan over the received ids runs
-//      while the token rows travel; the rank's own rows are permuted straight
-//      from the send buffer (they never go through NCCL), each peer's piece as
-//      soon as it has arrived: the expert-major padded layout, in (source
-//      rank, token, k) order.
+//   1. flags[q][t] = token t has a slot on rank q (one kernel, which also
+//      writes the rank's routing message: T and every token's K ids and
+//      probs, fixed size), an exclusive scan over the W*T flags (CUB) gives
+//      each (q, t) its row in the send buffer: destination-major, tokens
+//      ascending;
+//   2. the routing messages go to every peer (one grouped ncclSend/ncclRecv,
+//      on the internal stream); from them each rank derives on the device the
+//      rows it will receive (source rank ascending, then token), their local
+//      ids, probs and single flags, and its receive counts; the counts of
+//      both sides are copied to the host (the one host synchronisation)
+//      while the sender side packs: each row's local ids and probs (combine
+//      weighs with them), and the token rows piece by piece;
+//   3. the token rows for the peers in `pipeline_chunks` pieces per peer
+//      (grouped ncclSend/ncclRecv of exact row ranges, FP8 scales with them),
+//      each leaving as soon as the host knows the sizes and its pack is done;
+//   4. the received rows are a routing problem over the local experts:
+//      build_plan over the received ids runs while the token rows travel;
+//      the rank's own rows are permuted straight from x (they never go
+//      through NCCL), each peer's piece as soon as it has arrived: the
+//      expert-major padded layout, in (source rank, token, k) order.
 // combine: unpermute of the expert outputs into one float32 partial per
 // received token (slots ascending, weighted by the received probs), piece by
 // piece, each piece sent back as soon as it is summed (same row ranges
@@ -29,6 +33,7 @@
 #include <nccl.h>
 
 #include <algorithm>
+#include <cmath>
 #include <cstdio>
 #include <cstdlib>
 #include <cub/device/device_scan.cuh>
@@ -72,43 +77,98 @@ constexpr int kMaxChunks = 16;
 // y instead of a float32 partial. Both arrays end in a zero pad entry
 // [W*T], and single starts right after flags' pad, so that one exclusive scan
 // of the two gives both prefixes (single's offset by the flags' total).
+// route: this rank's routing message to every peer, fixed size
+// (max_tokens_per_rank): [T | pad] then per token its K global ids (-1 where
+// unrouted, -2 where invalid: outside [-1, E)) and K probs (float bits, 0
+// without probs). ep_route_counts_kernel counts the invalid ones.
+constexpr int kRouteHead = 4;  // words before the tokens
+__host__ __device__ inline int64_t route_words(int64_t tmax, int K) {
+  return kRouteHead + tmax * 2 * K;
+}
 template <typename IdT>
-__global__ void ep_flags_kernel(const IdT* ids, int64_t T, int K, int E, int epr, int W, int self,
-                                int32_t* flags, int32_t* single, int32_t* invalid) {
+__global__ void ep_flags_kernel(const IdT* ids, const float* probs, int64_t T, int K, int E,
+                                int epr, int W, int self, int32_t* flags, int32_t* single,
+                                int32_t* route) {
   const int64_t t = blockIdx.x * int64_t{blockDim.x} + threadIdx.x;
-  if (t == 0) flags[W * T] = single[W * T] = 0;
+  if (t == 0) {
+    flags[W * T] = single[W * T] = 0;
+    route[0] = static_cast<int32_t>(T);
+  }
   if (t >= T) return;
   for (int q = 0; q < W; ++q) flags[q * T + t] = single[q * T + t] = 0;
-  int bad = 0;
+  int32_t* rt = route + kRouteHead + t * 2 * K;
   for (int k = 0; k < K; ++k) {
     const int64_t id = static_cast<int64_t>(ids[t * K + k]);
-    if (id >= 0 && id < E) {
+    const bool ok = id >= 0 && id < E;
+    if (ok) {
       flags[(id / epr) * T + t] = 1;
       ++single[(id / epr) * T + t];  // this thread's entries only: slots per rank
-    } else if (id != -1) {
-      ++bad;
     }
+    rt[k] = ok ? static_cast<int32_t>(id) : id == -1 ? -1 : -2;
+    rt[K + k] = __float_as_int(probs ? probs[t * K + k] : 0.0f);
   }
   for (int q = 0; q < W; ++q) single[q * T + t] = q != self && single[q * T + t] == 1;
-  if (bad) atomicAdd(invalid, bad);
 }
 
-// Receiver side of the same flag: rsingle[r] = 1 when received row r (not
-// one of this rank's own rows [self_b, self_e)) has exactly one slot here.
-__global__ void ep_recv_single_kernel(const int32_t* recv_ids, int64_t rows, int K, int64_t self_b,
-                                      int64_t self_e, int32_t* rsingle) {
-  const int64_t r = blockIdx.x * int64_t{blockDim.x} + threadIdx.x;
-  if (r > rows) return;
+// Receiver side (nccl backend), from the routing messages of every rank
+// (route + q * words; this rank's own among them): the same two flags over
+// (source q, token t < T_q) for this rank, rfl[q*tmax + t] and
+// rsg = rfl + N + 1 (N = W*tmax, zero pads at N), so that one exclusive scan
+// gives every received row its index (source-major, tokens ascending: the
+// order the rows arrive in) and its single rows' prefix.
+__global__ void ep_route_flags_kernel(const int32_t* route, int64_t words, int64_t tmax, int W,
+                                      int K, int epr, int me, int32_t* rfl) {
+  const int64_t N = W * tmax;
+  const int64_t i = blockIdx.x * int64_t{blockDim.x} + threadIdx.x;
+  if (i > N) return;
+  int32_t* rsg = rfl + N + 1;
+  if (i == N) {
+    rfl[N] = rsg[N] = 0;
+    return;
+  }
+  const int q = static_cast<int>(i / tmax);
+  const int64_t t = i % tmax;
+  const int32_t* msg = route + q * words;
   int n = 0;
-  if (r < rows && (r < self_b || r >= self_e))
-    for (int k = 0; k < K; ++k) n += recv_ids[r * K + k] >= 0;
-  rsingle[r] = n == 1;
+  if (t < msg[0]) {
+    const int32_t* rt = msg + kRouteHead + t * 2 * K;
+    for (int k = 0; k < K; ++k) n += rt[k] >= 0 && rt[k] / epr == me;
+  }
+  rfl[i] = n > 0;
+  rsg[i] = q != me && n == 1;
 }
 
-// counts[q*2C + c] = rows sent to rank q for the tokens of piece c, tokens
-// [piece_start(c), piece_start(c+1)) (from the exclusive scan of the flags), and
-// counts[q*2C + C + c] the same for the single rows (from the scan of
-// `single`; any offset of spos cancels): one message of 2C per peer.
+// Every received row's K local ids (-1: a slot elsewhere) and probs (what the
+// sender's pack_meta writes for this rank), rsingle / rspos (the row has one
+// slot here and comes from a peer; the single rows before it), from the scan
+// rps of ep_route_flags_kernel's flags.
+__global__ void ep_route_unpack_kernel(const int32_t* route, int64_t words, int64_t tmax, int W,
+                                       int K, int epr, int me, const int32_t* rfl,
+                                       const int32_t* rps, int32_t* recv_ids, float* recv_probs,
+                                       int32_t* rsingle, int32_t* rspos) {
+  const int64_t N = W * tmax;
+  const int64_t i = blockIdx.x * int64_t{blockDim.x} + threadIdx.x;
+  if (i > N) return;
+  const int32_t base = rps[N];  // rows received
+  if (i == N) {
+    rsingle[base] = 0;
+    rspos[base] = rps[N + 1 + N] - base;
+    return;
+  }
+  if (!rfl[i]) return;
+  const int q = static_cast<int>(i / tmax);
+  const int64_t t = i % tmax, row = rps[i];
+  const int32_t* rt = route + q * words + kRouteHead + t * 2 * K;
+  for (int k = 0; k < K; ++k) {
+    const int32_t id = rt[k];
+    const bool here = id >= 0 && id / epr == me;
+    recv_ids[row * K + k] = here ? id - me * epr : -1;
+    recv_probs[row * K + k] = here ? __int_as_float(rt[K + k]) : 0.0f;
+  }
+  rsingle[row] = rfl[N + 1 + i];
+  rspos[row] = rps[N + 1 + i] - base;
+}
+
 // First home token of piece c of C (c = C: T). With two pieces, `split`
 // (per mille of T, 0: halves) sets where the second starts.
 __host__ __device__ inline int64_t piece_start(int64_t T, int c, int C, int split) {
@@ -116,14 +176,62 @@ __host__ __device__ inline int64_t piece_start(int64_t T, int c, int C, int spli
   return T * c / C;
 }
 
-__global__ void ep_counts_kernel(const int32_t* pos, const int32_t* spos, int64_t T, int W, int C,
-                                 int split, int32_t* counts) {
-  const int i = threadIdx.x;
-  if (i >= W * C) return;
-  const int q = i / C, c = i % C;
-  const int64_t t0 = piece_start(T, c, C, split), t1 = piece_start(T, c + 1, C, split);
-  counts[q * 2 * C + c] = pos[q * T + t1] - pos[q * T + t0];
-  counts[q * 2 * C + C + c] = spos[q * T + t1] - spos[q * T + t0];
+// Both sides' counts straight from the routing messages, added up into
+// zeroed counts by blocks (x = segment, y = a share of its tokens): segment
+// (d, q, c), d = 0: rows this rank sends to rank q for its tokens of piece c
+// (tokens [piece_start(c), piece_start(c+1)) with a slot on q) and how many
+// of them are single rows (exactly one slot there, q a peer), into
+// counts[q*2C + c] and counts[q*2C + C + c]; d = 1: the same received from
+// rank q (q's tokens with a slot here), at counts[2WC + ...]. The last
+// segment counts this rank's invalid routing entries into counts[4WC].
+__global__ void ep_route_counts_kernel(const int32_t* route, int64_t words, int W, int K, int epr,
+                                       int me, int C, int split, int32_t* counts) {
+  const int seg = blockIdx.x;
+  __shared__ int rows_s, single_s;
+  if (threadIdx.x == 0) rows_s = single_s = 0;
+  __syncthreads();
+  int rows = 0, singles = 0;
+  const int d = seg / (W * C), q = (seg / C) % W, c = seg % C;
+  const int src = seg == 2 * W * C || d == 0 ? me : q;  // whose tokens
+  const int dst = d == 0 ? q : me;                        // whose experts
+  const int32_t* msg = route + src * words;
+  const int64_t T = msg[0];
+  int64_t t0 = 0, t1 = T;
+  if (seg < 2 * W * C) t0 = piece_start(T, c, C, split), t1 = piece_start(T, c + 1, C, split);
+  const int64_t share = (t1 - t0 + gridDim.y - 1) / gridDim.y;
+  const int64_t b0 = t0 + share * blockIdx.y, b1 = b0 + share < t1 ? b0 + share : t1;
+  for (int64_t t = b0 + threadIdx.x; t < b1; t += blockDim.x) {
+    const int32_t* rt = msg + kRouteHead + t * 2 * K;
+    int n = 0, bad = 0;
+    for (int k = 0; k < K; ++k) {
+      const int32_t id = rt[k];
+      n += id >= 0 && id / epr == dst;
+      bad += id == -2;
+    }
+    if (seg == 2 * W * C) {
+      rows += bad;
+    } else {
+      rows += n > 0;
+      singles += q != me && n == 1;
+    }
+  }
+  for (int o = 16; o > 0; o >>= 1) {
+    rows += __shfl_xor_sync(0xffffffffu, rows, o);
+    singles += __shfl_xor_sync(0xffffffffu, singles, o);
+  }
+  if (threadIdx.x % 32 == 0 && (rows | singles)) {
+    atomicAdd(&rows_s, rows);
+    atomicAdd(&single_s, singles);
+  }
+  __syncthreads();
+  if (threadIdx.x != 0) return;
+  if (seg == 2 * W * C) {
+    if (rows_s) atomicAdd(counts + 4 * W * C, rows_s);
+    return;
+  }
+  int32_t* out = counts + d * 2 * W * C + q * 2 * C;
+  if (rows_s) atomicAdd(out + c, rows_s);
+  if (single_s) atomicAdd(out + C + c, single_s);
 }
 
 // Combine, on the rank holding the slots: for received rows [r0, r0 + n),
@@ -219,11 +327,22 @@ __global__ void ep_pack_meta_kernel(const IdT* ids, const float* probs, int64_t 
   }
 }
 
+// Rows per peer of the eager piece (EpOptions::eager_share), by rank.
+struct EagerRows {
+  int32_t n[kMaxWorld];
+};
+
 // Token rows of tokens [t0, t1) along the routes (one warp per (q, t) with a
-// flag), except those for rank `skip` (-1: none).
+// flag), except those for rank `skip` (-1: none). The row's index j among
+// the rows for q decides where it goes: with `eager` null, rows j >= hi[q] to
+// the send buffer (row pos[q*T + t]); otherwise rows lo[q] <= j < hi[q] to
+// row j of q's slot in the eager buffer (peer slots of eager_rows rows, this
+// rank skipped).
 __global__ void ep_pack_rows_kernel(const uint8_t* x, int64_t x_stride_bytes, int64_t row_bytes,
                                     bool vec, int64_t T, int64_t t0, int64_t t1, int W, int skip,
-                                    const int32_t* flags, const int32_t* pos, uint8_t* send_x) {
+                                    const int32_t* flags, const int32_t* pos, uint8_t* send_x,
+                                    EagerRows lo, EagerRows hi, uint8_t* eager,
+                                    int64_t eager_rows) {
   const int64_t n = t1 - t0;
   const int64_t warp = (blockIdx.x * int64_t{blockDim.x} + threadIdx.x) / cuda::kWarpSize;
   const int lane = threadIdx.x % cuda::kWarpSize;
@@ -231,8 +350,16 @@ __global__ void ep_pack_rows_kernel(const uint8_t* x, int64_t x_stride_bytes, in
   const int q = static_cast<int>(warp / n);
   const int64_t t = t0 + warp % n;
   if (q == skip || !flags[q * T + t]) return;
+  const int64_t p = pos[q * T + t], j = p - pos[q * T];
+  uint8_t* dst;
+  if (eager) {
+    if (j < lo.n[q] || j >= hi.n[q]) return;
+    dst = eager + ((q < skip ? q : q - 1) * eager_rows + j) * row_bytes;
+  } else {
+    if (j < hi.n[q]) return;
+    dst = send_x + p * row_bytes;
+  }
   const uint8_t* src = x + t * x_stride_bytes;
-  uint8_t* dst = send_x + int64_t{pos[q * T + t]} * row_bytes;
   if (vec) {  // 16-byte aligned rows
     for (int64_t i = lane * 16; i < row_bytes; i += cuda::kWarpSize * 16)
       *reinterpret_cast<uint4*>(dst + i) = *reinterpret_cast<const uint4*>(src + i);
@@ -393,7 +520,7 @@ struct EpGroup::Impl {
   // (ep_flags_kernel), pos their one exclusive scan: pos, then spos offset by
   // the flags' total (pos[W*T]). single[q*T + t]: token t has one slot on
   // peer q (combine sends that row of y home instead of a float32 partial).
-  Tensor flags, pos, scan_tmp, counts, invalid, self_src;  // device
+  Tensor flags, pos, scan_tmp, counts, self_src;  // device
   int32_t* single() { return flags.data_ptr<int32_t>() + world * T + 1; }
   int32_t* spos_raw() { return pos.data_ptr<int32_t>() + world * T + 1; }
   int32_t* spos_base() { return pos.data_ptr<int32_t>() + world * T; }
@@ -403,6 +530,17 @@ struct EpGroup::Impl {
   // sent, then the same received ([W][2C] x 2), then invalid
   int32_t* host = nullptr;
   Tensor send_x, send_ids, send_probs, recv_x, recv_ids, recv_probs;
+  // nccl backend: every rank's routing message ([W][route_words], this
+  // rank's own in its slot, sent from there), the receiver's flags over
+  // them, their scan and its workspace (ep_route_flags_kernel).
+  Tensor route, rfl, rps, rscan_tmp;
+  // nccl backend, eager piece: rows per peer slot, the send slots ([W-1]
+  // peers x eager_max rows), and this dispatch's rows per rank (from the
+  // previous dispatch's counts) sent and received.
+  int64_t eager_max = 0;
+  double eager_share = 0.0;
+  Tensor send_eager;
+  EagerRows eager_send{}, eager_recv{};
   Tensor send_scales, recv_scales, out_scales;  // scale_cols > 0
   int64_t scale_bytes = 0;                      // per token: scale_cols x its dtype
   RoutingPlan plan;
@@ -431,7 +569,11 @@ struct EpGroup::Impl {
   // permutes.
   cudaStream_t comm_stream = nullptr, aux_stream = nullptr;
   cudaEvent_t ev_start = nullptr, ev_host = nullptr, ev_packed = nullptr, ev_meta = nullptr;
-  cudaEvent_t ev_aux = nullptr;
+  cudaEvent_t ev_aux = nullptr, ev_scales = nullptr;
+  // the eager piece's parts: packed (caller's stream), arrived (NCCL stream)
+  static constexpr int kEagerParts = 4;  // at most
+  int eager_parts = 1;  // MOEFLOW_EP_EAGER_PARTS (more were slower on 2 x H100)
+  cudaEvent_t ev_epacked[kEagerParts] = {}, ev_eager[kEagerParts] = {};
   cudaEvent_t ev_piece[kMaxChunks] = {}, ev_back[kMaxChunks] = {}, ev_rows[kMaxChunks] = {};
   std::unique_ptr<NvlinkState> nvl;  // backend nvlink
   int sm_count = 0;
@@ -445,12 +587,15 @@ struct EpGroup::Impl {
       cudaDeviceSynchronize();
       cudaSetDevice(cur);
     }
-    for (cudaEvent_t e : {ev_start, ev_host, ev_packed, ev_meta, ev_aux})
+    for (cudaEvent_t e : {ev_start, ev_host, ev_packed, ev_meta, ev_aux, ev_scales})
       if (e) cudaEventDestroy(e);
     for (auto& m : marks) cudaEventDestroy(m.second);
     for (cudaEvent_t* arr : {ev_piece, ev_back, ev_rows})
       for (int i = 0; i < kMaxChunks; ++i)
         if (arr[i]) cudaEventDestroy(arr[i]);
+    for (int i = 0; i < kEagerParts; ++i)
+      for (cudaEvent_t e : {ev_epacked[i], ev_eager[i]})
+        if (e) cudaEventDestroy(e);
     if (comm_stream) cudaStreamDestroy(comm_stream);
     if (trace_stream) cudaStreamDestroy(trace_stream);
     if (aux_stream && !simulated) cudaStreamDestroy(aux_stream);  // (pooled when simulated)
@@ -582,10 +727,17 @@ struct EpGroup::Impl {
     MOEFLOW_CUDA_CHECK(cub::DeviceScan::ExclusiveSum(nullptr, scan_bytes, flags.data_ptr<int32_t>(),
                                                      pos.data_ptr<int32_t>(), 2 * (rows_max + 1)));
     scan_tmp = Tensor::empty({static_cast<int64_t>(scan_bytes) + 16}, DType::kUInt8, dev);
-    counts = Tensor::empty({4 * world * kMaxChunks}, DType::kInt32, dev);
-    invalid = Tensor::empty({1}, DType::kInt32, dev);
+    counts = Tensor::empty({4 * world * kMaxChunks + 1}, DType::kInt32, dev);
     self_src = Tensor::empty({tmax}, DType::kInt32, dev);
     MOEFLOW_CUDA_CHECK(cudaMallocHost(&host, sizeof(int32_t) * (4 * world * kMaxChunks + 1)));
+    MOEFLOW_CHECK(o.eager_share >= 0.0 && o.eager_share < 1.0,
+                  "eager_share must be in [0, 1), got ", o.eager_share);
+    eager_share = o.eager_share;
+    if (const char* v = std::getenv("MOEFLOW_EP_EAGER")) eager_share = std::atof(v);
+    eager_share = std::clamp(eager_share, 0.0, 0.99);
+    if (const char* v = std::getenv("MOEFLOW_EP_EAGER_PARTS"))
+      eager_parts = std::clamp(std::atoi(v), 1, kEagerParts);
+    eager_max = world > 1 ? static_cast<int64_t>(std::ceil(eager_share * tmax)) : 0;
     if (o.backend == EpBackend::kNccl) allocate_nccl_buffers(dev);
     // The highest priority: NCCL's blocks get the SMs first when the permute
     // kernels that run beside the transfers free them.
@@ -601,7 +753,10 @@ struct EpGroup::Impl {
     const char* tr = std::getenv("MOEFLOW_EP_TRACE");
     tracing = tr != nullptr && tr[0] == '1' && rank == 0;
     split = std::clamp(static_cast<int>(std::lround(opt.pipeline_first_share * 1000)), 1, 999);
-    for (cudaEvent_t* e : {&ev_start, &ev_host, &ev_packed, &ev_meta, &ev_aux})
+    for (int i = 0; i < kEagerParts; ++i)
+      for (cudaEvent_t* e : {&ev_epacked[i], &ev_eager[i]})
+        MOEFLOW_CUDA_CHECK(cudaEventCreateWithFlags(e, cudaEventDisableTiming));
+    for (cudaEvent_t* e : {&ev_start, &ev_host, &ev_packed, &ev_meta, &ev_aux, &ev_scales})
       MOEFLOW_CUDA_CHECK(cudaEventCreateWithFlags(e, cudaEventDisableTiming));
     for (cudaEvent_t* arr : {ev_piece, ev_back, ev_rows})
       for (int i = 0; i < kMaxChunks; ++i)
@@ -628,7 +783,9 @@ struct EpGroup::Impl {
                         {&recv_dprobs, {rows_max, K}, DType::kFloat32},
                         {&back_dprobs, {send_max, K}, DType::kFloat32},
                         {&send_scales, {send_max, opt.scale_cols}, opt.scale_dtype},
-                        {&recv_scales, {rows_max, opt.scale_cols}, opt.scale_dtype}};
+                        {&recv_scales, {rows_max, opt.scale_cols}, opt.scale_dtype},
+                        {&route, {world, route_words(tmax, opt.topk)}, DType::kInt32},
+                        {&send_eager, {(world - 1) * eager_max, H}, opt.dtype}};
     bool reg = opt.nccl_register_buffers;
     if (const char* v = std::getenv("MOEFLOW_EP_REGISTER")) reg = std::atoi(v) != 0;
     if (reg && world > 1) {
@@ -655,6 +812,9 @@ struct EpGroup::Impl {
     if (!reg || world <= 1) {
       for (const Buf& b : bufs) *b.t = Tensor::empty(b.shape, b.dtype, dev);
     }
+    rfl = Tensor::empty({2 * (rows_max + 1)}, DType::kInt32, dev);
+    rps = Tensor::empty({2 * (rows_max + 1)}, DType::kInt32, dev);
+    rscan_tmp = Tensor::empty({scan_tmp.numel()}, DType::kUInt8, dev);
     PlanConfig pc;
     pc.num_experts = epr;
     pc.align = opt.align;
@@ -1279,53 +1439,126 @@ EpDispatchResult ep_dispatch(EpGroup& group, TensorView x, TensorView ids, Tenso
   int32_t* flags = g.flags.data_ptr<int32_t>();
   int32_t* pos = g.pos.data_ptr<int32_t>();
   int32_t* single = g.single();
-  const int32_t* spos = g.spos_raw();  // offset by the flags' total: differences only
-  MOEFLOW_CUDA_CHECK(cudaMemsetAsync(g.invalid.data(), 0, sizeof(int32_t), stream));
   const int E = g.opt.num_experts;
-  {  // also for T == 0: the pad entries
+  const int me = g.rank;
+  const int64_t words = route_words(g.tmax, K);
+  int32_t* route = g.route.data_ptr<int32_t>();
+  const int C = g.chunks();
+  g.pieces = C;
+  // The eager piece's rows per peer, from the previous dispatch's counts
+  // (the same number on both sides of a pair).
+  bool eager = false;
+  for (int q = 0; q < W; ++q) {
+    auto rows = [&](const std::vector<int64_t>& cnt) {
+      if (q == me || static_cast<int>(cnt.size()) != W) return int32_t{0};
+      return static_cast<int32_t>(std::min<int64_t>(
+          g.eager_max, static_cast<int64_t>(std::floor(g.eager_share * cnt[q]))));
+    };
+    g.eager_send.n[q] = rows(g.send_cnt);
+    g.eager_recv.n[q] = rows(g.recv_cnt);
+    eager = eager || g.eager_send.n[q] > 0 || g.eager_recv.n[q] > 0;
+  }
+  {  // also for T == 0: the pad entries and the message's T
     const int threads = 256;
     const unsigned blocks = static_cast<unsigned>(std::max<int64_t>(1, (T + threads - 1) / threads));
+    const float* pr = probs.defined() ? probs.data_ptr<float>() : nullptr;
+    int32_t* own = route + me * words;
     if (ids.dtype == DType::kInt32)
-      ep_flags_kernel<<<blocks, threads, 0, stream>>>(ids.data_ptr<int32_t>(), T, K, E, g.epr, W,
-                                                      g.rank, flags, single,
-                                                      g.invalid.data_ptr<int32_t>());
+      ep_flags_kernel<<<blocks, threads, 0, stream>>>(ids.data_ptr<int32_t>(), pr, T, K, E, g.epr,
+                                                      W, me, flags, single, own);
     else
-      ep_flags_kernel<<<blocks, threads, 0, stream>>>(ids.data_ptr<int64_t>(), T, K, E, g.epr, W,
-                                                      g.rank, flags, single,
-                                                      g.invalid.data_ptr<int32_t>());
+      ep_flags_kernel<<<blocks, threads, 0, stream>>>(ids.data_ptr<int64_t>(), pr, T, K, E, g.epr,
+                                                      W, me, flags, single, own);
     MOEFLOW_CUDA_LAUNCH_CHECK();
   }
+  // The routing messages to every peer and both sides' counts from them, on
+  // the NCCL stream, enqueued first: the host waits for these counts (its
+  // one synchronisation) while the sender side ranks and packs on the
+  // caller's stream. The receiver side (rows, ids, probs, plan) is derived
+  // from the same messages on the device after the pieces are enqueued: no
+  // metadata round.
+  cudaStream_t cs = g.comm_stream;
+  EpGroup::Impl::order(g.ev_start, stream, cs);
+  if (W > 1) {
+    MOEFLOW_NCCL_CHECK(ncclGroupStart());
+    for (int q = 0; q < W; ++q) {
+      if (q == me) continue;
+      MOEFLOW_NCCL_CHECK(ncclSend(route + me * words, words, ncclInt32, q, g.comm, cs));
+      MOEFLOW_NCCL_CHECK(ncclRecv(route + q * words, words, ncclInt32, q, g.comm, cs));
+    }
+    MOEFLOW_NCCL_CHECK(ncclGroupEnd());
+  }
+  MOEFLOW_CUDA_CHECK(cudaEventRecord(g.ev_meta, cs));  // the messages are in
+  g.mark("routes", cs);
+  // The sender side's ranking: each (q, t)'s row in the send buffer
+  // (destination-major, tokens ascending).
   size_t scan_bytes = static_cast<size_t>(g.scan_tmp.numel());
   MOEFLOW_CUDA_CHECK(cub::DeviceScan::ExclusiveSum(g.scan_tmp.data(), scan_bytes, flags, pos,
                                                    2 * (W * T + 1), stream));
-  int32_t* counts = g.counts.data_ptr<int32_t>();
-  const int C = g.chunks();
-  g.pieces = C;
-  // counts: [sent W x (rows C | single rows C) | received, the same]
-  ep_counts_kernel<<<1, 32 * ((W * C + 31) / 32), 0, stream>>>(pos, spos, T, W, C, g.split,
-                                                                 counts);
-  MOEFLOW_CUDA_LAUNCH_CHECK();
   g.mark("ranked", stream);
-  // Counts: send counts to each peer, receive theirs (the one host sync), on
-  // the NCCL stream while the pack runs on the caller's.
-  cudaStream_t cs = g.comm_stream;
-  EpGroup::Impl::order(g.ev_start, stream, cs);
-  MOEFLOW_NCCL_CHECK(ncclGroupStart());
-  for (int q = 0; q < W; ++q) {
-    MOEFLOW_NCCL_CHECK(ncclSend(counts + q * 2 * C, 2 * C, ncclInt32, q, g.comm, cs));
-    MOEFLOW_NCCL_CHECK(ncclRecv(counts + (W + q) * 2 * C, 2 * C, ncclInt32, q, g.comm, cs));
+  const int64_t xs = x.strides[0] * static_cast<int64_t>(dtype_size(x.dtype));
+  const bool vec = addr(x.data) % 16 == 0 && xs % 16 == 0 && g.row_bytes % 16 == 0;
+  uint8_t* recv_x = static_cast<uint8_t*>(g.recv_x.data());
+  // Received rows sit in per-source slots of max_tokens_per_rank rows: row j
+  // of source q at q * tmax + j, so that the eager piece's address is known
+  // before the counts.
+  auto slot_row = [&](int q, int64_t j) { return recv_x + (q * g.tmax + j) * g.row_bytes; };
+  // The eager piece in parts (a small first part leaves sooner): part k holds
+  // rows [bound(k), bound(k+1)) of each pair, bound(P) = the eager rows.
+  const int P = g.eager_parts;
+  auto part_rows = [&](const EagerRows& B, int k) {
+    EagerRows r{};
+    for (int q = 0; q < W; ++q) r.n[q] = static_cast<int32_t>(int64_t{B.n[q]} * k / P);
+    return r;
+  };
+  for (int k = 0; eager && k < P; ++k) {  // pack the parts
+    const EagerRows slo = part_rows(g.eager_send, k), shi = part_rows(g.eager_send, k + 1);
+    if (T > 0) {
+      const unsigned blocks = static_cast<unsigned>((W * T * cuda::kWarpSize + 255) / 256);
+      ep_pack_rows_kernel<<<blocks, 256, 0, stream>>>(
+          static_cast<const uint8_t*>(x.data), xs, g.row_bytes, vec, T, 0, T, W, me, flags, pos,
+          nullptr, slo, shi, static_cast<uint8_t*>(g.send_eager.data()), g.eager_max);
+      MOEFLOW_CUDA_LAUNCH_CHECK();
+    }
+    MOEFLOW_CUDA_CHECK(cudaEventRecord(g.ev_epacked[k], stream));
+    g.mark("peager" + std::to_string(k), stream);
   }
-  MOEFLOW_NCCL_CHECK(ncclGroupEnd());
-  MOEFLOW_CUDA_CHECK(
-      cudaMemcpyAsync(g.host, counts, sizeof(int32_t) * 4 * W * C, cudaMemcpyDeviceToHost, cs));
-  MOEFLOW_CUDA_CHECK(cudaMemcpyAsync(g.host + 4 * W * C, g.invalid.data(), sizeof(int32_t),
+  int32_t* counts = g.counts.data_ptr<int32_t>();
+  // counts: [sent W x (rows C | single rows C) | received, the same | invalid]
+  MOEFLOW_CUDA_CHECK(cudaMemsetAsync(counts, 0, sizeof(int32_t) * (4 * W * C + 1), cs));
+  {  // about 512 tokens a block
+    const dim3 grid(2 * W * C + 1, static_cast<unsigned>((g.tmax + 511) / 512));
+    ep_route_counts_kernel<<<grid, 256, 0, cs>>>(route, words, W, K, g.epr, me, C, g.split,
+                                                 counts);
+  }
+  MOEFLOW_CUDA_LAUNCH_CHECK();
+  MOEFLOW_CUDA_CHECK(cudaMemcpyAsync(g.host, counts, sizeof(int32_t) * (4 * W * C + 1),
                                      cudaMemcpyDeviceToHost, cs));
   MOEFLOW_CUDA_CHECK(cudaEventRecord(g.ev_host, cs));
   g.mark("counts", cs);
-  // The ids/probs of every row first (the receivers build their plans from
-  // them), then the token rows for the peers piece by piece (this rank's own
-  // rows are permuted straight from x: self_src maps them back to tokens).
-  const int me = g.rank;
+  for (int k = 0; eager && k < P; ++k) {  // and off they go, each once packed
+    const EagerRows slo = part_rows(g.eager_send, k), shi = part_rows(g.eager_send, k + 1);
+    const EagerRows rlo = part_rows(g.eager_recv, k), rhi = part_rows(g.eager_recv, k + 1);
+    MOEFLOW_CUDA_CHECK(cudaStreamWaitEvent(cs, g.ev_epacked[k], 0));
+    const uint8_t* se = static_cast<const uint8_t*>(g.send_eager.data());
+    MOEFLOW_NCCL_CHECK(ncclGroupStart());
+    for (int q = 0; q < W; ++q) {
+      if (q == me) continue;
+      const int64_t sb = slo.n[q], ns = shi.n[q] - sb, rb = rlo.n[q], nr = rhi.n[q] - rb;
+      if (ns > 0)
+        MOEFLOW_NCCL_CHECK(ncclSend(se + ((q < me ? q : q - 1) * g.eager_max + sb) * g.row_bytes,
+                                    ns * g.row_bytes, ncclUint8, q, g.comm, cs));
+      if (nr > 0)
+        MOEFLOW_NCCL_CHECK(ncclRecv(slot_row(q, rb), nr * g.row_bytes, ncclUint8, q, g.comm, cs));
+    }
+    MOEFLOW_NCCL_CHECK(ncclGroupEnd());
+    MOEFLOW_CUDA_CHECK(cudaEventRecord(g.ev_eager[k], cs));
+    g.mark("eager" + std::to_string(k), cs);
+  }
+  // The sender side: each (q, t)'s row in the send buffer (destination-major,
+  // tokens ascending), ids / probs of every row (combine's weights and
+  // dprobs), then the token rows for the peers piece by piece (this rank's
+  // own rows are permuted straight from x: self_src maps them back to tokens).
   int32_t* self_src = g.self_src.data_ptr<int32_t>();
   if (T > 0) {
     const unsigned blocks = static_cast<unsigned>((W * T + 255) / 256);
@@ -1347,10 +1580,7 @@ EpDispatchResult ep_dispatch(EpGroup& group, TensorView x, TensorView ids, Tenso
       MOEFLOW_CUDA_LAUNCH_CHECK();
     }
   }
-  MOEFLOW_CUDA_CHECK(cudaEventRecord(g.ev_packed, stream));
   g.mark("pmeta", stream);
-  const int64_t xs = x.strides[0] * static_cast<int64_t>(dtype_size(x.dtype));
-  const bool vec = addr(x.data) % 16 == 0 && xs % 16 == 0 && g.row_bytes % 16 == 0;
   for (int c = 0; c < C; ++c) {
     const int64_t t0 = piece_start(T, c, C, g.split), t1 = piece_start(T, c + 1, C, g.split);
     if (t1 > t0) {
@@ -1358,7 +1588,7 @@ EpDispatchResult ep_dispatch(EpGroup& group, TensorView x, TensorView ids, Tenso
       const unsigned blocks = static_cast<unsigned>((warps * cuda::kWarpSize + 255) / 256);
       ep_pack_rows_kernel<<<blocks, 256, 0, stream>>>(
           static_cast<const uint8_t*>(x.data), xs, g.row_bytes, vec, T, t0, t1, W, me, flags, pos,
-          static_cast<uint8_t*>(g.send_x.data()));
+          static_cast<uint8_t*>(g.send_x.data()), EagerRows{}, g.eager_send, nullptr, 0);
       MOEFLOW_CUDA_LAUNCH_CHECK();
     }
     MOEFLOW_CUDA_CHECK(cudaEventRecord(g.ev_rows[c], stream));
@@ -1409,54 +1639,69 @@ EpDispatchResult ep_dispatch(EpGroup& group, TensorView x, TensorView ids, Tenso
   }
   g.send_mrows = so - sso;
   g.recv_mrows = ro - rso;
-  // The routing metadata first (self included: the plan is built over all
-  // received rows), then the token rows piece by piece (peers only).
-  MOEFLOW_CUDA_CHECK(cudaStreamWaitEvent(cs, g.ev_packed, 0));
-  // Rows past the received ones stay unrouted (-1) for the plan.
-  MOEFLOW_CUDA_CHECK(cudaMemsetAsync(g.recv_ids.data(), 0xFF, g.recv_ids.nbytes(), cs));
-  const int64_t idb = int64_t{K} * 4;
-  MOEFLOW_NCCL_CHECK(ncclGroupStart());
-  g.exchange(static_cast<const uint8_t*>(g.send_ids.data()), idb, g.send_off, g.send_cnt,
-             static_cast<uint8_t*>(g.recv_ids.data()), idb, g.recv_off, g.recv_cnt, cs);
-  g.exchange(static_cast<const uint8_t*>(g.send_probs.data()), idb, g.send_off, g.send_cnt,
-             static_cast<uint8_t*>(g.recv_probs.data()), idb, g.recv_off, g.recv_cnt, cs);
-  if (scales.defined() && g.scale_bytes > 0)  // the peers' rows' scales (own rows: from scales)
+  // The scales of every peer's rows (FP8 dispatch), then the token rows
+  // piece by piece (peers only): piece c holds rows [pc(c), pc(c+1)) of each
+  // pair's range; after an eager piece, the rest of each range as one piece
+  // (every NCCL group on the stream costs a gap on the link).
+  if (scales.defined() && g.scale_bytes > 0) {
+    MOEFLOW_CUDA_CHECK(cudaStreamWaitEvent(cs, g.ev_rows[0], 0));  // (packed before the rows)
     g.exchange_peers(static_cast<const uint8_t*>(g.send_scales.data()), g.scale_bytes, g.send_off,
                      g.send_cnt, static_cast<uint8_t*>(g.recv_scales.data()), g.scale_bytes,
                      g.recv_off, g.recv_cnt, cs);
-  MOEFLOW_NCCL_CHECK(ncclGroupEnd());
-  MOEFLOW_CUDA_CHECK(cudaEventRecord(g.ev_meta, cs));
-  g.mark("meta", cs);
-  g.host_mark("h_meta");
-  for (int c = 0; c < C; ++c) {
-    MOEFLOW_CUDA_CHECK(cudaStreamWaitEvent(cs, g.ev_rows[c], 0));
-    g.exchange_piece(c, static_cast<const uint8_t*>(g.send_x.data()), g.row_bytes, g.send_off,
-                     g.send_pc, static_cast<uint8_t*>(g.recv_x.data()), g.row_bytes, g.recv_off,
-                     g.recv_pc, cs);
+    MOEFLOW_CUDA_CHECK(cudaEventRecord(g.ev_scales, cs));
+  }
+  const int DP = eager ? 1 : C;  // the pieces of the rows
+  // Rows [b, e) of the pair with q of piece c (of DP), past the eager ones.
+  auto piece_rows = [&](const std::vector<int64_t>& pc, int32_t first, int q, int c) {
+    const int64_t b = eager ? 0 : pc[q * (C + 1) + c];
+    const int64_t e = pc[q * (C + 1) + (eager ? C : c + 1)];
+    return std::pair<int64_t, int64_t>{std::max<int64_t>(b, first), std::max<int64_t>(e, first)};
+  };
+  const uint8_t* send_x = static_cast<const uint8_t*>(g.send_x.data());
+  for (int c = 0; c < DP; ++c) {
+    MOEFLOW_CUDA_CHECK(cudaStreamWaitEvent(cs, g.ev_rows[eager ? C - 1 : c], 0));
+    MOEFLOW_NCCL_CHECK(ncclGroupStart());
+    for (int q = 0; q < W; ++q) {
+      if (q == me) continue;
+      const auto [sb, se] = piece_rows(g.send_pc, g.eager_send.n[q], q, c);
+      const auto [rb, re] = piece_rows(g.recv_pc, g.eager_recv.n[q], q, c);
+      if (se > sb)
+        MOEFLOW_NCCL_CHECK(ncclSend(send_x + (g.send_off[q] + sb) * g.row_bytes,
+                                    (se - sb) * g.row_bytes, ncclUint8, q, g.comm, cs));
+      if (re > rb)
+        MOEFLOW_NCCL_CHECK(
+            ncclRecv(slot_row(q, rb), (re - rb) * g.row_bytes, ncclUint8, q, g.comm, cs));
+    }
+    MOEFLOW_NCCL_CHECK(ncclGroupEnd());
     MOEFLOW_CUDA_CHECK(cudaEventRecord(g.ev_piece[c], cs));
     g.mark("x" + std::to_string(c), cs);
   }
   g.host_mark("h_x");
-  // Unpack + permute + pad: the received rows routed over the local experts.
-  MOEFLOW_CUDA_CHECK(cudaStreamWaitEvent(stream, g.ev_meta, 0));
-  build_plan(g.recv_ids, g.plan, g.plan_ws, stream);
-  {  // which received rows combine sends home as single rows, and their index:
-     // on the side stream, beside the plan and the permutes (only combine
-     // reads them; the caller's stream waits for them at the end)
+  {  // The receiver side of the routes, on the side stream: every received
+     // row's local ids, probs and single flag (rows past the received ones
+     // stay unrouted, -1, for the plan).
     cudaStream_t as = g.aux_stream;
     MOEFLOW_CUDA_CHECK(cudaStreamWaitEvent(as, g.ev_meta, 0));
-    int32_t* rs = g.rsingle.data_ptr<int32_t>();
-    const unsigned blocks = static_cast<unsigned>((g.received + 1 + 255) / 256);
-    ep_recv_single_kernel<<<blocks, 256, 0, as>>>(g.recv_ids.data_ptr<int32_t>(), g.received, K,
-                                                  g.recv_off[me], g.recv_off[me] + g.recv_cnt[me],
-                                                  rs);
+    const int64_t N = W * g.tmax;
+    int32_t* rfl = g.rfl.data_ptr<int32_t>();
+    int32_t* rps = g.rps.data_ptr<int32_t>();
+    const unsigned blocks = static_cast<unsigned>((N + 1 + 255) / 256);
+    ep_route_flags_kernel<<<blocks, 256, 0, as>>>(route, words, g.tmax, W, K, g.epr, me, rfl);
     MOEFLOW_CUDA_LAUNCH_CHECK();
-    size_t sb = static_cast<size_t>(g.scan_tmp.numel());
-    MOEFLOW_CUDA_CHECK(cub::DeviceScan::ExclusiveSum(g.scan_tmp.data(), sb, rs,
-                                                     g.rspos.data_ptr<int32_t>(), g.received + 1,
-                                                     as));
+    size_t rb = static_cast<size_t>(g.rscan_tmp.numel());
+    MOEFLOW_CUDA_CHECK(
+        cub::DeviceScan::ExclusiveSum(g.rscan_tmp.data(), rb, rfl, rps, 2 * (N + 1), as));
+    MOEFLOW_CUDA_CHECK(cudaMemsetAsync(g.recv_ids.data(), 0xFF, g.recv_ids.nbytes(), as));
+    ep_route_unpack_kernel<<<blocks, 256, 0, as>>>(
+        route, words, g.tmax, W, K, g.epr, me, rfl, rps, g.recv_ids.data_ptr<int32_t>(),
+        g.recv_probs.data_ptr<float>(), g.rsingle.data_ptr<int32_t>(),
+        g.rspos.data_ptr<int32_t>());
+    MOEFLOW_CUDA_LAUNCH_CHECK();
     MOEFLOW_CUDA_CHECK(cudaEventRecord(g.ev_aux, as));
   }
+  // Unpack + permute + pad: the received rows routed over the local experts.
+  MOEFLOW_CUDA_CHECK(cudaStreamWaitEvent(stream, g.ev_aux, 0));
+  build_plan(g.recv_ids, g.plan, g.plan_ws, stream);
   g.mark("plan", stream);
   PermuteExtras extras;
   extras.probs = g.recv_probs;
@@ -1466,32 +1711,43 @@ EpDispatchResult ep_dispatch(EpGroup& group, TensorView x, TensorView ids, Tenso
     extras.permuted_scales = g.out_scales;
   }
   const int64_t H = g.opt.hidden;
-  auto rows_of = [&](Tensor& buf, int64_t first, int64_t n) {
-    return TensorView::strided(static_cast<uint8_t*>(buf.data()) + first * g.row_bytes,
-                               g.opt.dtype, dev, {n, H}, {H, 1});
+  // A peer's received rows [b, e): permuted from its slot into their rows.
+  auto permute_peer = [&](int q, int64_t b, int64_t e, int blocks) {
+    if (e <= b) return;
+    const int64_t first = g.recv_off[q] + b;
+    if (scales.defined())  // the rows' scales, row by row with them
+      extras.scales = TensorView::strided(
+          static_cast<uint8_t*>(g.recv_scales.data()) + first * g.scale_bytes, g.opt.scale_dtype,
+          dev, {e - b, g.opt.scale_cols}, {g.opt.scale_cols, 1});
+    const TensorView rows =
+        TensorView::strided(slot_row(q, b), g.opt.dtype, dev, {e - b, H}, {H, 1});
+    cuda::permute_tokens(rows, first, e - b, false, g.plan, g.out_x, extras, stream, nullptr,
+                         blocks);
   };
   // own rows straight from x, with the pad rows
   const int ob = g.opt.overlap_blocks;
   cuda::permute_tokens(x, g.recv_off[me], g.recv_cnt[me], true, g.plan, g.out_x, extras, stream,
                        self_src, ob);
   g.mark("self", stream);
-  for (int c = 0; c < C; ++c) {
+  for (int k = 0; eager && k < P; ++k) {  // the eager parts (with scales: all there by then)
+    MOEFLOW_CUDA_CHECK(cudaStreamWaitEvent(
+        stream, scales.defined() && g.scale_bytes > 0 ? g.ev_scales : g.ev_eager[k], 0));
+    const EagerRows lo = part_rows(g.eager_recv, k), hi = part_rows(g.eager_recv, k + 1);
+    for (int q = 0; q < W; ++q)
+      if (q != me)
+        permute_peer(q, std::min<int64_t>(lo.n[q], g.recv_cnt[q]),
+                     std::min<int64_t>(hi.n[q], g.recv_cnt[q]), ob);
+    g.mark("perm_e" + std::to_string(k), stream);
+  }
+  for (int c = 0; c < DP; ++c) {
     MOEFLOW_CUDA_CHECK(cudaStreamWaitEvent(stream, g.ev_piece[c], 0));
     for (int q = 0; q < W; ++q) {
       if (q == me) continue;
-      const int64_t b = g.recv_pc[q * (C + 1) + c], e = g.recv_pc[q * (C + 1) + c + 1];
-      if (e > b && scales.defined())  // the piece's scales, row by row with its rows
-        extras.scales = TensorView::strided(
-            static_cast<uint8_t*>(g.recv_scales.data()) + (g.recv_off[q] + b) * g.scale_bytes,
-            g.opt.scale_dtype, dev, {e - b, g.opt.scale_cols}, {g.opt.scale_cols, 1});
-      if (e > b)
-        cuda::permute_tokens(rows_of(g.recv_x, g.recv_off[q] + b, e - b), g.recv_off[q] + b,
-                             e - b, false, g.plan, g.out_x, extras, stream, nullptr,
-                             c + 1 < C ? ob : 0);
+      const auto [b, e] = piece_rows(g.recv_pc, g.eager_recv.n[q], q, c);
+      permute_peer(q, b, e, c + 1 < DP ? ob : 0);
     }
     g.mark("perm" + std::to_string(c), stream);
   }
-  MOEFLOW_CUDA_CHECK(cudaStreamWaitEvent(stream, g.ev_aux, 0));
   g.print_marks("dispatch");
   MOEFLOW_CHECK(g.host[4 * W * C] == 0, "ids: ", g.host[4 * W * C], " routing entries outside [-1, ", E,
                 ") on rank ", g.rank, " (treated as unrouted; the dispatch completed)");
@@ -1660,9 +1916,9 @@ void ep_combine_backward(EpGroup& group, TensorView dout, TensorView y, bool wei
     const int64_t xs = dout.strides[0] * static_cast<int64_t>(dtype_size(dout.dtype));
     const bool vec = addr(dout.data) % 16 == 0 && xs % 16 == 0 && g.bwd_row_bytes % 16 == 0;
     const unsigned blocks = static_cast<unsigned>((W * T * cuda::kWarpSize + 255) / 256);
-    ep_pack_rows_kernel<<<blocks, 256, 0, stream>>>(static_cast<const uint8_t*>(dout.data), xs,
-                                                    g.bwd_row_bytes, vec, T, 0, T, W, -1, flags,
-                                                    pos, static_cast<uint8_t*>(g.send_x.data()));
+    ep_pack_rows_kernel<<<blocks, 256, 0, stream>>>(
+        static_cast<const uint8_t*>(dout.data), xs, g.bwd_row_bytes, vec, T, 0, T, W, -1, flags,
+        pos, static_cast<uint8_t*>(g.send_x.data()), EagerRows{}, EagerRows{}, nullptr, 0);
     MOEFLOW_CUDA_LAUNCH_CHECK();
   }
   MOEFLOW_NCCL_CHECK(ncclGroupStart());
