@@ -13,11 +13,14 @@
 // the same capacity and drop rule, partial sums per rank in ascending k, the
 // partials of the ranks added in ascending rank order.
 //
-// Backend "nccl": per-destination token counts are exchanged with NCCL and
-// copied to the host once per dispatch (NCCL send sizes are host arguments:
-// this is the one host synchronisation of the path, so dispatch is not
-// CUDA-graph capturable; the nvlink backend removes it), then grouped
-// ncclSend/ncclRecv move exact row ranges. Works over any NCCL transport.
+// Backend "nccl": every rank sends each peer a fixed-size routing message
+// (its token count, top-k ids and probs) with NCCL; the per-peer row counts
+// that follow from them are copied to the host once per dispatch (NCCL send
+// sizes are host arguments: this is the one host synchronisation of the
+// path, so dispatch is not CUDA-graph capturable; the nvlink backend removes
+// it), then grouped ncclSend/ncclRecv move exact row ranges, except the
+// eager first piece (EpOptions::eager_share), which leaves before the sync.
+// Works over any NCCL transport.
 // The transfers run on an internal stream of the group, in pieces, so that
 // packing, permuting and the combine's partial sums overlap them; every
 // function returns with all its work ordered before later work on `stream`.

@@ -4,23 +4,27 @@
 //   1. flags[q][t] = token t has a slot on rank q (one kernel, which also
 //      writes the rank's routing message: T and every token's K ids and
 //      probs, fixed size), an exclusive scan over the W*T flags (CUB) gives
-//      each (q, t) its row in the send buffer: destination-major, tokens
-//      ascending;
-//   2. the routing messages go to every peer (one grouped ncclSend/ncclRecv,
-//      on the internal stream); from them each rank derives on the device the
-//      rows it will receive (source rank ascending, then token), their local
-//      ids, probs and single flags, and its receive counts; the counts of
-//      both sides are copied to the host (the one host synchronisation)
-//      while the sender side packs: each row's local ids and probs (combine
-//      weighs with them), and the token rows piece by piece;
-//   3. the token rows for the peers in `pipeline_chunks` pieces per peer
-//      (grouped ncclSend/ncclRecv of exact row ranges, FP8 scales with them),
-//      each leaving as soon as the host knows the sizes and its pack is done;
-//   4. the received rows are a routing problem over the local experts:
-//      build_plan over the received ids runs while the token rows travel;
-//      the rank's own rows are permuted straight from x (they never go
-//      through NCCL), each peer's piece as soon as it has arrived: the
-//      expert-major padded layout, in (source rank, token, k) order.
+//      each (q, t) its row j among the rows for q (send buffer:
+//      destination-major, tokens ascending);
+//   2. the routing messages go to every peer (one grouped ncclSend/ncclRecv
+//      on the internal stream); one kernel counts both sides' rows per peer
+//      and piece from them, copied to the host (the one host
+//      synchronisation); later, on a side stream, each rank derives from
+//      them the rows it receives (source rank ascending, then token), their
+//      local ids, probs and single flags: no metadata round;
+//   3. the eager piece (EpOptions::eager_share): rows j < B of each pair, B
+//      from the previous dispatch's counts (known to both sides), packed
+//      into slots of fixed address and sent as blocks of B rows before the
+//      host has this dispatch's counts; the receiver's rows live in
+//      per-source slots (row j of source q at q * tmax + j) so that the
+//      addresses are known in advance;
+//   4. after the synchronisation the rest of each pair's rows (one piece
+//      after an eager piece, else `pipeline_chunks` pieces), exact row
+//      ranges, FP8 scales before them;
+//   5. build_plan over the received ids runs while the rows travel; the
+//      rank's own rows are permuted straight from x (they never go through
+//      NCCL), each peer's piece as soon as it has arrived: the expert-major
+//      padded layout, in (source rank, token, k) order.
 // combine: unpermute of the expert outputs into one float32 partial per
 // received token (slots ascending, weighted by the received probs), piece by
 // piece, each piece sent back as soon as it is summed (same row ranges
@@ -568,7 +572,7 @@ struct EpGroup::Impl {
   // `aux_stream` runs dispatch's receiver-side pass for combine beside the
   // permutes.
   cudaStream_t comm_stream = nullptr, aux_stream = nullptr;
-  cudaEvent_t ev_start = nullptr, ev_host = nullptr, ev_packed = nullptr, ev_meta = nullptr;
+  cudaEvent_t ev_start = nullptr, ev_host = nullptr, ev_meta = nullptr;
   cudaEvent_t ev_aux = nullptr, ev_scales = nullptr;
   // the eager piece's parts: packed (caller's stream), arrived (NCCL stream)
   static constexpr int kEagerParts = 4;  // at most
@@ -587,7 +591,7 @@ struct EpGroup::Impl {
       cudaDeviceSynchronize();
       cudaSetDevice(cur);
     }
-    for (cudaEvent_t e : {ev_start, ev_host, ev_packed, ev_meta, ev_aux, ev_scales})
+    for (cudaEvent_t e : {ev_start, ev_host, ev_meta, ev_aux, ev_scales})
       if (e) cudaEventDestroy(e);
     for (auto& m : marks) cudaEventDestroy(m.second);
     for (cudaEvent_t* arr : {ev_piece, ev_back, ev_rows})
@@ -756,7 +760,7 @@ struct EpGroup::Impl {
     for (int i = 0; i < kEagerParts; ++i)
       for (cudaEvent_t* e : {&ev_epacked[i], &ev_eager[i]})
         MOEFLOW_CUDA_CHECK(cudaEventCreateWithFlags(e, cudaEventDisableTiming));
-    for (cudaEvent_t* e : {&ev_start, &ev_host, &ev_packed, &ev_meta, &ev_aux, &ev_scales})
+    for (cudaEvent_t* e : {&ev_start, &ev_host, &ev_meta, &ev_aux, &ev_scales})
       MOEFLOW_CUDA_CHECK(cudaEventCreateWithFlags(e, cudaEventDisableTiming));
     for (cudaEvent_t* arr : {ev_piece, ev_back, ev_rows})
       for (int i = 0; i < kMaxChunks; ++i)
@@ -1471,12 +1475,13 @@ EpDispatchResult ep_dispatch(EpGroup& group, TensorView x, TensorView ids, Tenso
                                                       W, me, flags, single, own);
     MOEFLOW_CUDA_LAUNCH_CHECK();
   }
-  // The routing messages to every peer and both sides' counts from them, on
-  // the NCCL stream, enqueued first: the host waits for these counts (its
-  // one synchronisation) while the sender side ranks and packs on the
-  // caller's stream. The receiver side (rows, ids, probs, plan) is derived
-  // from the same messages on the device after the pieces are enqueued: no
-  // metadata round.
+  // The routing messages to every peer, on the NCCL stream, enqueued first
+  // (their kernel then gets the SMs before the packs take them). Both sides'
+  // counts follow from them; the host waits for those (its one
+  // synchronisation) while the sender side ranks and packs on the caller's
+  // stream and the eager piece travels. The receiver side (rows, ids, probs,
+  // plan) is derived from the same messages on the device after the pieces
+  // are enqueued.
   cudaStream_t cs = g.comm_stream;
   EpGroup::Impl::order(g.ev_start, stream, cs);
   if (W > 1) {
