@@ -53,6 +53,7 @@ struct DispatchBenchOptions {
   bool bulk_copies = false;          // nvlink: EpOptions::nvlink_bulk_copies
   bool sweep = true;                 // also time the pieces / SM-count sweep
   bool fp8 = false;                  // e4m3 token rows + float32 scales per 128 columns
+  int routings = 1;                  // dispatches cycle through this many routings
   TimingOptions timing;
   std::string json_path;
 };

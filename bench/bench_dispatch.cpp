@@ -80,10 +80,11 @@ void run_dispatch_bench(const DispatchBenchOptions& opt) {
     const bool nvlink = opt.backend == "nvlink";
     eo.backend = nvlink ? EpBackend::kNvlink : EpBackend::kNccl;
     eo.nvlink_bulk_copies = opt.bulk_copies;
-    fmt::print("[{}] W={} T={} per GPU, H={}, E={}, K={}, {}, align {}, backend {} ...\n", name,
+    fmt::print("[{}] W={} T={} per GPU, H={}, E={}, K={}, {}, align {}, backend {}{} ...\n", name,
                W, T, p.hidden, p.num_experts, p.topk,
                opt.fp8 ? "fp8 e4m3 dispatch (+ float32 scales per 128), bf16 combine" : "bf16",
-               opt.align, opt.backend);
+               opt.align, opt.backend,
+               opt.routings > 1 ? fmt::format(", {} routings in turn", opt.routings) : "");
     std::fflush(stdout);
     auto groups = EpGroup::create_local(devs, eo);
     if (!nvlink && W > 1)
@@ -108,6 +109,13 @@ void run_dispatch_bench(const DispatchBenchOptions& opt) {
       cudaStream_t stream;
       MOEFLOW_CUDA_CHECK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
       Routing routing = random_routing(T, p.num_experts, p.topk, 1000 + r, dev);
+      // --routings N: each dispatch takes the next of N routings (the byte
+      // counts below are those of the first; the others differ by about 1 %)
+      std::vector<Routing> routings{routing};
+      for (int i = 1; i < opt.routings; ++i)
+        routings.push_back(random_routing(T, p.num_experts, p.topk, 1000 + r + 7919 * i, dev));
+      size_t call = 0;
+      auto next = [&]() -> const Routing& { return routings[call++ % routings.size()]; };
       Tensor x = Tensor::empty({T, p.hidden}, eo.dtype, dev);
       fill_bytes(x, 0x3C, stream);
       Tensor sc;
@@ -133,16 +141,24 @@ void run_dispatch_bench(const DispatchBenchOptions& opt) {
         else
           g.set_overlap_blocks(nb);
         rr.sweep_dispatch_ms.push_back(
-            median_ms([&] { ep_dispatch(g, x, routing.ids, routing.probs, sc, stream); }, stream,
-                      opt.timing.warmup, opt.timing.iters));
+            median_ms(
+                [&] {
+                  const Routing& rt = next();
+                  ep_dispatch(g, x, rt.ids, rt.probs, sc, stream);
+                },
+                stream, opt.timing.warmup, opt.timing.iters));
         rr.sweep_combine_ms.push_back(median_ms([&] { ep_combine(g, y, true, out, stream); },
                                                 stream, opt.timing.warmup, opt.timing.iters));
       }
       g.set_pipeline_chunks(default_chunks);
       g.set_overlap_blocks(default_blocks);
       g.set_nvlink_blocks(default_nvl);
-      rr.dispatch_ms = median_ms([&] { ep_dispatch(g, x, routing.ids, routing.probs, sc, stream); },
-                                 stream, opt.timing.warmup, opt.timing.iters);
+      rr.dispatch_ms = median_ms(
+          [&] {
+            const Routing& rt = next();
+            ep_dispatch(g, x, rt.ids, rt.probs, sc, stream);
+          },
+          stream, opt.timing.warmup, opt.timing.iters);
       rr.combine_ms = median_ms([&] { ep_combine(g, y, true, out, stream); }, stream,
                                 opt.timing.warmup, opt.timing.iters);
       std::vector<int64_t> sent = g.last_send_rows(), got = g.last_recv_rows();
@@ -278,6 +294,7 @@ void run_dispatch_bench(const DispatchBenchOptions& opt) {
                      {"combine_wire_bytes", rr.wire_back_bytes},
                      {"backend", opt.backend},
                      {"bulk_copies", opt.bulk_copies},
+                     {"routings", opt.routings},
                      {"sm_store_bytes", rr.link_bytes},
                      {"out_bytes", rr.out_bytes},
                      {"back_bytes", rr.back_bytes}});

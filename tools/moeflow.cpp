@@ -84,6 +84,11 @@ int main(int argc, char** argv) {
       ->capture_default_str();
   bdisp->add_flag("--bulk-copies", dopt.bulk_copies,
                   "backend nvlink: dispatch rows with TMA bulk copies (EpOptions::nvlink_bulk_copies)");
+  bdisp->add_option("--routings", dopt.routings,
+                    "dispatches cycle through this many routings (new ones each call, as in "
+                    "training; the nccl backend's eager piece is sized from the previous one)")
+      ->check(CLI::Range(1, 64))
+      ->capture_default_str();
   bdisp->add_flag("--fp8", dopt.fp8,
                   "FP8 dispatch: e4m3 token rows with float32 scales per 128 columns (bf16 combine)");
   bdisp->add_flag("--no-sweep", [&](int64_t) { dopt.sweep = false; },
