@@ -105,7 +105,8 @@ struct EpOptions {
   // dispatch's count are padding, never read); the rest follows in the
   // pieces above once the counts are known. In [0, 1); 0: off (the first
   // dispatch of a group has none). Every rank must use the same value.
-  // Costs a staging buffer of (W - 1) x eager_share x max_tokens_per_rank rows.
+  // Costs a staging buffer of eager_share x max_tokens_per_rank x
+  // min(topk, W - 1) rows.
   double eager_share = 0.7;
   // Thread blocks of the permute / unpermute kernels that run beside the
   // transfers (0: as many as the GPU holds). Fewer leave SMs and memory

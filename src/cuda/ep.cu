@@ -340,13 +340,12 @@ struct EagerRows {
 // flag), except those for rank `skip` (-1: none). The row's index j among
 // the rows for q decides where it goes: with `eager` null, rows j >= hi[q] to
 // the send buffer (row pos[q*T + t]); otherwise rows lo[q] <= j < hi[q] to
-// row j of q's slot in the eager buffer (peer slots of eager_rows rows, this
-// rank skipped).
+// row eager_off[q] + j of the eager buffer.
 __global__ void ep_pack_rows_kernel(const uint8_t* x, int64_t x_stride_bytes, int64_t row_bytes,
                                     bool vec, int64_t T, int64_t t0, int64_t t1, int W, int skip,
                                     const int32_t* flags, const int32_t* pos, uint8_t* send_x,
                                     EagerRows lo, EagerRows hi, uint8_t* eager,
-                                    int64_t eager_rows) {
+                                    EagerRows eager_off) {
   const int64_t n = t1 - t0;
   const int64_t warp = (blockIdx.x * int64_t{blockDim.x} + threadIdx.x) / cuda::kWarpSize;
   const int lane = threadIdx.x % cuda::kWarpSize;
@@ -358,7 +357,7 @@ __global__ void ep_pack_rows_kernel(const uint8_t* x, int64_t x_stride_bytes, in
   uint8_t* dst;
   if (eager) {
     if (j < lo.n[q] || j >= hi.n[q]) return;
-    dst = eager + ((q < skip ? q : q - 1) * eager_rows + j) * row_bytes;
+    dst = eager + (eager_off.n[q] + j) * row_bytes;
   } else {
     if (j < hi.n[q]) return;
     dst = send_x + p * row_bytes;
@@ -538,13 +537,15 @@ struct EpGroup::Impl {
   // rank's own in its slot, sent from there), the receiver's flags over
   // them, their scan and its workspace (ep_route_flags_kernel).
   Tensor route, rfl, rps, rscan_tmp;
-  // nccl backend, eager piece: rows per peer slot, the send slots ([W-1]
-  // peers x eager_max rows), and this dispatch's rows per rank (from the
-  // previous dispatch's counts) sent and received.
-  int64_t eager_max = 0;
+  // nccl backend, eager piece: the most rows per peer, the send buffer
+  // (eager_share x the most rows a rank sends to its peers: max_tokens x
+  // min(K, W - 1)), this dispatch's rows per rank (from the previous
+  // dispatch's counts) sent and received, and where each peer's start in
+  // the send buffer (their sum is within its size since the counts were).
+  int64_t eager_max = 0, eager_total = 0;
   double eager_share = 0.0;
   Tensor send_eager;
-  EagerRows eager_send{}, eager_recv{};
+  EagerRows eager_send{}, eager_recv{}, eager_off{};
   Tensor send_scales, recv_scales, out_scales;  // scale_cols > 0
   int64_t scale_bytes = 0;                      // per token: scale_cols x its dtype
   RoutingPlan plan;
@@ -742,6 +743,9 @@ struct EpGroup::Impl {
     if (const char* v = std::getenv("MOEFLOW_EP_EAGER_PARTS"))
       eager_parts = std::clamp(std::atoi(v), 1, kEagerParts);
     eager_max = world > 1 ? static_cast<int64_t>(std::ceil(eager_share * tmax)) : 0;
+    eager_total = world > 1 ? static_cast<int64_t>(std::ceil(
+                                  eager_share * tmax * std::min(o.topk, world - 1)))
+                            : 0;
     if (o.backend == EpBackend::kNccl) allocate_nccl_buffers(dev);
     // The highest priority: NCCL's blocks get the SMs first when the permute
     // kernels that run beside the transfers free them.
@@ -789,7 +793,7 @@ struct EpGroup::Impl {
                         {&send_scales, {send_max, opt.scale_cols}, opt.scale_dtype},
                         {&recv_scales, {rows_max, opt.scale_cols}, opt.scale_dtype},
                         {&route, {world, route_words(tmax, opt.topk)}, DType::kInt32},
-                        {&send_eager, {(world - 1) * eager_max, H}, opt.dtype}};
+                        {&send_eager, {eager_total, H}, opt.dtype}};
     bool reg = opt.nccl_register_buffers;
     if (const char* v = std::getenv("MOEFLOW_EP_REGISTER")) reg = std::atoi(v) != 0;
     if (reg && world > 1) {
@@ -1460,8 +1464,13 @@ EpDispatchResult ep_dispatch(EpGroup& group, TensorView x, TensorView ids, Tenso
     };
     g.eager_send.n[q] = rows(g.send_cnt);
     g.eager_recv.n[q] = rows(g.recv_cnt);
+    g.eager_off.n[q] = q == 0 ? 0 : g.eager_off.n[q - 1] + g.eager_send.n[q - 1];
     eager = eager || g.eager_send.n[q] > 0 || g.eager_recv.n[q] > 0;
   }
+  // (a token goes to at most min(K, W - 1) peers, so the previous counts
+  // add up to at most max_tokens x that)
+  MOEFLOW_CHECK(g.eager_off.n[W - 1] + g.eager_send.n[W - 1] <= g.eager_total,
+                "internal: eager rows exceed their buffer");
   {  // also for T == 0: the pad entries and the message's T
     const int threads = 256;
     const unsigned blocks = static_cast<unsigned>(std::max<int64_t>(1, (T + threads - 1) / threads));
@@ -1522,7 +1531,7 @@ EpDispatchResult ep_dispatch(EpGroup& group, TensorView x, TensorView ids, Tenso
       const unsigned blocks = static_cast<unsigned>((W * T * cuda::kWarpSize + 255) / 256);
       ep_pack_rows_kernel<<<blocks, 256, 0, stream>>>(
           static_cast<const uint8_t*>(x.data), xs, g.row_bytes, vec, T, 0, T, W, me, flags, pos,
-          nullptr, slo, shi, static_cast<uint8_t*>(g.send_eager.data()), g.eager_max);
+          nullptr, slo, shi, static_cast<uint8_t*>(g.send_eager.data()), g.eager_off);
       MOEFLOW_CUDA_LAUNCH_CHECK();
     }
     MOEFLOW_CUDA_CHECK(cudaEventRecord(g.ev_epacked[k], stream));
@@ -1551,7 +1560,7 @@ EpDispatchResult ep_dispatch(EpGroup& group, TensorView x, TensorView ids, Tenso
       if (q == me) continue;
       const int64_t sb = slo.n[q], ns = shi.n[q] - sb, rb = rlo.n[q], nr = rhi.n[q] - rb;
       if (ns > 0)
-        MOEFLOW_NCCL_CHECK(ncclSend(se + ((q < me ? q : q - 1) * g.eager_max + sb) * g.row_bytes,
+        MOEFLOW_NCCL_CHECK(ncclSend(se + (int64_t{g.eager_off.n[q]} + sb) * g.row_bytes,
                                     ns * g.row_bytes, ncclUint8, q, g.comm, cs));
       if (nr > 0)
         MOEFLOW_NCCL_CHECK(ncclRecv(slot_row(q, rb), nr * g.row_bytes, ncclUint8, q, g.comm, cs));
@@ -1593,7 +1602,7 @@ EpDispatchResult ep_dispatch(EpGroup& group, TensorView x, TensorView ids, Tenso
       const unsigned blocks = static_cast<unsigned>((warps * cuda::kWarpSize + 255) / 256);
       ep_pack_rows_kernel<<<blocks, 256, 0, stream>>>(
           static_cast<const uint8_t*>(x.data), xs, g.row_bytes, vec, T, t0, t1, W, me, flags, pos,
-          static_cast<uint8_t*>(g.send_x.data()), EagerRows{}, g.eager_send, nullptr, 0);
+          static_cast<uint8_t*>(g.send_x.data()), EagerRows{}, g.eager_send, nullptr, EagerRows{});
       MOEFLOW_CUDA_LAUNCH_CHECK();
     }
     MOEFLOW_CUDA_CHECK(cudaEventRecord(g.ev_rows[c], stream));
@@ -1923,7 +1932,7 @@ void ep_combine_backward(EpGroup& group, TensorView dout, TensorView y, bool wei
     const unsigned blocks = static_cast<unsigned>((W * T * cuda::kWarpSize + 255) / 256);
     ep_pack_rows_kernel<<<blocks, 256, 0, stream>>>(
         static_cast<const uint8_t*>(dout.data), xs, g.bwd_row_bytes, vec, T, 0, T, W, -1, flags,
-        pos, static_cast<uint8_t*>(g.send_x.data()), EagerRows{}, EagerRows{}, nullptr, 0);
+        pos, static_cast<uint8_t*>(g.send_x.data()), EagerRows{}, EagerRows{}, nullptr, EagerRows{});
     MOEFLOW_CUDA_LAUNCH_CHECK();
   }
   MOEFLOW_NCCL_CHECK(ncclGroupStart());
