@@ -106,7 +106,10 @@ struct EpOptions {
   // pieces above once the counts are known. In [0, 1); 0: off (the first
   // dispatch of a group has none). Every rank must use the same value.
   // Costs a staging buffer of eager_share x max_tokens_per_rank x
-  // min(topk, W - 1) rows.
+  // min(topk, W - 1) rows. MOEFLOW_EP_EAGER overrides it. On 2 x H100 the
+  // mixtral dispatch took 488-498 us with 0.7 against 525-535 us without,
+  // also with the routing changing every call; dsv3 about the same
+  // (docs/perf/ep-nccl-2xh200-2026-11-22.md).
   double eager_share = 0.7;
   // Thread blocks of the permute / unpermute kernels that run beside the
   // transfers (0: as many as the GPU holds). Fewer leave SMs and memory
