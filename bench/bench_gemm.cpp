@@ -259,17 +259,22 @@ void run_gemm_bench(const GemmBenchOptions& opt) {
       }
       if (call.num_groups > 0) {
         fused_call = call;
-        const auto [fused, plain] = paired(
-            [&] { cuda::mlp_fc1_forward(call, stream); },
-            [&] { grouped_gemm_forward(a, GroupedWeights::from_stacked(w), layout, out, stream); });
-        fmt::print(
-            "    fc1 + bias + SwiGLU + probs fused (pre-activation saved) {:7.1f} TFLOP/s, FC1 "
-            "alone {:7.1f}: "
-            "fused costs {:.3f}x FC1 alone\n",
-            fused, plain, plain / fused);
-        Row r{c.name, "fc1_swiglu_fused", flops / fused / 1e6, 0, 0, 0};
-        r.extra = {{"TFLOPs", fused}, {"fc1_alone_TFLOPs", plain}, {"time_ratio", plain / fused}};
-        rows_out.push_back(r);
+        // A fused FC1 call timed in alternation with FC1 alone: printed and
+        // kept as the JSON row `op`.
+        auto vs_alone = [&](const MlpFc1Call& v, const char* what, const char* op) {
+          const auto [fu, plain] = paired(
+              [&] { cuda::mlp_fc1_forward(v, stream); },
+              [&] { grouped_gemm_forward(a, GroupedWeights::from_stacked(w), layout, out, stream); });
+          fmt::print("    {} {:7.1f} TFLOP/s, FC1 alone {:7.1f}: fused costs {:.3f}x FC1 alone\n",
+                     what, fu, plain, plain / fu);
+          std::fflush(stdout);
+          Row r{c.name, op, flops / fu / 1e6, 0, 0, 0};
+          r.extra = {{"TFLOPs", fu}, {"fc1_alone_TFLOPs", plain}, {"time_ratio", plain / fu}};
+          rows_out.push_back(r);
+          return fu;
+        };
+        const double fused = vs_alone(
+            call, "fc1 + bias + SwiGLU + probs fused (pre-activation saved)", "fc1_swiglu_fused");
         // Where the fused epilogue's time goes: the same call with parts left out.
         auto variant = [&](bool with_raw, bool with_bias, bool with_probs) {
           MlpFc1Call v = call;
@@ -287,20 +292,10 @@ void run_gemm_bench(const GemmBenchOptions& opt) {
         // applied at the combine): SwiGLU fused and the pre-activation saved
         // for the backward, against FC1 alone, in alternation. Nothing the
         // forward needs is left out, and FC1 alone has no bias either.
-        {
-          const MlpFc1Call v = variant(true, false, false);
-          const auto [fu, plain] = paired(
-              [&] { cuda::mlp_fc1_forward(v, stream); },
-              [&] { grouped_gemm_forward(a, GroupedWeights::from_stacked(w), layout, out, stream); });
-          fmt::print(
-              "    fc1 + SwiGLU fused, pre-activation saved, no bias, no probs (the models' "
-              "configuration) {:7.1f} TFLOP/s, FC1 alone {:7.1f}: fused costs {:.3f}x FC1 alone\n",
-              fu, plain, plain / fu);
-          std::fflush(stdout);
-          Row r{c.name, "fc1_swiglu_fused_model", flops / fu / 1e6, 0, 0, 0};
-          r.extra = {{"TFLOPs", fu}, {"fc1_alone_TFLOPs", plain}, {"time_ratio", plain / fu}};
-          rows_out.push_back(r);
-        }
+        vs_alone(variant(true, false, false),
+                 "fc1 + SwiGLU fused, pre-activation saved, no bias, no probs (the models' "
+                 "configuration)",
+                 "fc1_swiglu_fused_model");
         const double act_only = part(false, false, false), act_raw = part(true, false, false),
                      act_raw_bias = part(true, true, false);
         // Both outputs copied out by the helper warps' 16-byte stores instead
