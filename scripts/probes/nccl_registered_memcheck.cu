@@ -3,7 +3,9 @@
 // (ncclMemAlloc + ncclCommRegister, as the nccl EP backend's staging
 // arena), with no moeflow code involved? Two GPUs in one process, one
 // thread per rank, each rank sends `bytes` to the other and checks what
-// it received. argv[1] = 1: registered buffers, 0: plain cudaMalloc.
+// it received. argv[1] = 1: registered buffers, 0: plain cudaMalloc, 2: one
+// registered arena carved into the send and receive buffers (as the EP
+// backend's staging arena: registered once, buffers at offsets in it).
 // Build: nvcc -O2 -o nccl_registered_memcheck nccl_registered_memcheck.cu -lnccl
 // Run:   ./nccl_registered_memcheck 1
 //        compute-sanitizer --tool memcheck ./nccl_registered_memcheck 1
@@ -33,7 +35,8 @@
   } while (0)
 
 int main(int argc, char** argv) {
-  const bool reg = argc < 2 || std::atoi(argv[1]) != 0;
+  const int mode = argc < 2 ? 1 : std::atoi(argv[1]);
+  const bool reg = mode != 0, arena = mode == 2;
   const size_t bytes = size_t{48} << 20;  // about an EP staging arena's size
   int n = 0;
   CK(cudaGetDeviceCount(&n));
@@ -49,8 +52,14 @@ int main(int argc, char** argv) {
   for (int r = 0; r < 2; ++r)
     th.emplace_back([&, r] {
       CK(cudaSetDevice(r));
-      void *send = nullptr, *recv = nullptr, *hs = nullptr, *hr = nullptr;
-      if (reg) {
+      void *send = nullptr, *recv = nullptr, *hs = nullptr, *hr = nullptr, *base = nullptr;
+      if (arena) {  // [send | 256 B gap | recv | tail]
+        const size_t total = 2 * bytes + (size_t{5} << 20);
+        NK(ncclMemAlloc(&base, total));
+        NK(ncclCommRegister(comms[r], base, total, &hs));
+        send = base;
+        recv = static_cast<char*>(base) + bytes + 256;
+      } else if (reg) {
         NK(ncclMemAlloc(&send, bytes));
         NK(ncclMemAlloc(&recv, bytes));
         NK(ncclCommRegister(comms[r], send, bytes, &hs));
@@ -79,7 +88,10 @@ int main(int argc, char** argv) {
           ++bad[r];
           break;
         }
-      if (reg) {
+      if (arena) {
+        NK(ncclCommDeregister(comms[r], hs));
+        NK(ncclMemFree(base));
+      } else if (reg) {
         NK(ncclCommDeregister(comms[r], hs));
         NK(ncclCommDeregister(comms[r], hr));
         NK(ncclMemFree(send));
@@ -92,7 +104,8 @@ int main(int argc, char** argv) {
     });
   for (auto& t : th) t.join();
   for (int r = 0; r < 2; ++r) ncclCommDestroy(comms[r]);
-  std::printf("%s buffers: rank 0 %s, rank 1 %s\n", reg ? "registered" : "plain",
+  std::printf("%s buffers: rank 0 %s, rank 1 %s\n",
+              arena ? "one registered arena" : reg ? "registered" : "plain",
               bad[0] ? "WRONG" : "ok", bad[1] ? "WRONG" : "ok");
   return bad[0] || bad[1];
 }
