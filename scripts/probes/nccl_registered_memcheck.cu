@@ -5,7 +5,10 @@
 // thread per rank, each rank sends `bytes` to the other and checks what
 // it received. argv[1] = 1: registered buffers, 0: plain cudaMalloc, 2: one
 // registered arena carved into the send and receive buffers (as the EP
-// backend's staging arena: registered once, buffers at offsets in it).
+// backend's staging arena: registered once, buffers at offsets in it), 3:
+// the arena of mode 2 plus a self transfer (ncclSend / ncclRecv to and from
+// the own rank, between two ranges of the arena) in each group, as the nccl
+// EP backend's combine backward used to do (session 21).
 // Build: nvcc -O2 -o nccl_registered_memcheck nccl_registered_memcheck.cu -lnccl
 // Run:   ./nccl_registered_memcheck 1
 //        compute-sanitizer --tool memcheck ./nccl_registered_memcheck 1
@@ -36,7 +39,8 @@
 
 int main(int argc, char** argv) {
   const int mode = argc < 2 ? 1 : std::atoi(argv[1]);
-  const bool reg = mode != 0, arena = mode == 2;
+  const bool reg = mode != 0, arena = mode >= 2, self = mode == 3;
+  const size_t self_bytes = size_t{4} << 20;
   const size_t bytes = size_t{48} << 20;  // about an EP staging arena's size
   int n = 0;
   CK(cudaGetDeviceCount(&n));
@@ -53,12 +57,14 @@ int main(int argc, char** argv) {
     th.emplace_back([&, r] {
       CK(cudaSetDevice(r));
       void *send = nullptr, *recv = nullptr, *hs = nullptr, *hr = nullptr, *base = nullptr;
+      char* self_recv = nullptr;
       if (arena) {  // [send | 256 B gap | recv | tail]
         const size_t total = 2 * bytes + (size_t{5} << 20);
         NK(ncclMemAlloc(&base, total));
         NK(ncclCommRegister(comms[r], base, total, &hs));
         send = base;
         recv = static_cast<char*>(base) + bytes + 256;
+        self_recv = static_cast<char*>(recv) + bytes + 256;  // [self_bytes] in the tail
       } else if (reg) {
         NK(ncclMemAlloc(&send, bytes));
         NK(ncclMemAlloc(&recv, bytes));
@@ -78,6 +84,10 @@ int main(int argc, char** argv) {
         NK(ncclGroupStart());
         NK(ncclSend(static_cast<char*>(send) + off, len, ncclUint8, peer, comms[r], s));
         NK(ncclRecv(static_cast<char*>(recv) + off, len, ncclUint8, peer, comms[r], s));
+        if (self) {
+          NK(ncclSend(send, self_bytes, ncclUint8, r, comms[r], s));
+          NK(ncclRecv(self_recv, self_bytes, ncclUint8, r, comms[r], s));
+        }
         NK(ncclGroupEnd());
       }
       CK(cudaStreamSynchronize(s));
@@ -88,6 +98,15 @@ int main(int argc, char** argv) {
           ++bad[r];
           break;
         }
+      if (self) {
+        std::vector<unsigned char> hs2(self_bytes);
+        CK(cudaMemcpy(hs2.data(), self_recv, self_bytes, cudaMemcpyDeviceToHost));
+        for (size_t i = 0; i < self_bytes; ++i)
+          if (hs2[i] != 0x10 + r) {
+            ++bad[r];
+            break;
+          }
+      }
       if (arena) {
         NK(ncclCommDeregister(comms[r], hs));
         NK(ncclMemFree(base));
@@ -105,7 +124,8 @@ int main(int argc, char** argv) {
   for (auto& t : th) t.join();
   for (int r = 0; r < 2; ++r) ncclCommDestroy(comms[r]);
   std::printf("%s buffers: rank 0 %s, rank 1 %s\n",
-              arena ? "one registered arena" : reg ? "registered" : "plain",
+              self ? "one registered arena, with self transfers"
+              : arena ? "one registered arena" : reg ? "registered" : "plain",
               bad[0] ? "WRONG" : "ok", bad[1] ? "WRONG" : "ok");
   return bad[0] || bad[1];
 }

@@ -516,6 +516,9 @@ struct EpGroup::Impl {
   // The gradient rows of combine_backward (the token dtype unless FP8).
   DType bwd_dtype = DType::kBFloat16;
   int64_t bwd_row_bytes = 0;
+  // MOEFLOW_EP_DEBUG_RANGES (registered arena): print the arena's layout and
+  // the ranges of every exchange() (diagnostics for compute-sanitizer reports).
+  bool debug_ranges = false;
   // The wider of the two: sizes the buffers both kinds of rows go through.
   DType wide_dtype() const { return bwd_row_bytes > row_bytes ? bwd_dtype : opt.dtype; }
 
@@ -807,6 +810,14 @@ struct EpGroup::Impl {
       if (ncclMemAlloc(&base, at) == ncclSuccess && base != nullptr) {
         std::shared_ptr<void> owner(base, [](void* p) { ncclMemFree(p); });
         MOEFLOW_NCCL_CHECK(ncclCommRegister(comm, base, at, &arena_reg));
+        debug_ranges = std::getenv("MOEFLOW_EP_DEBUG_RANGES") != nullptr;
+        if (debug_ranges) {  // diagnostics: where each buffer of the arena lies
+          std::fprintf(stderr, "[ep rank %d] arena %p, %zu bytes:", rank, base, at);
+          for (size_t i = 0; i < std::size(bufs); ++i)
+            std::fprintf(stderr, " %zu@+%zu",
+                         TensorView(nullptr, bufs[i].dtype, dev, bufs[i].shape).nbytes(), off[i]);
+          std::fprintf(stderr, "\n");
+        }
         for (size_t i = 0; i < std::size(bufs); ++i)
           *bufs[i].t = Tensor::adopt(
               TensorView(static_cast<uint8_t*>(base) + off[i], bufs[i].dtype, dev, bufs[i].shape),
@@ -958,6 +969,13 @@ struct EpGroup::Impl {
                 const std::vector<int64_t>& s_cnt, uint8_t* recv, int64_t recv_row_bytes,
                 const std::vector<int64_t>& r_off, const std::vector<int64_t>& r_cnt,
                 cudaStream_t stream) {
+    if (debug_ranges)
+      for (int q = 0; q < world; ++q)
+        std::fprintf(stderr, "[ep rank %d] peer %d: send %p + %lld, recv %p + %lld\n", rank, q,
+                     static_cast<const void*>(send + s_off[q] * send_row_bytes),
+                     static_cast<long long>(s_cnt[q] * send_row_bytes),
+                     static_cast<void*>(recv + r_off[q] * recv_row_bytes),
+                     static_cast<long long>(r_cnt[q] * recv_row_bytes));
     MOEFLOW_NCCL_CHECK(ncclGroupStart());
     for (int q = 0; q < world; ++q) {
       if (s_cnt[q] > 0)
