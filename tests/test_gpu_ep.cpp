@@ -347,28 +347,31 @@ struct MultiRounds {
     one_rank.one_rank = true;
     tagged.tag_tokens = true;
   }
+  // The four rounds and two more, over the pipeline's piece counts: one
+  // transfer, more pieces than some peers have rows, odd counts, grid-stride
+  // loops over few blocks, int64 ids, and two pieces (the default: the first
+  // holds pipeline_first_share of the tokens).
+  std::vector<Round> piece_rounds() const {
+    Round e = empty_rank, o = one_rank, t = tagged, u = uneven;
+    e.chunks = 1;
+    o.chunks = 16;
+    t.chunks = 3;
+    t.blocks = 3;
+    u.chunks = 7;
+    u.blocks = 1;
+    u.ids64 = true;
+    Round two = t;
+    two.chunks = 2;
+    return {uneven, e, o, t, u, two};
+  }
 };
 
 TEST(MultiGpuEp, MatchesReference) {
   const int W = cuda_device_count();
   if (W < 2) GTEST_SKIP() << "needs 2+ GPUs (label multigpu)";
-  MultiRounds m(W);
-  auto& [uneven, empty_rank, one_rank, tagged] = m;
-  // pieces per peer: one transfer, more pieces than some peers have rows, odd
-  empty_rank.chunks = 1;
-  one_rank.chunks = 16;
-  tagged.chunks = 3;
-  tagged.blocks = 3;  // grid-stride loops over few blocks
-  Round uneven_pieces = uneven;
-  uneven_pieces.chunks = 7;
-  uneven_pieces.blocks = 1;
-  uneven_pieces.ids64 = true;
-  // two pieces (the default): the first holds pipeline_first_share of the tokens
-  Round two_pieces = tagged;
-  two_pieces.chunks = 2;
   // After the first round, each dispatch sends an eager piece sized from the
   // previous one's counts (rows past this one's count are padding).
-  run_rounds(W, {uneven, empty_rank, one_rank, tagged, uneven_pieces, two_pieces});
+  run_rounds(W, MultiRounds(W).piece_rounds());
 }
 
 // The same rounds without the eager piece: the rows go in the pipeline's
@@ -376,15 +379,8 @@ TEST(MultiGpuEp, MatchesReference) {
 TEST(MultiGpuEp, NoEagerPieceMatchesReference) {
   const int W = cuda_device_count();
   if (W < 2) GTEST_SKIP() << "needs 2+ GPUs (label multigpu)";
-  MultiRounds m(W);
-  auto& [uneven, empty_rank, one_rank, tagged] = m;
-  empty_rank.chunks = 1;
-  one_rank.chunks = 16;
-  tagged.chunks = 3;
-  Round two_pieces = tagged;
-  two_pieces.chunks = 2;
   g_eager_share = 0.0;
-  run_rounds(W, {uneven, empty_rank, one_rank, tagged, two_pieces});
+  run_rounds(W, MultiRounds(W).piece_rounds());
   g_eager_share = EpOptions{}.eager_share;
 }
 
