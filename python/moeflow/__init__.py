@@ -1,0 +1,11 @@
+"""moeflow: the token path of Mixture-of-Experts training on Hopper GPUs.
+
+- ``moeflow._C``: the C++ API over DLPack arrays (torch, numpy, ...): every
+  op writes into caller-allocated outputs on the caller's CUDA stream.
+- ``moeflow.ops`` (needs torch): a routing plan built on the device, permute
+  and unpermute, and the grouped expert MLP as torch autograd functions.
+  No host synchronisation: a step can be captured in a CUDA graph.
+"""
+from ._C import Error, __version__, cuda_device_count  # noqa: F401
+
+__all__ = ["Error", "__version__", "cuda_device_count"]

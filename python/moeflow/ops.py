@@ -1,0 +1,241 @@
+"""moeflow's ops as torch autograd functions (needs torch).
+
+    import moeflow.ops as mf
+    plan = mf.Plan(topk_ids, num_experts=E, align=16)      # on the device, no sync
+    xp, pp = mf.permute(x, plan, probs)                      # [capacity, H], [capacity]
+    y = mf.grouped_mlp(xp, fc1, fc2, plan=plan, probs=pp)    # FC1 + SwiGLU + FC2
+    out = mf.unpermute(y, plan)                              # [T, H]
+
+Every op runs on torch's current CUDA stream (or on the CPU reference
+backend for CPU tensors), allocates its outputs with torch (the caching
+allocator: no cudaMalloc on the hot path) and never synchronises with the
+host, so a whole MoE layer, forward and backward, can be captured in one
+CUDA graph and replayed with new routing. Counts stay on the device:
+reading ``plan.total_rows`` or ``plan.overflow`` on the host is the
+caller's synchronisation.
+
+Rows of the permuted buffer past ``plan.total_rows`` (the unused capacity)
+are not written: their values, and their gradients, are undefined. The
+grouped MLP reads and writes rows by the plan's expert offsets only.
+"""
+from __future__ import annotations
+
+from typing import Optional, Tuple
+
+import torch
+
+from . import _C
+
+__all__ = ["Plan", "permute", "unpermute", "grouped_mlp"]
+
+
+def _stream(t: torch.Tensor) -> int:
+    return torch.cuda.current_stream(t.device).cuda_stream if t.is_cuda else 0
+
+
+def _rows(t: torch.Tensor) -> torch.Tensor:
+    """The tensor itself when its rows have unit-stride elements, else a copy."""
+    return t if t.stride(-1) == 1 else t.contiguous()
+
+
+class Plan:
+    """The routing plan of one layer call, built on the device.
+
+    ``topk_ids`` [T, K] int32 or int64 global expert ids (-1: no expert).
+    Each expert's rows are padded to a multiple of ``align`` (1, 16, 32, 64,
+    128 or 256; 16 for FP8). ``capacity_rows`` = -1 sizes the permuted
+    buffer for the worst case (nothing dropped); a smaller multiple of
+    ``align`` drops what does not fit and counts it in ``overflow``.
+
+    Tensors (on topk_ids' device): tokens_per_expert [E] int32,
+    padded_tokens_per_expert [E] int32, expert_row_offsets [E+1] int64,
+    dest_row [T, K] int64 (-1: unrouted or dropped), row_token / row_k
+    [capacity] int32, total_rows [1] int64, overflow [1] int32, invalid_ids
+    [1] int32 (ids out of range, treated as unrouted).
+    """
+
+    def __init__(self, topk_ids: torch.Tensor, num_experts: int, align: int = 1,
+                 capacity_rows: int = -1):
+        if topk_ids.dim() != 2:
+            raise ValueError(f"topk_ids must be [T, K], got shape {tuple(topk_ids.shape)}")
+        ids = topk_ids.contiguous()
+        T, K = ids.shape
+        E = int(num_experts)
+        dev = ids.device
+        self.num_tokens, self.topk, self.num_experts, self.align = T, K, E, int(align)
+        self.capacity_rows = _C.plan_capacity_rows(T, K, E, self.align, capacity_rows)
+        i32, i64 = torch.int32, torch.int64
+        self.tokens_per_expert = torch.empty(E, dtype=i32, device=dev)
+        self.padded_tokens_per_expert = torch.empty(E, dtype=i32, device=dev)
+        self.expert_row_offsets = torch.empty(E + 1, dtype=i64, device=dev)
+        self.dest_row = torch.empty((T, K), dtype=i64, device=dev)
+        self.row_token = torch.empty(self.capacity_rows, dtype=i32, device=dev)
+        self.row_k = torch.empty(self.capacity_rows, dtype=i32, device=dev)
+        self.total_rows = torch.zeros(1, dtype=i64, device=dev)
+        self.overflow = torch.zeros(1, dtype=i32, device=dev)
+        self.invalid_ids = torch.zeros(1, dtype=i32, device=dev)
+        ws = _C.plan_workspace_bytes(T, K, E, self.align, capacity_rows)
+        self._workspace = torch.empty(ws, dtype=torch.uint8, device=dev) if ws else None
+        self._view = _C.PlanView(
+            T, K, E, self.align, capacity_rows, self.tokens_per_expert,
+            self.padded_tokens_per_expert, self.expert_row_offsets, self.dest_row,
+            self.row_token, self.row_k, self.total_rows, self.overflow, self.invalid_ids)
+        _C.build_plan(ids, self._view, self._workspace, _stream(ids))
+
+
+class _Permute(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, probs, plan):
+        ctx.set_materialize_grads(False)
+        y = x.new_empty((plan.capacity_rows, x.shape[1]))
+        pp = torch.empty(plan.capacity_rows if probs is not None else 0, dtype=torch.float32,
+                         device=x.device)
+        if probs is not None:
+            probs = probs.contiguous()
+        _C.permute(_rows(x), plan._view, y, probs, pp if probs is not None else None, None, None,
+                   _stream(x))
+        ctx.plan, ctx.x_shape, ctx.x_dtype = plan, x.shape, x.dtype
+        ctx.has_probs = probs is not None
+        if probs is None:
+            ctx.mark_non_differentiable(pp)
+        return y, pp
+
+    @staticmethod
+    def backward(ctx, dy, dpp):
+        plan = ctx.plan
+        if dy is None and dpp is None:
+            return None, None, None
+        dev = (dy if dy is not None else dpp).device
+        if dy is None:
+            dy = torch.zeros((plan.capacity_rows, ctx.x_shape[1]), dtype=ctx.x_dtype, device=dev)
+        dx = dy.new_empty(ctx.x_shape)
+        dprobs = None
+        if ctx.has_probs and ctx.needs_input_grad[1] and dpp is not None:
+            dprobs = torch.empty((plan.num_tokens, plan.topk), dtype=torch.float32, device=dev)
+        _C.permute_backward(_rows(dy), plan._view, dx,
+                            dpp.contiguous() if dprobs is not None else None, dprobs,
+                            _stream(dy))
+        return dx, dprobs, None
+
+
+def permute(x: torch.Tensor, plan: Plan,
+            probs: Optional[torch.Tensor] = None) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
+    """x [T, H] -> (rows [capacity, H] expert-major and padded, pad rows zero;
+    probs of every row [capacity] float32, 0 on pad rows, or None).
+    probs: [T, K] float32 router probabilities of the slots (differentiable)."""
+    y, pp = _Permute.apply(x, probs, plan)
+    return y, (pp if probs is not None else None)
+
+
+class _Unpermute(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, y, probs, plan):
+        out = y.new_empty((plan.num_tokens, y.shape[1]))
+        y = _rows(y)
+        if probs is not None:
+            probs = probs.contiguous()
+        _C.unpermute(y, plan._view, out, probs, _stream(y))
+        ctx.plan = plan
+        ctx.save_for_backward(y, probs)
+        return out
+
+    @staticmethod
+    def backward(ctx, dout):
+        plan = ctx.plan
+        y, probs = ctx.saved_tensors
+        dy = torch.empty_like(y)
+        dprobs = None
+        if probs is not None and ctx.needs_input_grad[1]:
+            dprobs = torch.empty((plan.num_tokens, plan.topk), dtype=torch.float32,
+                                 device=y.device)
+        _C.unpermute_backward(_rows(dout), plan._view, y, probs, dy, dprobs, _stream(y))
+        return dy, dprobs, None
+
+
+def unpermute(y: torch.Tensor, plan: Plan,
+              probs: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """rows [capacity, H] -> out [T, H]: each token's rows summed in float32
+    in a fixed order (bitwise deterministic), weighted by probs [T, K] float32
+    when given (differentiable), written in y's dtype."""
+    return _Unpermute.apply(y, probs, plan)
+
+
+class _GroupedMlp(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, fc1, fc2, bias1, bias2, probs, offsets, real_rows, cfg):
+        ctx.set_materialize_grads(False)
+        x = _rows(x)
+        rows = x.shape[0]
+        y = x.new_empty((rows, fc2.shape[1]))
+        h = x.new_empty((rows, fc1.shape[1]))
+        a = x.new_empty((rows, fc2.shape[2]))
+        _C.grouped_mlp_forward(x, fc1, fc2, bias1, bias2, offsets, real_rows, probs, *cfg, y, h,
+                               a, _stream(x))
+        ctx.cfg = cfg
+        ctx.save_for_backward(x, fc1, fc2, bias1, bias2, probs, offsets, real_rows, h, a)
+        return y
+
+    @staticmethod
+    def backward(ctx, dy):
+        if dy is None:
+            return (None,) * 9
+        x, fc1, fc2, bias1, bias2, probs, offsets, real_rows, h, a = ctx.saved_tensors
+        need = ctx.needs_input_grad
+        dy = _rows(dy)
+        s = _stream(dy)
+        dx = torch.empty_like(x)
+        d_h = torch.empty_like(h)
+        dprobs = None
+        if probs is not None and need[5]:
+            dprobs = torch.empty(x.shape[0], dtype=torch.float32, device=x.device)
+        _C.grouped_mlp_backward_dgrad(dy, fc1, fc2, bias1, bias2, offsets, real_rows, probs,
+                                      *ctx.cfg, h, dx, d_h, dprobs, s)
+
+        def f32(like, wanted):
+            return torch.empty(like.shape, dtype=torch.float32, device=like.device) if wanted \
+                else None
+
+        dw1, dw2 = f32(fc1, need[1]), f32(fc2, need[2])
+        db1 = f32(bias1, bias1 is not None and need[3])
+        db2 = f32(bias2, bias2 is not None and need[4])
+        if any(g is not None for g in (dw1, dw2, db1, db2)):
+            _C.grouped_mlp_backward_wgrad(dy, x, offsets, real_rows, h, a, d_h, dw1, dw2, db1,
+                                          db2, False, s)
+
+        def cast(g, like):  # float32 gradients into the parameters' dtype
+            return None if g is None else g.to(like.dtype)
+
+        return (dx if need[0] else None, cast(dw1, fc1), cast(dw2, fc2), cast(db1, bias1),
+                cast(db2, bias2), dprobs, None, None, None)
+
+
+_ACTIVATIONS = ("swiglu", "geglu", "clamped_quick_geglu", "gelu", "relu", "squared_relu")
+
+
+def grouped_mlp(x: torch.Tensor, fc1: torch.Tensor, fc2: torch.Tensor, *,
+                plan: Optional[Plan] = None, offsets: Optional[torch.Tensor] = None,
+                real_rows: Optional[torch.Tensor] = None, probs: Optional[torch.Tensor] = None,
+                bias1: Optional[torch.Tensor] = None, bias2: Optional[torch.Tensor] = None,
+                activation: str = "swiglu", glu_interleave: int = 0, alpha: float = 1.702,
+                limit: float = 7.0, offset: float = 1.0) -> torch.Tensor:
+    """The grouped expert MLP: for the rows of each expert e,
+    h = x W1_e^T + b1_e, a = act(h) * p, y = a W2_e^T + b2_e.
+
+    x [rows, H] bf16/fp16; fc1 [E, N1, H] (N1 = 2F for GLU activations,
+    gate rows then up rows, or blocks of ``glu_interleave``); fc2 [E, H, F];
+    bias1 [E, N1], bias2 [E, H] optional; probs [rows] float32 optional (the
+    permuted router probabilities: applied after the activation). The groups:
+    ``plan`` (its expert offsets and real rows), or ``offsets`` [E+1] int64
+    (+ optional ``real_rows`` [E] int32). Pad rows give zeros and get no
+    gradient. Weight gradients are computed in float32 and returned in the
+    weights' dtype."""
+    if activation not in _ACTIVATIONS:
+        raise ValueError(f"activation must be one of {_ACTIVATIONS}, got {activation!r}")
+    if plan is not None:
+        if offsets is not None or real_rows is not None:
+            raise ValueError("give plan or offsets (+ real_rows), not both")
+        offsets, real_rows = plan.expert_row_offsets, plan.tokens_per_expert
+    if offsets is None:
+        raise ValueError("grouped_mlp needs plan= or offsets=")
+    cfg = (activation, int(glu_interleave), float(alpha), float(limit), float(offset))
+    return _GroupedMlp.apply(x, fc1, fc2, bias1, bias2, probs, offsets, real_rows, cfg)

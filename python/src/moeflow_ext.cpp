@@ -1,0 +1,334 @@
+// moeflow._C: the C++ API over DLPack arrays (torch, numpy, anything that
+// speaks DLPack). Every op takes its outputs as caller-allocated arrays (the
+// caller's allocator, e.g. torch's caching allocator: nothing is allocated
+// here) and a CUDA stream as an integer (0: the legacy default stream). The
+// torch autograd wrappers live in moeflow/autograd.py.
+#include <nanobind/nanobind.h>
+#include <nanobind/ndarray.h>
+#include <nanobind/stl/optional.h>
+#include <nanobind/stl/string.h>
+
+#include <cstdint>
+#include <memory>
+#include <string>
+
+#include "moeflow/grouped_mlp.h"
+#include "moeflow/moeflow.h"
+#include "moeflow/permute.h"
+#include "moeflow/plan.h"
+#include "moeflow/version.h"
+
+namespace nb = nanobind;
+using namespace moeflow;
+
+namespace {
+
+// No constraints in the array types: nanobind would otherwise copy an array
+// that does not meet them, and an output written into a copy is lost. Array
+// must be contiguous (checked here, with the argument's name); AnyArray may
+// have a row stride (x, y and their gradients: the C++ API checks them).
+using Array = nb::ndarray<>;
+using AnyArray = nb::ndarray<>;
+
+DType dtype_of(const nb::dlpack::dtype& d, const char* name) {
+  using C = nb::dlpack::dtype_code;
+  const auto code = static_cast<C>(d.code);
+  MOEFLOW_CHECK(d.lanes == 1, name, ": vector dtypes are not supported");
+  if (code == C::Float && d.bits == 32) return DType::kFloat32;
+  if (code == C::Float && d.bits == 16) return DType::kFloat16;
+  if (code == C::Bfloat && d.bits == 16) return DType::kBFloat16;
+  if (code == C::Float8_E4M3FN && d.bits == 8) return DType::kFloat8E4M3;
+  if (code == C::Float8_E5M2 && d.bits == 8) return DType::kFloat8E5M2;
+  if (code == C::Int && d.bits == 32) return DType::kInt32;
+  if (code == C::Int && d.bits == 64) return DType::kInt64;
+  if (code == C::UInt && d.bits == 8) return DType::kUInt8;
+  if (code == C::Bool && d.bits == 8) return DType::kBool;
+  MOEFLOW_CHECK(false, name, ": unsupported dtype (DLPack code ", int(d.code), ", ", int(d.bits),
+                " bits); moeflow takes float32/16, bfloat16, float8 e4m3fn/e5m2, int32/64, uint8, "
+                "bool");
+  return DType::kFloat32;
+}
+
+Device device_of(int32_t type, int32_t id, const char* name) {
+  if (type == nb::device::cpu::value) return Device::cpu();
+  if (type == nb::device::cuda::value) return Device::cuda(id);
+  MOEFLOW_CHECK(false, name, ": arrays must be on the CPU or a CUDA device (DLPack device type ",
+                type, ")");
+  return Device::cpu();
+}
+
+// Any layout (the rows of x, y and their gradients: the C++ API checks them).
+TensorView rows_of(const AnyArray& a, const char* name) {
+  MOEFLOW_CHECK(a.is_valid(), name, ": an array is required");
+  MOEFLOW_CHECK(a.ndim() <= static_cast<size_t>(kMaxDims), name, ": at most ", kMaxDims,
+                " dimensions, got ", a.ndim());
+  std::vector<int64_t> shape(a.ndim()), strides(a.ndim());
+  for (size_t i = 0; i < a.ndim(); ++i) {
+    shape[i] = static_cast<int64_t>(a.shape(i));
+    strides[i] = static_cast<int64_t>(a.stride(i));
+  }
+  return TensorView::strided(const_cast<void*>(a.data()), dtype_of(a.dtype(), name),
+                             device_of(a.device_type(), a.device_id(), name), shape, strides);
+}
+
+// Contiguous (every other array).
+TensorView view_of(const Array& a, const char* name) {
+  const TensorView v = rows_of(a, name);
+  MOEFLOW_CHECK(v.is_contiguous(), name, ": must be contiguous, got shape ", v.shape_str(),
+                " with strides not those of a contiguous array");
+  return v;
+}
+
+// None -> an undefined view (the optional arguments of the C++ API).
+TensorView opt_view(const std::optional<Array>& a, const char* name) {
+  return a && a->is_valid() ? view_of(*a, name) : TensorView{};
+}
+
+cudaStream_t stream_of(uintptr_t s) { return reinterpret_cast<cudaStream_t>(s); }
+
+// A RoutingPlan over caller-allocated arrays (shapes and dtypes as
+// allocate_plan makes them, checked here); the caller keeps them alive.
+struct PyPlan {
+  RoutingPlan plan;
+};
+
+Tensor adopt(const TensorView& v, const std::vector<int64_t>& shape, DType dtype, const char* name) {
+  MOEFLOW_CHECK(v.dtype == dtype, "plan.", name, ": expected dtype ", dtype_name(dtype), ", got ",
+                dtype_name(v.dtype));
+  MOEFLOW_CHECK(v.sizes() == shape, "plan.", name, ": expected shape ",
+                TensorView(nullptr, dtype, v.device, shape).shape_str(), ", got ", v.shape_str());
+  // The arrays are owned by the caller: a non-null owner that frees nothing.
+  return Tensor::adopt(v, std::shared_ptr<void>(v.data, [](void*) {}));
+}
+
+PyPlan make_plan(int64_t T, int K, int E, int align, int64_t capacity, const Array& tpe,
+                 const Array& padded, const Array& offsets, const Array& dest_row,
+                 const Array& row_token, const Array& row_k, const Array& total_rows,
+                 const Array& overflow, const Array& invalid_ids) {
+  PlanConfig c;
+  c.num_experts = E;
+  c.align = align;
+  c.capacity_rows = capacity;
+  PyPlan p;
+  RoutingPlan& r = p.plan;
+  r.capacity_rows = plan_capacity_rows(T, K, c);
+  r.config = c;
+  r.config.capacity_rows = r.capacity_rows;
+  r.num_tokens = T;
+  r.topk = K;
+  const TensorView v0 = view_of(tpe, "tokens_per_expert");
+  r.device = v0.device;
+  r.tokens_per_expert = adopt(v0, {E}, DType::kInt32, "tokens_per_expert");
+  r.padded_tokens_per_expert =
+      adopt(view_of(padded, "padded_tokens_per_expert"), {E}, DType::kInt32, "padded_tokens_per_expert");
+  r.expert_row_offsets =
+      adopt(view_of(offsets, "expert_row_offsets"), {E + 1}, DType::kInt64, "expert_row_offsets");
+  r.dest_row = adopt(view_of(dest_row, "dest_row"), {T, K}, DType::kInt64, "dest_row");
+  r.row_token = adopt(view_of(row_token, "row_token"), {r.capacity_rows}, DType::kInt32, "row_token");
+  r.row_k = adopt(view_of(row_k, "row_k"), {r.capacity_rows}, DType::kInt32, "row_k");
+  r.total_rows = adopt(view_of(total_rows, "total_rows"), {1}, DType::kInt64, "total_rows");
+  r.overflow = adopt(view_of(overflow, "overflow"), {1}, DType::kInt32, "overflow");
+  r.invalid_ids = adopt(view_of(invalid_ids, "invalid_ids"), {1}, DType::kInt32, "invalid_ids");
+  for (const Tensor* t : {&r.padded_tokens_per_expert, &r.expert_row_offsets, &r.dest_row,
+                          &r.row_token, &r.row_k, &r.total_rows, &r.overflow, &r.invalid_ids})
+    MOEFLOW_CHECK(t->device() == r.device, "plan arrays must all be on ", r.device.str(),
+                  ", got one on ", t->device().str());
+  return p;
+}
+
+Activation activation_of(const std::string& s) {
+  if (s == "swiglu") return Activation::kSwiGLU;
+  if (s == "geglu") return Activation::kGeGLU;
+  if (s == "clamped_quick_geglu") return Activation::kClampedQuickGeGLU;
+  if (s == "gelu") return Activation::kGelu;
+  if (s == "relu") return Activation::kRelu;
+  if (s == "squared_relu") return Activation::kSquaredRelu;
+  MOEFLOW_CHECK(false, "activation: expected swiglu, geglu, clamped_quick_geglu, gelu, relu or ",
+                "squared_relu, got '", s, "'");
+  return Activation::kSwiGLU;
+}
+
+GroupedMlpConfig mlp_config(const std::string& act, int glu_interleave, float alpha, float limit,
+                            float offset) {
+  GroupedMlpConfig c;
+  c.activation = activation_of(act);
+  c.glu_interleave = glu_interleave;
+  c.params.alpha = alpha;
+  c.params.limit = limit;
+  c.params.offset = offset;
+  return c;
+}
+
+GroupedMlpWeights mlp_weights(const Array& fc1, const Array& fc2, const std::optional<Array>& b1,
+                              const std::optional<Array>& b2) {
+  GroupedMlpWeights w;
+  w.fc1 = view_of(fc1, "fc1");
+  w.fc2 = view_of(fc2, "fc2");
+  w.bias1 = opt_view(b1, "bias1");
+  w.bias2 = opt_view(b2, "bias2");
+  return w;
+}
+
+GroupLayout layout(const Array& offsets, const std::optional<Array>& real_rows) {
+  GroupLayout g;
+  g.offsets = view_of(offsets, "offsets");
+  g.real_rows = opt_view(real_rows, "real_rows");
+  return g;
+}
+
+}  // namespace
+
+NB_MODULE(_C, m) {
+  m.doc() = "moeflow: the MoE token path (routing plan, permute, grouped expert MLP) over DLPack";
+  m.attr("__version__") = MOEFLOW_VERSION_STRING;
+  nb::exception<Error>(m, "Error", PyExc_RuntimeError);
+  m.def("cuda_device_count", &cuda_device_count);
+
+  m.def("plan_capacity_rows",
+        [](int64_t T, int K, int E, int align, int64_t capacity) {
+          PlanConfig c;
+          c.num_experts = E;
+          c.align = align;
+          c.capacity_rows = capacity;
+          return plan_capacity_rows(T, K, c);
+        },
+        nb::arg("num_tokens"), nb::arg("topk"), nb::arg("num_experts"), nb::arg("align"),
+        nb::arg("capacity_rows"));
+  m.def("plan_workspace_bytes",
+        [](int64_t T, int K, int E, int align, int64_t capacity) {
+          PlanConfig c;
+          c.num_experts = E;
+          c.align = align;
+          c.capacity_rows = capacity;
+          return plan_workspace_bytes(T, K, c);
+        },
+        nb::arg("num_tokens"), nb::arg("topk"), nb::arg("num_experts"), nb::arg("align"),
+        nb::arg("capacity_rows"));
+
+  nb::class_<PyPlan>(m, "PlanView",
+                     "A RoutingPlan over caller-allocated arrays (moeflow.Plan makes them).")
+      .def(nb::new_(&make_plan), nb::arg("num_tokens"), nb::arg("topk"), nb::arg("num_experts"),
+           nb::arg("align"), nb::arg("capacity_rows"), nb::arg("tokens_per_expert"),
+           nb::arg("padded_tokens_per_expert"), nb::arg("expert_row_offsets"), nb::arg("dest_row"),
+           nb::arg("row_token"), nb::arg("row_k"), nb::arg("total_rows"), nb::arg("overflow"),
+           nb::arg("invalid_ids"))
+      .def_prop_ro("capacity_rows", [](const PyPlan& p) { return p.plan.capacity_rows; })
+      .def_prop_ro("num_tokens", [](const PyPlan& p) { return p.plan.num_tokens; })
+      .def_prop_ro("topk", [](const PyPlan& p) { return p.plan.topk; })
+      .def_prop_ro("num_experts", [](const PyPlan& p) { return p.plan.num_experts(); })
+      .def_prop_ro("align", [](const PyPlan& p) { return p.plan.align(); });
+
+  m.def("build_plan",
+        [](const Array& ids, PyPlan& p, const std::optional<Array>& ws, uintptr_t s) {
+          build_plan(view_of(ids, "topk_ids"), p.plan, opt_view(ws, "workspace"), stream_of(s));
+        },
+        nb::arg("topk_ids"), nb::arg("plan"), nb::arg("workspace").none() = nb::none(), nb::arg("stream") = 0);
+  m.def("build_plan_from_mask",
+        [](const Array& mask, PyPlan& p, const std::optional<Array>& ws, uintptr_t s) {
+          build_plan_from_mask(view_of(mask, "routing_mask"), p.plan, opt_view(ws, "workspace"),
+                               stream_of(s));
+        },
+        nb::arg("routing_mask"), nb::arg("plan"), nb::arg("workspace").none() = nb::none(),
+        nb::arg("stream") = 0);
+
+  m.def("permute",
+        [](const AnyArray& x, const PyPlan& p, const AnyArray& y, const std::optional<Array>& probs,
+           const std::optional<Array>& pprobs, const std::optional<Array>& scales,
+           const std::optional<Array>& pscales, uintptr_t s) {
+          PermuteExtras e;
+          e.probs = opt_view(probs, "probs");
+          e.permuted_probs = opt_view(pprobs, "permuted_probs");
+          e.scales = opt_view(scales, "scales");
+          e.permuted_scales = opt_view(pscales, "permuted_scales");
+          permute(rows_of(x, "x"), p.plan, rows_of(y, "y"), e, stream_of(s));
+        },
+        nb::arg("x"), nb::arg("plan"), nb::arg("y"), nb::arg("probs").none() = nb::none(),
+        nb::arg("permuted_probs").none() = nb::none(), nb::arg("scales").none() = nb::none(),
+        nb::arg("permuted_scales").none() = nb::none(), nb::arg("stream") = 0);
+  m.def("unpermute",
+        [](const AnyArray& y, const PyPlan& p, const AnyArray& out,
+           const std::optional<Array>& probs, uintptr_t s) {
+          unpermute(rows_of(y, "y"), p.plan, rows_of(out, "out"), opt_view(probs, "merge_probs"),
+                    stream_of(s));
+        },
+        nb::arg("y"), nb::arg("plan"), nb::arg("out"), nb::arg("merge_probs").none() = nb::none(),
+        nb::arg("stream") = 0);
+  m.def("permute_backward",
+        [](const AnyArray& dy, const PyPlan& p, const AnyArray& dx,
+           const std::optional<Array>& dpprobs, const std::optional<Array>& dprobs, uintptr_t s) {
+          permute_backward(rows_of(dy, "dy"), p.plan, rows_of(dx, "dx"),
+                           opt_view(dpprobs, "dpermuted_probs"), opt_view(dprobs, "dprobs"),
+                           stream_of(s));
+        },
+        nb::arg("dy"), nb::arg("plan"), nb::arg("dx"),
+        nb::arg("dpermuted_probs").none() = nb::none(), nb::arg("dprobs").none() = nb::none(),
+        nb::arg("stream") = 0);
+  m.def("unpermute_backward",
+        [](const AnyArray& dout, const PyPlan& p, const AnyArray& y_fwd,
+           const std::optional<Array>& probs, const AnyArray& dy,
+           const std::optional<Array>& dprobs, uintptr_t s) {
+          unpermute_backward(rows_of(dout, "dout"), p.plan, rows_of(y_fwd, "y_fwd"),
+                             opt_view(probs, "probs"), rows_of(dy, "dy"),
+                             opt_view(dprobs, "dprobs"), stream_of(s));
+        },
+        nb::arg("dout"), nb::arg("plan"), nb::arg("y_fwd"), nb::arg("probs").none(), nb::arg("dy"),
+        nb::arg("dprobs").none() = nb::none(), nb::arg("stream") = 0);
+
+  // The grouped expert MLP (moeflow/grouped_mlp.h) with stacked weights.
+  m.def("grouped_mlp_forward",
+        [](const AnyArray& x, const Array& fc1, const Array& fc2, const std::optional<Array>& b1,
+           const std::optional<Array>& b2, const Array& offsets,
+           const std::optional<Array>& real_rows, const std::optional<Array>& probs,
+           const std::string& act, int glu_interleave, float alpha, float limit, float offset,
+           const AnyArray& y, const Array& h, const Array& a, uintptr_t s) {
+          GroupedMlpSaved saved{view_of(h, "h"), view_of(a, "a")};
+          grouped_mlp_forward(rows_of(x, "x"), mlp_weights(fc1, fc2, b1, b2),
+                              layout(offsets, real_rows), opt_view(probs, "probs"),
+                              mlp_config(act, glu_interleave, alpha, limit, offset),
+                              rows_of(y, "y"), saved, stream_of(s));
+        },
+        nb::arg("x"), nb::arg("fc1"), nb::arg("fc2"), nb::arg("bias1").none(),
+        nb::arg("bias2").none(), nb::arg("offsets"), nb::arg("real_rows").none(),
+        nb::arg("probs").none(), nb::arg("activation"), nb::arg("glu_interleave"),
+        nb::arg("alpha"), nb::arg("limit"), nb::arg("offset"), nb::arg("y"), nb::arg("h"),
+        nb::arg("a"), nb::arg("stream") = 0);
+  m.def("grouped_mlp_backward_dgrad",
+        [](const AnyArray& dy, const Array& fc1, const Array& fc2, const std::optional<Array>& b1,
+           const std::optional<Array>& b2, const Array& offsets,
+           const std::optional<Array>& real_rows, const std::optional<Array>& probs,
+           const std::string& act, int glu_interleave, float alpha, float limit, float offset,
+           const Array& h, const AnyArray& dx, const Array& d_h,
+           const std::optional<Array>& dprobs, uintptr_t s) {
+          GroupedMlpSaved saved{view_of(h, "h"), TensorView{}};
+          grouped_mlp_backward_dgrad(rows_of(dy, "dy"), mlp_weights(fc1, fc2, b1, b2),
+                                     layout(offsets, real_rows), opt_view(probs, "probs"),
+                                     mlp_config(act, glu_interleave, alpha, limit, offset), saved,
+                                     rows_of(dx, "dx"), view_of(d_h, "d_h"),
+                                     opt_view(dprobs, "dprobs"), stream_of(s));
+        },
+        nb::arg("dy"), nb::arg("fc1"), nb::arg("fc2"), nb::arg("bias1").none(),
+        nb::arg("bias2").none(), nb::arg("offsets"), nb::arg("real_rows").none(),
+        nb::arg("probs").none(), nb::arg("activation"), nb::arg("glu_interleave"),
+        nb::arg("alpha"), nb::arg("limit"), nb::arg("offset"), nb::arg("h"), nb::arg("dx"),
+        nb::arg("d_h"), nb::arg("dprobs").none(), nb::arg("stream") = 0);
+  m.def("grouped_mlp_backward_wgrad",
+        [](const AnyArray& dy, const AnyArray& x, const Array& offsets,
+           const std::optional<Array>& real_rows, const Array& h, const Array& a, const Array& d_h,
+           const std::optional<Array>& dw1, const std::optional<Array>& dw2,
+           const std::optional<Array>& db1, const std::optional<Array>& db2, bool accumulate,
+           uintptr_t s) {
+          GroupedMlpSaved saved{view_of(h, "h"), view_of(a, "a")};
+          GroupedMlpGrads g;
+          g.dw1 = opt_view(dw1, "dw1");
+          g.dw2 = opt_view(dw2, "dw2");
+          g.dbias1 = opt_view(db1, "dbias1");
+          g.dbias2 = opt_view(db2, "dbias2");
+          g.accumulate = accumulate;
+          grouped_mlp_backward_wgrad(rows_of(dy, "dy"), rows_of(x, "x"), layout(offsets, real_rows),
+                                     saved, view_of(d_h, "d_h"), g, stream_of(s));
+        },
+        nb::arg("dy"), nb::arg("x"), nb::arg("offsets"), nb::arg("real_rows").none(),
+        nb::arg("h"), nb::arg("a"), nb::arg("d_h"), nb::arg("dw1").none(), nb::arg("dw2").none(),
+        nb::arg("dbias1").none(), nb::arg("dbias2").none(), nb::arg("accumulate"),
+        nb::arg("stream") = 0);
+}

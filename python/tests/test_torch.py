@@ -1,0 +1,168 @@
+"""moeflow.ops (torch autograd) against torch compositions, on the CPU and,
+when there is one, a CUDA GPU (the GPU machine runs these)."""
+import pytest
+
+torch = pytest.importorskip("torch")
+import moeflow.ops as mf  # noqa: E402
+
+DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
+
+
+def routing(T, K, E, device, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.stack([torch.randperm(E, generator=g)[:K] for _ in range(T)]).to(torch.int32)
+    ids[torch.rand((T, K), generator=g) < 0.1] = -1
+    probs = torch.rand((T, K), generator=g)
+    return ids.to(device), probs.to(device)
+
+
+def ref_permute(x, ids, probs, plan):
+    """Rows of the plan's layout gathered with torch ops (differentiable)."""
+    rows = plan.dest_row.long().cpu()
+    T, K = ids.shape
+    y = x.new_zeros((plan.capacity_rows, x.shape[1]))
+    pp = probs.new_zeros(plan.capacity_rows)
+    t, k = torch.nonzero(rows >= 0, as_tuple=True)
+    r = rows[t, k].to(x.device)
+    y = y.index_put((r,), x[t.to(x.device)])
+    pp = pp.index_put((r,), probs[t.to(x.device), k.to(x.device)])
+    return y, pp
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("align", [1, 16])
+def test_permute_and_unpermute_match_torch(device, align):
+    T, K, E, H = 50, 2, 6, 32
+    ids, probs = routing(T, K, E, device)
+    plan = mf.Plan(ids, E, align=align)
+    x = torch.randn(T, H, device=device, requires_grad=True)
+    pr = probs.clone().requires_grad_(True)
+    y, pp = mf.permute(x, plan, pr)
+    total = int(plan.total_rows.item())
+    x2 = x.detach().clone().requires_grad_(True)
+    pr2 = probs.clone().requires_grad_(True)
+    y_ref, pp_ref = ref_permute(x2, ids, pr2, plan)
+    torch.testing.assert_close(y[:total], y_ref[:total], rtol=0, atol=0)
+    torch.testing.assert_close(pp[:total], pp_ref[:total], rtol=0, atol=0)
+    # unpermute weighted by the router probs, then a loss over everything
+    out = mf.unpermute(y, plan, pr)
+    w = torch.where(ids >= 0, pr2, torch.zeros_like(pr2))
+    out_ref = x2 * w.sum(1, keepdim=True)
+    torch.testing.assert_close(out, out_ref, rtol=1e-5, atol=1e-5)
+    g = torch.randn_like(out)
+    gp = torch.randn(plan.capacity_rows, device=device)
+    ((out * g).sum() + (pp[:total] * gp[:total]).sum()).backward()
+    ((out_ref * g).sum() + (pp_ref[:total] * gp[:total]).sum()).backward()
+    torch.testing.assert_close(x.grad, x2.grad, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(pr.grad, pr2.grad, rtol=1e-5, atol=1e-5)
+
+
+def ref_mlp(x, fc1, fc2, offsets, probs, b1=None, b2=None):
+    """Per-expert torch composite in float32: silu(gate) * up."""
+    outs = []
+    F = fc2.shape[2]
+    for e in range(fc1.shape[0]):
+        r = slice(int(offsets[e]), int(offsets[e + 1]))
+        h = x[r].float() @ fc1[e].float().t()
+        if b1 is not None:
+            h = h + b1[e].float()
+        a = torch.nn.functional.silu(h[:, :F]) * h[:, F:]
+        if probs is not None:
+            a = a * probs[r, None]
+        a = a.to(x.dtype).float()
+        y = a @ fc2[e].float().t()
+        if b2 is not None:
+            y = y + b2[e].float()
+        outs.append(y)
+    return torch.cat(outs)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("bias", [False, True])
+def test_grouped_mlp_matches_torch(device, bias):
+    dt = torch.bfloat16 if device == "cuda" else torch.float16
+    E, H, F = 4, 128, 64
+    counts = torch.tensor([40, 0, 17, 64])
+    offsets = torch.cat([torch.zeros(1, dtype=torch.int64), counts.cumsum(0)]).to(device)
+    rows = int(counts.sum())
+    g = torch.Generator().manual_seed(1)
+
+    def param(*shape, s=0.1):
+        return (torch.randn(*shape, generator=g) * s).to(device, dt).requires_grad_(True)
+
+    x, fc1, fc2 = param(rows, H, s=1.0), param(E, 2 * F, H), param(E, H, F)
+    b1 = param(E, 2 * F) if bias else None
+    b2 = param(E, H) if bias else None
+    probs = torch.rand(rows, generator=g).to(device).requires_grad_(True)
+    y = mf.grouped_mlp(x, fc1, fc2, offsets=offsets, probs=probs, bias1=b1, bias2=b2)
+    leaves = [t for t in (x, fc1, fc2, b1, b2, probs) if t is not None]
+    copies = [t.detach().clone().requires_grad_(True) for t in leaves]
+    cx, cfc1, cfc2 = copies[:3]
+    cb1, cb2 = (copies[3], copies[4]) if bias else (None, None)
+    cprobs = copies[-1]
+    y_ref = ref_mlp(cx, cfc1, cfc2, offsets.cpu(), cprobs, cb1, cb2)
+    torch.testing.assert_close(y.float(), y_ref, rtol=2e-2, atol=2e-2)
+    dy = torch.randn(rows, H, generator=g).to(device, dt)
+    y.backward(dy)
+    y_ref.backward(dy.float())
+    for got, want in zip(leaves, copies):
+        assert got.grad is not None and got.grad.dtype == got.dtype
+        scale = want.grad.float().abs().max().clamp_min(1e-3)
+        err = (got.grad.float() - want.grad.float()).abs().max() / scale
+        assert err < 3e-2, (tuple(got.shape), float(err))
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_layer_forward_and_backward_capture_in_one_cuda_graph():
+    """plan -> permute -> grouped MLP -> unpermute and their backward in one
+    graph, replayed with new routing: nothing synchronises with the host."""
+    T, K, E, H, F = 256, 2, 8, 128, 64
+    dev = "cuda"
+    dt = torch.bfloat16
+    gen = torch.Generator().manual_seed(2)
+    x = torch.randn(T, H, generator=gen).to(dev, dt).requires_grad_(True)
+    fc1 = (torch.randn(E, 2 * F, H, generator=gen) * 0.1).to(dev, dt).requires_grad_(True)
+    fc2 = (torch.randn(E, H, F, generator=gen) * 0.1).to(dev, dt).requires_grad_(True)
+    ids, probs = routing(T, K, E, dev, seed=3)
+    dout = torch.randn(T, H, generator=gen).to(dev, dt)
+
+    def step(ids, probs):
+        plan = mf.Plan(ids, E, align=16)
+        xp, pp = mf.permute(x, plan, probs)
+        y = mf.grouped_mlp(xp, fc1, fc2, plan=plan, probs=pp)
+        out = mf.unpermute(y, plan)
+        dx, dw1, dw2 = torch.autograd.grad(out, (x, fc1, fc2), dout)
+        return out, dx, dw1, dw2
+
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        for _ in range(2):
+            step(ids, probs)
+    torch.cuda.current_stream().wait_stream(s)
+    static_ids, static_probs = ids.clone(), probs.clone()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        static_out = step(static_ids, static_probs)
+    for seed in (4, 5):
+        new_ids, new_probs = routing(T, K, E, dev, seed=seed)
+        static_ids.copy_(new_ids)
+        static_probs.copy_(new_probs)
+        graph.replay()
+        eager = step(new_ids, new_probs)
+        for got, want in zip(static_out, eager):
+            torch.testing.assert_close(got, want, rtol=0, atol=0)
+
+
+def test_errors_are_clear():
+    ids, _ = routing(8, 2, 4, "cpu")
+    with pytest.raises(ValueError, match="topk_ids"):
+        mf.Plan(ids[0], 4)
+    plan = mf.Plan(ids, 4)
+    import moeflow
+    with pytest.raises(moeflow.Error, match="x"):
+        mf.permute(torch.zeros(9, 16), plan)  # 9 tokens, the plan has 8
+    with pytest.raises(ValueError, match="activation"):
+        mf.grouped_mlp(torch.zeros(1, 8, dtype=torch.float16), torch.zeros(1, 8, 8),
+                       torch.zeros(1, 8, 4), offsets=torch.zeros(2, dtype=torch.int64),
+                       activation="swish")
