@@ -11,6 +11,7 @@
 #include <cstdint>
 #include <memory>
 #include <string>
+#include <vector>
 
 #include "moeflow/grouped_mlp.h"
 #include "moeflow/moeflow.h"
@@ -87,9 +88,11 @@ TensorView opt_view(const std::optional<Array>& a, const char* name) {
 cudaStream_t stream_of(uintptr_t s) { return reinterpret_cast<cudaStream_t>(s); }
 
 // A RoutingPlan over caller-allocated arrays (shapes and dtypes as
-// allocate_plan makes them, checked here); the caller keeps them alive.
+// allocate_plan makes them, checked here). It holds references to the
+// arrays, so they live as long as the plan does.
 struct PyPlan {
   RoutingPlan plan;
+  std::vector<Array> keep;
 };
 
 Tensor adopt(const TensorView& v, const std::vector<int64_t>& shape, DType dtype, const char* name) {
@@ -97,7 +100,7 @@ Tensor adopt(const TensorView& v, const std::vector<int64_t>& shape, DType dtype
                 dtype_name(v.dtype));
   MOEFLOW_CHECK(v.sizes() == shape, "plan.", name, ": expected shape ",
                 TensorView(nullptr, dtype, v.device, shape).shape_str(), ", got ", v.shape_str());
-  // The arrays are owned by the caller: a non-null owner that frees nothing.
+  // PyPlan::keep holds the arrays: a non-null owner that frees nothing.
   return Tensor::adopt(v, std::shared_ptr<void>(v.data, [](void*) {}));
 }
 
@@ -133,6 +136,7 @@ PyPlan make_plan(int64_t T, int K, int E, int align, int64_t capacity, const Arr
                           &r.row_token, &r.row_k, &r.total_rows, &r.overflow, &r.invalid_ids})
     MOEFLOW_CHECK(t->device() == r.device, "plan arrays must all be on ", r.device.str(),
                   ", got one on ", t->device().str());
+  p.keep = {tpe, padded, offsets, dest_row, row_token, row_k, total_rows, overflow, invalid_ids};
   return p;
 }
 

@@ -1,4 +1,6 @@
 """moeflow._C over numpy arrays on the CPU backend (runs in CI, no GPU, no torch)."""
+import gc
+
 import numpy as np
 import pytest
 
@@ -77,6 +79,21 @@ def test_permute_unpermute_round_trip():
     _C.unpermute(y, view, out, merge_probs=probs)
     w = np.where(ids >= 0, probs, 0).sum(axis=1, keepdims=True)
     np.testing.assert_allclose(out, x * w, rtol=1e-6, atol=1e-6)
+
+
+def test_plan_keeps_its_arrays_alive():
+    T, K, E, H = 40, 2, 4, 8
+    ids, _ = routing(T, K, E, 8)
+    view, _ = make_plan(ids, E)  # only the plan holds its arrays now
+    gc.collect()
+    junk = [np.full(4096, -7, np.int64) for _ in range(64)]  # reuse freed memory
+    x = np.random.default_rng(9).standard_normal((T, H)).astype(np.float32)
+    y = np.zeros((view.capacity_rows, H), np.float32)
+    out = np.zeros((T, H), np.float32)
+    _C.permute(x, view, y)
+    _C.unpermute(y, view, out)
+    np.testing.assert_allclose(out, x * (ids >= 0).sum(1, keepdims=True), rtol=1e-6)
+    del junk
 
 
 def test_strided_rows_are_read_in_place():
