@@ -15,3 +15,10 @@ else
   echo "no GPU: running the CPU tests (the gpu-labelled tests run on a GPU machine)"
   ctest --test-dir build -LE gpu --output-on-failure
 fi
+# The Python package, when the build made it (nanobind found): numpy tests on
+# the CPU backend everywhere, the torch tests too where torch is installed.
+if ls build/python/moeflow/_C*.so >/dev/null 2>&1; then
+  PYTHONPATH="$PWD/build/python${PYTHONPATH:+:$PYTHONPATH}" python3 -m pytest -q python/tests
+else
+  echo "no Python package in build/ (python3 -m nanobind not found): Python tests not run"
+fi
