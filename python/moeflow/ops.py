@@ -55,12 +55,14 @@ class Plan:
     """
 
     def __init__(self, topk_ids: torch.Tensor, num_experts: int, align: int = 1,
-                 capacity_rows: int = -1):
+                 capacity_rows: int = -1, *, _mask: bool = False):
         if topk_ids.dim() != 2:
             raise ValueError(f"topk_ids must be [T, K], got shape {tuple(topk_ids.shape)}")
         ids = topk_ids.contiguous()
         T, K = ids.shape
         E = int(num_experts)
+        if _mask and K != E:
+            raise ValueError(f"routing_mask must be [T, num_experts={E}], got {tuple(ids.shape)}")
         dev = ids.device
         self.num_tokens, self.topk, self.num_experts, self.align = T, K, E, int(align)
         self.capacity_rows = _C.plan_capacity_rows(T, K, E, self.align, capacity_rows)
@@ -80,31 +82,44 @@ class Plan:
             T, K, E, self.align, capacity_rows, self.tokens_per_expert,
             self.padded_tokens_per_expert, self.expert_row_offsets, self.dest_row,
             self.row_token, self.row_k, self.total_rows, self.overflow, self.invalid_ids)
-        _C.build_plan(ids, self._view, self._workspace, _stream(ids))
+        build = _C.build_plan_from_mask if _mask else _C.build_plan
+        build(ids, self._view, self._workspace, _stream(ids))
+
+    @classmethod
+    def from_mask(cls, routing_mask: torch.Tensor, align: int = 1,
+                  capacity_rows: int = -1) -> "Plan":
+        """The plan of a [T, E] bool routing mask (Megatron's form): slot
+        (t, k) is expert k, so [T, E] probs are this plan's [T, K] probs."""
+        return cls(routing_mask, routing_mask.shape[-1], align, capacity_rows, _mask=True)
 
 
 class _Permute(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, probs, plan):
+    def forward(ctx, x, probs, plan, scales):
         ctx.set_materialize_grads(False)
         y = x.new_empty((plan.capacity_rows, x.shape[1]))
         pp = torch.empty(plan.capacity_rows if probs is not None else 0, dtype=torch.float32,
                          device=x.device)
         if probs is not None:
             probs = probs.contiguous()
-        _C.permute(_rows(x), plan._view, y, probs, pp if probs is not None else None, None, None,
+        ps = None
+        if scales is not None:
+            scales = scales.contiguous()
+            ps = scales.new_empty((plan.capacity_rows,) + tuple(scales.shape[1:]))
+            ctx.mark_non_differentiable(ps)
+        _C.permute(_rows(x), plan._view, y, probs, pp if probs is not None else None, scales, ps,
                    _stream(x))
         ctx.plan, ctx.x_shape, ctx.x_dtype = plan, x.shape, x.dtype
         ctx.has_probs = probs is not None
         if probs is None:
             ctx.mark_non_differentiable(pp)
-        return y, pp
+        return (y, pp) if ps is None else (y, pp, ps)
 
     @staticmethod
-    def backward(ctx, dy, dpp):
+    def backward(ctx, dy, dpp, dps=None):
         plan = ctx.plan
         if dy is None and dpp is None:
-            return None, None, None
+            return None, None, None, None
         dev = (dy if dy is not None else dpp).device
         if dy is None:
             dy = torch.zeros((plan.capacity_rows, ctx.x_shape[1]), dtype=ctx.x_dtype, device=dev)
@@ -115,16 +130,21 @@ class _Permute(torch.autograd.Function):
         _C.permute_backward(_rows(dy), plan._view, dx,
                             dpp.contiguous() if dprobs is not None else None, dprobs,
                             _stream(dy))
-        return dx, dprobs, None
+        return dx, dprobs, None, None
 
 
-def permute(x: torch.Tensor, plan: Plan,
-            probs: Optional[torch.Tensor] = None) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
+def permute(x: torch.Tensor, plan: Plan, probs: Optional[torch.Tensor] = None,
+            scales: Optional[torch.Tensor] = None):
     """x [T, H] -> (rows [capacity, H] expert-major and padded, pad rows zero;
     probs of every row [capacity] float32, 0 on pad rows, or None).
-    probs: [T, K] float32 router probabilities of the slots (differentiable)."""
-    y, pp = _Permute.apply(x, probs, plan)
-    return y, (pp if probs is not None else None)
+    probs: [T, K] float32 router probabilities of the slots (differentiable).
+    x may be FP8 (torch.float8_e4m3fn / e5m2; no gradient then) with
+    per-token ``scales`` [T, S] of any dtype (e.g. float32 1x128 block
+    scales): they travel with the rows, and a third output, the rows'
+    scales [capacity, S] (0 on pad rows), is returned."""
+    out = _Permute.apply(x, probs, plan, scales)
+    y, pp = out[0], (out[1] if probs is not None else None)
+    return (y, pp) if scales is None else (y, pp, out[2])
 
 
 class _Unpermute(torch.autograd.Function):
@@ -162,8 +182,9 @@ def unpermute(y: torch.Tensor, plan: Plan,
 
 class _GroupedMlp(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, fc1, fc2, bias1, bias2, probs, offsets, real_rows, cfg):
+    def forward(ctx, x, fc1, fc2, bias1, bias2, probs, offsets, real_rows, cfg, main_grads):
         ctx.set_materialize_grads(False)
+        ctx.main_grads = main_grads
         x = _rows(x)
         rows = x.shape[0]
         y = x.new_empty((rows, fc2.shape[1]))
@@ -178,7 +199,7 @@ class _GroupedMlp(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dy):
         if dy is None:
-            return (None,) * 9
+            return (None,) * 10
         x, fc1, fc2, bias1, bias2, probs, offsets, real_rows, h, a = ctx.saved_tensors
         need = ctx.needs_input_grad
         dy = _rows(dy)
@@ -195,18 +216,24 @@ class _GroupedMlp(torch.autograd.Function):
             return torch.empty(like.shape, dtype=torch.float32, device=like.device) if wanted \
                 else None
 
-        dw1, dw2 = f32(fc1, need[1]), f32(fc2, need[2])
+        main = ctx.main_grads
+        if main is not None:  # accumulate into the float32 main gradients
+            dw1, dw2 = main
+        else:
+            dw1, dw2 = f32(fc1, need[1]), f32(fc2, need[2])
         db1 = f32(bias1, bias1 is not None and need[3])
         db2 = f32(bias2, bias2 is not None and need[4])
         if any(g is not None for g in (dw1, dw2, db1, db2)):
             _C.grouped_mlp_backward_wgrad(dy, x, offsets, real_rows, h, a, d_h, dw1, dw2, db1,
-                                          db2, False, s)
+                                          db2, main is not None, s)
 
         def cast(g, like):  # float32 gradients into the parameters' dtype
             return None if g is None else g.to(like.dtype)
 
+        if main is not None:  # the weights' gradients went into main_grad
+            dw1 = dw2 = None
         return (dx if need[0] else None, cast(dw1, fc1), cast(dw2, fc2), cast(db1, bias1),
-                cast(db2, bias2), dprobs, None, None, None)
+                cast(db2, bias2), dprobs, None, None, None, None)
 
 
 _ACTIVATIONS = ("swiglu", "geglu", "clamped_quick_geglu", "gelu", "relu", "squared_relu")
@@ -217,7 +244,8 @@ def grouped_mlp(x: torch.Tensor, fc1: torch.Tensor, fc2: torch.Tensor, *,
                 real_rows: Optional[torch.Tensor] = None, probs: Optional[torch.Tensor] = None,
                 bias1: Optional[torch.Tensor] = None, bias2: Optional[torch.Tensor] = None,
                 activation: str = "swiglu", glu_interleave: int = 0, alpha: float = 1.702,
-                limit: float = 7.0, offset: float = 1.0) -> torch.Tensor:
+                limit: float = 7.0, offset: float = 1.0,
+                accumulate_into_main_grad: bool = False) -> torch.Tensor:
     """The grouped expert MLP: for the rows of each expert e,
     h = x W1_e^T + b1_e, a = act(h) * p, y = a W2_e^T + b2_e.
 
@@ -228,7 +256,10 @@ def grouped_mlp(x: torch.Tensor, fc1: torch.Tensor, fc2: torch.Tensor, *,
     ``plan`` (its expert offsets and real rows), or ``offsets`` [E+1] int64
     (+ optional ``real_rows`` [E] int32). Pad rows give zeros and get no
     gradient. Weight gradients are computed in float32 and returned in the
-    weights' dtype."""
+    weights' dtype; with ``accumulate_into_main_grad`` they are added instead
+    into ``fc1.main_grad`` and ``fc2.main_grad`` (float32, the weights'
+    shapes: Megatron's gradient-accumulation fusion) and fc1 / fc2 get no
+    ``.grad``."""
     if activation not in _ACTIVATIONS:
         raise ValueError(f"activation must be one of {_ACTIVATIONS}, got {activation!r}")
     if plan is not None:
@@ -238,4 +269,13 @@ def grouped_mlp(x: torch.Tensor, fc1: torch.Tensor, fc2: torch.Tensor, *,
     if offsets is None:
         raise ValueError("grouped_mlp needs plan= or offsets=")
     cfg = (activation, int(glu_interleave), float(alpha), float(limit), float(offset))
-    return _GroupedMlp.apply(x, fc1, fc2, bias1, bias2, probs, offsets, real_rows, cfg)
+    main = None
+    if accumulate_into_main_grad:
+        for name, w in (("fc1", fc1), ("fc2", fc2)):
+            g = getattr(w, "main_grad", None)
+            if g is None or g.dtype != torch.float32 or g.shape != w.shape:
+                raise ValueError(f"accumulate_into_main_grad: {name}.main_grad must be a float32 "
+                                 f"tensor of shape {tuple(w.shape)}, got "
+                                 f"{None if g is None else (g.dtype, tuple(g.shape))}")
+        main = (fc1.main_grad, fc2.main_grad)
+    return _GroupedMlp.apply(x, fc1, fc2, bias1, bias2, probs, offsets, real_rows, cfg, main)

@@ -166,3 +166,67 @@ def test_errors_are_clear():
         mf.grouped_mlp(torch.zeros(1, 8, dtype=torch.float16), torch.zeros(1, 8, 8),
                        torch.zeros(1, 8, 4), offsets=torch.zeros(2, dtype=torch.int64),
                        activation="swish")
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_plan_from_mask_lays_rows_out_as_the_ids_plan(device):
+    T, K, E, H = 40, 2, 6, 16
+    ids, probs = routing(T, K, E, device, seed=6)
+    mask = torch.zeros(T, E, dtype=torch.bool, device=device)
+    probs_te = torch.zeros(T, E, device=device)
+    for k in range(K):
+        ok = ids[:, k] >= 0
+        t = torch.nonzero(ok).squeeze(1)
+        mask[t, ids[t, k].long()] = True
+        probs_te[t, ids[t, k].long()] = probs[t, k]
+    p_ids, p_mask = mf.Plan(ids, E, align=16), mf.Plan.from_mask(mask, align=16)
+    for name in ("tokens_per_expert", "expert_row_offsets", "total_rows"):
+        torch.testing.assert_close(getattr(p_mask, name), getattr(p_ids, name))
+    x = torch.randn(T, H, device=device)
+    total = int(p_ids.total_rows.item())
+    y1, pp1 = mf.permute(x, p_ids, probs)
+    y2, pp2 = mf.permute(x, p_mask, probs_te)
+    torch.testing.assert_close(y2[:total], y1[:total], rtol=0, atol=0)
+    torch.testing.assert_close(pp2[:total], pp1[:total], rtol=0, atol=0)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="FP8 rows: CUDA backend")
+def test_fp8_rows_carry_their_scales():
+    T, K, E, H, S = 64, 2, 8, 256, 2
+    ids, _ = routing(T, K, E, "cuda", seed=7)
+    plan = mf.Plan(ids, E, align=16)
+    x = (torch.randn(T, H, device="cuda") * 4).to(torch.float8_e4m3fn)
+    scales = torch.rand(T, S, device="cuda")
+    y, pp, ys = mf.permute(x, plan, scales=scales)
+    assert pp is None and y.dtype == x.dtype and ys.shape == (plan.capacity_rows, S)
+    total = int(plan.total_rows.item())
+    tok = plan.row_token[:total].long()
+    real = tok >= 0
+    torch.testing.assert_close(y[:total][real].view(torch.uint8), x[tok[real]].view(torch.uint8),
+                               rtol=0, atol=0)
+    torch.testing.assert_close(ys[:total][real], scales[tok[real]], rtol=0, atol=0)
+    assert (y[:total][~real].view(torch.uint8) == 0).all() and (ys[:total][~real] == 0).all()
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_weight_gradients_accumulate_into_main_grad(device):
+    dt = torch.bfloat16 if device == "cuda" else torch.float16
+    E, H, F, rows = 2, 64, 32, 48
+    offsets = torch.tensor([0, 20, 48], dtype=torch.int64, device=device)
+    g = torch.Generator().manual_seed(8)
+    x = torch.randn(rows, H, generator=g).to(device, dt)
+    fc1 = (torch.randn(E, 2 * F, H, generator=g) * 0.1).to(device, dt).requires_grad_(True)
+    fc2 = (torch.randn(E, H, F, generator=g) * 0.1).to(device, dt).requires_grad_(True)
+    dy = torch.randn(rows, H, generator=g).to(device, dt)
+    mf.grouped_mlp(x, fc1, fc2, offsets=offsets).backward(dy)  # plain: .grad
+    want1, want2 = fc1.grad.float(), fc2.grad.float()
+    fc1.grad = fc2.grad = None
+    fc1.main_grad = torch.ones(fc1.shape, device=device)
+    fc2.main_grad = torch.full(fc2.shape, 2.0, device=device)
+    mf.grouped_mlp(x, fc1, fc2, offsets=offsets, accumulate_into_main_grad=True).backward(dy)
+    assert fc1.grad is None and fc2.grad is None
+    torch.testing.assert_close(fc1.main_grad - 1, want1, rtol=2e-2, atol=2e-2)
+    torch.testing.assert_close(fc2.main_grad - 2, want2, rtol=2e-2, atol=2e-2)
+    del fc1.main_grad
+    with pytest.raises(ValueError, match="fc1.main_grad"):
+        mf.grouped_mlp(x, fc1, fc2, offsets=offsets, accumulate_into_main_grad=True)
