@@ -1,0 +1,98 @@
+"""The grouped expert MLP through the Python package (moeflow.ops.grouped_mlp,
+forward + backward under torch autograd) beside the PyTorch composite of
+bench/peers_mlp.py, same cases, row splits and timing, one process: what the
+Python wrapper costs against `moeflow bench mlp` (C++), and the speed-up a
+PyTorch user sees. Two ways to get the weight gradients, each for both:
+returned as .grad (bf16; moeflow computes them in float32 and casts), and
+accumulated into float32 main_grad (moeflow: fused into its wgrad GEMM,
+Megatron's gradient-accumulation fusion; torch: .grad added to main_grad).
+
+    PYTHONPATH=build/python:bench python3 bench/py_mlp.py [--json FILE]
+"""
+import argparse
+import json
+
+import torch
+import torch.nn.functional as F
+
+import moeflow.ops as mf
+from peer_timing import bench_ms
+from peers_mlp import CASES, split
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--json")
+    ap.add_argument("--case", action="append")
+    args = ap.parse_args()
+    dev = torch.device("cuda")
+    out = {"device": torch.cuda.get_device_name(0), "torch": torch.__version__, "cases": {}}
+    for name, E, M, H, Fd in CASES:
+        if args.case and name not in args.case:
+            continue
+        counts = split(E, M)
+        offs32 = torch.cumsum(counts, 0).to(torch.int32).to(dev)
+        offsets = torch.cat([torch.zeros(1, dtype=torch.int64), torch.cumsum(counts, 0)]).to(dev)
+        x = torch.randn(M, H, device=dev, dtype=torch.bfloat16, requires_grad=True)
+        w1 = (torch.randn(E, 2 * Fd, H, device=dev, dtype=torch.bfloat16) / H ** 0.5).requires_grad_()
+        w2 = (torch.randn(E, H, Fd, device=dev, dtype=torch.bfloat16) / Fd ** 0.5).requires_grad_()
+        probs = torch.rand(M, device=dev, dtype=torch.float32)
+        dy = torch.randn(M, H, device=dev, dtype=torch.bfloat16)
+        flops = 3 * 2 * M * H * (3 * Fd)
+
+        def torch_step():
+            h = torch._grouped_mm(x, w1.transpose(-2, -1), offs=offs32)
+            a = (F.silu(h[:, :Fd]) * h[:, Fd:] * probs[:, None]).to(torch.bfloat16)
+            torch._grouped_mm(a, w2.transpose(-2, -1), offs=offs32).backward(dy)
+
+        def torch_main_step():  # the composite with float32 main gradients, unfused
+            h = torch._grouped_mm(x, w1.transpose(-2, -1), offs=offs32)
+            a = (F.silu(h[:, :Fd]) * h[:, Fd:] * probs[:, None]).to(torch.bfloat16)
+            torch._grouped_mm(a, w2.transpose(-2, -1), offs=offs32).backward(dy)
+            for w in (w1, w2):
+                w.main_grad.add_(w.grad)
+                w.grad = None
+
+        def mf_step():
+            mf.grouped_mlp(x, w1, w2, offsets=offsets, probs=probs).backward(dy)
+
+        def mf_main_step():
+            mf.grouped_mlp(x, w1, w2, offsets=offsets, probs=probs,
+                           accumulate_into_main_grad=True).backward(dy)
+
+        res = {}
+        for key, fn in (("torch", torch_step), ("moeflow", mf_step),
+                        ("torch_main_grad", torch_main_step), ("moeflow_main_grad", mf_main_step)):
+            if key.endswith("main_grad"):
+                w1.main_grad = torch.zeros(w1.shape, device=dev)
+                w2.main_grad = torch.zeros(w2.shape, device=dev)
+            x.grad = w1.grad = w2.grad = None
+            fn()
+            torch.cuda.synchronize()
+            x.grad = w1.grad = w2.grad = None
+            base = torch.cuda.memory_allocated()
+            torch.cuda.reset_peak_memory_stats()
+            fn()
+            torch.cuda.synchronize()
+            peak = (torch.cuda.max_memory_allocated() - base) / 2 ** 20
+            ms = bench_ms(fn)
+            res[key] = {"fwd_bwd_ms": ms, "TFLOPs": flops / ms / 1e9, "peak_extra_MiB": peak}
+            if key.endswith("main_grad"):
+                del w1.main_grad, w2.main_grad
+        out["cases"][name] = res
+        for tk, mk, what in (("torch", "moeflow", ".grad (bf16)"),
+                             ("torch_main_grad", "moeflow_main_grad", "main_grad (fp32)")):
+            t, m = res[tk], res[mk]
+            print(f"{name:10s} weight grads into {what:16s}: torch {t['fwd_bwd_ms']:7.2f} ms, "
+                  f"moeflow.ops {m['fwd_bwd_ms']:7.2f} ms, {t['fwd_bwd_ms'] / m['fwd_bwd_ms']:.2f}x;"
+                  f" peak extra {t['peak_extra_MiB']:.0f} / {m['peak_extra_MiB']:.0f} MiB",
+                  flush=True)
+        del x, w1, w2, dy
+        torch.cuda.empty_cache()
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(out, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
