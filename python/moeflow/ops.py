@@ -216,24 +216,44 @@ class _GroupedMlp(torch.autograd.Function):
             return torch.empty(like.shape, dtype=torch.float32, device=like.device) if wanted \
                 else None
 
-        main = ctx.main_grads
-        if main is not None:  # accumulate into the float32 main gradients
-            dw1, dw2 = main
-        else:
-            dw1, dw2 = f32(fc1, need[1]), f32(fc2, need[2])
         db1 = f32(bias1, bias1 is not None and need[3])
         db2 = f32(bias2, bias2 is not None and need[4])
-        if any(g is not None for g in (dw1, dw2, db1, db2)):
-            _C.grouped_mlp_backward_wgrad(dy, x, offsets, real_rows, h, a, d_h, dw1, dw2, db1,
-                                          db2, main is not None, s)
 
         def cast(g, like):  # float32 gradients into the parameters' dtype
             return None if g is None else g.to(like.dtype)
 
-        if main is not None:  # the weights' gradients went into main_grad
-            dw1 = dw2 = None
-        return (dx if need[0] else None, cast(dw1, fc1), cast(dw2, fc2), cast(db1, bias1),
-                cast(db2, bias2), dprobs, None, None, None, None)
+        main = ctx.main_grads
+        if main is not None:  # accumulated into the float32 main gradients
+            _C.grouped_mlp_backward_wgrad(dy, x, offsets, real_rows, h, a, d_h, main[0], main[1],
+                                          db1, db2, True, s)
+            return (dx if need[0] else None, None, None, cast(db1, bias1), cast(db2, bias2),
+                    dprobs, None, None, None, None)
+        # .grad in the weights' dtype: the wgrad GEMM writes float32, so the
+        # experts go in chunks through a float32 buffer of about 1/8 of them,
+        # each chunk cast into the gradient (not a float32 copy of all).
+        E = fc1.shape[0]
+        g1 = torch.empty_like(fc1) if need[1] else None
+        g2 = torch.empty_like(fc2) if need[2] else None
+        if g1 is not None or g2 is not None or db1 is not None or db2 is not None:
+            step = max(1, -(-E // 8))
+            t1 = torch.empty((step,) + fc1.shape[1:], dtype=torch.float32, device=x.device) \
+                if g1 is not None else None
+            t2 = torch.empty((step,) + fc2.shape[1:], dtype=torch.float32, device=x.device) \
+                if g2 is not None else None
+            for e0 in range(0, E, step):
+                e1 = min(E, e0 + step)
+                n = e1 - e0
+                _C.grouped_mlp_backward_wgrad(
+                    dy, x, offsets[e0:e1 + 1], None if real_rows is None else real_rows[e0:e1],
+                    h, a, d_h, None if t1 is None else t1[:n], None if t2 is None else t2[:n],
+                    None if db1 is None else db1[e0:e1], None if db2 is None else db2[e0:e1],
+                    False, s)
+                if g1 is not None:
+                    g1[e0:e1].copy_(t1[:n])
+                if g2 is not None:
+                    g2[e0:e1].copy_(t2[:n])
+        return (dx if need[0] else None, g1, g2, cast(db1, bias1), cast(db2, bias2), dprobs,
+                None, None, None, None)
 
 
 _ACTIVATIONS = ("swiglu", "geglu", "clamped_quick_geglu", "gelu", "relu", "squared_relu")
