@@ -104,14 +104,19 @@ Tensor adopt(const TensorView& v, const std::vector<int64_t>& shape, DType dtype
   return Tensor::adopt(v, std::shared_ptr<void>(v.data, [](void*) {}));
 }
 
-PyPlan make_plan(int64_t T, int K, int E, int align, int64_t capacity, const Array& tpe,
-                 const Array& padded, const Array& offsets, const Array& dest_row,
-                 const Array& row_token, const Array& row_k, const Array& total_rows,
-                 const Array& overflow, const Array& invalid_ids) {
+PlanConfig plan_config(int E, int align, int64_t capacity) {
   PlanConfig c;
   c.num_experts = E;
   c.align = align;
   c.capacity_rows = capacity;
+  return c;
+}
+
+PyPlan make_plan(int64_t T, int K, int E, int align, int64_t capacity, const Array& tpe,
+                 const Array& padded, const Array& offsets, const Array& dest_row,
+                 const Array& row_token, const Array& row_k, const Array& total_rows,
+                 const Array& overflow, const Array& invalid_ids) {
+  const PlanConfig c = plan_config(E, align, capacity);
   PyPlan p;
   RoutingPlan& r = p.plan;
   r.capacity_rows = plan_capacity_rows(T, K, c);
@@ -190,21 +195,13 @@ NB_MODULE(_C, m) {
 
   m.def("plan_capacity_rows",
         [](int64_t T, int K, int E, int align, int64_t capacity) {
-          PlanConfig c;
-          c.num_experts = E;
-          c.align = align;
-          c.capacity_rows = capacity;
-          return plan_capacity_rows(T, K, c);
+          return plan_capacity_rows(T, K, plan_config(E, align, capacity));
         },
         nb::arg("num_tokens"), nb::arg("topk"), nb::arg("num_experts"), nb::arg("align"),
         nb::arg("capacity_rows"));
   m.def("plan_workspace_bytes",
         [](int64_t T, int K, int E, int align, int64_t capacity) {
-          PlanConfig c;
-          c.num_experts = E;
-          c.align = align;
-          c.capacity_rows = capacity;
-          return plan_workspace_bytes(T, K, c);
+          return plan_workspace_bytes(T, K, plan_config(E, align, capacity));
         },
         nb::arg("num_tokens"), nb::arg("topk"), nb::arg("num_experts"), nb::arg("align"),
         nb::arg("capacity_rows"));
