@@ -1,6 +1,15 @@
 #!/usr/bin/env bash
-# Builds and runs the tests. GPU tests (ctest label gpu) run only when a GPU
-# is present (MOEFLOW_TEST_GPU=1 forces them, =0 skips them).
+# Builds (scripts/build.sh) and runs every test:
+#  1. the C++ tests (ctest). GPU tests (label gpu) run only when a GPU is
+#     present: MOEFLOW_TEST_GPU=1 forces them, =0 skips them (and hides the
+#     GPU from the Python tests too).
+#  2. the Python package's tests and the examples (python/tests, pytest, with
+#     the python of scripts/setup.sh's environment): numpy on the CPU
+#     backend everywhere, torch ones where torch is installed (otherwise
+#     listed as SKIPPED with the reason). If the package or a module the tests
+#     need is missing, this fails and says what is missing; they are never
+#     skipped silently. MOEFLOW_TEST_PYTHON=0 leaves them out, saying so.
+# Extra arguments go to cmake (scripts/build.sh).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 scripts/build.sh "$@"
@@ -12,13 +21,31 @@ fi
 if [ "$gpu" = 1 ]; then
   ctest --test-dir build --output-on-failure
 else
-  echo "no GPU: running the CPU tests (the gpu-labelled tests run on a GPU machine)"
+  echo "test: no GPU: running the CPU tests (the gpu-labelled tests run on a GPU machine)"
   ctest --test-dir build -LE gpu --output-on-failure
 fi
-# The Python package, when the build made it (nanobind found): numpy tests on
-# the CPU backend everywhere, the torch tests too where torch is installed.
-if ls build/python/moeflow/_C*.so >/dev/null 2>&1; then
-  PYTHONPATH="$PWD/build/python${PYTHONPATH:+:$PYTHONPATH}" python3 -m pytest -q python/tests
-else
-  echo "no Python package in build/ (python3 -m nanobind not found): Python tests not run"
+
+if [ "${MOEFLOW_TEST_PYTHON:-1}" = 0 ]; then
+  echo "test: MOEFLOW_TEST_PYTHON=0: the Python tests and examples were NOT run"
+  exit 0
 fi
+venv="${MOEFLOW_VENV:-$PWD/.venv}"
+py="$venv/bin/python"
+fail() {
+  echo "test: FAILED: $*" >&2
+  echo "test: (scripts/setup.sh installs what the Python tests need; MOEFLOW_TEST_PYTHON=0 leaves them out)" >&2
+  exit 1
+}
+[ -x "$py" ] || fail "no Python environment at $venv"
+for m in numpy pytest; do
+  "$py" -c "import $m" >/dev/null 2>&1 || fail "$py cannot import $m"
+done
+if grep -q '^MOEFLOW_BUILD_PYTHON:STRING=OFF' build/CMakeCache.txt 2>/dev/null ||
+   ! ls build/python/moeflow/_C*.so >/dev/null 2>&1; then
+  "$py" -c "import nanobind" >/dev/null 2>&1 || fail "$py cannot import nanobind: the Python package was not built"
+  fail "the Python package was not built (no build/python/moeflow/_C*.so; was -DMOEFLOW_BUILD_PYTHON=OFF given?)"
+fi
+env=(PYTHONPATH="$PWD/build/python${PYTHONPATH:+:$PYTHONPATH}")
+[ "$gpu" = 1 ] || env+=(CUDA_VISIBLE_DEVICES=)
+env "${env[@]}" "$py" -c "import moeflow; print('test: Python package', moeflow.build_info())"
+env "${env[@]}" "$py" -m pytest -q -rs python/tests

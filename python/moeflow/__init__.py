@@ -5,7 +5,9 @@
 - ``moeflow.ops`` (needs torch): a routing plan built on the device, permute
   and unpermute, and the grouped expert MLP as torch autograd functions.
   No host synchronisation: a step can be captured in a CUDA graph.
+- ``moeflow.build_info()``: what this build contains (CUDA backend or CPU
+  only, CUDA and NCCL versions, CUDA architectures).
 """
-from ._C import Error, __version__, cuda_device_count  # noqa: F401
+from ._C import Error, __version__, build_info, cuda_device_count  # noqa: F401
 
-__all__ = ["Error", "__version__", "cuda_device_count"]
+__all__ = ["Error", "__version__", "build_info", "cuda_device_count"]

@@ -20,6 +20,8 @@ grouped MLP reads and writes rows by the plan's expert offsets only.
 """
 from __future__ import annotations
 
+import atexit
+import weakref
 from typing import Optional, Tuple
 
 import torch
@@ -78,12 +80,22 @@ class Plan:
         self.invalid_ids = torch.zeros(1, dtype=i32, device=dev)
         ws = _C.plan_workspace_bytes(T, K, E, self.align, capacity_rows)
         self._workspace = torch.empty(ws, dtype=torch.uint8, device=dev) if ws else None
-        self._view = _C.PlanView(
-            T, K, E, self.align, capacity_rows, self.tokens_per_expert,
-            self.padded_tokens_per_expert, self.expert_row_offsets, self.dest_row,
-            self.row_token, self.row_k, self.total_rows, self.overflow, self.invalid_ids)
+        self._capacity_arg = capacity_rows
+        self._plan_view = None
+        _live_plans.add(self)
         build = _C.build_plan_from_mask if _mask else _C.build_plan
         build(ids, self._view, self._workspace, _stream(ids))
+
+    @property
+    def _view(self) -> "_C.PlanView":
+        """The C++ RoutingPlan over this plan's tensors (made once)."""
+        if self._plan_view is None:
+            self._plan_view = _C.PlanView(
+                self.num_tokens, self.topk, self.num_experts, self.align, self._capacity_arg,
+                self.tokens_per_expert, self.padded_tokens_per_expert, self.expert_row_offsets,
+                self.dest_row, self.row_token, self.row_k, self.total_rows, self.overflow,
+                self.invalid_ids)
+        return self._plan_view
 
     @classmethod
     def from_mask(cls, routing_mask: torch.Tensor, align: int = 1,
@@ -91,6 +103,22 @@ class Plan:
         """The plan of a [T, E] bool routing mask (Megatron's form): slot
         (t, k) is expert k, so [T, E] probs are this plan's [T, K] probs."""
         return cls(routing_mask, routing_mask.shape[-1], align, capacity_rows, _mask=True)
+
+
+# The autograd nodes of the ops below keep their Plan (ctx.plan) for the
+# backward. A tensor the program still holds at exit (a module-level `out`)
+# keeps its graph, and torch frees a graph node's Python context only while
+# the interpreter is initialised: at shutdown it leaks it on purpose, and the
+# Plan's PlanView with it (nanobind then reports "leaked instances"). So the
+# C++ views of the plans still alive are released here, at exit, while
+# Python is intact; a plan used after that makes its view again.
+_live_plans: "weakref.WeakSet[Plan]" = weakref.WeakSet()
+
+
+@atexit.register
+def _release_plan_views() -> None:
+    for plan in list(_live_plans):
+        plan._plan_view = None
 
 
 class _Permute(torch.autograd.Function):

@@ -2,7 +2,7 @@
 // speaks DLPack). Every op takes its outputs as caller-allocated arrays (the
 // caller's allocator, e.g. torch's caching allocator: nothing is allocated
 // here) and a CUDA stream as an integer (0: the legacy default stream). The
-// torch autograd wrappers live in moeflow/autograd.py.
+// torch autograd wrappers live in moeflow/ops.py.
 #include <nanobind/nanobind.h>
 #include <nanobind/ndarray.h>
 #include <nanobind/stl/optional.h>
@@ -85,7 +85,9 @@ TensorView opt_view(const std::optional<Array>& a, const char* name) {
   return a && a->is_valid() ? view_of(*a, name) : TensorView{};
 }
 
-cudaStream_t stream_of(uintptr_t s) { return reinterpret_cast<cudaStream_t>(s); }
+cudaStream_t stream_of(uintptr_t s) {
+  return reinterpret_cast<cudaStream_t>(s);
+}
 
 // A RoutingPlan over caller-allocated arrays (shapes and dtypes as
 // allocate_plan makes them, checked here). It holds references to the
@@ -95,7 +97,8 @@ struct PyPlan {
   std::vector<Array> keep;
 };
 
-Tensor adopt(const TensorView& v, const std::vector<int64_t>& shape, DType dtype, const char* name) {
+Tensor adopt(const TensorView& v, const std::vector<int64_t>& shape, DType dtype,
+             const char* name) {
   MOEFLOW_CHECK(v.dtype == dtype, "plan.", name, ": expected dtype ", dtype_name(dtype), ", got ",
                 dtype_name(v.dtype));
   MOEFLOW_CHECK(v.sizes() == shape, "plan.", name, ": expected shape ",
@@ -127,12 +130,13 @@ PyPlan make_plan(int64_t T, int K, int E, int align, int64_t capacity, const Arr
   const TensorView v0 = view_of(tpe, "tokens_per_expert");
   r.device = v0.device;
   r.tokens_per_expert = adopt(v0, {E}, DType::kInt32, "tokens_per_expert");
-  r.padded_tokens_per_expert =
-      adopt(view_of(padded, "padded_tokens_per_expert"), {E}, DType::kInt32, "padded_tokens_per_expert");
+  r.padded_tokens_per_expert = adopt(view_of(padded, "padded_tokens_per_expert"), {E},
+                                     DType::kInt32, "padded_tokens_per_expert");
   r.expert_row_offsets =
       adopt(view_of(offsets, "expert_row_offsets"), {E + 1}, DType::kInt64, "expert_row_offsets");
   r.dest_row = adopt(view_of(dest_row, "dest_row"), {T, K}, DType::kInt64, "dest_row");
-  r.row_token = adopt(view_of(row_token, "row_token"), {r.capacity_rows}, DType::kInt32, "row_token");
+  r.row_token =
+      adopt(view_of(row_token, "row_token"), {r.capacity_rows}, DType::kInt32, "row_token");
   r.row_k = adopt(view_of(row_k, "row_k"), {r.capacity_rows}, DType::kInt32, "row_k");
   r.total_rows = adopt(view_of(total_rows, "total_rows"), {1}, DType::kInt64, "total_rows");
   r.overflow = adopt(view_of(overflow, "overflow"), {1}, DType::kInt32, "overflow");
@@ -192,19 +196,40 @@ NB_MODULE(_C, m) {
   m.attr("__version__") = MOEFLOW_VERSION_STRING;
   nb::exception<Error>(m, "Error", PyExc_RuntimeError);
   m.def("cuda_device_count", &cuda_device_count);
+  m.def(
+      "build_info",
+      []() {
+        const BuildInfo b = build_info();
+        nb::dict d;
+        d["version"] = b.version;
+        d["cuda_backend"] = b.cuda_backend;
+        auto str_or_none = [](const std::string& s) -> nb::object {
+          return s.empty() ? nb::object(nb::none()) : nb::object(nb::str(s.c_str()));
+        };
+        d["cuda_version"] = str_or_none(b.cuda_version);
+        d["nccl_version"] = str_or_none(b.nccl_version);
+        nb::list archs;
+        for (const std::string& a : b.cuda_archs) archs.append(nb::str(a.c_str()));
+        d["cuda_archs"] = archs;
+        return d;
+      },
+      "What this build contains: {'version', 'cuda_backend' (bool), 'cuda_version', "
+      "'nccl_version' (str, None without CUDA), 'cuda_archs' (list of str)}.");
 
-  m.def("plan_capacity_rows",
-        [](int64_t T, int K, int E, int align, int64_t capacity) {
-          return plan_capacity_rows(T, K, plan_config(E, align, capacity));
-        },
-        nb::arg("num_tokens"), nb::arg("topk"), nb::arg("num_experts"), nb::arg("align"),
-        nb::arg("capacity_rows"));
-  m.def("plan_workspace_bytes",
-        [](int64_t T, int K, int E, int align, int64_t capacity) {
-          return plan_workspace_bytes(T, K, plan_config(E, align, capacity));
-        },
-        nb::arg("num_tokens"), nb::arg("topk"), nb::arg("num_experts"), nb::arg("align"),
-        nb::arg("capacity_rows"));
+  m.def(
+      "plan_capacity_rows",
+      [](int64_t T, int K, int E, int align, int64_t capacity) {
+        return plan_capacity_rows(T, K, plan_config(E, align, capacity));
+      },
+      nb::arg("num_tokens"), nb::arg("topk"), nb::arg("num_experts"), nb::arg("align"),
+      nb::arg("capacity_rows"));
+  m.def(
+      "plan_workspace_bytes",
+      [](int64_t T, int K, int E, int align, int64_t capacity) {
+        return plan_workspace_bytes(T, K, plan_config(E, align, capacity));
+      },
+      nb::arg("num_tokens"), nb::arg("topk"), nb::arg("num_experts"), nb::arg("align"),
+      nb::arg("capacity_rows"));
 
   nb::class_<PyPlan>(m, "PlanView",
                      "A RoutingPlan over caller-allocated arrays (moeflow.Plan makes them).")
@@ -219,117 +244,125 @@ NB_MODULE(_C, m) {
       .def_prop_ro("num_experts", [](const PyPlan& p) { return p.plan.num_experts(); })
       .def_prop_ro("align", [](const PyPlan& p) { return p.plan.align(); });
 
-  m.def("build_plan",
-        [](const Array& ids, PyPlan& p, const std::optional<Array>& ws, uintptr_t s) {
-          build_plan(view_of(ids, "topk_ids"), p.plan, opt_view(ws, "workspace"), stream_of(s));
-        },
-        nb::arg("topk_ids"), nb::arg("plan"), nb::arg("workspace").none() = nb::none(), nb::arg("stream") = 0);
-  m.def("build_plan_from_mask",
-        [](const Array& mask, PyPlan& p, const std::optional<Array>& ws, uintptr_t s) {
-          build_plan_from_mask(view_of(mask, "routing_mask"), p.plan, opt_view(ws, "workspace"),
-                               stream_of(s));
-        },
-        nb::arg("routing_mask"), nb::arg("plan"), nb::arg("workspace").none() = nb::none(),
-        nb::arg("stream") = 0);
+  m.def(
+      "build_plan",
+      [](const Array& ids, PyPlan& p, const std::optional<Array>& ws, uintptr_t s) {
+        build_plan(view_of(ids, "topk_ids"), p.plan, opt_view(ws, "workspace"), stream_of(s));
+      },
+      nb::arg("topk_ids"), nb::arg("plan"), nb::arg("workspace").none() = nb::none(),
+      nb::arg("stream") = 0);
+  m.def(
+      "build_plan_from_mask",
+      [](const Array& mask, PyPlan& p, const std::optional<Array>& ws, uintptr_t s) {
+        build_plan_from_mask(view_of(mask, "routing_mask"), p.plan, opt_view(ws, "workspace"),
+                             stream_of(s));
+      },
+      nb::arg("routing_mask"), nb::arg("plan"), nb::arg("workspace").none() = nb::none(),
+      nb::arg("stream") = 0);
 
-  m.def("permute",
-        [](const AnyArray& x, const PyPlan& p, const AnyArray& y, const std::optional<Array>& probs,
-           const std::optional<Array>& pprobs, const std::optional<Array>& scales,
-           const std::optional<Array>& pscales, uintptr_t s) {
-          PermuteExtras e;
-          e.probs = opt_view(probs, "probs");
-          e.permuted_probs = opt_view(pprobs, "permuted_probs");
-          e.scales = opt_view(scales, "scales");
-          e.permuted_scales = opt_view(pscales, "permuted_scales");
-          permute(rows_of(x, "x"), p.plan, rows_of(y, "y"), e, stream_of(s));
-        },
-        nb::arg("x"), nb::arg("plan"), nb::arg("y"), nb::arg("probs").none() = nb::none(),
-        nb::arg("permuted_probs").none() = nb::none(), nb::arg("scales").none() = nb::none(),
-        nb::arg("permuted_scales").none() = nb::none(), nb::arg("stream") = 0);
-  m.def("unpermute",
-        [](const AnyArray& y, const PyPlan& p, const AnyArray& out,
-           const std::optional<Array>& probs, uintptr_t s) {
-          unpermute(rows_of(y, "y"), p.plan, rows_of(out, "out"), opt_view(probs, "merge_probs"),
-                    stream_of(s));
-        },
-        nb::arg("y"), nb::arg("plan"), nb::arg("out"), nb::arg("merge_probs").none() = nb::none(),
-        nb::arg("stream") = 0);
-  m.def("permute_backward",
-        [](const AnyArray& dy, const PyPlan& p, const AnyArray& dx,
-           const std::optional<Array>& dpprobs, const std::optional<Array>& dprobs, uintptr_t s) {
-          permute_backward(rows_of(dy, "dy"), p.plan, rows_of(dx, "dx"),
-                           opt_view(dpprobs, "dpermuted_probs"), opt_view(dprobs, "dprobs"),
+  m.def(
+      "permute",
+      [](const AnyArray& x, const PyPlan& p, const AnyArray& y, const std::optional<Array>& probs,
+         const std::optional<Array>& pprobs, const std::optional<Array>& scales,
+         const std::optional<Array>& pscales, uintptr_t s) {
+        PermuteExtras e;
+        e.probs = opt_view(probs, "probs");
+        e.permuted_probs = opt_view(pprobs, "permuted_probs");
+        e.scales = opt_view(scales, "scales");
+        e.permuted_scales = opt_view(pscales, "permuted_scales");
+        permute(rows_of(x, "x"), p.plan, rows_of(y, "y"), e, stream_of(s));
+      },
+      nb::arg("x"), nb::arg("plan"), nb::arg("y"), nb::arg("probs").none() = nb::none(),
+      nb::arg("permuted_probs").none() = nb::none(), nb::arg("scales").none() = nb::none(),
+      nb::arg("permuted_scales").none() = nb::none(), nb::arg("stream") = 0);
+  m.def(
+      "unpermute",
+      [](const AnyArray& y, const PyPlan& p, const AnyArray& out, const std::optional<Array>& probs,
+         uintptr_t s) {
+        unpermute(rows_of(y, "y"), p.plan, rows_of(out, "out"), opt_view(probs, "merge_probs"),
+                  stream_of(s));
+      },
+      nb::arg("y"), nb::arg("plan"), nb::arg("out"), nb::arg("merge_probs").none() = nb::none(),
+      nb::arg("stream") = 0);
+  m.def(
+      "permute_backward",
+      [](const AnyArray& dy, const PyPlan& p, const AnyArray& dx,
+         const std::optional<Array>& dpprobs, const std::optional<Array>& dprobs, uintptr_t s) {
+        permute_backward(rows_of(dy, "dy"), p.plan, rows_of(dx, "dx"),
+                         opt_view(dpprobs, "dpermuted_probs"), opt_view(dprobs, "dprobs"),
+                         stream_of(s));
+      },
+      nb::arg("dy"), nb::arg("plan"), nb::arg("dx"), nb::arg("dpermuted_probs").none() = nb::none(),
+      nb::arg("dprobs").none() = nb::none(), nb::arg("stream") = 0);
+  m.def(
+      "unpermute_backward",
+      [](const AnyArray& dout, const PyPlan& p, const AnyArray& y_fwd,
+         const std::optional<Array>& probs, const AnyArray& dy, const std::optional<Array>& dprobs,
+         uintptr_t s) {
+        unpermute_backward(rows_of(dout, "dout"), p.plan, rows_of(y_fwd, "y_fwd"),
+                           opt_view(probs, "probs"), rows_of(dy, "dy"), opt_view(dprobs, "dprobs"),
                            stream_of(s));
-        },
-        nb::arg("dy"), nb::arg("plan"), nb::arg("dx"),
-        nb::arg("dpermuted_probs").none() = nb::none(), nb::arg("dprobs").none() = nb::none(),
-        nb::arg("stream") = 0);
-  m.def("unpermute_backward",
-        [](const AnyArray& dout, const PyPlan& p, const AnyArray& y_fwd,
-           const std::optional<Array>& probs, const AnyArray& dy,
-           const std::optional<Array>& dprobs, uintptr_t s) {
-          unpermute_backward(rows_of(dout, "dout"), p.plan, rows_of(y_fwd, "y_fwd"),
-                             opt_view(probs, "probs"), rows_of(dy, "dy"),
-                             opt_view(dprobs, "dprobs"), stream_of(s));
-        },
-        nb::arg("dout"), nb::arg("plan"), nb::arg("y_fwd"), nb::arg("probs").none(), nb::arg("dy"),
-        nb::arg("dprobs").none() = nb::none(), nb::arg("stream") = 0);
+      },
+      nb::arg("dout"), nb::arg("plan"), nb::arg("y_fwd"), nb::arg("probs").none(), nb::arg("dy"),
+      nb::arg("dprobs").none() = nb::none(), nb::arg("stream") = 0);
 
   // The grouped expert MLP (moeflow/grouped_mlp.h) with stacked weights.
-  m.def("grouped_mlp_forward",
-        [](const AnyArray& x, const Array& fc1, const Array& fc2, const std::optional<Array>& b1,
-           const std::optional<Array>& b2, const Array& offsets,
-           const std::optional<Array>& real_rows, const std::optional<Array>& probs,
-           const std::string& act, int glu_interleave, float alpha, float limit, float offset,
-           const AnyArray& y, const Array& h, const Array& a, uintptr_t s) {
-          GroupedMlpSaved saved{view_of(h, "h"), view_of(a, "a")};
-          grouped_mlp_forward(rows_of(x, "x"), mlp_weights(fc1, fc2, b1, b2),
-                              layout(offsets, real_rows), opt_view(probs, "probs"),
-                              mlp_config(act, glu_interleave, alpha, limit, offset),
-                              rows_of(y, "y"), saved, stream_of(s));
-        },
-        nb::arg("x"), nb::arg("fc1"), nb::arg("fc2"), nb::arg("bias1").none(),
-        nb::arg("bias2").none(), nb::arg("offsets"), nb::arg("real_rows").none(),
-        nb::arg("probs").none(), nb::arg("activation"), nb::arg("glu_interleave"),
-        nb::arg("alpha"), nb::arg("limit"), nb::arg("offset"), nb::arg("y"), nb::arg("h"),
-        nb::arg("a"), nb::arg("stream") = 0);
-  m.def("grouped_mlp_backward_dgrad",
-        [](const AnyArray& dy, const Array& fc1, const Array& fc2, const std::optional<Array>& b1,
-           const std::optional<Array>& b2, const Array& offsets,
-           const std::optional<Array>& real_rows, const std::optional<Array>& probs,
-           const std::string& act, int glu_interleave, float alpha, float limit, float offset,
-           const Array& h, const AnyArray& dx, const Array& d_h,
-           const std::optional<Array>& dprobs, uintptr_t s) {
-          GroupedMlpSaved saved{view_of(h, "h"), TensorView{}};
-          grouped_mlp_backward_dgrad(rows_of(dy, "dy"), mlp_weights(fc1, fc2, b1, b2),
-                                     layout(offsets, real_rows), opt_view(probs, "probs"),
-                                     mlp_config(act, glu_interleave, alpha, limit, offset), saved,
-                                     rows_of(dx, "dx"), view_of(d_h, "d_h"),
-                                     opt_view(dprobs, "dprobs"), stream_of(s));
-        },
-        nb::arg("dy"), nb::arg("fc1"), nb::arg("fc2"), nb::arg("bias1").none(),
-        nb::arg("bias2").none(), nb::arg("offsets"), nb::arg("real_rows").none(),
-        nb::arg("probs").none(), nb::arg("activation"), nb::arg("glu_interleave"),
-        nb::arg("alpha"), nb::arg("limit"), nb::arg("offset"), nb::arg("h"), nb::arg("dx"),
-        nb::arg("d_h"), nb::arg("dprobs").none(), nb::arg("stream") = 0);
-  m.def("grouped_mlp_backward_wgrad",
-        [](const AnyArray& dy, const AnyArray& x, const Array& offsets,
-           const std::optional<Array>& real_rows, const Array& h, const Array& a, const Array& d_h,
-           const std::optional<Array>& dw1, const std::optional<Array>& dw2,
-           const std::optional<Array>& db1, const std::optional<Array>& db2, bool accumulate,
-           uintptr_t s) {
-          GroupedMlpSaved saved{view_of(h, "h"), view_of(a, "a")};
-          GroupedMlpGrads g;
-          g.dw1 = opt_view(dw1, "dw1");
-          g.dw2 = opt_view(dw2, "dw2");
-          g.dbias1 = opt_view(db1, "dbias1");
-          g.dbias2 = opt_view(db2, "dbias2");
-          g.accumulate = accumulate;
-          grouped_mlp_backward_wgrad(rows_of(dy, "dy"), rows_of(x, "x"), layout(offsets, real_rows),
-                                     saved, view_of(d_h, "d_h"), g, stream_of(s));
-        },
-        nb::arg("dy"), nb::arg("x"), nb::arg("offsets"), nb::arg("real_rows").none(),
-        nb::arg("h"), nb::arg("a"), nb::arg("d_h"), nb::arg("dw1").none(), nb::arg("dw2").none(),
-        nb::arg("dbias1").none(), nb::arg("dbias2").none(), nb::arg("accumulate"),
-        nb::arg("stream") = 0);
+  m.def(
+      "grouped_mlp_forward",
+      [](const AnyArray& x, const Array& fc1, const Array& fc2, const std::optional<Array>& b1,
+         const std::optional<Array>& b2, const Array& offsets,
+         const std::optional<Array>& real_rows, const std::optional<Array>& probs,
+         const std::string& act, int glu_interleave, float alpha, float limit, float offset,
+         const AnyArray& y, const Array& h, const Array& a, uintptr_t s) {
+        GroupedMlpSaved saved{view_of(h, "h"), view_of(a, "a")};
+        grouped_mlp_forward(rows_of(x, "x"), mlp_weights(fc1, fc2, b1, b2),
+                            layout(offsets, real_rows), opt_view(probs, "probs"),
+                            mlp_config(act, glu_interleave, alpha, limit, offset), rows_of(y, "y"),
+                            saved, stream_of(s));
+      },
+      nb::arg("x"), nb::arg("fc1"), nb::arg("fc2"), nb::arg("bias1").none(),
+      nb::arg("bias2").none(), nb::arg("offsets"), nb::arg("real_rows").none(),
+      nb::arg("probs").none(), nb::arg("activation"), nb::arg("glu_interleave"), nb::arg("alpha"),
+      nb::arg("limit"), nb::arg("offset"), nb::arg("y"), nb::arg("h"), nb::arg("a"),
+      nb::arg("stream") = 0);
+  m.def(
+      "grouped_mlp_backward_dgrad",
+      [](const AnyArray& dy, const Array& fc1, const Array& fc2, const std::optional<Array>& b1,
+         const std::optional<Array>& b2, const Array& offsets,
+         const std::optional<Array>& real_rows, const std::optional<Array>& probs,
+         const std::string& act, int glu_interleave, float alpha, float limit, float offset,
+         const Array& h, const AnyArray& dx, const Array& d_h, const std::optional<Array>& dprobs,
+         uintptr_t s) {
+        GroupedMlpSaved saved{view_of(h, "h"), TensorView{}};
+        grouped_mlp_backward_dgrad(
+            rows_of(dy, "dy"), mlp_weights(fc1, fc2, b1, b2), layout(offsets, real_rows),
+            opt_view(probs, "probs"), mlp_config(act, glu_interleave, alpha, limit, offset), saved,
+            rows_of(dx, "dx"), view_of(d_h, "d_h"), opt_view(dprobs, "dprobs"), stream_of(s));
+      },
+      nb::arg("dy"), nb::arg("fc1"), nb::arg("fc2"), nb::arg("bias1").none(),
+      nb::arg("bias2").none(), nb::arg("offsets"), nb::arg("real_rows").none(),
+      nb::arg("probs").none(), nb::arg("activation"), nb::arg("glu_interleave"), nb::arg("alpha"),
+      nb::arg("limit"), nb::arg("offset"), nb::arg("h"), nb::arg("dx"), nb::arg("d_h"),
+      nb::arg("dprobs").none(), nb::arg("stream") = 0);
+  m.def(
+      "grouped_mlp_backward_wgrad",
+      [](const AnyArray& dy, const AnyArray& x, const Array& offsets,
+         const std::optional<Array>& real_rows, const Array& h, const Array& a, const Array& d_h,
+         const std::optional<Array>& dw1, const std::optional<Array>& dw2,
+         const std::optional<Array>& db1, const std::optional<Array>& db2, bool accumulate,
+         uintptr_t s) {
+        GroupedMlpSaved saved{view_of(h, "h"), view_of(a, "a")};
+        GroupedMlpGrads g;
+        g.dw1 = opt_view(dw1, "dw1");
+        g.dw2 = opt_view(dw2, "dw2");
+        g.dbias1 = opt_view(db1, "dbias1");
+        g.dbias2 = opt_view(db2, "dbias2");
+        g.accumulate = accumulate;
+        grouped_mlp_backward_wgrad(rows_of(dy, "dy"), rows_of(x, "x"), layout(offsets, real_rows),
+                                   saved, view_of(d_h, "d_h"), g, stream_of(s));
+      },
+      nb::arg("dy"), nb::arg("x"), nb::arg("offsets"), nb::arg("real_rows").none(), nb::arg("h"),
+      nb::arg("a"), nb::arg("d_h"), nb::arg("dw1").none(), nb::arg("dw2").none(),
+      nb::arg("dbias1").none(), nb::arg("dbias2").none(), nb::arg("accumulate"),
+      nb::arg("stream") = 0);
 }
