@@ -49,11 +49,11 @@ struct DispatchBenchOptions {
   int gpus = 0;                      // 0: every visible GPU
   int64_t tokens = 0;                // tokens per GPU; 0: the preset's
   int align = 16;
-  std::string backend = "nccl";      // nccl | nvlink
-  bool bulk_copies = false;          // nvlink: EpOptions::nvlink_bulk_copies
-  bool sweep = true;                 // also time the pieces / SM-count sweep
-  bool fp8 = false;                  // e4m3 token rows + float32 scales per 128 columns
-  int routings = 1;                  // dispatches cycle through this many routings
+  std::string backend = "nccl";  // nccl | nvlink
+  bool bulk_copies = false;      // nvlink: EpOptions::nvlink_bulk_copies
+  bool sweep = true;             // also time the pieces / SM-count sweep
+  bool fp8 = false;              // e4m3 token rows + float32 scales per 128 columns
+  int routings = 1;              // dispatches cycle through this many routings
   TimingOptions timing;
   std::string json_path;
 };
@@ -73,8 +73,8 @@ struct RunOptions {
   int align = 16;
   Device device;
   bool backward = true;
-  bool ep = false;                    // run --ep: the layer with expert parallelism
-  std::string ep_backend = "nccl";    // nccl | nvlink
+  bool ep = false;                  // run --ep: the layer with expert parallelism
+  std::string ep_backend = "nccl";  // nccl | nvlink
 };
 // One MoE token-path step (route, plan, permute, identity experts, unpermute,
 // and the backward ops), checked against the expected result. Returns 0 when
@@ -85,21 +85,8 @@ int run_layer(const RunOptions& opt);
 // without expert parallelism (CUDA builds only).
 int run_ep_layer(const RunOptions& opt);
 
-struct Preset;
-
-// What one expert-MLP step produced, on the host.
-struct MlpStep {
-  Tensor out, dx, dprobs, dw1, dw2;
-};
-// The grouped expert MLP of the preset on the plan's padded layout, forward
-// (permute with probs -> FC1 + probs-weighted SwiGLU -> FC2 -> unpermute)
-// and, when asked, backward with dout (input gradient, dprobs of the rows,
-// weight gradients), on the device of `x` and `stream`; *us: its wall time.
-MlpStep mlp_step(const Preset& p, const RoutingPlan& plan, const Tensor& x, const Tensor& probs,
-                 const Tensor& w1, const Tensor& w2, const Tensor& dout, bool backward, double* us,
-                 cudaStream_t stream = nullptr);
-
-// "auto" -> cuda:0 when a GPU is present, else cpu; "cpu"; "cuda" / "cuda:N".
+// "auto" -> cuda:0 when a GPU is present, else cpu; "cpu"; "cuda" / "cuda:N"
+// (throws a moeflow::Error saying what is wrong: bad form, no GPU, N too big).
 Device parse_device(const std::string& s);
 DType parse_float_dtype(const std::string& s);
 

@@ -9,11 +9,11 @@
 // bitwise the reference's), also timed against an all-to-all of the bf16
 // token rows coming home (the stricter comparison: what a combine that sums
 // in bf16 would move). Both backends send a token's only slot on a rank as
-// that slot's bf16 row instead of a float32 partial. The nvlink backend (--backend nvlink) moves the
-// same bytes over the links; it also reports the token rows its own SMs store
-// (own slots' rows, the peers' stages, the peers' rows expanded here): at a
-// few SMs that store traffic, not the links, bounds the dispatch.
-// The routing metadata (K ids + K probs per row) is sent too but not counted.
+// that slot's bf16 row instead of a float32 partial. The nvlink backend (--backend nvlink) moves
+// the same bytes over the links; it also reports the token rows its own SMs store (own slots' rows,
+// the peers' stages, the peers' rows expanded here): at a few SMs that store traffic, not the
+// links, bounds the dispatch. The routing metadata (K ids + K probs per row) is sent too but not
+// counted.
 #include <fmt/format.h>
 #include <nccl.h>
 
@@ -88,8 +88,9 @@ void run_dispatch_bench(const DispatchBenchOptions& opt) {
     std::fflush(stdout);
     auto groups = EpGroup::create_local(devs, eo);
     if (!nvlink && W > 1)
-      fmt::print("  staging buffers registered with NCCL: {}\n",
-                 groups[0]->nccl_buffers_registered() ? "yes" : "no (MOEFLOW_EP_REGISTER=0 or no cuMem)");
+      fmt::print(
+          "  staging buffers registered with NCCL: {}\n",
+          groups[0]->nccl_buffers_registered() ? "yes" : "no (MOEFLOW_EP_REGISTER=0 or no cuMem)");
     // nccl: pipeline pieces per peer x blocks of the kernels beside the
     // transfers; nvlink: (1, blocks of its kernels), the SM-count sweep
     const std::vector<std::pair<int, int>> configs =
@@ -134,22 +135,24 @@ void run_dispatch_bench(const DispatchBenchOptions& opt) {
       const int default_chunks = g.options().pipeline_chunks;
       const int default_blocks = g.options().overlap_blocks;
       const int default_nvl = g.options().nvlink_blocks;
-      for (const auto& [nc, nb] : configs) {
+      for (size_t ci = 0; ci < configs.size(); ++ci) {
+        const auto [nc, nb] = configs[ci];
+        if (r == 0) print_progress("sweep", ci, configs.size());
         g.set_pipeline_chunks(nc);
         if (nvlink)
           g.set_nvlink_blocks(nb);
         else
           g.set_overlap_blocks(nb);
-        rr.sweep_dispatch_ms.push_back(
-            median_ms(
-                [&] {
-                  const Routing& rt = next();
-                  ep_dispatch(g, x, rt.ids, rt.probs, sc, stream);
-                },
-                stream, opt.timing.warmup, opt.timing.iters));
+        rr.sweep_dispatch_ms.push_back(median_ms(
+            [&] {
+              const Routing& rt = next();
+              ep_dispatch(g, x, rt.ids, rt.probs, sc, stream);
+            },
+            stream, opt.timing.warmup, opt.timing.iters));
         rr.sweep_combine_ms.push_back(median_ms([&] { ep_combine(g, y, true, out, stream); },
                                                 stream, opt.timing.warmup, opt.timing.iters));
       }
+      if (r == 0 && !configs.empty()) print_progress("sweep", configs.size(), configs.size());
       g.set_pipeline_chunks(default_chunks);
       g.set_overlap_blocks(default_blocks);
       g.set_nvlink_blocks(default_nvl);
@@ -177,7 +180,7 @@ void run_dispatch_bench(const DispatchBenchOptions& opt) {
           Tensor ids = rs.ids.to(Device::cpu());
           for (int64_t t = 0; t < T; ++t) {
             std::vector<int> on(W, 0);  // slots of (s, t) on each rank
-            int here = 0;  // slots of (s, t) on this rank
+            int here = 0;               // slots of (s, t) on this rank
             for (int k = 0; k < p.topk; ++k) {
               const int64_t e = ids.dtype() == DType::kInt64
                                     ? ids.data_ptr<int64_t>()[t * p.topk + k]
@@ -249,21 +252,23 @@ void run_dispatch_bench(const DispatchBenchOptions& opt) {
       const double c_gbs = rr.back_bytes / rr.combine_ms / 1e6,
                    af_gbs = rr.back_bytes / rr.a2a_f32_ms / 1e6;
       if (W == 1)
-        fmt::print("  rank 0: dispatch {:8.1f} us | combine {:8.1f} us (one GPU: no bytes leave it)\n",
-                   rr.dispatch_ms * 1e3, rr.combine_ms * 1e3);
+        fmt::print("  rank 0: dispatch {:>10} | combine {:>10} (one GPU: no bytes leave it)\n",
+                   format_time(rr.dispatch_ms * 1e3), format_time(rr.combine_ms * 1e3));
       else
         fmt::print(
-            "  rank {}: dispatch {:8.1f} us {:7.1f} GB/s out (NCCL a2a same bytes {:7.1f} GB/s, "
+            "  rank {}: dispatch {:>10} {:7.1f} GB/s out (NCCL a2a same bytes {:7.1f} GB/s, "
             "ratio {:.2f}) | "
-            "combine {:8.1f} us {:7.1f} GB/s out (a2a {:7.1f}, ratio {:.2f}; a2a of the bf16 token "
-            "rows {:.1f} us, ratio {:.2f})\n",
-            r, rr.dispatch_ms * 1e3, d_gbs, a_gbs, d_gbs / a_gbs, rr.combine_ms * 1e3, c_gbs,
-            af_gbs, c_gbs / af_gbs, rr.a2a_back_ms * 1e3, rr.a2a_back_ms / rr.combine_ms);
+            "combine {:>10} {:7.1f} GB/s out (a2a {:7.1f}, ratio {:.2f}; a2a of the bf16 token "
+            "rows {}, ratio {:.2f})\n",
+            r, format_time(rr.dispatch_ms * 1e3), d_gbs, a_gbs, d_gbs / a_gbs,
+            format_time(rr.combine_ms * 1e3), c_gbs, af_gbs, c_gbs / af_gbs,
+            format_time(rr.a2a_back_ms * 1e3), rr.a2a_back_ms / rr.combine_ms);
       std::string sweep;
       for (size_t i = 0; i < configs.size(); ++i)
-        sweep += fmt::format(" {}x{}: {:.0f}/{:.0f}", configs[i].first, configs[i].second,
-                             rr.sweep_dispatch_ms[i] * 1e3, rr.sweep_combine_ms[i] * 1e3);
-      fmt::print("          {}: dispatch/combine us:{}\n",
+        sweep += fmt::format(" {}x{}: {}/{}", configs[i].first, configs[i].second,
+                             format_time(rr.sweep_dispatch_ms[i] * 1e3),
+                             format_time(rr.sweep_combine_ms[i] * 1e3));
+      fmt::print("          {}: dispatch/combine:{}\n",
                  nvlink ? "1 x kernel blocks (SMs)" : "pieces x overlap blocks", sweep);
       if (nvlink)
         fmt::print("          token rows stored by this rank's SMs: {:.1f} MB, {:.1f} GB/s\n",

@@ -4,13 +4,13 @@
 //   permute / unpermute / permute_backward: (T + T*K) * H * bytes(dtype)
 //   unpermute_backward (dy + dprobs):       (T + 2*T*K) * H * bytes(dtype)
 // (pad-row zeros are not counted: they are work we must do but not data).
+#include <fmt/format.h>
+
 #include <algorithm>
 #include <cmath>
 #include <fstream>
 #include <numeric>
 #include <random>
-
-#include <fmt/format.h>
 
 #include "bench/bench.h"
 #include "bench/presets.h"
@@ -21,9 +21,18 @@ Device parse_device(const std::string& s) {
   if (s == "auto") return cuda_device_count() > 0 ? Device::cuda(0) : Device::cpu();
   if (s == "cpu") return Device::cpu();
   if (s == "cuda" || s.rfind("cuda:", 0) == 0) {
-    int index = s == "cuda" ? 0 : std::stoi(s.substr(5));
-    MOEFLOW_CHECK(index >= 0 && index < cuda_device_count(), "--device ", s,
-                  ": this machine has ", cuda_device_count(), " CUDA device(s)");
+    const std::string digits = s == "cuda" ? "0" : s.substr(5);
+    MOEFLOW_CHECK(!digits.empty() && digits.size() < 6 &&
+                      digits.find_first_not_of("0123456789") == std::string::npos,
+                  "--device must be auto, cpu, cuda or cuda:N; got '", s, "'");
+    const int index = std::stoi(digits), n = cuda_device_count();
+#ifdef MOEFLOW_WITH_CUDA
+    MOEFLOW_CHECK(n > 0, "--device ", s, ": no CUDA GPU is visible; use --device cpu");
+#else
+    MOEFLOW_CHECK(n > 0, "--device ", s, ": this moeflow was built without CUDA; use --device cpu");
+#endif
+    MOEFLOW_CHECK(index < n, "--device ", s, ": this machine has ", n,
+                  " CUDA GPU(s), cuda:0..cuda:", n - 1);
     return Device::cuda(index);
   }
   MOEFLOW_CHECK(false, "--device must be auto, cpu, cuda or cuda:N; got '", s, "'");
@@ -85,8 +94,8 @@ void run_permute_bench(const PermuteBenchOptions& opt) {
     const PlanConfig cfg{E, opt.align, -1};
     Routing routing = random_routing(T, E, K, 1234 + index, dev);
     RoutingPlan plan = allocate_plan(T, K, cfg, dev);
-    Tensor ws = Tensor::empty({static_cast<int64_t>(plan_workspace_bytes(T, K, cfg))},
-                              DType::kUInt8, dev);
+    Tensor ws =
+        Tensor::empty({static_cast<int64_t>(plan_workspace_bytes(T, K, cfg))}, DType::kUInt8, dev);
     Tensor x = Tensor::empty({T, H}, opt.dtype, dev);
     fill_bytes(x, 0x3C, stream);  // finite non-zero values in every float dtype
     Tensor y = Tensor::empty({plan.capacity_rows, H}, opt.dtype, dev);
@@ -100,10 +109,17 @@ void run_permute_bench(const PermuteBenchOptions& opt) {
 
     const double moved = static_cast<double>(T + T * K) * H * esize;
     const double moved_bwd = static_cast<double>(T + 2 * T * K) * H * esize;
+    constexpr size_t kOps = 6;
+    size_t timed = 0;
     auto add = [&](const std::string& op, double bytes, const std::function<void()>& fn) {
+      print_progress(p.name, timed++, kOps);
       const double us = time_us(dev, stream, fn, opt.timing);
       Row r{p.name, op, us, bytes, bytes > 0 ? bytes / us / 1e3 : 0.0, copy_gbps};
-      r.extra = {{"T", T}, {"H", H}, {"E", E}, {"K", K}, {"align", opt.align},
+      r.extra = {{"T", T},
+                 {"H", H},
+                 {"E", E},
+                 {"K", K},
+                 {"align", opt.align},
                  {"dtype", dtype_name(opt.dtype)}};
       rows.push_back(r);
     };
@@ -117,6 +133,7 @@ void run_permute_bench(const PermuteBenchOptions& opt) {
     add("permute_backward", moved, [&] { permute_backward(y, plan, out, {}, {}, stream); });
     add("unpermute_backward+dprobs", moved_bwd,
         [&] { unpermute_backward(out, plan, y, routing.probs, dy, dprobs, stream); });
+    print_progress(p.name, kOps, kOps);
     const PlanStatus s = check_plan(plan, stream);
     rows.back().extra["total_rows"] = s.total_rows;
   }
@@ -125,12 +142,9 @@ void run_permute_bench(const PermuteBenchOptions& opt) {
                           device_name(dev)),
               rows);
   if (!opt.json_path.empty()) {
-    nlohmann::json j = {{"device", device_name(dev)},
-                        {"dtype", dtype_name(opt.dtype)},
-                        {"align", opt.align},
-                        {"copy_GBps", copy_gbps},
-                        {"write_GBps", write_gbps},
-                        {"rows", rows_to_json(rows)}};
+    nlohmann::json j = {{"device", device_name(dev)}, {"dtype", dtype_name(opt.dtype)},
+                        {"align", opt.align},         {"copy_GBps", copy_gbps},
+                        {"write_GBps", write_gbps},   {"rows", rows_to_json(rows)}};
     std::ofstream f(opt.json_path);
     MOEFLOW_CHECK(f.good(), "--json: cannot write '", opt.json_path, "'");
     f << j.dump(1) << "\n";

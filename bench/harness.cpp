@@ -3,11 +3,12 @@
 // run starts from a cold L2.
 #include "bench/harness.h"
 
+#include <fmt/format.h>
+#include <unistd.h>
+
 #include <algorithm>
 #include <chrono>
 #include <cstring>
-
-#include <fmt/format.h>
 
 #ifdef MOEFLOW_WITH_CUDA
 #include <cuda_runtime.h>
@@ -79,7 +80,8 @@ double copy_bandwidth_gbps(Device device, cudaStream_t stream, const TimingOptio
   TimingOptions o = opt;
   o.flush_l2 = false;  // 1 GiB does not fit in L2 anyway
   if (device.is_cpu()) o.iters = std::min(o.iters, 5);
-  double us = time_us(device, stream, [&] { copy(a, b, stream); }, o);
+  double us = time_us(
+      device, stream, [&] { copy(a, b, stream); }, o);
   return 2.0 * bytes / us / 1e3;
 }
 
@@ -89,7 +91,8 @@ double write_bandwidth_gbps(Device device, cudaStream_t stream, const TimingOpti
   TimingOptions o = opt;
   o.flush_l2 = false;
   if (device.is_cpu()) o.iters = std::min(o.iters, 5);
-  double us = time_us(device, stream, [&] { fill_bytes(a, 0, stream); }, o);
+  double us = time_us(
+      device, stream, [&] { fill_bytes(a, 0, stream); }, o);
   return bytes / us / 1e3;
 }
 
@@ -104,9 +107,24 @@ std::string device_name(Device device) {
 #endif
 }
 
+std::string format_time(double us) {
+  if (us < 1e3) return fmt::format("{:.1f} \u00b5s", us);
+  if (us < 1e6) return fmt::format("{:.2f} ms", us / 1e3);
+  return fmt::format("{:.2f} s", us / 1e6);
+}
+
+void print_progress(const std::string& what, size_t done, size_t total) {
+  if (!isatty(STDERR_FILENO)) return;
+  if (done < total)
+    fmt::print(stderr, "\r  {} {}/{} ", what, done, total);
+  else
+    fmt::print(stderr, "\r{}\r", std::string(what.size() + 24, ' '));
+  std::fflush(stderr);
+}
+
 void print_table(const std::string& title, const std::vector<Row>& rows) {
   fmt::print("\n{}\n", title);
-  fmt::print("{:<12} {:<26} {:>11} {:>11} {:>10} {:>9}\n", "case", "op", "time (us)", "bytes (MB)",
+  fmt::print("{:<12} {:<26} {:>11} {:>11} {:>10} {:>9}\n", "case", "op", "time", "bytes (MB)",
              "GB/s", "of copy");
   fmt::print("{}\n", std::string(84, '-'));
   for (const Row& r : rows) {
@@ -116,8 +134,7 @@ void print_table(const std::string& title, const std::vector<Row>& rows) {
     std::string bytes = r.bytes > 0 ? fmt::format("{:.1f}", r.bytes / 1e6) : "-";
     std::string gbps = r.gbps > 0 ? fmt::format("{:.0f}", r.gbps) : "-";
     fmt::print("{:<12} {:<26} {:>11} {:>11} {:>10} {:>9}\n", r.case_name, r.op,
-               r.time_us > 0 ? fmt::format("{:.1f}", r.time_us) : "-", bytes,
-               gbps, frac);
+               r.time_us > 0 ? format_time(r.time_us) : "-", bytes, gbps, frac);
   }
   std::fflush(stdout);
 }

@@ -4,10 +4,9 @@
 #pragma once
 
 #include <functional>
+#include <nlohmann/json.hpp>
 #include <string>
 #include <vector>
-
-#include <nlohmann/json.hpp>
 
 #include "moeflow/tensor.h"
 
@@ -32,6 +31,14 @@ double copy_bandwidth_gbps(Device device, cudaStream_t stream, const TimingOptio
 double write_bandwidth_gbps(Device device, cudaStream_t stream, const TimingOptions& opt);
 
 std::string device_name(Device device);
+
+// A duration in microseconds in a readable unit: "850.3 µs", "12.41 ms",
+// "3.20 s" (µs below 1 ms, ms below 1 s, s above). Every printed time uses it.
+std::string format_time(double us);
+
+// Progress of a loop over cases on stderr ("\r  what 3/8"), only when stderr
+// is a terminal; the line is cleared when done == total.
+void print_progress(const std::string& what, size_t done, size_t total);
 
 struct Row {
   std::string case_name;

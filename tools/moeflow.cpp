@@ -1,5 +1,7 @@
 // The `moeflow` command line: `run` (one checked MoE token-path step on a
-// preset; the default when no command is given) and `bench permute`.
+// preset; the default when no command is given) and `bench permute | gemm |
+// dispatch | mlp`. Arguments are checked here (presets, devices, alignments)
+// so that a typo fails at once with the list of valid values.
 #include <fmt/format.h>
 
 #include <CLI/CLI.hpp>
@@ -16,21 +18,42 @@ int main(int argc, char** argv) {
   app.require_subcommand(0, 1);
   app.fallthrough();
   std::string device = "auto";
-  app.add_option("--device", device, "auto, cpu, cuda or cuda:N")->capture_default_str();
+  const std::string device_help =
+      "where to run: auto (cuda:0 when a GPU is visible, else cpu), cpu, cuda or cuda:N";
+  const CLI::Validator device_check(
+      [](std::string& s) -> std::string {
+        if (s == "auto" || s == "cpu" || s == "cuda") return "";
+        if (s.rfind("cuda:", 0) == 0 && s.size() > 5 &&
+            s.find_first_not_of("0123456789", 5) == std::string::npos)
+          return "";
+        return "must be auto, cpu, cuda or cuda:N (N a GPU index), got '" + s + "'";
+      },
+      "auto|cpu|cuda|cuda:N", "device");
+  const auto align_check = CLI::IsMember({1, 16, 32, 64, 128, 256});
+  const auto preset_check = CLI::IsMember(bench::preset_names());
+  app.add_option("--device", device, device_help)->check(device_check)->capture_default_str();
 
-  auto* run = app.add_subcommand("run", "one checked MoE layer step on a preset (default): plan, permute, expert MLP, unpermute, forward and backward");
+  auto* run = app.add_subcommand("run",
+                                 "one checked MoE layer step on a preset (default): plan, permute, "
+                                 "expert MLP, unpermute, forward and backward");
   bench::RunOptions run_opt;
-  std::string presets_help = "one of: ";
-  for (const auto& n : bench::preset_names()) presets_help += n + " ";
-  run->add_option("--preset", run_opt.preset, presets_help)->capture_default_str();
+  const std::string presets_help =
+      "model shapes (bench/presets.cpp); big ones run with fewer tokens on the CPU";
+  run->add_option("--preset", run_opt.preset, presets_help)
+      ->check(preset_check)
+      ->capture_default_str();
+  run->add_option("--device", device, device_help)->check(device_check)->capture_default_str();
   run->add_option("--align", run_opt.align,
                   "pad each expert to a multiple of this (1,16,32,64,128,256)")
+      ->check(align_check)
       ->capture_default_str();
   bool no_backward = false;
-  run->add_flag("--no-backward", no_backward, "skip the backward ops");
+  run->add_flag("--no-backward", no_backward,
+                "forward only (the backward checks are reported as SKIPPED)");
   run->add_flag("--ep", run_opt.ep,
-                "the layer step with expert parallelism over every visible GPU (dispatch, expert "
-                "MLP, combine, and their backward), checked against the layer without it");
+                "the layer step with expert parallelism over every visible GPU (at least 2: "
+                "dispatch, expert MLP, combine, and their backward), checked against the layer "
+                "without it");
   run->add_option("--backend", run_opt.ep_backend, "with --ep: nccl or nvlink")
       ->check(CLI::IsMember({"nccl", "nvlink"}))
       ->capture_default_str();
@@ -40,9 +63,12 @@ int main(int argc, char** argv) {
   bench->fallthrough();
   auto* bperm = bench->add_subcommand("permute", "plan build, permute+pad, unpermute, backward");
   std::vector<std::string> bench_presets;
-  bperm->add_option("--preset", bench_presets, "presets (default: mixtral dsv3 qwen3-30b)");
+  bperm->add_option("--preset", bench_presets, "presets (default: mixtral dsv3 qwen3-30b)")
+      ->check(preset_check);
+  bperm->add_option("--device", device, device_help)->check(device_check);
   bench::PermuteBenchOptions bopt;
   bperm->add_option("--align", bopt.align, "per-expert padding (1,16,32,64,128,256)")
+      ->check(align_check)
       ->capture_default_str();
   std::string dtype = "bf16";
   bperm->add_option("--dtype", dtype, "bf16, fp16 or fp32")->capture_default_str();
@@ -52,15 +78,17 @@ int main(int argc, char** argv) {
 
   auto* bgemm = bench->add_subcommand("gemm", "grouped GEMM forward/dgrad/wgrad vs dense cuBLAS");
   bench::GemmBenchOptions gopt;
+  bgemm->add_option("--device", device, device_help)->check(device_check);
   bgemm->add_option("--case", gopt.cases,
                     "dsv3-fc1 dsv3-fc2 mixtral-fc1 qwen3-fc1 qwen3-fc2 (default: all)");
   bgemm->add_flag("--sweep", gopt.sweep, "rows per expert 64..4096, uniform and skewed");
   bgemm->add_flag(
       "--tune", gopt.tune,
       "also time the shared-memory splits (stages x epilogue buffers) of the TMA kernel");
-  bgemm->add_option("--tune-hold", gopt.tune_hold,
-                    "fused FC1: K slices the pipeline skips the stage the helpers hold, each "
-                    "value timed in alternation with FC1 alone")
+  bgemm
+      ->add_option("--tune-hold", gopt.tune_hold,
+                   "fused FC1: K slices the pipeline skips the stage the helpers hold, each "
+                   "value timed in alternation with FC1 alone")
       ->check(CLI::Range(0, 1 << 20));
   bgemm->add_option("--sweep-experts", gopt.sweep_experts, "experts in the sweep")
       ->capture_default_str();
@@ -74,25 +102,31 @@ int main(int argc, char** argv) {
       "dispatch", "expert-parallel dispatch/combine over the GPUs of this host (nccl or nvlink)");
   bench::DispatchBenchOptions dopt;
   std::vector<std::string> disp_presets;
-  bdisp->add_option("--preset", disp_presets, "presets (default: dsv3 mixtral)");
+  bdisp->add_option("--preset", disp_presets, "presets (default: dsv3 mixtral)")
+      ->check(preset_check);
   bdisp->add_option("--gpus", dopt.gpus, "GPUs to use (default: all visible)");
   bdisp->add_option("--tokens", dopt.tokens, "tokens per GPU (default: the preset's)");
   bdisp->add_option("--align", dopt.align, "per-expert padding of the receive layout")
+      ->check(align_check)
       ->capture_default_str();
   bdisp->add_option("--backend", dopt.backend, "nccl or nvlink")
       ->check(CLI::IsMember({"nccl", "nvlink"}))
       ->capture_default_str();
-  bdisp->add_flag("--bulk-copies", dopt.bulk_copies,
-                  "backend nvlink: dispatch rows with TMA bulk copies (EpOptions::nvlink_bulk_copies)");
-  bdisp->add_option("--routings", dopt.routings,
-                    "dispatches cycle through this many routings (new ones each call, as in "
-                    "training; the nccl backend's eager piece is sized from the previous one)")
+  bdisp->add_flag(
+      "--bulk-copies", dopt.bulk_copies,
+      "backend nvlink: dispatch rows with TMA bulk copies (EpOptions::nvlink_bulk_copies)");
+  bdisp
+      ->add_option("--routings", dopt.routings,
+                   "dispatches cycle through this many routings (new ones each call, as in "
+                   "training; the nccl backend's eager piece is sized from the previous one)")
       ->check(CLI::Range(1, 64))
       ->capture_default_str();
-  bdisp->add_flag("--fp8", dopt.fp8,
-                  "FP8 dispatch: e4m3 token rows with float32 scales per 128 columns (bf16 combine)");
-  bdisp->add_flag("--no-sweep", [&](int64_t) { dopt.sweep = false; },
-                  "skip the pieces / SM-count sweep (only the default configuration)");
+  bdisp->add_flag(
+      "--fp8", dopt.fp8,
+      "FP8 dispatch: e4m3 token rows with float32 scales per 128 columns (bf16 combine)");
+  bdisp->add_flag(
+      "--no-sweep", [&](int64_t) { dopt.sweep = false; },
+      "skip the pieces / SM-count sweep (only the default configuration)");
   bdisp->add_option("--json", dopt.json_path, "also write the results as JSON to this file");
   bdisp->add_option("--iters", dopt.timing.iters, "timed runs per op (median)")
       ->capture_default_str();
@@ -100,6 +134,7 @@ int main(int argc, char** argv) {
   auto* bmlp = bench->add_subcommand(
       "mlp", "grouped expert MLP forward + backward (SwiGLU, probs-weighted)");
   bench::MlpBenchOptions mopt;
+  bmlp->add_option("--device", device, device_help)->check(device_check);
   bmlp->add_option("--case", mopt.cases, "dsv3 mixtral qwen3-30b (default: all)");
   bmlp->add_option("--json", mopt.json_path, "also write the results as JSON to this file");
   bmlp->add_option("--iters", mopt.timing.iters, "timed runs per op (median)")
@@ -173,7 +208,9 @@ int main(int argc, char** argv) {
     }
     return bench::run_layer(run_opt);
   } catch (const Error& e) {
-    fmt::print(stderr, "{}\n", e.what());
+    std::string msg = e.what();
+    if (msg.rfind("moeflow: ", 0) == 0) msg = msg.substr(9);
+    fmt::print(stderr, "moeflow: error: {}\n", msg);
     return 2;
   }
 }

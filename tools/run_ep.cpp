@@ -6,40 +6,62 @@
 // same layer without expert parallelism on that GPU (plan over all experts
 // -> permute -> grouped MLP with all experts' weights -> unpermute, and
 // their backward): the MLP rows are the same computations, only the order of
-// the final float32 sums differs.
-#include <algorithm>
-#include <chrono>
-#include <cmath>
-#include <mutex>
-
+// the final float32 sums differs. out and dx are compared whole; dW on a
+// sample (the first rows of dW1's two halves and of dW2 of each rank's
+// first and last expert), against the sum over ranks of the reference's.
 #include <cuda_runtime.h>
 #include <fmt/format.h>
 
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+
 #include "bench/bench.h"
 #include "bench/presets.h"
-#include "core/internal.h"
 #include "moeflow/ep.h"
+#include "tools/run_common.h"
 
 namespace moeflow::bench {
 
 namespace {
 
-// Deterministic expert weights rows [first, first + n) of FC1 [E, 2F, H] and
-// FC2 [E, H, F] (global expert e's rows do not depend on the slice).
-Tensor expert_weights(int64_t first, int64_t n, int64_t rows, int64_t cols, float scale,
-                      float freq, Device dev) {
-  Tensor h = Tensor::empty({n, rows, cols}, DType::kBFloat16);
-  const int64_t per = rows * cols;
-  for (int64_t i = 0; i < h.numel(); ++i) {
-    const int64_t g = first * per + i;
-    detail::store_float(h.data(), DType::kBFloat16, i,
-                        scale * std::cos(freq * static_cast<float>(g % 9973)));
-  }
-  return h.to(dev);
+constexpr double kTolerance = 1e-3;
+constexpr int64_t kSampleRows = 8;  // rows of each dW block compared per sampled expert
+
+// Contiguous float32 elements [offset, offset + n) of t, on the host.
+std::vector<double> fetch_f64(const Tensor& t, int64_t offset, int64_t n) {
+  std::vector<float> v(static_cast<size_t>(n));
+  copy(TensorView(t.data_ptr<float>() + offset, DType::kFloat32, t.device(), {n}),
+       TensorView(v.data(), DType::kFloat32, Device::cpu(), {n}));
+  return std::vector<double>(v.begin(), v.end());
 }
 
-double seconds_since(std::chrono::steady_clock::time_point t0) {
-  return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+// Relative norm error of two float32 tensors on one device, read in chunks.
+double rel_error(const Tensor& got, const Tensor& want) {
+  const int64_t n = want.numel(), chunk = int64_t{1} << 22;
+  double num = 0, den = 0;
+  for (int64_t i = 0; i < n; i += chunk) {
+    const int64_t m = std::min(chunk, n - i);
+    const std::vector<double> g = fetch_f64(got, i, m), w = fetch_f64(want, i, m);
+    for (int64_t j = 0; j < m; ++j) {
+      num += (g[j] - w[j]) * (g[j] - w[j]);
+      den += w[j] * w[j];
+    }
+  }
+  return std::sqrt(num / (den > 0 ? den : 1.0));
+}
+
+// The sampled rows of expert `local` of a [*, 2F, H] dW1 and [*, H, F] dW2:
+// dW1 rows [0, R) and [F, F + R), dW2 rows [0, R), concatenated.
+std::vector<double> grad_sample(const Tensor& dw1, const Tensor& dw2, int64_t local, int64_t H,
+                                int64_t F) {
+  const int64_t R = std::min(kSampleRows, std::min(F, H));
+  std::vector<double> v = fetch_f64(dw1, local * 2 * F * H, R * H);
+  const std::vector<double> up = fetch_f64(dw1, (local * 2 * F + F) * H, R * H);
+  const std::vector<double> w2 = fetch_f64(dw2, local * H * F, R * F);
+  v.insert(v.end(), up.begin(), up.end());
+  v.insert(v.end(), w2.begin(), w2.end());
+  return v;
 }
 
 }  // namespace
@@ -47,15 +69,21 @@ double seconds_since(std::chrono::steady_clock::time_point t0) {
 int run_ep_layer(const RunOptions& opt) {
   const Preset& p = find_preset(opt.preset);
   const int W = cuda_device_count();
-  MOEFLOW_CHECK(W >= 1, "run --ep needs CUDA GPUs; found none");
-  MOEFLOW_CHECK(p.num_experts % W == 0, "preset ", p.name, ": ", p.num_experts,
-                " experts do not split over ", W, " GPUs");
+  MOEFLOW_CHECK(W >= 2,
+                "run --ep needs at least 2 GPUs (expert parallelism splits the experts "
+                "over the GPUs of this host); found ",
+                W,
+                ". Without --ep, `moeflow run` checks "
+                "the layer on one GPU.");
+  MOEFLOW_CHECK(p.num_experts % W == 0, "run --ep: preset ", p.name, " has ", p.num_experts,
+                " experts, which do not split over ", W, " GPUs");
   const int64_t T = p.num_tokens, H = p.hidden, F = p.ffn;
   const int K = p.topk, E = p.num_experts, L = E / W;
   const bool nvlink = opt.ep_backend == "nvlink";
-  fmt::print("moeflow run --ep: preset {} (T={} per GPU, H={}, F={}, E={}, K={}), {} GPU(s), "
-             "backend {}, align {}\n",
-             p.name, T, H, F, E, K, W, opt.ep_backend, opt.align);
+  fmt::print(
+      "moeflow run --ep: preset {} (T={} per GPU, H={}, F={}, E={}, K={}), {} GPUs, "
+      "backend {}, align {}\n",
+      p.name, T, H, F, E, K, W, opt.ep_backend, opt.align);
   EpOptions eo;
   eo.backend = nvlink ? EpBackend::kNvlink : EpBackend::kNccl;
   eo.num_experts = E;
@@ -65,149 +93,161 @@ int run_ep_layer(const RunOptions& opt) {
   eo.max_tokens_per_rank = T;
   std::vector<int> devs;
   for (int r = 0; r < W; ++r) devs.push_back(r);
-  auto t0 = std::chrono::steady_clock::now();
-  auto groups = EpGroup::create_local(devs, eo);
-  fmt::print("  groups made ({:.1f} s)\n", seconds_since(t0));
-  std::vector<double> err(W, 0.0), err_dx(W, 0.0), err_dw(W, 0.0), dispatch_us(W), mlp_us(W),
-      combine_us(W), bwd_us(W, 0.0);
-  std::vector<int64_t> received(W, 0);
-  // dW: rank r's experts get the tokens of every rank, so the reference is the
-  // sum over ranks of each rank's all-expert gradients (compared on the host
-  // when that fits in a few GB)
-  const double dw_bytes = 2.0 * W * double(E) * 3 * F * H * 4;
-  const bool check_dw = opt.backward && dw_bytes < 16e9;
-  std::vector<Tensor> ep_dw1(W), ep_dw2(W), ref_dw1(W), ref_dw2(W);
-  std::mutex print_mu;
-  EpGroup::run_local(groups, [&](int r) {
-    EpGroup& g = *groups[r];
-    const Device dev = g.device();
-    cudaStream_t stream;
-    MOEFLOW_CUDA_CHECK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
-    Routing routing = random_routing(T, E, K, 500 + r, dev);
-    Tensor xh = Tensor::empty({T, H}, DType::kBFloat16);
-    for (int64_t i = 0; i < xh.numel(); ++i)
-      detail::store_float(xh.data(), DType::kBFloat16, i, std::sin(0.001f * static_cast<float>(i + r * 7919)));
-    Tensor x = xh.to(dev);
-    const float s1 = 2.0f / std::sqrt(float(H)), s2 = 1.0f / std::sqrt(float(F));
-    // EP: this rank's experts [r*L, (r+1)*L)
-    Tensor w1 = expert_weights(int64_t{r} * L, L, 2 * F, H, s1, 0.37f, dev);
-    Tensor w2 = expert_weights(int64_t{r} * L, L, H, F, s2, 0.53f, dev);
-    const int64_t cap = g.capacity_rows();
-    Tensor h = Tensor::empty({cap, 2 * F}, DType::kBFloat16, dev);
-    Tensor a = Tensor::empty({cap, F}, DType::kBFloat16, dev);
-    Tensor y = Tensor::empty({cap, H}, DType::kBFloat16, dev);
-    Tensor out = Tensor::empty({T, H}, DType::kFloat32, dev);
-    const GroupedMlpConfig cfg{};
-    Tensor douth = Tensor::empty({T, H}, DType::kBFloat16);
-    for (int64_t i = 0; i < douth.numel(); ++i)
-      detail::store_float(douth.data(), DType::kBFloat16, i, std::cos(0.011f * static_cast<float>((i + r * 104729) % 10007)));
-    Tensor dout = douth.to(dev);
-    Tensor gy = Tensor::empty({cap, H}, DType::kBFloat16, dev);
-    Tensor dxr = Tensor::empty({cap, H}, DType::kBFloat16, dev);
-    Tensor dh = Tensor::empty({cap, 2 * F}, DType::kBFloat16, dev);
-    Tensor dpr = Tensor::empty({cap}, DType::kFloat32, dev);
-    Tensor dx = Tensor::empty({T, H}, DType::kFloat32, dev);
-    Tensor dw1 = Tensor::empty({L, 2 * F, H}, DType::kFloat32, dev);
-    Tensor dw2 = Tensor::empty({L, H, F}, DType::kFloat32, dev);
-    cudaEvent_t ev[5];
-    for (auto& e : ev) MOEFLOW_CUDA_CHECK(cudaEventCreate(&e));
-    for (int it = 0; it < 2; ++it) {  // the second pass is timed
-      MOEFLOW_CUDA_CHECK(cudaEventRecord(ev[0], stream));
-      EpDispatchResult d = ep_dispatch(g, x, routing.ids, routing.probs, stream);
-      MOEFLOW_CUDA_CHECK(cudaEventRecord(ev[1], stream));
-      grouped_mlp_forward(d.x, GroupedMlpWeights{w1, w2, {}, {}}, GroupLayout::from_plan(*d.plan),
-                          d.probs, cfg, y, GroupedMlpSaved{h, a}, stream);
-      MOEFLOW_CUDA_CHECK(cudaEventRecord(ev[2], stream));
-      ep_combine(g, y, false, out, stream);  // the probs were applied in the MLP
-      MOEFLOW_CUDA_CHECK(cudaEventRecord(ev[3], stream));
-      if (opt.backward) {
-        const GroupLayout gl = GroupLayout::from_plan(*d.plan);
-        ep_combine_backward(g, dout, y, false, gy, {}, stream);
-        grouped_mlp_backward_dgrad(gy, GroupedMlpWeights{w1, w2, {}, {}}, gl, d.probs, cfg,
-                                   GroupedMlpSaved{h, a}, dxr, dh, dpr, stream);
-        ep_dispatch_backward(g, dxr, dx, stream);
-        grouped_mlp_backward_wgrad(gy, d.x, gl, GroupedMlpSaved{h, a}, dh,
-                                   GroupedMlpGrads{dw1, dw2, {}, {}, false}, stream);
-      }
-      MOEFLOW_CUDA_CHECK(cudaEventRecord(ev[4], stream));
-      received[r] = d.received_tokens;
-    }
-    MOEFLOW_CUDA_CHECK(cudaEventSynchronize(ev[4]));
-    float ms[4];
-    for (int i = 0; i < 4; ++i) MOEFLOW_CUDA_CHECK(cudaEventElapsedTime(&ms[i], ev[i], ev[i + 1]));
-    dispatch_us[r] = ms[0] * 1e3;
-    mlp_us[r] = ms[1] * 1e3;
-    combine_us[r] = ms[2] * 1e3;
-    bwd_us[r] = ms[3] * 1e3;
-    // The same layer without expert parallelism, on this GPU, all experts.
-    {
-      Tensor w1a = expert_weights(0, E, 2 * F, H, s1, 0.37f, dev);
-      Tensor w2a = expert_weights(0, E, H, F, s2, 0.53f, dev);
-      const PlanConfig pc{E, opt.align, -1};
-      RoutingPlan plan = allocate_plan(T, K, pc, dev);
-      Tensor ws = Tensor::empty({static_cast<int64_t>(plan_workspace_bytes(T, K, pc))}, DType::kUInt8, dev);
-      build_plan(routing.ids, plan, ws, stream);
-      double ref_us = 0;
-      const MlpStep ref = mlp_step(p, plan, x, routing.probs, w1a, w2a, dout, opt.backward,
-                                   &ref_us, stream);
-      auto rel = [](const Tensor& got, const Tensor& want) {
-        Tensor g = got.to(Device::cpu());
-        double num = 0, den = 0;
-        for (int64_t i = 0; i < g.numel(); ++i) {
-          const double gv = g.data_ptr<float>()[i], wv = want.data_ptr<float>()[i];
-          num += (gv - wv) * (gv - wv);
-          den += wv * wv;
-        }
-        return std::sqrt(num / (den > 0 ? den : 1.0));
-      };
-      err[r] = rel(out, ref.out);
-      if (opt.backward) err_dx[r] = rel(dx, ref.dx);
-      if (check_dw) {
-        ep_dw1[r] = dw1.to(Device::cpu());
-        ep_dw2[r] = dw2.to(Device::cpu());
-        ref_dw1[r] = ref.dw1;
-        ref_dw2[r] = ref.dw2;
-      }
-    }
-    for (auto& e : ev) MOEFLOW_CUDA_CHECK(cudaEventDestroy(e));
-    MOEFLOW_CUDA_CHECK(cudaStreamDestroy(stream));
-  });
-  if (check_dw)
-    for (int r = 0; r < W; ++r) {  // rank r's experts: rows [r*L, (r+1)*L) of the sums
-      auto rel_sum = [&](const Tensor& got, const std::vector<Tensor>& refs) {
-        const int64_t n = got.numel(), off = int64_t{r} * n;
-        double num = 0, den = 0;
-        for (int64_t i = 0; i < n; ++i) {
-          double w = 0;
-          for (int q = 0; q < W; ++q) w += refs[q].data_ptr<float>()[off + i];
-          const double d = got.data_ptr<float>()[i] - w;
-          num += d * d;
-          den += w * w;
-        }
-        return std::sqrt(num / (den > 0 ? den : 1.0));
-      };
-      err_dw[r] = std::max(rel_sum(ep_dw1[r], ref_dw1), rel_sum(ep_dw2[r], ref_dw2));
-    }
-  else if (opt.backward)
-    fmt::print("  (dW not compared: the all-expert gradients of {} ranks would take {:.0f} GB)\n",
-               W, dw_bytes / 1e9);
-  bool ok = true;
-  for (int r = 0; r < W; ++r) {
-    const bool good = err[r] < 1e-3 && err_dx[r] < 1e-3 && err_dw[r] < 1e-3;
-    ok = ok && good;
-    fmt::print("  rank {}: dispatch {:8.1f} us | expert MLP {:8.1f} us | combine {:8.1f} us{}{}\n", r,
-               dispatch_us[r], mlp_us[r], combine_us[r],
-               opt.backward ? fmt::format(" | backward {:8.1f} us", bwd_us[r]) : "",
-               received[r] >= 0 ? fmt::format(" | {} tokens received", received[r]) : "");
-    fmt::print("  check rank {}: vs the layer without expert parallelism, relative norm errors: "
-               "out {:.1e}{}{} {}\n",
-               r, err[r],
-               opt.backward ? fmt::format(", dx {:.1e}", err_dx[r]) : "",
-               check_dw ? fmt::format(", dW1/dW2 {:.1e}", err_dw[r]) : "",
-               good ? "ok" : "FAILED");
+  std::vector<std::unique_ptr<EpGroup>> groups;
+  timed_step(Device::cpu(), "expert-parallel groups",
+             [&] { groups = EpGroup::create_local(devs, eo); });
+  const WeightPattern w1p = WeightPattern::fc1(H, std::max(H, F));
+  const WeightPattern w2p = WeightPattern::fc2(F, std::max(H, F));
+  // the sampled experts: each rank's first and last
+  std::vector<int64_t> sampled;
+  for (int q = 0; q < W; ++q) {
+    sampled.push_back(int64_t{q} * L);
+    if (L > 1) sampled.push_back(int64_t{q} * L + L - 1);
   }
-  fmt::print("{}\n", ok ? "moeflow run --ep: OK" : "moeflow run --ep: FAILED");
-  return ok ? 0 : 1;
+  struct RankResult {
+    double dispatch_us = 0, mlp_us = 0, combine_us = 0, bwd_us = 0;
+    int64_t received = 0;
+    double err_out = 0, err_dx = 0;
+    std::vector<std::vector<double>> ep_dw;   // this rank's sampled experts
+    std::vector<std::vector<double>> ref_dw;  // every sampled expert, this rank's tokens
+  };
+  std::vector<RankResult> res(W);
+  timed_step(
+      Device::cpu(),
+      opt.backward ? "layer step fwd+bwd on every GPU, and the reference"
+                   : "layer step forward on every GPU, and the reference",
+      [&] {
+        EpGroup::run_local(groups, [&](int r) {
+          EpGroup& g = *groups[r];
+          RankResult& rr = res[r];
+          const Device dev = g.device();
+          cudaStream_t stream;
+          MOEFLOW_CUDA_CHECK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+          Routing routing = random_routing(T, E, K, 500 + r, dev);
+          Tensor x = make_tokens(T, H, int64_t{r} * 7919).to(dev);
+          Tensor dout = make_output_grad(T, H, int64_t{r} * 104729, DType::kBFloat16).to(dev);
+          // EP: this rank's experts [r*L, (r+1)*L)
+          Tensor w1 = w1p.make(int64_t{r} * L, L, 2 * F, H, dev);
+          Tensor w2 = w2p.make(int64_t{r} * L, L, H, F, dev);
+          const int64_t cap = g.capacity_rows();
+          Tensor h = Tensor::empty({cap, 2 * F}, DType::kBFloat16, dev);
+          Tensor a = Tensor::empty({cap, F}, DType::kBFloat16, dev);
+          Tensor y = Tensor::empty({cap, H}, DType::kBFloat16, dev);
+          Tensor out = Tensor::empty({T, H}, DType::kFloat32, dev);
+          const GroupedMlpConfig cfg{};
+          GroupedMlpWeights w;
+          w.fc1 = w1;
+          w.fc2 = w2;
+          const GroupedMlpSaved saved{h, a};
+          Tensor gy, dxr, dh, dpr, dx, dw1, dw2;
+          if (opt.backward) {
+            gy = Tensor::empty({cap, H}, DType::kBFloat16, dev);
+            dxr = Tensor::empty({cap, H}, DType::kBFloat16, dev);
+            dh = Tensor::empty({cap, 2 * F}, DType::kBFloat16, dev);
+            dpr = Tensor::empty({cap}, DType::kFloat32, dev);
+            dx = Tensor::empty({T, H}, DType::kFloat32, dev);
+            dw1 = Tensor::empty({L, 2 * F, H}, DType::kFloat32, dev);
+            dw2 = Tensor::empty({L, H, F}, DType::kFloat32, dev);
+          }
+          GroupedMlpGrads grads;  // dW1, dW2 = (accumulate off)
+          grads.dw1 = dw1;
+          grads.dw2 = dw2;
+          cudaEvent_t ev[5];
+          for (auto& e : ev) MOEFLOW_CUDA_CHECK(cudaEventCreate(&e));
+          for (int it = 0; it < 2; ++it) {  // the second pass is timed
+            MOEFLOW_CUDA_CHECK(cudaEventRecord(ev[0], stream));
+            EpDispatchResult d = ep_dispatch(g, x, routing.ids, routing.probs, stream);
+            const GroupLayout gl = GroupLayout::from_plan(*d.plan);
+            MOEFLOW_CUDA_CHECK(cudaEventRecord(ev[1], stream));
+            grouped_mlp_forward(d.x, w, gl, d.probs, cfg, y, saved, stream);
+            MOEFLOW_CUDA_CHECK(cudaEventRecord(ev[2], stream));
+            ep_combine(g, y, false, out, stream);  // the probs were applied in the MLP
+            MOEFLOW_CUDA_CHECK(cudaEventRecord(ev[3], stream));
+            if (opt.backward) {
+              ep_combine_backward(g, dout, y, false, gy, {}, stream);
+              grouped_mlp_backward_dgrad(gy, w, gl, d.probs, cfg, saved, dxr, dh, dpr, stream);
+              ep_dispatch_backward(g, dxr, dx, stream);
+              grouped_mlp_backward_wgrad(gy, d.x, gl, saved, dh, grads, stream);
+            }
+            MOEFLOW_CUDA_CHECK(cudaEventRecord(ev[4], stream));
+            rr.received = d.received_tokens;
+          }
+          MOEFLOW_CUDA_CHECK(cudaEventSynchronize(ev[4]));
+          float ms[4];
+          for (int i = 0; i < 4; ++i)
+            MOEFLOW_CUDA_CHECK(cudaEventElapsedTime(&ms[i], ev[i], ev[i + 1]));
+          rr.dispatch_us = ms[0] * 1e3;
+          rr.mlp_us = ms[1] * 1e3;
+          rr.combine_us = ms[2] * 1e3;
+          rr.bwd_us = ms[3] * 1e3;
+          for (auto& e : ev) MOEFLOW_CUDA_CHECK(cudaEventDestroy(e));
+          if (opt.backward)
+            for (int64_t l : {int64_t{0}, int64_t{L - 1}}) {
+              if (l == L - 1 && L == 1) break;
+              rr.ep_dw.push_back(grad_sample(dw1, dw2, l, H, F));
+            }
+          w1 = w2 = dw1 = dw2 = Tensor();  // room for the reference's weights
+          // The same layer without expert parallelism, on this GPU, all experts.
+          const PlanConfig pc{E, opt.align, -1};
+          RoutingPlan plan = allocate_plan(T, K, pc, dev);
+          Tensor ws = Tensor::empty({static_cast<int64_t>(plan_workspace_bytes(T, K, pc))},
+                                    DType::kUInt8, dev);
+          build_plan(routing.ids, plan, ws, stream);
+          const MlpInputs in{x, routing.probs, w1p.make(0, E, 2 * F, H, dev),
+                             w2p.make(0, E, H, F, dev), dout};
+          double ref_us = 0;
+          const MlpOutputs ref = mlp_step(plan, in, opt.backward, &ref_us, stream);
+          rr.err_out = rel_error(out, ref.out);
+          if (opt.backward) {
+            rr.err_dx = rel_error(dx, ref.dx);
+            for (int64_t e : sampled) rr.ref_dw.push_back(grad_sample(ref.dw1, ref.dw2, e, H, F));
+          }
+          MOEFLOW_CUDA_CHECK(cudaStreamDestroy(stream));
+        });
+      });
+  CheckReport report("moeflow run --ep");
+  const int per_rank = L > 1 ? 2 : 1;
+  for (int r = 0; r < W; ++r) {
+    const RankResult& rr = res[r];
+    fmt::print("  rank {}: dispatch {} | expert MLP {} | combine {}{}{}\n", r,
+               format_time(rr.dispatch_us), format_time(rr.mlp_us), format_time(rr.combine_us),
+               opt.backward ? fmt::format(" | backward {}", format_time(rr.bwd_us)) : "",
+               rr.received >= 0 ? fmt::format(" | {} tokens received", rr.received) : "");
+  }
+  for (int r = 0; r < W; ++r) {
+    const RankResult& rr = res[r];
+    // dW of rank r's sampled experts: the sum over ranks of the reference's
+    double err_dw = 0;
+    if (opt.backward) {
+      double num = 0, den = 0;
+      for (int i = 0; i < per_rank; ++i) {
+        const std::vector<double>& got = rr.ep_dw[i];
+        for (size_t j = 0; j < got.size(); ++j) {
+          double want = 0;
+          for (int q = 0; q < W; ++q) want += res[q].ref_dw[r * per_rank + i][j];
+          num += (got[j] - want) * (got[j] - want);
+          den += want * want;
+        }
+      }
+      err_dw = std::sqrt(num / (den > 0 ? den : 1.0));
+    }
+    const bool ok = rr.err_out < kTolerance && rr.err_dx < kTolerance && err_dw < kTolerance;
+    report.check(
+        ok, fmt::format("rank {} vs the layer without expert parallelism: relative norm errors "
+                        "out {}{}{} (tol {:.0e})",
+                        r, fmt::format("{:.1e}", rr.err_out),
+                        opt.backward ? fmt::format(", dx {:.1e}", rr.err_dx) : "",
+                        opt.backward
+                            ? fmt::format(", dW1/dW2 {:.1e} (experts {}{}: first {} rows "
+                                          "of dW1's halves and of dW2)",
+                                          err_dw, int64_t{r} * L,
+                                          L > 1 ? fmt::format(", {}", int64_t{r} * L + L - 1) : "",
+                                          kSampleRows)
+                            : "",
+                        kTolerance));
+  }
+  if (!opt.backward) report.skip("backward (dx, dW) on every rank", "--no-backward");
+  return report.finish();
 }
 
 }  // namespace moeflow::bench
