@@ -1,5 +1,5 @@
 // Expert-parallel dispatch / combine on GPUs (backends nccl and nvlink) against the
-// W-rank CPU reference (moeflow/dispatch.h), bitwise: received rows (tokens,
+// W-rank CPU reference (moeflow/ep_reference.h), bitwise: received rows (tokens,
 // probs), per-expert counts and offsets, drop counts, combined outputs
 // (weighted and not), dispatch backward, combine backward (grad_y bitwise,
 // dprobs within the dot-product tolerance), determinism over repeated runs.
@@ -18,7 +18,7 @@
 #include <mutex>
 #include <thread>
 
-#include "moeflow/dispatch.h"
+#include "moeflow/ep_reference.h"
 #include "moeflow/ep.h"
 #include "test_util.h"
 

@@ -1,37 +1,23 @@
-// Expert-parallel dispatch and combine across GPUs (CUDA builds only).
+// Expert-parallel dispatch and combine across GPUs (CUDA builds; a build
+// without CUDA links these and throws).
 //
 // W ranks (one GPU each) hold E/W experts each: rank q owns global experts
 // [q*E/W, (q+1)*E/W). dispatch() sends every token to the ranks of its
-// experts — once per rank, however many of its experts live there — and
-// returns it already permuted by local expert and padded to `align`, with its
-// probabilities and a RoutingPlan of the local experts whose counts and
-// offsets stay on the device (what the grouped GEMM / MLP reads). combine()
-// brings each token's expert outputs home and sums them in float32 in a fixed
-// order. The results are bitwise those of the CPU reference in
-// moeflow/dispatch.h (ep_reference), whose semantics this backend follows:
+// experts, once per rank, and returns it there permuted by local expert and
+// padded to `align`, with its probabilities and a RoutingPlan of the local
+// experts whose counts and offsets stay on the device. combine() brings each
+// token's expert outputs home and sums them in float32 in a fixed order. The
+// results are bitwise those of the CPU reference moeflow/ep_reference.h:
 // receive rows ordered by (source rank, token, k) inside each local expert,
 // the same capacity and drop rule, partial sums per rank in ascending k, the
 // partials of the ranks added in ascending rank order.
 //
-// Backend "nccl": every rank sends each peer a fixed-size routing message
-// (its token count, top-k ids and probs) with NCCL; the per-peer row counts
-// that follow from them are copied to the host once per dispatch (NCCL send
-// sizes are host arguments: this is the one host synchronisation of the
-// path, so dispatch is not CUDA-graph capturable; the nvlink backend removes
-// it), then grouped ncclSend/ncclRecv move exact row ranges, except the
-// eager first piece (EpOptions::eager_share), which leaves before the sync.
-// Works over any NCCL transport.
-// The transfers run on an internal stream of the group, in pieces, so that
-// packing, permuting and the combine's partial sums overlap them; every
-// function returns with all its work ordered before later work on `stream`.
-// Token counts may differ per rank (including 0) up to max_tokens_per_rank,
-// with no extra all-reduce. Combine sends float32 partial sums home, except
-// for a token with one slot on a rank: that slot's row of y goes home as is
-// (half the bytes for 16-bit y) and is weighted there, with the same bits.
-//
 // Every rank must call each collective operation (dispatch, combine and the
-// backward functions) in the same order. The views returned point into
-// buffers the group owns and stay valid until the next dispatch on it.
+// backward functions) in the same order. Every function enqueues on `stream`
+// and returns with its work ordered before later work there. The views
+// returned point into buffers the group owns and stay valid until the next
+// dispatch on it. How the backends work, and their environment knobs:
+// docs/ep.md; the tuning options: docs/tuning.md.
 #pragma once
 
 #include <array>
@@ -46,30 +32,27 @@ struct ncclComm;
 
 namespace moeflow {
 
-// kNccl: grouped ncclSend/ncclRecv, any NCCL transport, one host sync per
-// dispatch. kNvlink: kernels that load and store the peers' memory through
-// NCCL symmetric memory and LSA barriers (one NVLink domain, NCCL 2.28+; the
-// device API is compiled in, so moeflow must be built against the libnccl it
-// runs with), no host synchronisation: dispatch, the MLP and combine are
-// capturable in one CUDA graph. A token crosses to a rank once and is
-// expanded there into its slots' rows; combine sums each token's slots on the
-// rank that holds them and sends one float32 partial home, or, for a token
-// with one slot on that rank, the slot's row of y itself (half the bytes when
-// y is 16-bit; the result is the same bits). received_tokens is
-// -1 (the count stays on the device) and the plan's row_token / row_k /
-// dest_row are not filled; combine_backward takes y of the gradient dtype
-// (the token dtype, or EpOptions::backward_dtype with FP8 tokens). One
-// stream per group: its kernels meet in device-side barriers, so operations
-// of one group must not run concurrently, every rank must make the same calls
-// with the same nvlink_blocks, and an argument error thrown on one rank only
-// leaves the others waiting. See docs/ep-nvlink-design.md.
+// kNccl: grouped ncclSend/ncclRecv over any NCCL transport. The per-peer row
+// counts are copied to the host once per dispatch (NCCL send sizes are host
+// arguments), so dispatch is not CUDA-graph capturable; combine and the
+// backward functions do not synchronise. Token counts may differ per rank
+// (including 0) up to max_tokens_per_rank.
+// kNvlink: kernels that load and store the peers' memory through NCCL
+// symmetric memory (one NVLink domain, NCCL 2.28+, moeflow built against the
+// libnccl it runs with). No host synchronisation: dispatch, the MLP and
+// combine are capturable in one CUDA graph. received_tokens is -1 and the
+// plan's row_token / row_k / dest_row are not filled; combine_backward takes
+// y of the gradient dtype. Kernels of one group meet in device-side barriers:
+// its operations must not run concurrently, every rank must make the same
+// calls with the same nvlink_blocks, and an argument error thrown on one rank
+// only leaves the others waiting.
 enum class EpBackend { kNccl, kNvlink };
 
 struct EpOptions {
   EpBackend backend = EpBackend::kNccl;
-  int num_experts = 0;              // E (global), a multiple of the world size
-  int topk = 0;                     // K
-  int64_t hidden = 0;               // H
+  int num_experts = 0;  // E (global), a multiple of the world size
+  int topk = 0;         // K
+  int64_t hidden = 0;   // H
   // Token dtype of dispatch: float32/float16/bfloat16, or float8 e4m3/e5m2
   // (FP8 dispatch: rows of H bytes, their block scales as `scales`; the
   // nvlink backend needs 16-byte rows). Combine takes expert outputs of any
@@ -92,49 +75,31 @@ struct EpOptions {
   // unpermute run while the rest is in flight; 1 = one transfer.
   int pipeline_chunks = 2;
   // Backend nccl, two pieces: the first piece's share of each rank's tokens
-  // (in (0, 1)). The last piece's permute (dispatch) and sums (combine) are
-  // the operations' tails, so a smaller last piece ends them sooner: 0.65 was
-  // 1-3 % faster than halves on 2 x H100 (docs/perf/ep-nccl-2xh200-2026-11-22.md).
+  // (in (0, 1)); a smaller last piece ends the operations' tails sooner.
   double pipeline_first_share = 0.65;
-  // Backend nccl: an eager first piece. NCCL's send sizes are host arguments,
-  // so the rows for a peer could leave only after the host has this
-  // dispatch's counts. The eager piece does not wait: it carries the first
-  // floor(eager_share x n) rows for each peer, n being the rows this rank and
-  // that peer exchanged in the previous dispatch (both sides know it, so no
-  // message is needed), as a block of that fixed size (rows past this
-  // dispatch's count are padding, never read); the rest follows in the
-  // pieces above once the counts are known. In [0, 1); 0: off (the first
-  // dispatch of a group has none). Every rank must use the same value.
-  // Costs a staging buffer of eager_share x max_tokens_per_rank x
-  // min(topk, W - 1) rows. MOEFLOW_EP_EAGER overrides it. On 2 x H100 the
-  // mixtral dispatch took 488-498 us with 0.7 against 525-535 us without,
-  // also with the routing changing every call; dsv3 about the same
-  // (docs/perf/ep-nccl-2xh200-2026-11-22.md).
+  // Backend nccl: an eager first piece that leaves before the host has this
+  // dispatch's counts: the first floor(eager_share x n) rows for each peer, n
+  // being the rows the pair exchanged in the previous dispatch. In [0, 1);
+  // 0: off. Every rank must use the same value. Costs a staging buffer of
+  // eager_share x max_tokens_per_rank x min(topk, W - 1) rows.
+  // MOEFLOW_EP_EAGER overrides it.
   double eager_share = 0.7;
-  // Thread blocks of the permute / unpermute kernels that run beside the
-  // transfers (0: as many as the GPU holds). Fewer leave SMs and memory
-  // bandwidth to NCCL's kernels (2 pieces x 64 blocks measured best on two
-  // H200s: docs/perf/ep-nccl-h200-2026-11-22.md).
+  // Backend nccl: thread blocks of the permute / unpermute kernels that run
+  // beside the transfers (0: as many as the GPU holds); fewer leave SMs and
+  // memory bandwidth to NCCL's kernels.
   int overlap_blocks = 64;
-  // Backend nvlink: thread blocks of its dispatch and combine kernels (one
-  // per SM; HybridEP's num_blocks_permute). The rest of the GPU stays free
-  // for compute that overlaps the transfers.
+  // Backend nvlink: thread blocks of its fused kernels (one per SM, at least
+  // 2, at most the SMs); the rest of the GPU stays free for compute.
   int nvlink_blocks = 32;
   // Backend nvlink: dispatch moves token rows with TMA bulk copies through
-  // shared memory instead of 16-byte stores. Same speed at 32 SMs (both are
-  // bound by the SMs' store rate), faster with many SMs (2 x H200, dsv3 at
-  // 132 SMs: 448 vs 521 us; docs/perf/ep-nvlink-2xh200-2026-11-22.md).
+  // shared memory instead of 16-byte stores (pays off with many SMs).
+  // MOEFLOW_NVL_TMA overrides it.
   bool nvlink_bulk_copies = false;
   // Backend nccl: the staging buffers NCCL moves come from ncclMemAlloc and
-  // are registered with the communicator (ncclCommRegister), so that NCCL's
-  // send/recv over NVLink copies straight between them instead of through
-  // its own FIFO buffers (one copy less on the receiver). Every rank must use
-  // the same value. MOEFLOW_EP_REGISTER=0/1 overrides it. On by default:
-  // 2 x H100, registered vs plain in one run, mixtral dispatch 572 vs 663 us,
-  // combine 645 vs 822 us; dsv3 798 vs 989 / 1190 vs 1317 us
-  // (docs/perf/ep-nccl-2xh200-2026-11-22.md). Where ncclMemAlloc fails (no
-  // cuMem support) the buffers are plain device memory and
-  // nccl_buffers_registered() says false.
+  // are registered with the communicator, so that NCCL copies straight
+  // between them (one copy less on the receiver). Every rank must use the
+  // same value. MOEFLOW_EP_REGISTER=0/1 overrides it. Where ncclMemAlloc
+  // fails the buffers are plain and nccl_buffers_registered() says false.
   bool nccl_register_buffers = true;
 };
 
@@ -152,22 +117,15 @@ class EpGroup {
   // One group per listed GPU of this process (communicators made together).
   static std::vector<std::unique_ptr<EpGroup>> create_local(const std::vector<int>& devices,
                                                             const EpOptions& options);
-  // Testing aid: `world_size` (2..8) ranks of the nvlink backend on one GPU,
-  // for checking the multi-rank logic where only one GPU is at hand. Each
-  // rank's window is plain memory of that GPU, the barriers are counters in
-  // device memory, and no NCCL communicator exists (nccl_comm() is null).
-  // Drive them like create_local() groups (run_local), each rank's
-  // operations on its simulated_stream(); all ranks' kernels must be
-  // resident at once, so nvlink_blocks is at most SMs / world_size, and
-  // between operations no rank may call anything that waits for the whole
-  // device (cudaDeviceSynchronize, cudaFree) while another rank has already
-  // launched its next operation. Set before CUDA starts (both checked):
-  // CUDA_MODULE_LOADING=EAGER (with lazy loading, a kernel's first launch may
-  // wait for the whole GPU while another rank's kernel waits for it) and
-  // CUDA_DEVICE_MAX_CONNECTIONS=32 (at least 17: the ranks' streams, taken
-  // from a pool made at the first call, need a hardware queue each; so use
-  // one set of simulated groups per GPU at a time). Timings say nothing about
-  // NVLink.
+  // Testing aid: `world_size` (2..8) ranks of the nvlink backend on one GPU
+  // (plain memory windows, counter barriers, no communicator). Drive them
+  // like create_local() groups (run_local), each rank's operations on its
+  // simulated_stream(); nvlink_blocks is at most SMs / world_size; between
+  // operations no rank may wait for the whole device (cudaDeviceSynchronize,
+  // cudaFree) while another has launched its next one. Needs, set before
+  // CUDA starts (checked): CUDA_MODULE_LOADING=EAGER and
+  // CUDA_DEVICE_MAX_CONNECTIONS >= 17 (one set of simulated groups per GPU at
+  // a time). Timings say nothing about NVLink (docs/ep.md).
   static std::vector<std::unique_ptr<EpGroup>> create_simulated(int world_size, int device,
                                                                 const EpOptions& options);
   // Runs fn(rank) on one thread per group (each with its device current) and
@@ -217,8 +175,11 @@ struct EpDispatchResult {
                             // exchange; -1 on the nvlink backend)
 };
 
-// x [T,H] (T <= max_tokens_per_rank, may be 0), ids [T,K] int32/int64 global
-// expert ids (-1: none), probs [T,K] float32.
+// x [T,H] of EpOptions::dtype (T <= max_tokens_per_rank, may be 0), ids
+// [T,K] int32/int64 global expert ids (-1: none), probs [T,K] float32
+// (optional). Ids outside [-1, E) are treated as unrouted: the nccl backend
+// throws after the dispatch completed, the nvlink backend counts them in
+// plan->invalid_ids.
 EpDispatchResult ep_dispatch(EpGroup& group, TensorView x, TensorView ids, TensorView probs,
                              cudaStream_t stream = nullptr);
 // The same with per-token scales [T, scale_cols] (EpOptions::scale_cols and

@@ -1,11 +1,11 @@
 // Receive layout of expert-parallel dispatch from the count matrix, shared by
 // the host and the device (the fused NVLink dispatch of
-// docs/ep-nvlink-design.md computes it on every rank after the counts are
+// docs/ep.md computes it on every rank after the counts are
 // exchanged, with no host round trip).
 //
 // counts[s * E + g]: slots of source rank s routed to global expert g.
 // Rank q owns experts [q*L, (q+1)*L), L = E / W. Its receive layout is the
-// reference's (moeflow/dispatch.h): local experts in order, each padded to
+// reference's (moeflow/ep_reference.h): local experts in order, each padded to
 // `align`, clipped by `capacity` (layout_expert); inside expert g the rows of
 // source s start after those of the sources before it, so that rows are in
 // (source rank, token, k) order. A slot of source s whose rank among s's

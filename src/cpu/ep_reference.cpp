@@ -12,7 +12,7 @@
 
 #include "core/backends.h"
 #include "core/internal.h"
-#include "moeflow/dispatch.h"
+#include "moeflow/ep_reference.h"
 #include "moeflow/plan.h"
 
 namespace moeflow::ep_reference {

@@ -4,7 +4,7 @@
 // one rank, capacity overflow, dispatch+combine identity, backward adjoints,
 // bad input.
 #include "core/ep_layout.h"
-#include "moeflow/dispatch.h"
+#include "moeflow/ep_reference.h"
 #include "test_util.h"
 
 namespace moeflow::test {

@@ -1,0 +1,170 @@
+// Public expert-parallel entry points (moeflow/ep.h): the group options and
+// every argument are checked here, once, then the group's backend (nccl or
+// nvlink, src/cuda/ep/) runs the operation. Without CUDA the backend entry
+// points are stubs that throw (ep_nocuda.cpp).
+#include "moeflow/ep.h"
+
+#include <utility>
+
+#include "core/ep_backend.h"
+#include "core/internal.h"
+
+namespace moeflow {
+
+using detail::Expect;
+
+namespace {
+
+const std::vector<DType> kFloats = {DType::kFloat32, DType::kFloat16, DType::kBFloat16};
+
+int64_t addr(const void* p) {
+  return static_cast<int64_t>(reinterpret_cast<uintptr_t>(p));
+}
+
+// 16-byte accesses of every operand's rows (addresses and strides in bytes).
+bool rows_16b(int64_t H, int n, std::initializer_list<std::pair<const void*, int64_t>> rows) {
+  if (H % n != 0) return false;
+  for (const auto& r : rows)
+    if (addr(r.first) % 16 != 0 || r.second % 16 != 0) return false;
+  return true;
+}
+
+bool is_nvlink(const EpGroup& group) {
+  return group.options().backend == EpBackend::kNvlink;
+}
+
+// The dtype of combine_backward's rows: the token dtype, or backward_dtype
+// with FP8 tokens.
+DType grad_dtype(const EpOptions& o) {
+  return dtype_is_arith_float(o.dtype) ? o.dtype : o.backward_dtype;
+}
+
+// combine and dispatch backward: rows [capacity, H] -> out [T, H].
+void check_combine(EpGroup& group, TensorView y, const char* y_name, TensorView out,
+                   const char* out_name) {
+  const Device dev = group.device();
+  const int64_t H = group.options().hidden;
+  detail::expect(y, y_name, Expect{kFloats, {group.capacity_rows(), H}, dev});
+  detail::expect(out, out_name, Expect{kFloats, {cuda::ep_last_num_tokens(group), H}, dev});
+  MOEFLOW_CHECK(out.strides[1] == 1, out_name, " rows must be contiguous (stride(1) == 1)");
+  if (is_nvlink(group))
+    MOEFLOW_CHECK(y.strides[1] == 1, y_name, " rows must be contiguous (stride(1) == 1)");
+}
+
+void combine(EpGroup& group, TensorView y, bool weighted, TensorView out, cudaStream_t stream) {
+  if (is_nvlink(group)) return cuda::ep_nvlink_combine(group, y, weighted, out, stream);
+  cuda::ep_nccl_combine(group, y, weighted, out, stream);
+}
+
+}  // namespace
+
+void check_ep_options(const EpOptions& o, int world) {
+  MOEFLOW_CHECK(o.num_experts > 0 && o.num_experts % world == 0,
+                "num_experts must be a positive multiple of the world size ", world, ", got ",
+                o.num_experts);
+  MOEFLOW_CHECK(o.topk >= 1 && o.topk <= 32, "topk must be in [1, 32], got ", o.topk);
+  MOEFLOW_CHECK(o.hidden > 0, "hidden must be > 0, got ", o.hidden);
+  MOEFLOW_CHECK(world <= kEpMaxWorld, "at most ", kEpMaxWorld, " ranks per group, got ", world);
+  MOEFLOW_CHECK(o.pipeline_chunks >= 1 && o.pipeline_chunks <= kEpMaxChunks,
+                "pipeline_chunks must be in [1, ", kEpMaxChunks, "], got ", o.pipeline_chunks);
+  MOEFLOW_CHECK(o.overlap_blocks >= 0, "overlap_blocks must be >= 0, got ", o.overlap_blocks);
+  MOEFLOW_CHECK(o.pipeline_first_share > 0.0 && o.pipeline_first_share < 1.0,
+                "pipeline_first_share must be in (0, 1), got ", o.pipeline_first_share);
+  MOEFLOW_CHECK(o.nvlink_blocks >= 2, "nvlink_blocks must be >= 2, got ", o.nvlink_blocks);
+  MOEFLOW_CHECK(o.max_tokens_per_rank >= 0, "max_tokens_per_rank must be >= 0, got ",
+                o.max_tokens_per_rank);
+  MOEFLOW_CHECK(dtype_is_arith_float(o.dtype) || o.dtype == DType::kFloat8E4M3 ||
+                    o.dtype == DType::kFloat8E5M2,
+                "dtype must be float32, float16, bfloat16, float8_e4m3 or float8_e5m2, got ",
+                dtype_name(o.dtype));
+  MOEFLOW_CHECK(dtype_is_arith_float(grad_dtype(o)),
+                "backward_dtype must be float32, float16 or bfloat16 (FP8 tokens), got ",
+                dtype_name(grad_dtype(o)));
+  MOEFLOW_CHECK(o.scale_cols >= 0, "scale_cols must be >= 0, got ", o.scale_cols);
+  MOEFLOW_CHECK(o.eager_share >= 0.0 && o.eager_share < 1.0, "eager_share must be in [0, 1), got ",
+                o.eager_share);
+}
+
+EpDispatchResult ep_dispatch(EpGroup& group, TensorView x, TensorView ids, TensorView probs,
+                             TensorView scales, cudaStream_t stream) {
+  const EpOptions& o = group.options();
+  const Device dev = group.device();
+  const int K = o.topk;
+  MOEFLOW_CHECK(x.defined() && x.ndim == 2, "x must be [T,H], got ", x.str());
+  const int64_t T = x.shape[0];
+  detail::expect(x, "x", Expect{{o.dtype}, {T, o.hidden}, dev});
+  MOEFLOW_CHECK(x.strides[1] == 1, "x rows must be contiguous (stride(1) == 1), got ", x.stride(1));
+  MOEFLOW_CHECK(T <= o.max_tokens_per_rank, "x has ", T,
+                " tokens, more than max_tokens_per_rank=", o.max_tokens_per_rank);
+  detail::expect(ids, "ids", Expect{{DType::kInt32, DType::kInt64}, {T, K}, dev});
+  MOEFLOW_CHECK(ids.is_contiguous(), "ids must be contiguous");
+  if (probs.defined()) {
+    detail::expect(probs, "probs", Expect{{DType::kFloat32}, {T, K}, dev});
+    MOEFLOW_CHECK(probs.is_contiguous(), "probs must be contiguous");
+  }
+  // Every rank passes scales or none (their transfers pair up across ranks):
+  // a group made with scale_cols > 0 takes them on every dispatch.
+  MOEFLOW_CHECK(scales.defined() == (o.scale_cols > 0),
+                scales.defined()
+                    ? "scales given but the group was made with EpOptions::scale_cols = 0"
+                    : "the group was made with EpOptions::scale_cols > 0: every dispatch takes "
+                      "scales");
+  if (scales.defined()) {
+    detail::expect(scales, "scales", Expect{{o.scale_dtype}, {T, o.scale_cols}, dev});
+    MOEFLOW_CHECK(scales.is_contiguous(), "scales must be contiguous");
+  }
+  if (is_nvlink(group)) {
+    MOEFLOW_CHECK(addr(x.data) % 16 == 0 && (x.strides[0] * int64_t(dtype_size(x.dtype))) % 16 == 0,
+                  "the nvlink backend needs 16-byte aligned rows of x");
+    return cuda::ep_nvlink_dispatch(group, x, ids, probs, scales, stream);
+  }
+  return cuda::ep_nccl_dispatch(group, x, ids, probs, scales, stream);
+}
+
+EpDispatchResult ep_dispatch(EpGroup& group, TensorView x, TensorView ids, TensorView probs,
+                             cudaStream_t stream) {
+  return ep_dispatch(group, x, ids, probs, TensorView{}, stream);
+}
+
+void ep_combine(EpGroup& group, TensorView y, bool weighted, TensorView out, cudaStream_t stream) {
+  check_combine(group, y, "y", out, "out");
+  combine(group, y, weighted, out, stream);
+}
+
+void ep_dispatch_backward(EpGroup& group, TensorView grad_recv, TensorView grad_x,
+                          cudaStream_t stream) {
+  check_combine(group, grad_recv, "grad_recv", grad_x, "grad_x");
+  combine(group, grad_recv, false, grad_x, stream);
+}
+
+void ep_combine_backward(EpGroup& group, TensorView dout, TensorView y, bool weighted,
+                         TensorView grad_y, TensorView dprobs, cudaStream_t stream) {
+  const EpOptions& o = group.options();
+  const Device dev = group.device();
+  const int K = o.topk;
+  const int64_t T = cuda::ep_last_num_tokens(group), H = o.hidden;
+  const int64_t capacity = group.capacity_rows();
+  detail::expect(dout, "dout", Expect{{grad_dtype(o)}, {T, H}, dev});
+  MOEFLOW_CHECK(dout.strides[1] == 1, "dout rows must be contiguous (stride(1) == 1)");
+  detail::expect(y, "y", Expect{kFloats, {capacity, H}, dev});
+  detail::expect(grad_y, "grad_y", Expect{{y.dtype}, {capacity, H}, dev});
+  if (dprobs.defined()) {
+    detail::expect(dprobs, "dprobs", Expect{{DType::kFloat32}, {T, K}, dev});
+    MOEFLOW_CHECK(dprobs.is_contiguous(), "dprobs must be contiguous");
+  }
+  if (!is_nvlink(group))
+    return cuda::ep_nccl_combine_backward(group, dout, y, weighted, grad_y, dprobs, stream);
+  MOEFLOW_CHECK(y.dtype == grad_dtype(o), "the nvlink backend needs y of the gradient dtype ",
+                dtype_name(grad_dtype(o)),
+                " (the token dtype, or backward_dtype with FP8 tokens), got ", y.str());
+  const int64_t esz = int64_t(dtype_size(y.dtype));
+  MOEFLOW_CHECK(y.strides[1] == 1 && grad_y.strides[1] == 1 &&
+                    rows_16b(H, static_cast<int>(16 / esz),
+                             {{dout.data, dout.strides[0] * esz},
+                              {y.data, y.strides[0] * esz},
+                              {grad_y.data, grad_y.strides[0] * esz}}),
+                "the nvlink backend needs 16-byte aligned rows of dout, y and grad_y");
+  cuda::ep_nvlink_combine_backward(group, dout, y, weighted, grad_y, dprobs, stream);
+}
+
+}  // namespace moeflow

@@ -1,0 +1,37 @@
+// The expert-parallel backend entry points behind the public functions of
+// moeflow/ep.h (src/core/ep.cpp checks the arguments, then calls these;
+// src/cuda/ep/ implements them). Arguments arrive validated.
+#pragma once
+
+#include "moeflow/ep.h"
+
+namespace moeflow {
+
+constexpr int kEpMaxWorld = 64;   // ranks per group
+constexpr int kEpMaxChunks = 16;  // EpOptions::pipeline_chunks at most
+
+// Checks the options of a group of `world_size` ranks (every factory calls it).
+void check_ep_options(const EpOptions& options, int world_size);
+
+namespace cuda {
+
+// T of the last dispatch on this rank (what combine's out and
+// combine_backward's dout must have).
+int64_t ep_last_num_tokens(EpGroup& group);
+
+EpDispatchResult ep_nccl_dispatch(EpGroup& group, TensorView x, TensorView ids, TensorView probs,
+                                  TensorView scales, cudaStream_t stream);
+void ep_nccl_combine(EpGroup& group, TensorView y, bool weighted, TensorView out,
+                     cudaStream_t stream);
+void ep_nccl_combine_backward(EpGroup& group, TensorView dout, TensorView y, bool weighted,
+                              TensorView grad_y, TensorView dprobs, cudaStream_t stream);
+
+EpDispatchResult ep_nvlink_dispatch(EpGroup& group, TensorView x, TensorView ids, TensorView probs,
+                                    TensorView scales, cudaStream_t stream);
+void ep_nvlink_combine(EpGroup& group, TensorView y, bool weighted, TensorView out,
+                       cudaStream_t stream);
+void ep_nvlink_combine_backward(EpGroup& group, TensorView dout, TensorView y, bool weighted,
+                                TensorView grad_y, TensorView dprobs, cudaStream_t stream);
+
+}  // namespace cuda
+}  // namespace moeflow
