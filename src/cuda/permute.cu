@@ -30,7 +30,7 @@ namespace {
 constexpr int kWarps = 8;
 constexpr int kThreads = kWarps * kWarpSize;
 constexpr int kUnroll = 4;  // vectors in flight per lane
-// permute (1 read : K writes) defaults, picked with bench/experiments/permute_variants.cu
+// permute (1 read : K writes) defaults, picked with dev/permute_variants.cu
 constexpr int kPermuteUnroll = 8;
 constexpr bool kStreamingStores = true;
 
@@ -80,16 +80,16 @@ struct PermuteArgs {
   int64_t y_stride;  // bytes
   int64_t row_vecs;  // vectors per row
   const int64_t* dest_row;
-  int64_t num_tokens;      // tokens of this launch: plan tokens first_token ..
-  int64_t first_token;     // x row i is plan token first_token + i (dest_row, probs: whole plan)
-  const int32_t* src_rows; // or null: plan token first_token + i reads x row src_rows[i]
+  int64_t num_tokens;       // tokens of this launch: plan tokens first_token ..
+  int64_t first_token;      // x row i is plan token first_token + i (dest_row, probs: whole plan)
+  const int32_t* src_rows;  // or null: plan token first_token + i reads x row src_rows[i]
   int topk;
-  const float* probs;      // [T,K] or null
-  float* permuted_probs;   // [capacity] or null
-  const uint8_t* scales;   // [T,S] or null
+  const float* probs;     // [T,K] or null
+  float* permuted_probs;  // [capacity] or null
+  const uint8_t* scales;  // [T,S] or null
   uint8_t* permuted_scales;
-  int64_t scale_bytes;     // bytes per scales row
-  bool scale_words;        // scale rows 4-byte aligned
+  int64_t scale_bytes;  // bytes per scales row
+  bool scale_words;     // scale rows 4-byte aligned
   PadRows pads;
   int64_t num_pad_items;
 };
@@ -106,7 +106,7 @@ __device__ __forceinline__ void store_vec(V* p, const V& v, bool streaming) {
 }
 
 // UNROLL: vectors in flight per lane; STREAM: evict-first stores for y
-// (bench/experiments/permute_variants.cu measures the choices).
+// (dev/permute_variants.cu measures the choices).
 template <typename V, int UNROLL = kPermuteUnroll, bool STREAM = kStreamingStores>
 __global__ void __launch_bounds__(kThreads) permute_kernel(PermuteArgs a) {
   const int lane = threadIdx.x % kWarpSize;
@@ -120,11 +120,12 @@ __global__ void __launch_bounds__(kThreads) permute_kernel(PermuteArgs a) {
       if (row < 0) continue;
       zero_row<V>(a.y + row * a.y_stride, a.row_vecs, lane);
       if (a.permuted_probs && lane == 0) a.permuted_probs[row] = 0.0f;
-      if (a.permuted_scales) zero_small_row(a.permuted_scales + row * a.scale_bytes, a.scale_bytes, lane);
+      if (a.permuted_scales)
+        zero_small_row(a.permuted_scales + row * a.scale_bytes, a.scale_bytes, lane);
       continue;
     }
     const int64_t tl = a.src_rows ? a.src_rows[item] : item;  // row of x
-    const int64_t t = a.first_token + item;                    // token of the plan
+    const int64_t t = a.first_token + item;                   // token of the plan
     const V* src = reinterpret_cast<const V*>(a.x + tl * a.x_stride);
     for (int kg = 0; kg < a.topk; kg += kWarpSize) {
       // Step 1: this group's destinations (lane = k - kg), probs.
@@ -174,7 +175,7 @@ int64_t num_pad_items(const RoutingPlan& plan) {
 
 // Blocks for `items` warp-sized work items: one item per warp, or (persistent)
 // as many blocks as are resident at once on this GPU, fewer when there is less
-// work. bench/experiments/permute_variants.cu measured both: permute and
+// work. dev/permute_variants.cu measured both: permute and
 // unpermute_backward are faster with one item per warp (the hardware block
 // scheduler balances better than a fixed walk), unpermute with a persistent grid.
 template <typename Kernel>
@@ -191,7 +192,8 @@ int64_t grid_blocks(Kernel kernel, int64_t items, bool persistent) {
     auto key = std::make_pair(reinterpret_cast<const void*>(kernel), device);
     auto it = resident.find(key);
     if (it == resident.end()) {
-      MOEFLOW_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, kThreads, 0));
+      MOEFLOW_CUDA_CHECK(
+          cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, kThreads, 0));
       resident[key] = per_sm;
     } else {
       per_sm = it->second;
@@ -202,10 +204,9 @@ int64_t grid_blocks(Kernel kernel, int64_t items, bool persistent) {
 }
 
 PadRows pad_rows_of(const RoutingPlan& plan) {
-  return PadRows{plan.tokens_per_expert.data_ptr<int32_t>(),
-                 plan.padded_tokens_per_expert.data_ptr<int32_t>(),
-                 plan.expert_row_offsets.data_ptr<int64_t>(), plan.config.num_experts,
-                 plan.config.align};
+  return PadRows{
+      plan.tokens_per_expert.data_ptr<int32_t>(), plan.padded_tokens_per_expert.data_ptr<int32_t>(),
+      plan.expert_row_offsets.data_ptr<int64_t>(), plan.config.num_experts, plan.config.align};
 }
 
 int64_t row_stride_bytes(const TensorView& v) {
@@ -232,7 +233,7 @@ struct UnpermuteArgs {
   int64_t out_stride;  // elements
   int64_t hidden;
   const int64_t* dest_row;
-  int64_t num_tokens;   // tokens first_token .. first_token + num_tokens - 1
+  int64_t num_tokens;  // tokens first_token .. first_token + num_tokens - 1
   int64_t first_token;
   int topk;
   const float* weights;   // [T,K] or null
@@ -338,11 +339,13 @@ struct UnpermuteBwdArgs {
 };
 
 template <typename TG, typename TY, int N>
-__device__ __forceinline__ void unpermute_bwd_token(const UnpermuteBwdArgs& a, int64_t t, int lane) {
+__device__ __forceinline__ void unpermute_bwd_token(const UnpermuteBwdArgs& a, int64_t t,
+                                                    int lane) {
   using GPack = Pack<TG, N>;
   using YPack = Pack<TY, N>;
   const int64_t packs = a.hidden / N;
-  const GPack* g = reinterpret_cast<const GPack*>(static_cast<const TG*>(a.dout) + t * a.dout_stride);
+  const GPack* g =
+      reinterpret_cast<const GPack*>(static_cast<const TG*>(a.dout) + t * a.dout_stride);
 
   for (int kg = 0; kg < a.topk; kg += kWarpSize) {
     const int k = kg + lane;
@@ -364,9 +367,10 @@ __device__ __forceinline__ void unpermute_bwd_token(const UnpermuteBwdArgs& a, i
         const int64_t r = __shfl_sync(0xffffffffu, row, src);
         const float wk = __shfl_sync(0xffffffffu, w, src);
         YPack* dst = reinterpret_cast<YPack*>(static_cast<TY*>(a.dy) + r * a.dy_stride);
-        const YPack* yf = a.y_fwd ? reinterpret_cast<const YPack*>(
-                                        static_cast<const TY*>(a.y_fwd) + r * a.y_stride)
-                                  : nullptr;
+        const YPack* yf =
+            a.y_fwd
+                ? reinterpret_cast<const YPack*>(static_cast<const TY*>(a.y_fwd) + r * a.y_stride)
+                : nullptr;
         float part = 0.0f;
 #pragma unroll
         for (int u = 0; u < kUnroll; ++u) {
@@ -379,7 +383,8 @@ __device__ __forceinline__ void unpermute_bwd_token(const UnpermuteBwdArgs& a, i
             if (a.dprobs) {
               const YPack yv = yf[p];
 #pragma unroll
-              for (int j = 0; j < N; ++j) part = fmaf(to_float(gv[u].v[j]), to_float(yv.v[j]), part);
+              for (int j = 0; j < N; ++j)
+                part = fmaf(to_float(gv[u].v[j]), to_float(yv.v[j]), part);
             }
           }
         }
@@ -394,8 +399,8 @@ __device__ __forceinline__ void unpermute_bwd_token(const UnpermuteBwdArgs& a, i
   }
 }
 
-// NOTE: 4 blocks (32 warps) per SM: at 70 registers only 3 fit and the
-// kernel lost 12 points of bandwidth (measured on an H200).
+// NOTE: 4 blocks (32 warps) per SM: at 70 registers only 3 fit, which is
+// measurably slower (docs/performance.md).
 template <typename TG, typename TY, int N>
 __global__ void __launch_bounds__(kThreads, 4) unpermute_bwd_kernel(UnpermuteBwdArgs a) {
   const int lane = threadIdx.x % kWarpSize;
@@ -417,12 +422,14 @@ __global__ void __launch_bounds__(kThreads, 4) unpermute_bwd_kernel(UnpermuteBwd
   }
 }
 
-int64_t addr(const void* p) { return static_cast<int64_t>(reinterpret_cast<uintptr_t>(p)); }
+int64_t addr(const void* p) {
+  return static_cast<int64_t>(reinterpret_cast<uintptr_t>(p));
+}
 
 }  // namespace
 
 // The kernel arguments and grid of one permute call (also used by
-// bench/experiments/permute_variants.cu).
+// dev/permute_variants.cu).
 struct PermuteLaunch {
   PermuteArgs args;
   int64_t row_bytes;
@@ -493,8 +500,8 @@ void unpermute(TensorView y, const RoutingPlan& plan, TensorView out, TensorView
 }
 
 void unpermute_tokens(TensorView y, const RoutingPlan& plan, int64_t first_token, int64_t count,
-                      TensorView out, TensorView weights, TensorView row_vals,
-                      TensorView slot_vals, cudaStream_t stream, int max_blocks) {
+                      TensorView out, TensorView weights, TensorView row_vals, TensorView slot_vals,
+                      cudaStream_t stream, int max_blocks) {
   MOEFLOW_CHECK(first_token >= 0 && count >= 0 && first_token + count <= plan.num_tokens,
                 "unpermute_tokens: tokens [", first_token, ", ", first_token + count,
                 ") outside the plan's ", plan.num_tokens);
