@@ -12,8 +12,8 @@
 #include <tuple>
 
 #include "bench/bench.h"
-#include "core/backends.h"
-#include "core/mlp_call.h"
+#include "moeflow/grouped_mlp.h"
+#include "moeflow/tuning.h"
 
 namespace moeflow::bench {
 
@@ -152,21 +152,25 @@ void run_gemm_bench(const GemmBenchOptions& opt) {
                  dense, ours / dense);
       std::fflush(stdout);
     };
-    cuda::set_gemm_path(cuda::GemmPath::kPortable);
-    const double fwd_portable = tflops(
-        [&] { grouped_gemm_forward(a, GroupedWeights::from_stacked(w), layout, out, stream); });
-    cuda::set_gemm_path(cuda::GemmPath::kSm90Narrow);
-    const double fwd_narrow = tflops(
-        [&] { grouped_gemm_forward(a, GroupedWeights::from_stacked(w), layout, out, stream); });
-    cuda::set_gemm_path(cuda::GemmPath::kSm90CpAsync);
-    const double fwd_cpasync = tflops(
-        [&] { grouped_gemm_forward(a, GroupedWeights::from_stacked(w), layout, out, stream); });
-    cuda::set_gemm_path(cuda::GemmPath::kTmaDirectStore);
-    const double fwd_direct = tflops(
-        [&] { grouped_gemm_forward(a, GroupedWeights::from_stacked(w), layout, out, stream); });
-    const double wg_direct = tflops(
-        [&] { grouped_gemm_wgrad(dc, a, layout, GroupedWeights::from_stacked(dw), true, stream); });
-    cuda::set_gemm_path(cuda::GemmPath::kAuto);
+    // The forward (and wgrad) with kernel k instead of the default.
+    auto with_kernel = [](GemmKernel k) {
+      GemmOptions o;
+      o.kernel = k;
+      return o;
+    };
+    auto forward_with = [&](const GemmOptions& o) {
+      return tflops([&] {
+        grouped_gemm_forward(a, GroupedWeights::from_stacked(w), layout, out, o, stream);
+      });
+    };
+    const double fwd_portable = forward_with(with_kernel(GemmKernel::kPortable));
+    const double fwd_narrow = forward_with(with_kernel(GemmKernel::kSm90Narrow));
+    const double fwd_cpasync = forward_with(with_kernel(GemmKernel::kSm90CpAsync));
+    const GemmOptions direct = with_kernel(GemmKernel::kTmaDirectStore);
+    const double fwd_direct = forward_with(direct);
+    const double wg_direct = tflops([&] {
+      grouped_gemm_wgrad(dc, a, layout, GroupedWeights::from_stacked(dw), true, direct, stream);
+    });
     fmt::print(
         "    forward variants: portable mma.sync {:7.1f}, cp.async+wgmma 128x256 {:7.1f}, "
         "128x128 (2 blocks/SM) {:7.1f}, TMA kernel with masked-store epilogue {:7.1f} TFLOP/s "
@@ -190,8 +194,8 @@ void run_gemm_bench(const GemmBenchOptions& opt) {
       Tensor map_h = Tensor::empty({M}, DType::kInt32);
       std::mt19937 rng(7);
       for (int64_t r = 0; r < M; ++r)
-        map_h.data_ptr<int32_t>()[r] = std::uniform_int_distribution<int32_t>(
-            0, static_cast<int32_t>(src_rows) - 1)(rng);
+        map_h.data_ptr<int32_t>()[r] =
+            std::uniform_int_distribution<int32_t>(0, static_cast<int32_t>(src_rows) - 1)(rng);
       Tensor map = map_h.to(dev);
       // What a token-major receive buffer gives: within each expert's rows the
       // source rows ascend (tokens in order), so sort each group's slice.
@@ -201,35 +205,41 @@ void run_gemm_bench(const GemmBenchOptions& opt) {
         std::sort(m + offs.data_ptr<int64_t>()[e], m + offs.data_ptr<int64_t>()[e + 1]);
       }
       Tensor map_sorted = map_sorted_h.to(dev);
-      GroupedGemmCall g;
-      g.op = GroupedGemmCall::kForward;
-      g.a = src;
-      g.a_rows = map;
-      g.w = GroupedWeights::from_stacked(w);
-      g.groups = layout;
-      g.out = out;
-      g.rows = M;
-      g.num_groups = E;
-      g.n = N;
-      g.k = K;
       // Random map, then the same map sorted within each expert's rows (what a
       // token-major receive buffer gives: tokens in order).
       for (const bool sorted : {false, true}) {
-        g.a_rows = sorted ? map_sorted : map;
+        const TensorView a_rows = sorted ? map_sorted : map;
         const auto [gat, contig] = paired(
-            [&] { cuda::grouped_gemm(g, stream); },
+            [&] {
+              grouped_gemm_forward_gathered(src, a_rows, GroupedWeights::from_stacked(w), layout,
+                                            out, {}, stream);
+            },
             [&] { grouped_gemm_forward(a, GroupedWeights::from_stacked(w), layout, out, stream); });
         fmt::print(
             "    forward with gathered A rows ({} row map into M/4 source rows) {:7.1f} TFLOP/s, "
             "contiguous {:7.1f}: gathered costs {:.3f}x\n",
             sorted ? "sorted-per-expert" : "random", gat, contig, contig / gat);
-        Row r{c.name, sorted ? "forward_gathered_rows_sorted" : "forward_gathered_rows",
-              flops / gat / 1e6, 0, 0, 0};
+        Row r{c.name,
+              sorted ? "forward_gathered_rows_sorted" : "forward_gathered_rows",
+              flops / gat / 1e6,
+              0,
+              0,
+              0};
         r.extra = {{"TFLOPs", gat}, {"contiguous_TFLOPs", contig}, {"time_ratio", contig / gat}};
         rows_out.push_back(r);
       }
     }
-    std::optional<MlpFc1Call> fused_call;  // views of act, bias, probs
+    // One call of the fused FC1 (grouped_mlp_fc1_forward): the views it reads
+    // and writes, and its configuration (SwiGLU, tuning).
+    struct Fc1Call {
+      GroupedMlpWeights w;
+      TensorView probs, act, raw;
+      GroupedMlpConfig cfg;
+    };
+    auto fc1 = [&](const Fc1Call& f) {
+      grouped_mlp_fc1_forward(a, f.w, layout, f.probs, f.cfg, f.act, f.raw, stream);
+    };
+    std::optional<Fc1Call> fused_call;  // views of act, bias, probs
     Tensor act, bias, probs;
     if (c.name.size() > 4 && c.name.substr(c.name.size() - 4) == "-fc1" && N % 128 == 0) {
       // FC1 with bias + SwiGLU + probability scale fused, saving the pre-activation
@@ -239,32 +249,29 @@ void run_gemm_bench(const GemmBenchOptions& opt) {
       probs = Tensor::empty({M}, DType::kFloat32, dev);
       fill_bytes(bias, 0x3C, stream);
       fill_bytes(probs, 0x3C, stream);
-      MlpFc1Call call;
-      call.x = a;
-      call.w1 = w;
-      call.groups = layout;
-      call.bias1 = bias;
+      Fc1Call call;
+      call.w.fc1 = w;
+      call.w.bias1 = bias;
       call.probs = probs;
-      call.out = act;
+      call.act = act;
       call.raw = out;
-      call.rows = M;
-      call.num_groups = E;
-      call.hidden = K;
-      call.ffn = N / 2;
+      bool ok = true;
       try {
-        cuda::mlp_fc1_forward(call, stream);
+        fc1(call);
       } catch (const Error& e) {
         fmt::print("    fused FC1 skipped: {}\n", e.what());
-        call.num_groups = 0;
+        ok = false;
       }
-      if (call.num_groups > 0) {
+      if (ok) {
         fused_call = call;
         // A fused FC1 call timed in alternation with FC1 alone: printed and
         // kept as the JSON row `op`.
-        auto vs_alone = [&](const MlpFc1Call& v, const char* what, const char* op) {
-          const auto [fu, plain] = paired(
-              [&] { cuda::mlp_fc1_forward(v, stream); },
-              [&] { grouped_gemm_forward(a, GroupedWeights::from_stacked(w), layout, out, stream); });
+        auto vs_alone = [&](const Fc1Call& v, const char* what, const char* op) {
+          const auto [fu, plain] = paired([&] { fc1(v); },
+                                          [&] {
+                                            grouped_gemm_forward(a, GroupedWeights::from_stacked(w),
+                                                                 layout, out, stream);
+                                          });
           fmt::print("    {} {:7.1f} TFLOP/s, FC1 alone {:7.1f}: fused costs {:.3f}x FC1 alone\n",
                      what, fu, plain, plain / fu);
           std::fflush(stdout);
@@ -277,15 +284,15 @@ void run_gemm_bench(const GemmBenchOptions& opt) {
             call, "fc1 + bias + SwiGLU + probs fused (pre-activation saved)", "fc1_swiglu_fused");
         // Where the fused epilogue's time goes: the same call with parts left out.
         auto variant = [&](bool with_raw, bool with_bias, bool with_probs) {
-          MlpFc1Call v = call;
-          if (!with_raw) v.raw = Tensor();
-          if (!with_bias) v.bias1 = Tensor();
-          if (!with_probs) v.probs = Tensor();
+          Fc1Call v = call;
+          if (!with_raw) v.raw = TensorView();
+          if (!with_bias) v.w.bias1 = TensorView();
+          if (!with_probs) v.probs = TensorView();
           return v;
         };
         auto part = [&](bool with_raw, bool with_bias, bool with_probs) {
-          const MlpFc1Call v = variant(with_raw, with_bias, with_probs);
-          return tflops([&] { cuda::mlp_fc1_forward(v, stream); });
+          const Fc1Call v = variant(with_raw, with_bias, with_probs);
+          return tflops([&] { fc1(v); });
         };
         // The configuration of the models these cases come from (DeepSeek-V3,
         // Mixtral, Qwen3 experts have no bias; the router probabilities are
@@ -301,12 +308,10 @@ void run_gemm_bench(const GemmBenchOptions& opt) {
         // Both outputs copied out by the helper warps' 16-byte stores instead
         // of TMA stores (the TMA then only loads operands), paired with FC1
         // alone (TMA stores).
+        Fc1Call call_direct = call;
+        call_direct.cfg.gemm = direct;
         const auto [fused_direct, plain_direct] = paired(
-            [&] {
-              cuda::set_gemm_path(cuda::GemmPath::kTmaDirectStore);
-              cuda::mlp_fc1_forward(call, stream);
-              cuda::set_gemm_path(cuda::GemmPath::kAuto);
-            },
+            [&] { fc1(call_direct); },
             [&] { grouped_gemm_forward(a, GroupedWeights::from_stacked(w), layout, out, stream); });
         fmt::print(
             "    fused with masked-store outputs {:7.1f} TFLOP/s, FC1 alone {:7.1f}: {:.3f}x\n",
@@ -318,22 +323,21 @@ void run_gemm_bench(const GemmBenchOptions& opt) {
       }
     }
     // The fused FC1 with tuning t, timed in alternation with FC1 alone at its defaults.
-    auto fused_vs_alone = [&](const cuda::TmaTuning& t) {
-      const auto r = paired(
-          [&] {
-            cuda::set_tma_tuning(t);
-            cuda::mlp_fc1_forward(*fused_call, stream);
-          },
-          [&] {
-            cuda::set_tma_tuning({});
-            grouped_gemm_forward(a, GroupedWeights::from_stacked(w), layout, out, stream);
-          });
-      cuda::set_tma_tuning({});
-      return r;
+    // The fused FC1 with options t.
+    auto fused_with = [&](const GemmOptions& t) {
+      Fc1Call v = *fused_call;
+      v.cfg.gemm = t;
+      return v;
+    };
+    auto fused_vs_alone = [&](const GemmOptions& t) {
+      const Fc1Call v = fused_with(t);
+      return paired(
+          [&] { fc1(v); },
+          [&] { grouped_gemm_forward(a, GroupedWeights::from_stacked(w), layout, out, stream); });
     };
     // One setting of the fused FC1 (knob = value), paired with FC1 alone:
     // printed and kept as a JSON row "tune_<knob>".
-    auto tune_fused = [&](const char* knob, int value, const cuda::TmaTuning& t) {
+    auto tune_fused = [&](const char* knob, int value, const GemmOptions& t) {
       const auto [fu, plain] = fused_vs_alone(t);
       fmt::print("    tune fused fc1 {}={:4d}: {:7.1f} TFLOP/s, FC1 alone {:7.1f}: {:.3f}x\n", knob,
                  value, fu, plain, plain / fu);
@@ -348,25 +352,38 @@ void run_gemm_bench(const GemmBenchOptions& opt) {
     // The fused FC1's held-stage window, each value paired with FC1 alone.
     if (fused_call)
       for (const int hold : opt.tune_hold) {
-        cuda::TmaTuning t;
+        GemmOptions t;
         t.hold = hold;
         tune_fused("hold", hold, t);
       }
     if (opt.tune) {  // TMA kernel: pipeline stages x staging buffers x raster x stagger
-      for (const auto [st, nb, rb, sg, ds] :
-           {std::tuple{4, 2, 8, 1, 0}, {3, 2, 8, 1, 0}, {3, 4, 8, 1, 0}, {3, 5, 8, 2, 0},
-            {4, 2, 8, 1, 2}, {4, 2, 2, 1, 0}, {4, 2, 4, 1, 0}, {4, 2, 16, 1, 0},
-            {4, 2, 32, 1, 0}}) {
-        cuda::set_tma_tuning({st, nb, rb, sg, ds});
-        const double f = tflops(
-            [&] { grouped_gemm_forward(a, GroupedWeights::from_stacked(w), layout, out, stream); });
-        const double d = tflops(
-            [&] { grouped_gemm_dgrad(dc, GroupedWeights::from_stacked(w), layout, da, stream); });
-        const double g = tflops([&] {
-          grouped_gemm_wgrad(dc, a, layout, GroupedWeights::from_stacked(dw), true, stream);
+      for (const auto [st, nb, rb, sg, ds] : {std::tuple{4, 2, 8, 1, 0},
+                                              {3, 2, 8, 1, 0},
+                                              {3, 4, 8, 1, 0},
+                                              {3, 5, 8, 2, 0},
+                                              {4, 2, 8, 1, 2},
+                                              {4, 2, 2, 1, 0},
+                                              {4, 2, 4, 1, 0},
+                                              {4, 2, 16, 1, 0},
+                                              {4, 2, 32, 1, 0}}) {
+        GemmOptions t;
+        t.stages = st;
+        t.bufs = nb;
+        t.raster = rb;
+        t.stagger = sg;
+        t.desync = ds;
+        const double f = forward_with(t);
+        const double d = tflops([&] {
+          grouped_gemm_dgrad(dc, GroupedWeights::from_stacked(w), layout, da, t, stream);
         });
-        const double fu = fused_call ? tflops([&] { cuda::mlp_fc1_forward(*fused_call, stream); })
-                                     : 0.0;
+        const double g = tflops([&] {
+          grouped_gemm_wgrad(dc, a, layout, GroupedWeights::from_stacked(dw), true, t, stream);
+        });
+        double fu = 0.0;
+        if (fused_call) {
+          const Fc1Call v = fused_with(t);
+          fu = tflops([&] { fc1(v); });
+        }
         fmt::print(
             "    tune stages={} bufs={} raster={} stagger={} desync={}: forward {:7.1f} dgrad "
             "{:7.1f} wgrad {:7.1f} fused fc1 {:7.1f} TFLOP/s\n",
@@ -378,23 +395,22 @@ void run_gemm_bench(const GemmBenchOptions& opt) {
       if (fused_call)
         for (const int st : {4, 3})
           for (const int hold : {0, 8, 16, 24, 32, 40, 48, 64, 1000}) {
-            cuda::TmaTuning t;
+            GemmOptions t;
             t.stages = st;
             t.hold = hold;
-            cuda::set_tma_tuning(t);
+            const Fc1Call v = fused_with(t);
             fmt::print("    tune fused fc1 stages={} hold={}: {:7.1f} TFLOP/s\n", st, hold,
-                       tflops([&] { cuda::mlp_fc1_forward(*fused_call, stream); }));
+                       tflops([&] { fc1(v); }));
             std::fflush(stdout);
           }
       // Consumer warpgroup 1's lag (K slices) in the fused FC1, each timed
       // in alternation with FC1 alone at its default.
       if (fused_call)
         for (const int sg : {0, 1, 2, 3}) {
-          cuda::TmaTuning t;
+          GemmOptions t;
           t.stagger = sg;
           tune_fused("stagger", sg, t);
         }
-      cuda::set_tma_tuning({});
     }
     const auto [dg, dg_dense] = paired(
         [&] { grouped_gemm_dgrad(dc, GroupedWeights::from_stacked(w), layout, da, stream); },

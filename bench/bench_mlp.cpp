@@ -11,7 +11,6 @@
 #include <fstream>
 
 #include "bench/bench.h"
-#include "core/mlp_call.h"
 #include "moeflow/grouped_mlp.h"
 
 namespace moeflow::bench {
@@ -61,8 +60,8 @@ void run_mlp_bench(const MlpBenchOptions& opt) {
     fill_bytes(probs, 0x3C, stream);
     Tensor dw1 = Tensor::zeros({E, 2 * F, H}, DType::kFloat32, dev),
            dw2 = Tensor::zeros({E, H, F}, DType::kFloat32, dev);
-    // The step's device memory beyond inputs, weights and their gradients, measured: free memory before its buffers are
-    // allocated minus free memory after forward+backward ran (the library
+    // The step's device memory beyond inputs, weights and their gradients, measured: free memory
+    // before its buffers are allocated minus free memory after forward+backward ran (the library
     // allocates nothing itself; this would show it if it did).
     size_t free_before = 0, free_after = 0, total = 0;
     MOEFLOW_CUDA_CHECK(cudaDeviceSynchronize());
@@ -76,10 +75,11 @@ void run_mlp_bench(const MlpBenchOptions& opt) {
     const GroupedMlpSaved saved{h, a};
     GroupedMlpGrads grads{dw1, dw2, {}, {}, true};
     auto fwd = [&] { grouped_mlp_forward(x, w, layout, probs, cfg, y, saved, stream); };
-    auto bwd = [&] {
-      grouped_mlp_backward_dgrad(dy, w, layout, probs, cfg, saved, dx, d_h, dprobs, stream);
-      grouped_mlp_backward_wgrad(dy, x, layout, saved, d_h, grads, stream);
+    auto bwd_with = [&](const GroupedMlpConfig& c) {
+      grouped_mlp_backward_dgrad(dy, w, layout, probs, c, saved, dx, d_h, dprobs, stream);
+      grouped_mlp_backward_wgrad(dy, x, layout, saved, d_h, grads, c.gemm, stream);
     };
+    auto bwd = [&] { bwd_with(cfg); };
     TimingOptions t = opt.timing;
     t.flush_l2 = false;
     const double fwd_us = time_us(dev, stream, fwd, t);
@@ -92,24 +92,19 @@ void run_mlp_bench(const MlpBenchOptions& opt) {
         t);
     // The dGLU step alone (a separate kernel between FC2 dgrad and FC1 dgrad):
     // the most that fusing it into the FC2 dgrad epilogue could save.
-    const MlpRows mrows{layout, E, M};
     const double dglu_us = time_us(
         dev, stream,
-        [&] {
-          cuda::mlp_dglu(mrows, h, d_h, probs, cfg.activation, cfg.params, cfg.glu_interleave, F,
-                         dprobs, stream);
-        },
-        t);
+        [&] { grouped_mlp_activation_backward(h, layout, probs, cfg, d_h, dprobs, stream); }, t);
     // The step with the dGLU fused into the FC2 dgrad epilogue instead.
-    cuda::set_mlp_fused_dglu(true);
+    GroupedMlpConfig cfg_fused = cfg;
+    cfg_fused.gemm.fused_dglu = true;
     const double step_fused_us = time_us(
         dev, stream,
         [&] {
           fwd();
-          bwd();
+          bwd_with(cfg_fused);
         },
         t);
-    cuda::set_mlp_fused_dglu(false);
     // Keeping only h from forward to backward: dgrad without saved.a, then a
     // recomputed from h just before wgrad (a's buffer is free in between).
     const double recompute_us = time_us(

@@ -1,4 +1,4 @@
-"""The PyTorch composite of the grouped expert MLP (issue 4's peer):
+"""The PyTorch composite of the grouped expert MLP (its peer):
 torch._grouped_mm (FC1) + silu(gate) * up * prob + torch._grouped_mm (FC2)
 under autograd, forward + backward, on the MLP cases of `moeflow bench mlp`
 (same row splits: mildly uneven, multiples of 16, as bench_gemm's

@@ -6,7 +6,6 @@
 #include <cublas_v2.h>
 #include <cuda_runtime.h>
 
-#include "core/backends.h"
 #include "gpu_util.h"
 #include "test_util.h"
 
@@ -22,24 +21,21 @@ const Device kGpu = Device::cuda(0);
 // blocks desynchronised, the
 // cp.async wgmma kernels, the masked-store epilogue and the portable mma.sync.
 struct PathCase {
-  cuda::GemmPath path;
+  GemmKernel kernel;
   int stagger;  // -1: the default
   int desync;   // -1: the default
   const char* name;
 };
 class GpuGemm : public ::testing::TestWithParam<PathCase> {
  protected:
-  void SetUp() override {
-    ASSERT_GT(cuda_device_count(), 0) << "GPU tests need a CUDA device";
-    cuda::set_gemm_path(GetParam().path);
-    cuda::TmaTuning t;
-    t.stagger = GetParam().stagger;
-    t.desync = GetParam().desync;
-    cuda::set_tma_tuning(t);
-  }
-  void TearDown() override {
-    cuda::set_gemm_path(cuda::GemmPath::kAuto);
-    cuda::set_tma_tuning({});
+  void SetUp() override { ASSERT_GT(cuda_device_count(), 0) << "GPU tests need a CUDA device"; }
+  // The options of this case, passed to every GPU call.
+  GemmOptions opts() const {
+    GemmOptions o;
+    o.kernel = GetParam().kernel;
+    o.stagger = GetParam().stagger;
+    o.desync = GetParam().desync;
+    return o;
   }
 };
 
@@ -58,13 +54,14 @@ struct Problem {
   std::vector<int64_t> seg;   // rows of each group's (padded) segment
   std::vector<int32_t> real;  // real rows of each group
   int64_t k, n;
-  int64_t tail = 5;           // rows past offsets[E]
+  int64_t tail = 5;  // rows past offsets[E]
 };
 
 std::string name_of(const Problem& p) {
   std::string s = "E=" + std::to_string(p.seg.size()) + " K=" + std::to_string(p.k) +
                   " N=" + std::to_string(p.n) + " seg=";
-  for (size_t i = 0; i < std::min<size_t>(p.seg.size(), 6); ++i) s += std::to_string(p.seg[i]) + ",";
+  for (size_t i = 0; i < std::min<size_t>(p.seg.size(), 6); ++i)
+    s += std::to_string(p.seg[i]) + ",";
   return s;
 }
 
@@ -72,8 +69,18 @@ struct Data {
   int64_t rows = 0;
   Tensor offsets, real;  // CPU
   Tensor offsets_g, real_g;
-  GroupLayout cpu_layout() const { GroupLayout g; g.offsets = offsets; g.real_rows = real; return g; }
-  GroupLayout gpu_layout() const { GroupLayout g; g.offsets = offsets_g; g.real_rows = real_g; return g; }
+  GroupLayout cpu_layout() const {
+    GroupLayout g;
+    g.offsets = offsets;
+    g.real_rows = real;
+    return g;
+  }
+  GroupLayout gpu_layout() const {
+    GroupLayout g;
+    g.offsets = offsets_g;
+    g.real_rows = real_g;
+    return g;
+  }
 };
 
 Data make_data(const Problem& p) {
@@ -124,13 +131,14 @@ void zero_non_data_rows(Tensor& t, const Problem& p, const Data& d) {
     for (int64_t r = 0; r < p.real[e]; ++r) data[d.offsets.data_ptr<int64_t>()[e] + r] = true;
   for (int64_t r = 0; r < d.rows; ++r)
     if (!data[r])
-      for (int64_t j = 0; j < cols; ++j) detail::store_float(t.data(), t.dtype(), r * cols + j, 0.0f);
+      for (int64_t j = 0; j < cols; ++j)
+        detail::store_float(t.data(), t.dtype(), r * cols + j, 0.0f);
 }
 
 const std::vector<Problem> kProblems = {
-    {{16, 0, 32, 16}, {1, 0, 17, 16}, 8, 8},                      // K, N at the minimum
-    {{128, 256}, {127, 129}, 64, 136},                            // rows around the tile
-    random_problem(8, 300, 200, 96, 1),                           // K not a multiple of the tile
+    {{16, 0, 32, 16}, {1, 0, 17, 16}, 8, 8},  // K, N at the minimum
+    {{128, 256}, {127, 129}, 64, 136},        // rows around the tile
+    random_problem(8, 300, 200, 96, 1),       // K not a multiple of the tile
     random_problem(16, 300, 256, 192, 2, 64),
     random_problem(5, 1000, 512, 264, 3, 128),
     random_problem(33, 40, 128, 256, 4, 1),
@@ -159,7 +167,7 @@ TEST_P(GpuGemm, ForwardDgradWgradMatchCpu) {
         fill_bytes(c_ref, 0xFF);
         grouped_gemm_forward(a, GroupedWeights::from_stacked(w), d.cpu_layout(), c_ref);
         Tensor c_g = poisoned_gpu({d.rows, N}, out);
-        grouped_gemm_forward(a_g, GroupedWeights::from_stacked(w_g), d.gpu_layout(), c_g);
+        grouped_gemm_forward(a_g, GroupedWeights::from_stacked(w_g), d.gpu_layout(), c_g, opts());
         Tensor c = c_g.to(Device::cpu());
         const int64_t used = d.rows - p.tail;
         Tensor c_used = make_tensor({used, N}, out), c_ref_used = make_tensor({used, N}, out);
@@ -168,7 +176,8 @@ TEST_P(GpuGemm, ForwardDgradWgradMatchCpu) {
         EXPECT_LE(rel_error(c_used, c_ref_used), gemm_tolerance(out));
         // pad rows exactly zero; the tail keeps its poison
         for (int64_t e = 0; e < E; ++e)
-          for (int64_t r = d.offsets.data_ptr<int64_t>()[e] + p.real[e]; r < d.offsets.data_ptr<int64_t>()[e + 1]; ++r)
+          for (int64_t r = d.offsets.data_ptr<int64_t>()[e] + p.real[e];
+               r < d.offsets.data_ptr<int64_t>()[e + 1]; ++r)
             ASSERT_EQ(at(c, r * N), 0.0f) << "pad row " << r;
         for (int64_t i = used * N * dtype_size(out); i < int64_t(c.nbytes()); ++i)
           ASSERT_EQ(static_cast<uint8_t*>(c.data())[i], 0xFF) << "tail written";
@@ -177,7 +186,7 @@ TEST_P(GpuGemm, ForwardDgradWgradMatchCpu) {
         fill_bytes(da_ref, 0xFF);
         grouped_gemm_dgrad(dc, GroupedWeights::from_stacked(w), d.cpu_layout(), da_ref);
         Tensor da_g = poisoned_gpu({d.rows, K}, out);
-        grouped_gemm_dgrad(dc_g, GroupedWeights::from_stacked(w_g), d.gpu_layout(), da_g);
+        grouped_gemm_dgrad(dc_g, GroupedWeights::from_stacked(w_g), d.gpu_layout(), da_g, opts());
         Tensor da = da_g.to(Device::cpu());
         Tensor da_used = make_tensor({used, K}, out), da_ref_used = make_tensor({used, K}, out);
         std::memcpy(da_used.data(), da.data(), da_used.nbytes());
@@ -195,21 +204,25 @@ TEST_P(GpuGemm, ForwardDgradWgradMatchCpu) {
         ptrs.data_ptr<int64_t>()[e] = reinterpret_cast<int64_t>(dw_g.data_ptr<float>() + e * N * K);
       Tensor ptrs_g = ptrs.to(kGpu);
       grouped_gemm_wgrad(dc_g, a_g, d.gpu_layout(),
-                         GroupedWeights::from_pointers(ptrs_g, DType::kFloat32, N, K), true);
+                         GroupedWeights::from_pointers(ptrs_g, DType::kFloat32, N, K), true,
+                         opts());
       EXPECT_LE(rel_error(dw_g.to(Device::cpu()), dw_ref), gemm_tolerance(DType::kFloat32));
       // beta = 1 into stacked dW (the TMA reduce-add epilogue on Hopper)
       Tensor dws_g = dw_init.to(kGpu);
-      grouped_gemm_wgrad(dc_g, a_g, d.gpu_layout(), GroupedWeights::from_stacked(dws_g), true);
+      grouped_gemm_wgrad(dc_g, a_g, d.gpu_layout(), GroupedWeights::from_stacked(dws_g), true,
+                         opts());
       EXPECT_LE(rel_error(dws_g.to(Device::cpu()), dw_ref), gemm_tolerance(DType::kFloat32));
       Tensor dw0_ref = make_tensor({E, N, K}, DType::kFloat32);
       grouped_gemm_wgrad(dc, a, d.cpu_layout(), GroupedWeights::from_stacked(dw0_ref), false);
       Tensor dw0_g = poisoned_gpu({E, N, K}, DType::kFloat32);
-      grouped_gemm_wgrad(dc_g, a_g, d.gpu_layout(), GroupedWeights::from_stacked(dw0_g), false);
+      grouped_gemm_wgrad(dc_g, a_g, d.gpu_layout(), GroupedWeights::from_stacked(dw0_g), false,
+                         opts());
       EXPECT_LE(rel_error(dw0_g.to(Device::cpu()), dw0_ref), gemm_tolerance(DType::kFloat32));
       // beta = 0 into pointer-array dW (masked stores)
       fill_bytes(dw_g, 0xFF);
       grouped_gemm_wgrad(dc_g, a_g, d.gpu_layout(),
-                         GroupedWeights::from_pointers(ptrs_g, DType::kFloat32, N, K), false);
+                         GroupedWeights::from_pointers(ptrs_g, DType::kFloat32, N, K), false,
+                         opts());
       EXPECT_LE(rel_error(dw_g.to(Device::cpu()), dw0_ref), gemm_tolerance(DType::kFloat32));
     }
   }
@@ -222,7 +235,8 @@ TEST_P(GpuGemm, MatchesPerExpertCublas) {
   Problem p = random_problem(12, 1500, 768, 1024, 77, 16);  // cuBLAS only: no CPU reference
   const int64_t E = p.seg.size(), K = p.k, N = p.n;
   Data d = make_data(p);
-  Tensor a = make_tensor({d.rows, K}, DType::kBFloat16), dc = make_tensor({d.rows, N}, DType::kBFloat16);
+  Tensor a = make_tensor({d.rows, K}, DType::kBFloat16),
+         dc = make_tensor({d.rows, N}, DType::kBFloat16);
   Tensor w = make_tensor({E, N, K}, DType::kBFloat16);
   fill_random(a, 1);
   fill_random(dc, 2);
@@ -230,12 +244,16 @@ TEST_P(GpuGemm, MatchesPerExpertCublas) {
   zero_non_data_rows(a, p, d);
   zero_non_data_rows(dc, p, d);
   Tensor a_g = a.to(kGpu), dc_g = dc.to(kGpu), w_g = w.to(kGpu);
-  Tensor c_ours = poisoned_gpu({d.rows, N}, DType::kBFloat16), c_ref = Tensor::zeros({d.rows, N}, DType::kBFloat16, kGpu);
-  Tensor da_ours = poisoned_gpu({d.rows, K}, DType::kBFloat16), da_ref = Tensor::zeros({d.rows, K}, DType::kBFloat16, kGpu);
-  Tensor dw_ours = poisoned_gpu({E, N, K}, DType::kFloat32), dw_ref = Tensor::zeros({E, N, K}, DType::kFloat32, kGpu);
-  grouped_gemm_forward(a_g, GroupedWeights::from_stacked(w_g), d.gpu_layout(), c_ours);
-  grouped_gemm_dgrad(dc_g, GroupedWeights::from_stacked(w_g), d.gpu_layout(), da_ours);
-  grouped_gemm_wgrad(dc_g, a_g, d.gpu_layout(), GroupedWeights::from_stacked(dw_ours), false);
+  Tensor c_ours = poisoned_gpu({d.rows, N}, DType::kBFloat16),
+         c_ref = Tensor::zeros({d.rows, N}, DType::kBFloat16, kGpu);
+  Tensor da_ours = poisoned_gpu({d.rows, K}, DType::kBFloat16),
+         da_ref = Tensor::zeros({d.rows, K}, DType::kBFloat16, kGpu);
+  Tensor dw_ours = poisoned_gpu({E, N, K}, DType::kFloat32),
+         dw_ref = Tensor::zeros({E, N, K}, DType::kFloat32, kGpu);
+  grouped_gemm_forward(a_g, GroupedWeights::from_stacked(w_g), d.gpu_layout(), c_ours, opts());
+  grouped_gemm_dgrad(dc_g, GroupedWeights::from_stacked(w_g), d.gpu_layout(), da_ours, opts());
+  grouped_gemm_wgrad(dc_g, a_g, d.gpu_layout(), GroupedWeights::from_stacked(dw_ours), false,
+                     opts());
   const float one = 1.0f, zero = 0.0f;
   for (int64_t e = 0; e < E; ++e) {
     const int64_t r0 = d.offsets.data_ptr<int64_t>()[e];
@@ -266,7 +284,8 @@ TEST_P(GpuGemm, MatchesPerExpertCublas) {
   };
   EXPECT_LE(rel_error(head(c_ours, N), head(c_ref, N)), gemm_tolerance(DType::kBFloat16));
   EXPECT_LE(rel_error(head(da_ours, K), head(da_ref, K)), gemm_tolerance(DType::kBFloat16));
-  EXPECT_LE(rel_error(dw_ours.to(Device::cpu()), dw_ref.to(Device::cpu())), gemm_tolerance(DType::kFloat32));
+  EXPECT_LE(rel_error(dw_ours.to(Device::cpu()), dw_ref.to(Device::cpu())),
+            gemm_tolerance(DType::kFloat32));
   cublasDestroy(h);
 }
 
@@ -276,7 +295,8 @@ TEST_P(GpuGemm, PointerArrayWeights) {
   Problem p = random_problem(6, 400, 256, 320, 91, 16);
   const int64_t E = p.seg.size(), K = p.k, N = p.n;
   Data d = make_data(p);
-  Tensor a = make_tensor({d.rows, K}, DType::kBFloat16), dc = make_tensor({d.rows, N}, DType::kBFloat16);
+  Tensor a = make_tensor({d.rows, K}, DType::kBFloat16),
+         dc = make_tensor({d.rows, N}, DType::kBFloat16);
   Tensor w = make_tensor({E, N, K}, DType::kBFloat16);
   fill_random(a, 11);
   fill_random(dc, 12);
@@ -291,13 +311,15 @@ TEST_P(GpuGemm, PointerArrayWeights) {
   }
   Tensor ptrs_g = ptrs.to(kGpu);
   const auto wp = GroupedWeights::from_pointers(ptrs_g, DType::kBFloat16, N, K);
-  Tensor c_ref = make_tensor({d.rows, N}, DType::kFloat32), da_ref = make_tensor({d.rows, K}, DType::kFloat32);
+  Tensor c_ref = make_tensor({d.rows, N}, DType::kFloat32),
+         da_ref = make_tensor({d.rows, K}, DType::kFloat32);
   grouped_gemm_forward(a, GroupedWeights::from_stacked(w), d.cpu_layout(), c_ref);
   grouped_gemm_dgrad(dc, GroupedWeights::from_stacked(w), d.cpu_layout(), da_ref);
   Tensor a_g = a.to(kGpu), dc_g = dc.to(kGpu);
-  Tensor c_g = poisoned_gpu({d.rows, N}, DType::kFloat32), da_g = poisoned_gpu({d.rows, K}, DType::kFloat32);
-  grouped_gemm_forward(a_g, wp, d.gpu_layout(), c_g);
-  grouped_gemm_dgrad(dc_g, wp, d.gpu_layout(), da_g);
+  Tensor c_g = poisoned_gpu({d.rows, N}, DType::kFloat32),
+         da_g = poisoned_gpu({d.rows, K}, DType::kFloat32);
+  grouped_gemm_forward(a_g, wp, d.gpu_layout(), c_g, opts());
+  grouped_gemm_dgrad(dc_g, wp, d.gpu_layout(), da_g, opts());
   const int64_t used = d.rows - p.tail;
   auto head = [&](const Tensor& t, int64_t cols) {
     Tensor h = make_tensor({used, cols}, t.dtype());
@@ -316,7 +338,8 @@ TEST_P(GpuGemm, GraphReplayWithNewOffsets) {
   fill_random(a, 5);
   fill_random(w, 6);
   Tensor a_g = a.to(kGpu), w_g = w.to(kGpu);
-  Tensor offs_g = Tensor::empty({E + 1}, DType::kInt64, kGpu), real_g = Tensor::empty({E}, DType::kInt32, kGpu);
+  Tensor offs_g = Tensor::empty({E + 1}, DType::kInt64, kGpu),
+         real_g = Tensor::empty({E}, DType::kInt32, kGpu);
   GroupLayout layout;
   layout.offsets = offs_g;
   layout.real_rows = real_g;
@@ -327,12 +350,12 @@ TEST_P(GpuGemm, GraphReplayWithNewOffsets) {
   Data d0 = make_data(p0);
   copy(d0.offsets, offs_g, s);
   copy(d0.real, real_g, s);
-  grouped_gemm_forward(a_g, GroupedWeights::from_stacked(w_g), layout, c_g, s);  // warm-up
+  grouped_gemm_forward(a_g, GroupedWeights::from_stacked(w_g), layout, c_g, opts(), s);  // warm-up
   MOEFLOW_CUDA_CHECK(cudaStreamSynchronize(s));
   cudaGraph_t graph;
   cudaGraphExec_t exec;
   MOEFLOW_CUDA_CHECK(cudaStreamBeginCapture(s, cudaStreamCaptureModeGlobal));
-  grouped_gemm_forward(a_g, GroupedWeights::from_stacked(w_g), layout, c_g, s);
+  grouped_gemm_forward(a_g, GroupedWeights::from_stacked(w_g), layout, c_g, opts(), s);
   MOEFLOW_CUDA_CHECK(cudaStreamEndCapture(s, &graph));
   MOEFLOW_CUDA_CHECK(cudaGraphInstantiate(&exec, graph, 0));
   for (int replay = 0; replay < 3; ++replay) {
@@ -345,7 +368,7 @@ TEST_P(GpuGemm, GraphReplayWithNewOffsets) {
     MOEFLOW_CUDA_CHECK(cudaGraphLaunch(exec, s));
     MOEFLOW_CUDA_CHECK(cudaStreamSynchronize(s));
     Tensor eager = poisoned_gpu({rows, N}, DType::kBFloat16);
-    grouped_gemm_forward(a_g, GroupedWeights::from_stacked(w_g), d.gpu_layout(), eager);
+    grouped_gemm_forward(a_g, GroupedWeights::from_stacked(w_g), d.gpu_layout(), eager, opts());
     MOEFLOW_CUDA_CHECK(cudaDeviceSynchronize());
     EXPECT_TRUE(bytes_equal(c_g.to(Device::cpu()), eager.to(Device::cpu()))) << "replay " << replay;
   }
@@ -371,7 +394,7 @@ TEST_P(GpuGemm, BadOffsetsAreFlaggedAndClamped) {
   layout.error = err;
   Tensor c_g = poisoned_gpu({rows, N}, DType::kFloat32);
   Tensor a_g = a.to(kGpu), w_g = w.to(kGpu);
-  grouped_gemm_forward(a_g, GroupedWeights::from_stacked(w_g), layout, c_g);
+  grouped_gemm_forward(a_g, GroupedWeights::from_stacked(w_g), layout, c_g, opts());
   EXPECT_EQ(to_vec<int32_t>(err)[0], 1);
   // group 0 (rows 0..99) is still right
   Tensor ok_offs = make_tensor({2}, DType::kInt64);
@@ -390,7 +413,7 @@ TEST_P(GpuGemm, BadOffsetsAreFlaggedAndClamped) {
   EXPECT_LE(rel_error(got, ref), gemm_tolerance(DType::kFloat32));
 }
 
-// Gathered A rows (GroupedGemmCall::a_rows): the forward over a row map into a
+// Gathered A rows (grouped_gemm_forward_gathered): the forward over a row map into a
 // smaller source matrix equals, bitwise, the forward over the gathered
 // matrix (the same kernel and accumulation order); -1 rows are zeros; the
 // tail past the groups keeps its poison.
@@ -412,7 +435,8 @@ TEST(GpuGemmGather, GatheredRowsEqualContiguous) {
       Tensor map = make_tensor({d.rows}, DType::kInt32);
       Tensor a = make_tensor({d.rows, K}, dt);
       for (int64_t r = 0; r < d.rows; ++r) {
-        int32_t m = std::uniform_int_distribution<int32_t>(-1, static_cast<int32_t>(src_rows) - 1)(rng);
+        int32_t m =
+            std::uniform_int_distribution<int32_t>(-1, static_cast<int32_t>(src_rows) - 1)(rng);
         if (r % 11 == 3) m = -1;
         // entries past the source rows read as zero rows
         if (r % 13 == 5) m = static_cast<int32_t>(src_rows + r % 3);
@@ -424,21 +448,9 @@ TEST(GpuGemmGather, GatheredRowsEqualContiguous) {
       }
       Tensor src_g = src.to(kGpu), a_g = a.to(kGpu), w_g = w.to(kGpu), map_g = map.to(kGpu);
       Tensor want = poisoned_gpu({d.rows, N}, dt), got = poisoned_gpu({d.rows, N}, dt);
-      GroupedGemmCall call;
-      call.op = GroupedGemmCall::kForward;
-      call.w = GroupedWeights::from_stacked(w_g);
-      call.groups = d.gpu_layout();
-      call.rows = d.rows;
-      call.num_groups = E;
-      call.n = N;
-      call.k = K;
-      call.a = a_g;
-      call.out = want;
-      cuda::grouped_gemm(call, nullptr);
-      call.a = src_g;
-      call.a_rows = map_g;
-      call.out = got;
-      cuda::grouped_gemm(call, nullptr);
+      const GroupedWeights wg = GroupedWeights::from_stacked(w_g);
+      grouped_gemm_forward(a_g, wg, d.gpu_layout(), want);
+      grouped_gemm_forward_gathered(src_g, map_g, wg, d.gpu_layout(), got);
       MOEFLOW_CUDA_CHECK(cudaDeviceSynchronize());
       Tensor want_h = want.to(Device::cpu()), got_h = got.to(Device::cpu());
       ASSERT_EQ(std::memcmp(want_h.data(), got_h.data(), want_h.nbytes()), 0)
@@ -448,29 +460,23 @@ TEST(GpuGemmGather, GatheredRowsEqualContiguous) {
   // bad input: a row map of the wrong length
   const Problem& pr = kProblems[1];
   const Data d = make_data(pr);
-  GroupedGemmCall call;
-  call.op = GroupedGemmCall::kForward;
   Tensor w_g = Tensor::empty({2, pr.n, pr.k}, DType::kBFloat16, kGpu);
-  call.w = GroupedWeights::from_stacked(w_g);
-  call.groups = d.gpu_layout();
-  call.rows = d.rows;
-  call.num_groups = 2;
-  call.n = pr.n;
-  call.k = pr.k;
-  call.a = Tensor::empty({8, pr.k}, DType::kBFloat16, kGpu);
-  call.out = Tensor::empty({d.rows, pr.n}, DType::kBFloat16, kGpu);
-  call.a_rows = Tensor::empty({d.rows - 1}, DType::kInt32, kGpu);
-  EXPECT_THROW(cuda::grouped_gemm(call, nullptr), Error);
+  Tensor a_g = Tensor::empty({8, pr.k}, DType::kBFloat16, kGpu);
+  Tensor out_g = Tensor::empty({d.rows, pr.n}, DType::kBFloat16, kGpu);
+  Tensor map_g = Tensor::empty({d.rows - 1}, DType::kInt32, kGpu);
+  EXPECT_THROW(grouped_gemm_forward_gathered(a_g, map_g, GroupedWeights::from_stacked(w_g),
+                                             d.gpu_layout(), out_g),
+               Error);
 }
 
 INSTANTIATE_TEST_SUITE_P(
     Paths, GpuGemm,
-    ::testing::Values(PathCase{cuda::GemmPath::kAuto, -1, -1, "Auto"},
-                      PathCase{cuda::GemmPath::kAuto, 3, 2, "TmaStaggered"},
-                      PathCase{cuda::GemmPath::kSm90CpAsync, -1, -1, "Sm90CpAsync"},
-                      PathCase{cuda::GemmPath::kSm90Narrow, -1, -1, "Sm90Narrow"},
-                      PathCase{cuda::GemmPath::kPortable, -1, -1, "Portable"},
-                      PathCase{cuda::GemmPath::kTmaDirectStore, -1, -1, "TmaDirectStore"}),
+    ::testing::Values(PathCase{GemmKernel::kAuto, -1, -1, "Auto"},
+                      PathCase{GemmKernel::kAuto, 3, 2, "TmaStaggered"},
+                      PathCase{GemmKernel::kSm90CpAsync, -1, -1, "Sm90CpAsync"},
+                      PathCase{GemmKernel::kSm90Narrow, -1, -1, "Sm90Narrow"},
+                      PathCase{GemmKernel::kPortable, -1, -1, "Portable"},
+                      PathCase{GemmKernel::kTmaDirectStore, -1, -1, "TmaDirectStore"}),
     [](const auto& info) { return std::string(info.param.name); });
 
 }  // namespace

@@ -14,8 +14,8 @@
 #include "core/backends.h"
 #include "core/mlp_call.h"
 #include "cpu/grouped_mlp.h"
-#include "moeflow/grouped_mlp.h"
 #include "gpu_util.h"
+#include "moeflow/grouped_mlp.h"
 #include "test_mlp_api.h"
 #include "test_util.h"
 
@@ -37,11 +37,10 @@ std::string describe(const Case& c) {
   static const char* names[] = {"swiglu", "geglu", "clamped-qgeglu", "gelu", "relu", "sq-relu"};
   return std::string(names[static_cast<int>(c.act)]) + " il=" + std::to_string(c.interleave) +
          (c.bias ? " bias" : "") + (c.probs ? " probs" : "") + " H=" + std::to_string(c.h) +
-         " F=" + std::to_string(c.f) + " " + dtype_name(c.dtype) +
-         (c.save_raw ? "" : " no-raw");
+         " F=" + std::to_string(c.f) + " " + dtype_name(c.dtype) + (c.save_raw ? "" : " no-raw");
 }
 
-void run_case(const Case& cs, uint32_t seed) {
+void run_case(const Case& cs, uint32_t seed, const GemmOptions& opts = {}) {
   SCOPED_TRACE(describe(cs));
   std::mt19937 rng(seed);
   // groups: 7 experts, rows in [0, 300] (some 0 and 1), padded to 16 (one to 272
@@ -113,6 +112,7 @@ void run_case(const Case& cs, uint32_t seed) {
   call.num_groups = E;
   call.hidden = H;
   call.ffn = F;
+  call.options = opts;
   cuda::mlp_fc1_forward(call, nullptr);
   MOEFLOW_CUDA_CHECK(cudaDeviceSynchronize());
 
@@ -159,25 +159,22 @@ TEST(GpuMlp, FusedFc1MatchesCpuReference) {
   run_case({Activation::kSwiGLU, 16, true, false, 64, 96, DType::kFloat16}, seed++);
   // consumer warpgroups staggered by 1 and 3 K slices (hidden 200: 4 slices)
   for (int stagger : {1, 3}) {
-    cuda::TmaTuning t;
+    GemmOptions t;
     t.stagger = stagger;
-    cuda::set_tma_tuning(t);
-    run_case({Activation::kSwiGLU, 0, true, true, 200, 192, DType::kBFloat16}, seed++);
-    run_case({Activation::kClampedQuickGeGLU, 32, true, false, 200, 160, DType::kBFloat16}, seed++);
+    run_case({Activation::kSwiGLU, 0, true, true, 200, 192, DType::kBFloat16}, seed++, t);
+    run_case({Activation::kClampedQuickGeGLU, 32, true, false, 200, 160, DType::kBFloat16}, seed++,
+             t);
   }
   // The ring's window skipping the stage the helpers hold (StageRing): none,
   // one slice, most of a tile (the default's kind: it ends inside the next
   // tile), longer than any tile; two and three stages (hidden 520: 9 slices)
-  for (const auto& [st, hold] :
-       {std::pair{4, 0}, {4, 1}, {4, 6}, {4, 1000}, {2, 3}, {3, 1000}}) {
-    cuda::TmaTuning t;
+  for (const auto& [st, hold] : {std::pair{4, 0}, {4, 1}, {4, 6}, {4, 1000}, {2, 3}, {3, 1000}}) {
+    GemmOptions t;
     t.stages = st;
     t.hold = hold;
-    cuda::set_tma_tuning(t);
-    run_case({Activation::kSwiGLU, 0, true, true, 520, 192, DType::kBFloat16}, seed++);
-    run_case({Activation::kGeGLU, 0, false, true, 200, 320, DType::kBFloat16}, seed++);
+    run_case({Activation::kSwiGLU, 0, true, true, 520, 192, DType::kBFloat16}, seed++, t);
+    run_case({Activation::kGeGLU, 0, false, true, 200, 320, DType::kBFloat16}, seed++, t);
   }
-  cuda::set_tma_tuning({});
   // Without the pre-activation output (inference), and with every chunk
   // leaving through masked 16-byte stores instead of the TMA.
   for (Activation act : {Activation::kSwiGLU, Activation::kRelu})
@@ -186,11 +183,11 @@ TEST(GpuMlp, FusedFc1MatchesCpuReference) {
       c.save_raw = false;
       run_case(c, seed++);
     }
-  cuda::set_gemm_path(cuda::GemmPath::kTmaDirectStore);
-  run_case({Activation::kSwiGLU, 0, true, true, 200, 192, DType::kBFloat16}, seed++);
-  run_case({Activation::kGelu, 0, true, true, 136, 200, DType::kBFloat16}, seed++);
-  run_case({Activation::kGeGLU, 32, false, true, 200, 160, DType::kBFloat16}, seed++);
-  cuda::set_gemm_path(cuda::GemmPath::kAuto);
+  GemmOptions direct;
+  direct.kernel = GemmKernel::kTmaDirectStore;
+  run_case({Activation::kSwiGLU, 0, true, true, 200, 192, DType::kBFloat16}, seed++, direct);
+  run_case({Activation::kGelu, 0, true, true, 136, 200, DType::kBFloat16}, seed++, direct);
+  run_case({Activation::kGeGLU, 32, false, true, 200, 160, DType::kBFloat16}, seed++, direct);
 }
 
 // The whole MLP (forward, dgrad, delayed wgrad) on the GPU against float64.
@@ -201,20 +198,20 @@ TEST(GpuMlp, ApiMatchesReference) {
     for (const MlpApiCase& c : mlp_api_cases()) run_mlp_api_case(c, kGpu, seed++);
     uint32_t wide = 900;
     for (const MlpApiCase& c : mlp_api_wide_cases()) run_mlp_api_case(c, kGpu, wide++);
-    cuda::set_mlp_fused_dglu(true);
+    GemmOptions fused;
+    fused.fused_dglu = true;
     {
       SCOPED_TRACE("dGLU fused into FC2 dgrad");
       uint32_t s = 500;  // the same inputs as the unfused run
-      for (const MlpApiCase& c : mlp_api_cases()) run_mlp_api_case(c, kGpu, s++);
+      for (const MlpApiCase& c : mlp_api_cases()) run_mlp_api_case(c, kGpu, s++, fused);
       s = 900;
-      for (const MlpApiCase& c : mlp_api_wide_cases()) run_mlp_api_case(c, kGpu, s++);
+      for (const MlpApiCase& c : mlp_api_wide_cases()) run_mlp_api_case(c, kGpu, s++, fused);
     }
-    cuda::set_mlp_fused_dglu(false);
   }
   // the unfused path (other GPUs): portable GEMMs + the activation kernel
-  cuda::set_gemm_path(cuda::GemmPath::kPortable);
-  for (const MlpApiCase& c : mlp_api_cases()) run_mlp_api_case(c, kGpu, seed++);
-  cuda::set_gemm_path(cuda::GemmPath::kAuto);
+  GemmOptions portable;
+  portable.kernel = GemmKernel::kPortable;
+  for (const MlpApiCase& c : mlp_api_cases()) run_mlp_api_case(c, kGpu, seed++, portable);
 }
 
 // A forward + backward step captured once in a CUDA graph, replayed with new

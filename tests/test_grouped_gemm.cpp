@@ -44,15 +44,18 @@ TEST(GroupedGemm, HandWorkedForward) {
   Tensor a = make_tensor({5, K}, DType::kBFloat16);
   Tensor w = make_tensor({2, N, K}, DType::kBFloat16);
   for (int64_t r = 0; r < 5; ++r)
-    for (int64_t k = 0; k < K; ++k) detail::store_float(a.data(), a.dtype(), r * K + k, float(r + 1));
+    for (int64_t k = 0; k < K; ++k)
+      detail::store_float(a.data(), a.dtype(), r * K + k, float(r + 1));
   for (int64_t e = 0; e < 2; ++e)
     for (int64_t n = 0; n < N; ++n)
       for (int64_t k = 0; k < K; ++k)
-        detail::store_float(w.data(), w.dtype(), (e * N + n) * K + k, e == 0 ? float(n) : (k == n ? 1.0f : 0.0f));
+        detail::store_float(w.data(), w.dtype(), (e * N + n) * K + k,
+                            e == 0 ? float(n) : (k == n ? 1.0f : 0.0f));
   Tensor c = make_tensor({5, N}, DType::kFloat32);
   grouped_gemm_forward(a, GroupedWeights::from_stacked(w), g.layout(), c);
   for (int64_t r = 0; r < 3; ++r)
-    for (int64_t n = 0; n < N; ++n) EXPECT_EQ(c.data_ptr<float>()[r * N + n], float((r + 1) * n * K));
+    for (int64_t n = 0; n < N; ++n)
+      EXPECT_EQ(c.data_ptr<float>()[r * N + n], float((r + 1) * n * K));
   for (int64_t r = 3; r < 5; ++r)  // W1 = identity
     for (int64_t n = 0; n < N; ++n) EXPECT_EQ(c.data_ptr<float>()[r * N + n], float(r + 1));
 }
@@ -76,7 +79,8 @@ TEST(GroupedGemm, AdjointIdentitiesTieTheThreeOps) {
       bool data = false;
       for (int e = 0; e < 4; ++e) data = data || (r >= offs[e] && r < offs[e] + real[e]);
       if (!data)
-        for (int64_t j = 0; j < cols; ++j) detail::store_float(t.data(), t.dtype(), r * cols + j, 0.0f);
+        for (int64_t j = 0; j < cols; ++j)
+          detail::store_float(t.data(), t.dtype(), r * cols + j, 0.0f);
     }
   };
   zero_rows(a, K);
@@ -92,11 +96,14 @@ TEST(GroupedGemm, AdjointIdentitiesTieTheThreeOps) {
   grouped_gemm_dgrad(gr, GroupedWeights::from_stacked(w), layout, da);
   grouped_gemm_wgrad(gr, a, layout, GroupedWeights::from_stacked(dw), false);
   // rows past offsets[E] untouched; pad rows zero
-  for (int64_t r = 55; r < rows; ++r) EXPECT_EQ(reinterpret_cast<uint32_t*>(c.data())[r * N], 0x7F7F7F7Fu);
+  for (int64_t r = 55; r < rows; ++r)
+    EXPECT_EQ(reinterpret_cast<uint32_t*>(c.data())[r * N], 0x7F7F7F7Fu);
   for (int64_t r = 13; r < 16; ++r) EXPECT_EQ(c.data_ptr<float>()[r * N + 5], 0.0f);
   for (int64_t r = 53; r < 55; ++r) EXPECT_EQ(da.data_ptr<float>()[r * K + 3], 0.0f);
-  Tensor c_used = make_tensor({55, N}, DType::kFloat32), gr_used = make_tensor({55, N}, DType::kFloat32);
-  Tensor da_used = make_tensor({55, K}, DType::kFloat32), a_used = make_tensor({55, K}, DType::kFloat32);
+  Tensor c_used = make_tensor({55, N}, DType::kFloat32),
+         gr_used = make_tensor({55, N}, DType::kFloat32);
+  Tensor da_used = make_tensor({55, K}, DType::kFloat32),
+         a_used = make_tensor({55, K}, DType::kFloat32);
   for (int64_t i = 0; i < 55 * N; ++i) {
     c_used.data_ptr<float>()[i] = c.data_ptr<float>()[i];
     gr_used.data_ptr<float>()[i] = at(gr, i);
@@ -112,10 +119,49 @@ TEST(GroupedGemm, AdjointIdentitiesTieTheThreeOps) {
   for (int64_t i = N * K; i < 2 * N * K; ++i) ASSERT_EQ(dw.data_ptr<float>()[i], 0.0f);
 }
 
+// The forward over gathered rows equals, bitwise, the forward over the
+// gathered matrix; -1 and out-of-range entries read zero rows.
+TEST(GroupedGemm, GatheredRowsEqualContiguous) {
+  const int64_t K = 24, N = 16, src_rows = 7;
+  Groups g = make_groups({5, 0, 9}, {4, 0, 9});
+  const int64_t rows = 14;
+  Tensor src = make_tensor({src_rows, K}, DType::kBFloat16),
+         w = make_tensor({3, N, K}, DType::kBFloat16);
+  fill_random(src, 11);
+  fill_random(w, 12);
+  Tensor map = make_tensor({rows}, DType::kInt32), a = make_tensor({rows, K}, DType::kBFloat16);
+  for (int64_t r = 0; r < rows; ++r) {
+    const int32_t m = r % 5 == 3   ? -1
+                      : r % 7 == 6 ? static_cast<int32_t>(src_rows + 2)
+                                   : static_cast<int32_t>((r * 3) % src_rows);
+    map.data_ptr<int32_t>()[r] = m;
+    for (int64_t j = 0; j < K; ++j)
+      detail::store_float(a.data(), DType::kBFloat16, r * K + j,
+                          m < 0 || m >= src_rows
+                              ? 0.0f
+                              : detail::load_float(src.data(), DType::kBFloat16, m * K + j));
+  }
+  Tensor want = make_tensor({rows, N}, DType::kBFloat16),
+         got = make_tensor({rows, N}, DType::kBFloat16);
+  grouped_gemm_forward(a, GroupedWeights::from_stacked(w), g.layout(), want);
+  grouped_gemm_forward_gathered(src, map, GroupedWeights::from_stacked(w), g.layout(), got);
+  EXPECT_TRUE(bytes_equal(got, want));
+  // the output must have a's dtype; the map one int32 entry per row
+  Tensor got32 = make_tensor({rows, N}, DType::kFloat32);
+  EXPECT_THROW(
+      grouped_gemm_forward_gathered(src, map, GroupedWeights::from_stacked(w), g.layout(), got32),
+      Error);
+  Tensor short_map = make_tensor({rows - 1}, DType::kInt32);
+  EXPECT_THROW(grouped_gemm_forward_gathered(src, short_map, GroupedWeights::from_stacked(w),
+                                             g.layout(), got),
+               Error);
+}
+
 TEST(GroupedGemm, WgradIgnoresPadRowsAndAccumulates) {
   const int64_t K = 16, N = 8, rows = 32;
   Groups g = make_groups({16, 16}, {10, 16});
-  Tensor a = make_tensor({rows, K}, DType::kBFloat16), dc = make_tensor({rows, N}, DType::kBFloat16);
+  Tensor a = make_tensor({rows, K}, DType::kBFloat16),
+         dc = make_tensor({rows, N}, DType::kBFloat16);
   fill_random(a, 4);
   fill_random(dc, 5);
   Tensor dw1 = Tensor::zeros({2, N, K}, DType::kFloat32);
@@ -145,7 +191,8 @@ TEST(GroupedGemm, PointerArrayWeightsEqualStacked) {
   }
   Tensor c1 = make_tensor({rows, N}, DType::kFloat16), c2 = make_tensor({rows, N}, DType::kFloat16);
   grouped_gemm_forward(a, GroupedWeights::from_stacked(w), g.layout(), c1);
-  grouped_gemm_forward(a, GroupedWeights::from_pointers(ptrs, DType::kFloat16, N, K), g.layout(), c2);
+  grouped_gemm_forward(a, GroupedWeights::from_pointers(ptrs, DType::kFloat16, N, K), g.layout(),
+                       c2);
   EXPECT_TRUE(bytes_equal(c1, c2));
   // the same table from make_expert_table
   const ExpertTable t = make_expert_table({parts[0], parts[1], parts[2]});
@@ -156,8 +203,9 @@ TEST(GroupedGemm, PointerArrayWeightsEqualStacked) {
   EXPECT_TRUE(bytes_equal(c1, c3));
   // tensors that do not match the first are named
   Tensor odd = make_tensor({N, K + 8}, DType::kFloat16);
-  EXPECT_NE(message_of([&] { make_expert_table({parts[0], odd}); })
-                .find("experts[1] must be float16 [16,32] on cpu as experts[0]"),
+  EXPECT_NE(message_of([&] {
+              make_expert_table({parts[0], odd});
+            }).find("experts[1] must be float16 [16,32] on cpu as experts[0]"),
             std::string::npos);
   EXPECT_NE(message_of([&] { make_expert_table({}); }).find("at least one"), std::string::npos);
 }
@@ -172,32 +220,39 @@ TEST(GroupedGemm, BadInputErrors) {
   Groups bad = make_groups({10, 5});
   bad.offsets.data_ptr<int64_t>()[1] = 16;
   bad.offsets.data_ptr<int64_t>()[2] = 12;  // not monotone
-  EXPECT_NE(message_of([&] { grouped_gemm_forward(a, GroupedWeights::from_stacked(w), bad.layout(), c); })
-                .find("groups.offsets must be monotone"),
+  EXPECT_NE(message_of([&] {
+              grouped_gemm_forward(a, GroupedWeights::from_stacked(w), bad.layout(), c);
+            }).find("groups.offsets must be monotone"),
             std::string::npos);
   Groups beyond = make_groups({10, 15});  // 25 > 20 rows
-  EXPECT_NE(message_of([&] { grouped_gemm_forward(a, GroupedWeights::from_stacked(w), beyond.layout(), c); })
-                .find("within [0, rows=20]"),
+  EXPECT_NE(message_of([&] {
+              grouped_gemm_forward(a, GroupedWeights::from_stacked(w), beyond.layout(), c);
+            }).find("within [0, rows=20]"),
             std::string::npos);
   Groups ok = make_groups({10, 10});
-  Tensor a12 = make_tensor({rows, 12}, DType::kBFloat16), w12 = make_tensor({2, N, 12}, DType::kBFloat16);
-  EXPECT_NE(message_of([&] { grouped_gemm_forward(a12, GroupedWeights::from_stacked(w12), ok.layout(), c); })
-                .find("multiples of 8 (16-byte rows), got N=8 K=12"),
+  Tensor a12 = make_tensor({rows, 12}, DType::kBFloat16),
+         w12 = make_tensor({2, N, 12}, DType::kBFloat16);
+  EXPECT_NE(message_of([&] {
+              grouped_gemm_forward(a12, GroupedWeights::from_stacked(w12), ok.layout(), c);
+            }).find("multiples of 8 (16-byte rows), got N=8 K=12"),
             std::string::npos);
   Tensor wf = make_tensor({2, N, K}, DType::kFloat16);
-  EXPECT_NE(message_of([&] { grouped_gemm_forward(a, GroupedWeights::from_stacked(wf), ok.layout(), c); })
-                .find("w must be bfloat16 [2,8,16] on cpu, got float16"),
+  EXPECT_NE(message_of([&] {
+              grouped_gemm_forward(a, GroupedWeights::from_stacked(wf), ok.layout(), c);
+            }).find("w must be bfloat16 [2,8,16] on cpu, got float16"),
             std::string::npos);
   Tensor dwb = make_tensor({2, N, K}, DType::kBFloat16);
   Tensor dc = make_tensor({rows, N}, DType::kBFloat16);
-  EXPECT_NE(message_of([&] { grouped_gemm_wgrad(dc, a, ok.layout(), GroupedWeights::from_stacked(dwb), true); })
-                .find("dw must be float32"),
+  EXPECT_NE(message_of([&] {
+              grouped_gemm_wgrad(dc, a, ok.layout(), GroupedWeights::from_stacked(dwb), true);
+            }).find("dw must be float32"),
             std::string::npos);
   Tensor offs3 = make_tensor({3}, DType::kInt32);
   GroupLayout l32;
   l32.offsets = offs3;
-  EXPECT_NE(message_of([&] { grouped_gemm_forward(a, GroupedWeights::from_stacked(w), l32, c); })
-                .find("groups.offsets must be int64 [3]"),
+  EXPECT_NE(message_of([&] {
+              grouped_gemm_forward(a, GroupedWeights::from_stacked(w), l32, c);
+            }).find("groups.offsets must be int64 [3]"),
             std::string::npos);
 }
 

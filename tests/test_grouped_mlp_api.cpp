@@ -31,6 +31,65 @@ TEST(GroupedMlpApi, GluColumnsMatchReference) {
   }
 }
 
+// FC1 alone and the activation's backward alone give, bitwise on the CPU,
+// the forward's saved h and a and backward_dgrad's d_h and dprobs.
+TEST(GroupedMlpApi, Fc1AndActivationBackwardAloneMatchTheMlp) {
+  const DType dt = DType::kBFloat16;
+  const int64_t E = 3, rows = 48, H = 32, F = 24;
+  Tensor offs = make_tensor({E + 1}, DType::kInt64), real = make_tensor({E}, DType::kInt32);
+  const int64_t o[] = {0, 16, 16, 48};
+  const int32_t rr[] = {13, 0, 20};
+  std::copy(o, o + E + 1, offs.data_ptr<int64_t>());
+  std::copy(rr, rr + E, real.data_ptr<int32_t>());
+  GroupLayout g;
+  g.offsets = offs;
+  g.real_rows = real;
+  uint32_t seed = 40;
+  for (Activation act : {Activation::kSwiGLU, Activation::kGelu})
+    for (bool weighted : {false, true}) {
+      SCOPED_TRACE(std::to_string(static_cast<int>(act)) + (weighted ? " probs" : ""));
+      const int64_t N1 = is_gated(act) ? 2 * F : F;
+      Tensor x = make_tensor({rows, H}, dt), w1 = make_tensor({E, N1, H}, dt),
+             w2 = make_tensor({E, H, F}, dt), b1 = make_tensor({E, N1}, dt),
+             probs = make_tensor({rows}, DType::kFloat32), dy = make_tensor({rows, H}, dt);
+      fill_random(x, seed++);
+      fill_random(w1, seed++, -0.3f, 0.3f);
+      fill_random(w2, seed++, -0.3f, 0.3f);
+      fill_random(b1, seed++);
+      fill_random(probs, seed++, 0.1f, 1.0f);
+      fill_random(dy, seed++);
+      const TensorView pv = weighted ? TensorView(probs) : TensorView{};
+      GroupedMlpWeights w{w1, w2, b1, {}};
+      GroupedMlpConfig cfg;
+      cfg.activation = act;
+      Tensor h = Tensor::zeros({rows, N1}, dt), a = Tensor::zeros({rows, F}, dt),
+             y = Tensor::zeros({rows, H}, dt);
+      grouped_mlp_forward(x, w, g, pv, cfg, y, {h, a});
+      Tensor h1 = Tensor::zeros({rows, N1}, dt), a1 = Tensor::zeros({rows, F}, dt),
+             a2 = Tensor::zeros({rows, F}, dt);
+      grouped_mlp_fc1_forward(x, w, g, pv, cfg, a1, h1);
+      grouped_mlp_fc1_forward(x, w, g, pv, cfg, a2);  // without h
+      EXPECT_TRUE(bytes_equal(h1, h)) << "h";
+      EXPECT_TRUE(bytes_equal(a1, a)) << "a";
+      EXPECT_TRUE(bytes_equal(a2, a)) << "a without h";
+
+      Tensor dx = Tensor::zeros({rows, H}, dt), d_h = Tensor::zeros({rows, N1}, dt),
+             dprobs = Tensor::zeros({rows}, DType::kFloat32);
+      const TensorView dpv = weighted ? TensorView(dprobs) : TensorView{};
+      grouped_mlp_backward_dgrad(dy, w, g, pv, cfg, {h, a}, dx, d_h, dpv);
+      // d(a) = dy . W2_e into the last F columns, then the activation's backward
+      Tensor d_h2 = Tensor::zeros({rows, N1}, dt), dprobs2 = Tensor::zeros({rows}, DType::kFloat32);
+      const int64_t esz = static_cast<int64_t>(dtype_size(dt));
+      TensorView d_a = TensorView::strided(static_cast<uint8_t*>(d_h2.data()) + (N1 - F) * esz, dt,
+                                           Device::cpu(), {rows, F}, {N1, 1});
+      grouped_gemm_dgrad(dy, GroupedWeights::from_stacked(w2), g, d_a);
+      grouped_mlp_activation_backward(h, g, pv, cfg, d_h2,
+                                      weighted ? TensorView(dprobs2) : TensorView{});
+      EXPECT_TRUE(bytes_equal(d_h2, d_h)) << "d_h";
+      if (weighted) EXPECT_TRUE(bytes_equal(dprobs2, dprobs)) << "dprobs";
+    }
+}
+
 TEST(GroupedMlpApi, BadInputIsRejected) {
   Tensor x = make_tensor({16, 40}, DType::kBFloat16),
          w1 = make_tensor({2, 48, 40}, DType::kBFloat16);
@@ -79,10 +138,9 @@ TEST(GroupedMlpApi, BadInputIsRejected) {
             }).find("saved.a"),
             std::string::npos);
   // recompute: a's F must match h's 2F columns (gated)
-  EXPECT_NE(message_of([&] {
-              grouped_mlp_recompute_activation(h, g, {}, cfg, a_bad);
-            }).find("h must be"),
-            std::string::npos);
+  EXPECT_NE(
+      message_of([&] { grouped_mlp_recompute_activation(h, g, {}, cfg, a_bad); }).find("h must be"),
+      std::string::npos);
   Tensor dprobs = make_tensor({16}, DType::kFloat32);
   EXPECT_NE(message_of([&] {
               grouped_mlp_backward_dgrad(y, w, g, {}, cfg, {h, a}, x, h, dprobs);

@@ -62,11 +62,12 @@ inline double rel_norm_error(const std::vector<double>& got, const std::vector<d
   return den == 0 ? std::sqrt(num) : std::sqrt(num / den);
 }
 
-inline void run_mlp_api_case(const MlpApiCase& cs, Device dev, uint32_t seed) {
+// gemm: the GEMMs' kernel choice and tuning (GPU runs of every kernel).
+inline void run_mlp_api_case(const MlpApiCase& cs, Device dev, uint32_t seed,
+                             const GemmOptions& gemm = {}) {
   SCOPED_TRACE("act=" + std::to_string(static_cast<int>(cs.act)) +
                " il=" + std::to_string(cs.interleave) + (cs.bias ? " bias" : "") +
-               (cs.probs ? " probs" : "") + (cs.separate ? " separate" : "") + " on " +
-               dev.str());
+               (cs.probs ? " probs" : "") + (cs.separate ? " separate" : "") + " on " + dev.str());
   const DType dt = DType::kBFloat16;
   const int E = 5;
   // pad rows, an empty expert, and an expert padded far past its rows (a
@@ -162,6 +163,7 @@ inline void run_mlp_api_case(const MlpApiCase& cs, Device dev, uint32_t seed) {
   c.activation = cs.act;
   c.params = cfg.params;
   c.glu_interleave = cs.interleave;
+  c.gemm = gemm;
   auto poisoned = [&](std::vector<int64_t> shape_, DType d) {
     Tensor t = Tensor::empty(shape_, d, dev);
     fill_bytes(t, 0xFF);
@@ -220,9 +222,9 @@ inline void run_mlp_api_case(const MlpApiCase& cs, Device dev, uint32_t seed) {
     grads.dw1 = TensorView{};
     grads.dw2 = TensorView{};
   }
-  grouped_mlp_backward_wgrad(dy_d, x_d, layout, GroupedMlpSaved{h, a}, d_h, grads);
+  grouped_mlp_backward_wgrad(dy_d, x_d, layout, GroupedMlpSaved{h, a}, d_h, grads, gemm);
   grads.accumulate = true;  // twice the gradient
-  grouped_mlp_backward_wgrad(dy_d, x_d, layout, GroupedMlpSaved{h, a}, d_h, grads);
+  grouped_mlp_backward_wgrad(dy_d, x_d, layout, GroupedMlpSaved{h, a}, d_h, grads, gemm);
 
   const double tol = gemm_tolerance(dt) * 2;  // two chained bf16 GEMMs
   auto host = [](const Tensor& t) { return t.to(Device::cpu()); };

@@ -1,6 +1,6 @@
-// Grouped GEMM with device-side group sizes: one GEMM per expert, each over
-// the row range the RoutingPlan gives it, in one launch and with no host
-// synchronisation (CUDA-graph safe; empty experts cost nothing).
+// Grouped GEMM with device-side group sizes: one GEMM per expert over the
+// rows the layout gives it, in one launch, with no host synchronisation
+// (CUDA-graph safe: new offsets on the device need no new capture).
 //
 //   forward: C_e  = A_e · W_e^T        A [rows,K], W [E,N,K], C [rows,N]
 //   dgrad:   dA_e = dC_e · W_e         dC [rows,N], W [E,N,K], dA [rows,K]
@@ -8,33 +8,25 @@
 //
 // Group e owns rows [offsets[e], offsets[e+1]). With `real_rows`, rows from
 // offsets[e] + real_rows[e] to offsets[e+1] are pad rows: forward and dgrad
-// write zeros there (so the next stage sees zeros), wgrad does not read them.
-// Rows at or past offsets[E] are never read or written.
-//
-// Inputs bf16 or fp16 (A and W the same), float32 accumulation, outputs
-// bf16/fp16/float32. K and N must be multiples of 8 (16-byte rows).
-//
-// Kernels: on Hopper (sm_90a builds) stacked weights take a TMA +
-// warp-specialised wgmma kernel for all three ops (outputs leave through TMA
-// stores; wgrad with accumulate through a TMA float32 reduce-add, still
-// deterministic: every dW element has one writer); pointer-array weights take
-// cp.async + wgmma (forward) or the portable mma.sync kernel (dgrad); other
-// GPUs the portable kernel. NOTE: the Hopper dgrad reads whole 64-row slices
-// of the stacked weights, so when N is not a multiple of 64 the last slice
-// touches rows of the next expert, multiplied by zeros: finite weights are
-// required there (a NaN in one expert's weights can reach its neighbour's dA).
+// write zeros there, wgrad does not read them. Rows at or past offsets[E] are
+// never read or written. Inputs bf16 or fp16 (A and W alike), float32
+// accumulation, outputs bf16 / fp16 / float32; K and N multiples of 8.
+// Deterministic. GPU calls enqueue on `stream` only; CPU calls run the
+// reference. NOTE: on Hopper, dgrad with N not a multiple of 64 reads (and
+// multiplies by zero) rows of the next expert's weights: they must be finite.
 // NOTE: the views below do not own memory; keep their tensors alive.
 #pragma once
 
 #include "moeflow/plan.h"
 #include "moeflow/tensor.h"
+#include "moeflow/tuning.h"
 
 namespace moeflow {
 
 // E experts' weights, each [N,K] row-major (the [out, in] layout of a Linear).
 struct GroupedWeights {
-  TensorView stacked;   // [E,N,K] contiguous, or
-  TensorView pointers;  // [E] int64: device addresses of E contiguous [N,K] tensors
+  TensorView stacked;              // [E,N,K] contiguous, or
+  TensorView pointers;             // [E] int64: device addresses of E contiguous [N,K] tensors
   DType dtype = DType::kBFloat16;  // with pointers: dtype and shape of each
   int64_t n = 0;
   int64_t k = 0;
@@ -70,14 +62,30 @@ struct GroupLayout {
 
 void grouped_gemm_forward(TensorView a, const GroupedWeights& w, const GroupLayout& groups,
                           TensorView c, cudaStream_t stream = nullptr);
+void grouped_gemm_forward(TensorView a, const GroupedWeights& w, const GroupLayout& groups,
+                          TensorView c, const GemmOptions& options, cudaStream_t stream = nullptr);
+
+// The forward over gathered A rows: row m of the product reads row
+// a_rows[m] of `a` (int32 [rows] on the device; -1 or >= a's rows: a zero
+// row), so rows received once can feed every expert they go to without a
+// copy per expert. a [source rows, K]; c [rows, N] of a's dtype. CUDA:
+// Hopper with stacked weights only (else throws); CPU: the reference.
+void grouped_gemm_forward_gathered(TensorView a, TensorView a_rows, const GroupedWeights& w,
+                                   const GroupLayout& groups, TensorView c,
+                                   const GemmOptions& options = {}, cudaStream_t stream = nullptr);
 
 void grouped_gemm_dgrad(TensorView dc, const GroupedWeights& w, const GroupLayout& groups,
                         TensorView da, cudaStream_t stream = nullptr);
+void grouped_gemm_dgrad(TensorView dc, const GroupedWeights& w, const GroupLayout& groups,
+                        TensorView da, const GemmOptions& options, cudaStream_t stream = nullptr);
 
 // dw: float32 weights layout ([E,N,K] stacked or E pointers to float32 [N,K]).
-// accumulate: dW += result (beta = 1, Megatron's gradient-accumulation fusion);
+// accumulate: dW += result (Megatron's gradient-accumulation fusion);
 // otherwise dW = result (experts with no rows get zeros).
 void grouped_gemm_wgrad(TensorView dc, TensorView a, const GroupLayout& groups,
                         const GroupedWeights& dw, bool accumulate, cudaStream_t stream = nullptr);
+void grouped_gemm_wgrad(TensorView dc, TensorView a, const GroupLayout& groups,
+                        const GroupedWeights& dw, bool accumulate, const GemmOptions& options,
+                        cudaStream_t stream = nullptr);
 
 }  // namespace moeflow

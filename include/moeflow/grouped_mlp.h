@@ -1,7 +1,6 @@
 // The grouped expert MLP: FC1 -> activation (GLU or plain) -> FC2 for every
 // expert over its rows of a RoutingPlan-shaped layout, forward and backward,
-// with the weight gradients separable from the input gradient (delayed wgrad,
-// so they can overlap communication).
+// with the weight gradients separable from the input gradient (delayed wgrad).
 //
 //   h  = x · W1_e^T + b1_e                       [rows, N1]  (N1 = 2F gated, F plain)
 //   a  = act(h) * p                              [rows, F]   (p = router prob of the row, or 1)
@@ -9,13 +8,11 @@
 //
 // FC1 rows of a gated activation are [gate; up] halves (glu_interleave = 0)
 // or interleaved blocks of glu_interleave gate rows then as many up rows
-// (Megatron's glu_interleave_size). Pad rows (between an expert's real rows
-// and its padded end) produce zeros and get no gradient.
-//
-// On Hopper (sm_90a builds) FC1 runs with bias, activation and probability
-// fused into the GEMM epilogue; on other GPUs (or layouts the fused kernel
-// does not take) the activation is a separate kernel; on the CPU every step
-// runs on the reference backend. Deterministic on every backend.
+// (Megatron's glu_interleave_size). Pad rows produce zeros and get no
+// gradient. bf16 or fp16 data, float32 probabilities and weight gradients.
+// Deterministic; GPU calls enqueue on `stream` only, allocate nothing and
+// synchronise with nothing (CUDA-graph safe). On Hopper FC1's bias,
+// activation and probability run in the GEMM's epilogue.
 #pragma once
 
 #include "moeflow/activation.h"
@@ -27,17 +24,13 @@ struct GroupedMlpConfig {
   Activation activation = Activation::kSwiGLU;
   ActivationParams params;
   int glu_interleave = 0;  // gated FC1 row order: 0 = halves, else 8/16/32/64/128
+  GemmOptions gemm;        // kernel choice and tuning of the GEMMs (moeflow/tuning.h)
 };
 
 // Weights (bf16 or fp16, one dtype): each FC weight either stacked in one
-// tensor or as E separate tensors (the two storages checkpoints load into,
-// moeflow/checkpoint.h); give exactly one of fc1 / fc1_experts and of fc2 /
-// fc2_experts. Stacked is the fast path on Hopper: the TMA kernels (and the
-// fused FC1) need one tensor map per weight, so with separate tensors FC1 and
-// its activation run as two kernels, the forward GEMMs run the cp.async +
-// wgmma kernel and dgrad the portable mma.sync kernel (H100, dsv3-fc1 shape:
-// about 520 and 235 TFLOP/s against 825 and 800 stacked, `bench gemm`'s
-// forward variants).
+// tensor or as E separate tensors (moeflow/checkpoint.h loads both); give
+// exactly one of fc1 / fc1_experts and of fc2 / fc2_experts. Stacked is the
+// fast path on Hopper (the TMA kernels and the fused FC1 need it).
 struct GroupedMlpWeights {
   TensorView fc1;    // [E, N1, H]
   TensorView fc2;    // [E, H, F]
@@ -60,6 +53,14 @@ struct GroupedMlpSaved {
 void grouped_mlp_forward(TensorView x, const GroupedMlpWeights& w, const GroupLayout& groups,
                          TensorView probs, const GroupedMlpConfig& config, TensorView y,
                          const GroupedMlpSaved& saved, cudaStream_t stream = nullptr);
+
+// FC1 alone (the forward's first half): a [rows, F] = act(x · W1_e^T + b1_e)
+// * p, and h [rows, N1] (the pre-activation, bias included) when given.
+// Reads w.fc1 / w.fc1_experts and w.bias1 only. On GPUs without the fused
+// kernel (or with separate weight tensors) h is required.
+void grouped_mlp_fc1_forward(TensorView x, const GroupedMlpWeights& w, const GroupLayout& groups,
+                             TensorView probs, const GroupedMlpConfig& config, TensorView a,
+                             TensorView h = {}, cudaStream_t stream = nullptr);
 
 // Input gradient now: dx [rows, H], d_h [rows, N1] (the FC1 output gradient,
 // kept for backward_wgrad), dprobs optional [rows] float32 (with probs).
@@ -85,20 +86,29 @@ struct GroupedMlpGrads {
   GroupedWeights dw2_experts;
 };
 
-// Recomputes a = act(h) * p (pad rows: zeros) from the saved pre-activation,
-// with the forward's own arithmetic (the values the forward wrote, up to the
-// order of float operations on the GPU; bitwise on the CPU). With it, only
-// saved.h needs to live from forward to backward: give forward a scratch
-// buffer as saved.a, run backward_dgrad with saved.a undefined, and recompute
-// a into a buffer just before backward_wgrad (Megatron's recompute of the
-// MoE activation; costs one pass over h and a).
+// Recomputes a = act(h) * p (pad rows: zeros) from the saved pre-activation
+// with the forward's arithmetic, so that only saved.h must live from forward
+// to backward (give forward a scratch saved.a, run backward_dgrad without it,
+// recompute a just before backward_wgrad).
 void grouped_mlp_recompute_activation(TensorView h, const GroupLayout& groups, TensorView probs,
                                       const GroupedMlpConfig& config, TensorView a,
                                       cudaStream_t stream = nullptr);
+
+// The activation's backward alone (backward_dgrad's middle step): d_h
+// [rows, N1] holds d(a) in its last F columns (gated) or is d(a) (plain); on
+// return d_h = d(h) (pad rows zero) and dprobs[row] = <d(a), act(h)> (optional
+// [rows] float32, with probs). h [rows, N1] is the saved pre-activation.
+void grouped_mlp_activation_backward(TensorView h, const GroupLayout& groups, TensorView probs,
+                                     const GroupedMlpConfig& config, TensorView d_h,
+                                     TensorView dprobs = {}, cudaStream_t stream = nullptr);
 
 // Weight gradients later (delayed wgrad): needs dy, x, saved.a and d_h.
 void grouped_mlp_backward_wgrad(TensorView dy, TensorView x, const GroupLayout& groups,
                                 const GroupedMlpSaved& saved, TensorView d_h,
                                 const GroupedMlpGrads& grads, cudaStream_t stream = nullptr);
+void grouped_mlp_backward_wgrad(TensorView dy, TensorView x, const GroupLayout& groups,
+                                const GroupedMlpSaved& saved, TensorView d_h,
+                                const GroupedMlpGrads& grads, const GemmOptions& gemm,
+                                cudaStream_t stream = nullptr);
 
 }  // namespace moeflow

@@ -1,12 +1,15 @@
 // The whole public API of moeflow.
 #pragma once
 
+#include "moeflow/activation.h"
 #include "moeflow/checkpoint.h"
-#include "moeflow/dispatch.h"
+#include "moeflow/ep.h"
+#include "moeflow/ep_reference.h"
 #include "moeflow/error.h"
 #include "moeflow/grouped_gemm.h"
 #include "moeflow/grouped_mlp.h"
 #include "moeflow/permute.h"
 #include "moeflow/plan.h"
 #include "moeflow/tensor.h"
+#include "moeflow/tuning.h"
 #include "moeflow/version.h"

@@ -6,6 +6,7 @@
 #include "moeflow/grouped_gemm.h"
 #include "moeflow/permute.h"
 #include "moeflow/plan.h"
+#include "moeflow/tuning.h"
 
 #if defined(__CUDACC__)
 #define MOEFLOW_HD __host__ __device__
@@ -27,14 +28,14 @@ struct RoutingInput {
 // The plan's scalar bookkeeping computed from the raw per-expert counts:
 // shared by both backends so that drop order and padding are defined once.
 struct ExpertLayout {
-  int32_t kept;           // rows kept for this expert
-  int32_t padded;         // kept rounded up to align
-  int64_t offset;         // start row of its segment
+  int32_t kept;    // rows kept for this expert
+  int32_t padded;  // kept rounded up to align
+  int64_t offset;  // start row of its segment
 };
 // offset_in: sum of padded *routed* counts of the experts before this one
 // (a multiple of align). Returns where the expert lands given the capacity.
 MOEFLOW_HD inline ExpertLayout layout_expert(int64_t routed, int64_t offset_in, int64_t capacity,
-                                  int align) {
+                                             int align) {
   ExpertLayout l;
   l.offset = offset_in < capacity ? offset_in : capacity;
   int64_t room = capacity - l.offset;
@@ -54,15 +55,16 @@ struct GroupedGemmCall {
   GroupedWeights w;
   GroupLayout groups;
   bool accumulate = false;
-  int64_t rows = 0;       // rows of a (and b, out)
-  int64_t num_groups = 0; // E
-  int64_t n = 0, k = 0;   // each weight is [n,k]
+  int64_t rows = 0;        // rows of a (and b, out)
+  int64_t num_groups = 0;  // E
+  int64_t n = 0, k = 0;    // each weight is [n,k]
   // Forward only (CUDA, Hopper, stacked weights): gathered A rows, int32
   // [rows]: row m of the product uses row a_rows[m] of `a` (-1: a zero row),
   // so tokens received once per GPU can feed every expert they go to
   // without being copied per expert. Values are not checked on the host;
   // entries past a's rows read as zero rows (nothing out of bounds is read).
   TensorView a_rows;
+  GemmOptions options;  // kernel choice and tuning (moeflow/tuning.h)
 };
 
 namespace cpu {
@@ -79,32 +81,6 @@ void unpermute_backward(TensorView dout, const RoutingPlan& plan, TensorView y_f
 
 namespace cuda {
 void grouped_gemm(const GroupedGemmCall& call, cudaStream_t stream);
-// Kernel choice for the grouped GEMM (tests and benchmarks run both):
-// kAuto takes the fastest path that applies (on Hopper: TMA + warp-specialised
-// wgmma for all three ops when the weights are stacked (wgrad: always), else
-// cp.async + wgmma for the forward, mma.sync otherwise); kSm90CpAsync the
-// cp.async + wgmma path (128 x 256 tiles); kSm90Narrow the same with 128 x 128
-// tiles; kPortable always the mma.sync path; kTmaDirectStore the TMA kernel
-// with its epilogue copying out through masked stores instead of TMA stores.
-enum class GemmPath { kAuto, kSm90CpAsync, kSm90Narrow, kPortable, kTmaDirectStore };
-void set_gemm_path(GemmPath path);
-// Shared-memory split of the TMA kernel (benchmarks): pipeline stages (2-4)
-// and epilogue staging buffers per consumer warpgroup (2-5), raster band;
-// 0 = default.
-struct TmaTuning {
-  int stages = 0;
-  int bufs = 0;
-  int raster = 0;    // m tiles per raster band (all kernels)
-  int stagger = -1;  // K slices consumer warpgroup 1 lags consumer 0 (TMA kernel); -1 = default
-  int desync = -1;   // block b starts (b % 8) x desync x 1000 cycles late (TMA); -1 = default
-  int hold = -1;     // helper mode: K slices the stage ring skips the held stage; -1 = default
-};
-void set_tma_tuning(TmaTuning tuning);
-// Experimental, off by default: the grouped MLP's FC2 dgrad with the dGLU
-// fused into its epilogue (helper warps; mlp_fc2_dgrad_dglu). Measured slower
-// than FC2 dgrad + the separate dGLU kernel (docs/perf/mlp-h200-2026-11-22.md).
-void set_mlp_fused_dglu(bool on);
-bool mlp_fused_dglu();
 size_t plan_workspace_bytes(int64_t num_tokens, int topk, const PlanConfig& config);
 void build_plan(const RoutingInput& in, RoutingPlan& plan, TensorView workspace,
                 cudaStream_t stream);
@@ -123,11 +99,10 @@ void unpermute_backward(TensorView dout, const RoutingPlan& plan, TensorView y_f
 // leave SMs to kernels running beside). Arguments are trusted (internal).
 void permute_tokens(TensorView x_rows, int64_t first_token, int64_t count, bool pad_rows,
                     const RoutingPlan& plan, TensorView y, const PermuteExtras& extras,
-                    cudaStream_t stream, const int32_t* src_rows = nullptr,
-                    int max_blocks = 0);
+                    cudaStream_t stream, const int32_t* src_rows = nullptr, int max_blocks = 0);
 void unpermute_tokens(TensorView y, const RoutingPlan& plan, int64_t first_token, int64_t count,
-                      TensorView out, TensorView weights, TensorView row_vals,
-                      TensorView slot_vals, cudaStream_t stream, int max_blocks = 0);
+                      TensorView out, TensorView weights, TensorView row_vals, TensorView slot_vals,
+                      cudaStream_t stream, int max_blocks = 0);
 }  // namespace cuda
 
 }  // namespace moeflow

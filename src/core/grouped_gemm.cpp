@@ -1,8 +1,12 @@
 // Public grouped GEMM entry points: weight/layout helpers, argument checks,
-// dispatch to the CPU reference or the CUDA kernels.
+// dispatch to the CPU reference or the CUDA kernels (with the caller's
+// GemmOptions).
+#include "moeflow/grouped_gemm.h"
+
+#include <cstring>
+
 #include "core/backends.h"
 #include "core/internal.h"
-#include "moeflow/grouped_gemm.h"
 
 namespace moeflow {
 
@@ -34,7 +38,9 @@ int64_t GroupedWeights::num_groups() const {
   return pointers.defined() && pointers.ndim == 1 ? pointers.shape[0] : -1;
 }
 
-Device GroupedWeights::device() const { return stacked.defined() ? stacked.device : pointers.device; }
+Device GroupedWeights::device() const {
+  return stacked.defined() ? stacked.device : pointers.device;
+}
 
 ExpertTable make_expert_table(const std::vector<TensorView>& experts) {
   MOEFLOW_CHECK(!experts.empty(), "experts: need at least one expert tensor");
@@ -75,8 +81,9 @@ void check_weights(const GroupedWeights& w, const char* name, const std::vector<
     detail::expect(w.pointers, name, Expect{{DType::kInt64}, {groups}, dev});
     bool ok = false;
     for (DType d : dtypes) ok = ok || d == w.dtype;
-    MOEFLOW_CHECK(ok && w.n == n && w.k == k, name, " (pointers) must describe ", dtype_name(dtypes[0]),
-                  " [", n, ",", k, "] tensors, got ", dtype_name(w.dtype), " [", w.n, ",", w.k, "]");
+    MOEFLOW_CHECK(ok && w.n == n && w.k == k, name, " (pointers) must describe ",
+                  dtype_name(dtypes[0]), " [", n, ",", k, "] tensors, got ", dtype_name(w.dtype),
+                  " [", w.n, ",", w.k, "]");
   }
 }
 
@@ -99,13 +106,15 @@ const std::vector<DType> kOutputs = {DType::kBFloat16, DType::kFloat16, DType::k
 
 void check_alignment(int64_t n, int64_t k) {
   MOEFLOW_CHECK(n % 8 == 0 && k % 8 == 0,
-                "grouped GEMM needs N and K to be multiples of 8 (16-byte rows), got N=", n, " K=", k);
+                "grouped GEMM needs N and K to be multiples of 8 (16-byte rows), got N=", n,
+                " K=", k);
 }
 
 GroupedGemmCall make_call(GroupedGemmCall::Op op, TensorView a, TensorView b, TensorView out,
                           const GroupedWeights& w, const GroupLayout& groups, int64_t rows,
-                          int64_t groups_count, int64_t n, int64_t k) {
+                          int64_t groups_count, int64_t n, int64_t k, const GemmOptions& options) {
   GroupedGemmCall call;
+  call.options = options;
   call.op = op;
   call.a = a;
   call.b = b;
@@ -130,42 +139,107 @@ void run(const GroupedGemmCall& call, Device dev, cudaStream_t stream) {
 #endif
 }
 
-}  // namespace
-
-void grouped_gemm_forward(TensorView a, const GroupedWeights& w, const GroupLayout& groups,
-                          TensorView c, cudaStream_t stream) {
+// The forward's checks; a_rows (gathered rows) defined: rows come from it.
+GroupedGemmCall forward_call(TensorView a, TensorView a_rows, const GroupedWeights& w,
+                             const GroupLayout& groups, TensorView c, const GemmOptions& options) {
   detail::expect_defined(a, "a");
   MOEFLOW_CHECK(a.ndim == 2, "a must be [rows,K], got ", a.str());
   const int64_t E = w.num_groups();
   MOEFLOW_CHECK(E > 0, "w must hold >= 1 expert ([E,N,K] or [E] pointers)");
   const Device dev = a.device;
-  const int64_t rows = a.shape[0], k = a.shape[1], n = w.stacked.defined() ? w.stacked.shape[1] : w.n;
-  detail::expect(a, "a", rows_of(kInputs, rows, k, dev));
+  const int64_t k = a.shape[1], n = w.stacked.defined() ? w.stacked.shape[1] : w.n;
+  int64_t rows = a.shape[0];
+  if (a_rows.defined()) {
+    MOEFLOW_CHECK(a_rows.ndim == 1, "a_rows must be int32 [rows], got ", a_rows.str());
+    rows = a_rows.shape[0];
+    detail::expect(a_rows, "a_rows", Expect{{DType::kInt32}, {rows}, dev});
+    detail::expect(a, "a", rows_of(kInputs, a.shape[0], k, dev));
+  } else {
+    detail::expect(a, "a", rows_of(kInputs, rows, k, dev));
+  }
   check_weights(w, "w", {a.dtype}, E, n, k, dev);
   check_layout(groups, E, dev);
-  detail::expect(c, "c", rows_of(kOutputs, rows, n, dev));
+  detail::expect(c, "c",
+                 rows_of(a_rows.defined() ? std::vector<DType>{a.dtype} : kOutputs, rows, n, dev));
   check_alignment(n, k);
-  run(make_call(GroupedGemmCall::kForward, a, {}, c, w, groups, rows, E, n, k), dev, stream);
+  GroupedGemmCall call =
+      make_call(GroupedGemmCall::kForward, a, {}, c, w, groups, rows, E, n, k, options);
+  call.a_rows = a_rows;
+  return call;
+}
+
+// The CPU reference of the gathered forward: the gathered rows copied into a
+// temporary matrix (zero rows for -1 or out-of-range entries), then the forward.
+void cpu_forward_gathered(GroupedGemmCall call) {
+  const TensorView a = call.a;
+  const int64_t src_rows = a.shape[0],
+                row_bytes = a.shape[1] * static_cast<int64_t>(dtype_size(a.dtype));
+  Tensor gathered = Tensor::zeros({call.rows, a.shape[1]}, a.dtype);
+  const int32_t* map = call.a_rows.data_ptr<int32_t>();
+  for (int64_t r = 0; r < call.rows; ++r) {
+    if (map[r] < 0 || map[r] >= src_rows) continue;
+    std::memcpy(static_cast<uint8_t*>(gathered.data()) + r * row_bytes,
+                static_cast<const uint8_t*>(a.data) +
+                    map[r] * a.strides[0] * static_cast<int64_t>(dtype_size(a.dtype)),
+                static_cast<size_t>(row_bytes));
+  }
+  call.a = gathered;
+  call.a_rows = TensorView();
+  cpu::grouped_gemm(call);
+}
+
+}  // namespace
+
+void grouped_gemm_forward(TensorView a, const GroupedWeights& w, const GroupLayout& groups,
+                          TensorView c, cudaStream_t stream) {
+  grouped_gemm_forward(a, w, groups, c, GemmOptions{}, stream);
+}
+
+void grouped_gemm_forward(TensorView a, const GroupedWeights& w, const GroupLayout& groups,
+                          TensorView c, const GemmOptions& options, cudaStream_t stream) {
+  run(forward_call(a, {}, w, groups, c, options), a.device, stream);
+}
+
+void grouped_gemm_forward_gathered(TensorView a, TensorView a_rows, const GroupedWeights& w,
+                                   const GroupLayout& groups, TensorView c,
+                                   const GemmOptions& options, cudaStream_t stream) {
+  detail::expect_defined(a_rows, "a_rows");
+  const GroupedGemmCall call = forward_call(a, a_rows, w, groups, c, options);
+  if (a.device.is_cpu()) return cpu_forward_gathered(call);
+  run(call, a.device, stream);
 }
 
 void grouped_gemm_dgrad(TensorView dc, const GroupedWeights& w, const GroupLayout& groups,
                         TensorView da, cudaStream_t stream) {
+  grouped_gemm_dgrad(dc, w, groups, da, GemmOptions{}, stream);
+}
+
+void grouped_gemm_dgrad(TensorView dc, const GroupedWeights& w, const GroupLayout& groups,
+                        TensorView da, const GemmOptions& options, cudaStream_t stream) {
   detail::expect_defined(dc, "dc");
   MOEFLOW_CHECK(dc.ndim == 2, "dc must be [rows,N], got ", dc.str());
   const int64_t E = w.num_groups();
   MOEFLOW_CHECK(E > 0, "w must hold >= 1 expert ([E,N,K] or [E] pointers)");
   const Device dev = dc.device;
-  const int64_t rows = dc.shape[0], n = dc.shape[1], k = w.stacked.defined() ? w.stacked.shape[2] : w.k;
+  const int64_t rows = dc.shape[0], n = dc.shape[1],
+                k = w.stacked.defined() ? w.stacked.shape[2] : w.k;
   detail::expect(dc, "dc", rows_of(kInputs, rows, n, dev));
   check_weights(w, "w", {dc.dtype}, E, n, k, dev);
   check_layout(groups, E, dev);
   detail::expect(da, "da", rows_of(kOutputs, rows, k, dev));
   check_alignment(n, k);
-  run(make_call(GroupedGemmCall::kDgrad, dc, {}, da, w, groups, rows, E, n, k), dev, stream);
+  run(make_call(GroupedGemmCall::kDgrad, dc, {}, da, w, groups, rows, E, n, k, options), dev,
+      stream);
 }
 
 void grouped_gemm_wgrad(TensorView dc, TensorView a, const GroupLayout& groups,
                         const GroupedWeights& dw, bool accumulate, cudaStream_t stream) {
+  grouped_gemm_wgrad(dc, a, groups, dw, accumulate, GemmOptions{}, stream);
+}
+
+void grouped_gemm_wgrad(TensorView dc, TensorView a, const GroupLayout& groups,
+                        const GroupedWeights& dw, bool accumulate, const GemmOptions& options,
+                        cudaStream_t stream) {
   detail::expect_defined(dc, "dc");
   detail::expect_defined(a, "a");
   MOEFLOW_CHECK(dc.ndim == 2 && a.ndim == 2, "dc must be [rows,N] and a [rows,K], got ", dc.str(),
@@ -179,7 +253,8 @@ void grouped_gemm_wgrad(TensorView dc, TensorView a, const GroupLayout& groups,
   check_weights(dw, "dw", {DType::kFloat32}, E, n, k, dev);
   check_layout(groups, E, dev);
   check_alignment(n, k);
-  GroupedGemmCall call = make_call(GroupedGemmCall::kWgrad, dc, a, {}, dw, groups, rows, E, n, k);
+  GroupedGemmCall call =
+      make_call(GroupedGemmCall::kWgrad, dc, a, {}, dw, groups, rows, E, n, k, options);
   call.accumulate = accumulate;
   run(call, dev, stream);
 }

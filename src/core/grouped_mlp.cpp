@@ -41,14 +41,19 @@ GroupedWeights weight_of(TensorView stacked, const GroupedWeights& experts, cons
   return experts;
 }
 
-Dims check_weights(TensorView x, const GroupedMlpWeights& w, const GroupedMlpConfig& c,
-                   const GroupLayout& groups) {
-  MOEFLOW_CHECK(x.defined() && x.ndim == 2, "x must be [rows,H], got ", x.str());
+// FC1's part of the checks (x, fc1, bias1, the layout), for F = ffn.
+Dims check_fc1(TensorView x, const GroupedMlpWeights& w, const GroupedMlpConfig& c,
+               const GroupLayout& groups, int64_t ffn, const GroupedWeights& w2) {
   const GroupedWeights w1 = weight_of(w.fc1, w.fc1_experts, "fc1");
-  const GroupedWeights w2 = weight_of(w.fc2, w.fc2_experts, "fc2");
-  Dims d{x.shape[0], x.shape[1], w2.stacked.defined() ? w2.stacked.shape[2] : w2.k,
-         w1.stacked.defined() ? w1.stacked.shape[1] : w1.n, w1.num_groups(), x.dtype, x.device,
-         w1, w2};
+  Dims d{x.shape[0],
+         x.shape[1],
+         ffn,
+         w1.stacked.defined() ? w1.stacked.shape[1] : w1.n,
+         w1.num_groups(),
+         x.dtype,
+         x.device,
+         w1,
+         w2};
   const bool gated = is_gated(c.activation);
   detail::expect(x, "x", Expect{kHalf, {d.rows, d.hidden}, d.dev});
   const int64_t n1 = gated ? 2 * d.ffn : d.ffn;
@@ -61,23 +66,32 @@ Dims check_weights(TensorView x, const GroupedMlpWeights& w, const GroupedMlpCon
                   "w.fc1_experts must describe ", dtype_name(d.dtype), " [", n1, ",", d.hidden,
                   "] tensors, got ", dtype_name(w1.dtype), " [", w1.n, ",", w1.k, "]");
   }
+  if (w.bias1.defined())
+    detail::expect(w.bias1, "w.bias1", Expect{{d.dtype}, {d.experts, d.n1}, d.dev});
+  if (gated && c.glu_interleave != 0)
+    MOEFLOW_CHECK(c.glu_interleave > 0 && d.ffn % c.glu_interleave == 0,
+                  "config.glu_interleave must divide F=", d.ffn, ", got ", c.glu_interleave);
+  detail::expect(groups.offsets, "groups.offsets", Expect{{DType::kInt64}, {d.experts + 1}, d.dev});
+  return d;
+}
+
+Dims check_weights(TensorView x, const GroupedMlpWeights& w, const GroupedMlpConfig& c,
+                   const GroupLayout& groups) {
+  MOEFLOW_CHECK(x.defined() && x.ndim == 2, "x must be [rows,H], got ", x.str());
+  weight_of(w.fc1, w.fc1_experts, "fc1");
+  const GroupedWeights w2 = weight_of(w.fc2, w.fc2_experts, "fc2");
+  const Dims d = check_fc1(x, w, c, groups, w2.stacked.defined() ? w2.stacked.shape[2] : w2.k, w2);
   if (w2.stacked.defined()) {
     detail::expect(w2.stacked, "w.fc2", Expect{{d.dtype}, {d.experts, d.hidden, d.ffn}, d.dev});
   } else {
     detail::expect(w2.pointers, "w.fc2_experts.pointers",
                    Expect{{DType::kInt64}, {d.experts}, d.dev});
-    MOEFLOW_CHECK(w2.dtype == d.dtype && w2.n == d.hidden,
-                  "w.fc2_experts must describe ", dtype_name(d.dtype), " [", d.hidden, ",",
-                  d.ffn, "] tensors, got ", dtype_name(w2.dtype), " [", w2.n, ",", w2.k, "]");
+    MOEFLOW_CHECK(w2.dtype == d.dtype && w2.n == d.hidden, "w.fc2_experts must describe ",
+                  dtype_name(d.dtype), " [", d.hidden, ",", d.ffn, "] tensors, got ",
+                  dtype_name(w2.dtype), " [", w2.n, ",", w2.k, "]");
   }
-  if (w.bias1.defined())
-    detail::expect(w.bias1, "w.bias1", Expect{{d.dtype}, {d.experts, d.n1}, d.dev});
   if (w.bias2.defined())
     detail::expect(w.bias2, "w.bias2", Expect{{d.dtype}, {d.experts, d.hidden}, d.dev});
-  if (gated && c.glu_interleave != 0)
-    MOEFLOW_CHECK(c.glu_interleave > 0 && d.ffn % c.glu_interleave == 0,
-                  "config.glu_interleave must divide F=", d.ffn, ", got ", c.glu_interleave);
-  detail::expect(groups.offsets, "groups.offsets", Expect{{DType::kInt64}, {d.experts + 1}, d.dev});
   return d;
 }
 
@@ -94,20 +108,25 @@ MlpRows rows_of(const GroupLayout& g, const Dims& d) {
   return MlpRows{g, d.experts, d.rows};
 }
 
-}  // namespace
+// E of a layout given alone (the elementwise steps take no weights).
+int64_t experts_of(const GroupLayout& groups, Device dev) {
+  MOEFLOW_CHECK(
+      groups.offsets.defined() && groups.offsets.ndim == 1 && groups.offsets.shape[0] >= 2,
+      "groups.offsets must be [E+1] int64, got ", groups.offsets.str());
+  const int64_t E = groups.offsets.shape[0] - 1;
+  detail::expect(groups.offsets, "groups.offsets", Expect{{DType::kInt64}, {E + 1}, dev});
+  return E;
+}
 
-void grouped_mlp_forward(TensorView x, const GroupedMlpWeights& w, const GroupLayout& groups,
-                         TensorView probs, const GroupedMlpConfig& c, TensorView y,
-                         const GroupedMlpSaved& saved, cudaStream_t stream) {
-  const Dims d = check_weights(x, w, c, groups);
-  check_saved(saved, d);
-  detail::expect(y, "y", Expect{{d.dtype}, {d.rows, d.hidden}, d.dev});
-  if (probs.defined()) detail::expect(probs, "probs", Expect{{DType::kFloat32}, {d.rows}, d.dev});
+// h = x · W1_e^T + b1_e, a = act(h) * p: fused into the GEMM where the CUDA
+// kernel takes it (h then optional), else the GEMM into h and the epilogue.
+void fc1_forward(TensorView x, const GroupedMlpWeights& w, const Dims& d, const GroupLayout& groups,
+                 TensorView probs, const GroupedMlpConfig& c, TensorView a, TensorView h,
+                 cudaStream_t stream) {
   const MlpRows r = rows_of(groups, d);
   if (d.dev.is_cpu()) {
-    grouped_gemm_forward(x, d.fc1, groups, saved.h);
-    cpu::mlp_fc1_epilogue(r, saved.h, w.bias1, probs, c.activation, c.params, c.glu_interleave,
-                          saved.a);
+    grouped_gemm_forward(x, d.fc1, groups, h, c.gemm);
+    cpu::mlp_fc1_epilogue(r, h, w.bias1, probs, c.activation, c.params, c.glu_interleave, a);
   } else {
 #ifdef MOEFLOW_WITH_CUDA
     detail::cuda_set_device(d.dev.index);
@@ -120,22 +139,58 @@ void grouped_mlp_forward(TensorView x, const GroupedMlpWeights& w, const GroupLa
     call.act = c.activation;
     call.params = c.params;
     call.glu_interleave = c.glu_interleave;
-    call.out = saved.a;
-    call.raw = saved.h;
+    call.out = a;
+    call.raw = h;
     call.rows = d.rows;
     call.num_groups = d.experts;
     call.hidden = d.hidden;
     call.ffn = d.ffn;
+    call.options = c.gemm;
     if (call.w1.defined() && cuda::mlp_fc1_fusable(call)) {
       cuda::mlp_fc1_forward(call, stream);
     } else {  // other GPUs / layouts: grouped GEMM, then the epilogue as its own kernel
-      grouped_gemm_forward(x, d.fc1, groups, saved.h, stream);
-      cuda::mlp_fc1_epilogue(r, saved.h, w.bias1, probs, c.activation, c.params, c.glu_interleave,
-                             saved.a, stream);
+      MOEFLOW_CHECK(h.defined(), "h (the pre-activation output) is needed where FC1 runs unfused");
+      grouped_gemm_forward(x, d.fc1, groups, h, c.gemm, stream);
+      cuda::mlp_fc1_epilogue(r, h, w.bias1, probs, c.activation, c.params, c.glu_interleave, a,
+                             stream);
     }
+#else
+    (void)stream;
 #endif
   }
-  grouped_gemm_forward(saved.a, d.fc2, groups, y, stream);
+}
+
+}  // namespace
+
+void grouped_mlp_fc1_forward(TensorView x, const GroupedMlpWeights& w, const GroupLayout& groups,
+                             TensorView probs, const GroupedMlpConfig& c, TensorView a,
+                             TensorView h, cudaStream_t stream) {
+  MOEFLOW_CHECK(x.defined() && x.ndim == 2, "x must be [rows,H], got ", x.str());
+  MOEFLOW_CHECK(a.defined() && a.ndim == 2, "a must be [rows,F], got ", a.str());
+  const Dims d = check_fc1(x, w, c, groups, a.shape[1], GroupedWeights{});
+  MOEFLOW_CHECK(d.n1 == (is_gated(c.activation) ? 2 * d.ffn : d.ffn), "w.fc1 must have ",
+                is_gated(c.activation) ? 2 * d.ffn : d.ffn, " rows per expert for F=", d.ffn,
+                ", got ", d.n1);
+  detail::expect(a, "a", Expect{{d.dtype}, {d.rows, d.ffn}, d.dev});
+  if (h.defined()) detail::expect(h, "h", Expect{{d.dtype}, {d.rows, d.n1}, d.dev});
+  if (probs.defined()) detail::expect(probs, "probs", Expect{{DType::kFloat32}, {d.rows}, d.dev});
+  if (d.dev.is_cpu() && !h.defined()) {  // the reference needs h: a temporary
+    Tensor tmp = Tensor::empty({d.rows, d.n1}, d.dtype);
+    return fc1_forward(x, w, d, groups, probs, c, a, tmp, stream);
+  }
+  fc1_forward(x, w, d, groups, probs, c, a, h, stream);
+}
+
+void grouped_mlp_forward(TensorView x, const GroupedMlpWeights& w, const GroupLayout& groups,
+                         TensorView probs, const GroupedMlpConfig& c, TensorView y,
+                         const GroupedMlpSaved& saved, cudaStream_t stream) {
+  const Dims d = check_weights(x, w, c, groups);
+  check_saved(saved, d);
+  detail::expect(y, "y", Expect{{d.dtype}, {d.rows, d.hidden}, d.dev});
+  if (probs.defined()) detail::expect(probs, "probs", Expect{{DType::kFloat32}, {d.rows}, d.dev});
+  const MlpRows r = rows_of(groups, d);
+  fc1_forward(x, w, d, groups, probs, c, saved.a, saved.h, stream);
+  grouped_gemm_forward(saved.a, d.fc2, groups, y, c.gemm, stream);
   if (w.bias2.defined()) {
     if (d.dev.is_cpu()) cpu::mlp_bias_add(r, y, w.bias2);
 #ifdef MOEFLOW_WITH_CUDA
@@ -182,20 +237,20 @@ void grouped_mlp_backward_dgrad(TensorView dy, const GroupedMlpWeights& w,
     call.num_groups = d.experts;
     call.hidden = d.hidden;
     call.ffn = d.ffn;
+    call.options = c.gemm;
     const int64_t tiles = (d.ffn + 255) / 256;
     const int64_t ld_bytes = dx.strides[0] * esz;
-    bool ok = !dprobs.defined() ||
-              (reinterpret_cast<uintptr_t>(dx.data) % 4 == 0 && ld_bytes % 4 == 0 &&
-               ld_bytes / 4 >= tiles);
+    bool ok = !dprobs.defined() || (reinterpret_cast<uintptr_t>(dx.data) % 4 == 0 &&
+                                    ld_bytes % 4 == 0 && ld_bytes / 4 >= tiles);
     if (dprobs.defined()) {
       call.part = static_cast<float*>(dx.data);
       call.part_ld = ld_bytes / 4;
     }
-    if (ok && cuda::mlp_fused_dglu() && call.w2.defined() && cuda::mlp_dglu_fusable(call)) {
+    if (ok && c.gemm.fused_dglu && call.w2.defined() && cuda::mlp_dglu_fusable(call)) {
       cuda::mlp_fc2_dgrad_dglu(call, stream);
       if (dprobs.defined())
         cuda::mlp_dprobs_from_partials(r, call.part, call.part_ld, tiles, dprobs, stream);
-      grouped_gemm_dgrad(d_h, d.fc1, groups, dx, stream);
+      grouped_gemm_dgrad(d_h, d.fc1, groups, dx, c.gemm, stream);
       return;
     }
   }
@@ -203,7 +258,7 @@ void grouped_mlp_backward_dgrad(TensorView dy, const GroupedMlpWeights& w,
   // d(a) = dy · W2_e lands in the last F columns of d_h; dGLU turns d_h into d(h) in place.
   TensorView d_a = TensorView::strided(static_cast<uint8_t*>(d_h.data) + (d.n1 - d.ffn) * esz,
                                        d.dtype, d.dev, {d.rows, d.ffn}, {d.n1, 1});
-  grouped_gemm_dgrad(dy, d.fc2, groups, d_a, stream);
+  grouped_gemm_dgrad(dy, d.fc2, groups, d_a, c.gemm, stream);
   if (d.dev.is_cpu()) {
     cpu::mlp_dglu(r, saved.h, d_h, probs, c.activation, c.params, c.glu_interleave, d.ffn, dprobs);
   } else {
@@ -212,7 +267,7 @@ void grouped_mlp_backward_dgrad(TensorView dy, const GroupedMlpWeights& w,
                    stream);
 #endif
   }
-  grouped_gemm_dgrad(d_h, d.fc1, groups, dx, stream);
+  grouped_gemm_dgrad(d_h, d.fc1, groups, dx, c.gemm, stream);
 }
 
 void grouped_mlp_recompute_activation(TensorView h, const GroupLayout& groups, TensorView probs,
@@ -225,16 +280,11 @@ void grouped_mlp_recompute_activation(TensorView h, const GroupLayout& groups, T
   detail::expect(h, "h", Expect{kHalf, {rows, gated ? 2 * f : f}, h.device});
   detail::expect(a, "a", Expect{{h.dtype}, {rows, f}, h.device});
   MOEFLOW_CHECK(h.is_contiguous() && a.is_contiguous(), "h and a must be contiguous");
-  if (probs.defined())
-    detail::expect(probs, "probs", Expect{{DType::kFloat32}, {rows}, h.device});
+  if (probs.defined()) detail::expect(probs, "probs", Expect{{DType::kFloat32}, {rows}, h.device});
   if (gated && c.glu_interleave != 0)
     MOEFLOW_CHECK(c.glu_interleave > 0 && f % c.glu_interleave == 0,
                   "config.glu_interleave must divide F=", f, ", got ", c.glu_interleave);
-  MOEFLOW_CHECK(groups.offsets.defined() && groups.offsets.ndim == 1 && groups.offsets.shape[0] >= 2,
-                "groups.offsets must be [E+1] int64, got ", groups.offsets.str());
-  const int64_t E = groups.offsets.shape[0] - 1;
-  detail::expect(groups.offsets, "groups.offsets", Expect{{DType::kInt64}, {E + 1}, h.device});
-  const MlpRows r{groups, E, rows};
+  const MlpRows r{groups, experts_of(groups, h.device), rows};
   // The forward's epilogue without the bias (h has it already): h is only read.
   if (h.device.is_cpu()) {
     cpu::mlp_fc1_epilogue(r, h, {}, probs, c.activation, c.params, c.glu_interleave, a);
@@ -242,6 +292,40 @@ void grouped_mlp_recompute_activation(TensorView h, const GroupLayout& groups, T
 #ifdef MOEFLOW_WITH_CUDA
     detail::cuda_set_device(h.device.index);
     cuda::mlp_fc1_epilogue(r, h, {}, probs, c.activation, c.params, c.glu_interleave, a, stream);
+#else
+    (void)stream;
+#endif
+  }
+}
+
+void grouped_mlp_activation_backward(TensorView h, const GroupLayout& groups, TensorView probs,
+                                     const GroupedMlpConfig& c, TensorView d_h, TensorView dprobs,
+                                     cudaStream_t stream) {
+  MOEFLOW_CHECK(h.defined() && h.ndim == 2, "h must be [rows,N1], got ", h.str());
+  const int64_t rows = h.shape[0], n1 = h.shape[1];
+  const bool gated = is_gated(c.activation);
+  MOEFLOW_CHECK(!gated || n1 % 2 == 0, "h must have an even number of columns (gated), got ",
+                h.str());
+  const int64_t f = gated ? n1 / 2 : n1;
+  detail::expect(h, "h", Expect{kHalf, {rows, n1}, h.device});
+  detail::expect(d_h, "d_h", Expect{{h.dtype}, {rows, n1}, h.device});
+  if (probs.defined()) detail::expect(probs, "probs", Expect{{DType::kFloat32}, {rows}, h.device});
+  if (dprobs.defined()) {
+    MOEFLOW_CHECK(probs.defined(), "dprobs needs probs (the weighted forward)");
+    detail::expect(dprobs, "dprobs", Expect{{DType::kFloat32}, {rows}, h.device});
+  }
+  if (gated && c.glu_interleave != 0)
+    MOEFLOW_CHECK(c.glu_interleave > 0 && f % c.glu_interleave == 0,
+                  "config.glu_interleave must divide F=", f, ", got ", c.glu_interleave);
+  const MlpRows r{groups, experts_of(groups, h.device), rows};
+  if (h.device.is_cpu()) {
+    cpu::mlp_dglu(r, h, d_h, probs, c.activation, c.params, c.glu_interleave, f, dprobs);
+  } else {
+#ifdef MOEFLOW_WITH_CUDA
+    detail::cuda_set_device(h.device.index);
+    cuda::mlp_dglu(r, h, d_h, probs, c.activation, c.params, c.glu_interleave, f, dprobs, stream);
+#else
+    (void)stream;
 #endif
   }
 }
@@ -249,6 +333,13 @@ void grouped_mlp_recompute_activation(TensorView h, const GroupLayout& groups, T
 void grouped_mlp_backward_wgrad(TensorView dy, TensorView x, const GroupLayout& groups,
                                 const GroupedMlpSaved& saved, TensorView d_h,
                                 const GroupedMlpGrads& g, cudaStream_t stream) {
+  grouped_mlp_backward_wgrad(dy, x, groups, saved, d_h, g, GemmOptions{}, stream);
+}
+
+void grouped_mlp_backward_wgrad(TensorView dy, TensorView x, const GroupLayout& groups,
+                                const GroupedMlpSaved& saved, TensorView d_h,
+                                const GroupedMlpGrads& g, const GemmOptions& options,
+                                cudaStream_t stream) {
   MOEFLOW_CHECK(dy.defined() && x.defined() && saved.a.defined() && d_h.defined(),
                 "backward_wgrad needs dy, x, saved.a and d_h");
   const int64_t E = groups.offsets.defined() ? groups.offsets.shape[0] - 1 : 0;
@@ -258,15 +349,16 @@ void grouped_mlp_backward_wgrad(TensorView dy, TensorView x, const GroupLayout& 
     const bool separate = experts.stacked.defined() || experts.pointers.defined();
     MOEFLOW_CHECK(!(stacked.defined() && separate), "grads.", name, " and grads.", name,
                   "_experts: give at most one of the two");
-    return separate ? experts : stacked.defined() ? GroupedWeights::from_stacked(stacked)
-                                                  : GroupedWeights{};
+    return separate            ? experts
+           : stacked.defined() ? GroupedWeights::from_stacked(stacked)
+                               : GroupedWeights{};
   };
   const GroupedWeights dw2 = grad_of(g.dw2, g.dw2_experts, "dw2");
   const GroupedWeights dw1 = grad_of(g.dw1, g.dw1_experts, "dw1");
   if (dw2.stacked.defined() || dw2.pointers.defined())
-    grouped_gemm_wgrad(dy, saved.a, groups, dw2, g.accumulate, stream);
+    grouped_gemm_wgrad(dy, saved.a, groups, dw2, g.accumulate, options, stream);
   if (dw1.stacked.defined() || dw1.pointers.defined())
-    grouped_gemm_wgrad(d_h, x, groups, dw1, g.accumulate, stream);
+    grouped_gemm_wgrad(d_h, x, groups, dw1, g.accumulate, options, stream);
   for (const auto& [src, dst, name] :
        {std::tuple{dy, g.dbias2, "grads.dbias2"}, std::tuple{d_h, g.dbias1, "grads.dbias1"}}) {
     if (!dst.defined()) continue;

@@ -20,6 +20,7 @@ struct MlpFc1Call {
   TensorView out;          // [rows, F] same dtype
   TensorView raw;          // [rows, N1] contiguous, or undefined
   int64_t rows = 0, num_groups = 0, hidden = 0, ffn = 0;
+  GemmOptions options;
 };
 
 // FC2 dgrad with the dGLU fused (CUDA, Hopper): d(a) = dy . W2_e stays on
@@ -40,6 +41,7 @@ struct MlpDgluCall {
   float* part = nullptr;  // or null (no dprobs)
   int64_t part_ld = 0;
   int64_t rows = 0, num_groups = 0, hidden = 0, ffn = 0;
+  GemmOptions options;
 };
 
 // The elementwise steps of the grouped MLP around its GEMMs (validated

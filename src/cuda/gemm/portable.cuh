@@ -30,9 +30,9 @@ constexpr int kRasterBand = 8;           // default m tiles per raster band (L2 
 // Where an output tile lies; given to the epilogue functor.
 struct TileInfo {
   int group;
-  int64_t row0;     // first output row (global row; wgrad: row n of dW)
-  int64_t col0;     // first output column
-  int64_t rows;     // output rows of this tile that hold data (the rest: pad or past the end)
+  int64_t row0;  // first output row (global row; wgrad: row n of dW)
+  int64_t col0;  // first output column
+  int64_t rows;  // output rows of this tile that hold data (the rest: pad or past the end)
 };
 
 // out(r, c) = acc(r, c). An epilogue reads the staged float32 tile (row-major,
@@ -45,13 +45,13 @@ struct EpilogueIdentity {
 };
 
 struct Params {
-  bool reduce_grouped;     // false: groups split the output rows (forward, dgrad);
-                           // true: groups split the reduction rows (wgrad)
+  bool reduce_grouped;  // false: groups split the output rows (forward, dgrad);
+                        // true: groups split the reduction rows (wgrad)
   int num_groups;
-  const int64_t* offsets;  // [E+1]
+  const int64_t* offsets;    // [E+1]
   const int32_t* real_rows;  // [E] or null
-  int32_t* error;          // [1] or null
-  int64_t rows;            // rows of the row-major activation matrices
+  int32_t* error;            // [1] or null
+  int64_t rows;              // rows of the row-major activation matrices
   // A operand (M x Kred): element (m, kr) at a[m*lda + kr] (K-major) or a[kr*lda + m]
   const void* a;
   int64_t lda;
@@ -67,9 +67,9 @@ struct Params {
   int64_t c_group_stride;
   int64_t ldc;
   bool accumulate;
-  int64_t m_out;   // reduce-grouped: output rows of each group (N of dW)
-  int64_t n_out;   // output columns
-  int64_t k_red;   // rows-grouped: reduction length
+  int64_t m_out;             // reduce-grouped: output rows of each group (N of dW)
+  int64_t n_out;             // output columns
+  int64_t k_red;             // rows-grouped: reduction length
   int raster = kRasterBand;  // m tiles per raster band
   int64_t n_store = 0;       // output columns when they differ from n_out (fused GLU: F)
   // Forward on the TMA path only: row m of A is row a_rows[m] of `a` (-1: zeros).
@@ -97,7 +97,9 @@ __device__ __forceinline__ void cp_async16(void* smem, const void* gmem, bool va
   const int bytes = valid ? 16 : 0;
   asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(s), "l"(gmem), "r"(bytes));
 }
-__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
+__device__ __forceinline__ void cp_async_commit() {
+  asm volatile("cp.async.commit_group;\n" ::);
+}
 template <int N>
 __device__ __forceinline__ void cp_async_wait() {
   asm volatile("cp.async.wait_group %0;\n" ::"n"(N));
@@ -155,8 +157,11 @@ struct SmemLayout {
   static constexpr int kStageB = kTileN * kTileK;
   static constexpr size_t kPipelineBytes = size_t{kStages} * (kStageA + kStageB) * 2;
   static constexpr size_t kEpilogueBytes = size_t{kTileM} * kEpilogueLd * 4;
-  static constexpr size_t kMainBytes = kPipelineBytes > kEpilogueBytes ? kPipelineBytes : kEpilogueBytes;
-  static size_t bytes(int num_groups) { return kMainBytes + size_t(num_groups + 1) * sizeof(int32_t); }
+  static constexpr size_t kMainBytes =
+      kPipelineBytes > kEpilogueBytes ? kPipelineBytes : kEpilogueBytes;
+  static size_t bytes(int num_groups) {
+    return kMainBytes + size_t(num_groups + 1) * sizeof(int32_t);
+  }
 };
 
 template <typename T>
@@ -178,7 +183,8 @@ struct ScanScratch {
 };
 
 template <int TM, int TN, int THREADS>
-__device__ void build_tile_prefix_in(const Params& p, int32_t* tile_start, ScanScratch<THREADS>& sc) {
+__device__ void build_tile_prefix_in(const Params& p, int32_t* tile_start,
+                                     ScanScratch<THREADS>& sc) {
   using Scan = typename ScanScratch<THREADS>::Scan;
   const int E = p.num_groups;
   const int64_t n_tiles = ceil_div_dev(p.n_out, TN);
@@ -218,12 +224,12 @@ __device__ void build_tile_prefix(const Params& p, int32_t* tile_start) {
 // One output tile: its group and where its operands and output lie.
 struct TileGeom {
   int group;
-  int64_t m0, m_lim;    // M rows of the operand A (global rows, or n of dW)
-  int64_t kr0, k_lim;   // reduction range (absolute)
-  int64_t n0;           // first output column
-  int64_t store_hi;     // output rows < store_hi are stored (pad rows as zeros)
-  int64_t data_rows;    // tile rows [0, data_rows) hold data
-  const void* b;        // B operand base of the group
+  int64_t m0, m_lim;   // M rows of the operand A (global rows, or n of dW)
+  int64_t kr0, k_lim;  // reduction range (absolute)
+  int64_t n0;          // first output column
+  int64_t store_hi;    // output rows < store_hi are stored (pad rows as zeros)
+  int64_t data_rows;   // tile rows [0, data_rows) hold data
+  const void* b;       // B operand base of the group
 };
 
 template <int TM, int TN, typename TIn>
@@ -234,7 +240,10 @@ __device__ __forceinline__ TileGeom tile_geometry(const Params& p, const int32_t
   int lo = 0, hi = E - 1;
   while (lo < hi) {  // last group with tile_start <= tile
     const int mid = (lo + hi + 1) / 2;
-    if (tile_start[mid] <= tile) lo = mid; else hi = mid - 1;
+    if (tile_start[mid] <= tile)
+      lo = mid;
+    else
+      hi = mid - 1;
   }
   TileGeom t;
   t.group = lo;
@@ -280,9 +289,10 @@ template <int TM, int TN, int LD, int THREADS, typename TOut, typename Epilogue>
 __device__ __forceinline__ void store_tile(const Params& p, const TileGeom& t, const float* s_c,
                                            const Epilogue& epi) {
   TileInfo info{t.group, t.m0, t.n0, t.data_rows};
-  TOut* out_base = p.reduce_grouped
-                       ? const_cast<TOut*>(group_base<TOut>(p.c, p.c_ptrs, p.c_group_stride, t.group))
-                       : static_cast<TOut*>(p.c);
+  TOut* out_base =
+      p.reduce_grouped
+          ? const_cast<TOut*>(group_base<TOut>(p.c, p.c_ptrs, p.c_group_stride, t.group))
+          : static_cast<TOut*>(p.c);
   for (int v = threadIdx.x; v < TM * (TN / 8); v += THREADS) {
     const int r = v / (TN / 8), c = (v % (TN / 8)) * 8;
     const int64_t row = t.m0 + r, col = t.n0 + c;
@@ -301,8 +311,7 @@ __device__ __forceinline__ void store_tile(const Params& p, const TileGeom& t, c
 }
 
 template <typename TIn, typename TOut, bool A_KMAJOR, bool B_KMAJOR, typename Epilogue>
-__global__ void __launch_bounds__(kThreads)
-    grouped_gemm_kernel(Params p, Epilogue epi) {
+__global__ void __launch_bounds__(kThreads) grouped_gemm_kernel(Params p, Epilogue epi) {
   extern __shared__ __align__(128) uint8_t smem[];
   TIn* s_a = reinterpret_cast<TIn*>(smem);
   TIn* s_b = s_a + kStages * SmemLayout::kStageA;
@@ -349,7 +358,7 @@ __global__ void __launch_bounds__(kThreads)
 #pragma unroll
         for (int v = 0; v < 4; ++v) acc[i][j][v] = 0.0f;
 
-    // Step 3: the pipelined main loop.
+          // Step 3: the pipelined main loop.
 #pragma unroll
     for (int s = 0; s < kStages - 1; ++s) {
       if (s < k_tiles) load_stage(s, s);
@@ -394,7 +403,8 @@ __global__ void __launch_bounds__(kThreads)
         for (int mi = 0; mi < 4; ++mi)
 #pragma unroll
           for (int ni = 0; ni < 4; ++ni)
-            mma16816<TIn>(acc[mi][ni], af[mi], bf[ni / 2][(ni % 2) * 2], bf[ni / 2][(ni % 2) * 2 + 1]);
+            mma16816<TIn>(acc[mi][ni], af[mi], bf[ni / 2][(ni % 2) * 2],
+                          bf[ni / 2][(ni % 2) * 2 + 1]);
       }
     }
     cp_async_wait<0>();

@@ -1,4 +1,5 @@
-// Epilogue functors of the TMA grouped GEMM (grouped_gemm_sm90_tma.cuh).
+// Epilogue functors of the TMA grouped GEMM (tma/kernel.cuh): what each
+// output element is (identity, the fused FC1, the fused dGLU).
 //
 // A consumer warpgroup holds a 64 x 256 float32 accumulator fragment: thread
 // (warp, lane) owns rows warp*16 + lane/4 (+8 for half 1) and columns
@@ -90,7 +91,7 @@ struct EpiIdentity {
   static constexpr bool kSplitB = false;  // B tile from one 256-row box
   // Helper mode: the consumer warpgroups stage the accumulators (as raw
   // values) and the producer warpgroup's spare warps apply the activation
-  // and store (grouped_gemm_sm90_tma.cuh).
+  // and store (tma/epilogue.cuh).
   static constexpr bool kHelperAct = false;
   static constexpr bool kDglu = false;  // helper mode runs the dGLU (EpiMlpDglu)
   // Helper mode: the consumers add the bias to the accumulators
@@ -102,9 +103,7 @@ struct EpiIdentity {
   __device__ __forceinline__ Tile load_tile(int, int, int, int, int64_t, int, int) const {
     return {};
   }
-  __device__ __forceinline__ bool has_bias() const {
-    return false;
-  }
+  __device__ __forceinline__ bool has_bias() const { return false; }
   __device__ __forceinline__ void stage_bias(uint32_t*, const Tile&, int) const {}
   __device__ __forceinline__ void finish(float (&)[128], const uint32_t*, int) const {}
   struct Only {};
@@ -116,19 +115,13 @@ struct EpiIdentity {
                                           int, const Tile&) const {
     return make_float2(acc[4 * j + 2 * half], acc[4 * j + 2 * half + 1]);
   }
-  __device__ __forceinline__ bool save_raw() const {
-    return false;
-  }
+  __device__ __forceinline__ bool save_raw() const { return false; }
   __device__ __forceinline__ float2 raw_value(const float (&acc)[128], int j, int half, int64_t,
                                               int) const {
     return value(Only{}, acc, j, half, 0, 0, Tile{});
   }
-  __device__ __forceinline__ int raw_col(int, int) const {
-    return 0;
-  }
-  __device__ __forceinline__ void* raw_ptr() const {
-    return nullptr;
-  }
+  __device__ __forceinline__ int raw_col(int, int) const { return 0; }
+  __device__ __forceinline__ void* raw_ptr() const { return nullptr; }
 };
 
 // FC1 of the expert MLP: bias, activation (gated: GLU of a gate and an up
@@ -153,15 +146,15 @@ struct EpiMlpFc1 : RowProbs {
   static constexpr bool kHelperAct = KIND != kInterleaved;
   static constexpr bool kDglu = false;
   // Helper mode: the consumers add the bias to the accumulators before
-  // staging (one rounding of the sum; the helpers' in-place bias pass over
-  // the staged tile cost up to 3 % on qwen3-fc1, an H100, 2026-11-25).
+  // staging (one rounding of the sum; cheaper than an in-place bias pass of
+  // the helpers over the staged tile).
   static constexpr bool kConsumerBias = kHelperAct;
   Activation act = Activation::kSwiGLU;
   ActivationParams ap;
-  int64_t f = 0;                 // F: activation columns (the gated FC1 has 2F rows)
-  int il8 = 16;                  // gated: interleave block in fragment columns (il / 8); halves: 16
-  const TOut* bias = nullptr;    // [E, N1] in weight-row order, or null
-  TOut* raw = nullptr;           // [rows, N1] pre-activation (with bias) output, or null
+  int64_t f = 0;               // F: activation columns (the gated FC1 has 2F rows)
+  int il8 = 16;                // gated: interleave block in fragment columns (il / 8); halves: 16
+  const TOut* bias = nullptr;  // [E, N1] in weight-row order, or null
+  TOut* raw = nullptr;         // [rows, N1] pre-activation (with bias) output, or null
 
   // Weight row (= FC1 output column) of the gate / up of activation column c.
   __device__ __forceinline__ int64_t gate_row(int64_t c) const {
@@ -202,12 +195,8 @@ struct EpiMlpFc1 : RowProbs {
   // the bias pairs twice (tiles alternate, so one barrier per tile)
   static constexpr int kBiasSmem =
       kConsumerBias ? kRowProbSmem + 2 * kBiasPairsSmem : kBiasPairsSmem;
-  __device__ __forceinline__ bool has_bias() const {
-    return bias != nullptr;
-  }
-  __device__ __forceinline__ int64_t n1() const {
-    return GATED ? 2 * f : f;
-  }
+  __device__ __forceinline__ bool has_bias() const { return bias != nullptr; }
+  __device__ __forceinline__ int64_t n1() const { return GATED ? 2 * f : f; }
   // wg_row0: the global row of the warpgroup's first row; rl: the thread's
   // first row in it; data_rows: rows of the warpgroup's 64 that hold data.
   // With an even row length (always when gated) a column pair is one aligned
@@ -356,11 +345,11 @@ struct EpiMlpDglu : RowProbs {
   static constexpr int kBiasSmem = kRowProbSmem;  // no bias: the rows' probabilities
   Activation act = Activation::kSwiGLU;
   ActivationParams ap;
-  int64_t f = 0;                 // F
-  int il = 0;                    // interleave (gated; 0 = halves)
-  const TOut* h = nullptr;       // [rows, N1] pre-activation (bias included)
-  TOut* d_h = nullptr;           // [rows, N1] out
-  float* part = nullptr;         // partial dprobs, or null
+  int64_t f = 0;            // F
+  int il = 0;               // interleave (gated; 0 = halves)
+  const TOut* h = nullptr;  // [rows, N1] pre-activation (bias included)
+  TOut* d_h = nullptr;      // [rows, N1] out
+  float* part = nullptr;    // partial dprobs, or null
   int64_t part_ld = 0;
 
   struct Tile {
@@ -372,33 +361,21 @@ struct EpiMlpDglu : RowProbs {
     load_row_probs(probs, t.prob, wg_row0, rl, data_rows);
     return t;
   }
-  __device__ __forceinline__ bool has_bias() const {
-    return false;
-  }
+  __device__ __forceinline__ bool has_bias() const { return false; }
   __device__ __forceinline__ void stage_bias(uint32_t*, const Tile&, int) const {}
   __device__ __forceinline__ void finish(float (&)[128], const uint32_t*, int) const {}
-  __device__ __forceinline__ int64_t n1() const {
-    return GATED ? 2 * f : f;
-  }
+  __device__ __forceinline__ int64_t n1() const { return GATED ? 2 * f : f; }
   __device__ __forceinline__ int64_t gate_col(int64_t j) const {
     return GATED ? glu_gate_col(j, il) : j;
   }
-  __device__ __forceinline__ int64_t up_col(int64_t j) const {
-    return glu_up_col(j, il, f);
-  }
+  __device__ __forceinline__ int64_t up_col(int64_t j) const { return glu_up_col(j, il, f); }
   __device__ __forceinline__ float2 raw_value(const float (&acc)[128], int j, int half, int64_t,
                                               int) const {
     return make_float2(acc[4 * j + 2 * half], acc[4 * j + 2 * half + 1]);
   }
-  __device__ __forceinline__ bool save_raw() const {
-    return false;
-  }
-  __device__ __forceinline__ void* raw_ptr() const {
-    return nullptr;
-  }
-  __device__ __forceinline__ int raw_col(int, int) const {
-    return 0;
-  }
+  __device__ __forceinline__ bool save_raw() const { return false; }
+  __device__ __forceinline__ void* raw_ptr() const { return nullptr; }
+  __device__ __forceinline__ int raw_col(int, int) const { return 0; }
   template <Activation A>
   using Act = ActTag<A>;
   template <typename F>

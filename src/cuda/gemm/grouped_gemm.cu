@@ -1,61 +1,37 @@
-// Host side of the CUDA grouped GEMM: maps forward / dgrad / wgrad onto the
-// kernel template of grouped_gemm.cuh (operand layouts, element types),
-// sizes the persistent grid from the occupancy of the GPU, launches.
+// Host side of the CUDA grouped GEMM: maps forward / dgrad / wgrad (and the
+// grouped MLP's fused FC1 and dGLU) onto the kernels of portable.cuh,
+// sm90_cpasync.cuh and tma/kernel.cuh, picks the kernel from the call's
+// GemmOptions, builds the TMA tensor maps, sizes the persistent grid from the
+// occupancy of the GPU and launches.
 #include <cudaTypedefs.h>
 
 #include <algorithm>
-#include <atomic>
 #include <cstring>
 
 #include "core/backends.h"
 #include "core/mlp_call.h"
-#include "cuda/grouped_gemm.cuh"
-#include "cuda/grouped_gemm_sm90.cuh"
-#include "cuda/grouped_gemm_sm90_tma.cuh"
+#include "cuda/gemm/portable.cuh"
+#include "cuda/gemm/sm90_cpasync.cuh"
+#include "cuda/gemm/tma/kernel.cuh"
 
 namespace moeflow::cuda {
-
-static std::atomic<GemmPath> g_gemm_path{GemmPath::kAuto};
-static std::atomic<bool> g_fused_dglu{false};
-void set_mlp_fused_dglu(bool on) {
-  g_fused_dglu = on;
-}
-bool mlp_fused_dglu() {
-  return g_fused_dglu.load();
-}
-void set_gemm_path(GemmPath path) {
-  g_gemm_path = path;
-}
-static std::atomic<int> g_tune_stages{0}, g_tune_bufs{0}, g_tune_raster{0}, g_tune_stagger{-1},
-    g_tune_desync{-1}, g_tune_hold{-1};
-void set_tma_tuning(TmaTuning tuning) {
-  g_tune_stages = tuning.stages;
-  g_tune_bufs = tuning.bufs;
-  g_tune_raster = tuning.raster;
-  g_tune_stagger = tuning.stagger;
-  g_tune_desync = tuning.desync;
-  g_tune_hold = tuning.hold;
-}
 
 namespace {
 
 using gemm::Params;
 
-// K slices by which consumer warpgroup 1 of the TMA kernel trails consumer 0
-// (0 = lockstep); measured with `moeflow bench gemm --tune`.
+// The tuned defaults of GemmOptions (moeflow/tuning.h; figures in
+// docs/performance.md). K slices by which consumer warpgroup 1 of the TMA
+// kernel trails consumer 0 (0 = lockstep).
 constexpr int kDefaultStagger = 1;
 // Thousands of cycles by which block b of the TMA kernel starts (b % 8) x
-// this late (wgrad / forward); measured with `moeflow bench gemm --tune`.
+// this late (wgrad / forward).
 constexpr int kDefaultDesyncWgrad = 4;
 constexpr int kDefaultDesync = 0;
 // Helper mode: K slices during which the pipeline ring skips the stage that
 // holds the previous tile's staged chunks (three stages in flight), after
 // which the producer waits for the helpers to release it and the ring has
-// all four again. Measured with `moeflow bench gemm --tune-hold` on an H100
-// (docs/perf/mlp-h200-2026-11-22.md, sixteenth session): with the consumers
-// adding the bias, dsv3-fc1 (112 slices a tile) runs best at 20, mixtral-fc1
-// (64) at 20-24, qwen3-fc1 (32) at 16; skipping the stage for the whole next
-// tile, as before, cost 1.08x / 1.07x / 1.11x FC1 alone there.
+// all four again; tiles of few slices skip it for fewer.
 constexpr int kDefaultHold = 20;
 constexpr int kDefaultHoldTail = 16;  // slices at a tile's end that always have every stage
 int default_hold(int64_t k_red) {
@@ -65,14 +41,15 @@ int default_hold(int64_t k_red) {
 }
 
 // The wgmma path needs a Hopper GPU and sm_90a code in this build.
-bool use_sm90() {
+bool use_sm90(const GemmOptions& o) {
 #ifdef MOEFLOW_HAS_SM90A
-  if (g_gemm_path.load() == GemmPath::kPortable) return false;
+  if (o.kernel == GemmKernel::kPortable) return false;
   int dev = 0, major = 0;
   MOEFLOW_CUDA_CHECK(cudaGetDevice(&dev));
   MOEFLOW_CUDA_CHECK(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev));
   return major == 9;
 #else
+  (void)o;
   return false;
 #endif
 }
@@ -147,10 +124,10 @@ size_t max_dynamic_smem(Kernel kernel) {
   return static_cast<size_t>(optin) - attr.sharedSizeBytes;
 }
 
-// The TMA path (MODE as in grouped_gemm_sm90_tma.cuh): the B matrix one
+// The TMA path (MODE as in tma/kernel.cuh): the B matrix one
 // tensor (stacked weights; the activations for wgrad), indices within int32.
 template <typename TIn, typename TOut, int MODE, typename Epi = gemm::sm90tma::EpiIdentity>
-bool launch_tma(const Params& p, cudaStream_t stream, const Epi& epi = {}) {
+bool launch_tma(const Params& p, const GemmOptions& o, cudaStream_t stream, const Epi& epi = {}) {
   constexpr bool kFused = !std::is_same_v<Epi, gemm::sm90tma::EpiIdentity> && !Epi::kDglu;
   namespace t = gemm::sm90tma;
   if (MODE != 2 && (p.b_ptrs != nullptr || p.b == nullptr)) return false;
@@ -178,7 +155,7 @@ bool launch_tma(const Params& p, cudaStream_t stream, const Epi& epi = {}) {
   constexpr int kCw = 128 / static_cast<int>(sizeof(TOut));
   t::StoreKind kind = t::StoreKind::kDirect;
   std::memset(&map_c, 0, sizeof(map_c));
-  const bool direct_only = g_gemm_path.load() == GemmPath::kTmaDirectStore;
+  const bool direct_only = o.kernel == GemmKernel::kTmaDirectStore;
   const bool c_aligned = addr_of(p.c) % 16 == 0 && (p.ldc * int64_t{sizeof(TOut)}) % 16 == 0;
   if (!direct_only && c_aligned) {
     if (MODE == 2 && p.c_ptrs == nullptr) {
@@ -210,9 +187,9 @@ bool launch_tma(const Params& p, cudaStream_t stream, const Epi& epi = {}) {
   }
   const size_t limit = max_dynamic_smem(kernel);
   // Pipeline stages and staging buffers per warpgroup: the tuned default (4, 2)
-  // unless set_tma_tuning() asks otherwise; fewer stages when the group table
+  // unless the options ask otherwise; fewer stages when the group table
   // leaves no room.
-  const int want_stages = g_tune_stages.load(), want_bufs = g_tune_bufs.load();
+  const int want_stages = o.stages, want_bufs = o.bufs;
   int stages = want_stages > 0 ? std::min(want_stages, t::kMaxStages) : t::kMaxStages;
   // Helper mode stages the four 64-column chunks of a warpgroup's tile in the
   // stage of the tile's last K slice plus 16 KB of its own (HelperChunks), so
@@ -226,14 +203,14 @@ bool launch_tma(const Params& p, cudaStream_t stream, const Epi& epi = {}) {
   MOEFLOW_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                           static_cast<int>(smem)));
   // Consumer 1 lags consumer 0 by this many K slices (at most stages - 1).
-  const int want_stagger = g_tune_stagger.load();
+  const int want_stagger = o.stagger;
   const int stagger = std::min(want_stagger >= 0 ? want_stagger : kDefaultStagger, stages - 1);
-  const int want_desync = g_tune_desync.load();
+  const int want_desync = o.desync;
   const int desync =
       want_desync >= 0 ? want_desync : (MODE == 2 ? kDefaultDesyncWgrad : kDefaultDesync);
   // Helper mode: K slices during which the ring skips the stage the helpers
   // hold (StageRing).
-  const int want_hold = g_tune_hold.load();
+  const int want_hold = o.hold;
   const int hold = want_hold >= 0 ? want_hold : default_hold(p.k_red);
   kernel<<<sm_count(), t::kThreads, smem, stream>>>(p, map_a, map_w, map_c, map_raw, stages, bufs,
                                                     stagger, desync, hold, kind, epi);
@@ -257,11 +234,11 @@ void launch_sm90_tile(const Params& p, cudaStream_t stream) {
 }
 
 template <typename TIn, typename TOut>
-void launch_sm90(const Params& p, cudaStream_t stream) {
-  const GemmPath path = g_gemm_path.load();
-  if (path == GemmPath::kSm90Narrow) return launch_sm90_tile<128, TIn, TOut>(p, stream);
-  if ((path == GemmPath::kAuto || path == GemmPath::kTmaDirectStore) &&
-      launch_tma<TIn, TOut, 0>(p, stream))
+void launch_sm90(const Params& p, const GemmOptions& o, cudaStream_t stream) {
+  const GemmKernel path = o.kernel;
+  if (path == GemmKernel::kSm90Narrow) return launch_sm90_tile<128, TIn, TOut>(p, stream);
+  if ((path == GemmKernel::kAuto || path == GemmKernel::kTmaDirectStore) &&
+      launch_tma<TIn, TOut, 0>(p, o, stream))
     return;
   launch_sm90_tile<256, TIn, TOut>(p, stream);
 }
@@ -273,20 +250,20 @@ void check_rows16(const TensorView& v, const char* name) {
 }
 
 template <typename TIn, typename TOut, bool A_KMAJOR, bool B_KMAJOR>
-void launch(const Params& p, cudaStream_t stream) {
+void launch(const Params& p, const GemmOptions& o, cudaStream_t stream) {
   if constexpr (!A_KMAJOR && !std::is_same_v<TOut, float>) {  // wgrad writes float32 only
     (void)p;
+    (void)o;
     (void)stream;
     MOEFLOW_CHECK(false, "grouped GEMM wgrad writes float32 gradients");
   } else {
     if constexpr (A_KMAJOR && B_KMAJOR) {  // forward: both operands K-major
-      if (use_sm90()) return launch_sm90<TIn, TOut>(p, stream);
+      if (use_sm90(o)) return launch_sm90<TIn, TOut>(p, o, stream);
     }
     if constexpr (!B_KMAJOR) {  // dgrad / wgrad: MN-major operands, TMA path only
-      const GemmPath path = g_gemm_path.load();
-      if (use_sm90() && (path == GemmPath::kAuto || path == GemmPath::kTmaDirectStore) &&
-              launch_tma < TIn,
-          TOut, A_KMAJOR ? 1 : 2 > (p, stream))
+      const GemmKernel path = o.kernel;
+      if (use_sm90(o) && (path == GemmKernel::kAuto || path == GemmKernel::kTmaDirectStore) &&
+          launch_tma<TIn, TOut, (A_KMAJOR ? 1 : 2)>(p, o, stream))
         return;
     }
     const auto kernel =
@@ -306,23 +283,24 @@ void launch(const Params& p, cudaStream_t stream) {
 }
 
 template <typename TIn, bool A_KMAJOR, bool B_KMAJOR>
-void launch_out(DType out, const Params& p, cudaStream_t stream) {
+void launch_out(DType out, const Params& p, const GemmOptions& o, cudaStream_t stream) {
   switch (out) {
     case DType::kBFloat16:
-      return launch<TIn, __nv_bfloat16, A_KMAJOR, B_KMAJOR>(p, stream);
+      return launch<TIn, __nv_bfloat16, A_KMAJOR, B_KMAJOR>(p, o, stream);
     case DType::kFloat16:
-      return launch<TIn, __half, A_KMAJOR, B_KMAJOR>(p, stream);
+      return launch<TIn, __half, A_KMAJOR, B_KMAJOR>(p, o, stream);
     case DType::kFloat32:
-      return launch<TIn, float, A_KMAJOR, B_KMAJOR>(p, stream);
+      return launch<TIn, float, A_KMAJOR, B_KMAJOR>(p, o, stream);
     default:
       MOEFLOW_CHECK(false, "unsupported output dtype ", dtype_name(out));
   }
 }
 
 template <bool A_KMAJOR, bool B_KMAJOR>
-void launch_in(DType in, DType out, const Params& p, cudaStream_t stream) {
-  if (in == DType::kBFloat16) return launch_out<__nv_bfloat16, A_KMAJOR, B_KMAJOR>(out, p, stream);
-  return launch_out<__half, A_KMAJOR, B_KMAJOR>(out, p, stream);
+void launch_in(DType in, DType out, const Params& p, const GemmOptions& o, cudaStream_t stream) {
+  if (in == DType::kBFloat16)
+    return launch_out<__nv_bfloat16, A_KMAJOR, B_KMAJOR>(out, p, o, stream);
+  return launch_out<__half, A_KMAJOR, B_KMAJOR>(out, p, o, stream);
 }
 
 }  // namespace
@@ -330,9 +308,9 @@ void launch_in(DType in, DType out, const Params& p, cudaStream_t stream) {
 namespace {
 // The group layout and the A operand of a kernel call (A rows must be 16-byte aligned).
 Params base_params(const GroupLayout& groups, int64_t num_groups, int64_t rows, const TensorView& a,
-                   const char* a_name) {
+                   const char* a_name, const GemmOptions& o) {
   Params p{};
-  if (const int rb = g_tune_raster.load(); rb > 0) p.raster = rb;
+  if (const int rb = o.raster; rb > 0) p.raster = rb;
   p.num_groups = static_cast<int>(num_groups);
   p.offsets = groups.offsets.data_ptr<int64_t>();
   p.real_rows = groups.real_rows.defined() ? groups.real_rows.data_ptr<int32_t>() : nullptr;
@@ -347,8 +325,9 @@ Params base_params(const GroupLayout& groups, int64_t num_groups, int64_t rows, 
 
 void grouped_gemm(const GroupedGemmCall& c, cudaStream_t stream) {
   MOEFLOW_CHECK(c.num_groups <= 8192, "grouped GEMM takes at most 8192 groups, got ", c.num_groups);
+  const GemmOptions& o = c.options;
   Params p = base_params(c.groups, c.num_groups, c.rows, c.a,
-                         c.op == GroupedGemmCall::kForward ? "a" : "dc");
+                         c.op == GroupedGemmCall::kForward ? "a" : "dc", o);
   const GroupedWeights& w = c.w;
   const int64_t* ptrs = w.pointers.defined() ? w.pointers.data_ptr<int64_t>() : nullptr;
   const void* stacked = w.stacked.defined() ? w.stacked.data : nullptr;
@@ -373,7 +352,7 @@ void grouped_gemm(const GroupedGemmCall& c, cudaStream_t stream) {
         MOEFLOW_CHECK(c.a_rows.dtype == DType::kInt32 && c.a_rows.ndim == 1 &&
                           c.a_rows.shape[0] == c.rows && c.a_rows.is_contiguous(),
                       "a_rows must be contiguous int32 [", c.rows, "], got ", c.a_rows.str());
-        MOEFLOW_CHECK(use_sm90() && stacked != nullptr && c.k % 8 == 0,
+        MOEFLOW_CHECK(use_sm90(o) && stacked != nullptr && c.k % 8 == 0,
                       "gathered A rows need a Hopper GPU, stacked weights and K % 8 == 0");
         MOEFLOW_CHECK(c.a.ndim == 2 && c.a.shape[0] >= 1 && c.a.shape[0] < (int64_t{1} << 31),
                       "gathered A rows: a must be [source rows, K] with 1 <= rows < 2^31, got ",
@@ -387,15 +366,15 @@ void grouped_gemm(const GroupedGemmCall& c, cudaStream_t stream) {
         p.a_src_rows = c.a.shape[0];
         const bool bf = in == DType::kBFloat16;
         MOEFLOW_CHECK(c.out.dtype == in, "gathered A rows: out must have a's dtype");
-        const bool ok = bf ? launch_tma<__nv_bfloat16, __nv_bfloat16, 0>(p, stream)
-                           : launch_tma<__half, __half, 0>(p, stream);
+        const bool ok = bf ? launch_tma<__nv_bfloat16, __nv_bfloat16, 0>(p, o, stream)
+                           : launch_tma<__half, __half, 0>(p, o, stream);
         MOEFLOW_CHECK(ok, "gathered A rows: the TMA grouped GEMM does not take this problem");
         return;
       }
       if (fwd)
-        launch_in<true, true>(in, c.out.dtype, p, stream);
+        launch_in<true, true>(in, c.out.dtype, p, o, stream);
       else
-        launch_in<true, false>(in, c.out.dtype, p, stream);
+        launch_in<true, false>(in, c.out.dtype, p, o, stream);
       return;
     }
     case GroupedGemmCall::kWgrad: {  // dW_e[N,K] (+)= dC_e[rows,N]^T . A_e[rows,K]
@@ -410,7 +389,7 @@ void grouped_gemm(const GroupedGemmCall& c, cudaStream_t stream) {
       p.accumulate = c.accumulate;
       p.m_out = c.n;
       p.n_out = c.k;
-      launch_in<false, false>(in, DType::kFloat32, p, stream);
+      launch_in<false, false>(in, DType::kFloat32, p, o, stream);
       return;
     }
   }
@@ -428,7 +407,7 @@ void launch_fc1(const MlpFc1Call& c, const Params& p, cudaStream_t stream) {
   epi.bias = c.bias1.defined() ? static_cast<const T*>(c.bias1.data) : nullptr;
   epi.probs = c.probs.defined() ? c.probs.data_ptr<float>() : nullptr;
   epi.raw = c.raw.defined() ? static_cast<T*>(c.raw.data) : nullptr;
-  MOEFLOW_CHECK((launch_tma<T, T, 0>(p, stream, epi)),
+  MOEFLOW_CHECK((launch_tma<T, T, 0>(p, c.options, stream, epi)),
                 "fused FC1: the TMA grouped GEMM does not take this problem (rows or weight rows "
                 "past 2^31, or too many experts for shared memory)");
 }
@@ -443,7 +422,7 @@ void launch_fc1_kind(const MlpFc1Call& c, const Params& p, cudaStream_t stream) 
 }  // namespace
 
 bool mlp_fc1_fusable(const MlpFc1Call& c) {
-  if (!use_sm90()) return false;
+  if (!use_sm90(c.options)) return false;
   const int64_t il = c.glu_interleave, n1 = is_gated(c.act) ? 2 * c.ffn : c.ffn;
   if (is_gated(c.act) && il == 0 && c.ffn % 64 != 0) return false;
   if (is_gated(c.act) && il != 0 && (il % 8 != 0 || 256 % (2 * il) != 0 || n1 % (2 * il) != 0))
@@ -453,7 +432,7 @@ bool mlp_fc1_fusable(const MlpFc1Call& c) {
 }
 
 void mlp_fc1_forward(const MlpFc1Call& c, cudaStream_t stream) {
-  MOEFLOW_CHECK(use_sm90(),
+  MOEFLOW_CHECK(use_sm90(c.options),
                 "the fused grouped-MLP FC1 needs a Hopper GPU (sm_90a build); "
                 "other GPUs are not supported yet");
   const bool gated = is_gated(c.act);
@@ -467,7 +446,7 @@ void mlp_fc1_forward(const MlpFc1Call& c, cudaStream_t stream) {
                       n1 % (2 * c.glu_interleave) == 0,
                   "glu_interleave must be 8, 16, 32, 64 or 128 and divide F, got ",
                   c.glu_interleave);
-  Params p = base_params(c.groups, c.num_groups, c.rows, c.x, "x");
+  Params p = base_params(c.groups, c.num_groups, c.rows, c.x, "x", c.options);
   check_rows16(c.out, "out");
   MOEFLOW_CHECK(addr_of(c.w1.data) % 16 == 0, "w1 must be 16-byte aligned");
   MOEFLOW_CHECK(!c.bias1.defined() || addr_of(c.bias1.data) % 4 == 0,
@@ -497,13 +476,13 @@ void launch_dglu(const MlpDgluCall& c, const Params& p, cudaStream_t stream) {
   epi.probs = c.probs.defined() ? c.probs.data_ptr<float>() : nullptr;
   epi.part = c.part;
   epi.part_ld = c.part_ld;
-  MOEFLOW_CHECK((launch_tma<T, T, 1>(p, stream, epi)),
+  MOEFLOW_CHECK((launch_tma<T, T, 1>(p, c.options, stream, epi)),
                 "fused dGLU: the TMA grouped GEMM does not take this problem");
 }
 }  // namespace
 
 bool mlp_dglu_fusable(const MlpDgluCall& c) {
-  if (!use_sm90() || c.ffn % 16 != 0) return false;
+  if (!use_sm90(c.options) || c.ffn % 16 != 0) return false;
   const bool gated = is_gated(c.act);
   if (gated && c.glu_interleave != 0 && c.glu_interleave % 8 != 0) return false;
   const int64_t n1 = gated ? 2 * c.ffn : c.ffn;
@@ -516,7 +495,7 @@ bool mlp_dglu_fusable(const MlpDgluCall& c) {
 
 void mlp_fc2_dgrad_dglu(const MlpDgluCall& c, cudaStream_t stream) {
   MOEFLOW_CHECK(mlp_dglu_fusable(c), "fused dGLU: call not supported (see mlp_dglu_fusable)");
-  Params p = base_params(c.groups, c.num_groups, c.rows, c.dy, "dy");
+  Params p = base_params(c.groups, c.num_groups, c.rows, c.dy, "dy", c.options);
   p.reduce_grouped = false;
   p.b = c.w2.data;  // W2_e [H, F]: dA[rows, F] = dC[rows, H] . W2_e
   p.b_group_stride = c.hidden * c.ffn;
