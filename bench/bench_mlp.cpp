@@ -127,16 +127,18 @@ void run_mlp_bench(const MlpBenchOptions& opt) {
     const double extra = static_cast<double>(y.nbytes() + h.nbytes() + a.nbytes() + d_h.nbytes() +
                                              dx.nbytes() + dprobs.nbytes());
     fmt::print(
-        "    forward {:9.1f} us | forward+backward {:9.1f} us ({:6.1f} TFLOP/s) | step buffers "
+        "    forward {:>9} | forward+backward {:>9} ({:6.1f} TFLOP/s) | step buffers "
         "{:8.0f} MiB (y, h, a, d_h, dx, dprobs; device memory the step held, measured: {:.0f} "
-        "MiB)\n      dGLU kernel {:7.1f} us ({:.1f}% of the step); forward+backward with the dGLU "
-        "fused into FC2 dgrad {:9.1f} us\n",
-        fwd_us, step_us, flops / step_us / 1e6, extra / (1 << 20), held / (1 << 20), dglu_us,
-        100.0 * dglu_us / step_us, step_fused_us);
+        "MiB)\n      dGLU kernel {:>9} ({:.1f}% of the step); forward+backward with the dGLU "
+        "fused into FC2 dgrad {:>9}\n",
+        format_time(fwd_us), format_time(step_us), flops / step_us / 1e6, extra / (1 << 20),
+        held / (1 << 20), format_time(dglu_us), 100.0 * dglu_us / step_us,
+        format_time(step_fused_us));
     fmt::print(
         "      keeping only h (a recomputed before wgrad, {:.0f} MiB less held from forward to "
-        "backward): forward+backward {:9.1f} us, the recompute {:7.1f} us\n",
-        static_cast<double>(a.nbytes()) / (1 << 20), step_recompute_us, recompute_us);
+        "backward): forward+backward {:>9}, the recompute {:>9}\n",
+        static_cast<double>(a.nbytes()) / (1 << 20), format_time(step_recompute_us),
+        format_time(recompute_us));
     std::fflush(stdout);
     rows.push_back({{"case", c.name},
                     {"forward_us", fwd_us},

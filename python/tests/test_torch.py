@@ -1,5 +1,5 @@
 """moeflow.ops (torch autograd) against torch compositions, on the CPU and,
-when there is one, a CUDA GPU (the GPU machine runs these)."""
+when there is one, a CUDA GPU."""
 import pytest
 
 torch = pytest.importorskip("torch")
