@@ -39,6 +39,26 @@ def test_torch_layer_runs_and_matches_torch():
     assert "all results match" in r.stdout, r.stdout
 
 
+def readme_python_block():
+    text = (ROOT / "README.md").read_text()
+    blocks = text.split("```python\n")
+    assert len(blocks) == 2, "README.md should have exactly one python block"
+    return blocks[1].split("```")[0]
+
+
+def test_readme_python_block_defines_what_it_uses():
+    code = readme_python_block()
+    compile(code, "README.md", "exec")  # at least valid Python everywhere
+    assert "import moeflow.ops as mf" in code and "backward()" in code
+
+
+@pytest.mark.skipif(not HAS_TORCH, reason="the README's Python example needs torch (not installed)")
+def test_readme_python_block_runs_as_written():
+    r = run_python(["-c", readme_python_block() + "\nprint('readme example ok', out.shape)"])
+    check_clean(r)
+    assert "readme example ok" in r.stdout, r.stdout
+
+
 def test_every_example_is_run_here():
     assert sorted(p.name for p in EXAMPLES.glob("*.py")) == ["quickstart.py", "torch_layer.py"]
 
