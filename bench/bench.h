@@ -29,7 +29,7 @@ struct PermuteBenchOptions {
 void run_permute_bench(const PermuteBenchOptions& opt);
 
 struct GemmBenchOptions {
-  std::vector<std::string> cases;  // empty: all five cases of shared/BENCHMARKS.md
+  std::vector<std::string> cases;  // empty: all five cases of bench_gemm.cpp
   bool sweep = false;              // rows per expert 64..4096, uniform and skewed
   bool tune = false;               // also time the shared-memory splits of the TMA kernel
   std::vector<int> tune_hold;      // fused FC1 held-stage windows to time, paired with FC1 alone

@@ -1,6 +1,7 @@
-// `moeflow bench gemm`: grouped GEMM forward, dgrad and wgrad on the cases of
-// shared/BENCHMARKS.md (and a rows-per-expert sweep), next to dense cuBLAS of
-// the same FLOPs measured in the same run. FLOPs = 2 * rows * K * N.
+// `moeflow bench gemm`: grouped GEMM forward, dgrad and wgrad on the
+// grouped-GEMM cases listed below (local experts after expert parallelism)
+// and a rows-per-expert sweep, next to dense cuBLAS of the same FLOPs
+// measured in the same run. FLOPs = 2 * rows * K * N.
 #include <cublas_v2.h>
 #include <fmt/format.h>
 
@@ -32,7 +33,7 @@ struct GemmCase {
   std::vector<int64_t> sizes;  // rows per expert
 };
 
-// Mildly uneven split (as shared/peers/peers.py): weights U(0.5, 1.5), rows
+// Mildly uneven split (as the PyTorch peer script): weights U(0.5, 1.5), rows
 // rounded down to 16, the remainder on the last expert.
 
 }  // namespace
@@ -50,7 +51,7 @@ std::vector<int64_t> sweep_split(int E, int64_t R, bool skewed) {
   return s;
 }
 
-// Mildly uneven rows per expert, multiples of 16 (as shared/peers/peers.py).
+// Mildly uneven rows per expert, multiples of 16 (as the PyTorch peer script).
 std::vector<int64_t> uneven_split(int E, int64_t rows, uint32_t seed) {
   std::mt19937 rng(seed);
   std::uniform_real_distribution<double> u(0.5, 1.5);

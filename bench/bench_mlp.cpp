@@ -1,7 +1,7 @@
 // `moeflow bench mlp`: the grouped expert MLP (SwiGLU, router-probability
 // weighting), forward + backward (dgrad now, wgrad into float32 main
 // gradients with accumulation), on the dsv3 / mixtral / qwen3-30b shapes of
-// shared/BENCHMARKS.md, next to bench/peers_mlp.py (the PyTorch composite,
+// bench/presets.cpp, next to bench/peers_mlp.py (the PyTorch composite,
 // run in the same device command). Reports the step time, TFLOP/s and the
 // bytes of the buffers a step needs beyond its inputs, weights and gradients.
 #include <cuda_runtime.h>

@@ -1,6 +1,6 @@
 // `moeflow bench permute`: plan build, permute (+pad), plan+permute end to
 // end, unpermute with probs merged, and the two backward ops, per preset.
-// Bytes are counted by hand as in shared/BENCHMARKS.md:
+// Bytes are counted by hand as in docs/performance.md:
 //   permute / unpermute / permute_backward: (T + T*K) * H * bytes(dtype)
 //   unpermute_backward (dy + dprobs):       (T + 2*T*K) * H * bytes(dtype)
 // (pad-row zeros are not counted: they are work we must do but not data).

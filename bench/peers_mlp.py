@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 from peer_timing import bench_ms
 
-# name, local experts, rows, H, F  (shared/BENCHMARKS.md GEMM cases)
+# name, local experts, rows, H, F  (the grouped-GEMM cases of bench/bench_gemm.cpp)
 CASES = [("dsv3", 32, 65536, 7168, 2048), ("mixtral", 8, 32768, 4096, 14336),
          ("qwen3-30b", 128, 131072, 2048, 768)]
 

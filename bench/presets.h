@@ -1,4 +1,4 @@
-// Benchmark presets: real model shapes (shared/BENCHMARKS.md).
+// Benchmark presets: real model shapes (bench/presets.cpp).
 #pragma once
 
 #include <cstdint>

@@ -4,7 +4,7 @@
 // bar.sync by the consumers), although the PTX ISA guarantees that the
 // arriving threads' prior accesses are performed for the syncing threads and
 // the sum comes out right. The fused FC1's helper hand-over
-// (grouped_gemm_sm90_tma.cuh) uses the same pattern and racecheck reports it
+// (src/cuda/gemm/tma/) uses the same pattern and racecheck reports it
 // the same way. Build: nvcc -arch=sm_90a racecheck_bar_arrive.cu
 // Does racecheck model bar.arrive -> bar.sync hand-over? 128 producers write
 // shared memory and bar.arrive; 96 consumers bar.sync and read; then the
