@@ -2,12 +2,24 @@
 
 - ``moeflow._C``: the C++ API over DLPack arrays (torch, numpy, ...): every
   op writes into caller-allocated outputs on the caller's CUDA stream.
-- ``moeflow.ops`` (needs torch): a routing plan built on the device, permute
+- ``moeflow.ops`` (needs torch): the router (Megatron-Core's top-k routing
+  with its auxiliary losses), a routing plan built on the device, permute
   and unpermute, and the grouped expert MLP as torch autograd functions.
   No host synchronisation: a step can be captured in a CUDA graph.
+- ``moeflow.MoELayer`` (needs torch; imported on first use): router ->
+  permute -> grouped expert MLP -> unpermute as one torch.nn.Module.
 - ``moeflow.build_info()``: what this build contains (CUDA backend or CPU
   only, CUDA and NCCL versions, CUDA architectures).
 """
 from ._C import Error, __version__, build_info, cuda_device_count  # noqa: F401
 
-__all__ = ["Error", "__version__", "build_info", "cuda_device_count"]
+__all__ = ["Error", "MoELayer", "__version__", "build_info", "cuda_device_count"]
+
+
+def __getattr__(name):
+    # MoELayer needs torch: imported on first use, so `import moeflow` works without it.
+    if name == "MoELayer":
+        from .layer import MoELayer
+
+        return MoELayer
+    raise AttributeError(f"module 'moeflow' has no attribute {name!r}")

@@ -1,8 +1,9 @@
 """moeflow's ops as torch autograd functions (needs torch).
 
     import moeflow.ops as mf
-    plan = mf.Plan(topk_ids, num_experts=E, align=16)      # on the device, no sync
-    xp, pp = mf.permute(x, plan, probs)                      # [capacity, H], [capacity]
+    r = mf.router(logits, 2, aux_loss_coeff=1e-2)            # Megatron-Core's top-k router
+    plan = mf.Plan(r.topk_ids, num_experts=E, align=16)      # on the device, no sync
+    xp, pp = mf.permute(x, plan, r.probs)                    # [capacity, H], [capacity]
     y = mf.grouped_mlp(xp, fc1, fc2, plan=plan, probs=pp)    # FC1 + SwiGLU + FC2
     out = mf.unpermute(y, plan)                              # [T, H]
 
@@ -22,13 +23,16 @@ from __future__ import annotations
 
 import atexit
 import weakref
-from typing import Optional, Tuple
+from typing import NamedTuple, Optional, Tuple
 
 import torch
 
 from . import _C
 
-__all__ = ["Plan", "permute", "unpermute", "grouped_mlp"]
+__all__ = [
+    "RouterOutput", "router", "update_expert_bias", "Plan", "permute", "unpermute",
+    "grouped_mlp"
+]
 
 
 def _stream(t: torch.Tensor) -> int:
@@ -38,6 +42,105 @@ def _stream(t: torch.Tensor) -> int:
 def _rows(t: torch.Tensor) -> torch.Tensor:
     """The tensor itself when its rows have unit-stride elements, else a copy."""
     return t if t.stride(-1) == 1 else t.contiguous()
+
+
+class RouterOutput(NamedTuple):
+    """What :func:`router` returns, on the logits' device."""
+    topk_ids: torch.Tensor  # [T, K] int32: the chosen experts, best first
+    probs: torch.Tensor  # [T, K] float32: their routing probabilities (differentiable)
+    tokens_per_expert: torch.Tensor  # [E] int32: slots routed to each expert
+    aux_loss: Optional[torch.Tensor]  # 0-dim float32 (differentiable); None: coefficient 0
+    z_loss: Optional[torch.Tensor]  # 0-dim float32 (differentiable); None: coefficient 0
+
+
+class _Router(torch.autograd.Function):
+    # cfg: the RouterConfig fields in _C's order (num_experts, topk,
+    # score_function, pre_softmax, num_groups, group_topk,
+    # topk_scaling_factor, aux_loss_coeff, z_loss_coeff).
+    @staticmethod
+    def forward(ctx, logits, expert_bias, cfg):
+        ctx.set_materialize_grads(False)
+        E, K, aux_coeff, z_coeff = cfg[0], cfg[1], cfg[7], cfg[8]
+        logits = logits.contiguous()
+        T, dev, f32 = logits.shape[0], logits.device, torch.float32
+        ids = torch.empty((T, K), dtype=torch.int32, device=dev)
+        probs = torch.empty((T, K), dtype=f32, device=dev)
+        tpe = torch.empty(E, dtype=torch.int32, device=dev)
+        aux = torch.empty((), dtype=f32, device=dev) if aux_coeff != 0 else None
+        z = torch.empty((), dtype=f32, device=dev) if z_coeff != 0 else None
+        ws_bytes = _C.router_workspace_bytes(T, *cfg) if logits.is_cuda else 0
+        ws = torch.empty(ws_bytes, dtype=torch.uint8, device=dev) if ws_bytes else None
+        _C.router_forward(logits, *cfg, ids, probs, tpe, None if aux is None else aux.view(1),
+                          None if z is None else z.view(1), None, expert_bias, ws,
+                          _stream(logits))
+        ctx.cfg = cfg
+        # The backward reads the logits, the choice and (aux loss) the counts.
+        ctx.save_for_backward(logits, ids, tpe if aux is not None else None)
+        ctx.mark_non_differentiable(ids, tpe)
+        return ids, probs, tpe, aux, z
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, _dids, dprobs, _dtpe, daux, dz):
+        if not ctx.needs_input_grad[0] or (dprobs is None and daux is None and dz is None):
+            return None, None, None
+        logits, ids, tpe = ctx.saved_tensors
+        if dprobs is None:
+            dprobs = torch.zeros(ids.shape, dtype=torch.float32, device=logits.device)
+        dlogits = torch.empty_like(logits)
+        _C.router_backward(logits, ids, tpe, *ctx.cfg, dprobs.contiguous(),
+                           None if daux is None else daux.reshape(1).contiguous(),
+                           None if dz is None else dz.reshape(1).contiguous(), dlogits,
+                           _stream(logits))
+        return dlogits, None, None
+
+
+def router(logits: torch.Tensor, topk: int, *, score_function: str = "softmax",
+           pre_softmax: bool = False, num_groups: Optional[int] = 0,
+           group_topk: Optional[int] = 0, topk_scaling_factor: Optional[float] = None,
+           expert_bias: Optional[torch.Tensor] = None, aux_loss_coeff: float = 0.0,
+           z_loss_coeff: float = 0.0) -> RouterOutput:
+    """Megatron-Core's top-k router on float32 logits [T, E] (the gating
+    GEMM is the caller's): ``topk_routing_with_score_function`` with the
+    switch load-balancing loss and the z-loss, one fused op forward and
+    backward (moeflow/router.h has the formulas).
+
+    score_function "softmax" (``pre_softmax``: top-k of softmax over all E,
+    else softmax over the k chosen logits) or "sigmoid" (probs renormalised
+    over the k chosen when topk > 1; ``expert_bias`` [E] float32, added to
+    the scores for the choice only: aux-loss-free balancing).
+    ``num_groups`` / ``group_topk``: group-limited routing (0 or None: off).
+    ``topk_scaling_factor`` multiplies the probs (None: 1). Ties choose the
+    lower expert id.
+
+    Returns a :class:`RouterOutput`. probs, aux_loss and z_loss carry the
+    gradient to ``logits`` (the choice held fixed; tokens_per_expert a
+    constant in the aux loss, as in Megatron). Runs on torch's current
+    stream; no host synchronisation (a step can be captured in a CUDA graph).
+    """
+    if logits.dim() != 2:
+        raise _C.Error(f"logits must be float32 [T, E], got {str(logits.dtype)[6:]} "
+                       f"shape {tuple(logits.shape)}")
+    cfg = (int(logits.shape[1]), int(topk), str(score_function), bool(pre_softmax),
+           int(num_groups or 0), int(group_topk or 0),
+           1.0 if topk_scaling_factor is None else float(topk_scaling_factor),
+           float(aux_loss_coeff), float(z_loss_coeff))
+    bias = None if expert_bias is None else expert_bias.detach().contiguous()
+    return RouterOutput(*_Router.apply(logits, bias, cfg))
+
+
+def update_expert_bias(tokens_per_expert: torch.Tensor, expert_bias: torch.Tensor,
+                       rate: float) -> torch.Tensor:
+    """Aux-loss-free balancing step, in place on the device (no sync):
+    ``expert_bias += rate * sign(mean(tokens_per_expert) - tokens_per_expert)``.
+    tokens_per_expert [E] int32 (e.g. summed over the step's micro-batches);
+    expert_bias [E] float32, contiguous. Returns expert_bias."""
+    _C.router_update_expert_bias(tokens_per_expert.contiguous(), expert_bias, float(rate),
+                                 _stream(expert_bias))
+    bump = getattr(torch.autograd.graph, "increment_version", None)
+    if bump is not None:  # written outside torch: tell autograd it changed
+        bump(expert_bias)
+    return expert_bias
 
 
 class Plan:

@@ -17,6 +17,7 @@
 #include "moeflow/moeflow.h"
 #include "moeflow/permute.h"
 #include "moeflow/plan.h"
+#include "moeflow/router.h"
 #include "moeflow/version.h"
 
 namespace nb = nanobind;
@@ -189,10 +190,35 @@ GroupLayout layout(const Array& offsets, const std::optional<Array>& real_rows) 
   return g;
 }
 
+ScoreFunction score_function_of(const std::string& s) {
+  if (s == "softmax") return ScoreFunction::kSoftmax;
+  if (s == "sigmoid") return ScoreFunction::kSigmoid;
+  MOEFLOW_CHECK(false, "score_function: expected softmax or sigmoid, got '", s, "'");
+  return ScoreFunction::kSoftmax;
+}
+
+RouterConfig router_config(int E, int K, const std::string& score_function, bool pre_softmax,
+                           int num_groups, int group_topk, float topk_scaling_factor,
+                           float aux_loss_coeff, float z_loss_coeff) {
+  RouterConfig c;
+  c.num_experts = E;
+  c.topk = K;
+  c.score_function = score_function_of(score_function);
+  c.pre_softmax = pre_softmax;
+  c.num_groups = num_groups;
+  c.group_topk = group_topk;
+  c.topk_scaling_factor = topk_scaling_factor;
+  c.aux_loss_coeff = aux_loss_coeff;
+  c.z_loss_coeff = z_loss_coeff;
+  return c;
+}
+
 }  // namespace
 
 NB_MODULE(_C, m) {
-  m.doc() = "moeflow: the MoE token path (routing plan, permute, grouped expert MLP) over DLPack";
+  m.doc() =
+      "moeflow: the MoE token path (router, routing plan, permute, grouped expert MLP) over "
+      "DLPack";
   m.attr("__version__") = MOEFLOW_VERSION_STRING;
   nb::exception<Error>(m, "Error", PyExc_RuntimeError);
   m.def("cuda_device_count", &cuda_device_count);
@@ -215,6 +241,69 @@ NB_MODULE(_C, m) {
       },
       "What this build contains: {'version', 'cuda_backend' (bool), 'cuda_version', "
       "'nccl_version' (str, None without CUDA), 'cuda_archs' (list of str)}.");
+
+  // The router (moeflow/router.h). The RouterConfig fields are keyword
+  // arguments, the same in the three calls that take them.
+#define MOEFLOW_ROUTER_CONFIG_ARGS                                                            \
+  nb::arg("num_experts"), nb::arg("topk"), nb::arg("score_function"), nb::arg("pre_softmax"), \
+      nb::arg("num_groups"), nb::arg("group_topk"), nb::arg("topk_scaling_factor"),           \
+      nb::arg("aux_loss_coeff"), nb::arg("z_loss_coeff")
+  m.def(
+      "router_workspace_bytes",
+      [](int64_t T, int E, int K, const std::string& sf, bool pre, int ng, int gk, float scale,
+         float aux, float z) {
+        return router_workspace_bytes(T, router_config(E, K, sf, pre, ng, gk, scale, aux, z));
+      },
+      nb::arg("num_tokens"), MOEFLOW_ROUTER_CONFIG_ARGS);
+  m.def(
+      "router_forward",
+      [](const Array& logits, int E, int K, const std::string& sf, bool pre, int ng, int gk,
+         float scale, float aux, float z, const Array& ids, const Array& probs, const Array& tpe,
+         const std::optional<Array>& aux_loss, const std::optional<Array>& z_loss,
+         const std::optional<Array>& nonfinite, const std::optional<Array>& bias,
+         const std::optional<Array>& ws, uintptr_t s) {
+        RouterOutputs out;
+        out.topk_ids = view_of(ids, "topk_ids");
+        out.probs = view_of(probs, "probs");
+        out.tokens_per_expert = view_of(tpe, "tokens_per_expert");
+        out.aux_loss = opt_view(aux_loss, "aux_loss");
+        out.z_loss = opt_view(z_loss, "z_loss");
+        out.nonfinite = opt_view(nonfinite, "nonfinite");
+        router_forward(view_of(logits, "logits"),
+                       router_config(E, K, sf, pre, ng, gk, scale, aux, z), out,
+                       opt_view(bias, "expert_bias"), opt_view(ws, "workspace"), stream_of(s));
+      },
+      nb::arg("logits"), MOEFLOW_ROUTER_CONFIG_ARGS, nb::arg("topk_ids"), nb::arg("probs"),
+      nb::arg("tokens_per_expert"), nb::arg("aux_loss").none() = nb::none(),
+      nb::arg("z_loss").none() = nb::none(), nb::arg("nonfinite").none() = nb::none(),
+      nb::arg("expert_bias").none() = nb::none(), nb::arg("workspace").none() = nb::none(),
+      nb::arg("stream") = 0);
+  m.def(
+      "router_backward",
+      [](const Array& logits, const Array& ids, const std::optional<Array>& tpe, int E, int K,
+         const std::string& sf, bool pre, int ng, int gk, float scale, float aux, float z,
+         const Array& dprobs, const std::optional<Array>& daux, const std::optional<Array>& dz,
+         const Array& dlogits, uintptr_t s) {
+        RouterGrads g;
+        g.dprobs = view_of(dprobs, "dprobs");
+        g.daux_loss = opt_view(daux, "daux_loss");
+        g.dz_loss = opt_view(dz, "dz_loss");
+        router_backward(view_of(logits, "logits"), view_of(ids, "topk_ids"),
+                        opt_view(tpe, "tokens_per_expert"), g,
+                        router_config(E, K, sf, pre, ng, gk, scale, aux, z),
+                        view_of(dlogits, "dlogits"), stream_of(s));
+      },
+      nb::arg("logits"), nb::arg("topk_ids"), nb::arg("tokens_per_expert").none(),
+      MOEFLOW_ROUTER_CONFIG_ARGS, nb::arg("dprobs"), nb::arg("daux_loss").none(),
+      nb::arg("dz_loss").none(), nb::arg("dlogits"), nb::arg("stream") = 0);
+#undef MOEFLOW_ROUTER_CONFIG_ARGS
+  m.def(
+      "router_update_expert_bias",
+      [](const Array& tpe, const Array& bias, float rate, uintptr_t s) {
+        router_update_expert_bias(view_of(tpe, "tokens_per_expert"), view_of(bias, "expert_bias"),
+                                  rate, stream_of(s));
+      },
+      nb::arg("tokens_per_expert"), nb::arg("expert_bias"), nb::arg("rate"), nb::arg("stream") = 0);
 
   m.def(
       "plan_capacity_rows",

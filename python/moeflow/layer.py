@@ -1,0 +1,253 @@
+"""``MoELayer``: a Mixture-of-Experts MLP layer as a ``torch.nn.Module`` (needs torch).
+
+    layer = MoELayer(hidden_size=1024, ffn_hidden_size=512, num_experts=64, topk=8,
+                     device="cuda")
+    out = layer(x)                        # x [..., H] -> out [..., H], x's dtype
+    out.sum().backward()                  # includes the aux / z losses' gradients
+    layer.last_losses["aux_loss"]         # detached device tensors, for logging
+
+The path, all on x's device and without host synchronisation (a step can be
+captured in a CUDA graph):
+
+    logits = x.float() @ router_weight^T                [T, E] float32
+    topk_ids, probs, ... = ops.router(logits, ...)       Megatron-Core's router
+    plan = ops.Plan(topk_ids, E, align)
+    rows, row_probs = ops.permute(x, plan, probs)
+    y = ops.grouped_mlp(rows, fc1, fc2, plan=plan, probs=row_probs)
+    out = ops.unpermute(y, plan)
+
+Options follow Megatron-Core's config (the names in brackets):
+``topk`` (moe_router_topk), ``score_function`` (moe_router_score_function),
+``pre_softmax`` (moe_router_pre_softmax), ``num_groups`` / ``group_topk``
+(moe_router_num_groups / moe_router_group_topk), ``topk_scaling_factor``
+(moe_router_topk_scaling_factor), ``use_expert_bias``
+(moe_router_enable_expert_bias), ``expert_bias_update_rate``
+(moe_router_bias_update_rate), ``aux_loss_coeff`` / ``z_loss_coeff``
+(moe_aux_loss_coeff / moe_z_loss_coeff), ``ffn_hidden_size``
+(moe_ffn_hidden_size), ``gradient_accumulation_fusion``.
+"""
+from __future__ import annotations
+
+import math
+from typing import Dict, Optional, Union
+
+import torch
+
+from . import ops
+
+__all__ = ["MoELayer", "MoEAuxLossAutoScaler"]
+
+_GATED = ("swiglu", "geglu", "clamped_quick_geglu")
+
+
+class MoEAuxLossAutoScaler(torch.autograd.Function):
+    """Attaches an auxiliary loss to an activation (Megatron-Core's
+    MoEAuxLossAutoScaler): forward returns ``activation`` unchanged; backward
+    passes its gradient through and sends ``scale`` (a float32 device tensor,
+    read at backward time) as the gradient of ``loss``. So the loss joins
+    the backward of whatever uses the activation, without being added to
+    the main loss."""
+
+    @staticmethod
+    def forward(ctx, activation: torch.Tensor, loss: torch.Tensor,
+                scale: Optional[torch.Tensor]):
+        # The scale is kept as an attribute, not saved: set_loss_scale may
+        # change it in place between forward and backward.
+        ctx.scale = scale
+        ctx.loss_meta = (loss.shape, loss.dtype, loss.device)
+        return activation
+
+    @staticmethod
+    def backward(ctx, grad_output: torch.Tensor):
+        shape, dtype, device = ctx.loss_meta
+        dloss = torch.ones(shape, dtype=dtype, device=device)
+        if ctx.scale is not None:
+            dloss = dloss * ctx.scale.to(dtype)
+        return grad_output, dloss, None
+
+
+class MoELayer(torch.nn.Module):
+    """A token-choice top-k MoE MLP layer: router, permute, grouped expert
+    MLP, unpermute (see the module docstring).
+
+    Parameters: ``router_weight`` [E, H] float32 (the router stays in float32,
+    as in Megatron-Core); ``fc1_weight`` [E, N1, H] (N1 = 2F for the gated
+    activations, gate rows then up rows, or blocks of ``glu_interleave``; F
+    otherwise) and ``fc2_weight`` [E, H, F] in ``params_dtype`` (bf16 or
+    fp16), each expert's matrix initialised like ``torch.nn.Linear``.
+
+    Activations: those of ``ops.grouped_mlp`` ("swiglu", "geglu",
+    "clamped_quick_geglu" with ``activation_alpha`` / ``activation_limit`` /
+    ``activation_offset``, "gelu", "relu", "squared_relu"), with
+    ``glu_interleave`` for the gated ones.
+
+    Auxiliary losses (``aux_loss_coeff`` / ``z_loss_coeff`` > 0): computed by
+    the router when the layer is training and autograd is on (as in
+    Megatron-Core, so a no-grad first pass of activation checkpointing adds
+    none), attached to the router probabilities with
+    :class:`MoEAuxLossAutoScaler`: ``out.backward()`` includes their
+    gradients, times the loss scale (``set_loss_scale``, default 1.0).
+    Their values, coefficients included, are kept detached on the device in
+    ``last_losses`` ({"aux_loss": t, "z_loss": t}, the ones computed).
+
+    Expert bias (``use_expert_bias``, sigmoid scoring only): a float32 [E]
+    buffer ``expert_bias`` added to the scores for the expert choice only
+    (the probabilities are the unbiased scores). In training with autograd on,
+    every forward updates it on the device after routing,
+    ``bias += rate * sign(mean(tokens_per_expert) - tokens_per_expert)``.
+
+    ``last_tokens_per_expert`` ([E] int32, detached) holds the last forward's
+    per-expert slot counts. Nothing in forward or backward synchronises with
+    the host.
+    """
+
+    def __init__(self, hidden_size: int, ffn_hidden_size: int, num_experts: int, topk: int, *,
+                 activation: str = "swiglu", glu_interleave: int = 0,
+                 activation_alpha: float = 1.702, activation_limit: float = 7.0,
+                 activation_offset: float = 1.0, score_function: str = "softmax",
+                 pre_softmax: bool = False, num_groups: int = 0, group_topk: int = 0,
+                 topk_scaling_factor: Optional[float] = None, use_expert_bias: bool = False,
+                 expert_bias_update_rate: float = 1e-3, aux_loss_coeff: float = 0.0,
+                 z_loss_coeff: float = 0.0, align: int = 16,
+                 gradient_accumulation_fusion: bool = False,
+                 params_dtype: torch.dtype = torch.bfloat16,
+                 device: Optional[Union[torch.device, str]] = None):
+        super().__init__()
+        H, F, E, K = int(hidden_size), int(ffn_hidden_size), int(num_experts), int(topk)
+        if min(H, F, E) <= 0:
+            raise ValueError(f"hidden_size, ffn_hidden_size and num_experts must be > 0, got "
+                             f"{H}, {F}, {E}")
+        if not 1 <= K <= E:
+            raise ValueError(f"topk must be in [1, num_experts={E}], got {K}")
+        if activation not in ops._ACTIVATIONS:
+            raise ValueError(f"activation must be one of {ops._ACTIVATIONS}, got {activation!r}")
+        gated = activation in _GATED
+        if glu_interleave and (not gated or F % glu_interleave):
+            raise ValueError(f"glu_interleave={glu_interleave} needs a gated activation and "
+                             f"ffn_hidden_size ({F}) a multiple of it")
+        if score_function not in ("softmax", "sigmoid"):
+            raise ValueError(f"score_function must be 'softmax' or 'sigmoid', got "
+                             f"{score_function!r}")
+        if pre_softmax and score_function != "softmax":
+            raise ValueError("pre_softmax needs score_function='softmax'")
+        if use_expert_bias and score_function != "sigmoid":
+            raise ValueError("use_expert_bias needs score_function='sigmoid' (as Megatron-Core)")
+        if params_dtype not in (torch.bfloat16, torch.float16):
+            raise ValueError(f"params_dtype must be torch.bfloat16 or torch.float16, got "
+                             f"{params_dtype}")
+        self.hidden_size, self.ffn_hidden_size, self.num_experts, self.topk = H, F, E, K
+        self.activation, self.glu_interleave = activation, int(glu_interleave)
+        self.activation_alpha = float(activation_alpha)
+        self.activation_limit = float(activation_limit)
+        self.activation_offset = float(activation_offset)
+        self.score_function, self.pre_softmax = score_function, bool(pre_softmax)
+        self.num_groups, self.group_topk = int(num_groups), int(group_topk)
+        self.topk_scaling_factor = topk_scaling_factor
+        self.use_expert_bias = bool(use_expert_bias)
+        self.expert_bias_update_rate = float(expert_bias_update_rate)
+        self.aux_loss_coeff, self.z_loss_coeff = float(aux_loss_coeff), float(z_loss_coeff)
+        self.align = int(align)
+        self.gradient_accumulation_fusion = bool(gradient_accumulation_fusion)
+
+        n1 = 2 * F if gated else F
+        self.router_weight = torch.nn.Parameter(
+            torch.empty((E, H), dtype=torch.float32, device=device))
+        self.fc1_weight = torch.nn.Parameter(
+            torch.empty((E, n1, H), dtype=params_dtype, device=device))
+        self.fc2_weight = torch.nn.Parameter(
+            torch.empty((E, H, F), dtype=params_dtype, device=device))
+        if self.use_expert_bias:
+            self.register_buffer("expert_bias", torch.zeros(E, dtype=torch.float32,
+                                                            device=device))
+        else:
+            self.register_buffer("expert_bias", None)
+        # The backward scale of the auxiliary losses (read at backward time).
+        self.register_buffer("loss_scale", torch.ones((), dtype=torch.float32, device=device),
+                             persistent=False)
+        self.last_losses: Dict[str, torch.Tensor] = {}
+        self.last_tokens_per_expert: Optional[torch.Tensor] = None
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        """Each expert's FC1 / FC2 and the router like a ``torch.nn.Linear``
+        (uniform in +-1/sqrt(fan_in)); the expert bias to zero."""
+        with torch.no_grad():
+            for w, fan_in in ((self.router_weight, self.hidden_size),
+                              (self.fc1_weight, self.hidden_size),
+                              (self.fc2_weight, self.ffn_hidden_size)):
+                bound = 1.0 / math.sqrt(fan_in)
+                w.uniform_(-bound, bound)
+            if self.expert_bias is not None:
+                self.expert_bias.zero_()
+
+    def set_loss_scale(self, scale: Union[float, torch.Tensor]) -> None:
+        """The gradient the auxiliary losses receive in backward (Megatron
+        sets the main loss scale / number of micro-batches). In place on the
+        device: a captured CUDA graph sees the new value."""
+        if isinstance(scale, torch.Tensor):
+            self.loss_scale.copy_(scale.detach().reshape(()))
+        else:
+            self.loss_scale.fill_(float(scale))
+
+    def _route(self, logits: torch.Tensor):
+        with_losses = self.training and torch.is_grad_enabled()
+        return ops.router(
+            logits, self.topk, score_function=self.score_function,
+            pre_softmax=self.pre_softmax, num_groups=self.num_groups,
+            group_topk=self.group_topk, topk_scaling_factor=self.topk_scaling_factor,
+            expert_bias=self.expert_bias,
+            aux_loss_coeff=self.aux_loss_coeff if with_losses else 0.0,
+            z_loss_coeff=self.z_loss_coeff if with_losses else 0.0)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x [..., H] -> out [..., H] in x's dtype (the experts compute in
+        ``params_dtype``)."""
+        if x.shape[-1] != self.hidden_size:
+            raise ValueError(f"x must be [..., {self.hidden_size}], got {tuple(x.shape)}")
+        shape = x.shape
+        x2 = x.reshape(-1, self.hidden_size)
+        logits = torch.nn.functional.linear(x2.float(), self.router_weight)  # [T, E] float32
+        routed = self._route(logits)
+        probs = routed.probs
+        losses = {}
+        for name, loss in (("aux_loss", routed.aux_loss), ("z_loss", routed.z_loss)):
+            if loss is not None:
+                probs = MoEAuxLossAutoScaler.apply(probs, loss, self.loss_scale)
+                losses[name] = loss.detach()
+        self.last_losses = losses
+        self.last_tokens_per_expert = routed.tokens_per_expert.detach()
+        if self.use_expert_bias and self.training and torch.is_grad_enabled():
+            with torch.no_grad():
+                ops.update_expert_bias(routed.tokens_per_expert, self.expert_bias,
+                                       self.expert_bias_update_rate)
+
+        plan = ops.Plan(routed.topk_ids, self.num_experts, self.align)
+        xe = x2.to(self.fc1_weight.dtype)
+        rows, row_probs = ops.permute(xe, plan, probs)
+        y = ops.grouped_mlp(rows, self.fc1_weight, self.fc2_weight, plan=plan, probs=row_probs,
+                            activation=self.activation, glu_interleave=self.glu_interleave,
+                            alpha=self.activation_alpha, limit=self.activation_limit,
+                            offset=self.activation_offset,
+                            accumulate_into_main_grad=self.gradient_accumulation_fusion)
+        out = ops.unpermute(y, plan)
+        return out.to(x.dtype).reshape(shape)
+
+    def extra_repr(self) -> str:
+        s = (f"hidden_size={self.hidden_size}, ffn_hidden_size={self.ffn_hidden_size}, "
+             f"num_experts={self.num_experts}, topk={self.topk}, activation={self.activation!r}, "
+             f"score_function={self.score_function!r}, params_dtype={self.fc1_weight.dtype}")
+        if self.glu_interleave:
+            s += f", glu_interleave={self.glu_interleave}"
+        if self.pre_softmax:
+            s += ", pre_softmax=True"
+        if self.num_groups:
+            s += f", num_groups={self.num_groups}, group_topk={self.group_topk}"
+        if self.topk_scaling_factor:
+            s += f", topk_scaling_factor={self.topk_scaling_factor}"
+        if self.use_expert_bias:
+            s += f", use_expert_bias=True, expert_bias_update_rate={self.expert_bias_update_rate}"
+        if self.aux_loss_coeff:
+            s += f", aux_loss_coeff={self.aux_loss_coeff}"
+        if self.z_loss_coeff:
+            s += f", z_loss_coeff={self.z_loss_coeff}"
+        return s

@@ -1,0 +1,355 @@
+"""moeflow.layer.MoELayer against an independent torch implementation: a
+Megatron-style router in plain torch and the expert MLP as float32 loops over
+the experts with index_add. On the CPU and, when there is one, a CUDA GPU."""
+import math
+
+import pytest
+
+torch = pytest.importorskip("torch")
+import torch.nn.functional as tnf  # noqa: E402
+
+from moeflow.layer import MoELayer  # noqa: E402
+
+HAS_CUDA = torch.cuda.is_available()
+DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
+    not HAS_CUDA, reason="no CUDA device (torch.cuda.is_available() is False)"))]
+TOL = 2e-2  # relative norm error, as examples/torch_layer.py
+
+
+def dtype_of(device):
+    return torch.bfloat16 if device == "cuda" else torch.float16
+
+
+def rel_err(got, want):
+    got, want = got.detach().float().cpu(), want.detach().float().cpu()
+    return float((got - want).norm() / want.norm().clamp_min(1e-30))
+
+
+# ---------------------------------------------------------------------------
+# The reference: Megatron-Core's router (topk_routing_with_score_function,
+# group_limited_topk, switch_load_balancing_loss_func, z_loss_func) in torch.
+
+def ref_router(logits, topk, *, score_function="softmax", pre_softmax=False, num_groups=0,
+               group_topk=0, topk_scaling_factor=None, expert_bias=None, aux_loss_coeff=0.0,
+               z_loss_coeff=0.0):
+    T, E = logits.shape
+
+    def compute_topk(scores):
+        if group_topk:
+            gs = scores.view(T, num_groups, -1).topk(topk // group_topk, dim=-1)[0].sum(-1)
+            gidx = gs.topk(group_topk, dim=-1)[1]
+            gmask = torch.zeros_like(gs).scatter_(1, gidx, 1)
+            smask = gmask.unsqueeze(-1).expand(T, num_groups, E // num_groups).reshape(T, E)
+            scores = scores.masked_fill(~smask.bool(), float("-inf"))
+        return scores.topk(topk, dim=1)
+
+    if score_function == "softmax":
+        if pre_softmax:
+            probs, ids = compute_topk(torch.softmax(logits, dim=-1))
+        else:
+            top, ids = compute_topk(logits)
+            probs = torch.softmax(top, dim=-1)
+    else:
+        scores = torch.sigmoid(logits)
+        if expert_bias is not None:
+            _, ids = compute_topk(scores + expert_bias)
+            scores = scores.gather(1, ids)
+        else:
+            scores, ids = compute_topk(scores)
+        probs = scores / (scores.sum(-1, keepdim=True) + 1e-20) if topk > 1 else scores
+    if topk_scaling_factor:
+        probs = probs * topk_scaling_factor
+    tpe = torch.bincount(ids.reshape(-1), minlength=E).to(torch.int32)
+    aux = z = None
+    if aux_loss_coeff:
+        s = torch.softmax(logits, -1) if score_function == "softmax" else torch.sigmoid(logits)
+        s = s / (s.sum(-1, keepdim=True) + 1e-20)
+        aux = (s.sum(0) * tpe.float()).sum() * (E * aux_loss_coeff / (topk * T * T))
+    if z_loss_coeff:
+        z = torch.logsumexp(logits, dim=-1).square().mean() * z_loss_coeff
+    return ids.to(torch.int32), probs, tpe, aux, z
+
+
+def ref_update_expert_bias(tokens_per_expert, expert_bias, rate):
+    tpe = tokens_per_expert.float()
+    expert_bias.add_(rate * torch.sign(tpe.mean() - tpe))
+
+
+def act_ref(h, activation, F, interleave, alpha=1.702, limit=7.0, offset=1.0):
+    if activation in ("swiglu", "geglu", "clamped_quick_geglu"):
+        if interleave:
+            hb = h.view(h.shape[0], -1, 2, interleave)
+            g, u = hb[:, :, 0].reshape(-1, F), hb[:, :, 1].reshape(-1, F)
+        else:
+            g, u = h[:, :F], h[:, F:]
+        if activation == "swiglu":
+            return tnf.silu(g) * u
+        if activation == "geglu":
+            return tnf.gelu(g) * u
+        g, u = g.clamp(max=limit), u.clamp(-limit, limit)
+        return g * torch.sigmoid(alpha * g) * (u + offset)
+    if activation == "gelu":
+        return tnf.gelu(h)
+    if activation == "relu":
+        return torch.relu(h)
+    return torch.relu(h).square()
+
+
+def ref_layer(x, router_weight, fc1, fc2, *, topk, activation="swiglu", glu_interleave=0,
+              expert_bias=None, **router_kw):
+    """out [T, H] float32, the router outputs (the reference of MoELayer)."""
+    dt = fc1.dtype
+    E, F = fc2.shape[0], fc2.shape[2]
+    logits = tnf.linear(x.float(), router_weight)
+    ids, probs, tpe, aux, z = ref_router(logits, topk, expert_bias=expert_bias, **router_kw)
+    xe = x.to(dt)
+    out = torch.zeros(x.shape[0], x.shape[1], device=x.device)
+    for k in range(topk):
+        for e in range(E):
+            t = torch.nonzero(ids[:, k] == e).squeeze(1)
+            h = xe[t].float() @ fc1[e].float().t()
+            a = act_ref(h, activation, F, glu_interleave) * probs[t, k, None]
+            out = out.index_add(0, t, a.to(dt).float() @ fc2[e].float().t())
+    return out, ids, tpe, aux, z
+
+
+def make_layer(device, H=64, F=32, E=8, K=2, dtype=None, seed=0, **kw):
+    torch.manual_seed(seed)
+    return MoELayer(H, F, E, K, params_dtype=dtype or dtype_of(device), device=device, **kw)
+
+
+def check_layer(layer, x, *, dout=None, loss_scale=1.0, check_losses=True):
+    """Runs layer forward + backward and the reference; compares out and the
+    gradients of x, the router weight, fc1 and fc2. Returns the reference's
+    routing (ids, tokens_per_expert) and the losses."""
+    g = torch.Generator().manual_seed(123)
+    if dout is None:
+        dout = torch.randn(x.shape, generator=g).to(x.device, x.dtype)
+    bias0 = None if layer.expert_bias is None else layer.expert_bias.detach().clone()
+    params = (layer.router_weight, layer.fc1_weight, layer.fc2_weight)
+    for p in params:
+        p.grad = None
+    xl = x.detach().clone().requires_grad_(True)
+    out = layer(xl)
+    assert out.shape == x.shape and out.dtype == x.dtype
+    out.backward(dout)
+
+    leaves = [t.detach().clone().requires_grad_(True) for t in (x,) + params]
+    router_kw = dict(score_function=layer.score_function, pre_softmax=layer.pre_softmax,
+                     num_groups=layer.num_groups, group_topk=layer.group_topk,
+                     topk_scaling_factor=layer.topk_scaling_factor,
+                     aux_loss_coeff=layer.aux_loss_coeff, z_loss_coeff=layer.z_loss_coeff)
+    H = x.shape[-1]
+    ref, ids, tpe, aux, z = ref_layer(leaves[0].reshape(-1, H), *leaves[1:], topk=layer.topk,
+                                      activation=layer.activation,
+                                      glu_interleave=layer.glu_interleave, expert_bias=bias0,
+                                      **router_kw)
+    total = (ref * dout.reshape(-1, H).float()).sum()
+    for loss in (aux, z):
+        if loss is not None:
+            total = total + loss_scale * loss
+    total.backward()
+
+    if dout.abs().sum() > 0:
+        assert rel_err(out.reshape(-1, H), ref) < TOL
+    for name, got, leaf in zip(("dx", "d router_weight", "d fc1", "d fc2"),
+                               (xl.grad,) + tuple(p.grad for p in params), leaves):
+        if got is None:
+            got = torch.zeros_like(leaf)
+        err = rel_err(got, leaf.grad)
+        assert err < TOL, f"{name}: relative error {err:.2e}"
+    if check_losses:
+        want = {k: v for k, v in (("aux_loss", aux), ("z_loss", z)) if v is not None}
+        assert set(layer.last_losses) == set(want)
+        for k, v in want.items():
+            got = layer.last_losses[k]
+            assert not got.requires_grad and got.device == x.device
+            torch.testing.assert_close(got.float().reshape(()).cpu(), v.detach().cpu(),
+                                       rtol=1e-4, atol=1e-6)
+    torch.testing.assert_close(layer.last_tokens_per_expert.cpu(), tpe.cpu(), rtol=0, atol=0)
+    return ids, tpe, aux, z, bias0
+
+
+def rand_x(device, dtype, T, H=64, seed=1):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(T, H, generator=g).to(device, dtype)
+
+
+# ---------------------------------------------------------------------------
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [None, torch.bfloat16])
+def test_uniform_routing(device, dtype):
+    layer = make_layer(device, dtype=dtype)
+    ids, tpe, *_ = check_layer(layer, rand_x(device, dtype or dtype_of(device), 96))
+    assert int(tpe.min()) > 0  # every expert has tokens
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_skewed_routing(device):
+    layer = make_layer(device, E=8, K=2)
+    x = rand_x(device, dtype_of(device), 96)
+    x[:, 0] = x[:, 0].abs() + 2.0
+    with torch.no_grad():
+        layer.router_weight[3, 0] = 1.5  # expert 3's logit up by ~3 + 1.5 |x0|
+    ids, tpe, *_ = check_layer(layer, x)
+    assert int(tpe[3]) == 96 and int(tpe.max()) == 96  # every token picks expert 3
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("pre_softmax", [False, True])
+def test_all_tokens_to_one_expert_top1(device, pre_softmax):
+    layer = make_layer(device, E=8, K=1, pre_softmax=pre_softmax)
+    x = rand_x(device, dtype_of(device), 64)
+    x[:, 0] = 4.0
+    with torch.no_grad():
+        layer.router_weight[:, 0] = 0.0
+        layer.router_weight[5, 0] = 2.0  # +8 for expert 5
+    ids, tpe, *_ = check_layer(layer, x)
+    assert int(tpe[5]) == 64 and int(tpe.sum()) == 64
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_one_token(device):
+    layer = make_layer(device, K=2)
+    check_layer(layer, rand_x(device, dtype_of(device), 1))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_batched_shape_and_float32_input(device):
+    layer = make_layer(device)
+    x = rand_x(device, torch.float32, 48).reshape(3, 16, 64)
+    check_layer(layer, x)  # out [3, 16, 64] float32, experts in params_dtype
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("activation,interleave", [("swiglu", 16), ("geglu", 0),
+                                                   ("squared_relu", 0)])
+def test_activations(device, activation, interleave):
+    layer = make_layer(device, activation=activation, glu_interleave=interleave)
+    n1 = 2 * 32 if activation != "squared_relu" else 32
+    assert layer.fc1_weight.shape == (8, n1, 64)
+    check_layer(layer, rand_x(device, dtype_of(device), 64))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("kw", [
+    dict(score_function="sigmoid", topk_scaling_factor=2.5),
+    dict(score_function="sigmoid", num_groups=4, group_topk=2, K=4),
+    dict(score_function="softmax", pre_softmax=True, num_groups=2, group_topk=1),
+])
+def test_router_options(device, kw):
+    kw = dict(kw)
+    K = kw.pop("K", 2)
+    layer = make_layer(device, K=K, **kw)
+    check_layer(layer, rand_x(device, dtype_of(device), 64))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("score_function", ["softmax", "sigmoid"])
+def test_aux_and_z_loss(device, score_function):
+    layer = make_layer(device, score_function=score_function, aux_loss_coeff=1e-2,
+                       z_loss_coeff=1e-3)
+    x = rand_x(device, dtype_of(device), 64)
+    _, _, aux, z, _ = check_layer(layer, x)
+    assert aux is not None and z is not None
+    # With a zero output gradient the router weight's gradient is the losses'
+    # alone: they reach it, times the loss scale.
+    layer.set_loss_scale(3.0 if score_function == "softmax" else torch.tensor(3.0))
+    check_layer(layer, x, dout=torch.zeros_like(x), loss_scale=3.0)
+    assert float(layer.router_weight.grad.norm()) > 0
+    assert float(layer.fc1_weight.grad.float().norm()) == 0
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_no_losses_in_eval_or_no_grad(device):
+    layer = make_layer(device, aux_loss_coeff=1e-2, z_loss_coeff=1e-3)
+    x = rand_x(device, dtype_of(device), 32)
+    layer.eval()
+    layer(x)
+    assert layer.last_losses == {}
+    layer.train()
+    with torch.no_grad():
+        layer(x)
+    assert layer.last_losses == {}
+    layer(x)
+    assert set(layer.last_losses) == {"aux_loss", "z_loss"}
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_expert_bias(device):
+    rate = 1e-2
+    layer = make_layer(device, score_function="sigmoid", use_expert_bias=True,
+                       expert_bias_update_rate=rate)
+    assert "expert_bias" in layer.state_dict()
+    with torch.no_grad():
+        layer.expert_bias.copy_(torch.linspace(-0.3, 0.3, 8))  # steers the choice
+    x = rand_x(device, dtype_of(device), 64)
+    ids, tpe, _, _, bias0 = check_layer(layer, x)  # the reference's probs are unbiased
+    want = bias0.clone()
+    ref_update_expert_bias(tpe.to(device), want, rate)
+    torch.testing.assert_close(layer.expert_bias, want, rtol=0, atol=1e-7)
+    assert not torch.equal(layer.expert_bias, bias0)
+    # The bias changes the choice: without it the routing differs.
+    _, ids_nobias, *_ = ref_router(tnf.linear(x.float(), layer.router_weight.detach()), 2,
+                                   score_function="sigmoid")
+    assert not torch.equal(ids.cpu(), ids_nobias.cpu())
+    # Not updated in eval or without autograd.
+    b = layer.expert_bias.clone()
+    layer.eval()
+    layer(x)
+    layer.train()
+    with torch.no_grad():
+        layer(x)
+    assert torch.equal(layer.expert_bias, b)
+
+
+def test_expert_bias_needs_sigmoid():
+    with pytest.raises(ValueError):
+        MoELayer(64, 32, 8, 2, use_expert_bias=True, device="cpu")
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_gradient_accumulation_fusion(device):
+    layer = make_layer(device, gradient_accumulation_fusion=True)
+    ref_layer_ = make_layer(device)
+    for w in (layer.fc1_weight, layer.fc2_weight):
+        w.main_grad = torch.full(w.shape, 0.5, dtype=torch.float32, device=device)
+    x = rand_x(device, dtype_of(device), 64)
+    dout = torch.randn(x.shape).to(device, x.dtype)
+    layer(x).backward(dout)
+    ref_layer_(x).backward(dout)
+    assert layer.fc1_weight.grad is None and layer.fc2_weight.grad is None
+    for w, r in ((layer.fc1_weight, ref_layer_.fc1_weight),
+                 (layer.fc2_weight, ref_layer_.fc2_weight)):
+        assert rel_err(w.main_grad - 0.5, r.grad) < TOL
+
+
+def test_init_like_linear():
+    layer = MoELayer(256, 128, 4, 2, device="cpu")
+    assert layer.router_weight.dtype == torch.float32
+    assert layer.router_weight.shape == (4, 256)
+    assert layer.fc1_weight.shape == (4, 256, 256) and layer.fc1_weight.dtype == torch.bfloat16
+    assert layer.fc2_weight.shape == (4, 256, 128)
+    for w, fan_in in ((layer.router_weight, 256), (layer.fc1_weight, 256),
+                      (layer.fc2_weight, 128)):
+        w = w.detach()
+        bound = 1 / math.sqrt(fan_in)
+        assert float(w.abs().max()) <= bound * 1.01
+        assert float(w.float().std()) == pytest.approx(bound / math.sqrt(3), rel=0.1)
+
+
+@pytest.mark.skipif(not HAS_CUDA, reason="no CUDA device (torch.cuda.is_available() is False)")
+def test_no_host_sync_cuda():
+    layer = make_layer("cuda", score_function="sigmoid", use_expert_bias=True,
+                       aux_loss_coeff=1e-2, z_loss_coeff=1e-3)
+    x = rand_x("cuda", torch.bfloat16, 64).requires_grad_(True)
+    layer(x).sum().backward()  # warm-up (allocator, kernels)
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        out = layer(x)
+        out.backward(torch.ones_like(out))
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    torch.cuda.synchronize()
