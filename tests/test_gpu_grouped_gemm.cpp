@@ -1,8 +1,9 @@
 // GPU grouped GEMM tests (label gpu): forward, dgrad and wgrad against the
 // CPU reference (float64 accumulation) and against a per-expert cuBLAS loop,
 // by relative norm error; outputs poisoned first; pad rows zero; rows past
-// the groups untouched; offsets changed between CUDA-graph replays; bad
-// offsets flagged without out-of-bounds access.
+// the groups untouched; bf16 / fp16 weight gradients bitwise the float32 ones
+// rounded; offsets changed between CUDA-graph replays; bad offsets flagged
+// without out-of-bounds access.
 #include <cublas_v2.h>
 #include <cuda_runtime.h>
 
@@ -224,6 +225,105 @@ TEST_P(GpuGemm, ForwardDgradWgradMatchCpu) {
                          GroupedWeights::from_pointers(ptrs_g, DType::kFloat32, N, K), false,
                          opts());
       EXPECT_LE(rel_error(dw_g.to(Device::cpu()), dw0_ref), gemm_tolerance(DType::kFloat32));
+    }
+  }
+}
+
+// The host rounding of a float32 tensor to dt (round to nearest even, as the kernels).
+Tensor rounded_to(const Tensor& f32, DType dt) {
+  Tensor r = make_tensor(f32.sizes(), dt);
+  for (int64_t i = 0; i < f32.numel(); ++i)
+    detail::store_float(r.data(), dt, i, f32.data_ptr<float>()[i]);
+  return r;
+}
+
+// E separate device tensors [N,K] of dtype dt (poisoned) and their pointer table.
+struct SeparateDw {
+  std::vector<Tensor> parts;
+  Tensor ptrs_g;
+  GroupedWeights weights(DType dt, int64_t n, int64_t k) const {
+    return GroupedWeights::from_pointers(ptrs_g, dt, n, k);
+  }
+  // Sets every part from a host [E,N,K] tensor.
+  void set(const Tensor& host) {
+    const size_t bytes = parts[0].nbytes();
+    for (size_t e = 0; e < parts.size(); ++e)
+      MOEFLOW_CUDA_CHECK(cudaMemcpy(parts[e].data(),
+                                    static_cast<const uint8_t*>(host.data()) + e * bytes, bytes,
+                                    cudaMemcpyHostToDevice));
+  }
+  // The parts, back into one host [E,N,K] tensor.
+  Tensor gather(DType dt) const {
+    const int64_t E = parts.size(), n = parts[0].size(0), k = parts[0].size(1);
+    Tensor out = make_tensor({E, n, k}, dt);
+    const size_t bytes = parts[0].nbytes();
+    for (int64_t e = 0; e < E; ++e)
+      MOEFLOW_CUDA_CHECK(cudaMemcpy(static_cast<uint8_t*>(out.data()) + e * bytes, parts[e].data(),
+                                    bytes, cudaMemcpyDeviceToHost));
+    return out;
+  }
+};
+SeparateDw separate_dw(int64_t E, int64_t n, int64_t k, DType dt) {
+  SeparateDw s;
+  Tensor ptrs = make_tensor({E}, DType::kInt64);
+  for (int64_t e = 0; e < E; ++e) {
+    s.parts.push_back(poisoned_gpu({n, k}, dt));
+    ptrs.data_ptr<int64_t>()[e] = reinterpret_cast<int64_t>(s.parts.back().data());
+  }
+  s.ptrs_g = ptrs.to(kGpu);
+  return s;
+}
+
+// wgrad into a bf16 / fp16 dW (the inputs' dtype) equals, bitwise, the same
+// kernel's float32 dW rounded once (the same accumulation; one rounding in
+// the epilogue): stacked and pointer dW, beta = 0 into poisoned outputs (an
+// unwritten tile stays NaN) and beta = 1 (float(dW) + result, rounded once,
+// against a float32 dW that starts at the same values); empty groups, pad
+// rows (with garbage in them) and rows past the groups.
+TEST_P(GpuGemm, WgradHalfPrecisionDwIsFloat32Rounded) {
+  uint32_t seed = 500;
+  for (const Problem& p : kProblems) {
+    for (DType in : {DType::kBFloat16, DType::kFloat16}) {
+      SCOPED_TRACE(name_of(p) + " " + dtype_name(in));
+      const int64_t E = p.seg.size(), K = p.k, N = p.n;
+      Data d = make_data(p);
+      Tensor a = make_tensor({d.rows, K}, in), dc = make_tensor({d.rows, N}, in);
+      fill_random(a, seed++);
+      fill_random(dc, seed++);
+      Tensor a_g = a.to(kGpu), dc_g = dc.to(kGpu);
+      const GroupLayout layout = d.gpu_layout();
+      // beta = 0
+      Tensor dw32_g = poisoned_gpu({E, N, K}, DType::kFloat32);
+      grouped_gemm_wgrad(dc_g, a_g, layout, GroupedWeights::from_stacked(dw32_g), false, opts());
+      const Tensor dw32 = dw32_g.to(Device::cpu());
+      for (int64_t i = 0; i < dw32.numel(); ++i)
+        ASSERT_FALSE(std::isnan(dw32.data_ptr<float>()[i])) << "float32 dW element " << i;
+      const Tensor want = rounded_to(dw32, in);
+      Tensor dwh_g = poisoned_gpu({E, N, K}, in);
+      grouped_gemm_wgrad(dc_g, a_g, layout, GroupedWeights::from_stacked(dwh_g), false, opts());
+      const Tensor dwh = dwh_g.to(Device::cpu());
+      EXPECT_TRUE(bytes_equal(dwh, want)) << "stacked, beta = 0";
+      for (int64_t e = 0; e < E; ++e)  // groups without data rows: zeros
+        if (p.real[e] == 0)
+          for (int64_t i = e * N * K; i < (e + 1) * N * K; ++i)
+            ASSERT_EQ(reinterpret_cast<const uint16_t*>(dwh.data())[i], 0) << "expert " << e;
+      SeparateDw sep = separate_dw(E, N, K, in);
+      grouped_gemm_wgrad(dc_g, a_g, layout, sep.weights(in, N, K), false, opts());
+      EXPECT_TRUE(bytes_equal(sep.gather(in), want)) << "pointers, beta = 0";
+      // beta = 1
+      Tensor init = make_tensor({E, N, K}, in);
+      fill_random(init, seed++);
+      Tensor init32 = make_tensor({E, N, K}, DType::kFloat32);
+      for (int64_t i = 0; i < init.numel(); ++i) init32.data_ptr<float>()[i] = at(init, i);
+      Tensor acc32_g = init32.to(kGpu);
+      grouped_gemm_wgrad(dc_g, a_g, layout, GroupedWeights::from_stacked(acc32_g), true, opts());
+      const Tensor want_acc = rounded_to(acc32_g.to(Device::cpu()), in);
+      Tensor acch_g = init.to(kGpu);
+      grouped_gemm_wgrad(dc_g, a_g, layout, GroupedWeights::from_stacked(acch_g), true, opts());
+      EXPECT_TRUE(bytes_equal(acch_g.to(Device::cpu()), want_acc)) << "stacked, beta = 1";
+      sep.set(init);
+      grouped_gemm_wgrad(dc_g, a_g, layout, sep.weights(in, N, K), true, opts());
+      EXPECT_TRUE(bytes_equal(sep.gather(in), want_acc)) << "pointers, beta = 1";
     }
   }
 }

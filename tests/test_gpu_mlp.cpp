@@ -5,7 +5,8 @@
 // and off, experts with 0 and 1 rows, pad rows, rows past the groups. Both the
 // activation output and the saved pre-activation output are checked (relative
 // norm error under the bf16/fp16 GEMM bound); outputs are poisoned first; pad
-// rows must be exactly zero and the tail untouched.
+// rows must be exactly zero and the tail untouched. Also the delayed wgrad
+// into bf16 / fp16 weight gradients (bitwise the float32 ones rounded).
 #include <cuda_runtime.h>
 
 #include <random>
@@ -212,6 +213,97 @@ TEST(GpuMlp, ApiMatchesReference) {
   GemmOptions portable;
   portable.kernel = GemmKernel::kPortable;
   for (const MlpApiCase& c : mlp_api_cases()) run_mlp_api_case(c, kGpu, seed++, portable);
+}
+
+// backward_wgrad with bf16 / fp16 dw1 / dw2 (stacked dw1, dw2 as E separate
+// tensors) equals, bitwise, the same kernels' float32 gradients rounded once:
+// poisoned outputs (beta = 0), and beta = 1 from the same start values; an
+// empty expert, pad rows holding garbage, rows past the groups, F and H not
+// multiples of the tile; every GEMM path.
+TEST(GpuMlp, WgradHalfPrecisionGradsAreFloat32Rounded) {
+  ASSERT_GT(cuda_device_count(), 0);
+  const int64_t E = 5, rows = 700, H = 200, F = 136, N1 = 2 * F;
+  const std::vector<int64_t> o = {0, 160, 160, 420, 432, 690};
+  const std::vector<int32_t> rr = {150, 0, 259, 1, 200};
+  Tensor offs = make_tensor({E + 1}, DType::kInt64), real = make_tensor({E}, DType::kInt32);
+  std::copy(o.begin(), o.end(), offs.data_ptr<int64_t>());
+  std::copy(rr.begin(), rr.end(), real.data_ptr<int32_t>());
+  Tensor offs_g = offs.to(kGpu), real_g = real.to(kGpu);
+  GroupLayout layout;
+  layout.offsets = offs_g;
+  layout.real_rows = real_g;
+  std::vector<GemmOptions> paths(3);
+  paths[1].kernel = GemmKernel::kTmaDirectStore;
+  paths[2].kernel = GemmKernel::kPortable;
+  uint32_t seed = 800;
+  for (const GemmOptions& gemm : paths)
+    for (DType dt : {DType::kBFloat16, DType::kFloat16}) {
+      SCOPED_TRACE(std::string(dtype_name(dt)) + " kernel " +
+                   std::to_string(static_cast<int>(gemm.kernel)));
+      Tensor x = make_tensor({rows, H}, dt), dy = make_tensor({rows, H}, dt),
+             a = make_tensor({rows, F}, dt), h = make_tensor({rows, N1}, dt),
+             d_h = make_tensor({rows, N1}, dt);
+      for (Tensor* t : {&x, &dy, &a, &h, &d_h}) fill_random(*t, seed++);
+      Tensor xg = x.to(kGpu), dyg = dy.to(kGpu), ag = a.to(kGpu), hg = h.to(kGpu),
+             d_hg = d_h.to(kGpu);
+      auto rounded = [&](const Tensor& f32) {
+        Tensor r = make_tensor(f32.sizes(), dt);
+        for (int64_t i = 0; i < f32.numel(); ++i)
+          detail::store_float(r.data(), dt, i, f32.data_ptr<float>()[i]);
+        return r;
+      };
+      // dw2 as E separate device tensors
+      std::vector<Tensor> parts;
+      Tensor ptrs = make_tensor({E}, DType::kInt64);
+      for (int64_t e = 0; e < E; ++e) {
+        parts.push_back(Tensor::empty({H, F}, dt, kGpu));
+        ptrs.data_ptr<int64_t>()[e] = reinterpret_cast<int64_t>(parts.back().data());
+      }
+      Tensor ptrs_g = ptrs.to(kGpu);
+      const size_t part_bytes = parts[0].nbytes();
+      for (bool accumulate : {false, true}) {
+        SCOPED_TRACE(accumulate ? "accumulate" : "overwrite");
+        Tensor dw1_32 = Tensor::empty({E, N1, H}, DType::kFloat32, kGpu),
+               dw2_32 = Tensor::empty({E, H, F}, DType::kFloat32, kGpu),
+               dw1_h = Tensor::empty({E, N1, H}, dt, kGpu);
+        Tensor init2 = make_tensor({E, H, F}, dt);
+        if (accumulate) {  // the same start values in both dtypes
+          Tensor init1 = make_tensor({E, N1, H}, dt);
+          fill_random(init1, seed++);
+          fill_random(init2, seed++);
+          Tensor f1 = make_tensor({E, N1, H}, DType::kFloat32),
+                 f2 = make_tensor({E, H, F}, DType::kFloat32);
+          for (int64_t i = 0; i < f1.numel(); ++i) f1.data_ptr<float>()[i] = at(init1, i);
+          for (int64_t i = 0; i < f2.numel(); ++i) f2.data_ptr<float>()[i] = at(init2, i);
+          copy(f1, dw1_32);
+          copy(f2, dw2_32);
+          copy(init1, dw1_h);
+        } else {
+          fill_bytes(init2, 0xFF);
+          for (Tensor* t : {&dw1_32, &dw2_32, &dw1_h}) fill_bytes(*t, 0xFF);
+        }
+        for (int64_t e = 0; e < E; ++e)
+          MOEFLOW_CUDA_CHECK(cudaMemcpy(parts[e].data(),
+                                        static_cast<const uint8_t*>(init2.data()) + e * part_bytes,
+                                        part_bytes, cudaMemcpyHostToDevice));
+        grouped_mlp_backward_wgrad(dyg, xg, layout, {hg, ag}, d_hg,
+                                   GroupedMlpGrads{dw1_32, dw2_32, {}, {}, accumulate}, gemm);
+        GroupedMlpGrads gh{dw1_h, {}, {}, {}, accumulate};
+        gh.dw2_experts = GroupedWeights::from_pointers(ptrs_g, dt, H, F);
+        grouped_mlp_backward_wgrad(dyg, xg, layout, {hg, ag}, d_hg, gh, gemm);
+        MOEFLOW_CUDA_CHECK(cudaDeviceSynchronize());
+        const Tensor w1_32 = dw1_32.to(Device::cpu()), w2_32 = dw2_32.to(Device::cpu());
+        for (const Tensor* t : {&w1_32, &w2_32})
+          for (int64_t i = 0; i < t->numel(); ++i)
+            ASSERT_FALSE(std::isnan(t->data_ptr<float>()[i])) << "float32 element " << i;
+        EXPECT_TRUE(bytes_equal(dw1_h.to(Device::cpu()), rounded(w1_32))) << "dw1";
+        Tensor w2_h = make_tensor({E, H, F}, dt);
+        for (int64_t e = 0; e < E; ++e)
+          MOEFLOW_CUDA_CHECK(cudaMemcpy(static_cast<uint8_t*>(w2_h.data()) + e * part_bytes,
+                                        parts[e].data(), part_bytes, cudaMemcpyDeviceToHost));
+        EXPECT_TRUE(bytes_equal(w2_h, rounded(w2_32))) << "dw2 (separate tensors)";
+      }
+    }
 }
 
 // A forward + backward step captured once in a CUDA graph, replayed with new

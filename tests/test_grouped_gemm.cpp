@@ -1,6 +1,6 @@
 // CPU grouped GEMM tests: hand-worked values, the adjoint identities that tie
 // forward, dgrad and wgrad together, pad rows, empty groups, pointer-array
-// weights, accumulation, bad input.
+// weights, accumulation, bf16 / fp16 weight gradients, bad input.
 #include "test_util.h"
 
 namespace moeflow::test {
@@ -175,6 +175,74 @@ TEST(GroupedGemm, WgradIgnoresPadRowsAndAccumulates) {
     ASSERT_FLOAT_EQ(dw2.data_ptr<float>()[i], dw1.data_ptr<float>()[i] + 0.5f);
 }
 
+// A bf16 / fp16 dW is the float32 dW rounded once, bitwise (stacked and
+// pointer dW, pad rows, empty groups, accumulate: float(dW) + result rounded).
+TEST(GroupedGemm, WgradHalfPrecisionDwIsFloat32Rounded) {
+  const int64_t K = 24, N = 40, rows = 64;
+  Groups g = make_groups({16, 0, 7, 32, 0}, {13, 0, 7, 30, 0});  // rows 55..63 past the end
+  const int64_t E = 5;
+  uint32_t seed = 30;
+  for (DType dt : {DType::kBFloat16, DType::kFloat16}) {
+    SCOPED_TRACE(dtype_name(dt));
+    Tensor a = make_tensor({rows, K}, dt), dc = make_tensor({rows, N}, dt);
+    fill_random(a, seed++);
+    fill_random(dc, seed++);
+    // float32 dW, rounded on the host: the expected bytes
+    auto rounded = [&](const Tensor& f32) {
+      Tensor r = make_tensor(f32.sizes(), dt);
+      for (int64_t i = 0; i < f32.numel(); ++i)
+        detail::store_float(r.data(), dt, i, f32.data_ptr<float>()[i]);
+      return r;
+    };
+    Tensor dw32 = make_tensor({E, N, K}, DType::kFloat32);
+    fill_bytes(dw32, 0xFF);
+    grouped_gemm_wgrad(dc, a, g.layout(), GroupedWeights::from_stacked(dw32), false);
+    Tensor dwh = make_tensor({E, N, K}, dt);
+    fill_bytes(dwh, 0xFF);
+    grouped_gemm_wgrad(dc, a, g.layout(), GroupedWeights::from_stacked(dwh), false);
+    EXPECT_TRUE(bytes_equal(dwh, rounded(dw32))) << "stacked";
+    for (int64_t e : {1, 4})  // experts with no rows: zeros
+      for (int64_t i = e * N * K; i < (e + 1) * N * K; ++i)
+        ASSERT_EQ(reinterpret_cast<const uint16_t*>(dwh.data())[i], 0) << "expert " << e;
+    // pointer dW (E separate tensors)
+    std::vector<Tensor> parts;
+    Tensor ptrs = make_tensor({E}, DType::kInt64);
+    for (int64_t e = 0; e < E; ++e) {
+      parts.push_back(make_tensor({N, K}, dt));
+      fill_bytes(parts.back(), 0xFF);
+      ptrs.data_ptr<int64_t>()[e] = reinterpret_cast<int64_t>(parts.back().data());
+    }
+    grouped_gemm_wgrad(dc, a, g.layout(), GroupedWeights::from_pointers(ptrs, dt, N, K), false);
+    for (int64_t e = 0; e < E; ++e)
+      ASSERT_EQ(std::memcmp(parts[e].data(), static_cast<uint8_t*>(dwh.data()) + e * N * K * 2,
+                            N * K * 2),
+                0)
+          << "pointer dW, expert " << e;
+    // accumulate: float(dW) + result, rounded once (float32 dW started at the same values)
+    Tensor init = make_tensor({E, N, K}, dt);
+    fill_random(init, seed++);
+    Tensor acc32 = make_tensor({E, N, K}, DType::kFloat32);
+    for (int64_t i = 0; i < init.numel(); ++i) acc32.data_ptr<float>()[i] = at(init, i);
+    Tensor acch = make_tensor({E, N, K}, dt);
+    std::memcpy(acch.data(), init.data(), init.nbytes());
+    grouped_gemm_wgrad(dc, a, g.layout(), GroupedWeights::from_stacked(acc32), true);
+    grouped_gemm_wgrad(dc, a, g.layout(), GroupedWeights::from_stacked(acch), true);
+    EXPECT_TRUE(bytes_equal(acch, rounded(acc32))) << "accumulate";
+    // experts with no rows keep their values
+    EXPECT_EQ(std::memcmp(static_cast<uint8_t*>(acch.data()) + N * K * 2,
+                          static_cast<uint8_t*>(init.data()) + N * K * 2, N * K * 2),
+              0);
+    for (int64_t e = 0; e < E; ++e)
+      std::memcpy(parts[e].data(), static_cast<uint8_t*>(init.data()) + e * N * K * 2, N * K * 2);
+    grouped_gemm_wgrad(dc, a, g.layout(), GroupedWeights::from_pointers(ptrs, dt, N, K), true);
+    for (int64_t e = 0; e < E; ++e)
+      ASSERT_EQ(std::memcmp(parts[e].data(), static_cast<uint8_t*>(acch.data()) + e * N * K * 2,
+                            N * K * 2),
+                0)
+          << "pointer dW accumulate, expert " << e;
+  }
+}
+
 TEST(GroupedGemm, PointerArrayWeightsEqualStacked) {
   const int64_t K = 32, N = 16, rows = 50;
   Groups g = make_groups({20, 0, 30});
@@ -241,11 +309,30 @@ TEST(GroupedGemm, BadInputErrors) {
               grouped_gemm_forward(a, GroupedWeights::from_stacked(wf), ok.layout(), c);
             }).find("w must be bfloat16 [2,8,16] on cpu, got float16"),
             std::string::npos);
-  Tensor dwb = make_tensor({2, N, K}, DType::kBFloat16);
+  // dw: float32 or the inputs' dtype, stacked or pointers
+  Tensor dwh = make_tensor({2, N, K}, DType::kFloat16);
   Tensor dc = make_tensor({rows, N}, DType::kBFloat16);
   EXPECT_NE(message_of([&] {
-              grouped_gemm_wgrad(dc, a, ok.layout(), GroupedWeights::from_stacked(dwb), true);
-            }).find("dw must be float32"),
+              grouped_gemm_wgrad(dc, a, ok.layout(), GroupedWeights::from_stacked(dwh), true);
+            }).find("dw must be float32 or bfloat16 (the dtype of dc and a), got float16"),
+            std::string::npos);
+  Tensor dwi = make_tensor({2, N, K}, DType::kInt32);
+  EXPECT_NE(message_of([&] {
+              grouped_gemm_wgrad(dc, a, ok.layout(), GroupedWeights::from_stacked(dwi), false);
+            }).find("dw must be float32 or bfloat16 (the dtype of dc and a), got int32"),
+            std::string::npos);
+  Tensor dwp = make_tensor({2}, DType::kInt64);
+  dwp.data_ptr<int64_t>()[0] = dwp.data_ptr<int64_t>()[1] = reinterpret_cast<int64_t>(dwh.data());
+  EXPECT_NE(message_of([&] {
+              grouped_gemm_wgrad(dc, a, ok.layout(),
+                                 GroupedWeights::from_pointers(dwp, DType::kFloat16, N, K), false);
+            }).find("dw must be float32 or bfloat16 (the dtype of dc and a), got float16"),
+            std::string::npos);
+  Tensor dwb_short = make_tensor({2, N, K - 8}, DType::kBFloat16);
+  EXPECT_NE(message_of([&] {
+              grouped_gemm_wgrad(dc, a, ok.layout(), GroupedWeights::from_stacked(dwb_short),
+                                 false);
+            }).find("dw must be"),
             std::string::npos);
   Tensor offs3 = make_tensor({3}, DType::kInt32);
   GroupLayout l32;

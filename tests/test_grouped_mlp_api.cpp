@@ -5,6 +5,7 @@
 // rows, bias and probs on and off, experts with 0 and 1 rows and pad rows.
 // Relative norm errors under the bf16 GEMM bound. Run on the CPU backend here
 // (label cpu) and on the GPU by test_gpu (run_mlp_api_case with cuda:0).
+// bf16 / fp16 weight gradients: bitwise the float32 ones rounded.
 #include "test_mlp_api.h"
 
 namespace moeflow::test {
@@ -88,6 +89,89 @@ TEST(GroupedMlpApi, Fc1AndActivationBackwardAloneMatchTheMlp) {
       EXPECT_TRUE(bytes_equal(d_h2, d_h)) << "d_h";
       if (weighted) EXPECT_TRUE(bytes_equal(dprobs2, dprobs)) << "dprobs";
     }
+}
+
+// backward_wgrad with bf16 / fp16 dw1 / dw2 (the weights' dtype, stacked or
+// E separate tensors) equals, bitwise, the float32 gradients rounded once,
+// with and without accumulate; dbias stays float32; other dtypes are named.
+TEST(GroupedMlpApi, WgradHalfPrecisionGradsAreFloat32Rounded) {
+  const int64_t E = 4, rows = 64, H = 32, F = 24, N1 = 2 * F;
+  Tensor offs = make_tensor({E + 1}, DType::kInt64), real = make_tensor({E}, DType::kInt32);
+  const int64_t o[] = {0, 16, 16, 40, 56};  // expert 1 empty; rows 56.. past the groups
+  const int32_t rr[] = {13, 0, 24, 9};
+  std::copy(o, o + E + 1, offs.data_ptr<int64_t>());
+  std::copy(rr, rr + E, real.data_ptr<int32_t>());
+  GroupLayout g;
+  g.offsets = offs;
+  g.real_rows = real;
+  uint32_t seed = 70;
+  for (DType dt : {DType::kBFloat16, DType::kFloat16}) {
+    SCOPED_TRACE(dtype_name(dt));
+    Tensor x = make_tensor({rows, H}, dt), dy = make_tensor({rows, H}, dt),
+           a = make_tensor({rows, F}, dt), h = make_tensor({rows, N1}, dt),
+           d_h = make_tensor({rows, N1}, dt);
+    for (Tensor* t : {&x, &dy, &a, &h, &d_h}) fill_random(*t, seed++);
+    auto rounded = [&](const Tensor& f32) {
+      Tensor r = make_tensor(f32.sizes(), dt);
+      for (int64_t i = 0; i < f32.numel(); ++i)
+        detail::store_float(r.data(), dt, i, f32.data_ptr<float>()[i]);
+      return r;
+    };
+    for (bool accumulate : {false, true}) {
+      SCOPED_TRACE(accumulate ? "accumulate" : "overwrite");
+      Tensor dw1_32 = make_tensor({E, N1, H}, DType::kFloat32),
+             dw2_32 = make_tensor({E, H, F}, DType::kFloat32);
+      Tensor dw1_h = make_tensor({E, N1, H}, dt), dw2_h = make_tensor({E, H, F}, dt);
+      if (accumulate) {  // the same start values in both dtypes
+        fill_random(dw1_h, seed++);
+        fill_random(dw2_h, seed++);
+        for (int64_t i = 0; i < dw1_h.numel(); ++i) dw1_32.data_ptr<float>()[i] = at(dw1_h, i);
+        for (int64_t i = 0; i < dw2_h.numel(); ++i) dw2_32.data_ptr<float>()[i] = at(dw2_h, i);
+      } else {
+        for (Tensor* t : {&dw1_32, &dw2_32, &dw1_h, &dw2_h}) fill_bytes(*t, 0xFF);
+      }
+      Tensor db1 = Tensor::zeros({E, N1}, DType::kFloat32),
+             db2 = Tensor::zeros({E, H}, DType::kFloat32);
+      GroupedMlpGrads g32{dw1_32, dw2_32, {}, {}, accumulate};
+      grouped_mlp_backward_wgrad(dy, x, g, {h, a}, d_h, g32);
+      // dw2 as E separate tensors (a pointer table over the stacked storage)
+      Tensor ptrs = make_tensor({E}, DType::kInt64);
+      for (int64_t e = 0; e < E; ++e)
+        ptrs.data_ptr<int64_t>()[e] =
+            reinterpret_cast<int64_t>(static_cast<uint8_t*>(dw2_h.data()) + e * H * F * 2);
+      GroupedMlpGrads gh{dw1_h, {}, db1, db2, accumulate};
+      gh.dw2_experts = GroupedWeights::from_pointers(ptrs, dt, H, F);
+      grouped_mlp_backward_wgrad(dy, x, g, {h, a}, d_h, gh);
+      EXPECT_TRUE(bytes_equal(dw1_h, rounded(dw1_32))) << "dw1";
+      EXPECT_TRUE(bytes_equal(dw2_h, rounded(dw2_32))) << "dw2";
+      if (!accumulate)  // the empty expert: zeros
+        for (int64_t i = N1 * H; i < 2 * N1 * H; ++i)
+          ASSERT_EQ(reinterpret_cast<const uint16_t*>(dw1_h.data())[i], 0);
+    }
+    // other dtypes are named; dbias stays float32
+    const DType other = dt == DType::kBFloat16 ? DType::kFloat16 : DType::kBFloat16;
+    Tensor dw1_bad = make_tensor({E, N1, H}, other);
+    const std::string want = std::string("grads.dw1 must be float32 or ") + dtype_name(dt) +
+                             " (the weights' dtype), got " + dtype_name(other);
+    EXPECT_NE(message_of([&] {
+                grouped_mlp_backward_wgrad(dy, x, g, {h, a}, d_h,
+                                           GroupedMlpGrads{dw1_bad, {}, {}, {}, false});
+              }).find(want),
+              std::string::npos);
+    Tensor ptrs = make_tensor({E}, DType::kInt64);
+    GroupedMlpGrads bad_ptrs;
+    bad_ptrs.dw2_experts = GroupedWeights::from_pointers(ptrs, DType::kInt32, H, F);
+    EXPECT_NE(message_of([&] {
+                grouped_mlp_backward_wgrad(dy, x, g, {h, a}, d_h, bad_ptrs);
+              }).find("grads.dw2_experts must be float32 or"),
+              std::string::npos);
+    Tensor db_h = make_tensor({E, H}, dt);
+    EXPECT_NE(message_of([&] {
+                grouped_mlp_backward_wgrad(dy, x, g, {h, a}, d_h,
+                                           GroupedMlpGrads{{}, {}, {}, db_h, false});
+              }).find("grads.dbias2 must be float32"),
+              std::string::npos);
+  }
 }
 
 TEST(GroupedMlpApi, BadInputIsRejected) {

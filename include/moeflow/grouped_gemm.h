@@ -4,7 +4,7 @@
 //
 //   forward: C_e  = A_e · W_e^T        A [rows,K], W [E,N,K], C [rows,N]
 //   dgrad:   dA_e = dC_e · W_e         dC [rows,N], W [E,N,K], dA [rows,K]
-//   wgrad:   dW_e (+)= dC_e^T · A_e    dC [rows,N], A [rows,K], dW [E,N,K] float32
+//   wgrad:   dW_e (+)= dC_e^T · A_e    dC [rows,N], A [rows,K], dW [E,N,K]
 //
 // Group e owns rows [offsets[e], offsets[e+1]). With `real_rows`, rows from
 // offsets[e] + real_rows[e] to offsets[e+1] are pad rows: forward and dgrad
@@ -79,9 +79,11 @@ void grouped_gemm_dgrad(TensorView dc, const GroupedWeights& w, const GroupLayou
 void grouped_gemm_dgrad(TensorView dc, const GroupedWeights& w, const GroupLayout& groups,
                         TensorView da, const GemmOptions& options, cudaStream_t stream = nullptr);
 
-// dw: float32 weights layout ([E,N,K] stacked or E pointers to float32 [N,K]).
-// accumulate: dW += result (Megatron's gradient-accumulation fusion);
-// otherwise dW = result (experts with no rows get zeros).
+// dw: weights layout ([E,N,K] stacked or E pointers to [N,K]); float32 or
+// the dtype of dc and a (written from the float32 accumulators, no float32
+// buffer: bitwise the float32 dW rounded once). accumulate: dW += result
+// (Megatron's gradient-accumulation fusion; bf16 / fp16: float(dW) + result,
+// rounded once); otherwise dW = result (experts with no rows get zeros).
 void grouped_gemm_wgrad(TensorView dc, TensorView a, const GroupLayout& groups,
                         const GroupedWeights& dw, bool accumulate, cudaStream_t stream = nullptr);
 void grouped_gemm_wgrad(TensorView dc, TensorView a, const GroupLayout& groups,

@@ -9,7 +9,8 @@
 // FC1 rows of a gated activation are [gate; up] halves (glu_interleave = 0)
 // or interleaved blocks of glu_interleave gate rows then as many up rows
 // (Megatron's glu_interleave_size). Pad rows produce zeros and get no
-// gradient. bf16 or fp16 data, float32 probabilities and weight gradients.
+// gradient. bf16 or fp16 data, float32 probabilities and bias gradients;
+// weight gradients float32 or the weights' dtype.
 // Deterministic; GPU calls enqueue on `stream` only, allocate nothing and
 // synchronise with nothing (CUDA-graph safe). On Hopper FC1's bias,
 // activation and probability run in the GEMM's epilogue.
@@ -71,17 +72,19 @@ void grouped_mlp_backward_dgrad(TensorView dy, const GroupedMlpWeights& w,
                                 TensorView dx, TensorView d_h, TensorView dprobs = {},
                                 cudaStream_t stream = nullptr);
 
-// Weight gradients, float32, each optional; accumulate: += (Megatron's
-// gradient-accumulation fusion), else =.
+// Weight gradients, each optional; accumulate: += (Megatron's
+// gradient-accumulation fusion), else =. dtypes: dw1 / dw2 float32 or the
+// weights' dtype (bf16 / fp16: float32 accumulation rounded once, see
+// grouped_gemm_wgrad), dbias1 / dbias2 float32.
 struct GroupedMlpGrads {
   TensorView dw1;     // [E, N1, H]
   TensorView dw2;     // [E, H, F]
   TensorView dbias1;  // [E, N1]
   TensorView dbias2;  // [E, H]
   bool accumulate = false;
-  // Or E separate float32 tensors per weight gradient (at most one of dw1 /
+  // Or E separate tensors per weight gradient (at most one of dw1 /
   // dw1_experts, of dw2 / dw2_experts): GroupedWeights::from_pointers(...,
-  // DType::kFloat32, N1, H) and (..., H, F).
+  // dtype, N1, H) and (..., H, F), dtype as above.
   GroupedWeights dw1_experts;
   GroupedWeights dw2_experts;
 };

@@ -49,7 +49,7 @@ MOEFLOW_HD inline ExpertLayout layout_expert(int64_t routed, int64_t offset_in, 
 // One grouped GEMM call, validated. Operands (all row-major):
 //   kForward: a = A [rows,K], w = W, out = C [rows,N]
 //   kDgrad:   a = dC [rows,N], w = W, out = dA [rows,K]
-//   kWgrad:   a = dC [rows,N], b = A [rows,K], w = dW (float32 output)
+//   kWgrad:   a = dC [rows,N], b = A [rows,K], w = dW (float32, or the inputs' dtype)
 struct GroupedGemmCall {
   enum Op { kForward, kDgrad, kWgrad } op = kForward;
   TensorView a, b, out;

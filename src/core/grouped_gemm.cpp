@@ -250,7 +250,11 @@ void grouped_gemm_wgrad(TensorView dc, TensorView a, const GroupLayout& groups,
   const int64_t rows = dc.shape[0], n = dc.shape[1], k = a.shape[1];
   detail::expect(dc, "dc", rows_of(kInputs, rows, n, dev));
   detail::expect(a, "a", rows_of({dc.dtype}, rows, k, dev));
-  check_weights(dw, "dw", {DType::kFloat32}, E, n, k, dev);
+  // dw: float32, or the inputs' dtype (float32 accumulation rounded once).
+  const DType dw_dtype = dw.stacked.defined() ? dw.stacked.dtype : dw.dtype;
+  MOEFLOW_CHECK(dw_dtype == DType::kFloat32 || dw_dtype == dc.dtype, "dw must be float32 or ",
+                dtype_name(dc.dtype), " (the dtype of dc and a), got ", dtype_name(dw_dtype));
+  check_weights(dw, "dw", {DType::kFloat32, dc.dtype}, E, n, k, dev);
   check_layout(groups, E, dev);
   check_alignment(n, k);
   GroupedGemmCall call =

@@ -344,14 +344,22 @@ void grouped_mlp_backward_wgrad(TensorView dy, TensorView x, const GroupLayout& 
                 "backward_wgrad needs dy, x, saved.a and d_h");
   const int64_t E = groups.offsets.defined() ? groups.offsets.shape[0] - 1 : 0;
   const MlpRows r{groups, E, x.shape[0]};
-  // Each weight gradient: stacked, E separate tensors, or not asked for.
-  auto grad_of = [](TensorView stacked, const GroupedWeights& experts, const char* name) {
+  // Each weight gradient: stacked, E separate tensors, or not asked for;
+  // float32 or the weights' dtype (that of x and dy).
+  auto grad_of = [&](TensorView stacked, const GroupedWeights& experts, const char* name) {
     const bool separate = experts.stacked.defined() || experts.pointers.defined();
     MOEFLOW_CHECK(!(stacked.defined() && separate), "grads.", name, " and grads.", name,
                   "_experts: give at most one of the two");
-    return separate            ? experts
-           : stacked.defined() ? GroupedWeights::from_stacked(stacked)
-                               : GroupedWeights{};
+    const GroupedWeights gw = separate            ? experts
+                              : stacked.defined() ? GroupedWeights::from_stacked(stacked)
+                                                  : GroupedWeights{};
+    if (separate || stacked.defined()) {
+      const DType dt = gw.stacked.defined() ? gw.stacked.dtype : gw.dtype;
+      MOEFLOW_CHECK(dt == DType::kFloat32 || dt == x.dtype, "grads.", name,
+                    separate ? "_experts" : "", " must be float32 or ", dtype_name(x.dtype),
+                    " (the weights' dtype), got ", dtype_name(dt));
+    }
+    return gw;
   };
   const GroupedWeights dw2 = grad_of(g.dw2, g.dw2_experts, "dw2");
   const GroupedWeights dw1 = grad_of(g.dw1, g.dw1_experts, "dw1");

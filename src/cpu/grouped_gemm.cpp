@@ -1,5 +1,6 @@
 // CPU reference for the grouped GEMM: plain triple loops per group with
-// float64 accumulation. The oracle for the CUDA kernels.
+// float64 accumulation, rounded to float32 and then (bf16 / fp16 outputs) to
+// the output's dtype. The oracle for the CUDA kernels.
 #include <vector>
 
 #include "core/backends.h"
@@ -29,7 +30,8 @@ const void* weight(const GroupedWeights& w, int64_t e, int64_t n, int64_t k) {
 void grouped_gemm(const GroupedGemmCall& c) {
   const int64_t E = c.num_groups, n = c.n, k = c.k;
   const auto* offsets = c.groups.offsets.data_ptr<int64_t>();
-  const int32_t* real = c.groups.real_rows.defined() ? c.groups.real_rows.data_ptr<int32_t>() : nullptr;
+  const int32_t* real =
+      c.groups.real_rows.defined() ? c.groups.real_rows.data_ptr<int32_t>() : nullptr;
   for (int64_t e = 0; e < E; ++e) {
     MOEFLOW_CHECK(offsets[e] >= 0 && offsets[e] <= offsets[e + 1] && offsets[e + 1] <= c.rows,
                   "groups.offsets must be monotone within [0, rows=", c.rows, "], got offsets[", e,
@@ -67,7 +69,9 @@ void grouped_gemm(const GroupedGemmCall& c) {
         }
       }
     } else {  // wgrad: dW[e][i][j] (+)= sum over real rows r of dC[r][i] * A[r][j]
-      float* dw = static_cast<float*>(const_cast<void*>(weight(c.w, e, n, k)));
+      // The float32 result (old value included with accumulate), rounded once
+      // to dW's dtype.
+      void* dw = const_cast<void*>(weight(c.w, e, n, k));
       std::vector<double> acc(n * k, 0.0);
       row_a.resize(n);
       row_b.resize(k);
@@ -80,8 +84,10 @@ void grouped_gemm(const GroupedGemmCall& c) {
           for (int64_t j = 0; j < k; ++j) out[j] += g * row_b[j];
         }
       }
-      for (int64_t i = 0; i < n * k; ++i)
-        dw[i] = static_cast<float>(acc[i] + (c.accumulate ? static_cast<double>(dw[i]) : 0.0));
+      for (int64_t i = 0; i < n * k; ++i) {
+        const double old = c.accumulate ? static_cast<double>(load_float(dw, wdt, i)) : 0.0;
+        store_float(dw, wdt, i, static_cast<float>(acc[i] + old));
+      }
     }
   }
 }

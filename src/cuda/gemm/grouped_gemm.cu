@@ -151,7 +151,7 @@ bool launch_tma(const Params& p, const GemmOptions& o, cudaStream_t stream, cons
     map_w = tensor_map_2d(p.b, p.rows, p.n_out, p.ldb, 64);
   }
   // The output, in boxes of 64 rows x 128 bytes: C [rows, n_out] (forward,
-  // dgrad) or the stacked float32 dW [E, N, K] (wgrad; none for pointers).
+  // dgrad) or the stacked dW [E, N, K] (wgrad; none for pointers).
   constexpr int kCw = 128 / static_cast<int>(sizeof(TOut));
   t::StoreKind kind = t::StoreKind::kDirect;
   std::memset(&map_c, 0, sizeof(map_c));
@@ -249,13 +249,16 @@ void check_rows16(const TensorView& v, const char* name) {
                 v.strides[0]);
 }
 
+// wgrad (A and B MN-major) writes a float32 dW or one of the inputs' dtype
+// (the same float32 accumulation either way, rounded once in the epilogue);
+// other pairs are not instantiated.
 template <typename TIn, typename TOut, bool A_KMAJOR, bool B_KMAJOR>
 void launch(const Params& p, const GemmOptions& o, cudaStream_t stream) {
-  if constexpr (!A_KMAJOR && !std::is_same_v<TOut, float>) {  // wgrad writes float32 only
+  if constexpr (!A_KMAJOR && !std::is_same_v<TOut, float> && !std::is_same_v<TOut, TIn>) {
     (void)p;
     (void)o;
     (void)stream;
-    MOEFLOW_CHECK(false, "grouped GEMM wgrad writes float32 gradients");
+    MOEFLOW_CHECK(false, "grouped GEMM wgrad writes float32 or the inputs' dtype");
   } else {
     if constexpr (A_KMAJOR && B_KMAJOR) {  // forward: both operands K-major
       if (use_sm90(o)) return launch_sm90<TIn, TOut>(p, o, stream);
@@ -389,7 +392,10 @@ void grouped_gemm(const GroupedGemmCall& c, cudaStream_t stream) {
       p.accumulate = c.accumulate;
       p.m_out = c.n;
       p.n_out = c.k;
-      launch_in<false, false>(in, DType::kFloat32, p, o, stream);
+      const DType out = stacked ? w.stacked.dtype : w.dtype;
+      MOEFLOW_CHECK(out == DType::kFloat32 || out == in, "dw must be float32 or ", dtype_name(in),
+                    " (the inputs' dtype), got ", dtype_name(out));
+      launch_in<false, false>(in, out, p, o, stream);
       return;
     }
   }

@@ -4,6 +4,7 @@
 // the 128-byte swizzled layout, by a TMA store / reduce-add issued by one
 // thread or by masked 16-byte stores; in helper mode the chunks are staged in
 // the last slice's pipeline stage and handed to the helper warps instead.
+// A chunk holds 64 rows x 32 float32 or 64 x 64 bf16 / fp16 outputs.
 #pragma once
 
 #include "cuda/gemm/tma/named_barrier.cuh"
@@ -123,6 +124,11 @@ __device__ __forceinline__ void consumer_store(const Params& p, const CUtensorMa
                     : static_cast<TOut*>(p.c);
     constexpr int kCw = 128 / static_cast<int>(sizeof(TOut));  // columns per chunk
     constexpr int kVec = 16 / static_cast<int>(sizeof(TOut));  // elements per 16-byte piece
+    // wgrad into a bf16 / fp16 dW with accumulate: the old value joins the
+    // float32 result in registers (one rounding of old + result), and the
+    // chunk is then stored, not reduce-added (this warpgroup is the only
+    // writer of its rows of the tile: no split-K).
+    constexpr bool kAddInRegs = MODE == 2 && !std::is_same_v<TOut, float>;
     // One 64-row x 128-byte chunk: value(jj, half, col) gives the two
     // outputs of fragment column jj (0..kCw/8-1) at output column col.
     auto emit = [&](const auto& value, const CUtensorMap* map, TOut* base, int64_t ld, int col0,
@@ -138,7 +144,16 @@ __device__ __forceinline__ void consumer_store(const Params& p, const CUtensorMa
         for (int half = 0; half < 2; ++half) {
           const int rl = rl0 + half * 8;
           const int cl = jj * 8 + 2 * (lane % 4);
-          const float2 v = rl < data_rows ? value(jj, half, col0 + cl) : make_float2(0.0f, 0.0f);
+          float2 v = rl < data_rows ? value(jj, half, col0 + cl) : make_float2(0.0f, 0.0f);
+          if constexpr (kAddInRegs) {
+            // (rows < data_rows lie inside dW; K % 8 == 0: col + 1 < K as well)
+            if (p.accumulate && rl < data_rows && col0 + cl < col_lim) {
+              const Pack<TOut, 2> old =
+                  *reinterpret_cast<const Pack<TOut, 2>*>(base + (wg_row0 + rl) * ld + col0 + cl);
+              v.x += to_float(old.v[0]);
+              v.y += to_float(old.v[1]);
+            }
+          }
           Pack<TOut, 2> o;
           o.v[0] = from_float<TOut>(v.x);
           o.v[1] = from_float<TOut>(v.y);
@@ -152,7 +167,7 @@ __device__ __forceinline__ void consumer_store(const Params& p, const CUtensorMa
       if (tma) {
         if (tid == 0) {
           if (store_kind == StoreKind::kTensor3d) {
-            if (p.accumulate)
+            if (p.accumulate && !kAddInRegs)
               tma_store_3d<true>(map, buf, col0, static_cast<int>(wg_row0), tw.group);
             else
               tma_store_3d<false>(map, buf, col0, static_cast<int>(wg_row0), tw.group);
@@ -171,7 +186,7 @@ __device__ __forceinline__ void consumer_store(const Params& p, const CUtensorMa
           Pack<TOut, kVec> v =
               *reinterpret_cast<const Pack<TOut, kVec>*>(buf + r * 128 + ((piece ^ (r & 7)) << 4));
           Pack<TOut, kVec>* dst = reinterpret_cast<Pack<TOut, kVec>*>(base + row * ld + col);
-          if (p.accumulate) {
+          if (p.accumulate && !kAddInRegs) {
             const Pack<TOut, kVec> old = *dst;
 #pragma unroll
             for (int e = 0; e < kVec; ++e)

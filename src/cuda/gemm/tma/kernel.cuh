@@ -21,7 +21,8 @@
 // Epilogue: each consumer warpgroup writes its 64 x 256 accumulators, chunk by
 // chunk (64 rows x 128 bytes), into a ring of 2-5 8 KB staging buffers in the
 // 128-byte swizzled layout, and one thread hands the chunk to the TMA unit
-// (a tensor store, or a float32 reduce-add for wgrad with beta = 1). The
+// (a tensor store, or for wgrad with accumulate into a float32 dW a reduce-add;
+// into a bf16 / fp16 dW the old values are added in registers first). The
 // stores drain while the warpgroup already runs the next tile's main loop; a
 // buffer is rewritten only after the TMA has read it. Where a warpgroup's 64
 // rows run past the rows it may write (the tail of a group whose next rows
@@ -46,7 +47,8 @@ namespace moeflow::cuda::gemm::sm90tma {
 // MODE 2, wgrad: groups split the reduction rows; A = dC^T and B = A read
 //   MN-major from row boxes; the slice holding the group's last rows has the
 //   rows past them zeroed in shared memory (they belong to pad rows or the next
-//   group); the output is each group's float32 dW, stored or accumulated.
+//   group); the output is each group's dW (float32, or the inputs' bf16 /
+//   fp16: float32 accumulators rounded once), stored or accumulated.
 // The epilogue functor (epilogue_ops.cuh) maps the accumulators to the
 // output: identity, or the fused FC1 bias + activation + probability scale,
 // which also stores the pre-activation values through map_raw.
