@@ -36,7 +36,7 @@ import torch
 
 from . import _C, ops
 
-__all__ = ["MoELayer", "MoEAuxLossAutoScaler"]
+__all__ = ["MoELayer", "MoEAuxLossAutoScaler", "SharedExpertMLP"]
 
 _GATED = ("swiglu", "geglu", "clamped_quick_geglu")
 _LAYOUTS = ("grouped", "per_expert")
@@ -90,6 +90,58 @@ class MoEAuxLossAutoScaler(torch.autograd.Function):
         return grad_output, dloss, None
 
 
+class SharedExpertMLP(torch.nn.Module):
+    """The shared expert (Megatron-Core's SharedExpertMLP): a dense MLP that
+    every token goes through, beside the routed experts. Parameters with
+    Megatron's names: ``linear_fc1.weight`` [N1, H] (N1 = 2F gated, gate rows
+    then up rows), ``linear_fc2.weight`` [H, F], and with ``gate`` a
+    ``gate_weight`` [1, H] (``moe_shared_expert_gate``: the output is scaled
+    by sigmoid(x gate_weight^T)). Computed by moeflow's grouped MLP as one
+    group, with the routed experts' activation."""
+
+    def __init__(self, hidden_size: int, ffn_hidden_size: int, activation: str, gate: bool,
+                 params_dtype: torch.dtype, device=None):
+        super().__init__()
+        H, F = hidden_size, ffn_hidden_size
+        n1 = 2 * F if activation in _GATED else F
+        kw = dict(bias=False, dtype=params_dtype, device=device)
+        self.linear_fc1 = torch.nn.Linear(H, n1, **kw)
+        self.linear_fc2 = torch.nn.Linear(F, H, **kw)
+        self.gate_weight = torch.nn.Parameter(
+            torch.empty((1, H), dtype=params_dtype, device=device)) if gate else None
+        self.hidden_size, self.ffn_hidden_size = H, F
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        with torch.no_grad():
+            for w, fan_in in ((self.linear_fc1.weight, self.hidden_size),
+                              (self.linear_fc2.weight, self.ffn_hidden_size),
+                              (self.gate_weight, self.hidden_size)):
+                if w is not None:
+                    bound = 1.0 / math.sqrt(fan_in)
+                    w.uniform_(-bound, bound)
+
+    def forward(self, x: torch.Tensor, layer: "MoELayer") -> torch.Tensor:
+        """x [T, H] in params_dtype -> [T, H]."""
+        T = x.shape[0]
+        w1, w2 = self.linear_fc1.weight, self.linear_fc2.weight
+        v1, v2 = w1.unsqueeze(0), w2.unsqueeze(0)  # one group: [1, N1, H], [1, H, F]
+        fusion = layer.gradient_accumulation_fusion
+        if fusion:
+            for v, w in ((v1, w1), (v2, w2)):
+                g = getattr(w, "main_grad", None)
+                v.main_grad = None if g is None else g.view(v.shape)
+        offsets = torch.arange(2, dtype=torch.int64, device=x.device) * T  # [0, T], no sync
+        y = ops.grouped_mlp(x, v1, v2, offsets=offsets, activation=layer.activation,
+                            alpha=layer.activation_alpha, limit=layer.activation_limit,
+                            offset=layer.activation_offset, accumulate_into_main_grad=fusion,
+                            recompute_activation=layer.recompute_activation,
+                            wgrad_store=layer._wgrad_store, _grad_params=(w1, w2, None, None))
+        if self.gate_weight is not None:
+            y = y * torch.sigmoid(torch.nn.functional.linear(x, self.gate_weight))
+        return y
+
+
 class MoELayer(torch.nn.Module):
     """A token-choice top-k MoE MLP layer: router, permute, grouped expert
     MLP, unpermute (see the module docstring).
@@ -124,6 +176,21 @@ class MoELayer(torch.nn.Module):
     per-expert slot counts. Nothing in forward or backward synchronises with
     the host.
 
+    Shared expert (``shared_expert_ffn_hidden_size`` > 0, Megatron's
+    moe_shared_expert_intermediate_size): a :class:`SharedExpertMLP` that
+    every token goes through, its output added to the routed experts';
+    ``shared_expert_gate`` scales it by a learned sigmoid gate. On CUDA it
+    runs on a side stream beside the router and routed experts
+    (``shared_expert_overlap``, default on), forward and backward.
+
+    Memory and scheduling: ``recompute_activation`` (default on) keeps only
+    the FC1 output for backward and recomputes the activation before the
+    weight gradients (about 1-2 % of the step's time); the router GEMM keeps
+    x in its own dtype, not a float32 copy. ``delay_wgrad_compute``
+    (TransformerEngine's name): backward computes the input and router
+    gradients only; ``layer.backward_dw()`` then computes the experts'
+    weight gradients (e.g. to overlap them with communication).
+
     Checkpoints, in Megatron-Core's two expert key layouts:
 
     - ``"grouped"`` (the default): the module's own keys, ``router_weight``,
@@ -132,6 +199,9 @@ class MoELayer(torch.nn.Module):
     - ``"per_expert"``: ``fc1_weight0`` ... ``fc1_weight{E-1}`` ([N1, H] each)
       and ``fc2_weight0`` ... ``fc2_weight{E-1}`` ([H, F]), like Megatron's
       ``linear_fc1.weight{i}``; ``router_weight`` / ``expert_bias`` unchanged.
+
+    The shared expert's keys (``shared_experts.linear_fc1.weight`` ...,
+    its GLU rows always as halves) are the same in both layouts.
 
     ``state_dict()`` writes the layout ``layer.state_dict_layout`` (default
     "grouped") with the FC1 GLU rows in the order
@@ -158,6 +228,9 @@ class MoELayer(torch.nn.Module):
                  topk_scaling_factor: Optional[float] = None, use_expert_bias: bool = False,
                  expert_bias_update_rate: float = 1e-3, aux_loss_coeff: float = 0.0,
                  z_loss_coeff: float = 0.0, align: int = 16,
+                 shared_expert_ffn_hidden_size: int = 0, shared_expert_gate: bool = False,
+                 shared_expert_overlap: bool = True, recompute_activation: bool = True,
+                 delay_wgrad_compute: bool = False,
                  gradient_accumulation_fusion: bool = False,
                  params_dtype: torch.dtype = torch.bfloat16,
                  device: Optional[Union[torch.device, str]] = None):
@@ -197,6 +270,16 @@ class MoELayer(torch.nn.Module):
         self.aux_loss_coeff, self.z_loss_coeff = float(aux_loss_coeff), float(z_loss_coeff)
         self.align = int(align)
         self.gradient_accumulation_fusion = bool(gradient_accumulation_fusion)
+        self.recompute_activation = bool(recompute_activation)
+        self.delay_wgrad_compute = bool(delay_wgrad_compute)
+        self._wgrad_store = ops.WgradStore() if self.delay_wgrad_compute else None
+        Fs = int(shared_expert_ffn_hidden_size or 0)
+        if Fs < 0:
+            raise ValueError(f"shared_expert_ffn_hidden_size must be >= 0, got {Fs}")
+        if shared_expert_gate and not Fs:
+            raise ValueError("shared_expert_gate needs shared_expert_ffn_hidden_size > 0")
+        self.shared_expert_overlap = bool(shared_expert_overlap)
+        self._side_streams: Dict[torch.device, "torch.cuda.Stream"] = {}
 
         n1 = 2 * F if gated else F
         self.router_weight = torch.nn.Parameter(
@@ -205,6 +288,8 @@ class MoELayer(torch.nn.Module):
             torch.empty((E, n1, H), dtype=params_dtype, device=device))
         self.fc2_weight = torch.nn.Parameter(
             torch.empty((E, H, F), dtype=params_dtype, device=device))
+        self.shared_experts = SharedExpertMLP(H, Fs, activation, bool(shared_expert_gate),
+                                              params_dtype, device) if Fs else None
         if self.use_expert_bias:
             self.register_buffer("expert_bias", torch.zeros(E, dtype=torch.float32,
                                                             device=device))
@@ -231,6 +316,8 @@ class MoELayer(torch.nn.Module):
                 w.uniform_(-bound, bound)
             if self.expert_bias is not None:
                 self.expert_bias.zero_()
+            if self.shared_experts is not None:
+                self.shared_experts.reset_parameters()
 
     def set_loss_scale(self, scale: Union[float, torch.Tensor]) -> None:
         """The gradient the auxiliary losses receive in backward (Megatron
@@ -380,6 +467,8 @@ class MoELayer(torch.nn.Module):
             if self.expert_bias is not None:
                 bias = self.expert_bias.detach().cpu().contiguous()
                 entries.append((prefix + "expert_bias", bias))
+            for name, t in self._shared_tensors():
+                entries.append((prefix + name, t.detach().cpu().contiguous()))
             _C.write_safetensors(str(path), entries, meta)
 
     def load_safetensors(self, path: str, glu_interleave: Optional[int] = None,
@@ -413,6 +502,8 @@ class MoELayer(torch.nn.Module):
         plain("router_weight", self.router_weight)
         if self.expert_bias is not None:
             plain("expert_bias", self.expert_bias)
+        for name, t in self._shared_tensors():
+            plain(name, t)
         for name, p in self._expert_params(g, prefix):
             w = getattr(self, name)
             dst = torch.empty(w.shape, dtype=w.dtype)
@@ -428,7 +519,15 @@ class MoELayer(torch.nn.Module):
                 raise _C.Error(f"{path}: unexpected key(s) {', '.join(repr(k) for k in unused)}")
         with torch.no_grad():
             for name, t in loaded.items():
-                getattr(self, name).copy_(t)
+                target = self.get_buffer(name) if name == "expert_bias" else \
+                    self.get_parameter(name)
+                target.copy_(t)
+
+    def _shared_tensors(self) -> List[Tuple[str, torch.Tensor]]:
+        """The shared expert's parameters by their state-dict names."""
+        if self.shared_experts is None:
+            return []
+        return [("shared_experts." + n, p) for n, p in self.shared_experts.named_parameters()]
 
     def _route(self, logits: torch.Tensor):
         with_losses = self.training and torch.is_grad_enabled()
@@ -440,6 +539,12 @@ class MoELayer(torch.nn.Module):
             aux_loss_coeff=self.aux_loss_coeff if with_losses else 0.0,
             z_loss_coeff=self.z_loss_coeff if with_losses else 0.0)
 
+    def _side_stream(self, device: torch.device) -> "torch.cuda.Stream":
+        st = self._side_streams.get(device)
+        if st is None:
+            st = self._side_streams[device] = torch.cuda.Stream(device=device)
+        return st
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x [..., H] -> out [..., H] in x's dtype (the experts compute in
         ``params_dtype``)."""
@@ -447,7 +552,22 @@ class MoELayer(torch.nn.Module):
             raise ValueError(f"x must be [..., {self.hidden_size}], got {tuple(x.shape)}")
         shape = x.shape
         x2 = x.reshape(-1, self.hidden_size)
-        logits = torch.nn.functional.linear(x2.float(), self.router_weight)  # [T, E] float32
+        xe = x2.to(self.fc1_weight.dtype)
+        shared, side = None, None
+        if self.shared_experts is not None:
+            if self.shared_expert_overlap and xe.is_cuda:
+                # The shared expert on a side stream, beside the routed path
+                # (its backward runs on that stream too).
+                main = torch.cuda.current_stream(xe.device)
+                side = self._side_stream(xe.device)
+                side.wait_stream(main)
+                with torch.cuda.stream(side):
+                    shared = self.shared_experts(xe, self)
+                xe.record_stream(side)
+            else:
+                shared = self.shared_experts(xe, self)
+
+        logits = ops.router_logits(x2, self.router_weight)  # [T, E] float32
         routed = self._route(logits)
         probs = routed.probs
         losses = {}
@@ -463,15 +583,30 @@ class MoELayer(torch.nn.Module):
                                        self.expert_bias_update_rate)
 
         plan = ops.Plan(routed.topk_ids, self.num_experts, self.align)
-        xe = x2.to(self.fc1_weight.dtype)
         rows, row_probs = ops.permute(xe, plan, probs)
         y = ops.grouped_mlp(rows, self.fc1_weight, self.fc2_weight, plan=plan, probs=row_probs,
                             activation=self.activation, glu_interleave=self.glu_interleave,
                             alpha=self.activation_alpha, limit=self.activation_limit,
                             offset=self.activation_offset,
-                            accumulate_into_main_grad=self.gradient_accumulation_fusion)
+                            accumulate_into_main_grad=self.gradient_accumulation_fusion,
+                            recompute_activation=self.recompute_activation,
+                            wgrad_store=self._wgrad_store)
         out = ops.unpermute(y, plan)
+        if shared is not None:
+            if side is not None:
+                torch.cuda.current_stream(xe.device).wait_stream(side)
+                shared.record_stream(torch.cuda.current_stream(xe.device))
+            out = out + shared
         return out.to(x.dtype).reshape(shape)
+
+    def backward_dw(self) -> None:
+        """With ``delay_wgrad_compute``: computes the expert weight gradients
+        of the backward passes run since the last call (routed and shared
+        experts), adding them into ``.grad`` (or ``main_grad``). The input
+        and router gradients come from backward itself. Without it: nothing
+        to do."""
+        if self._wgrad_store is not None:
+            self._wgrad_store.run()
 
     def extra_repr(self) -> str:
         s = (f"hidden_size={self.hidden_size}, ffn_hidden_size={self.ffn_hidden_size}, "
@@ -491,4 +626,10 @@ class MoELayer(torch.nn.Module):
             s += f", aux_loss_coeff={self.aux_loss_coeff}"
         if self.z_loss_coeff:
             s += f", z_loss_coeff={self.z_loss_coeff}"
+        if self.shared_experts is not None:
+            s += f", shared_expert_ffn_hidden_size={self.shared_experts.ffn_hidden_size}"
+        if self.delay_wgrad_compute:
+            s += ", delay_wgrad_compute=True"
+        if not self.recompute_activation:
+            s += ", recompute_activation=False"
         return s

@@ -30,8 +30,8 @@ import torch
 from . import _C
 
 __all__ = [
-    "RouterOutput", "router", "update_expert_bias", "Plan", "permute", "unpermute",
-    "grouped_mlp"
+    "RouterOutput", "router", "router_logits", "update_expert_bias", "Plan", "permute",
+    "unpermute", "grouped_mlp", "WgradStore"
 ]
 
 
@@ -129,6 +129,32 @@ def router(logits: torch.Tensor, topk: int, *, score_function: str = "softmax",
     return RouterOutput(*_Router.apply(logits, bias, cfg))
 
 
+class _RouterLogits(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, weight):
+        ctx.save_for_backward(x, weight)  # x in its own dtype: no float32 copy kept
+        return torch.nn.functional.linear(x.float(), weight)
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, dlogits):
+        x, weight = ctx.saved_tensors
+        dx = dw = None
+        if ctx.needs_input_grad[0]:
+            dx = (dlogits @ weight).to(x.dtype)
+        if ctx.needs_input_grad[1]:
+            dw = dlogits.t() @ x.float()
+        return dx, dw
+
+
+def router_logits(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """The gating GEMM in float32: x [T, H] (any float dtype) @ weight [E, H]
+    float32 -> logits [T, E] float32, as ``linear(x.float(), weight)``, but
+    keeping x in its own dtype for backward (the float32 copy of x lives
+    only inside forward and backward, not between them)."""
+    return _RouterLogits.apply(x, weight)
+
+
 def update_expert_bias(tokens_per_expert: torch.Tensor, expert_bias: torch.Tensor,
                        rate: float) -> torch.Tensor:
     """Aux-loss-free balancing step, in place on the device (no sync):
@@ -171,16 +197,15 @@ class Plan:
         dev = ids.device
         self.num_tokens, self.topk, self.num_experts, self.align = T, K, E, int(align)
         self.capacity_rows = _C.plan_capacity_rows(T, K, E, self.align, capacity_rows)
-        i32, i64 = torch.int32, torch.int64
-        self.tokens_per_expert = torch.empty(E, dtype=i32, device=dev)
-        self.padded_tokens_per_expert = torch.empty(E, dtype=i32, device=dev)
-        self.expert_row_offsets = torch.empty(E + 1, dtype=i64, device=dev)
-        self.dest_row = torch.empty((T, K), dtype=i64, device=dev)
-        self.row_token = torch.empty(self.capacity_rows, dtype=i32, device=dev)
-        self.row_k = torch.empty(self.capacity_rows, dtype=i32, device=dev)
-        self.total_rows = torch.zeros(1, dtype=i64, device=dev)
-        self.overflow = torch.zeros(1, dtype=i32, device=dev)
-        self.invalid_ids = torch.zeros(1, dtype=i32, device=dev)
+        cap = self.capacity_rows
+        # Two allocations, split into the plan's tensors (every one of them is
+        # written by the build: no zero fill needed).
+        (self.expert_row_offsets, dest_row, self.total_rows) = torch.empty(
+            E + 1 + T * K + 1, dtype=torch.int64, device=dev).split([E + 1, T * K, 1])
+        self.dest_row = dest_row.view(T, K)
+        (self.tokens_per_expert, self.padded_tokens_per_expert, self.row_token, self.row_k,
+         self.overflow, self.invalid_ids) = torch.empty(
+            2 * E + 2 * cap + 2, dtype=torch.int32, device=dev).split([E, E, cap, cap, 1, 1])
         ws = _C.plan_workspace_bytes(T, K, E, self.align, capacity_rows)
         self._workspace = torch.empty(ws, dtype=torch.uint8, device=dev) if ws else None
         self._capacity_arg = capacity_rows
@@ -286,20 +311,22 @@ class _Unpermute(torch.autograd.Function):
         if probs is not None:
             probs = probs.contiguous()
         _C.unpermute(y, plan._view, out, probs, _stream(y))
-        ctx.plan = plan
-        ctx.save_for_backward(y, probs)
+        ctx.plan, ctx.y_meta = plan, (y.shape, y.dtype)
+        # The backward reads y only for the probs' gradient.
+        ctx.save_for_backward(y if ctx.needs_input_grad[1] else None, probs)
         return out
 
     @staticmethod
     def backward(ctx, dout):
         plan = ctx.plan
         y, probs = ctx.saved_tensors
-        dy = torch.empty_like(y)
+        shape, dtype = ctx.y_meta
+        dy = dout.new_empty(shape, dtype=dtype)
         dprobs = None
-        if probs is not None and ctx.needs_input_grad[1]:
+        if y is not None:
             dprobs = torch.empty((plan.num_tokens, plan.topk), dtype=torch.float32,
-                                 device=y.device)
-        _C.unpermute_backward(_rows(dout), plan._view, y, probs, dy, dprobs, _stream(y))
+                                 device=dout.device)
+        _C.unpermute_backward(_rows(dout), plan._view, y, probs, dy, dprobs, _stream(dout))
         return dy, dprobs, None
 
 
@@ -311,11 +338,42 @@ def unpermute(y: torch.Tensor, plan: Plan,
     return _Unpermute.apply(y, probs, plan)
 
 
+class WgradStore:
+    """Holds the weight-gradient GEMMs of grouped_mlp backward calls for
+    later (delayed wgrad, as TransformerEngine's ``delay_wgrad_compute``):
+    give it to :func:`grouped_mlp` as ``wgrad_store``; the backward then
+    computes the input gradients only and queues the weight gradients, and
+    :meth:`run` computes them (in call order), adding them into the weights'
+    ``.grad`` (or ``main_grad``). The queued work keeps its inputs alive
+    until it runs."""
+
+    def __init__(self):
+        self._pending = []
+
+    def __len__(self) -> int:
+        return len(self._pending)
+
+    def run(self) -> None:
+        pending, self._pending = self._pending, []
+        for work in pending:
+            work()
+
+
+def _add_grad(p: torch.Tensor, g: torch.Tensor) -> None:
+    if p.grad is None:
+        p.grad = g
+    else:
+        p.grad.add_(g)
+
+
 class _GroupedMlp(torch.autograd.Function):
+    # cfg: (activation, glu_interleave, alpha, limit, offset); opts:
+    # (main_grads or None, recompute_activation, wgrad_store or None, the
+    # parameters a delayed wgrad adds its gradients into).
     @staticmethod
-    def forward(ctx, x, fc1, fc2, bias1, bias2, probs, offsets, real_rows, cfg, main_grads):
+    def forward(ctx, x, fc1, fc2, bias1, bias2, probs, offsets, real_rows, cfg, opts):
         ctx.set_materialize_grads(False)
-        ctx.main_grads = main_grads
+        recompute = opts[1]
         x = _rows(x)
         rows = x.shape[0]
         y = x.new_empty((rows, fc2.shape[1]))
@@ -323,8 +381,11 @@ class _GroupedMlp(torch.autograd.Function):
         a = x.new_empty((rows, fc2.shape[2]))
         _C.grouped_mlp_forward(x, fc1, fc2, bias1, bias2, offsets, real_rows, probs, *cfg, y, h,
                                a, _stream(x))
-        ctx.cfg = cfg
-        ctx.save_for_backward(x, fc1, fc2, bias1, bias2, probs, offsets, real_rows, h, a)
+        ctx.cfg, ctx.opts = cfg, opts
+        # Keeping only h (recompute_activation): a is recomputed before the
+        # weight gradients, so it does not live from forward to backward.
+        ctx.save_for_backward(x, fc1, fc2, bias1, bias2, probs, offsets, real_rows, h,
+                              None if recompute else a)
         return y
 
     @staticmethod
@@ -332,7 +393,8 @@ class _GroupedMlp(torch.autograd.Function):
         if dy is None:
             return (None,) * 10
         x, fc1, fc2, bias1, bias2, probs, offsets, real_rows, h, a = ctx.saved_tensors
-        need = ctx.needs_input_grad
+        main, _, store, params = ctx.opts
+        cfg, need = ctx.cfg, ctx.needs_input_grad
         dy = _rows(dy)
         s = _stream(dy)
         dx = torch.empty_like(x)
@@ -341,50 +403,47 @@ class _GroupedMlp(torch.autograd.Function):
         if probs is not None and need[5]:
             dprobs = torch.empty(x.shape[0], dtype=torch.float32, device=x.device)
         _C.grouped_mlp_backward_dgrad(dy, fc1, fc2, bias1, bias2, offsets, real_rows, probs,
-                                      *ctx.cfg, h, dx, d_h, dprobs, s)
+                                      *cfg, h, dx, d_h, dprobs, s)
+        want = (need[1], need[2], bias1 is not None and need[3], bias2 is not None and need[4])
 
-        def f32(like, wanted):
-            return torch.empty(like.shape, dtype=torch.float32, device=like.device) if wanted \
-                else None
+        def wgrad():
+            """(dW1, dW2, db1, db2) in the parameters' dtypes (None where not
+            wanted, or where main_grad received it)."""
+            if not any(want):
+                return None, None, None, None
+            st = _stream(dy)
+            act = a
+            if act is None:
+                act = x.new_empty((x.shape[0], fc2.shape[2]))
+                _C.grouped_mlp_recompute_activation(h, offsets, real_rows, probs, *cfg, act, st)
+            db1 = torch.empty(bias1.shape, dtype=torch.float32, device=x.device) \
+                if want[2] else None
+            db2 = torch.empty(bias2.shape, dtype=torch.float32, device=x.device) \
+                if want[3] else None
+            if main is not None:  # accumulated into the float32 main gradients
+                g1 = g2 = None
+                _C.grouped_mlp_backward_wgrad(dy, x, offsets, real_rows, h, act, d_h,
+                                              main[0] if want[0] else None,
+                                              main[1] if want[1] else None, db1, db2, True, st)
+            else:  # written in the weights' dtype by the GEMM's epilogue
+                g1 = torch.empty_like(fc1) if want[0] else None
+                g2 = torch.empty_like(fc2) if want[1] else None
+                _C.grouped_mlp_backward_wgrad(dy, x, offsets, real_rows, h, act, d_h, g1, g2,
+                                              db1, db2, False, st)
+            return (g1, g2, None if db1 is None else db1.to(bias1.dtype),
+                    None if db2 is None else db2.to(bias2.dtype))
 
-        db1 = f32(bias1, bias1 is not None and need[3])
-        db2 = f32(bias2, bias2 is not None and need[4])
+        dx = dx if need[0] else None
+        if store is None:
+            g1, g2, gb1, gb2 = wgrad()
+            return dx, g1, g2, gb1, gb2, dprobs, None, None, None, None
 
-        def cast(g, like):  # float32 gradients into the parameters' dtype
-            return None if g is None else g.to(like.dtype)
-
-        main = ctx.main_grads
-        if main is not None:  # accumulated into the float32 main gradients
-            _C.grouped_mlp_backward_wgrad(dy, x, offsets, real_rows, h, a, d_h, main[0], main[1],
-                                          db1, db2, True, s)
-            return (dx if need[0] else None, None, None, cast(db1, bias1), cast(db2, bias2),
-                    dprobs, None, None, None, None)
-        # .grad in the weights' dtype: the wgrad GEMM writes float32, so the
-        # experts go in chunks through a float32 buffer of about 1/8 of them,
-        # each chunk cast into the gradient (not a float32 copy of all).
-        E = fc1.shape[0]
-        g1 = torch.empty_like(fc1) if need[1] else None
-        g2 = torch.empty_like(fc2) if need[2] else None
-        if g1 is not None or g2 is not None or db1 is not None or db2 is not None:
-            step = max(1, -(-E // 8))
-            t1 = torch.empty((step,) + fc1.shape[1:], dtype=torch.float32, device=x.device) \
-                if g1 is not None else None
-            t2 = torch.empty((step,) + fc2.shape[1:], dtype=torch.float32, device=x.device) \
-                if g2 is not None else None
-            for e0 in range(0, E, step):
-                e1 = min(E, e0 + step)
-                n = e1 - e0
-                _C.grouped_mlp_backward_wgrad(
-                    dy, x, offsets[e0:e1 + 1], None if real_rows is None else real_rows[e0:e1],
-                    h, a, d_h, None if t1 is None else t1[:n], None if t2 is None else t2[:n],
-                    None if db1 is None else db1[e0:e1], None if db2 is None else db2[e0:e1],
-                    False, s)
-                if g1 is not None:
-                    g1[e0:e1].copy_(t1[:n])
-                if g2 is not None:
-                    g2[e0:e1].copy_(t2[:n])
-        return (dx if need[0] else None, g1, g2, cast(db1, bias1), cast(db2, bias2), dprobs,
-                None, None, None, None)
+        def delayed():
+            for p, g in zip(params, wgrad()):
+                if p is not None and g is not None:
+                    _add_grad(p, g.view(p.shape))
+        store._pending.append(delayed)
+        return dx, None, None, None, None, dprobs, None, None, None, None
 
 
 _ACTIVATIONS = ("swiglu", "geglu", "clamped_quick_geglu", "gelu", "relu", "squared_relu")
@@ -396,7 +455,9 @@ def grouped_mlp(x: torch.Tensor, fc1: torch.Tensor, fc2: torch.Tensor, *,
                 bias1: Optional[torch.Tensor] = None, bias2: Optional[torch.Tensor] = None,
                 activation: str = "swiglu", glu_interleave: int = 0, alpha: float = 1.702,
                 limit: float = 7.0, offset: float = 1.0,
-                accumulate_into_main_grad: bool = False) -> torch.Tensor:
+                accumulate_into_main_grad: bool = False, recompute_activation: bool = True,
+                wgrad_store: Optional[WgradStore] = None,
+                _grad_params: Optional[Tuple] = None) -> torch.Tensor:
     """The grouped expert MLP: for the rows of each expert e,
     h = x W1_e^T + b1_e, a = act(h) * p, y = a W2_e^T + b2_e.
 
@@ -406,11 +467,16 @@ def grouped_mlp(x: torch.Tensor, fc1: torch.Tensor, fc2: torch.Tensor, *,
     permuted router probabilities: applied after the activation). The groups:
     ``plan`` (its expert offsets and real rows), or ``offsets`` [E+1] int64
     (+ optional ``real_rows`` [E] int32). Pad rows give zeros and get no
-    gradient. Weight gradients are computed in float32 and returned in the
-    weights' dtype; with ``accumulate_into_main_grad`` they are added instead
-    into ``fc1.main_grad`` and ``fc2.main_grad`` (float32, the weights'
-    shapes: Megatron's gradient-accumulation fusion) and fc1 / fc2 get no
-    ``.grad``."""
+    gradient.
+
+    Weight gradients: accumulated in float32 and written in the weights'
+    dtype by the wgrad GEMM (no float32 copy); with
+    ``accumulate_into_main_grad`` they are added instead into
+    ``fc1.main_grad`` and ``fc2.main_grad`` (float32, the weights' shapes:
+    Megatron's gradient-accumulation fusion) and fc1 / fc2 get no ``.grad``.
+    ``recompute_activation`` (default): only the FC1 output h is kept for
+    backward; a = act(h) * p is recomputed just before the weight gradients.
+    ``wgrad_store``: delay the weight gradients (see :class:`WgradStore`)."""
     if activation not in _ACTIVATIONS:
         raise ValueError(f"activation must be one of {_ACTIVATIONS}, got {activation!r}")
     if plan is not None:
@@ -429,4 +495,6 @@ def grouped_mlp(x: torch.Tensor, fc1: torch.Tensor, fc2: torch.Tensor, *,
                                  f"tensor of shape {tuple(w.shape)}, got "
                                  f"{None if g is None else (g.dtype, tuple(g.shape))}")
         main = (fc1.main_grad, fc2.main_grad)
-    return _GroupedMlp.apply(x, fc1, fc2, bias1, bias2, probs, offsets, real_rows, cfg, main)
+    params = _grad_params if _grad_params is not None else (fc1, fc2, bias1, bias2)
+    opts = (main, bool(recompute_activation), wgrad_store, params)
+    return _GroupedMlp.apply(x, fc1, fc2, bias1, bias2, probs, offsets, real_rows, cfg, opts)

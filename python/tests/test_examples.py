@@ -39,6 +39,14 @@ def test_torch_layer_runs_and_matches_torch():
     assert "all results match" in r.stdout, r.stdout
 
 
+@pytest.mark.skipif(not HAS_TORCH, reason="examples/train_moe.py needs torch (not installed)")
+def test_train_moe_loss_falls():
+    # The tiny configuration, shortened: the loss is well down by step 60.
+    r = run_python([str(EXAMPLES / "train_moe.py"), "--steps", "60", "--device", "cpu"])
+    check_clean(r)
+    assert "train_moe: PASS" in r.stdout, r.stdout
+
+
 def readme_python_block():
     text = (ROOT / "README.md").read_text()
     blocks = text.split("```python\n")
@@ -60,7 +68,8 @@ def test_readme_python_block_runs_as_written():
 
 
 def test_every_example_is_run_here():
-    assert sorted(p.name for p in EXAMPLES.glob("*.py")) == ["quickstart.py", "torch_layer.py"]
+    assert sorted(p.name for p in EXAMPLES.glob("*.py")) == ["quickstart.py", "torch_layer.py",
+                                                              "train_moe.py"]
 
 
 NUMPY_SCRIPT = """

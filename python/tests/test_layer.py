@@ -95,9 +95,30 @@ def act_ref(h, activation, F, interleave, alpha=1.702, limit=7.0, offset=1.0):
     return torch.relu(h).square()
 
 
+class RoundTo(torch.autograd.Function):
+    """Rounds to dtype dt and back to float32 in forward, and rounds the
+    gradient the same way in backward: the points where the layer stores a
+    value (or a gradient) in the experts' dtype."""
+
+    @staticmethod
+    def forward(ctx, v, dt):
+        ctx.dt = dt
+        return v.to(dt).float()
+
+    @staticmethod
+    def backward(ctx, g):
+        return g.to(ctx.dt).float(), None
+
+
 def ref_layer(x, router_weight, fc1, fc2, *, topk, activation="swiglu", glu_interleave=0,
               expert_bias=None, **router_kw):
-    """out [T, H] float32, the router outputs (the reference of MoELayer)."""
+    """out [T, H] float32, the router outputs (the reference of MoELayer).
+    Float32 arithmetic, with the values the layer keeps in the experts'
+    dtype rounded to it where the layer rounds them: the FC1 output h and
+    its gradient, the FC2 input a and its gradient, the expert outputs y.
+    So the probabilities' gradient (a dot product of a's gradient with
+    act(h)) sees the same bf16 inputs as the layer's, and the remaining
+    differences are summation order only."""
     dt = fc1.dtype
     E, F = fc2.shape[0], fc2.shape[2]
     logits = tnf.linear(x.float(), router_weight)
@@ -107,9 +128,9 @@ def ref_layer(x, router_weight, fc1, fc2, *, topk, activation="swiglu", glu_inte
     for k in range(topk):
         for e in range(E):
             t = torch.nonzero(ids[:, k] == e).squeeze(1)
-            h = xe[t].float() @ fc1[e].float().t()
-            a = act_ref(h, activation, F, glu_interleave) * probs[t, k, None]
-            out = out.index_add(0, t, a.to(dt).float() @ fc2[e].float().t())
+            h = RoundTo.apply(xe[t].float() @ fc1[e].float().t(), dt)
+            a = RoundTo.apply(act_ref(h, activation, F, glu_interleave) * probs[t, k, None], dt)
+            out = out.index_add(0, t, RoundTo.apply(a @ fc2[e].float().t(), dt))
     return out, ids, tpe, aux, z
 
 

@@ -1,0 +1,212 @@
+"""The MoE layer step from PyTorch: ``moeflow.MoELayer`` forward + backward
+(router included, plain ``.grad`` weight gradients) beside the same layer
+written with torch ops, on the same inputs and weights, one process.
+
+The torch composite (the peer): the router GEMM in float32, Megatron-Core's
+router in torch ops (topk, softmax or sigmoid with expert bias and
+group-limited choice, the switch aux loss), permute by a stable argsort of
+the expert ids, torch._grouped_mm for FC1 and FC2, SwiGLU times the prob,
+and unpermute by index_add_ into float32.
+
+Cases: the layer shapes of the MLP benchmark (`moeflow bench mlp`: the same
+rows per step). Reported: forward + backward time (CUDA-event median), the
+peak memory the step allocates beyond its inputs and parameters, and with
+``--profile`` the sum of the step's kernel times (torch.profiler) against
+the step's time. ``--router`` times the router alone at DeepSeek-V3's
+shape (T 8192, E 256, top-8, 8 groups / top-4, sigmoid + expert bias),
+forward and backward, against the torch router.
+
+    PYTHONPATH=build/python:bench python3 bench/py_layer.py [--json FILE] [--profile] [--router]
+"""
+import argparse
+import json
+
+import torch
+import torch.nn.functional as F
+
+import moeflow
+import moeflow.ops as mf
+from peer_timing import bench_ms
+
+# name, tokens, H, F, experts, top-k, router options
+CASES = [
+    ("dsv3", 8192, 7168, 2048, 32, 8,
+     dict(score_function="sigmoid", num_groups=8, group_topk=4, use_expert_bias=True,
+          topk_scaling_factor=2.5)),
+    ("mixtral", 16384, 4096, 14336, 8, 2, dict(score_function="softmax")),
+    ("qwen3-30b", 16384, 2048, 768, 128, 8, dict(score_function="softmax")),
+]
+AUX = 1e-2
+
+
+def torch_router(logits, K, score_function="softmax", num_groups=0, group_topk=0,
+                 use_expert_bias=False, expert_bias=None, topk_scaling_factor=None):
+    """Megatron-Core's topk_routing_with_score_function + the switch aux
+    loss, in torch ops."""
+    T, E = logits.shape
+
+    def topk(scores):
+        if group_topk:
+            gs = scores.view(T, num_groups, -1).topk(K // group_topk, dim=-1)[0].sum(-1)
+            gidx = gs.topk(group_topk, dim=-1)[1]
+            gmask = torch.zeros_like(gs).scatter_(1, gidx, 1)
+            smask = gmask.unsqueeze(-1).expand(T, num_groups, E // num_groups).reshape(T, E)
+            scores = scores.masked_fill(~smask.bool(), float("-inf"))
+        return scores.topk(K, dim=1)
+
+    if score_function == "softmax":
+        top, ids = topk(logits)
+        probs = torch.softmax(top, dim=-1, dtype=torch.float32)
+        s = torch.softmax(logits, dim=-1)
+    else:
+        scores = torch.sigmoid(logits)
+        if expert_bias is not None:
+            _, ids = topk(scores + expert_bias)
+            top = scores.gather(1, ids)
+        else:
+            top, ids = topk(scores)
+        probs = top / (top.sum(-1, keepdim=True) + 1e-20)
+        s = scores / (scores.sum(-1, keepdim=True) + 1e-20)
+    if topk_scaling_factor:
+        probs = probs * topk_scaling_factor
+    tpe = torch.bincount(ids.reshape(-1), minlength=E)
+    aux = (s.sum(0) * tpe).sum() * (E * AUX / (K * T * T))
+    return ids, probs, tpe, aux
+
+
+def torch_layer(layer, x, K, opts):
+    """out [T, H], aux: the composite with the layer's parameters."""
+    T, H = x.shape
+    E, Fd = layer.num_experts, layer.ffn_hidden_size
+    logits = F.linear(x.float(), layer.router_weight)
+    ids, probs, tpe, aux = torch_router(logits, K, expert_bias=layer.expert_bias, **opts)
+    flat = ids.reshape(-1)
+    order = torch.argsort(flat, stable=True)
+    tok = order // K
+    offs = torch.cumsum(tpe, 0).to(torch.int32)
+    xs = x[tok]
+    h = torch._grouped_mm(xs, layer.fc1_weight.transpose(-2, -1), offs=offs)
+    a = (F.silu(h[:, :Fd]) * h[:, Fd:] * probs.reshape(-1)[order, None]).to(x.dtype)
+    y = torch._grouped_mm(a, layer.fc2_weight.transpose(-2, -1), offs=offs)
+    out = torch.zeros(T, H, dtype=torch.float32, device=x.device).index_add_(0, tok, y.float())
+    return out.to(x.dtype), aux
+
+
+def kernel_sum_ms(fn):
+    """(kernel time sum, step time) of one step, in ms, from torch.profiler."""
+    from torch.profiler import ProfilerActivity, profile
+    fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    evs = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    total = sum(e.device_time for e in evs) / 1e3
+    return total
+
+
+def bench_router(out):
+    dev = torch.device("cuda")
+    T, E, K = 8192, 256, 8
+    opts = dict(score_function="sigmoid", num_groups=8, group_topk=4, topk_scaling_factor=2.5)
+    logits = torch.randn(T, E, device=dev, requires_grad=True)
+    bias = torch.randn(E, device=dev) * 1e-2
+    dprobs = torch.randn(T, K, device=dev)
+    res = {}
+    r = mf.router(logits, K, expert_bias=bias, aux_loss_coeff=AUX, **opts)
+    res["moeflow_fwd_us"] = 1e3 * bench_ms(
+        lambda: mf.router(logits.detach(), K, expert_bias=bias, aux_loss_coeff=AUX, **opts),
+        iters=50)
+
+    def mf_bwd():
+        r = mf.router(logits, K, expert_bias=bias, aux_loss_coeff=AUX, **opts)
+        torch.autograd.backward([r.probs, r.aux_loss], [dprobs, torch.ones((), device=dev)])
+    res["moeflow_fwd_bwd_us"] = 1e3 * bench_ms(mf_bwd, iters=50)
+    res["moeflow_bwd_us"] = res["moeflow_fwd_bwd_us"] - res["moeflow_fwd_us"]
+
+    def t_fwd():
+        with torch.no_grad():
+            torch_router(logits, K, use_expert_bias=True, expert_bias=bias, **opts)
+    res["torch_fwd_us"] = 1e3 * bench_ms(t_fwd, iters=50)
+
+    def t_bwd():
+        ids, probs, tpe, aux = torch_router(logits, K, expert_bias=bias, **opts)
+        torch.autograd.backward([probs, aux], [dprobs, torch.ones((), device=dev)])
+    res["torch_fwd_bwd_us"] = 1e3 * bench_ms(t_bwd, iters=50)
+    res["torch_bwd_us"] = res["torch_fwd_bwd_us"] - res["torch_fwd_us"]
+    del r
+    out["router_dsv3"] = res
+    print(f"router dsv3 (T {T}, E {E}, top-{K}, groups 8/4, sigmoid+bias): "
+          f"moeflow fwd {res['moeflow_fwd_us']:.1f} us, bwd {res['moeflow_bwd_us']:.1f} us; "
+          f"torch fwd {res['torch_fwd_us']:.1f} us, bwd {res['torch_bwd_us']:.1f} us", flush=True)
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--json")
+    ap.add_argument("--case", action="append")
+    ap.add_argument("--profile", action="store_true")
+    ap.add_argument("--router", action="store_true")
+    args = ap.parse_args()
+    dev = torch.device("cuda")
+    out = {"device": torch.cuda.get_device_name(0), "torch": torch.__version__,
+           "moeflow": moeflow.__version__, "cases": {}}
+    if args.router:
+        bench_router(out)
+    for name, T, H, Fd, E, K, opts in CASES:
+        if args.case and name not in args.case:
+            continue
+        torch.manual_seed(0)
+        layer = moeflow.MoELayer(H, Fd, E, K, aux_loss_coeff=AUX, device=dev, **opts)
+        layer.train()
+        if layer.expert_bias is not None:
+            layer.expert_bias.normal_(0, 1e-2)
+        x = torch.randn(T, H, device=dev, dtype=torch.bfloat16, requires_grad=True)
+        dy = torch.randn(T, H, device=dev, dtype=torch.bfloat16)
+        params = [x] + list(layer.parameters())
+        topts = {k: v for k, v in opts.items() if k != "use_expert_bias"}
+
+        def mf_step():
+            layer(x).backward(dy)
+
+        def torch_step():
+            o, aux = torch_layer(layer, x, K, topts)
+            torch.autograd.backward([o, aux], [dy, torch.ones((), device=dev)])
+
+        res = {}
+        for key, fn in (("torch", torch_step), ("moeflow", mf_step)):
+            for p in params:
+                p.grad = None
+            fn()
+            torch.cuda.synchronize()
+            for p in params:
+                p.grad = None
+            base = torch.cuda.memory_allocated()
+            torch.cuda.reset_peak_memory_stats()
+            fn()
+            torch.cuda.synchronize()
+            peak = (torch.cuda.max_memory_allocated() - base) / 2 ** 20
+            ms = bench_ms(fn)
+            res[key] = {"fwd_bwd_ms": ms, "peak_extra_MiB": peak}
+            if args.profile:
+                res[key]["kernel_sum_ms"] = kernel_sum_ms(fn)
+            for p in params:
+                p.grad = None
+        out["cases"][name] = res
+        t, m = res["torch"], res["moeflow"]
+        line = (f"{name:10s} layer fwd+bwd: torch {t['fwd_bwd_ms']:7.2f} ms, moeflow "
+                f"{m['fwd_bwd_ms']:7.2f} ms, {t['fwd_bwd_ms'] / m['fwd_bwd_ms']:.2f}x; peak extra "
+                f"{t['peak_extra_MiB']:.0f} / {m['peak_extra_MiB']:.0f} MiB")
+        if args.profile:
+            line += (f"; kernels {t['kernel_sum_ms']:.2f} / {m['kernel_sum_ms']:.2f} ms "
+                     f"(step / kernels {m['fwd_bwd_ms'] / m['kernel_sum_ms']:.3f})")
+        print(line, flush=True)
+        del layer, x, dy, params
+        torch.cuda.empty_cache()
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(out, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
