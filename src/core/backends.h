@@ -6,7 +6,6 @@
 #include "moeflow/grouped_gemm.h"
 #include "moeflow/permute.h"
 #include "moeflow/plan.h"
-#include "moeflow/router.h"
 #include "moeflow/tuning.h"
 
 #if defined(__CUDACC__)
@@ -78,11 +77,6 @@ void unpermute(TensorView y, const RoutingPlan& plan, TensorView out, TensorView
                TensorView row_vals, TensorView slot_vals);
 void unpermute_backward(TensorView dout, const RoutingPlan& plan, TensorView y_fwd,
                         TensorView probs, TensorView dy, TensorView dprobs);
-void router_forward(TensorView logits, const RouterConfig& config, const RouterOutputs& out,
-                    TensorView expert_bias);
-void router_backward(TensorView logits, TensorView topk_ids, TensorView tokens_per_expert,
-                     const RouterGrads& grads, const RouterConfig& config, TensorView dlogits);
-void router_update_expert_bias(TensorView tokens_per_expert, TensorView expert_bias, float rate);
 }  // namespace cpu
 
 namespace cuda {
@@ -109,14 +103,6 @@ void permute_tokens(TensorView x_rows, int64_t first_token, int64_t count, bool 
 void unpermute_tokens(TensorView y, const RoutingPlan& plan, int64_t first_token, int64_t count,
                       TensorView out, TensorView weights, TensorView row_vals, TensorView slot_vals,
                       cudaStream_t stream, int max_blocks = 0);
-size_t router_workspace_bytes(int64_t num_tokens, const RouterConfig& config);
-void router_forward(TensorView logits, const RouterConfig& config, const RouterOutputs& out,
-                    TensorView expert_bias, TensorView workspace, cudaStream_t stream);
-void router_backward(TensorView logits, TensorView topk_ids, TensorView tokens_per_expert,
-                     const RouterGrads& grads, const RouterConfig& config, TensorView dlogits,
-                     cudaStream_t stream);
-void router_update_expert_bias(TensorView tokens_per_expert, TensorView expert_bias, float rate,
-                               cudaStream_t stream);
 }  // namespace cuda
 
 }  // namespace moeflow

@@ -15,6 +15,7 @@
 
 #include "core/backends.h"
 #include "core/internal.h"
+#include "core/router_backend.h"
 #include "core/router_math.h"
 
 namespace moeflow::cpu {
@@ -69,24 +70,68 @@ bool is_softmax(const RouterConfig& c) {
   return c.score_function == ScoreFunction::kSoftmax;
 }
 
+bool is_pad(const TensorView& mask, int64_t t) {
+  return mask.defined() && static_cast<const uint8_t*>(mask.data)[t] != 0;
+}
+
+// cu_seqlens [S+1] (validated: 0 = cu[0] <= ... <= cu[S] = T) as int64.
+std::vector<int64_t> read_cu_seqlens(const TensorView& cu, int64_t S, int64_t T) {
+  const int32_t* v = static_cast<const int32_t*>(cu.data);
+  std::vector<int64_t> out(v, v + S + 1);
+  MOEFLOW_CHECK(out[0] == 0, "cu_seqlens[0] must be 0, got ", out[0]);
+  MOEFLOW_CHECK(out[S] == T, "cu_seqlens[S=", S, "] must be T=", T, ", got ", out[S]);
+  for (int64_t s = 0; s < S; ++s)
+    MOEFLOW_CHECK(out[s] <= out[s + 1], "cu_seqlens must be non-decreasing, got cu_seqlens[", s,
+                  "]=", out[s], " > cu_seqlens[", s + 1, "]=", out[s + 1]);
+  return out;
+}
+
+// The sequence of each token (cu validated).
+std::vector<int64_t> sequence_of_tokens(const std::vector<int64_t>& cu, int64_t T) {
+  std::vector<int64_t> seq(T);
+  for (size_t s = 0; s + 1 < cu.size(); ++s)
+    for (int64_t t = cu[s]; t < cu[s + 1]; ++t) seq[t] = static_cast<int64_t>(s);
+  return seq;
+}
+
 }  // namespace
 
-void router_forward(TensorView logits, const RouterConfig& c, const RouterOutputs& out,
-                    TensorView expert_bias) {
+void router_forward(const RouterForwardArgs& a) {
+  const TensorView logits = a.logits;
+  const RouterConfig& c = a.config;
+  const RouterOutputs& out = a.out;
   const int64_t T = logits.shape[0];
   const int E = c.num_experts, K = c.topk;
   const float* in = logits.data_ptr<float>();
-  const float* bias = expert_bias.defined() ? expert_bias.data_ptr<float>() : nullptr;
+  const float* bias = a.expert_bias.defined() ? a.expert_bias.data_ptr<float>() : nullptr;
   int32_t* ids_out = out.topk_ids.data_ptr<int32_t>();
   float* probs_out = out.probs.data_ptr<float>();
   const float scale = rm::effective_scale(c.topk_scaling_factor);
+  // Sequences: read (and checked) when an output needs them.
+  const int64_t S = a.num_sequences;
+  const bool seq = S > 0 && (c.seq_aux_loss_coeff != 0.0f || out.seq_tokens_per_expert.defined());
+  std::vector<int64_t> seq_of;
+  if (S > 0) seq_of = sequence_of_tokens(read_cu_seqlens(a.cu_seqlens, S, T), T);
+  const bool aux_scores = c.aux_loss_coeff != 0.0f || seq;
 
   std::vector<int64_t> counts(E, 0);
   std::vector<double> colsum(E, 0.0);  // sum over tokens of the aux-loss scores
+  std::vector<int64_t> seq_counts(seq ? S * E : 0, 0), seq_len(seq ? S : 0, 0);
+  std::vector<double> seq_colsum(seq ? S * E : 0, 0.0);
   double z_sum = 0.0;
   int32_t nonfinite = 0;
+  int64_t real = 0;  // tokens not masked as padding
   std::vector<float> x(E), ex(E), val(E), key(E);
+  std::vector<double> score(E);  // the aux-loss scores of the token
   for (int64_t t = 0; t < T; ++t) {
+    if (is_pad(a.padding_mask, t)) {
+      for (int k = 0; k < K; ++k) {
+        ids_out[t * K + k] = -1;
+        probs_out[t * K + k] = 0.0f;
+      }
+      continue;
+    }
+    ++real;
     // Step 1: sanitized logits, row max, non-finite count.
     bool bad = false;
     float m = -INFINITY;
@@ -131,13 +176,21 @@ void router_forward(TensorView logits, const RouterConfig& c, const RouterOutput
       ++counts[ids[k]];
     }
     // Step 4: the losses' per-token terms.
-    if (c.aux_loss_coeff != 0.0f) {
+    if (aux_scores) {
       if (is_softmax(c)) {
-        for (int e = 0; e < E; ++e) colsum[e] += static_cast<double>(ex[e]) / sum_ex;
+        for (int e = 0; e < E; ++e) score[e] = static_cast<double>(ex[e]) / sum_ex;
       } else {
         double s = 0.0;
         for (int e = 0; e < E; ++e) s += val[e];
-        for (int e = 0; e < E; ++e) colsum[e] += val[e] / (s + 1e-20);
+        for (int e = 0; e < E; ++e) score[e] = val[e] / (s + 1e-20);
+      }
+      if (c.aux_loss_coeff != 0.0f)
+        for (int e = 0; e < E; ++e) colsum[e] += score[e];
+      if (seq) {
+        const int64_t sq = seq_of[t];
+        ++seq_len[sq];
+        for (int e = 0; e < E; ++e) seq_colsum[sq * E + e] += score[e];
+        for (int k = 0; k < K; ++k) ++seq_counts[sq * E + ids[k]];
       }
     }
     if (c.z_loss_coeff != 0.0f) {
@@ -150,38 +203,100 @@ void router_forward(TensorView logits, const RouterConfig& c, const RouterOutput
     out.tokens_per_expert.data_ptr<int32_t>()[e] = static_cast<int32_t>(counts[e]);
     aux += colsum[e] * static_cast<double>(counts[e]);
   }
-  const double Td = static_cast<double>(T);
+  // T of the losses: the real tokens (= T without a padding mask).
+  const double Td = static_cast<double>(real);
   if (out.aux_loss.defined())
     out.aux_loss.data_ptr<float>()[0] =
-        T > 0 ? static_cast<float>(aux * E * c.aux_loss_coeff / (K * Td * Td)) : 0.0f;
+        real > 0 ? static_cast<float>(aux * E * c.aux_loss_coeff / (K * Td * Td)) : 0.0f;
   if (out.z_loss.defined())
     out.z_loss.data_ptr<float>()[0] =
-        T > 0 ? static_cast<float>(c.z_loss_coeff * z_sum / Td) : 0.0f;
+        real > 0 ? static_cast<float>(c.z_loss_coeff * z_sum / Td) : 0.0f;
   if (out.nonfinite.defined()) out.nonfinite.data_ptr<int32_t>()[0] = nonfinite;
+  double seq_aux = 0.0;
+  if (seq) {
+    for (int64_t sq = 0; sq < S; ++sq) {
+      double dot = 0.0;
+      for (int e = 0; e < E; ++e) {
+        out.seq_tokens_per_expert.data_ptr<int32_t>()[sq * E + e] =
+            static_cast<int32_t>(seq_counts[sq * E + e]);
+        dot += seq_colsum[sq * E + e] * static_cast<double>(seq_counts[sq * E + e]);
+      }
+      const double L = static_cast<double>(seq_len[sq]);
+      if (seq_len[sq] > 0) seq_aux += dot * E * c.seq_aux_loss_coeff / (K * L * L);
+    }
+    seq_aux /= static_cast<double>(S);
+  }
+  if (out.seq_aux_loss.defined())
+    out.seq_aux_loss.data_ptr<float>()[0] = static_cast<float>(seq_aux);
+  if (out.invalid_cu_seqlens.defined()) out.invalid_cu_seqlens.data_ptr<int32_t>()[0] = 0;
 }
 
-void router_backward(TensorView logits, TensorView topk_ids, TensorView tokens_per_expert,
-                     const RouterGrads& grads, const RouterConfig& c, TensorView dlogits) {
+void router_backward(const RouterBackwardArgs& a) {
+  const RouterConfig& c = a.config;
+  const RouterGrads& grads = a.grads;
+  const TensorView logits = a.logits;
   const int64_t T = logits.shape[0];
   const int E = c.num_experts, K = c.topk;
   const float* in = logits.data_ptr<float>();
-  const int32_t* ids = topk_ids.data_ptr<int32_t>();
+  const int32_t* ids = a.topk_ids.data_ptr<int32_t>();
   const float* dprobs = grads.dprobs.data_ptr<float>();
-  float* dl_out = dlogits.data_ptr<float>();
+  float* dl_out = a.dlogits.data_ptr<float>();
   const double scale = rm::effective_scale(c.topk_scaling_factor);
-  const double Td = static_cast<double>(T);
+  // T of the losses: with a padding mask, the real tokens = sum(tokens_per_expert) / K.
+  int64_t real = T;
+  if (a.padding_mask.defined()) {
+    real = 0;
+    if (a.tokens_per_expert.defined()) {
+      for (int e = 0; e < E; ++e) real += a.tokens_per_expert.data_ptr<int32_t>()[e];
+      real /= K;
+    }
+  }
+  const double Td = static_cast<double>(real);
   // d(loss)/d(s[t,e]) of the aux loss is w[e] for every t; d(z_loss)/d(lse_t^2) is zc.
   const double g_aux = grads.daux_loss.defined() ? grads.daux_loss.data_ptr<float>()[0] : 0.0;
   const double g_z = grads.dz_loss.defined() ? grads.dz_loss.data_ptr<float>()[0] : 0.0;
   std::vector<double> w(E, 0.0);
-  if (c.aux_loss_coeff != 0.0f && T > 0)
+  if (c.aux_loss_coeff != 0.0f && real > 0)
     for (int e = 0; e < E; ++e)
       w[e] =
-          g_aux * E * c.aux_loss_coeff / (K * Td * Td) * tokens_per_expert.data_ptr<int32_t>()[e];
-  const double zc = (c.z_loss_coeff != 0.0f && T > 0) ? g_z * c.z_loss_coeff / Td : 0.0;
+          g_aux * E * c.aux_loss_coeff / (K * Td * Td) * a.tokens_per_expert.data_ptr<int32_t>()[e];
+  const double zc = (c.z_loss_coeff != 0.0f && real > 0) ? g_z * c.z_loss_coeff / Td : 0.0;
+  // Sequence aux loss: d/d(s[t,e]) = ws[seq(t), e] = g * E * coeff / (K * S * L_s^2) * c[s,e],
+  // L_s = sum_e c[s,e] / K.
+  const int64_t S = a.num_sequences;
+  const bool seq = S > 0 && c.seq_aux_loss_coeff != 0.0f;
+  std::vector<int64_t> seq_of;
+  std::vector<double> ws;
+  if (seq) {
+    seq_of = sequence_of_tokens(read_cu_seqlens(a.cu_seqlens, S, T), T);
+    const double g_seq =
+        grads.dseq_aux_loss.defined() ? grads.dseq_aux_loss.data_ptr<float>()[0] : 0.0;
+    const int32_t* sc = a.seq_tokens_per_expert.data_ptr<int32_t>();
+    ws.assign(S * E, 0.0);
+    for (int64_t sq = 0; sq < S; ++sq) {
+      int64_t n = 0;
+      for (int e = 0; e < E; ++e) n += sc[sq * E + e];
+      const double L = static_cast<double>(n / K);
+      if (n / K == 0) continue;
+      for (int e = 0; e < E; ++e)
+        ws[sq * E + e] = g_seq * E * c.seq_aux_loss_coeff / (K * L * L) / static_cast<double>(S) *
+                         sc[sq * E + e];
+    }
+  }
 
-  std::vector<double> x(E), soft(E), sig(E), dl(E), dval(E);
+  std::vector<double> x(E), soft(E), sig(E), dl(E), dval(E), wt(E);
   for (int64_t t = 0; t < T; ++t) {
+    if (is_pad(a.padding_mask, t)) {
+      for (int e = 0; e < E; ++e) dl_out[t * E + e] = 0.0f;
+      continue;
+    }
+    // The loss weights of the token's scores: aux (+ its sequence's).
+    const std::vector<double>* wp = &w;
+    if (seq) {
+      for (int e = 0; e < E; ++e) wt[e] = w[e] + ws[seq_of[t] * E + e];
+      wp = &wt;
+    }
+    const std::vector<double>& wv = *wp;
     // Forward quantities of the token, in double.
     double m = -INFINITY;
     for (int e = 0; e < E; ++e) {
@@ -227,16 +342,16 @@ void router_backward(TensorView logits, TensorView topk_ids, TensorView tokens_p
     } else {
       if (valid(0)) dval[tid[0]] += scale * g[0];
     }
-    // Aux loss: s = softmax (softmax) or sigmoid / (sum + 1e-20) (sigmoid).
+    // Aux losses: s = softmax (softmax) or sigmoid / (sum + 1e-20) (sigmoid).
     if (is_softmax(c)) {
       double dot = 0.0;
-      for (int e = 0; e < E; ++e) dot += soft[e] * w[e];
-      for (int e = 0; e < E; ++e) dl[e] += soft[e] * (w[e] - dot);
+      for (int e = 0; e < E; ++e) dot += soft[e] * wv[e];
+      for (int e = 0; e < E; ++e) dl[e] += soft[e] * (wv[e] - dot);
     } else {
       const double D = sum_sig + 1e-20;
       double dot = 0.0;
-      for (int e = 0; e < E; ++e) dot += sig[e] / D * w[e];
-      for (int e = 0; e < E; ++e) dval[e] += (w[e] - dot) / D;
+      for (int e = 0; e < E; ++e) dot += sig[e] / D * wv[e];
+      for (int e = 0; e < E; ++e) dval[e] += (wv[e] - dot) / D;
     }
     // Scores -> logits (full softmax or sigmoid).
     if (is_softmax(c)) {
@@ -267,6 +382,41 @@ void router_update_expert_bias(TensorView tokens_per_expert, TensorView expert_b
     const float sign = off > 0 ? 1.0f : (off < 0 ? -1.0f : 0.0f);
     bias[e] = bias[e] + rate * sign;
   }
+}
+
+// Each expert's valid slots in the policy's order (kProbs: prob descending by
+// rank order, equal bits by slot index; kPosition: slot index), the first
+// `capacity` kept.
+void router_apply_capacity(const RouterCapacityArgs& a) {
+  const int64_t T = a.topk_ids.shape[0], K = a.topk_ids.shape[1];
+  const int E = a.config.num_experts;
+  const int32_t* ids = a.topk_ids.data_ptr<int32_t>();
+  const float* probs = a.probs.defined() ? a.probs.data_ptr<float>() : nullptr;
+  std::vector<int32_t> kept(ids, ids + T * K);  // topk_ids may alias kept_ids
+  for (int64_t i = 0; i < T * K; ++i)
+    MOEFLOW_CHECK(kept[i] >= -1 && kept[i] < E, "topk_ids must be in [-1, num_experts=", E,
+                  "), got ", kept[i], " at slot ", i);
+  int64_t dropped = 0;
+  if (a.capacity < T) {
+    std::vector<std::vector<int64_t>> slots(E);
+    for (int64_t i = 0; i < T * K; ++i)
+      if (kept[i] >= 0) slots[kept[i]].push_back(i);
+    for (int e = 0; e < E; ++e) {
+      std::vector<int64_t>& v = slots[e];
+      if (static_cast<int64_t>(v.size()) <= a.capacity) continue;
+      if (a.config.drop_policy == DropPolicy::kProbs)
+        std::stable_sort(v.begin(), v.end(), [&](int64_t x, int64_t y) {
+          // rank_key's high word orders the probs; the id part is equal here.
+          return (rm::rank_key(probs[x], 0) >> 32) > (rm::rank_key(probs[y], 0) >> 32);
+        });
+      for (size_t j = static_cast<size_t>(a.capacity); j < v.size(); ++j) {
+        kept[v[j]] = -1;
+        ++dropped;
+      }
+    }
+  }
+  std::copy(kept.begin(), kept.end(), a.kept_ids.data_ptr<int32_t>());
+  if (a.dropped.defined()) a.dropped.data_ptr<int32_t>()[0] = static_cast<int32_t>(dropped);
 }
 
 }  // namespace moeflow::cpu

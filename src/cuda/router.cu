@@ -1,5 +1,5 @@
-// CUDA router: forward (selection, probabilities, counts, losses) and
-// backward, and the expert-bias update.
+// CUDA router forward (selection, probabilities, counts, losses) and the
+// expert-bias update.
 //
 // Forward, two kernels:
 //   route_kernel:    one warp per token; the token's scores and routing
@@ -13,23 +13,34 @@
 //                    owns a fixed range of tokens and writes its per-expert
 //                    partial counts and aux-loss column sums (warps combined in
 //                    warp order) and its z-loss and non-finite partials.
+//   (seq_aux_loss: the per-sequence stage of router_seq.cu runs here.)
 //   finalize_kernel: one block sums the block partials in block order:
-//                    tokens_per_expert, aux_loss, z_loss, nonfinite.
-// Backward: one warp per token recomputes the token's forward quantities and
-// writes its dlogits row (no shared state between tokens).
+//                    tokens_per_expert, aux_loss, z_loss, nonfinite, and the
+//                    sequences' loss terms in sequence order: seq_aux_loss.
+// Padding tokens (padding_mask) get ids -1 and probs 0 and are skipped
+// everywhere; with a mask the losses' token count is sum(counts) / K, read on
+// the device.
+// Backward: router_backward.cu.
 // The scores use core/router_math.h, which the CPU reference shares, so both
 // backends choose the same experts. No host sync, no allocation, no float
 // atomics; sizes come from shapes (graph safe).
 #include <cmath>
 
 #include "core/backends.h"
+#include "core/router_backend.h"
 #include "core/router_math.h"
 #include "cuda/common.cuh"
+#include "cuda/router_common.cuh"
 
 namespace moeflow::cuda {
 namespace {
 
 namespace rm = router_math;
+using router_detail::aux_factor_of;
+using router_detail::warp_max;
+using router_detail::warp_max_u64;
+using router_detail::warp_sum;
+using router_detail::z_factor_of;
 
 constexpr int kMaxWarps = 8;
 constexpr int kTokensPerWarp = 8;  // tokens a warp handles in route_kernel
@@ -37,28 +48,10 @@ constexpr int kFinalThreads = 256;
 constexpr size_t kSharedBudget = 40 << 10;  // dynamic shared memory of route_kernel
 constexpr size_t kAlign = 256;
 
-__device__ __forceinline__ float warp_sum(float v) {
-#pragma unroll
-  for (int m = kWarpSize / 2; m >= 1; m /= 2) v = v + __shfl_xor_sync(0xffffffffu, v, m);
-  return v;
-}
-__device__ __forceinline__ float warp_max(float v) {
-#pragma unroll
-  for (int m = kWarpSize / 2; m >= 1; m /= 2) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, m));
-  return v;
-}
-__device__ __forceinline__ uint64_t warp_max_u64(uint64_t v) {
-#pragma unroll
-  for (int m = kWarpSize / 2; m >= 1; m /= 2) {
-    const uint64_t o = __shfl_xor_sync(0xffffffffu, v, m);
-    v = o > v ? o : v;
-  }
-  return v;
-}
-
 struct RouteParams {
   const float* logits;
-  const float* bias;  // [E] or null
+  const float* bias;    // [E] or null
+  const uint8_t* mask;  // [T] or null: nonzero = padding token
   int32_t* ids;
   float* probs;
   int64_t num_tokens;
@@ -94,6 +87,8 @@ struct Workspace {
   int32_t* part_count;
   float* part_z;
   int32_t* part_nonfinite;
+  float* seq_loss;  // [S] (seq_aux_loss only)
+  void* seq;        // router_detail::seq_aux_workspace_bytes (seq_aux_loss only)
   size_t bytes;
 };
 
@@ -101,7 +96,8 @@ size_t align_up(size_t v) {
   return (v + kAlign - 1) / kAlign * kAlign;
 }
 
-Workspace carve(void* base, int64_t blocks, int E) {
+// S: sequences of the seq_aux_loss stage (0: none).
+Workspace carve(void* base, int64_t blocks, int E, int64_t T = 0, int64_t S = 0) {
   auto* p = static_cast<uint8_t*>(base);
   Workspace w{};
   size_t off = 0;
@@ -113,6 +109,12 @@ Workspace carve(void* base, int64_t blocks, int E) {
   off = align_up(off + sizeof(float) * blocks);
   w.part_nonfinite = reinterpret_cast<int32_t*>(p + off);
   off = align_up(off + sizeof(int32_t) * blocks);
+  if (S > 0) {
+    w.seq_loss = reinterpret_cast<float*>(p + off);
+    off = align_up(off + sizeof(float) * S);
+    w.seq = p + off;
+    off = align_up(off + router_detail::seq_aux_workspace_bytes(T, E, S));
+  }
   w.bytes = off;
   return w;
 }
@@ -146,6 +148,13 @@ __global__ void route_kernel(RouteParams p) {
   for (int i = 0; i < kTokensPerWarp; ++i) {
     const int64_t t = t0 + warp + int64_t{i} * warps;
     if (t >= p.num_tokens) break;
+    if (p.mask && p.mask[t]) {  // padding: not routed (warp-uniform)
+      for (int j = lane; j < K; j += kWarpSize) {
+        p.ids[t * K + j] = -1;
+        p.probs[t * K + j] = 0.0f;
+      }
+      continue;
+    }
     const float* row = p.logits + t * E;
 
     // Step 1: sanitized logits, row max, non-finite flag.
@@ -300,12 +309,27 @@ struct FinalizeParams {
   int32_t* nonfinite;  // or null
   float aux_factor;    // E * coeff / (K * T * T), 0 when not computed
   float z_factor;      // coeff / T, 0 when not computed
+  // Padding mask: T = sum(tokens_per_expert) / K on the device, the factors
+  // computed here from the coefficients.
+  bool masked;
+  int topk;
+  float aux_coeff, z_coeff;
+  // seq_aux_loss: the sequences' loss terms [S] (or null) and the output.
+  const float* seq_loss;
+  int64_t num_sequences;
+  float* seq_aux_loss;  // or null
+  // cu_seqlens [S+1] check (or null).
+  const int32_t* cu;
+  int64_t num_tokens;
+  int32_t* invalid_cu;
 };
 
 __global__ void __launch_bounds__(kFinalThreads) finalize_kernel(FinalizeParams p) {
   __shared__ float red[kFinalThreads];
+  __shared__ long long red_n[kFinalThreads];
   const int E = p.num_experts;
   float acc = 0.0f;
+  long long total = 0;
   for (int e = threadIdx.x; e < E; e += kFinalThreads) {
     float c = 0.0f;
     int32_t n = 0;
@@ -315,13 +339,19 @@ __global__ void __launch_bounds__(kFinalThreads) finalize_kernel(FinalizeParams 
     }
     p.tokens_per_expert[e] = n;
     acc = acc + c * static_cast<float>(n);
+    total += n;
   }
   red[threadIdx.x] = acc;
+  red_n[threadIdx.x] = total;
   __syncthreads();
   for (int half = kFinalThreads / 2; half >= 1; half /= 2) {
-    if (threadIdx.x < half) red[threadIdx.x] = red[threadIdx.x] + red[threadIdx.x + half];
+    if (threadIdx.x < half) {
+      red[threadIdx.x] = red[threadIdx.x] + red[threadIdx.x + half];
+      red_n[threadIdx.x] += red_n[threadIdx.x + half];
+    }
     __syncthreads();
   }
+  const float aux_sum = red[0];
   if (threadIdx.x == 0) {
     float z = 0.0f;
     int32_t bad = 0;
@@ -329,120 +359,40 @@ __global__ void __launch_bounds__(kFinalThreads) finalize_kernel(FinalizeParams 
       z = z + p.part_z[b];
       bad += p.part_nonfinite[b];
     }
-    if (p.aux_loss) *p.aux_loss = p.aux_factor != 0.0f ? red[0] * p.aux_factor : 0.0f;
-    if (p.z_loss) *p.z_loss = p.z_factor != 0.0f ? z * p.z_factor : 0.0f;
+    float aux_factor = p.aux_factor, z_factor = p.z_factor;
+    if (p.masked) {  // the real tokens
+      const int64_t real = red_n[0] / p.topk;
+      aux_factor = p.aux_coeff != 0.0f ? aux_factor_of(E, p.topk, p.aux_coeff, real) : 0.0f;
+      z_factor = p.z_coeff != 0.0f ? z_factor_of(p.z_coeff, real) : 0.0f;
+    }
+    if (p.aux_loss) *p.aux_loss = aux_factor != 0.0f ? aux_sum * aux_factor : 0.0f;
+    if (p.z_loss) *p.z_loss = z_factor != 0.0f ? z * z_factor : 0.0f;
     if (p.nonfinite) *p.nonfinite = bad;
   }
-}
-
-struct BackwardParams {
-  const float* logits;
-  const int32_t* ids;
-  const int32_t* counts;  // or null
-  const float* dprobs;
-  const float* daux;  // or null
-  const float* dz;    // or null
-  float* dlogits;
-  int64_t num_tokens;
-  int num_experts, topk;
-  bool softmax, pre_softmax;
-  float scale;
-  float aux_factor;  // E * coeff / (K * T * T), 0 when off
-  float z_factor;    // coeff / T, 0 when off
-};
-
-__global__ void __launch_bounds__(kMaxWarps* kWarpSize) backward_kernel(BackwardParams p) {
-  const int lane = threadIdx.x % kWarpSize;
-  const int64_t t = int64_t{blockIdx.x} * kMaxWarps + threadIdx.x / kWarpSize;
-  if (t >= p.num_tokens) return;
-  const int E = p.num_experts, K = p.topk;
-  const float* row = p.logits + t * E;
-  const int32_t* ids = p.ids + t * K;
-  const float* g = p.dprobs + t * K;
-  const float g_aux = p.daux && p.aux_factor != 0.0f ? *p.daux * p.aux_factor : 0.0f;
-  const float g_z = p.dz && p.z_factor != 0.0f ? *p.dz * p.z_factor : 0.0f;
-  auto valid = [&](int j) { return ids[j] >= 0 && ids[j] < E; };
-  auto w_of = [&](int e) { return g_aux != 0.0f ? g_aux * static_cast<float>(p.counts[e]) : 0.0f; };
-
-  // Step 1: row max, softmax denominator, sigmoid sum.
-  float m = -INFINITY;
-  for (int e = lane; e < E; e += kWarpSize) m = fmaxf(m, rm::sanitize(row[e]));
-  m = warp_max(m);
-  float ex_part = 0.0f, sig_part = 0.0f;
-  for (int e = lane; e < E; e += kWarpSize) {
-    const float x = rm::sanitize(row[e]);
-    ex_part += expf(x - m);
-    sig_part += 1.0f / (1.0f + expf(-x));
-  }
-  const float sum_ex = warp_sum(ex_part);
-  const float sig_d = warp_sum(sig_part) + rm::kRenormEps;
-
-  // Step 2: the slot terms' dot products.
-  //   softmax:     mk, sk: softmax over the chosen logits; dot = sum p~ g
-  //   pre_softmax: dot = sum_j soft[id_j] * scale * g_j   (= <soft, dS>)
-  //   sigmoid:     sk = sum of chosen sigmoids + eps; dot = sum p~ g
-  float mk = -INFINITY;
-  for (int j = lane; j < K; j += kWarpSize)
-    if (valid(j)) mk = fmaxf(mk, rm::sanitize(row[ids[j]]));
-  mk = warp_max(mk);
-  float sk_part = 0.0f;
-  for (int j = lane; j < K; j += kWarpSize) {
-    if (!valid(j)) continue;
-    const float x = rm::sanitize(row[ids[j]]);
-    sk_part += p.softmax ? expf(x - mk) : 1.0f / (1.0f + expf(-x));
-  }
-  const float sk = warp_sum(sk_part) + (p.softmax ? 0.0f : rm::kRenormEps);
-  float dot_part = 0.0f;
-  for (int j = lane; j < K; j += kWarpSize) {
-    if (!valid(j)) continue;
-    const float x = rm::sanitize(row[ids[j]]);
-    float q;
-    if (p.softmax)
-      q = p.pre_softmax ? expf(x - m) / sum_ex * p.scale : expf(x - mk) / sk;
-    else
-      q = (1.0f / (1.0f + expf(-x))) / sk;
-    dot_part += q * g[j];
-  }
-  const float dot = warp_sum(dot_part);
-
-  // Step 3: the aux loss's dot product <s, w>.
-  float adot_part = 0.0f;
-  if (g_aux != 0.0f)
-    for (int e = lane; e < E; e += kWarpSize) {
-      const float x = rm::sanitize(row[e]);
-      const float s = p.softmax ? expf(x - m) / sum_ex : (1.0f / (1.0f + expf(-x))) / sig_d;
-      adot_part += s * w_of(e);
+  // The sequences' loss terms, strided per thread then a tree: fixed order.
+  if (p.seq_aux_loss) {
+    __syncthreads();
+    float s = 0.0f;
+    if (p.seq_loss)
+      for (int64_t i = threadIdx.x; i < p.num_sequences; i += kFinalThreads) s = s + p.seq_loss[i];
+    red[threadIdx.x] = s;
+    __syncthreads();
+    for (int half = kFinalThreads / 2; half >= 1; half /= 2) {
+      if (threadIdx.x < half) red[threadIdx.x] = red[threadIdx.x] + red[threadIdx.x + half];
+      __syncthreads();
     }
-  const float adot = warp_sum(adot_part);
-  const float lse = isinf(m) ? m : m + logf(sum_ex);
-
-  // Step 4: each lane's experts.
-  for (int e = lane; e < E; e += kWarpSize) {
-    const float x = rm::sanitize(row[e]);
-    const float soft = expf(x - m) / sum_ex;
-    const float sig = 1.0f / (1.0f + expf(-x));
-    float d_slot = 0.0f;  // sum of g_j over the slots that chose e
-    bool chosen = false;
-    for (int j = 0; j < K; ++j) {
-      if (ids[j] != e) continue;
-      d_slot += g[j];
-      chosen = true;
+    if (threadIdx.x == 0) *p.seq_aux_loss = red[0];
+  }
+  // cu_seqlens: 0 = cu[0] <= cu[1] <= ... <= cu[S] = T.
+  if (p.invalid_cu) {
+    bool bad = false;
+    if (p.cu) {
+      for (int64_t i = threadIdx.x; i < p.num_sequences; i += kFinalThreads)
+        bad |= p.cu[i] > p.cu[i + 1];
+      if (threadIdx.x == 0) bad |= p.cu[0] != 0 || p.cu[p.num_sequences] != p.num_tokens;
     }
-    float dl = 0.0f;
-    if (p.softmax) {
-      if (p.pre_softmax)
-        dl += soft * (p.scale * d_slot - dot);
-      else if (chosen)
-        dl += p.scale * (expf(x - mk) / sk) * (d_slot - dot);
-      if (g_aux != 0.0f) dl += soft * (w_of(e) - adot);
-    } else {
-      float dsig = 0.0f;
-      if (chosen) dsig = K > 1 ? p.scale * (d_slot - dot) / sk : p.scale * d_slot;
-      if (g_aux != 0.0f) dsig += (w_of(e) - adot) / sig_d;
-      dl += dsig * sig * (1.0f - sig);
-    }
-    if (g_z != 0.0f) dl += g_z * 2.0f * lse * soft;
-    p.dlogits[t * E + e] = dl;
+    bad = __syncthreads_or(bad);
+    if (threadIdx.x == 0) *p.invalid_cu = bad ? 1 : 0;
   }
 }
 
@@ -464,36 +414,33 @@ __global__ void update_bias_kernel(const int32_t* counts, float* bias, int E, fl
   }
 }
 
-// d(aux_loss) / d(sum_t s[t,e] * count[e]) and d(z_loss) / d(lse_t^2); 0 when off.
-float aux_factor(const RouterConfig& c, int64_t T) {
-  const double Td = static_cast<double>(T);
-  return T > 0 ? static_cast<float>(static_cast<double>(c.num_experts) * c.aux_loss_coeff /
-                                    (c.topk * Td * Td))
-               : 0.0f;
-}
-float z_factor(const RouterConfig& c, int64_t T) {
-  return T > 0 ? static_cast<float>(c.z_loss_coeff / static_cast<double>(T)) : 0.0f;
-}
-
 }  // namespace
 
-size_t router_workspace_bytes(int64_t num_tokens, const RouterConfig& c) {
+size_t router_workspace_bytes(int64_t num_tokens, const RouterConfig& c, int64_t num_sequences) {
   const int warps = route_warps(c.num_experts, c.num_groups);
-  return carve(nullptr, route_blocks(num_tokens, warps), c.num_experts).bytes;
+  return carve(nullptr, route_blocks(num_tokens, warps), c.num_experts, num_tokens, num_sequences)
+      .bytes;
 }
 
-void router_forward(TensorView logits, const RouterConfig& c, const RouterOutputs& out,
-                    TensorView expert_bias, TensorView workspace, cudaStream_t stream) {
-  const int64_t T = logits.shape[0];
+void router_forward(const RouterForwardArgs& a, cudaStream_t stream) {
+  const RouterConfig& c = a.config;
+  const RouterOutputs& out = a.out;
+  const int64_t T = a.logits.shape[0];
   const int E = c.num_experts, K = c.topk;
   const int warps = route_warps(E, c.num_groups);
   const int64_t blocks = route_blocks(T, warps);
-  const Workspace ws = carve(workspace.data, blocks, E);
+  // The sequence stage runs when its outputs are wanted (S from cu_seqlens).
+  const bool seq = a.num_sequences > 0 && out.seq_tokens_per_expert.defined();
+  const int64_t S = seq ? a.num_sequences : 0;
+  const Workspace ws = carve(a.workspace.data, blocks, E, T, S);
   const bool softmax = c.score_function == ScoreFunction::kSoftmax;
+  const uint8_t* mask =
+      a.padding_mask.defined() ? static_cast<const uint8_t*>(a.padding_mask.data) : nullptr;
   if (blocks > 0) {
     RouteParams p{};
-    p.logits = logits.data_ptr<float>();
-    p.bias = expert_bias.defined() ? expert_bias.data_ptr<float>() : nullptr;
+    p.logits = a.logits.data_ptr<float>();
+    p.bias = a.expert_bias.defined() ? a.expert_bias.data_ptr<float>() : nullptr;
+    p.mask = mask;
     p.ids = out.topk_ids.data_ptr<int32_t>();
     p.probs = out.probs.data_ptr<float>();
     p.num_tokens = T;
@@ -519,6 +466,23 @@ void router_forward(TensorView logits, const RouterConfig& c, const RouterOutput
     route_kernel<<<static_cast<unsigned>(blocks), warps * kWarpSize, shared, stream>>>(p);
     MOEFLOW_CUDA_LAUNCH_CHECK();
   }
+  if (seq) {
+    router_detail::SeqAuxParams sp{};
+    sp.logits = a.logits.data_ptr<float>();
+    sp.ids = out.topk_ids.data_ptr<int32_t>();
+    sp.mask = mask;
+    sp.cu = a.cu_seqlens.data_ptr<int32_t>();
+    sp.num_tokens = T;
+    sp.num_sequences = S;
+    sp.num_experts = E;
+    sp.topk = K;
+    sp.softmax = softmax;
+    sp.coeff = c.seq_aux_loss_coeff;
+    sp.seq_counts = out.seq_tokens_per_expert.data_ptr<int32_t>();
+    sp.seq_loss = ws.seq_loss;
+    sp.workspace = ws.seq;
+    router_detail::seq_aux_forward(sp, stream);
+  }
   FinalizeParams f{};
   f.part_colsum = ws.part_colsum;
   f.part_count = ws.part_count;
@@ -530,36 +494,20 @@ void router_forward(TensorView logits, const RouterConfig& c, const RouterOutput
   f.aux_loss = out.aux_loss.defined() ? out.aux_loss.data_ptr<float>() : nullptr;
   f.z_loss = out.z_loss.defined() ? out.z_loss.data_ptr<float>() : nullptr;
   f.nonfinite = out.nonfinite.defined() ? out.nonfinite.data_ptr<int32_t>() : nullptr;
-  f.aux_factor = aux_factor(c, T);
-  f.z_factor = z_factor(c, T);
+  f.aux_factor = aux_factor_of(E, K, c.aux_loss_coeff, T);
+  f.z_factor = z_factor_of(c.z_loss_coeff, T);
+  f.masked = mask != nullptr;
+  f.topk = K;
+  f.aux_coeff = c.aux_loss_coeff;
+  f.z_coeff = c.z_loss_coeff;
+  f.seq_loss = seq ? ws.seq_loss : nullptr;
+  f.num_sequences = a.num_sequences;
+  f.seq_aux_loss = out.seq_aux_loss.defined() ? out.seq_aux_loss.data_ptr<float>() : nullptr;
+  f.cu = a.cu_seqlens.defined() ? a.cu_seqlens.data_ptr<int32_t>() : nullptr;
+  f.num_tokens = T;
+  f.invalid_cu =
+      out.invalid_cu_seqlens.defined() ? out.invalid_cu_seqlens.data_ptr<int32_t>() : nullptr;
   finalize_kernel<<<1, kFinalThreads, 0, stream>>>(f);
-  MOEFLOW_CUDA_LAUNCH_CHECK();
-}
-
-void router_backward(TensorView logits, TensorView topk_ids, TensorView tokens_per_expert,
-                     const RouterGrads& grads, const RouterConfig& c, TensorView dlogits,
-                     cudaStream_t stream) {
-  const int64_t T = logits.shape[0];
-  if (T == 0) return;
-  BackwardParams p{};
-  p.logits = logits.data_ptr<float>();
-  p.ids = topk_ids.data_ptr<int32_t>();
-  p.counts = tokens_per_expert.defined() ? tokens_per_expert.data_ptr<int32_t>() : nullptr;
-  p.dprobs = grads.dprobs.data_ptr<float>();
-  p.daux = grads.daux_loss.defined() ? grads.daux_loss.data_ptr<float>() : nullptr;
-  p.dz = grads.dz_loss.defined() ? grads.dz_loss.data_ptr<float>() : nullptr;
-  p.dlogits = dlogits.data_ptr<float>();
-  p.num_tokens = T;
-  p.num_experts = c.num_experts;
-  p.topk = c.topk;
-  p.softmax = c.score_function == ScoreFunction::kSoftmax;
-  p.pre_softmax = c.pre_softmax;
-  p.scale = rm::effective_scale(c.topk_scaling_factor);
-  p.aux_factor = p.counts ? aux_factor(c, T) : 0.0f;
-  p.z_factor = z_factor(c, T);
-  const int64_t blocks = ceil_div(T, kMaxWarps);
-  MOEFLOW_CHECK(blocks <= 0x7FFFFFFF, "router: too many tokens (", T, ")");
-  backward_kernel<<<static_cast<unsigned>(blocks), kMaxWarps * kWarpSize, 0, stream>>>(p);
   MOEFLOW_CUDA_LAUNCH_CHECK();
 }
 
