@@ -22,8 +22,12 @@ Options follow Megatron-Core's config (the names in brackets):
 (moe_router_num_groups / moe_router_group_topk), ``topk_scaling_factor``
 (moe_router_topk_scaling_factor), ``use_expert_bias``
 (moe_router_enable_expert_bias), ``expert_bias_update_rate``
-(moe_router_bias_update_rate), ``aux_loss_coeff`` / ``z_loss_coeff``
-(moe_aux_loss_coeff / moe_z_loss_coeff), ``ffn_hidden_size``
+(moe_router_bias_update_rate), ``load_balancing_type``
+(moe_router_load_balancing_type), ``aux_loss_coeff`` / ``z_loss_coeff``
+(moe_aux_loss_coeff / moe_z_loss_coeff), ``capacity_factor``
+(moe_expert_capacity_factor), ``token_drop_policy``
+(moe_token_drop_policy), ``shared_expert_ffn_hidden_size``
+(moe_shared_expert_intermediate_size), ``ffn_hidden_size``
 (moe_ffn_hidden_size), ``gradient_accumulation_fusion``.
 """
 from __future__ import annotations
@@ -157,6 +161,19 @@ class MoELayer(torch.nn.Module):
     ``activation_offset``, "gelu", "relu", "squared_relu"), with
     ``glu_interleave`` for the gated ones.
 
+    Load balancing (Megatron's moe_router_load_balancing_type and
+    moe_aux_loss_coeff): ``load_balancing_type`` "aux_loss" (the switch
+    loss over the batch), "seq_aux_loss" (the same per sequence, averaged:
+    see ``forward``'s ``cu_seqlens``), "none", or a list of them with a list
+    of coefficients.
+
+    Expert capacity (``capacity_factor``, Megatron's
+    moe_expert_capacity_factor): each expert takes at most
+    ceil(T * topk / E * capacity_factor) slots, keeping those of highest
+    prob (``token_drop_policy`` "probs") or the first in token order
+    ("position"); the dropped slots' count is in ``last_dropped`` ([1]
+    int32). None (the default): nothing is dropped.
+
     Auxiliary losses (``aux_loss_coeff`` / ``z_loss_coeff`` > 0): computed by
     the router when the layer is training and autograd is on (as in
     Megatron-Core, so a no-grad first pass of activation checkpointing adds
@@ -164,7 +181,8 @@ class MoELayer(torch.nn.Module):
     :class:`MoEAuxLossAutoScaler`: ``out.backward()`` includes their
     gradients, times the loss scale (``set_loss_scale``, default 1.0).
     Their values, coefficients included, are kept detached on the device in
-    ``last_losses`` ({"aux_loss": t, "z_loss": t}, the ones computed).
+    ``last_losses`` ({"aux_loss": t, "seq_aux_loss": t, "z_loss": t}, the
+    ones computed).
 
     Expert bias (``use_expert_bias``, sigmoid scoring only): a float32 [E]
     buffer ``expert_bias`` added to the scores for the expert choice only
@@ -226,8 +244,11 @@ class MoELayer(torch.nn.Module):
                  activation_offset: float = 1.0, score_function: str = "softmax",
                  pre_softmax: bool = False, num_groups: int = 0, group_topk: int = 0,
                  topk_scaling_factor: Optional[float] = None, use_expert_bias: bool = False,
-                 expert_bias_update_rate: float = 1e-3, aux_loss_coeff: float = 0.0,
-                 z_loss_coeff: float = 0.0, align: int = 16,
+                 expert_bias_update_rate: float = 1e-3,
+                 load_balancing_type: Union[str, List[str]] = "aux_loss",
+                 aux_loss_coeff: Union[float, List[float]] = 0.0, z_loss_coeff: float = 0.0,
+                 capacity_factor: Optional[float] = None, token_drop_policy: str = "probs",
+                 align: int = 16,
                  shared_expert_ffn_hidden_size: int = 0, shared_expert_gate: bool = False,
                  shared_expert_overlap: bool = True, recompute_activation: bool = True,
                  delay_wgrad_compute: bool = False,
@@ -267,7 +288,31 @@ class MoELayer(torch.nn.Module):
         self.topk_scaling_factor = topk_scaling_factor
         self.use_expert_bias = bool(use_expert_bias)
         self.expert_bias_update_rate = float(expert_bias_update_rate)
-        self.aux_loss_coeff, self.z_loss_coeff = float(aux_loss_coeff), float(z_loss_coeff)
+        types = [load_balancing_type] if isinstance(load_balancing_type, str) \
+            else list(load_balancing_type)
+        coeffs = list(aux_loss_coeff) if isinstance(aux_loss_coeff, (list, tuple)) \
+            else [aux_loss_coeff] * len(types)
+        if len(coeffs) != len(types) or not types:
+            raise ValueError(f"aux_loss_coeff must be a float or a list as long as "
+                             f"load_balancing_type ({types}), got {aux_loss_coeff}")
+        coeff = {"aux_loss": 0.0, "seq_aux_loss": 0.0}
+        for t, c in zip(types, coeffs):
+            if t not in ("aux_loss", "seq_aux_loss", "none"):
+                raise ValueError(f"load_balancing_type must be 'aux_loss', 'seq_aux_loss' or "
+                                 f"'none' (or a list of them), got {t!r}")
+            if t != "none":
+                coeff[t] = float(c)
+        self.load_balancing_type = types
+        self.aux_loss_coeff, self.seq_aux_loss_coeff = coeff["aux_loss"], coeff["seq_aux_loss"]
+        self.z_loss_coeff = float(z_loss_coeff)
+        if capacity_factor is not None and not capacity_factor > 0:
+            raise ValueError(f"capacity_factor must be > 0 (or None: no dropping), got "
+                             f"{capacity_factor}")
+        if token_drop_policy not in ("probs", "position"):
+            raise ValueError(f"token_drop_policy must be 'probs' or 'position', got "
+                             f"{token_drop_policy!r}")
+        self.capacity_factor = None if capacity_factor is None else float(capacity_factor)
+        self.token_drop_policy = token_drop_policy
         self.align = int(align)
         self.gradient_accumulation_fusion = bool(gradient_accumulation_fusion)
         self.recompute_activation = bool(recompute_activation)
@@ -300,6 +345,7 @@ class MoELayer(torch.nn.Module):
                              persistent=False)
         self.last_losses: Dict[str, torch.Tensor] = {}
         self.last_tokens_per_expert: Optional[torch.Tensor] = None
+        self.last_dropped: Optional[torch.Tensor] = None
         # Checkpoint format of state_dict() (see the class docstring).
         self.state_dict_layout = "grouped"
         self.state_dict_glu_interleave: Optional[int] = None
@@ -529,15 +575,19 @@ class MoELayer(torch.nn.Module):
             return []
         return [("shared_experts." + n, p) for n, p in self.shared_experts.named_parameters()]
 
-    def _route(self, logits: torch.Tensor):
+    def _route(self, logits: torch.Tensor, padding_mask: Optional[torch.Tensor],
+               cu_seqlens: Optional[torch.Tensor]):
         with_losses = self.training and torch.is_grad_enabled()
+        seq = self.seq_aux_loss_coeff if with_losses else 0.0
         return ops.router(
             logits, self.topk, score_function=self.score_function,
             pre_softmax=self.pre_softmax, num_groups=self.num_groups,
             group_topk=self.group_topk, topk_scaling_factor=self.topk_scaling_factor,
             expert_bias=self.expert_bias,
             aux_loss_coeff=self.aux_loss_coeff if with_losses else 0.0,
-            z_loss_coeff=self.z_loss_coeff if with_losses else 0.0)
+            z_loss_coeff=self.z_loss_coeff if with_losses else 0.0,
+            seq_aux_loss_coeff=seq, padding_mask=padding_mask,
+            cu_seqlens=cu_seqlens if seq else None)
 
     def _side_stream(self, device: torch.device) -> "torch.cuda.Stream":
         st = self._side_streams.get(device)
@@ -545,13 +595,44 @@ class MoELayer(torch.nn.Module):
             st = self._side_streams[device] = torch.cuda.Stream(device=device)
         return st
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def _sequences(self, x: torch.Tensor, cu_seqlens: Optional[torch.Tensor]):
+        """cu_seqlens [S+1] int32 on x's device, for the per-sequence loss."""
+        if cu_seqlens is not None:
+            if cu_seqlens.dim() != 1 or cu_seqlens.shape[0] < 2:
+                raise ValueError(f"cu_seqlens must be [S+1] int32 with S >= 1, got shape "
+                                 f"{tuple(cu_seqlens.shape)}")
+            if cu_seqlens.dtype != torch.int32 or cu_seqlens.device != x.device:
+                raise ValueError(f"cu_seqlens must be int32 on {x.device}, got "
+                                 f"{cu_seqlens.dtype} on {cu_seqlens.device}")
+            return cu_seqlens
+        # [B, S, H]: B sequences of S tokens; [T, H]: one sequence.
+        B, L = (x.shape[0], x.shape[1]) if x.dim() == 3 else (1, x.numel() // x.shape[-1])
+        return torch.arange(B + 1, dtype=torch.int32, device=x.device) * L
+
+    def forward(self, x: torch.Tensor, padding_mask: Optional[torch.Tensor] = None,
+                cu_seqlens: Optional[torch.Tensor] = None) -> torch.Tensor:
         """x [..., H] -> out [..., H] in x's dtype (the experts compute in
-        ``params_dtype``)."""
+        ``params_dtype``). ``padding_mask`` (x's leading shape, bool, True:
+        padding): those tokens go to no expert (their output is the shared
+        expert's, or zero) and stay out of the losses and counts.
+        ``cu_seqlens`` ([S+1] int32, packed sequences) for the per-sequence
+        aux loss; without it a [B, S, H] input is B sequences of S tokens and
+        a [T, H] input one sequence."""
         if x.shape[-1] != self.hidden_size:
             raise ValueError(f"x must be [..., {self.hidden_size}], got {tuple(x.shape)}")
         shape = x.shape
         x2 = x.reshape(-1, self.hidden_size)
+        mask = None
+        if padding_mask is not None:
+            if tuple(padding_mask.shape) != tuple(shape[:-1]):
+                raise ValueError(f"padding_mask must have x's leading shape {tuple(shape[:-1])}, "
+                                 f"got {tuple(padding_mask.shape)}")
+            if padding_mask.device != x.device:
+                raise ValueError(f"padding_mask must be on {x.device}, got {padding_mask.device}")
+            mask = padding_mask.reshape(-1)
+            if mask.dtype != torch.bool:
+                mask = mask != 0
+        cu = self._sequences(x, cu_seqlens) if self.seq_aux_loss_coeff else None
         xe = x2.to(self.fc1_weight.dtype)
         shared, side = None, None
         if self.shared_experts is not None:
@@ -568,10 +649,11 @@ class MoELayer(torch.nn.Module):
                 shared = self.shared_experts(xe, self)
 
         logits = ops.router_logits(x2, self.router_weight)  # [T, E] float32
-        routed = self._route(logits)
+        routed = self._route(logits, mask, cu)
         probs = routed.probs
         losses = {}
-        for name, loss in (("aux_loss", routed.aux_loss), ("z_loss", routed.z_loss)):
+        for name, loss in (("aux_loss", routed.aux_loss), ("z_loss", routed.z_loss),
+                           ("seq_aux_loss", routed.seq_aux_loss)):
             if loss is not None:
                 probs = MoEAuxLossAutoScaler.apply(probs, loss, self.loss_scale)
                 losses[name] = loss.detach()
@@ -582,7 +664,12 @@ class MoELayer(torch.nn.Module):
                 ops.update_expert_bias(routed.tokens_per_expert, self.expert_bias,
                                        self.expert_bias_update_rate)
 
-        plan = ops.Plan(routed.topk_ids, self.num_experts, self.align)
+        ids = routed.topk_ids
+        if self.capacity_factor is not None:
+            ids, self.last_dropped = ops.apply_capacity(
+                ids, routed.probs.detach(), self.num_experts, self.capacity_factor,
+                self.token_drop_policy)
+        plan = ops.Plan(ids, self.num_experts, self.align)
         rows, row_probs = ops.permute(xe, plan, probs)
         y = ops.grouped_mlp(rows, self.fc1_weight, self.fc2_weight, plan=plan, probs=row_probs,
                             activation=self.activation, glu_interleave=self.glu_interleave,
@@ -624,6 +711,11 @@ class MoELayer(torch.nn.Module):
             s += f", use_expert_bias=True, expert_bias_update_rate={self.expert_bias_update_rate}"
         if self.aux_loss_coeff:
             s += f", aux_loss_coeff={self.aux_loss_coeff}"
+        if self.seq_aux_loss_coeff:
+            s += f", seq_aux_loss_coeff={self.seq_aux_loss_coeff}"
+        if self.capacity_factor is not None:
+            s += (f", capacity_factor={self.capacity_factor}, "
+                  f"token_drop_policy={self.token_drop_policy!r}")
         if self.z_loss_coeff:
             s += f", z_loss_coeff={self.z_loss_coeff}"
         if self.shared_experts is not None:

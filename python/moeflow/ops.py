@@ -30,7 +30,8 @@ import torch
 from . import _C
 
 __all__ = [
-    "RouterOutput", "router", "router_logits", "update_expert_bias", "Plan", "permute",
+    "RouterOutput", "router", "router_logits", "apply_capacity", "update_expert_bias", "Plan",
+    "permute",
     "unpermute", "grouped_mlp", "WgradStore"
 ]
 
@@ -46,63 +47,77 @@ def _rows(t: torch.Tensor) -> torch.Tensor:
 
 class RouterOutput(NamedTuple):
     """What :func:`router` returns, on the logits' device."""
-    topk_ids: torch.Tensor  # [T, K] int32: the chosen experts, best first
+    topk_ids: torch.Tensor  # [T, K] int32: the chosen experts, best first (-1: padding token)
     probs: torch.Tensor  # [T, K] float32: their routing probabilities (differentiable)
     tokens_per_expert: torch.Tensor  # [E] int32: slots routed to each expert
     aux_loss: Optional[torch.Tensor]  # 0-dim float32 (differentiable); None: coefficient 0
     z_loss: Optional[torch.Tensor]  # 0-dim float32 (differentiable); None: coefficient 0
+    seq_aux_loss: Optional[torch.Tensor] = None  # 0-dim float32; None: coefficient 0
 
 
 class _Router(torch.autograd.Function):
     # cfg: the RouterConfig fields in _C's order (num_experts, topk,
     # score_function, pre_softmax, num_groups, group_topk,
-    # topk_scaling_factor, aux_loss_coeff, z_loss_coeff).
+    # topk_scaling_factor, aux_loss_coeff, z_loss_coeff, seq_aux_loss_coeff).
     @staticmethod
-    def forward(ctx, logits, expert_bias, cfg):
+    def forward(ctx, logits, expert_bias, padding_mask, cu_seqlens, cfg):
         ctx.set_materialize_grads(False)
-        E, K, aux_coeff, z_coeff = cfg[0], cfg[1], cfg[7], cfg[8]
+        E, K, aux_coeff, z_coeff, seq_coeff = cfg[0], cfg[1], cfg[7], cfg[8], cfg[9]
         logits = logits.contiguous()
         T, dev, f32 = logits.shape[0], logits.device, torch.float32
+        S = cu_seqlens.shape[0] - 1 if cu_seqlens is not None else 0
         ids = torch.empty((T, K), dtype=torch.int32, device=dev)
         probs = torch.empty((T, K), dtype=f32, device=dev)
         tpe = torch.empty(E, dtype=torch.int32, device=dev)
         aux = torch.empty((), dtype=f32, device=dev) if aux_coeff != 0 else None
         z = torch.empty((), dtype=f32, device=dev) if z_coeff != 0 else None
-        ws_bytes = _C.router_workspace_bytes(T, *cfg) if logits.is_cuda else 0
+        seq = torch.empty((), dtype=f32, device=dev) if seq_coeff != 0 else None
+        seq_tpe = torch.empty((S, E), dtype=torch.int32, device=dev) if seq is not None else None
+        ws_bytes = _C.router_workspace_bytes(T, *cfg, S) if logits.is_cuda else 0
         ws = torch.empty(ws_bytes, dtype=torch.uint8, device=dev) if ws_bytes else None
         _C.router_forward(logits, *cfg, ids, probs, tpe, None if aux is None else aux.view(1),
-                          None if z is None else z.view(1), None, expert_bias, ws,
+                          None if z is None else z.view(1), None if seq is None else seq.view(1),
+                          seq_tpe, None, None, expert_bias, padding_mask, cu_seqlens, ws,
                           _stream(logits))
         ctx.cfg = cfg
-        # The backward reads the logits, the choice and (aux loss) the counts.
-        ctx.save_for_backward(logits, ids, tpe if aux is not None else None)
+        # The backward reads the logits, the choice, the counts (losses) and
+        # the token structure.
+        losses = aux is not None or z is not None or seq is not None
+        ctx.save_for_backward(logits, ids, tpe if losses else None, padding_mask,
+                              cu_seqlens if seq is not None else None, seq_tpe)
         ctx.mark_non_differentiable(ids, tpe)
-        return ids, probs, tpe, aux, z
+        return ids, probs, tpe, aux, z, seq
 
     @staticmethod
     @torch.autograd.function.once_differentiable
-    def backward(ctx, _dids, dprobs, _dtpe, daux, dz):
-        if not ctx.needs_input_grad[0] or (dprobs is None and daux is None and dz is None):
-            return None, None, None
-        logits, ids, tpe = ctx.saved_tensors
+    def backward(ctx, _dids, dprobs, _dtpe, daux, dz, dseq):
+        none = (None,) * 5
+        if not ctx.needs_input_grad[0] or all(g is None for g in (dprobs, daux, dz, dseq)):
+            return none
+        logits, ids, tpe, mask, cu_seqlens, seq_tpe = ctx.saved_tensors
         if dprobs is None:
             dprobs = torch.zeros(ids.shape, dtype=torch.float32, device=logits.device)
         dlogits = torch.empty_like(logits)
-        _C.router_backward(logits, ids, tpe, *ctx.cfg, dprobs.contiguous(),
-                           None if daux is None else daux.reshape(1).contiguous(),
-                           None if dz is None else dz.reshape(1).contiguous(), dlogits,
-                           _stream(logits))
-        return dlogits, None, None
+
+        def one(g):
+            return None if g is None else g.reshape(1).contiguous()
+
+        _C.router_backward(logits, ids, tpe, *ctx.cfg, dprobs.contiguous(), one(daux), one(dz),
+                           one(dseq), mask, cu_seqlens, seq_tpe, dlogits, _stream(logits))
+        return (dlogits,) + none[1:]
 
 
 def router(logits: torch.Tensor, topk: int, *, score_function: str = "softmax",
            pre_softmax: bool = False, num_groups: Optional[int] = 0,
            group_topk: Optional[int] = 0, topk_scaling_factor: Optional[float] = None,
            expert_bias: Optional[torch.Tensor] = None, aux_loss_coeff: float = 0.0,
-           z_loss_coeff: float = 0.0) -> RouterOutput:
+           z_loss_coeff: float = 0.0, seq_aux_loss_coeff: float = 0.0,
+           padding_mask: Optional[torch.Tensor] = None,
+           cu_seqlens: Optional[torch.Tensor] = None) -> RouterOutput:
     """Megatron-Core's top-k router on float32 logits [T, E] (the gating
-    GEMM is the caller's): ``topk_routing_with_score_function`` with the
-    switch load-balancing loss and the z-loss, one fused op forward and
+    GEMM is the caller's: :func:`router_logits`):
+    ``topk_routing_with_score_function`` with the switch load-balancing
+    loss, the per-sequence one and the z-loss, one fused op forward and
     backward (moeflow/router.h has the formulas).
 
     score_function "softmax" (``pre_softmax``: top-k of softmax over all E,
@@ -113,20 +128,57 @@ def router(logits: torch.Tensor, topk: int, *, score_function: str = "softmax",
     ``topk_scaling_factor`` multiplies the probs (None: 1). Ties choose the
     lower expert id.
 
-    Returns a :class:`RouterOutput`. probs, aux_loss and z_loss carry the
-    gradient to ``logits`` (the choice held fixed; tokens_per_expert a
-    constant in the aux loss, as in Megatron). Runs on torch's current
-    stream; no host synchronisation (a step can be captured in a CUDA graph).
+    ``padding_mask`` [T] bool (True: a padding token): padding tokens are not
+    routed (ids -1, probs 0), not counted, and kept out of every loss.
+    ``seq_aux_loss_coeff`` > 0 (Megatron's "seq_aux_loss"): the aux loss of
+    each sequence, averaged over the sequences ``cu_seqlens`` [S+1] int32
+    gives (packed: sequence s is tokens cu_seqlens[s] .. cu_seqlens[s+1]-1;
+    the values stay on the device).
+
+    Returns a :class:`RouterOutput`. probs and the losses carry the
+    gradient to ``logits`` (the choice held fixed; the counts constants, as
+    in Megatron). Runs on torch's current stream; no host synchronisation
+    (a step can be captured in a CUDA graph).
     """
     if logits.dim() != 2:
         raise _C.Error(f"logits must be float32 [T, E], got {str(logits.dtype)[6:]} "
                        f"shape {tuple(logits.shape)}")
+    if seq_aux_loss_coeff and cu_seqlens is None:
+        raise _C.Error("seq_aux_loss_coeff needs cu_seqlens ([S+1] int32, the sequences)")
     cfg = (int(logits.shape[1]), int(topk), str(score_function), bool(pre_softmax),
            int(num_groups or 0), int(group_topk or 0),
            1.0 if topk_scaling_factor is None else float(topk_scaling_factor),
-           float(aux_loss_coeff), float(z_loss_coeff))
+           float(aux_loss_coeff), float(z_loss_coeff), float(seq_aux_loss_coeff))
     bias = None if expert_bias is None else expert_bias.detach().contiguous()
-    return RouterOutput(*_Router.apply(logits, bias, cfg))
+    mask = None if padding_mask is None else padding_mask.detach().contiguous()
+    cu = None if cu_seqlens is None else cu_seqlens.detach().contiguous()
+    return RouterOutput(*_Router.apply(logits, bias, mask, cu, cfg))
+
+
+def apply_capacity(topk_ids: torch.Tensor, probs: Optional[torch.Tensor], num_experts: int,
+                   capacity_factor: float, drop_policy: str = "probs",
+                   min_capacity: int = 0) -> Tuple[torch.Tensor, torch.Tensor]:
+    """Expert capacity with token dropping (Megatron's
+    moe_expert_capacity_factor / moe_token_drop_policy): each expert keeps
+    at most C = max(ceil(T * K / E * capacity_factor), min_capacity) of its
+    slots, those of highest prob ("probs") or the first in token order
+    ("position"). Returns (kept_ids [T, K] int32, the ids with the dropped
+    slots set to -1; dropped [1] int32, their number), on the device, no
+    sync. Build the plan from kept_ids; the router's own backward keeps the
+    original ids (a dropped slot's prob gets no gradient through the
+    experts, as in Megatron)."""
+    ids = topk_ids.contiguous()
+    T, K = ids.shape
+    kept = torch.empty_like(ids)
+    dropped = torch.empty(1, dtype=torch.int32, device=ids.device)
+    ws = None
+    if ids.is_cuda:
+        n = _C.router_capacity_workspace_bytes(T, K, int(num_experts))
+        ws = torch.empty(n, dtype=torch.uint8, device=ids.device) if n else None
+    _C.router_apply_capacity(ids, None if probs is None else probs.detach().contiguous(),
+                             int(num_experts), float(capacity_factor), str(drop_policy),
+                             int(min_capacity), kept, dropped, ws, _stream(ids))
+    return kept, dropped
 
 
 class _RouterLogits(torch.autograd.Function):

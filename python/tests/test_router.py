@@ -109,7 +109,8 @@ def test_forward_matches_megatron(device, name, E, K, opts, with_bias):
     assert r.probs.dtype == torch.float32 and r.probs.shape == (64, K)
     assert r.tokens_per_expert.dtype == torch.int32 and r.tokens_per_expert.shape == (E,)
     for t in r:
-        assert t.device == logits.device
+        assert t is None or t.device == logits.device
+    assert r.seq_aux_loss is None  # not asked for
     assert r.aux_loss.shape == () and r.z_loss.shape == ()
     assert torch.equal(r.topk_ids.cpu().long(), ids)
     assert torch.equal(r.tokens_per_expert.cpu().long(), tpe)
