@@ -10,6 +10,11 @@
 #     python is externally managed (PEP 668): one interpreter, the same on
 #     every machine, and nothing is ever pip-installed into the system's.
 #     scripts/build.sh and scripts/test.sh use its python.
+#  3. torch (pip, from PyPI, into that environment) when the environment
+#     cannot import one already: moeflow.ops, moeflow.MoELayer, their tests
+#     and the torch examples need it (about 4 GB with its CUDA libraries).
+#     MOEFLOW_INSTALL_TORCH=0 leaves it out: those tests are then reported
+#     as skipped.
 # The CUDA toolkit (nvcc on PATH or /usr/local/cuda/bin) is used when present;
 # MOEFLOW_WITH_CUDA=OFF forces the CPU backend (read by CMakeLists.txt).
 set -euo pipefail
@@ -50,6 +55,16 @@ if [ ${#need[@]} -gt 0 ]; then
   "$py" -m pip install --quiet --disable-pip-version-check --no-input "${need[@]}"
 fi
 "$py" -c "import nanobind, numpy, pytest, scikit_build_core" # fails loudly if pip did not manage
+if ! "$py" -c "import torch" >/dev/null 2>&1; then
+  if [ "${MOEFLOW_INSTALL_TORCH:-1}" = 0 ]; then
+    echo "setup: MOEFLOW_INSTALL_TORCH=0: torch not installed"
+  else
+    echo "setup: installing (pip, into $venv): torch (about 4 GB with its CUDA libraries;" \
+         "MOEFLOW_INSTALL_TORCH=0 leaves it out)"
+    "$py" -m pip install --quiet --disable-pip-version-check --no-input torch
+    "$py" -c "import torch"  # fails loudly if pip did not manage
+  fi
+fi
 echo "setup: Python environment $venv ($("$py" -c 'import sys; print(sys.version.split()[0])'))," \
      "torch: $("$py" -c 'import torch; print(torch.__version__)' 2>/dev/null || echo 'not installed (its tests and example are skipped)')"
 
