@@ -13,6 +13,9 @@
 #   gemm       moeflow bench gemm + torch._grouped_mm
 #   mlp        moeflow bench mlp + the PyTorch composite (bench/peers_mlp.py)
 #   dispatch   moeflow bench dispatch, both backends + NCCL all_to_all (2+ GPUs)
+#   python     the Python tests on the GPU (pytest python/tests, the machine's torch)
+#   pylayer    bench/py_layer.py (MoELayer vs the torch composite, the router)
+#              and bench/py_overhead.py (host cost of moeflow.ops calls)
 #   variants   the permute kernel variants of dev/
 #
 # Default: build test multigpu permute gemm mlp dispatch.
@@ -96,6 +99,17 @@ for s in "${steps[@]}"; do
       ;;
     variants)
       build/permute_variants || fail variants
+      ;;
+    python)
+      PYTHONPATH=build/python timeout 500 python3 -m pytest -q -rs python/tests \
+        > "$OUT/pytest.log" 2>&1 || fail python
+      tail -15 "$OUT/pytest.log"
+      ;;
+    pylayer)
+      PYTHONPATH=build/python:bench PYTHONUNBUFFERED=1 timeout 400 python3 bench/py_layer.py \
+        --profile --router --json "$OUT/py_layer.json" || fail pylayer
+      PYTHONPATH=build/python:bench PYTHONUNBUFFERED=1 timeout 100 python3 bench/py_overhead.py \
+        --json "$OUT/py_overhead.json" || fail "py overhead"
       ;;
     *)
       echo "unknown step: $s"; exit 2
