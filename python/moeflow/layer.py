@@ -191,7 +191,8 @@ class MoELayer(torch.nn.Module):
     ``bias += rate * sign(mean(tokens_per_expert) - tokens_per_expert)``.
 
     ``last_tokens_per_expert`` ([E] int32, detached) holds the last forward's
-    per-expert slot counts. Nothing in forward or backward synchronises with
+    per-expert slot counts, ``last_nonfinite`` ([1] int32) its tokens with a
+    NaN / inf router logit (a NaN logit is never chosen). Nothing in forward or backward synchronises with
     the host.
 
     Shared expert (``shared_expert_ffn_hidden_size`` > 0, Megatron's
@@ -346,6 +347,7 @@ class MoELayer(torch.nn.Module):
         self.last_losses: Dict[str, torch.Tensor] = {}
         self.last_tokens_per_expert: Optional[torch.Tensor] = None
         self.last_dropped: Optional[torch.Tensor] = None
+        self.last_nonfinite: Optional[torch.Tensor] = None
         # Checkpoint format of state_dict() (see the class docstring).
         self.state_dict_layout = "grouped"
         self.state_dict_glu_interleave: Optional[int] = None
@@ -659,6 +661,7 @@ class MoELayer(torch.nn.Module):
                 losses[name] = loss.detach()
         self.last_losses = losses
         self.last_tokens_per_expert = routed.tokens_per_expert.detach()
+        self.last_nonfinite = routed.nonfinite
         if self.use_expert_bias and self.training and torch.is_grad_enabled():
             with torch.no_grad():
                 ops.update_expert_bias(routed.tokens_per_expert, self.expert_bias,

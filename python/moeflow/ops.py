@@ -53,6 +53,7 @@ class RouterOutput(NamedTuple):
     aux_loss: Optional[torch.Tensor]  # 0-dim float32 (differentiable); None: coefficient 0
     z_loss: Optional[torch.Tensor]  # 0-dim float32 (differentiable); None: coefficient 0
     seq_aux_loss: Optional[torch.Tensor] = None  # 0-dim float32; None: coefficient 0
+    nonfinite: Optional[torch.Tensor] = None  # [1] int32: tokens with a NaN / inf logit
 
 
 class _Router(torch.autograd.Function):
@@ -73,11 +74,12 @@ class _Router(torch.autograd.Function):
         z = torch.empty((), dtype=f32, device=dev) if z_coeff != 0 else None
         seq = torch.empty((), dtype=f32, device=dev) if seq_coeff != 0 else None
         seq_tpe = torch.empty((S, E), dtype=torch.int32, device=dev) if seq is not None else None
+        nonfinite = torch.empty(1, dtype=torch.int32, device=dev)
         ws_bytes = _C.router_workspace_bytes(T, *cfg, S) if logits.is_cuda else 0
         ws = torch.empty(ws_bytes, dtype=torch.uint8, device=dev) if ws_bytes else None
         _C.router_forward(logits, *cfg, ids, probs, tpe, None if aux is None else aux.view(1),
                           None if z is None else z.view(1), None if seq is None else seq.view(1),
-                          seq_tpe, None, None, expert_bias, padding_mask, cu_seqlens, ws,
+                          seq_tpe, nonfinite, None, expert_bias, padding_mask, cu_seqlens, ws,
                           _stream(logits))
         ctx.cfg = cfg
         # The backward reads the logits, the choice, the counts (losses) and
@@ -85,12 +87,12 @@ class _Router(torch.autograd.Function):
         losses = aux is not None or z is not None or seq is not None
         ctx.save_for_backward(logits, ids, tpe if losses else None, padding_mask,
                               cu_seqlens if seq is not None else None, seq_tpe)
-        ctx.mark_non_differentiable(ids, tpe)
-        return ids, probs, tpe, aux, z, seq
+        ctx.mark_non_differentiable(ids, tpe, nonfinite)
+        return ids, probs, tpe, aux, z, seq, nonfinite
 
     @staticmethod
     @torch.autograd.function.once_differentiable
-    def backward(ctx, _dids, dprobs, _dtpe, daux, dz, dseq):
+    def backward(ctx, _dids, dprobs, _dtpe, daux, dz, dseq, _dnonfinite):
         none = (None,) * 5
         if not ctx.needs_input_grad[0] or all(g is None for g in (dprobs, daux, dz, dseq)):
             return none
@@ -134,6 +136,10 @@ def router(logits: torch.Tensor, topk: int, *, score_function: str = "softmax",
     each sequence, averaged over the sequences ``cu_seqlens`` [S+1] int32
     gives (packed: sequence s is tokens cu_seqlens[s] .. cu_seqlens[s+1]-1;
     the values stay on the device).
+
+    Non-finite logits (moeflow/router.h): a NaN logit counts as -inf (never
+    chosen, gradient 0); +-inf are used as they are. ``nonfinite`` counts
+    the tokens with any non-finite logit, on the device (read it to check).
 
     Returns a :class:`RouterOutput`. probs and the losses carry the
     gradient to ``logits`` (the choice held fixed; the counts constants, as

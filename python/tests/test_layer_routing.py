@@ -252,3 +252,37 @@ def test_layer_routing_bad_config():
     layer = make_layer("cpu")
     with pytest.raises(ValueError, match="padding_mask"):
         layer(torch.randn(4, 64), padding_mask=torch.zeros(5, dtype=torch.bool))
+
+
+def test_router_bad_token_info_names_the_argument():
+    x = torch.randn(4, 8)
+    Error = mf._C.Error
+    with pytest.raises(Error, match="padding_mask must be bool or uint8 \\[4\\]"):
+        mf.router(x, 2, padding_mask=torch.zeros(5, dtype=torch.bool))
+    with pytest.raises(Error, match="padding_mask must be bool or uint8"):
+        mf.router(x, 2, padding_mask=torch.zeros(4))
+    with pytest.raises(Error, match="cu_seqlens must be int32"):
+        mf.router(x, 2, seq_aux_loss_coeff=0.1, cu_seqlens=torch.tensor([0, 4]))
+    with pytest.raises(Error, match="cu_seqlens"):  # not ending at T
+        mf.router(x, 2, seq_aux_loss_coeff=0.1, cu_seqlens=torch.tensor([0, 3, 2],
+                                                                         dtype=torch.int32))
+    with pytest.raises(Error, match="group_topk must be in"):
+        mf.router(x, 2, num_groups=4, group_topk=5)
+    with pytest.raises(Error, match="topk must be <= group_topk"):  # more than the groups allow
+        mf.router(x, 4, num_groups=4, group_topk=1)
+    with pytest.raises(Error, match="drop_policy"):
+        mf.apply_capacity(torch.zeros(4, 2, dtype=torch.int32), None, 8, 1.0, "random")
+    with pytest.raises(Error, match="capacity_factor"):
+        mf.apply_capacity(torch.zeros(4, 2, dtype=torch.int32), torch.zeros(4, 2), 8, 0.0)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_router_nonfinite_logits_are_counted(device):
+    x = torch.randn(6, 8)
+    x[1, 3] = float("nan")  # never chosen
+    x[4, 0] = float("inf")
+    r = mf.router(x.to(device), 2)
+    assert int(r.nonfinite) == 2
+    assert 3 not in r.topk_ids[1].tolist()
+    assert int(r.topk_ids[4, 0]) == 0  # +inf is the best logit
+    assert int(mf.router(torch.randn(6, 8).to(device), 2).nonfinite) == 0
