@@ -186,9 +186,16 @@ class MoELayer(torch.nn.Module):
 
     Expert bias (``use_expert_bias``, sigmoid scoring only): a float32 [E]
     buffer ``expert_bias`` added to the scores for the expert choice only
-    (the probabilities are the unbiased scores). In training with autograd on,
-    every forward updates it on the device after routing,
+    (the probabilities are the unbiased scores), balanced on the device by
     ``bias += rate * sign(mean(tokens_per_expert) - tokens_per_expert)``.
+    When: ``expert_bias_update="forward"`` (the default) after the routing
+    of every training forward with autograd on; ``"step"`` (Megatron's
+    way) once per optimizer step, from the counts of the step's forwards,
+    when the training loop calls ``layer.update_expert_bias()``. Use "step"
+    with gradient accumulation or activation recomputation: the routing of a
+    recomputed forward then sees the same bias as the original one (with
+    torch.utils.checkpoint's non-reentrant mode both passes run with
+    autograd on and both count).
 
     ``last_tokens_per_expert`` ([E] int32, detached) holds the last forward's
     per-expert slot counts, ``last_nonfinite`` ([1] int32) its tokens with a
@@ -245,7 +252,7 @@ class MoELayer(torch.nn.Module):
                  activation_offset: float = 1.0, score_function: str = "softmax",
                  pre_softmax: bool = False, num_groups: int = 0, group_topk: int = 0,
                  topk_scaling_factor: Optional[float] = None, use_expert_bias: bool = False,
-                 expert_bias_update_rate: float = 1e-3,
+                 expert_bias_update_rate: float = 1e-3, expert_bias_update: str = "forward",
                  load_balancing_type: Union[str, List[str]] = "aux_loss",
                  aux_loss_coeff: Union[float, List[float]] = 0.0, z_loss_coeff: float = 0.0,
                  capacity_factor: Optional[float] = None, token_drop_policy: str = "probs",
@@ -289,6 +296,10 @@ class MoELayer(torch.nn.Module):
         self.topk_scaling_factor = topk_scaling_factor
         self.use_expert_bias = bool(use_expert_bias)
         self.expert_bias_update_rate = float(expert_bias_update_rate)
+        if expert_bias_update not in ("forward", "step"):
+            raise ValueError(f"expert_bias_update must be 'forward' or 'step', got "
+                             f"{expert_bias_update!r}")
+        self.expert_bias_update = expert_bias_update
         types = [load_balancing_type] if isinstance(load_balancing_type, str) \
             else list(load_balancing_type)
         coeffs = list(aux_loss_coeff) if isinstance(aux_loss_coeff, (list, tuple)) \
@@ -341,6 +352,11 @@ class MoELayer(torch.nn.Module):
                                                             device=device))
         else:
             self.register_buffer("expert_bias", None)
+        # expert_bias_update="step": the counts since the last update_expert_bias().
+        self.register_buffer("local_tokens_per_expert",
+                             torch.zeros(E, dtype=torch.int32, device=device)
+                             if self.use_expert_bias and expert_bias_update == "step" else None,
+                             persistent=False)
         # The backward scale of the auxiliary losses (read at backward time).
         self.register_buffer("loss_scale", torch.ones((), dtype=torch.float32, device=device),
                              persistent=False)
@@ -664,8 +680,11 @@ class MoELayer(torch.nn.Module):
         self.last_nonfinite = routed.nonfinite
         if self.use_expert_bias and self.training and torch.is_grad_enabled():
             with torch.no_grad():
-                ops.update_expert_bias(routed.tokens_per_expert, self.expert_bias,
-                                       self.expert_bias_update_rate)
+                if self.local_tokens_per_expert is not None:
+                    self.local_tokens_per_expert.add_(routed.tokens_per_expert)
+                else:
+                    ops.update_expert_bias(routed.tokens_per_expert, self.expert_bias,
+                                           self.expert_bias_update_rate)
 
         ids = routed.topk_ids
         if self.capacity_factor is not None:
@@ -688,6 +707,21 @@ class MoELayer(torch.nn.Module):
                 shared.record_stream(torch.cuda.current_stream(xe.device))
             out = out + shared
         return out.to(x.dtype).reshape(shape)
+
+    @torch.no_grad()
+    def update_expert_bias(self, tokens_per_expert: Optional[torch.Tensor] = None) -> None:
+        """With ``expert_bias_update="step"``: one balancing step from the
+        counts the training forwards accumulated since the last call
+        (``local_tokens_per_expert``, or ``tokens_per_expert`` when given, e.g.
+        those counts all-reduced over the data-parallel ranks), then the
+        counts restart from zero. On the device, no sync."""
+        if not self.use_expert_bias or self.local_tokens_per_expert is None:
+            raise RuntimeError("update_expert_bias needs use_expert_bias=True and "
+                               "expert_bias_update='step'")
+        tpe = self.local_tokens_per_expert if tokens_per_expert is None else tokens_per_expert
+        ops.update_expert_bias(tpe.to(torch.int32), self.expert_bias,
+                               self.expert_bias_update_rate)
+        self.local_tokens_per_expert.zero_()
 
     def backward_dw(self) -> None:
         """With ``delay_wgrad_compute``: computes the expert weight gradients

@@ -267,3 +267,29 @@ def test_no_host_sync_with_shared_expert_and_delayed_wgrad():
     finally:
         torch.cuda.set_sync_debug_mode("default")
     torch.cuda.synchronize()
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_expert_bias_update_per_step(device):
+    rate = 1e-2
+    layer = make_layer(device, score_function="sigmoid", use_expert_bias=True,
+                       expert_bias_update_rate=rate, expert_bias_update="step")
+    x1, x2 = rand_x(device, dtype_of(device), 64, seed=1), rand_x(device, dtype_of(device), 48,
+                                                                     seed=2)
+    bias0 = layer.expert_bias.clone()
+    layer(x1).sum().backward()
+    c1 = layer.last_tokens_per_expert.clone()
+    layer(x2).sum().backward()
+    c2 = layer.last_tokens_per_expert.clone()
+    assert torch.equal(layer.expert_bias, bias0)  # not touched by forward
+    assert torch.equal(layer.local_tokens_per_expert, c1 + c2)
+    with torch.no_grad():
+        layer(x1)  # no autograd: not counted
+    assert torch.equal(layer.local_tokens_per_expert, c1 + c2)
+    layer.update_expert_bias()
+    tpe = (c1 + c2).float()
+    torch.testing.assert_close(layer.expert_bias, bias0 + rate * torch.sign(tpe.mean() - tpe),
+                               rtol=0, atol=1e-7)
+    assert int(layer.local_tokens_per_expert.abs().sum()) == 0
+    with pytest.raises(RuntimeError, match="update_expert_bias"):
+        make_layer(device, score_function="sigmoid", use_expert_bias=True).update_expert_bias()
