@@ -1,0 +1,89 @@
+"""SonicMoE (Dao-AILab/sonic-moe, on QuACK / CuTe DSL: the fused MoE MLP
+anchor on Hopper) on the layer cases of bench/py_layer.py: its ``MoE``
+module (router: softmax over the top-k logits, its switch loss; SwiGLU
+experts), forward + backward with plain ``.grad``, beside moeflow.MoELayer
+configured the same way (softmax top-k router, aux loss), one process.
+SonicMoE has no group-limited sigmoid router: the dsv3 shape runs with the
+softmax top-k router on both sides.
+
+Needs ``pip install sonic-moe`` (Python >= 3.12; it pins torch <= 2.9.1
+and nvidia-cutlass-dsl 4.4.2: install it with --no-deps beside the
+machine's torch when that is newer, with quack-kernels, nvidia-cutlass-dsl
+and its libs, apache-tvm-ffi, torch-c-dlpack-ext and einops).
+
+    PYTHONPATH=build/python:bench python3 bench/peers_sonicmoe.py [--json FILE]
+"""
+import argparse
+import json
+
+import torch
+
+import moeflow
+from peer_timing import bench_ms
+from py_layer import CASES
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--json")
+    ap.add_argument("--case", action="append")
+    args = ap.parse_args()
+    from sonicmoe import KernelBackendMoE, MoE  # noqa: E402 (after the argument check)
+    from sonicmoe.enums import ActivationType
+
+    dev = torch.device("cuda")
+    out = {"device": torch.cuda.get_device_name(0), "torch": torch.__version__, "cases": {}}
+    for name, T, H, Fd, E, K, _ in CASES:
+        if args.case and name not in args.case:
+            continue
+        torch.manual_seed(0)
+        x = torch.randn(T, H, device=dev, dtype=torch.bfloat16, requires_grad=True)
+        dy = torch.randn(T, H, device=dev, dtype=torch.bfloat16)
+        sonic = MoE(num_experts=E, num_experts_per_tok=K, hidden_size=H, intermediate_size=Fd,
+                    activation_function=ActivationType.SWIGLU, add_bias=False,
+                    std=0.02).to(device=dev, dtype=torch.bfloat16)
+        ours = moeflow.MoELayer(H, Fd, E, K, score_function="softmax", aux_loss_coeff=1e-2,
+                                device=dev)
+
+        def sonic_step():
+            o, aux = sonic(x, kernel_backend_moe=KernelBackendMoE.sonicmoe)
+            torch.autograd.backward([o, aux], [dy, torch.ones_like(aux)])
+
+        def ours_step():
+            ours(x).backward(dy)
+
+        res = {}
+        for key, module, fn in (("sonicmoe", sonic, sonic_step), ("moeflow", ours, ours_step)):
+            params = [x] + list(module.parameters())
+            try:
+                fn()
+                torch.cuda.synchronize()
+                for p in params:
+                    p.grad = None
+                base = torch.cuda.memory_allocated()
+                torch.cuda.reset_peak_memory_stats()
+                fn()
+                torch.cuda.synchronize()
+                peak = (torch.cuda.max_memory_allocated() - base) / 2 ** 20
+                res[key] = {"fwd_bwd_ms": bench_ms(fn), "peak_extra_MiB": peak}
+            except Exception as ex:  # report, go on with the other cases
+                res[key] = {"error": f"{type(ex).__name__}: {str(ex)[:300]}"}
+            for p in params:
+                p.grad = None
+        out["cases"][name] = res
+        s, m = res["sonicmoe"], res["moeflow"]
+        if "error" in s or "error" in m:
+            print(f"{name:10s} sonicmoe {s} / moeflow {m}", flush=True)
+        else:
+            print(f"{name:10s} layer fwd+bwd: sonicmoe {s['fwd_bwd_ms']:7.2f} ms, moeflow "
+                  f"{m['fwd_bwd_ms']:7.2f} ms, {s['fwd_bwd_ms'] / m['fwd_bwd_ms']:.2f}x; peak extra "
+                  f"{s['peak_extra_MiB']:.0f} / {m['peak_extra_MiB']:.0f} MiB", flush=True)
+        del sonic, ours, x, dy
+        torch.cuda.empty_cache()
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(out, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
