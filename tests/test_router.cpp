@@ -392,11 +392,11 @@ TEST(Router, BadInput) {
   ps.pre_softmax = true;
   EXPECT_TRUE(has(run(ps, out, logits), "pre_softmax needs score_function kSoftmax"));
   Tensor half = make_tensor({3, 8}, DType::kFloat16);
-  EXPECT_TRUE(has(run(c, out, half), "logits must be float32 [*,8]"));
+  EXPECT_TRUE(has(run(c, out, half), "logits must be float32 or float64 [*,8]"));
   EXPECT_TRUE(has(run(c, out, half), "got float16 [3,8]"));
   EXPECT_TRUE(has(
       run(softmax_cfg(6, 2), RouterOutputs{ids, probs, make_tensor({6}, DType::kInt32)}, logits),
-      "logits must be float32 [*,6]"));
+      "logits must be float32 or float64 [*,6]"));
   Tensor probs_bad = make_tensor({3, 3}, DType::kFloat32);
   EXPECT_TRUE(
       has(run(c, RouterOutputs{ids, probs_bad, counts}, logits), "probs must be float32 [3,2]"));

@@ -9,6 +9,9 @@
 // The gating GEMM (logits = x W^T) is the caller's (torch, cuBLAS): the router
 // starts from float32 logits. No host synchronisation; outputs are
 // caller-allocated; the CUDA path is CUDA-graph safe (sizes come from shapes).
+// Float64 logits are accepted on the CPU only (for float64 gradient checks):
+// then expert_bias, probs, aux_loss, z_loss, seq_aux_loss, dprobs, d*_loss and
+// dlogits are float64 too (router_apply_capacity takes float64 probs there).
 //
 // Selection order: experts are ranked by routing score, descending; equal
 // scores rank the lower expert id first (groups likewise by group id), so the
@@ -124,7 +127,7 @@ size_t router_workspace_bytes(int64_t num_tokens, const RouterConfig& config,
                               int64_t num_sequences = 0);
 
 // Routes T tokens.
-//   logits:      [T,E] float32, contiguous.
+//   logits:      [T,E] float32 (float64 on the CPU), contiguous.
 //   expert_bias: optional [E] float32 (sigmoid only): added to the scores for
 //                selection only.
 //   workspace:   uint8 [>= router_workspace_bytes(T, config, S)] on the device (CUDA).

@@ -24,11 +24,13 @@ enum class DType : uint8_t {
   kInt64,
   kUInt8,
   kBool,
+  kFloat64,  // the router's CPU backend only (float64 gradient checks)
 };
 
 size_t dtype_size(DType dtype);
 const char* dtype_name(DType dtype);
-// True for float32, float16, bfloat16 (the dtypes ops do arithmetic on).
+// True for float32, float16, bfloat16 (the dtypes ops do arithmetic on; not
+// float64, which only the router's CPU backend takes).
 bool dtype_is_arith_float(DType dtype);
 
 enum class DeviceType : uint8_t { kCPU, kCUDA };

@@ -65,7 +65,9 @@ class _Router(torch.autograd.Function):
         ctx.set_materialize_grads(False)
         E, K, aux_coeff, z_coeff, seq_coeff = cfg[0], cfg[1], cfg[7], cfg[8], cfg[9]
         logits = logits.contiguous()
-        T, dev, f32 = logits.shape[0], logits.device, torch.float32
+        # float32, or float64 on the CPU (for gradient checks): the probs and
+        # losses in the logits' dtype.
+        T, dev, f32 = logits.shape[0], logits.device, logits.dtype
         S = cu_seqlens.shape[0] - 1 if cu_seqlens is not None else 0
         ids = torch.empty((T, K), dtype=torch.int32, device=dev)
         probs = torch.empty((T, K), dtype=f32, device=dev)
@@ -98,7 +100,7 @@ class _Router(torch.autograd.Function):
             return none
         logits, ids, tpe, mask, cu_seqlens, seq_tpe = ctx.saved_tensors
         if dprobs is None:
-            dprobs = torch.zeros(ids.shape, dtype=torch.float32, device=logits.device)
+            dprobs = torch.zeros(ids.shape, dtype=logits.dtype, device=logits.device)
         dlogits = torch.empty_like(logits)
 
         def one(g):
@@ -116,7 +118,8 @@ def router(logits: torch.Tensor, topk: int, *, score_function: str = "softmax",
            z_loss_coeff: float = 0.0, seq_aux_loss_coeff: float = 0.0,
            padding_mask: Optional[torch.Tensor] = None,
            cu_seqlens: Optional[torch.Tensor] = None) -> RouterOutput:
-    """Megatron-Core's top-k router on float32 logits [T, E] (the gating
+    """Megatron-Core's top-k router on float32 logits [T, E] (float64 on the
+    CPU too, for gradient checks: probs and losses then float64; the gating
     GEMM is the caller's: :func:`router_logits`):
     ``topk_routing_with_score_function`` with the switch load-balancing
     loss, the per-sequence one and the z-loss, one fused op forward and

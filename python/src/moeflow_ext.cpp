@@ -176,6 +176,7 @@ DType dtype_of(const nb::dlpack::dtype& d, const char* name) {
   MOEFLOW_CHECK(d.lanes == 1, name, ": vector dtypes are not supported");
   if (code == C::Float && d.bits == 32) return DType::kFloat32;
   if (code == C::Float && d.bits == 16) return DType::kFloat16;
+  if (code == C::Float && d.bits == 64) return DType::kFloat64;
   if (code == C::Bfloat && d.bits == 16) return DType::kBFloat16;
   if (code == C::Float8_E4M3FN && d.bits == 8) return DType::kFloat8E4M3;
   if (code == C::Float8_E5M2 && d.bits == 8) return DType::kFloat8E5M2;
@@ -184,8 +185,8 @@ DType dtype_of(const nb::dlpack::dtype& d, const char* name) {
   if (code == C::UInt && d.bits == 8) return DType::kUInt8;
   if (code == C::Bool && d.bits == 8) return DType::kBool;
   MOEFLOW_CHECK(false, name, ": unsupported dtype (DLPack code ", int(d.code), ", ", int(d.bits),
-                " bits); moeflow takes float32/16, bfloat16, float8 e4m3fn/e5m2, int32/64, uint8, "
-                "bool");
+                " bits); moeflow takes float32/16/64, bfloat16, float8 e4m3fn/e5m2, int32/64, "
+                "uint8, bool");
   return DType::kFloat32;
 }
 
@@ -382,6 +383,8 @@ nb::dlpack::dtype dlpack_dtype(DType d) {
       return make(C::Int, 64);
     case DType::kUInt8:
       return make(C::UInt, 8);
+    case DType::kFloat64:
+      return make(C::Float, 64);
     case DType::kBool:
       return make(C::Bool, 8);
   }

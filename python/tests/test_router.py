@@ -3,7 +3,6 @@ router (topk_routing_with_score_function, group_limited_topk, the switch
 load-balancing loss, the z-loss): ids exactly, values and the gradients of
 probs / aux_loss / z_loss w.r.t. the logits to 1e-5; gradcheck; the
 expert-bias update; bad input. On the CPU and, when there is one, a CUDA GPU."""
-import warnings
 
 import pytest
 
@@ -174,21 +173,28 @@ def well_separated_logits(T, E, seed):
     {"aux_loss_coeff": 0.3, "z_loss_coeff": 0.2},
     {"pre_softmax": True, "topk_scaling_factor": 1.5, "aux_loss_coeff": 0.3},
     {"score_function": "sigmoid", "num_groups": 4, "group_topk": 2, "z_loss_coeff": 0.2},
-], ids=["softmax", "pre_softmax_scaled", "sigmoid_grouped"])
-def test_gradcheck(opts):
-    """Finite differences of the float32 op (hence loose tolerances; the
-    float64 reference above is the tight check). gradcheck also sends
-    undefined (None) gradients for each output."""
-    E, K = 8, 2
-    x = well_separated_logits(6, E, seed=5).float().requires_grad_(True)
+    {"score_function": "sigmoid", "seq_aux_loss_coeff": 0.3, "aux_loss_coeff": 0.1,
+     "masked": True},
+], ids=["softmax", "pre_softmax_scaled", "sigmoid_grouped", "sigmoid_seq_aux_masked"])
+def test_gradcheck_float64(opts):
+    """torch.autograd.gradcheck of the op in float64 (the CPU backend takes
+    float64 logits for this), at gradcheck's default tolerances. gradcheck
+    also sends undefined (None) gradients for each output."""
+    opts = dict(opts)
+    E, K, T = 8, 2, 7
+    if opts.pop("masked", False):
+        opts["padding_mask"] = torch.tensor([0, 1, 0, 0, 0, 1, 0], dtype=torch.bool)
+    if "seq_aux_loss_coeff" in opts:
+        opts["cu_seqlens"] = torch.tensor([0, 3, 3, 7], dtype=torch.int32)
+    x = well_separated_logits(T, E, seed=5).requires_grad_(True)
+    r = mf.router(x, K, **opts)
+    assert r.probs.dtype == torch.float64
 
     def f(x):
         r = mf.router(x, K, **opts)
-        return tuple(t for t in (r.probs, r.aux_loss, r.z_loss) if t is not None)
+        return tuple(t for t in (r.probs, r.aux_loss, r.z_loss, r.seq_aux_loss) if t is not None)
 
-    with warnings.catch_warnings():  # "inputs are not double precision"
-        warnings.simplefilter("ignore", UserWarning)
-        assert torch.autograd.gradcheck(f, (x,), eps=1e-3, atol=2e-3, rtol=1e-2)
+    assert torch.autograd.gradcheck(f, (x,))
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -299,8 +305,12 @@ def test_bad_input_names_the_argument():
     Error = moeflow.Error
     with pytest.raises(Error, match="logits must be float32"):
         mf.router(x.half(), 2)
-    with pytest.raises(Error, match="logits: unsupported dtype"):  # float64: not in DLPack's set
-        mf.router(x.double(), 2)
+    with pytest.raises(Error, match="logits must be float32"):
+        mf.router(x.to(torch.bfloat16), 2)
+    with pytest.raises(Error, match="probs must be float64"):  # float64 throughout, or float32
+        mf._C.router_forward(x.double(), 8, 2, "softmax", False, 0, 0, 1.0, 0.0, 0.0, 0.0,
+                             torch.empty(4, 2, dtype=torch.int32), torch.empty(4, 2),
+                             torch.empty(8, dtype=torch.int32))
     with pytest.raises(Error, match="logits must be float32"):
         mf.router(x[0], 2)
     with pytest.raises(Error, match="topk must be in"):

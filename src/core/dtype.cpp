@@ -21,6 +21,7 @@ size_t dtype_size(DType dtype) {
     case DType::kInt64: return 8;
     case DType::kUInt8: return 1;
     case DType::kBool: return 1;
+    case DType::kFloat64: return 8;
   }
   return 0;
 }
@@ -36,6 +37,7 @@ const char* dtype_name(DType dtype) {
     case DType::kInt64: return "int64";
     case DType::kUInt8: return "uint8";
     case DType::kBool: return "bool";
+    case DType::kFloat64: return "float64";
   }
   return "unknown";
 }

@@ -4,6 +4,8 @@
 #include "moeflow/router.h"
 
 #include <cmath>
+#include <utility>
+#include <vector>
 
 #include "core/backends.h"
 #include "core/internal.h"
@@ -69,13 +71,33 @@ static int64_t check_tokens(const RouterTokenInfo& tokens, const RouterConfig& c
   return tokens.cu_seqlens.shape[0] - 1;
 }
 
-// logits must be float32 [T,E]; returns T.
+// The float dtypes a tensor of the router may have on `dev`: float32, and on
+// the CPU also float64 (gradient checks).
+static std::vector<DType> float_dtypes(Device dev) {
+  if (dev.is_cpu()) return {DType::kFloat32, DType::kFloat64};
+  return {DType::kFloat32};
+}
+
+// logits must be float32 [T,E] (or float64 on the CPU); returns T.
 static int64_t check_logits(TensorView logits, const RouterConfig& c) {
   detail::expect_defined(logits, "logits");
   MOEFLOW_CHECK(logits.ndim == 2, "logits must be float32 [T,E=", c.num_experts, "], got ",
                 logits.str());
-  detail::expect(logits, "logits", Expect{{DType::kFloat32}, {-1, c.num_experts}, logits.device});
+  MOEFLOW_CHECK(logits.device.is_cpu() || logits.dtype != DType::kFloat64,
+                "logits must be float32 on ", logits.device.str(),
+                " (float64 logits are taken on the CPU only), got ", logits.str());
+  detail::expect(logits, "logits",
+                 Expect{float_dtypes(logits.device), {-1, c.num_experts}, logits.device});
   return logits.shape[0];
+}
+
+// A float tensor that follows the dtype of the logits (float32 or float64).
+static void expect_float(const TensorView& v, const char* name, std::vector<int64_t> shape,
+                         const TensorView& logits) {
+  detail::expect_defined(v, name);
+  MOEFLOW_CHECK(v.dtype == logits.dtype, name, " must be ", dtype_name(logits.dtype),
+                " (the dtype of logits), got ", v.str());
+  detail::expect(v, name, Expect{{logits.dtype}, std::move(shape), logits.device});
 }
 
 #ifdef MOEFLOW_WITH_CUDA
@@ -106,20 +128,20 @@ void router_forward(TensorView logits, const RouterConfig& config, const RouterO
   if (expert_bias.defined()) {
     MOEFLOW_CHECK(config.score_function == ScoreFunction::kSigmoid,
                   "expert_bias needs score_function kSigmoid, got kSoftmax");
-    detail::expect(expert_bias, "expert_bias", Expect{{DType::kFloat32}, {E}, dev});
+    expect_float(expert_bias, "expert_bias", {E}, logits);
   }
   const int64_t S = check_tokens(tokens, config, T, dev);
   detail::expect(out.topk_ids, "topk_ids", Expect{{DType::kInt32}, {T, K}, dev});
-  detail::expect(out.probs, "probs", Expect{{DType::kFloat32}, {T, K}, dev});
+  expect_float(out.probs, "probs", {T, K}, logits);
   detail::expect(out.tokens_per_expert, "tokens_per_expert", Expect{{DType::kInt32}, {E}, dev});
   if (config.aux_loss_coeff != 0.0f || out.aux_loss.defined())
-    detail::expect(out.aux_loss, "aux_loss", Expect{{DType::kFloat32}, {1}, dev});
+    expect_float(out.aux_loss, "aux_loss", {1}, logits);
   if (config.z_loss_coeff != 0.0f || out.z_loss.defined())
-    detail::expect(out.z_loss, "z_loss", Expect{{DType::kFloat32}, {1}, dev});
+    expect_float(out.z_loss, "z_loss", {1}, logits);
   if (out.nonfinite.defined())
     detail::expect(out.nonfinite, "nonfinite", Expect{{DType::kInt32}, {1}, dev});
   if (config.seq_aux_loss_coeff != 0.0f || out.seq_aux_loss.defined())
-    detail::expect(out.seq_aux_loss, "seq_aux_loss", Expect{{DType::kFloat32}, {1}, dev});
+    expect_float(out.seq_aux_loss, "seq_aux_loss", {1}, logits);
   if (config.seq_aux_loss_coeff != 0.0f || out.seq_tokens_per_expert.defined()) {
     MOEFLOW_CHECK(S > 0, "seq_tokens_per_expert needs cu_seqlens");
     detail::expect(out.seq_tokens_per_expert, "seq_tokens_per_expert",
@@ -163,7 +185,7 @@ void router_backward(TensorView logits, TensorView topk_ids, TensorView tokens_p
   const int E = config.num_experts, K = config.topk;
   const Device dev = logits.device;
   detail::expect(topk_ids, "topk_ids", Expect{{DType::kInt32}, {T, K}, dev});
-  detail::expect(grads.dprobs, "dprobs", Expect{{DType::kFloat32}, {T, K}, dev});
+  expect_float(grads.dprobs, "dprobs", {T, K}, logits);
   const int64_t S = check_tokens(tokens, config, T, dev);
   // With a padding mask the losses' token count comes from tokens_per_expert.
   const bool need_counts = config.aux_loss_coeff != 0.0f ||
@@ -175,13 +197,11 @@ void router_backward(TensorView logits, TensorView topk_ids, TensorView tokens_p
     detail::expect(seq_tokens_per_expert, "seq_tokens_per_expert",
                    Expect{{DType::kInt32}, {S, E}, dev});
   }
-  if (grads.daux_loss.defined())
-    detail::expect(grads.daux_loss, "daux_loss", Expect{{DType::kFloat32}, {1}, dev});
-  if (grads.dz_loss.defined())
-    detail::expect(grads.dz_loss, "dz_loss", Expect{{DType::kFloat32}, {1}, dev});
+  if (grads.daux_loss.defined()) expect_float(grads.daux_loss, "daux_loss", {1}, logits);
+  if (grads.dz_loss.defined()) expect_float(grads.dz_loss, "dz_loss", {1}, logits);
   if (grads.dseq_aux_loss.defined())
-    detail::expect(grads.dseq_aux_loss, "dseq_aux_loss", Expect{{DType::kFloat32}, {1}, dev});
-  detail::expect(dlogits, "dlogits", Expect{{DType::kFloat32}, {T, E}, dev});
+    expect_float(grads.dseq_aux_loss, "dseq_aux_loss", {1}, logits);
+  expect_float(dlogits, "dlogits", {T, E}, logits);
   RouterBackwardArgs a;
   a.logits = logits;
   a.topk_ids = topk_ids;
@@ -271,7 +291,7 @@ void router_apply_capacity(TensorView topk_ids, TensorView probs,
   const Device dev = topk_ids.device;
   detail::expect(topk_ids, "topk_ids", Expect{{DType::kInt32}, {T, K}, dev});
   if (config.drop_policy == DropPolicy::kProbs || probs.defined())
-    detail::expect(probs, "probs", Expect{{DType::kFloat32}, {T, K}, dev});
+    detail::expect(probs, "probs", Expect{float_dtypes(dev), {T, K}, dev});
   detail::expect(kept_ids, "kept_ids", Expect{{DType::kInt32}, {T, K}, dev});
   if (dropped.defined()) detail::expect(dropped, "dropped", Expect{{DType::kInt32}, {1}, dev});
   MOEFLOW_CHECK(K <= 0x7FFFFFFF && T * K <= 0x7FFFFFFF, "topk_ids has too many slots (", T * K,

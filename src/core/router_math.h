@@ -98,15 +98,17 @@ MOEFLOW_HD inline float effective_scale(float factor) {
 
 // Host replay of a warp sum: lane l sums v[i] for i = l, l+32, ... in order
 // (from 0), then the lanes combine as a xor butterfly (16, 8, 4, 2, 1).
-inline float lane_order_sum(const float* v, int64_t n) {
-  float part[kLanes];
+// T: float (the warp's arithmetic) or double (the CPU's float64 router).
+template <typename T>
+inline T lane_order_sum(const T* v, int64_t n) {
+  T part[kLanes];
   for (int l = 0; l < kLanes; ++l) {
-    float s = 0.0f;
+    T s = T(0);
     for (int64_t i = l; i < n; i += kLanes) s = s + v[i];
     part[l] = s;
   }
   for (int m = kLanes / 2; m >= 1; m /= 2) {
-    float next[kLanes];
+    T next[kLanes];
     for (int l = 0; l < kLanes; ++l) next[l] = part[l] + part[l ^ m];
     for (int l = 0; l < kLanes; ++l) part[l] = next[l];
   }

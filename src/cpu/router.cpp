@@ -9,8 +9,14 @@
 // backend chooses bitwise the same experts. The losses are accumulated in
 // double. Backward recomputes the forward quantities per token in double and
 // applies the chain rule with the choice fixed.
+//
+// Float64 logits (CPU only, for gradient checks) run the same code on double:
+// libm exp, double sums in the same order, selection by (score, id) at full
+// precision; the float32 path is untouched by the templating.
 #include <algorithm>
 #include <cmath>
+#include <cstring>
+#include <utility>
 #include <vector>
 
 #include "core/backends.h"
@@ -24,40 +30,82 @@ namespace rm = router_math;
 
 namespace {
 
+// The scalar arithmetic per logits dtype (F: float or double).
+template <typename F>
+struct Arith;
+
+// float: the exact float32 arithmetic shared with the CUDA backend.
+template <>
+struct Arith<float> {
+  using Key = uint64_t;  // rank_key: larger = ranked first
+  static float exp(float x) { return rm::exp_exact(x); }
+  static float sigmoid(float x) { return rm::sigmoid_exact(x); }
+  static float sanitize(float x) { return rm::sanitize(x); }
+  static Key key(float score, int id) { return rm::rank_key(score, id); }
+  static int key_id(Key k) { return rm::rank_key_id(k); }
+  // A monotone image of the score alone (NaN as -inf).
+  static uint64_t order(float score) { return rm::rank_key(score, 0) >> 32; }
+  static constexpr float kEps = rm::kRenormEps;
+};
+
+// double: libm, and the ordering of rank_key widened to 64-bit scores.
+template <>
+struct Arith<double> {
+  using Key = std::pair<uint64_t, uint32_t>;  // (score order, ~id): larger = ranked first
+  static double exp(double x) { return std::exp(x); }
+  static double sigmoid(double x) { return 1.0 / (1.0 + std::exp(-x)); }
+  static double sanitize(double x) { return x != x ? -static_cast<double>(INFINITY) : x; }
+  static uint64_t order(double score) {
+    uint64_t u;
+    const double v = sanitize(score);
+    std::memcpy(&u, &v, sizeof u);
+    return (u >> 63) ? ~u : (u | (uint64_t{1} << 63));
+  }
+  static Key key(double score, int id) {
+    return {order(score), 0xFFFFFFFFu - static_cast<uint32_t>(id)};
+  }
+  static int key_id(const Key& k) { return static_cast<int>(0xFFFFFFFFu - k.second); }
+  static constexpr double kEps = 1e-20;
+};
+
 // The experts chosen for one token, best first; `key` are the routing scores.
-std::vector<int> select_experts(const std::vector<float>& key, const RouterConfig& c) {
+template <typename F>
+std::vector<int> select_experts(const std::vector<F>& key, const RouterConfig& c) {
+  using A = Arith<F>;
+  using Key = typename A::Key;
   const int E = c.num_experts;
   std::vector<char> allowed(E, 1);
   if (c.num_groups > 0) {
     // Step 1: group scores = sum of the group's top (K / group_topk) routing
     // scores, added best first (as the CUDA kernel does).
     const int per = E / c.num_groups, take = c.topk / c.group_topk;
-    std::vector<uint64_t> group_keys(c.num_groups);
+    std::vector<Key> group_keys(c.num_groups);
     for (int g = 0; g < c.num_groups; ++g) {
-      std::vector<uint64_t> ks;
-      for (int e = g * per; e < (g + 1) * per; ++e) ks.push_back(rm::rank_key(key[e], e));
+      std::vector<Key> ks;
+      for (int e = g * per; e < (g + 1) * per; ++e) ks.push_back(A::key(key[e], e));
       std::sort(ks.rbegin(), ks.rend());
-      float s = 0.0f;
-      for (int i = 0; i < take; ++i) s = s + key[rm::rank_key_id(ks[i])];
-      group_keys[g] = rm::rank_key(s, g);
+      F s = F(0);
+      for (int i = 0; i < take; ++i) s = s + key[A::key_id(ks[i])];
+      group_keys[g] = A::key(s, g);
     }
     // Step 2: keep the group_topk best groups.
-    std::vector<uint64_t> sorted = group_keys;
+    std::vector<Key> sorted = group_keys;
     std::sort(sorted.rbegin(), sorted.rend());
-    const uint64_t threshold = sorted[c.group_topk - 1];
+    const Key threshold = sorted[c.group_topk - 1];
     for (int e = 0; e < E; ++e) allowed[e] = group_keys[e / per] >= threshold;
   }
-  std::vector<uint64_t> ks;
+  std::vector<Key> ks;
   for (int e = 0; e < E; ++e)
-    if (allowed[e]) ks.push_back(rm::rank_key(key[e], e));
-  std::partial_sort(ks.begin(), ks.begin() + c.topk, ks.end(), std::greater<uint64_t>());
+    if (allowed[e]) ks.push_back(A::key(key[e], e));
+  std::partial_sort(ks.begin(), ks.begin() + c.topk, ks.end(), std::greater<Key>());
   std::vector<int> ids(c.topk);
-  for (int k = 0; k < c.topk; ++k) ids[k] = rm::rank_key_id(ks[k]);
+  for (int k = 0; k < c.topk; ++k) ids[k] = A::key_id(ks[k]);
   return ids;
 }
 
 // logsumexp of a sanitized row, in double.
-double logsumexp(const float* x, int E) {
+template <typename F>
+double logsumexp(const F* x, int E) {
   double m = -INFINITY;
   for (int e = 0; e < E; ++e) m = std::max(m, static_cast<double>(x[e]));
   if (std::isinf(m)) return m;
@@ -94,19 +142,19 @@ std::vector<int64_t> sequence_of_tokens(const std::vector<int64_t>& cu, int64_t 
   return seq;
 }
 
-}  // namespace
-
-void router_forward(const RouterForwardArgs& a) {
+template <typename F>
+void forward_impl(const RouterForwardArgs& a) {
+  using A = Arith<F>;
   const TensorView logits = a.logits;
   const RouterConfig& c = a.config;
   const RouterOutputs& out = a.out;
   const int64_t T = logits.shape[0];
   const int E = c.num_experts, K = c.topk;
-  const float* in = logits.data_ptr<float>();
-  const float* bias = a.expert_bias.defined() ? a.expert_bias.data_ptr<float>() : nullptr;
+  const F* in = logits.data_ptr<F>();
+  const F* bias = a.expert_bias.defined() ? a.expert_bias.data_ptr<F>() : nullptr;
   int32_t* ids_out = out.topk_ids.data_ptr<int32_t>();
-  float* probs_out = out.probs.data_ptr<float>();
-  const float scale = rm::effective_scale(c.topk_scaling_factor);
+  F* probs_out = out.probs.data_ptr<F>();
+  const F scale = static_cast<F>(rm::effective_scale(c.topk_scaling_factor));
   // Sequences: read (and checked) when an output needs them.
   const int64_t S = a.num_sequences;
   const bool seq = S > 0 && (c.seq_aux_loss_coeff != 0.0f || out.seq_tokens_per_expert.defined());
@@ -121,52 +169,52 @@ void router_forward(const RouterForwardArgs& a) {
   double z_sum = 0.0;
   int32_t nonfinite = 0;
   int64_t real = 0;  // tokens not masked as padding
-  std::vector<float> x(E), ex(E), val(E), key(E);
+  std::vector<F> x(E), ex(E), val(E), key(E);
   std::vector<double> score(E);  // the aux-loss scores of the token
   for (int64_t t = 0; t < T; ++t) {
     if (is_pad(a.padding_mask, t)) {
       for (int k = 0; k < K; ++k) {
         ids_out[t * K + k] = -1;
-        probs_out[t * K + k] = 0.0f;
+        probs_out[t * K + k] = F(0);
       }
       continue;
     }
     ++real;
     // Step 1: sanitized logits, row max, non-finite count.
     bool bad = false;
-    float m = -INFINITY;
+    F m = -INFINITY;
     for (int e = 0; e < E; ++e) {
-      const float v = in[t * E + e];
+      const F v = in[t * E + e];
       bad |= !std::isfinite(v);
-      x[e] = rm::sanitize(v);
+      x[e] = A::sanitize(v);
       m = std::max(m, x[e]);
     }
     nonfinite += bad;
     // Step 2: scores (val) and routing scores (key).
-    for (int e = 0; e < E; ++e) ex[e] = rm::exp_exact(x[e] - m);
-    const float sum_ex = rm::lane_order_sum(ex.data(), E);
+    for (int e = 0; e < E; ++e) ex[e] = A::exp(x[e] - m);
+    const F sum_ex = rm::lane_order_sum(ex.data(), E);
     for (int e = 0; e < E; ++e) {
       if (is_softmax(c))
         val[e] = c.pre_softmax ? ex[e] / sum_ex : x[e];
       else
-        val[e] = rm::sigmoid_exact(x[e]);
+        val[e] = A::sigmoid(x[e]);
       key[e] = bias ? val[e] + bias[e] : val[e];
     }
     // Step 3: the choice and the probabilities of the chosen slots.
     const std::vector<int> ids = select_experts(key, c);
-    std::vector<float> v(K);
+    std::vector<F> v(K);
     for (int k = 0; k < K; ++k) v[k] = val[ids[k]];
-    std::vector<float> p(K);
+    std::vector<F> p(K);
     if (is_softmax(c) && !c.pre_softmax) {
-      float mk = -INFINITY;
+      F mk = -INFINITY;
       for (int k = 0; k < K; ++k) mk = std::max(mk, v[k]);
-      std::vector<float> ek(K);
-      for (int k = 0; k < K; ++k) ek[k] = rm::exp_exact(v[k] - mk);
-      const float s = rm::lane_order_sum(ek.data(), K);
+      std::vector<F> ek(K);
+      for (int k = 0; k < K; ++k) ek[k] = A::exp(v[k] - mk);
+      const F s = rm::lane_order_sum(ek.data(), K);
       for (int k = 0; k < K; ++k) p[k] = ek[k] / s;
     } else if (!is_softmax(c) && K > 1) {
-      const float s = rm::lane_order_sum(v.data(), K);
-      for (int k = 0; k < K; ++k) p[k] = v[k] / (s + rm::kRenormEps);
+      const F s = rm::lane_order_sum(v.data(), K);
+      for (int k = 0; k < K; ++k) p[k] = v[k] / (s + A::kEps);
     } else {
       p = v;
     }
@@ -206,11 +254,10 @@ void router_forward(const RouterForwardArgs& a) {
   // T of the losses: the real tokens (= T without a padding mask).
   const double Td = static_cast<double>(real);
   if (out.aux_loss.defined())
-    out.aux_loss.data_ptr<float>()[0] =
-        real > 0 ? static_cast<float>(aux * E * c.aux_loss_coeff / (K * Td * Td)) : 0.0f;
+    out.aux_loss.data_ptr<F>()[0] =
+        real > 0 ? static_cast<F>(aux * E * c.aux_loss_coeff / (K * Td * Td)) : F(0);
   if (out.z_loss.defined())
-    out.z_loss.data_ptr<float>()[0] =
-        real > 0 ? static_cast<float>(c.z_loss_coeff * z_sum / Td) : 0.0f;
+    out.z_loss.data_ptr<F>()[0] = real > 0 ? static_cast<F>(c.z_loss_coeff * z_sum / Td) : F(0);
   if (out.nonfinite.defined()) out.nonfinite.data_ptr<int32_t>()[0] = nonfinite;
   double seq_aux = 0.0;
   if (seq) {
@@ -226,21 +273,22 @@ void router_forward(const RouterForwardArgs& a) {
     }
     seq_aux /= static_cast<double>(S);
   }
-  if (out.seq_aux_loss.defined())
-    out.seq_aux_loss.data_ptr<float>()[0] = static_cast<float>(seq_aux);
+  if (out.seq_aux_loss.defined()) out.seq_aux_loss.data_ptr<F>()[0] = static_cast<F>(seq_aux);
   if (out.invalid_cu_seqlens.defined()) out.invalid_cu_seqlens.data_ptr<int32_t>()[0] = 0;
 }
 
-void router_backward(const RouterBackwardArgs& a) {
+template <typename F>
+void backward_impl(const RouterBackwardArgs& a) {
+  using A = Arith<F>;
   const RouterConfig& c = a.config;
   const RouterGrads& grads = a.grads;
   const TensorView logits = a.logits;
   const int64_t T = logits.shape[0];
   const int E = c.num_experts, K = c.topk;
-  const float* in = logits.data_ptr<float>();
+  const F* in = logits.data_ptr<F>();
   const int32_t* ids = a.topk_ids.data_ptr<int32_t>();
-  const float* dprobs = grads.dprobs.data_ptr<float>();
-  float* dl_out = a.dlogits.data_ptr<float>();
+  const F* dprobs = grads.dprobs.data_ptr<F>();
+  F* dl_out = a.dlogits.data_ptr<F>();
   const double scale = rm::effective_scale(c.topk_scaling_factor);
   // T of the losses: with a padding mask, the real tokens = sum(tokens_per_expert) / K.
   int64_t real = T;
@@ -253,8 +301,8 @@ void router_backward(const RouterBackwardArgs& a) {
   }
   const double Td = static_cast<double>(real);
   // d(loss)/d(s[t,e]) of the aux loss is w[e] for every t; d(z_loss)/d(lse_t^2) is zc.
-  const double g_aux = grads.daux_loss.defined() ? grads.daux_loss.data_ptr<float>()[0] : 0.0;
-  const double g_z = grads.dz_loss.defined() ? grads.dz_loss.data_ptr<float>()[0] : 0.0;
+  const double g_aux = grads.daux_loss.defined() ? grads.daux_loss.data_ptr<F>()[0] : 0.0;
+  const double g_z = grads.dz_loss.defined() ? grads.dz_loss.data_ptr<F>()[0] : 0.0;
   std::vector<double> w(E, 0.0);
   if (c.aux_loss_coeff != 0.0f && real > 0)
     for (int e = 0; e < E; ++e)
@@ -269,8 +317,7 @@ void router_backward(const RouterBackwardArgs& a) {
   std::vector<double> ws;
   if (seq) {
     seq_of = sequence_of_tokens(read_cu_seqlens(a.cu_seqlens, S, T), T);
-    const double g_seq =
-        grads.dseq_aux_loss.defined() ? grads.dseq_aux_loss.data_ptr<float>()[0] : 0.0;
+    const double g_seq = grads.dseq_aux_loss.defined() ? grads.dseq_aux_loss.data_ptr<F>()[0] : 0.0;
     const int32_t* sc = a.seq_tokens_per_expert.data_ptr<int32_t>();
     ws.assign(S * E, 0.0);
     for (int64_t sq = 0; sq < S; ++sq) {
@@ -287,7 +334,7 @@ void router_backward(const RouterBackwardArgs& a) {
   std::vector<double> x(E), soft(E), sig(E), dl(E), dval(E), wt(E);
   for (int64_t t = 0; t < T; ++t) {
     if (is_pad(a.padding_mask, t)) {
-      for (int e = 0; e < E; ++e) dl_out[t * E + e] = 0.0f;
+      for (int e = 0; e < E; ++e) dl_out[t * E + e] = F(0);
       continue;
     }
     // The loss weights of the token's scores: aux (+ its sequence's).
@@ -300,7 +347,7 @@ void router_backward(const RouterBackwardArgs& a) {
     // Forward quantities of the token, in double.
     double m = -INFINITY;
     for (int e = 0; e < E; ++e) {
-      x[e] = rm::sanitize(in[t * E + e]);
+      x[e] = A::sanitize(in[t * E + e]);
       m = std::max(m, x[e]);
     }
     double sum_ex = 0.0, sum_sig = 0.0;
@@ -313,7 +360,7 @@ void router_backward(const RouterBackwardArgs& a) {
     std::fill(dl.begin(), dl.end(), 0.0);
     std::fill(dval.begin(), dval.end(), 0.0);  // gradient w.r.t. the scores val[e]
     const int32_t* tid = ids + t * K;
-    const float* g = dprobs + t * K;
+    const F* g = dprobs + t * K;
     auto valid = [&](int k) { return tid[k] >= 0 && tid[k] < E; };
 
     // Slots: through the probabilities of the chosen experts.
@@ -366,8 +413,20 @@ void router_backward(const RouterBackwardArgs& a) {
       const double lse = std::isinf(m) ? m : m + std::log(sum_ex);
       for (int e = 0; e < E; ++e) dl[e] += zc * 2.0 * lse * soft[e];
     }
-    for (int e = 0; e < E; ++e) dl_out[t * E + e] = static_cast<float>(dl[e]);
+    for (int e = 0; e < E; ++e) dl_out[t * E + e] = static_cast<F>(dl[e]);
   }
+}
+
+}  // namespace
+
+void router_forward(const RouterForwardArgs& a) {
+  if (a.logits.dtype == DType::kFloat64) return forward_impl<double>(a);
+  forward_impl<float>(a);
+}
+
+void router_backward(const RouterBackwardArgs& a) {
+  if (a.logits.dtype == DType::kFloat64) return backward_impl<double>(a);
+  backward_impl<float>(a);
 }
 
 void router_update_expert_bias(TensorView tokens_per_expert, TensorView expert_bias, float rate) {
@@ -391,13 +450,18 @@ void router_apply_capacity(const RouterCapacityArgs& a) {
   const int64_t T = a.topk_ids.shape[0], K = a.topk_ids.shape[1];
   const int E = a.config.num_experts;
   const int32_t* ids = a.topk_ids.data_ptr<int32_t>();
-  const float* probs = a.probs.defined() ? a.probs.data_ptr<float>() : nullptr;
   std::vector<int32_t> kept(ids, ids + T * K);  // topk_ids may alias kept_ids
   for (int64_t i = 0; i < T * K; ++i)
     MOEFLOW_CHECK(kept[i] >= -1 && kept[i] < E, "topk_ids must be in [-1, num_experts=", E,
                   "), got ", kept[i], " at slot ", i);
   int64_t dropped = 0;
   if (a.capacity < T) {
+    // The rank order of each slot's prob (kProbs; float32 or float64 probs).
+    std::vector<uint64_t> order(a.probs.defined() ? T * K : 0);
+    for (size_t i = 0; i < order.size(); ++i)
+      order[i] = a.probs.dtype == DType::kFloat64
+                     ? Arith<double>::order(a.probs.data_ptr<double>()[i])
+                     : Arith<float>::order(a.probs.data_ptr<float>()[i]);
     std::vector<std::vector<int64_t>> slots(E);
     for (int64_t i = 0; i < T * K; ++i)
       if (kept[i] >= 0) slots[kept[i]].push_back(i);
@@ -405,10 +469,8 @@ void router_apply_capacity(const RouterCapacityArgs& a) {
       std::vector<int64_t>& v = slots[e];
       if (static_cast<int64_t>(v.size()) <= a.capacity) continue;
       if (a.config.drop_policy == DropPolicy::kProbs)
-        std::stable_sort(v.begin(), v.end(), [&](int64_t x, int64_t y) {
-          // rank_key's high word orders the probs; the id part is equal here.
-          return (rm::rank_key(probs[x], 0) >> 32) > (rm::rank_key(probs[y], 0) >> 32);
-        });
+        std::stable_sort(v.begin(), v.end(),
+                         [&](int64_t x, int64_t y) { return order[x] > order[y]; });
       for (size_t j = static_cast<size_t>(a.capacity); j < v.size(); ++j) {
         kept[v[j]] = -1;
         ++dropped;
