@@ -16,7 +16,8 @@ the step's time. ``--router`` times the router alone at DeepSeek-V3's
 shape (T 8192, E 256, top-8, 8 groups / top-4, sigmoid + expert bias),
 forward and backward, against the torch router.
 
-    PYTHONPATH=build/python:bench python3 bench/py_layer.py [--json FILE] [--profile] [--router]
+    PYTHONPATH=build/python:bench python3 bench/py_layer.py [--json FILE] [--profile [--trace FILE]]
+        [--router] [--case NAME]
 """
 import argparse
 import json
@@ -92,14 +93,18 @@ def torch_layer(layer, x, K, opts):
     return out.to(x.dtype), aux
 
 
-def kernel_sum_ms(fn):
-    """The sum of one step's kernel times, in ms (torch.profiler)."""
+def kernel_sum_ms(fn, trace=None):
+    """The sum of one step's kernel times, in ms (torch.profiler); with
+    ``trace``, the step's timeline (host and device) as a Chrome trace."""
     from torch.profiler import ProfilerActivity, profile
     fn()
     torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+    acts = [ProfilerActivity.CUDA] + ([ProfilerActivity.CPU] if trace else [])
+    with profile(activities=acts) as prof:
         fn()
         torch.cuda.synchronize()
+    if trace:
+        prof.export_chrome_trace(trace)
     evs = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
     return sum(getattr(e, "device_time", None) or getattr(e, "cuda_time", 0.0)
                for e in evs) / 1e3
@@ -147,6 +152,8 @@ def main():
     ap.add_argument("--case", action="append")
     ap.add_argument("--profile", action="store_true")
     ap.add_argument("--router", action="store_true")
+    ap.add_argument("--trace", help="with --profile: write each case's moeflow step as a Chrome "
+                                    "trace, FILE with the case name inserted")
     args = ap.parse_args()
     dev = torch.device("cuda")
     out = {"device": torch.cuda.get_device_name(0), "torch": torch.__version__,
@@ -189,7 +196,11 @@ def main():
             ms = bench_ms(fn)
             res[key] = {"fwd_bwd_ms": ms, "peak_extra_MiB": peak}
             if args.profile:
-                res[key]["kernel_sum_ms"] = kernel_sum_ms(fn)
+                trace = None
+                if args.trace and key == "moeflow":
+                    stem, dot, ext = args.trace.rpartition(".")
+                    trace = f"{stem}-{name}.{ext}" if dot else f"{args.trace}-{name}"
+                res[key]["kernel_sum_ms"] = kernel_sum_ms(fn, trace)
             for p in params:
                 p.grad = None
         out["cases"][name] = res
