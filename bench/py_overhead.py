@@ -46,10 +46,11 @@ def main():
     y = mf.grouped_mlp(rows, fc1, fc2, plan=plan, probs=row_probs)
 
     # Outputs for the direct _C calls.
-    cfg = (E, K, "softmax", False, 0, 0, 1.0, 0.0, 0.0)
+    cfg = (E, K, "softmax", False, 0, 0, 1.0, 0.0, 0.0, 0.0)
     ids = torch.empty(T, K, dtype=torch.int32, device=dev)
     probs = torch.empty(T, K, device=dev)
     tpe = torch.empty(E, dtype=torch.int32, device=dev)
+    nonfinite = torch.empty(1, dtype=torch.int32, device=dev)
     ws = torch.empty(max(1, _C.router_workspace_bytes(T, *cfg)), dtype=torch.uint8, device=dev)
     rows_c, pp_c = torch.empty_like(rows), torch.empty_like(row_probs)
     h = torch.empty(rows.shape[0], 2 * F, device=dev, dtype=torch.bfloat16)
@@ -61,7 +62,8 @@ def main():
 
     cases = [
         ("router", lambda: mf.router(logits, K),
-         lambda: _C.router_forward(ld, *cfg, ids, probs, tpe, None, None, None, None, ws, s)),
+         lambda: _C.router_forward(ld, *cfg, ids, probs, tpe, None, None, None, None, nonfinite,
+                                   None, None, None, None, ws, s)),
         ("Plan", lambda: mf.Plan(r.topk_ids, E, 16),
          lambda: _C.build_plan(r.topk_ids, view, plan._workspace, s)),
         ("permute", lambda: mf.permute(x, plan, r.probs),

@@ -260,13 +260,16 @@ class Plan:
         self.capacity_rows = _C.plan_capacity_rows(T, K, E, self.align, capacity_rows)
         cap = self.capacity_rows
         # Two allocations, split into the plan's tensors (every one of them is
-        # written by the build: no zero fill needed).
-        (self.expert_row_offsets, dest_row, self.total_rows) = torch.empty(
-            E + 1 + T * K + 1, dtype=torch.int64, device=dev).split([E + 1, T * K, 1])
+        # written by the build: no zero fill needed); the C++ plan reads the
+        # two buffers.
+        self._buffers = (torch.empty(E + 1 + T * K + 1, dtype=torch.int64, device=dev),
+                         torch.empty(2 * E + 2 * cap + 2, dtype=torch.int32, device=dev))
+        (self.expert_row_offsets, dest_row, self.total_rows) = \
+            self._buffers[0].split_with_sizes([E + 1, T * K, 1])
         self.dest_row = dest_row.view(T, K)
         (self.tokens_per_expert, self.padded_tokens_per_expert, self.row_token, self.row_k,
-         self.overflow, self.invalid_ids) = torch.empty(
-            2 * E + 2 * cap + 2, dtype=torch.int32, device=dev).split([E, E, cap, cap, 1, 1])
+         self.overflow, self.invalid_ids) = \
+            self._buffers[1].split_with_sizes([E, E, cap, cap, 1, 1])
         ws = _C.plan_workspace_bytes(T, K, E, self.align, capacity_rows)
         self._workspace = torch.empty(ws, dtype=torch.uint8, device=dev) if ws else None
         self._capacity_arg = capacity_rows
@@ -279,11 +282,9 @@ class Plan:
     def _view(self) -> "_C.PlanView":
         """The C++ RoutingPlan over this plan's tensors (made once)."""
         if self._plan_view is None:
-            self._plan_view = _C.PlanView(
+            self._plan_view = _C.PlanView.from_buffers(
                 self.num_tokens, self.topk, self.num_experts, self.align, self._capacity_arg,
-                self.tokens_per_expert, self.padded_tokens_per_expert, self.expert_row_offsets,
-                self.dest_row, self.row_token, self.row_k, self.total_rows, self.overflow,
-                self.invalid_ids)
+                *self._buffers)
         return self._plan_view
 
     @classmethod
