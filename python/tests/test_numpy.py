@@ -121,8 +121,10 @@ def test_bad_input_names_the_argument():
                     np.zeros(1, np.int32))
     with pytest.raises(moeflow.Error, match="topk_ids.*contiguous"):
         _C.build_plan(np.zeros((8, 4), np.int32)[:, ::2], view)
-    with pytest.raises(moeflow.Error, match="dtype"):
+    with pytest.raises(moeflow.Error, match="topk_ids must be int32 or int64.*got float64"):
         _C.build_plan(np.zeros((8, 2), np.float64), view)
+    with pytest.raises(moeflow.Error, match="unsupported dtype"):  # not a moeflow dtype at all
+        _C.build_plan(np.zeros((8, 2), np.complex64), view)
 
 
 def test_grouped_mlp_forward_matches_numpy():
