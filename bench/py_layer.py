@@ -78,7 +78,7 @@ def torch_router(logits, K, score_function="softmax", num_groups=0, group_topk=0
 def torch_layer(layer, x, K, opts):
     """out [T, H], aux: the composite with the layer's parameters."""
     T, H = x.shape
-    E, Fd = layer.num_experts, layer.ffn_hidden_size
+    Fd = layer.ffn_hidden_size
     logits = F.linear(x.float(), layer.router_weight)
     ids, probs, tpe, aux = torch_router(logits, K, expert_bias=layer.expert_bias, **opts)
     flat = ids.reshape(-1)

@@ -2,7 +2,6 @@
 exits non-zero on a mismatch), on the CPU here; and a script that uses the
 package exits without nanobind reporting leaked objects."""
 import importlib.util
-import os
 import subprocess
 import sys
 import textwrap

@@ -179,7 +179,7 @@ def test_layer_seq_aux_loss(device):
     assert layer.aux_loss_coeff == coeff and layer.seq_aux_loss_coeff == 2 * coeff
     B, S = 4, 16
     x = rand_x(device, dtype_of(device), B * S).reshape(B, S, -1)
-    out = layer(x)
+    assert layer(x).shape == x.shape
     assert set(layer.last_losses) == {"aux_loss", "seq_aux_loss"}
     logits = tnf.linear(x.reshape(B * S, -1).float(), layer.router_weight.detach())
     ids, *_ = ref_router(logits, layer.topk)
