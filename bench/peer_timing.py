@@ -13,3 +13,25 @@ def bench_ms(fn, iters=10, warm=3):
         ts.append(a.elapsed_time(b))
     ts.sort()
     return ts[len(ts) // 2]
+
+
+def step_stats(fn, params):
+    """A training step's (median ms, peak MiB beyond what is allocated
+    before it): one warm-up, then the peak of one step with the gradients
+    of ``params`` cleared first (so the step allocates them), then the
+    timing. The gradients are cleared again at the end."""
+    for p in params:
+        p.grad = None
+    fn()
+    torch.cuda.synchronize()
+    for p in params:
+        p.grad = None
+    base = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    fn()
+    torch.cuda.synchronize()
+    peak = (torch.cuda.max_memory_allocated() - base) / 2 ** 20
+    ms = bench_ms(fn)
+    for p in params:
+        p.grad = None
+    return ms, peak

@@ -19,7 +19,7 @@ import json
 import torch
 
 import moeflow
-from peer_timing import bench_ms
+from peer_timing import step_stats
 from py_layer import CASES
 
 
@@ -45,27 +45,25 @@ def main():
         ours = moeflow.MoELayer(H, Fd, E, K, score_function="softmax", aux_loss_coeff=1e-2,
                                 device=dev)
 
+        def clear(module):  # a training step after zero_grad(set_to_none=True)
+            for p in [x] + list(module.parameters()):
+                p.grad = None
+
         def sonic_step():
+            clear(sonic)
             o, aux = sonic(x, kernel_backend_moe=KernelBackendMoE.sonicmoe)
             torch.autograd.backward([o, aux], [dy, torch.ones_like(aux)])
 
         def ours_step():
+            clear(ours)
             ours(x).backward(dy)
 
         res = {}
         for key, module, fn in (("sonicmoe", sonic, sonic_step), ("moeflow", ours, ours_step)):
             params = [x] + list(module.parameters())
             try:
-                fn()
-                torch.cuda.synchronize()
-                for p in params:
-                    p.grad = None
-                base = torch.cuda.memory_allocated()
-                torch.cuda.reset_peak_memory_stats()
-                fn()
-                torch.cuda.synchronize()
-                peak = (torch.cuda.max_memory_allocated() - base) / 2 ** 20
-                res[key] = {"fwd_bwd_ms": bench_ms(fn), "peak_extra_MiB": peak}
+                ms, peak = step_stats(fn, params)
+                res[key] = {"fwd_bwd_ms": ms, "peak_extra_MiB": peak}
             except Exception as ex:  # report, go on with the other cases
                 res[key] = {"error": f"{type(ex).__name__}: {str(ex)[:300]}"}
             for p in params:

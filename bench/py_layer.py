@@ -27,7 +27,7 @@ import torch.nn.functional as F
 
 import moeflow
 import moeflow.ops as mf
-from peer_timing import bench_ms
+from peer_timing import bench_ms, step_stats
 
 # name, tokens, H, F, experts, top-k, router options
 CASES = [
@@ -173,27 +173,22 @@ def main():
         params = [x] + list(layer.parameters())
         topts = {k: v for k, v in opts.items() if k != "use_expert_bias"}
 
+        def clear():  # a training step after zero_grad(set_to_none=True)
+            for p in params:
+                p.grad = None
+
         def mf_step():
+            clear()
             layer(x).backward(dy)
 
         def torch_step():
+            clear()
             o, aux = torch_layer(layer, x, K, topts)
             torch.autograd.backward([o, aux], [dy, torch.ones((), device=dev)])
 
         res = {}
         for key, fn in (("torch", torch_step), ("moeflow", mf_step)):
-            for p in params:
-                p.grad = None
-            fn()
-            torch.cuda.synchronize()
-            for p in params:
-                p.grad = None
-            base = torch.cuda.memory_allocated()
-            torch.cuda.reset_peak_memory_stats()
-            fn()
-            torch.cuda.synchronize()
-            peak = (torch.cuda.max_memory_allocated() - base) / 2 ** 20
-            ms = bench_ms(fn)
+            ms, peak = step_stats(fn, params)
             res[key] = {"fwd_bwd_ms": ms, "peak_extra_MiB": peak}
             if args.profile:
                 trace = None
