@@ -1,5 +1,6 @@
 // `moeflow run`: one MoE token-path step on a preset, checked as it goes.
-// 1. Route (random router scores, softmax top-k) -> plan -> permute+pad ->
+// 0. The preset's router (run_router.cpp), forward and backward, checked.
+// 1. Its routing -> plan -> permute+pad ->
 //    identity experts -> unpermute with probs merged (must equal
 //    x * sum_k probs), and the backward ops (same identity).
 // 2. The grouped expert MLP (FC1 [E,2F,H] -> probs-weighted SwiGLU -> FC2
@@ -86,16 +87,15 @@ std::vector<float> fetch(const Tensor& t, int64_t offset, int64_t n) {
 
 // --- Part 1: the token path with identity experts ------------------------------
 
-void run_identity_path(const Shape& s, const RunOptions& opt, CheckReport& report) {
+void run_identity_path(const Shape& s, const RunOptions& opt, const Routing& routing,
+                       CheckReport& report) {
   const Device dev = opt.device;
   const int64_t T = s.T, H = s.H;
   const int K = s.K, E = s.E;
   const PlanConfig cfg{E, opt.align, -1};
-  Routing routing;
   Tensor x_host, x, ws, y, pp, out, dy, dprobs, dx, dout;
   RoutingPlan plan;
-  timed_step(dev, "setup (routing, inputs, buffers)", [&] {
-    routing = random_routing(T, E, K, 7, dev);
+  timed_step(dev, "setup (inputs, buffers)", [&] {
     x_host = make_tokens(T, H, 0);
     x = dev.is_cpu() ? x_host : x_host.to(dev);
     plan = allocate_plan(T, K, cfg, dev);
@@ -419,11 +419,12 @@ int run_layer(const RunOptions& opt) {
     perm.T = std::min(
         full.T, std::max<int64_t>(
                     16, static_cast<int64_t>(kCpuPermuteElems / (full.K * full.H)) / 16 * 16));
+  const Routing routing = run_router_step(p.name, perm.T, perm.E, perm.K, dev, opt.backward, report);
   fmt::print("token path with identity experts{}:\n",
              perm.T != full.T ? fmt::format(" (CPU backend: {} of {} tokens; a GPU runs them all)",
                                             perm.T, full.T)
                               : "");
-  run_identity_path(perm, opt, report);
+  run_identity_path(perm, opt, routing, report);
   fmt::print("grouped expert MLP (FC1 -> probs-weighted SwiGLU -> FC2):\n");
   run_expert_mlp(full, opt, report);
   return report.finish();

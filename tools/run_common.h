@@ -84,6 +84,13 @@ class WeightPattern {
 Tensor make_tokens(int64_t T, int64_t H, int64_t shift);
 Tensor make_output_grad(int64_t T, int64_t H, int64_t shift, DType dtype);
 
+// --- The router step (run_router.cpp) ------------------------------------------
+// The preset's router on deterministic logits [T, E] on `device`, forward and
+// (with backward) backward, checked into `report`; returns its ids and probs
+// on `device` for the token path.
+Routing run_router_step(const std::string& preset, int64_t T, int E, int K, Device device,
+                        bool backward, CheckReport& report);
+
 // --- The expert MLP step -------------------------------------------------------
 
 // Its inputs, all on one device: x [T, H] bf16, probs [T, K] float32,
