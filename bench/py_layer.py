@@ -94,8 +94,9 @@ def torch_layer(layer, x, K, opts):
 
 
 def kernel_sum_ms(fn, trace=None):
-    """The sum of one step's kernel times, in ms (torch.profiler); with
-    ``trace``, the step's timeline (host and device) as a Chrome trace."""
+    """(the sum of one step's kernel times, {kernel name: its total}), in ms
+    (torch.profiler); with ``trace``, the step's timeline (host and device)
+    as a Chrome trace."""
     from torch.profiler import ProfilerActivity, profile
     fn()
     torch.cuda.synchronize()
@@ -106,8 +107,11 @@ def kernel_sum_ms(fn, trace=None):
     if trace:
         prof.export_chrome_trace(trace)
     evs = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
-    return sum(getattr(e, "device_time", None) or getattr(e, "cuda_time", 0.0)
-               for e in evs) / 1e3
+    by_name = {}
+    for e in evs:
+        t = (getattr(e, "device_time", None) or getattr(e, "cuda_time", 0.0)) / 1e3
+        by_name[e.name] = by_name.get(e.name, 0.0) + t
+    return sum(by_name.values()), by_name
 
 
 def bench_router(out):
@@ -195,7 +199,10 @@ def main():
                 if args.trace and key == "moeflow":
                     stem, dot, ext = args.trace.rpartition(".")
                     trace = f"{stem}-{name}.{ext}" if dot else f"{args.trace}-{name}"
-                res[key]["kernel_sum_ms"] = kernel_sum_ms(fn, trace)
+                total, by_name = kernel_sum_ms(fn, trace)
+                res[key]["kernel_sum_ms"] = total
+                top = sorted(by_name.items(), key=lambda kv: -kv[1])[:10]
+                res[key]["top_kernels_ms"] = {n[:120]: round(t, 4) for n, t in top}
             for p in params:
                 p.grad = None
         out["cases"][name] = res
@@ -207,6 +214,9 @@ def main():
             line += (f"; kernels {t['kernel_sum_ms']:.2f} / {m['kernel_sum_ms']:.2f} ms "
                      f"(step / kernels {m['fwd_bwd_ms'] / m['kernel_sum_ms']:.3f})")
         print(line, flush=True)
+        if args.profile:
+            for n, t in res["moeflow"]["top_kernels_ms"].items():
+                print(f"    {t:8.3f} ms  {n[:100]}", flush=True)
         del layer, x, dy, params
         torch.cuda.empty_cache()
     if args.json:
