@@ -10,6 +10,7 @@
 #include "moeflow/grouped_mlp.h"
 #include "moeflow/permute.h"
 #include "moeflow/plan.h"
+#include "moeflow/quantize.h"
 #include "moeflow/router.h"
 #include "moeflow/tensor.h"
 #include "moeflow/tuning.h"

@@ -1,0 +1,71 @@
+// FP8 quantization for blockwise FP8 training (DeepSeek-V3 / DeepGEMM
+// style): x [M,K] -> q (fp8) + float32 scales, and back. No host
+// synchronisation, no allocation; outputs are caller-allocated; CUDA calls
+// are graph-capturable. The CPU and CUDA backends agree bit for bit.
+//
+// Policy (one formula on both backends):
+//   amax  = max |x| over the finite elements of a block (or of the tensor),
+//           in float32; NaN and +-inf are left out.
+//   scale = the dequantization multiplier (x ~= q * scale):
+//           amax == 0 (all zeros, empty, or no finite element): 1;
+//           else s = amax / fp8_max (float32 IEEE division, round to nearest
+//           even), at least 2^-149 (so it is never 0); with pow2_scales, the
+//           smallest power of two >= s (exact, from the bits of s).
+//           fp8_max = 448 (e4m3) or 57344 (e5m2).
+//   q     = fp8(x / scale): float32 IEEE division, then round to nearest even
+//           with saturation: finite values and +-inf beyond +-fp8_max become
+//           +-fp8_max; NaN becomes the code 0x7F (a NaN in both formats; sign
+//           dropped); results too small keep their sign (+-0).
+//   dequantize: out = float(q) * scale computed exactly and rounded once to
+//           out's dtype (round to nearest even); a NaN result is written as the
+//           dtype's canonical NaN (0x7FFFFFFF / 0x7FFF).
+// Blocks at the matrix edge are partial: their amax covers the elements present.
+#pragma once
+
+#include <cstdint>
+
+#include "moeflow/tensor.h"
+
+namespace moeflow {
+
+enum class QuantScaling : uint8_t {
+  kTensorwise,    // one scale for the whole tensor
+  kBlock1x128,    // one scale per 1x128 block of a row of q (activations, gradients)
+  kBlock128x128,  // one scale per 128x128 block of q (weights)
+};
+
+struct QuantizeConfig {
+  DType out = DType::kFloat8E4M3;  // kFloat8E4M3 or kFloat8E5M2
+  QuantScaling scaling = QuantScaling::kBlock1x128;
+  bool pow2_scales = false;  // scales rounded up to powers of two (UE8M0-style)
+  // Quantize x^T: q is [K,M] and every block rule above applies to q's rows
+  // (1x128 blocks run along M): exactly the rowwise quantization of x^T. For
+  // the backward GEMMs (dgrad/wgrad operands).
+  bool columnwise = false;
+};
+
+// Shapes (R,C) = (M,K) rowwise, (K,M) columnwise; nb(n) = ceil(n/128).
+//   x:         [M,K] float32/float16/bfloat16; rows may be strided (stride(1) == 1).
+//   q:         [R,C] config.out; rows may be strided (stride(1) == 1).
+//   scales:    float32, contiguous: kTensorwise [1]; kBlock1x128 [R, nb(C)];
+//              kBlock128x128 [nb(R), nb(C)].
+//   workspace: CUDA kTensorwise only: uint8 of >= quantize_workspace_bytes()
+//              bytes on x's device (the per-block amax pass writes it; no zeroing
+//              needed). Ignored otherwise.
+// CUDA kTensorwise runs two kernels (amax partials, then quantize); the
+// others one kernel. All views on one device.
+void quantize(TensorView x, const QuantizeConfig& config, TensorView q, TensorView scales,
+              TensorView workspace = {}, cudaStream_t stream = nullptr);
+
+// Workspace bytes quantize needs on CUDA for this shape and config (0 unless
+// kTensorwise; at most 4 KiB; 0 in a build without CUDA).
+size_t quantize_workspace_bytes(int64_t rows, int64_t cols, const QuantizeConfig& config);
+
+// The inverse: out[m,k] = q[m,k] * scale of its block (columnwise: q[k,m]).
+//   q:      [R,C] config.out (as quantize wrote it); stride(1) == 1.
+//   scales: float32, contiguous, the shape quantize uses for q.
+//   out:    [M,K] float32/float16/bfloat16 (the layout of quantize's x); stride(1) == 1.
+void dequantize(TensorView q, TensorView scales, const QuantizeConfig& config, TensorView out,
+                cudaStream_t stream = nullptr);
+
+}  // namespace moeflow

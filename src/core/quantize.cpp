@@ -1,0 +1,112 @@
+// Public FP8 quantize / dequantize entry points: argument checks, then
+// dispatch to the CPU or CUDA backend by the device of the input.
+#include "core/internal.h"
+#include "core/quantize_backend.h"
+
+namespace moeflow {
+
+using detail::Expect;
+
+namespace {
+
+const std::vector<DType> kArithFloats = {DType::kFloat32, DType::kBFloat16, DType::kFloat16};
+
+int64_t nblocks(int64_t n) {
+  return (n + quant::kBlock - 1) / quant::kBlock;
+}
+
+void check_config(const QuantizeConfig& c) {
+  MOEFLOW_CHECK(c.out == DType::kFloat8E4M3 || c.out == DType::kFloat8E5M2,
+                "QuantizeConfig.out must be float8_e4m3 or float8_e5m2, got ", dtype_name(c.out));
+  MOEFLOW_CHECK(c.scaling == QuantScaling::kTensorwise || c.scaling == QuantScaling::kBlock1x128 ||
+                    c.scaling == QuantScaling::kBlock128x128,
+                "QuantizeConfig.scaling must be kTensorwise, kBlock1x128 or kBlock128x128, got ",
+                static_cast<int>(c.scaling));
+}
+
+// The scales shape for q of shape [R,C].
+std::vector<int64_t> scales_shape(int64_t R, int64_t C, QuantScaling s) {
+  switch (s) {
+    case QuantScaling::kTensorwise:
+      return {1};
+    case QuantScaling::kBlock1x128:
+      return {R, nblocks(C)};
+    default:
+      return {nblocks(R), nblocks(C)};
+  }
+}
+
+Expect rows_of(const std::vector<DType>& dtypes, int64_t rows, int64_t cols, Device device) {
+  Expect e{dtypes, {rows, cols}, device};
+  e.contiguous = false;
+  e.inner_unit = true;
+  return e;
+}
+
+}  // namespace
+
+size_t quantize_workspace_bytes(int64_t rows, int64_t cols, const QuantizeConfig& config) {
+  check_config(config);
+  MOEFLOW_CHECK(rows >= 0 && cols >= 0,
+                "quantize_workspace_bytes: rows and cols must be >= 0, got ", rows, " and ", cols);
+#ifdef MOEFLOW_WITH_CUDA
+  return cuda::quantize_workspace_bytes(rows, cols, config);
+#else
+  return 0;
+#endif
+}
+
+void quantize(TensorView x, const QuantizeConfig& config, TensorView q, TensorView scales,
+              TensorView workspace, cudaStream_t stream) {
+  check_config(config);
+  detail::expect_defined(x, "x");
+  MOEFLOW_CHECK(x.ndim == 2, "x must be [M,K], got ", x.str());
+  const Device dev = x.device;
+  const int64_t M = x.shape[0], K = x.shape[1];
+  detail::expect(x, "x", rows_of(kArithFloats, M, K, dev));
+  const int64_t R = config.columnwise ? K : M, C = config.columnwise ? M : K;
+  detail::expect(q, config.columnwise ? "q (columnwise: [K,M])" : "q",
+                 rows_of({config.out}, R, C, dev));
+  detail::expect(scales, "scales",
+                 Expect{{DType::kFloat32}, scales_shape(R, C, config.scaling), dev});
+  if (dev.is_cpu()) return cpu::quantize(x, config, q, scales);
+#ifdef MOEFLOW_WITH_CUDA
+  const size_t need = cuda::quantize_workspace_bytes(M, K, config);
+  if (need > 0) {
+    detail::expect(workspace, "workspace", Expect{{DType::kUInt8}, {-1}, dev});
+    MOEFLOW_CHECK(workspace.nbytes() >= need, "workspace must hold >= ", need,
+                  " bytes (quantize_workspace_bytes), got ", workspace.nbytes());
+  }
+  detail::cuda_set_device(dev.index);
+  cuda::quantize(x, config, q, scales, workspace, stream);
+#else
+  (void)workspace;
+  (void)stream;
+  MOEFLOW_CHECK(false, "this moeflow was built without CUDA");
+#endif
+}
+
+void dequantize(TensorView q, TensorView scales, const QuantizeConfig& config, TensorView out,
+                cudaStream_t stream) {
+  check_config(config);
+  detail::expect_defined(out, "out");
+  MOEFLOW_CHECK(out.ndim == 2, "out must be [M,K], got ", out.str());
+  const Device dev = out.device;
+  const int64_t M = out.shape[0], K = out.shape[1];
+  detail::expect(out, "out", rows_of(kArithFloats, M, K, dev));
+  const int64_t R = config.columnwise ? K : M, C = config.columnwise ? M : K;
+  detail::expect(q, config.columnwise ? "q (columnwise: [K,M])" : "q",
+                 rows_of({config.out}, R, C, dev));
+  detail::expect(scales, "scales",
+                 Expect{{DType::kFloat32}, scales_shape(R, C, config.scaling), dev});
+  if (dev.is_cpu()) return cpu::dequantize(q, scales, config, out);
+#ifdef MOEFLOW_WITH_CUDA
+  detail::cuda_set_device(dev.index);
+  cuda::dequantize(q, scales, config, out, stream);
+#else
+  (void)stream;
+  MOEFLOW_CHECK(false, "this moeflow was built without CUDA");
+#endif
+}
+
+}  // namespace moeflow

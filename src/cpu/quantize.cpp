@@ -1,0 +1,146 @@
+// CPU reference for FP8 quantize / dequantize: the oracle for the CUDA
+// backend. Scales come from quant::scale_of (shared with the device code);
+// the fp8 conversion is a software round-to-nearest-even with saturation that
+// matches cvt.rn.satfinite (and cuda_fp8.h's host conversion) bit for bit.
+#include <algorithm>
+#include <cmath>
+
+#include "core/internal.h"
+#include "core/quantize_backend.h"
+
+namespace moeflow::cpu {
+
+using detail::load_float;
+using quant::kBlock;
+
+uint8_t float_to_fp8(float v, bool e4m3) {
+  const uint32_t u = quant::bits_of(v);
+  if ((u & 0x7FFFFFFFu) > 0x7F800000u) return quant::kFp8NaN;
+  const uint8_t sign = static_cast<uint8_t>((u >> 24) & 0x80);
+  const float a = std::fabs(v);
+  if (a > quant::fp8_max(e4m3)) return sign | (e4m3 ? 0x7E : 0x7B);  // +-inf too
+  if (a == 0.0f) return sign;
+  const int mbits = e4m3 ? 3 : 2;
+  const int emin = e4m3 ? -6 : -14;  // exponent of the smallest normal
+  const int bias = e4m3 ? 7 : 15;    // emin + bias == 1 in both formats
+  int e;
+  std::frexp(a, &e);
+  e = std::max(e - 1, emin);  // a in [2^e, 2^(e+1)), or the subnormal range
+  // n = a / 2^(e - mbits) rounded to nearest even: n in [0, 2^(mbits+1)]; the
+  // scaling is exact (a power of two, the result normal or a small integer).
+  const int n = static_cast<int>(std::nearbyint(std::ldexp(a, mbits - e)));
+  // Normal: ((e + bias) << mbits) + n - 2^mbits; subnormal (e == emin, n <
+  // 2^mbits): n; both equal ((e + bias - 1) << mbits) + n, and n == 2^(mbits+1)
+  // carries into the exponent. a <= fp8_max, so no code passes the maximum.
+  return sign | static_cast<uint8_t>(((e + bias - 1) << mbits) + n);
+}
+
+namespace {
+
+// Where the input element of q(r,c) is: x[r*xr + c*xc].
+struct Source {
+  const void* data;
+  DType dtype;
+  int64_t xr, xc;
+  float at(int64_t r, int64_t c) const { return load_float(data, dtype, r * xr + c * xc); }
+};
+
+Source source_of(TensorView x, bool columnwise) {
+  return columnwise ? Source{x.data, x.dtype, 1, x.strides[0]}
+                    : Source{x.data, x.dtype, x.strides[0], 1};
+}
+
+float amax_of(const Source& s, int64_t r0, int64_t r1, int64_t c0, int64_t c1) {
+  float m = 0.0f;
+  for (int64_t r = r0; r < r1; ++r)
+    for (int64_t c = c0; c < c1; ++c) m = quant::amax_join(m, quant::amax_term(s.at(r, c)));
+  return m;
+}
+
+}  // namespace
+
+void quantize(TensorView x, const QuantizeConfig& config, TensorView q, TensorView scales) {
+  const bool e4m3 = config.out == DType::kFloat8E4M3;
+  const Source s = source_of(x, config.columnwise);
+  const int64_t R = q.shape[0], C = q.shape[1];
+  auto* qv = static_cast<uint8_t*>(q.data);
+  auto* sv = static_cast<float*>(scales.data);
+  // Quantizes q rows [r0,r1) x cols [c0,c1) with `scale`.
+  auto quantize_block = [&](int64_t r0, int64_t r1, int64_t c0, int64_t c1, float scale) {
+    for (int64_t r = r0; r < r1; ++r)
+      for (int64_t c = c0; c < c1; ++c)
+        qv[r * q.strides[0] + c] = float_to_fp8(quant::div_rn(s.at(r, c), scale), e4m3);
+  };
+  switch (config.scaling) {
+    case QuantScaling::kTensorwise: {
+      const float scale = quant::scale_of(amax_of(s, 0, R, 0, C), e4m3, config.pow2_scales);
+      sv[0] = scale;
+      quantize_block(0, R, 0, C, scale);
+      return;
+    }
+    case QuantScaling::kBlock1x128: {
+      const int64_t nb = scales.shape[1];
+      for (int64_t r = 0; r < R; ++r)
+        for (int64_t b = 0; b < nb; ++b) {
+          const int64_t c0 = b * kBlock, c1 = std::min(C, c0 + kBlock);
+          const float scale =
+              quant::scale_of(amax_of(s, r, r + 1, c0, c1), e4m3, config.pow2_scales);
+          sv[r * nb + b] = scale;
+          quantize_block(r, r + 1, c0, c1, scale);
+        }
+      return;
+    }
+    case QuantScaling::kBlock128x128: {
+      const int64_t nbr = scales.shape[0], nbc = scales.shape[1];
+      for (int64_t br = 0; br < nbr; ++br)
+        for (int64_t bc = 0; bc < nbc; ++bc) {
+          const int64_t r0 = br * kBlock, r1 = std::min(R, r0 + kBlock);
+          const int64_t c0 = bc * kBlock, c1 = std::min(C, c0 + kBlock);
+          const float scale = quant::scale_of(amax_of(s, r0, r1, c0, c1), e4m3, config.pow2_scales);
+          sv[br * nbc + bc] = scale;
+          quantize_block(r0, r1, c0, c1, scale);
+        }
+      return;
+    }
+  }
+}
+
+void dequantize(TensorView q, TensorView scales, const QuantizeConfig& config, TensorView out) {
+  const bool e4m3 = config.out == DType::kFloat8E4M3;
+  const int64_t R = q.shape[0], C = q.shape[1];
+  const auto* qv = static_cast<const uint8_t*>(q.data);
+  const auto* sv = static_cast<const float*>(scales.data);
+  const int64_t nbc = scales.ndim == 2 ? scales.shape[1] : 0;
+  const int64_t orow = config.columnwise ? 1 : out.strides[0];
+  const int64_t ocol = config.columnwise ? out.strides[0] : 1;
+  for (int64_t r = 0; r < R; ++r)
+    for (int64_t c = 0; c < C; ++c) {
+      float scale;
+      switch (config.scaling) {
+        case QuantScaling::kTensorwise:
+          scale = sv[0];
+          break;
+        case QuantScaling::kBlock1x128:
+          scale = sv[r * nbc + c / kBlock];
+          break;
+        default:
+          scale = sv[(r / kBlock) * nbc + c / kBlock];
+          break;
+      }
+      const double d =
+          static_cast<double>(quant::fp8_value(qv[r * q.strides[0] + c], e4m3)) * scale;
+      const int64_t i = r * orow + c * ocol;
+      if (d != d) {  // canonical NaN of the dtype
+        if (out.dtype == DType::kFloat32)
+          static_cast<uint32_t*>(out.data)[i] = 0x7FFFFFFFu;
+        else
+          static_cast<uint16_t*>(out.data)[i] = 0x7FFF;
+      } else if (out.dtype == DType::kFloat32) {
+        static_cast<float*>(out.data)[i] = static_cast<float>(d);
+      } else {
+        detail::store_float(out.data, out.dtype, i, quant::round_to_odd_float(d));
+      }
+    }
+}
+
+}  // namespace moeflow::cpu

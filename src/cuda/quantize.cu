@@ -1,0 +1,279 @@
+// CUDA FP8 quantize / dequantize (policy: moeflow/quantize.h; shared scalar
+// math: core/quantize_backend.h). Simple kernels, correct first:
+//   kBlock1x128:   one warp per 1x128 block of q (4 elements a lane), warp
+//                  shuffle amax, then convert and store.
+//   kBlock128x128: one thread block per 128x128 block of q: amax over the
+//                  block (shared memory reduction), then a second pass that
+//                  converts and stores.
+//   kTensorwise:   kernel 1 writes per-block amax partials into the
+//                  workspace; kernel 2 reduces them (every block, in the same
+//                  way), writes the scale and converts. No atomics, no memset.
+//   dequantize:    one thread per element.
+// Everything works in q coordinates (columnwise reads x through swapped
+// strides). x / scale uses __fdiv_rn, the conversion cvt.rn.satfinite
+// (__nv_cvt_float_to_fp8), NaN is mapped to 0x7F explicitly. No host sync,
+// no allocation; graph-capturable.
+#include <cuda_fp8.h>
+
+#include <algorithm>
+
+#include "core/quantize_backend.h"
+#include "cuda/common.cuh"
+
+namespace moeflow::cuda {
+namespace {
+
+using quant::kBlock;
+
+constexpr int kThreads = 256;
+constexpr int kWarps = kThreads / kWarpSize;
+constexpr int64_t kMaxPartials = 1024;
+constexpr int64_t kElemsPerPartial = 2048;
+
+int64_t num_partials(int64_t n) {
+  return std::min(kMaxPartials, std::max<int64_t>(1, ceil_div(n, kElemsPerPartial)));
+}
+
+int grid_for(int64_t items, int64_t per_block) {
+  const int64_t cap = static_cast<int64_t>(sm_count()) * 16;
+  return static_cast<int>(std::max<int64_t>(1, std::min(cap, ceil_div(items, per_block))));
+}
+
+// The input element of q(r,c): x[r*xr + c*xc].
+template <typename T>
+struct Src {
+  const T* x;
+  int64_t xr, xc;
+  __device__ __forceinline__ float at(int64_t r, int64_t c) const {
+    return to_float(x[r * xr + c * xc]);
+  }
+};
+
+template <bool E4M3>
+__device__ __forceinline__ uint8_t to_fp8(float v) {
+  if (v != v) return quant::kFp8NaN;
+  return static_cast<uint8_t>(
+      __nv_cvt_float_to_fp8(v, __NV_SATFINITE, E4M3 ? __NV_E4M3 : __NV_E5M2));
+}
+
+struct Dst {
+  uint8_t* q;
+  int64_t q_stride;  // elements (bytes) between rows of q
+  int64_t R, C;
+  float* scales;
+  bool pow2;
+};
+
+__device__ __forceinline__ float warp_amax(float m) {
+#pragma unroll
+  for (int o = kWarpSize / 2; o > 0; o >>= 1)
+    m = quant::amax_join(m, __shfl_xor_sync(0xFFFFFFFFu, m, o));
+  return m;
+}
+
+// amax over the block's threads; every thread gets it. Reuses `smem` (kWarps floats).
+__device__ __forceinline__ float block_amax(float m, float* smem) {
+  const int lane = threadIdx.x % kWarpSize, warp = threadIdx.x / kWarpSize;
+  m = warp_amax(m);
+  __syncthreads();  // smem free from a previous use
+  if (lane == 0) smem[warp] = m;
+  __syncthreads();
+  m = lane < kWarps ? smem[lane] : 0.0f;
+  return warp_amax(m);
+}
+
+template <typename T, bool E4M3>
+__global__ void __launch_bounds__(kThreads) quantize_1x128_kernel(Src<T> src, Dst dst, int64_t nb) {
+  constexpr int kPerLane = kBlock / kWarpSize;
+  const int lane = threadIdx.x % kWarpSize;
+  const int64_t items = dst.R * nb;
+  for (int64_t item = static_cast<int64_t>(blockIdx.x) * kWarps + threadIdx.x / kWarpSize;
+       item < items; item += static_cast<int64_t>(gridDim.x) * kWarps) {
+    const int64_t r = item / nb, c0 = (item % nb) * kBlock;
+    float v[kPerLane];
+    float m = 0.0f;
+#pragma unroll
+    for (int j = 0; j < kPerLane; ++j) {
+      const int64_t c = c0 + j * kWarpSize + lane;
+      v[j] = c < dst.C ? src.at(r, c) : 0.0f;
+      m = quant::amax_join(m, quant::amax_term(v[j]));
+    }
+    const float scale = quant::scale_of(warp_amax(m), E4M3, dst.pow2);
+    if (lane == 0) dst.scales[item] = scale;
+    uint8_t* qrow = dst.q + r * dst.q_stride;
+#pragma unroll
+    for (int j = 0; j < kPerLane; ++j) {
+      const int64_t c = c0 + j * kWarpSize + lane;
+      if (c < dst.C) qrow[c] = to_fp8<E4M3>(__fdiv_rn(v[j], scale));
+    }
+  }
+}
+
+template <typename T, bool E4M3>
+__global__ void __launch_bounds__(kThreads)
+    quantize_128x128_kernel(Src<T> src, Dst dst, int64_t nbr, int64_t nbc) {
+  __shared__ float smem[kWarps];
+  for (int64_t item = blockIdx.x; item < nbr * nbc; item += gridDim.x) {
+    const int64_t r0 = (item / nbc) * kBlock, c0 = (item % nbc) * kBlock;
+    const int64_t rows = min(static_cast<int64_t>(kBlock), dst.R - r0);
+    const int64_t cols = min(static_cast<int64_t>(kBlock), dst.C - c0);
+    float m = 0.0f;
+    for (int64_t i = threadIdx.x; i < rows * kBlock; i += kThreads) {
+      const int64_t c = i % kBlock;
+      if (c < cols) m = quant::amax_join(m, quant::amax_term(src.at(r0 + i / kBlock, c0 + c)));
+    }
+    const float scale = quant::scale_of(block_amax(m, smem), E4M3, dst.pow2);
+    if (threadIdx.x == 0) dst.scales[item] = scale;
+    for (int64_t i = threadIdx.x; i < rows * kBlock; i += kThreads) {
+      const int64_t r = r0 + i / kBlock, c = i % kBlock;
+      if (c < cols)
+        dst.q[r * dst.q_stride + c0 + c] = to_fp8<E4M3>(__fdiv_rn(src.at(r, c0 + c), scale));
+    }
+  }
+}
+
+// Kernel 1 of kTensorwise: partials[b] = amax of the elements block b visits.
+template <typename T>
+__global__ void __launch_bounds__(kThreads)
+    amax_partials_kernel(Src<T> src, int64_t R, int64_t C, float* partials) {
+  __shared__ float smem[kWarps];
+  float m = 0.0f;
+  for (int64_t i = static_cast<int64_t>(blockIdx.x) * kThreads + threadIdx.x; i < R * C;
+       i += static_cast<int64_t>(gridDim.x) * kThreads)
+    m = quant::amax_join(m, quant::amax_term(src.at(i / C, i % C)));
+  m = block_amax(m, smem);
+  if (threadIdx.x == 0) partials[blockIdx.x] = m;
+}
+
+// Kernel 2 of kTensorwise: amax of the partials, the scale, the conversion.
+template <typename T, bool E4M3>
+__global__ void __launch_bounds__(kThreads)
+    quantize_tensorwise_kernel(Src<T> src, Dst dst, const float* partials, int64_t num_partials) {
+  __shared__ float smem[kWarps];
+  float m = 0.0f;
+  for (int64_t i = threadIdx.x; i < num_partials; i += kThreads)
+    m = quant::amax_join(m, partials[i]);
+  const float scale = quant::scale_of(block_amax(m, smem), E4M3, dst.pow2);
+  if (blockIdx.x == 0 && threadIdx.x == 0) dst.scales[0] = scale;
+  for (int64_t i = static_cast<int64_t>(blockIdx.x) * kThreads + threadIdx.x; i < dst.R * dst.C;
+       i += static_cast<int64_t>(gridDim.x) * kThreads) {
+    const int64_t r = i / dst.C, c = i % dst.C;
+    dst.q[r * dst.q_stride + c] = to_fp8<E4M3>(__fdiv_rn(src.at(r, c), scale));
+  }
+}
+
+template <typename T>
+__device__ __forceinline__ void store_out(T* p, double d) {
+  if constexpr (std::is_same_v<T, float>) {
+    if (d != d)
+      *reinterpret_cast<uint32_t*>(p) = 0x7FFFFFFFu;
+    else
+      *p = static_cast<float>(d);
+  } else {
+    if (d != d)
+      *reinterpret_cast<uint16_t*>(p) = 0x7FFF;
+    else
+      *p = from_float<T>(quant::round_to_odd_float(d));
+  }
+}
+
+template <typename T, bool E4M3>
+__global__ void __launch_bounds__(kThreads)
+    dequantize_kernel(const uint8_t* q, int64_t q_stride, int64_t R, int64_t C, const float* scales,
+                      QuantScaling scaling, int64_t nbc, T* out, int64_t orow, int64_t ocol) {
+  for (int64_t i = static_cast<int64_t>(blockIdx.x) * kThreads + threadIdx.x; i < R * C;
+       i += static_cast<int64_t>(gridDim.x) * kThreads) {
+    const int64_t r = i / C, c = i % C;
+    float scale;
+    if (scaling == QuantScaling::kTensorwise)
+      scale = scales[0];
+    else if (scaling == QuantScaling::kBlock1x128)
+      scale = scales[r * nbc + c / kBlock];
+    else
+      scale = scales[(r / kBlock) * nbc + c / kBlock];
+    const double d = static_cast<double>(quant::fp8_value(q[r * q_stride + c], E4M3)) * scale;
+    store_out(out + r * orow + c * ocol, d);
+  }
+}
+
+template <typename Fn>
+void with_format(bool e4m3, Fn fn) {
+  if (e4m3)
+    fn(std::true_type{});
+  else
+    fn(std::false_type{});
+}
+
+}  // namespace
+
+size_t quantize_workspace_bytes(int64_t rows, int64_t cols, const QuantizeConfig& config) {
+  if (config.scaling != QuantScaling::kTensorwise) return 0;
+  return static_cast<size_t>(num_partials(rows * cols)) * sizeof(float);
+}
+
+void quantize(TensorView x, const QuantizeConfig& config, TensorView q, TensorView scales,
+              TensorView workspace, cudaStream_t stream) {
+  const int64_t R = q.shape[0], C = q.shape[1];
+  const int64_t xr = config.columnwise ? 1 : x.strides[0];
+  const int64_t xc = config.columnwise ? x.strides[0] : 1;
+  Dst dst{static_cast<uint8_t*>(q.data),    q.strides[0],      R, C,
+          static_cast<float*>(scales.data), config.pow2_scales};
+  with_float_type(x.dtype, [&](auto t) {
+    using T = decltype(t);
+    const Src<T> src{static_cast<const T*>(x.data), xr, xc};
+    with_format(config.out == DType::kFloat8E4M3, [&](auto fmt) {
+      constexpr bool E4M3 = decltype(fmt)::value;
+      switch (config.scaling) {
+        case QuantScaling::kTensorwise: {
+          const int64_t np = num_partials(R * C);
+          auto* partials = static_cast<float*>(workspace.data);
+          amax_partials_kernel<T>
+              <<<static_cast<int>(np), kThreads, 0, stream>>>(src, R, C, partials);
+          MOEFLOW_CUDA_LAUNCH_CHECK();
+          quantize_tensorwise_kernel<T, E4M3>
+              <<<grid_for(R * C, kThreads * 4), kThreads, 0, stream>>>(src, dst, partials, np);
+          MOEFLOW_CUDA_LAUNCH_CHECK();
+          return;
+        }
+        case QuantScaling::kBlock1x128: {
+          const int64_t nb = scales.shape[1];
+          if (R * nb == 0) return;
+          quantize_1x128_kernel<T, E4M3>
+              <<<grid_for(R * nb, kWarps), kThreads, 0, stream>>>(src, dst, nb);
+          MOEFLOW_CUDA_LAUNCH_CHECK();
+          return;
+        }
+        case QuantScaling::kBlock128x128: {
+          const int64_t nbr = scales.shape[0], nbc = scales.shape[1];
+          if (nbr * nbc == 0) return;
+          quantize_128x128_kernel<T, E4M3>
+              <<<grid_for(nbr * nbc, 1), kThreads, 0, stream>>>(src, dst, nbr, nbc);
+          MOEFLOW_CUDA_LAUNCH_CHECK();
+          return;
+        }
+      }
+    });
+  });
+}
+
+void dequantize(TensorView q, TensorView scales, const QuantizeConfig& config, TensorView out,
+                cudaStream_t stream) {
+  const int64_t R = q.shape[0], C = q.shape[1];
+  if (R * C == 0) return;
+  const int64_t nbc = scales.ndim == 2 ? scales.shape[1] : 0;
+  const int64_t orow = config.columnwise ? 1 : out.strides[0];
+  const int64_t ocol = config.columnwise ? out.strides[0] : 1;
+  with_float_type(out.dtype, [&](auto t) {
+    using T = decltype(t);
+    with_format(config.out == DType::kFloat8E4M3, [&](auto fmt) {
+      constexpr bool E4M3 = decltype(fmt)::value;
+      dequantize_kernel<T, E4M3><<<grid_for(R * C, kThreads * 4), kThreads, 0, stream>>>(
+          static_cast<const uint8_t*>(q.data), q.strides[0], R, C,
+          static_cast<const float*>(scales.data), config.scaling, nbc, static_cast<T*>(out.data),
+          orow, ocol);
+      MOEFLOW_CUDA_LAUNCH_CHECK();
+    });
+  });
+}
+
+}  // namespace moeflow::cuda

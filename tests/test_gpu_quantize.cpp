@@ -1,0 +1,227 @@
+// GPU FP8 quantize/dequantize tests (label gpu): the CUDA backend against the
+// CPU reference, bitwise (q bytes, scale bits, dequantized values), on shapes
+// with partial edge blocks, strided rows of x, q and out, every scaling, both
+// fp8 formats, pow2 on/off, rowwise/columnwise, special values (NaN, inf,
+// zeros, tiny blocks with subnormal scales). Outputs are poisoned with 0xFF
+// first and the gaps of strided outputs must stay untouched. Also: graph
+// capture + replay of the two-kernel tensorwise path, device errors.
+#include <cuda_runtime.h>
+
+#include "test_util.h"
+
+namespace moeflow::test {
+namespace {
+
+const Device kGpu = Device::cuda(0);
+
+class GpuQuantize : public ::testing::Test {
+ protected:
+  void SetUp() override { ASSERT_GT(cuda_device_count(), 0) << "GPU tests need a CUDA device"; }
+};
+
+int64_t nb(int64_t n) {
+  return (n + 127) / 128;
+}
+
+std::vector<int64_t> scales_shape(int64_t R, int64_t C, QuantScaling s) {
+  if (s == QuantScaling::kTensorwise) return {1};
+  if (s == QuantScaling::kBlock1x128) return {R, nb(C)};
+  return {nb(R), nb(C)};
+}
+
+Tensor poisoned(const std::vector<int64_t>& shape, DType dtype, Device dev) {
+  Tensor t = Tensor::empty(shape, dtype, dev);
+  fill_bytes(t, 0xFF);
+  return t;
+}
+
+// [M, ld] storage with values in the first K columns: random magnitudes per
+// row (2^-20 .. 2^20), NaN/inf sprinkled, an all-zero row, a row of tiny
+// values (subnormal scales), gap columns holding 30000 (must never be read).
+Tensor make_input(int64_t M, int64_t K, int64_t ld, DType dt, uint32_t seed) {
+  Tensor x = make_tensor({M, ld}, dt);
+  std::mt19937 rng(seed);
+  std::uniform_real_distribution<float> uni(-1.0f, 1.0f);
+  std::uniform_int_distribution<int> pick(0, 999);
+  for (int64_t m = 0; m < M; ++m) {
+    const int e = m % 5 == 3 ? -135 : static_cast<int>(rng() % 41) - 20;
+    for (int64_t k = 0; k < ld; ++k) {
+      float v = std::ldexp(uni(rng), e);
+      if (dt != DType::kFloat32 && e < -24) v = std::ldexp(uni(rng), -10);  // keep in range
+      const int p = pick(rng);
+      if (p == 0) v = NAN;
+      if (p == 1) v = INFINITY;
+      if (p == 2) v = -INFINITY;
+      if (p == 3) v = -0.0f;
+      if (p >= 4 && p < 40)
+        v = std::ldexp(v, -24);  // tiny against the block: +-0 or subnormal codes
+      if (m % 7 == 2) v = 0.0f;
+      if (k >= K) v = 30000.0f;  // a large finite value: reading it would change an amax
+      detail::store_float(x.data(), dt, m * ld + k, v);
+    }
+  }
+  return x;
+}
+
+TensorView rows_view(const Tensor& t, int64_t rows, int64_t cols) {
+  return TensorView::strided(t.data(), t.dtype(), t.device(), {rows, cols}, {t.size(1), 1});
+}
+
+::testing::AssertionResult same_rows(const Tensor& got_big, const Tensor& want_big, int64_t rows,
+                                     int64_t cols) {
+  const int64_t es = static_cast<int64_t>(dtype_size(got_big.dtype()));
+  const int64_t lg = got_big.size(1), lw = want_big.size(1);
+  const auto* g = static_cast<const uint8_t*>(got_big.data());
+  const auto* w = static_cast<const uint8_t*>(want_big.data());
+  for (int64_t r = 0; r < rows; ++r) {
+    if (std::memcmp(g + r * lg * es, w + r * lw * es, cols * es) != 0)
+      return ::testing::AssertionFailure() << "row " << r << " differs";
+    for (int64_t b = cols * es; b < lg * es; ++b)
+      if (g[r * lg * es + b] != 0xFF)
+        return ::testing::AssertionFailure() << "gap of row " << r << " written";
+  }
+  return ::testing::AssertionSuccess();
+}
+
+struct Shape {
+  int64_t M, K, x_pad, q_pad;
+};
+
+TEST_F(GpuQuantize, MatchesCpuBitwise) {
+  const std::vector<Shape> shapes = {{1, 1, 0, 0},     {3, 130, 5, 3},     {129, 257, 0, 16},
+                                     {256, 384, 8, 0}, {300, 1000, 24, 1}, {1000, 129, 0, 7},
+                                     {0, 5, 0, 0},     {7, 0, 0, 0},       {2, 4096, 0, 0}};
+  uint32_t seed = 1;
+  for (const Shape& sh : shapes)
+    for (DType dt : {DType::kFloat32, DType::kBFloat16, DType::kFloat16}) {
+      const int64_t M = sh.M, K = sh.K, ldx = K + sh.x_pad;
+      Tensor x_host = make_input(M, K, ldx, dt, seed++);
+      Tensor x_dev = x_host.to(kGpu);
+      for (QuantScaling sc :
+           {QuantScaling::kTensorwise, QuantScaling::kBlock1x128, QuantScaling::kBlock128x128})
+        for (DType out : {DType::kFloat8E4M3, DType::kFloat8E5M2})
+          for (bool pow2 : {false, true})
+            for (bool colw : {false, true}) {
+              SCOPED_TRACE(std::to_string(M) + "x" + std::to_string(K) + " " + dtype_name(dt) +
+                           " scaling " + std::to_string(int(sc)) + " " + dtype_name(out) +
+                           " pow2 " + std::to_string(pow2) + " col " + std::to_string(colw));
+              const QuantizeConfig cfg{out, sc, pow2, colw};
+              const int64_t R = colw ? K : M, C = colw ? M : K, ldq = C + sh.q_pad;
+              Tensor q_cpu = poisoned({R, ldq}, out, Device::cpu());
+              Tensor s_cpu = poisoned(scales_shape(R, C, sc), DType::kFloat32, Device::cpu());
+              quantize(rows_view(x_host, M, K), cfg, rows_view(q_cpu, R, C), s_cpu);
+              Tensor q_dev = poisoned({R, ldq}, out, kGpu);
+              Tensor s_dev = poisoned(scales_shape(R, C, sc), DType::kFloat32, kGpu);
+              Tensor ws = poisoned({static_cast<int64_t>(quantize_workspace_bytes(M, K, cfg)) + 1},
+                                   DType::kUInt8, kGpu);
+              quantize(rows_view(x_dev, M, K), cfg, rows_view(q_dev, R, C), s_dev, ws);
+              MOEFLOW_CUDA_CHECK(cudaDeviceSynchronize());
+              ASSERT_TRUE(bytes_equal(s_dev.to(Device::cpu()), s_cpu));
+              ASSERT_TRUE(same_rows(q_dev.to(Device::cpu()), q_cpu, R, C));
+
+              for (DType od : {dt, DType::kFloat32}) {
+                Tensor o_cpu = poisoned({M, ldx}, od, Device::cpu());
+                Tensor o_dev = poisoned({M, ldx}, od, kGpu);
+                dequantize(rows_view(q_cpu, R, C), s_cpu, cfg, rows_view(o_cpu, M, K));
+                dequantize(rows_view(q_dev, R, C), s_dev, cfg, rows_view(o_dev, M, K));
+                MOEFLOW_CUDA_CHECK(cudaDeviceSynchronize());
+                ASSERT_TRUE(same_rows(o_dev.to(Device::cpu()), o_cpu, M, K))
+                    << "dequantize to " << dtype_name(od);
+              }
+            }
+    }
+}
+
+TEST_F(GpuQuantize, Deterministic) {
+  const int64_t M = 777, K = 1500;
+  Tensor x = make_input(M, K, K, DType::kBFloat16, 42).to(kGpu);
+  for (QuantScaling sc :
+       {QuantScaling::kTensorwise, QuantScaling::kBlock1x128, QuantScaling::kBlock128x128}) {
+    const QuantizeConfig cfg{DType::kFloat8E4M3, sc, false, false};
+    Tensor ws = Tensor::empty({static_cast<int64_t>(quantize_workspace_bytes(M, K, cfg)) + 1},
+                              DType::kUInt8, kGpu);
+    Tensor q1 = poisoned({M, K}, cfg.out, kGpu), q2 = poisoned({M, K}, cfg.out, kGpu);
+    Tensor s1 = poisoned(scales_shape(M, K, sc), DType::kFloat32, kGpu);
+    Tensor s2 = poisoned(scales_shape(M, K, sc), DType::kFloat32, kGpu);
+    quantize(x, cfg, q1, s1, ws);
+    quantize(x, cfg, q2, s2, ws);
+    MOEFLOW_CUDA_CHECK(cudaDeviceSynchronize());
+    EXPECT_TRUE(bytes_equal(q1.to(Device::cpu()), q2.to(Device::cpu())));
+    EXPECT_TRUE(bytes_equal(s1.to(Device::cpu()), s2.to(Device::cpu())));
+  }
+}
+
+TEST_F(GpuQuantize, TensorwiseGraphCaptureReplay) {
+  const int64_t M = 512, K = 1000;
+  cudaStream_t stream;
+  MOEFLOW_CUDA_CHECK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+  for (bool colw : {false, true}) {
+    const QuantizeConfig cfg{DType::kFloat8E4M3, QuantScaling::kTensorwise, true, colw};
+    const int64_t R = colw ? K : M, C = colw ? M : K;
+    Tensor x_g = Tensor::empty({M, K}, DType::kBFloat16, kGpu);
+    Tensor q_g = Tensor::empty({R, C}, cfg.out, kGpu);
+    Tensor s_g = Tensor::empty({1}, DType::kFloat32, kGpu);
+    Tensor ws = Tensor::empty({static_cast<int64_t>(quantize_workspace_bytes(M, K, cfg))},
+                              DType::kUInt8, kGpu);
+    copy(make_input(M, K, K, DType::kBFloat16, 5), x_g, stream);
+    quantize(x_g, cfg, q_g, s_g, ws, stream);  // warm-up (module load outside the capture)
+    MOEFLOW_CUDA_CHECK(cudaStreamSynchronize(stream));
+
+    cudaGraph_t graph;
+    MOEFLOW_CUDA_CHECK(cudaStreamBeginCapture(stream, cudaStreamCaptureModeGlobal));
+    quantize(x_g, cfg, q_g, s_g, ws, stream);
+    MOEFLOW_CUDA_CHECK(cudaStreamEndCapture(stream, &graph));
+    cudaGraphExec_t exec;
+    MOEFLOW_CUDA_CHECK(cudaGraphInstantiate(&exec, graph, 0));
+    for (int replay = 0; replay < 3; ++replay) {
+      SCOPED_TRACE(replay);
+      Tensor x = make_input(M, K, K, DType::kBFloat16, 100 + replay);
+      // a different global amax every replay
+      for (int64_t i = 0; i < M * K; ++i)
+        detail::store_float(x.data(), x.dtype(), i, at(x, i) * std::ldexp(1.0f, 3 * replay));
+      copy(x, x_g, stream);
+      fill_bytes(q_g, 0xFF, stream);
+      fill_bytes(s_g, 0xFF, stream);
+      fill_bytes(ws, 0xFF, stream);
+      MOEFLOW_CUDA_CHECK(cudaGraphLaunch(exec, stream));
+      MOEFLOW_CUDA_CHECK(cudaStreamSynchronize(stream));
+      Tensor q_c = make_tensor({R, C}, cfg.out), s_c = make_tensor({1}, DType::kFloat32);
+      quantize(x, cfg, q_c, s_c);
+      EXPECT_TRUE(bytes_equal(s_g.to(Device::cpu()), s_c));
+      EXPECT_TRUE(bytes_equal(q_g.to(Device::cpu()), q_c));
+    }
+    cudaGraphExecDestroy(exec);
+    cudaGraphDestroy(graph);
+  }
+  cudaStreamDestroy(stream);
+}
+
+TEST_F(GpuQuantize, BadInput) {
+  Tensor x = Tensor::empty({4, 200}, DType::kFloat32, kGpu);
+  Tensor q = Tensor::empty({4, 200}, DType::kFloat8E4M3, kGpu);
+  Tensor s = Tensor::empty({4, 2}, DType::kFloat32, kGpu);
+  const QuantizeConfig cfg{};
+  EXPECT_NE(message_of([&] {
+              quantize(x, cfg, make_tensor({4, 200}, DType::kFloat8E4M3), s);
+            }).find("q must be float8_e4m3 [4,200] on cuda:0, got float8_e4m3 [4,200] cpu"),
+            std::string::npos);
+  EXPECT_NE(message_of([&] {
+              quantize(x, cfg, q, make_tensor({4, 2}, DType::kFloat32));
+            }).find("scales must be float32 [4,2] on cuda:0"),
+            std::string::npos);
+  // CUDA tensorwise needs the workspace
+  const QuantizeConfig tw{DType::kFloat8E4M3, QuantScaling::kTensorwise};
+  Tensor s1 = Tensor::empty({1}, DType::kFloat32, kGpu);
+  EXPECT_NE(message_of([&] { quantize(x, tw, q, s1); }).find("workspace"), std::string::npos);
+  Tensor small = Tensor::empty({static_cast<int64_t>(quantize_workspace_bytes(4, 200, tw)) - 1},
+                               DType::kUInt8, kGpu);
+  EXPECT_NE(message_of([&] { quantize(x, tw, q, s1, small); }).find("quantize_workspace_bytes"),
+            std::string::npos);
+  EXPECT_NE(message_of([&] {
+              dequantize(q, s, cfg, make_tensor({4, 200}, DType::kFloat32));
+            }).find("q must be float8_e4m3 [4,200] on cpu"),
+            std::string::npos);
+}
+
+}  // namespace
+}  // namespace moeflow::test

@@ -1,0 +1,524 @@
+// CPU FP8 quantize/dequantize tests: the software fp8 conversion against
+// cuda_fp8.h's host conversion (when built with CUDA), hand-worked scales and
+// codes (ties to even, saturation, NaN/inf, zero blocks, pow2 and subnormal
+// scales), partial edge blocks against a naive formula, strided rows,
+// columnwise == rowwise of x^T, round-trip error bounds, exact round trips,
+// dequantize rounding once, bad input.
+#include <map>
+
+#include "core/quantize_backend.h"
+#include "test_util.h"
+
+#ifdef MOEFLOW_WITH_CUDA
+#include <cuda_fp8.h>
+#endif
+
+namespace moeflow::test {
+namespace {
+
+constexpr DType kE4 = DType::kFloat8E4M3;
+constexpr DType kE5 = DType::kFloat8E5M2;
+const QuantScaling kScalings[] = {QuantScaling::kTensorwise, QuantScaling::kBlock1x128,
+                                  QuantScaling::kBlock128x128};
+
+int64_t nb(int64_t n) {
+  return (n + 127) / 128;
+}
+
+std::vector<int64_t> scales_shape(int64_t R, int64_t C, QuantScaling s) {
+  if (s == QuantScaling::kTensorwise) return {1};
+  if (s == QuantScaling::kBlock1x128) return {R, nb(C)};
+  return {nb(R), nb(C)};
+}
+
+Tensor poisoned(const std::vector<int64_t>& shape, DType dtype) {
+  Tensor t = make_tensor(shape, dtype);
+  fill_bytes(t, 0xFF);
+  return t;
+}
+
+Tensor from_floats(int64_t M, int64_t K, const std::vector<float>& v,
+                   DType dtype = DType::kFloat32) {
+  Tensor x = make_tensor({M, K}, dtype);
+  for (int64_t i = 0; i < M * K; ++i) detail::store_float(x.data(), dtype, i, v[i]);
+  return x;
+}
+
+struct Quantized {
+  Tensor q, scales;
+};
+
+Quantized run(TensorView x, const QuantizeConfig& cfg) {
+  const int64_t M = x.shape[0], K = x.shape[1];
+  const int64_t R = cfg.columnwise ? K : M, C = cfg.columnwise ? M : K;
+  Quantized r{poisoned({R, C}, cfg.out),
+              poisoned(scales_shape(R, C, cfg.scaling), DType::kFloat32)};
+  quantize(x, cfg, r.q, r.scales);
+  return r;
+}
+
+uint8_t code(const Tensor& q, int64_t i) {
+  return q.data_ptr<uint8_t>()[i];
+}
+uint32_t fbits(float f) {
+  return quant::bits_of(f);
+}
+
+TEST(Quantize, Fp8ConversionMatchesHandValues) {
+  using cpu::float_to_fp8;
+  // e4m3: 1 = 0x38, 0.5 = 0x30, -1.5 = 0xBC, 448 = 0x7E, min subnormal 2^-9 = 0x01.
+  EXPECT_EQ(float_to_fp8(1.0f, true), 0x38);
+  EXPECT_EQ(float_to_fp8(0.5f, true), 0x30);
+  EXPECT_EQ(float_to_fp8(-1.5f, true), 0xBC);
+  EXPECT_EQ(float_to_fp8(448.0f, true), 0x7E);
+  EXPECT_EQ(float_to_fp8(0x1p-9f, true), 0x01);
+  // ties to even: 17 -> 16 (0x58), 19 -> 20 (0x5A); 2^-10 -> 0, 3*2^-10 -> 2*2^-9
+  EXPECT_EQ(float_to_fp8(17.0f, true), 0x58);
+  EXPECT_EQ(float_to_fp8(19.0f, true), 0x5A);
+  EXPECT_EQ(float_to_fp8(0x1p-10f, true), 0x00);
+  EXPECT_EQ(float_to_fp8(-0x1p-10f, true), 0x80);  // sign kept
+  EXPECT_EQ(float_to_fp8(0x3p-10f, true), 0x02);
+  EXPECT_EQ(float_to_fp8(0x1.1p-10f, true), 0x01);  // just above the tie
+  // saturation: 464 is the tie between 448 and (NaN) 480: all -> 448
+  EXPECT_EQ(float_to_fp8(464.0f, true), 0x7E);
+  EXPECT_EQ(float_to_fp8(500.0f, true), 0x7E);
+  EXPECT_EQ(float_to_fp8(-1e30f, true), 0xFE);
+  EXPECT_EQ(float_to_fp8(INFINITY, true), 0x7E);
+  EXPECT_EQ(float_to_fp8(-INFINITY, true), 0xFE);
+  EXPECT_EQ(float_to_fp8(NAN, true), 0x7F);
+  EXPECT_EQ(float_to_fp8(-NAN, true), 0x7F);
+  // e5m2: 1 = 0x3C, max 57344 = 0x7B, min subnormal 2^-16 = 0x01; 1.125 ties to 1
+  EXPECT_EQ(float_to_fp8(1.0f, false), 0x3C);
+  EXPECT_EQ(float_to_fp8(1.125f, false), 0x3C);
+  EXPECT_EQ(float_to_fp8(1.375f, false), 0x3E);  // tie 1.25|1.5 -> 1.5 (even)
+  EXPECT_EQ(float_to_fp8(57344.0f, false), 0x7B);
+  EXPECT_EQ(float_to_fp8(61440.0f, false), 0x7B);
+  EXPECT_EQ(float_to_fp8(-INFINITY, false), 0xFB);
+  EXPECT_EQ(float_to_fp8(0x1p-16f, false), 0x01);
+  EXPECT_EQ(float_to_fp8(NAN, false), 0x7F);
+  // every finite code round-trips through its value
+  for (int c = 0; c < 256; ++c)
+    for (bool e4m3 : {true, false}) {
+      const float v = quant::fp8_value(static_cast<uint8_t>(c), e4m3);
+      if (std::isfinite(v)) EXPECT_EQ(float_to_fp8(v, e4m3), c) << c << " " << e4m3;
+    }
+  EXPECT_TRUE(std::isnan(quant::fp8_value(0x7F, true)));
+  EXPECT_TRUE(std::isnan(quant::fp8_value(0xFF, true)));
+  EXPECT_EQ(quant::fp8_value(0x7C, false), INFINITY);
+  EXPECT_TRUE(std::isnan(quant::fp8_value(0x7D, false)));
+}
+
+#ifdef MOEFLOW_WITH_CUDA
+// cuda_fp8.h's host path (the reference semantics of cvt.rn.satfinite).
+TEST(Quantize, Fp8ConversionMatchesCudaHostConversion) {
+  auto check = [](uint32_t u) {
+    const float f = quant::float_of(u);
+    for (bool e4m3 : {true, false}) {
+      const uint8_t want = static_cast<uint8_t>(
+          __nv_cvt_float_to_fp8(f, __NV_SATFINITE, e4m3 ? __NV_E4M3 : __NV_E5M2));
+      const uint8_t got = cpu::float_to_fp8(f, e4m3);
+      if (got != want) {
+        ADD_FAILURE() << "bits 0x" << std::hex << u << " e4m3=" << e4m3 << ": got 0x" << int(got)
+                      << " want 0x" << int(want);
+        return false;
+      }
+    }
+    return true;
+  };
+  // A stride through all 2^32 patterns, and every pattern whose low mantissa
+  // bits sit at or next to a rounding boundary of either format.
+  for (uint64_t u = 0; u < (1ull << 32); u += 997)
+    if (!check(static_cast<uint32_t>(u))) return;
+  for (uint32_t hi = 0; hi < (1u << 16); ++hi)
+    for (uint32_t lo : {0x0000u, 0x0001u, 0x7FFFu, 0x8000u, 0x8001u, 0xFFFFu})
+      if (!check((hi << 16) | lo)) return;
+  for (uint32_t hi = 0; hi < (1u << 12); ++hi)  // e5m2/e4m3 ties sit at bits 20/19
+    for (uint32_t lo = 0; lo < (1u << 8); ++lo)
+      if (!check((hi << 20) | (lo << 12) | 0x0800u) || !check((hi << 20) | (lo << 12))) return;
+}
+#endif
+
+TEST(Quantize, Block1x128HandWorked) {
+  // Row 0: amax 896 -> scale 2; row 1: zeros -> scale 1; row 2: only NaN/inf
+  // -> scale 1; row 3: amax 448 with inf/NaN beside it -> scale 1.
+  const int64_t K = 128;
+  std::vector<float> v(4 * K, 0.0f);
+  v[0] = 896.0f;
+  v[1] = 1.0f;
+  v[2] = -3.0f;
+  v[3] = 34.0f;  // 17 after division: ties to 16
+  v[4] = 38.0f;  // 19: ties to 20
+  v[2 * K + 0] = NAN;
+  v[2 * K + 1] = INFINITY;
+  v[2 * K + 2] = -INFINITY;
+  v[3 * K + 0] = -448.0f;
+  v[3 * K + 1] = INFINITY;
+  v[3 * K + 2] = NAN;
+  v[3 * K + 3] = -INFINITY;
+  v[3 * K + 4] = 0x1p-10f;
+  Tensor x = from_floats(4, K, v);
+  Quantized r = run(x, QuantizeConfig{kE4, QuantScaling::kBlock1x128, false, false});
+  const float* s = r.scales.data_ptr<float>();
+  EXPECT_EQ(s[0], 2.0f);
+  EXPECT_EQ(s[1], 1.0f);
+  EXPECT_EQ(s[2], 1.0f);
+  EXPECT_EQ(s[3], 1.0f);
+  EXPECT_EQ(code(r.q, 0), 0x7E);
+  EXPECT_EQ(code(r.q, 1), 0x30);
+  EXPECT_EQ(code(r.q, 2), 0xBC);
+  EXPECT_EQ(code(r.q, 3), 0x58);
+  EXPECT_EQ(code(r.q, 4), 0x5A);
+  for (int64_t i = 5; i < 2 * K; ++i) ASSERT_EQ(code(r.q, i), 0) << i;
+  EXPECT_EQ(code(r.q, 2 * K + 0), 0x7F);
+  EXPECT_EQ(code(r.q, 2 * K + 1), 0x7E);
+  EXPECT_EQ(code(r.q, 2 * K + 2), 0xFE);
+  EXPECT_EQ(code(r.q, 3 * K + 0), 0xFE);
+  EXPECT_EQ(code(r.q, 3 * K + 1), 0x7E);
+  EXPECT_EQ(code(r.q, 3 * K + 2), 0x7F);
+  EXPECT_EQ(code(r.q, 3 * K + 3), 0xFE);
+  EXPECT_EQ(code(r.q, 3 * K + 4), 0x00);  // half the smallest subnormal: tie to 0
+
+  // Non-power-of-two scale: amax 1 -> 1/448 (IEEE); 1 / (1/448) rounds to 448.
+  std::vector<float> w(K, 0.25f);
+  w[7] = -1.0f;
+  Quantized r2 =
+      run(from_floats(1, K, w), QuantizeConfig{kE4, QuantScaling::kBlock1x128, false, false});
+  const volatile float d448 = 448.0f;
+  const float s_want = 1.0f / d448;
+  EXPECT_EQ(fbits(r2.scales.data_ptr<float>()[0]), fbits(s_want));
+  EXPECT_EQ(code(r2.q, 7), cpu::float_to_fp8(-1.0f / s_want, true));
+  EXPECT_EQ(code(r2.q, 0), cpu::float_to_fp8(0.25f / s_want, true));
+}
+
+TEST(Quantize, Pow2AndSubnormalScales) {
+  auto scale_for = [](float amax, DType out, bool pow2) {
+    std::vector<float> v(128, 0.0f);
+    v[5] = -amax;
+    Quantized r =
+        run(from_floats(1, 128, v), QuantizeConfig{out, QuantScaling::kBlock1x128, pow2, false});
+    return r.scales.data_ptr<float>()[0];
+  };
+  EXPECT_EQ(scale_for(896.0f, kE4, true), 2.0f);  // exact power of two stays
+  EXPECT_EQ(scale_for(900.0f, kE4, true), 4.0f);
+  EXPECT_EQ(scale_for(1.0f, kE4, true), 0x1p-8f);  // 1/448 in (2^-9, 2^-8]
+  EXPECT_EQ(scale_for(57344.0f, kE5, true), 1.0f);
+  EXPECT_EQ(scale_for(57345.0f, kE5, true), 2.0f);
+  EXPECT_EQ(scale_for(0.0f, kE4, true), 1.0f);
+  // 2^-130 / 448 is subnormal (1170 * 2^-149); the next power of two is 2^-138.
+  const volatile float d448 = 448.0f;
+  EXPECT_EQ(fbits(scale_for(0x1p-130f, kE4, false)), fbits(0x1p-130f / d448));
+  EXPECT_EQ(fbits(scale_for(0x1p-130f, kE4, false)), 1170u);
+  EXPECT_EQ(scale_for(0x1p-130f, kE4, true), 0x1p-138f);
+  // 2^-149 / 448 underflows to 0: the scale is clamped to 2^-149.
+  EXPECT_EQ(fbits(scale_for(0x1p-149f, kE4, false)), 1u);
+  EXPECT_EQ(fbits(scale_for(0x1p-149f, kE4, true)), 1u);
+  // Around the largest float: FLT_MAX / 448, rounded up to 2^120.
+  EXPECT_EQ(scale_for(3.4028235e38f, kE4, true), 0x1p120f);
+}
+
+// Naive reference: amax over the finite elements present, scale by the
+// policy's formula, codes from the software converter.
+void expect_matches_naive(const Tensor& x, const QuantizeConfig& cfg, const Quantized& r) {
+  const int64_t M = x.size(0), K = x.size(1);
+  const int64_t R = cfg.columnwise ? K : M, C = cfg.columnwise ? M : K;
+  const bool e4 = cfg.out == kE4;
+  auto xv = [&](int64_t rr, int64_t cc) {
+    return cfg.columnwise ? at(x, cc * K + rr) : at(x, rr * C + cc);
+  };
+  auto block = [&](int64_t rr, int64_t cc) -> std::pair<int64_t, int64_t> {
+    if (cfg.scaling == QuantScaling::kTensorwise) return {0, 0};
+    if (cfg.scaling == QuantScaling::kBlock1x128) return {rr, cc / 128};
+    return {rr / 128, cc / 128};
+  };
+  std::map<std::pair<int64_t, int64_t>, float> amax;
+  for (int64_t rr = 0; rr < R; ++rr)
+    for (int64_t cc = 0; cc < C; ++cc) {
+      const float a = std::fabs(xv(rr, cc));
+      float& m = amax[block(rr, cc)];
+      if (std::isfinite(a)) m = std::max(m, a);
+    }
+  const int64_t nbc = cfg.scaling == QuantScaling::kTensorwise ? 1 : r.scales.size(1);
+  for (auto& [b, m] : amax) {
+    float s = m > 0 ? m / quant::fp8_max(e4) : 1.0f;
+    if (s == 0) s = 0x1p-149f;
+    if (cfg.pow2_scales && m > 0) {
+      float p = 0x1p-149f;
+      while (p < s) p *= 2;
+      s = p;
+    }
+    ASSERT_EQ(fbits(r.scales.data_ptr<float>()[b.first * nbc + b.second]), fbits(s))
+        << "block " << b.first << "," << b.second;
+  }
+  for (int64_t rr = 0; rr < R; ++rr)
+    for (int64_t cc = 0; cc < C; ++cc) {
+      const auto b = block(rr, cc);
+      const float s = r.scales.data_ptr<float>()[b.first * nbc + b.second];
+      ASSERT_EQ(code(r.q, rr * C + cc), cpu::float_to_fp8(xv(rr, cc) / s, e4)) << rr << "," << cc;
+    }
+}
+
+TEST(Quantize, PartialEdgeBlocksAgainstNaive) {
+  uint32_t seed = 1;
+  for (auto [M, K] : std::vector<std::pair<int64_t, int64_t>>{
+           {1, 1}, {3, 130}, {129, 257}, {130, 128}, {5, 0}, {0, 7}}) {
+    for (QuantScaling sc : kScalings)
+      for (DType out : {kE4, kE5})
+        for (bool pow2 : {false, true})
+          for (bool colw : {false, true}) {
+            SCOPED_TRACE(std::to_string(M) + "x" + std::to_string(K) + " scaling " +
+                         std::to_string(int(sc)) + " " + dtype_name(out) + " pow2 " +
+                         std::to_string(pow2) + " col " + std::to_string(colw));
+            Tensor x = make_tensor({M, K}, DType::kFloat32);
+            fill_random(x, seed++, -3.0f, 3.0f);
+            // a different magnitude per row, so block amaxes differ
+            for (int64_t i = 0; i < M * K; ++i)
+              x.data_ptr<float>()[i] *= std::ldexp(1.0f, int(i / std::max<int64_t>(K, 1) % 9) - 4);
+            if (M * K > 3) x.data_ptr<float>()[M * K / 2] = NAN;
+            QuantizeConfig cfg{out, sc, pow2, colw};
+            expect_matches_naive(x, cfg, run(x, cfg));
+          }
+  }
+}
+
+TEST(Quantize, ColumnwiseIsRowwiseOfTranspose) {
+  const int64_t M = 200, K = 300;
+  for (DType dt : {DType::kFloat32, DType::kBFloat16, DType::kFloat16}) {
+    Tensor x = make_tensor({M, K}, dt);
+    fill_random(x, 7, -5.0f, 5.0f);
+    Tensor xt = make_tensor({K, M}, dt);
+    for (int64_t m = 0; m < M; ++m)
+      for (int64_t k = 0; k < K; ++k)
+        detail::store_float(xt.data(), dt, k * M + m, at(x, m * K + k));
+    for (QuantScaling sc : kScalings)
+      for (bool pow2 : {false, true}) {
+        SCOPED_TRACE(std::string(dtype_name(dt)) + " scaling " + std::to_string(int(sc)));
+        Quantized a = run(x, QuantizeConfig{kE4, sc, pow2, true});
+        Quantized b = run(xt, QuantizeConfig{kE4, sc, pow2, false});
+        EXPECT_TRUE(bytes_equal(a.q, b.q));
+        EXPECT_TRUE(bytes_equal(a.scales, b.scales));
+        // dequantize gives back x's layout
+        Tensor da = poisoned({M, K}, DType::kFloat32), db = poisoned({K, M}, DType::kFloat32);
+        dequantize(a.q, a.scales, QuantizeConfig{kE4, sc, pow2, true}, da);
+        dequantize(b.q, b.scales, QuantizeConfig{kE4, sc, pow2, false}, db);
+        for (int64_t m = 0; m < M; ++m)
+          for (int64_t k = 0; k < K; ++k)
+            ASSERT_EQ(fbits(at(da, m * K + k)), fbits(at(db, k * M + m))) << m << "," << k;
+      }
+  }
+}
+
+TEST(Quantize, StridedRowsMatchContiguous) {
+  const int64_t M = 37, K = 250, ld = 260;
+  Tensor big = make_tensor({M, ld}, DType::kBFloat16);
+  fill_random(big, 3);
+  TensorView xs = TensorView::strided(big.data(), DType::kBFloat16, Device::cpu(), {M, K}, {ld, 1});
+  Tensor x = make_tensor({M, K}, DType::kBFloat16);
+  for (int64_t m = 0; m < M; ++m)
+    std::memcpy(x.data_ptr<uint16_t>() + m * K, big.data_ptr<uint16_t>() + m * ld, K * 2);
+  for (QuantScaling sc : kScalings)
+    for (bool colw : {false, true}) {
+      const int64_t R = colw ? K : M, C = colw ? M : K, qld = C + 9;
+      QuantizeConfig cfg{kE5, sc, false, colw};
+      Quantized want = run(x, cfg);
+      Tensor qbig = poisoned({R, qld}, kE5);
+      TensorView qs = TensorView::strided(qbig.data(), kE5, Device::cpu(), {R, C}, {qld, 1});
+      Tensor scales = poisoned(scales_shape(R, C, sc), DType::kFloat32);
+      quantize(xs, cfg, qs, scales);
+      EXPECT_TRUE(bytes_equal(scales, want.scales));
+      for (int64_t r = 0; r < R; ++r) {
+        ASSERT_EQ(
+            std::memcmp(qbig.data_ptr<uint8_t>() + r * qld, want.q.data_ptr<uint8_t>() + r * C, C),
+            0)
+            << r;
+        for (int64_t c = C; c < qld; ++c) ASSERT_EQ(qbig.data_ptr<uint8_t>()[r * qld + c], 0xFF);
+      }
+      // strided dequantize output, gaps untouched
+      Tensor obig = poisoned({M, ld}, DType::kBFloat16);
+      TensorView os =
+          TensorView::strided(obig.data(), DType::kBFloat16, Device::cpu(), {M, K}, {ld, 1});
+      Tensor o = poisoned({M, K}, DType::kBFloat16);
+      dequantize(qs, scales, cfg, os);
+      dequantize(want.q, want.scales, cfg, o);
+      for (int64_t m = 0; m < M; ++m) {
+        ASSERT_EQ(
+            std::memcmp(obig.data_ptr<uint16_t>() + m * ld, o.data_ptr<uint16_t>() + m * K, K * 2),
+            0);
+        for (int64_t k = K; k < ld; ++k) ASSERT_EQ(obig.data_ptr<uint16_t>()[m * ld + k], 0xFFFF);
+      }
+    }
+}
+
+TEST(Quantize, RoundTripWithinFp8Error) {
+  const int64_t M = 150, K = 333;
+  Tensor x = make_tensor({M, K}, DType::kFloat32);
+  fill_random(x, 11, -1.0f, 1.0f);
+  for (int64_t i = 0; i < M * K; ++i) x.data_ptr<float>()[i] *= std::ldexp(1.0f, int(i % 23) - 11);
+  for (QuantScaling sc : kScalings)
+    for (DType out : {kE4, kE5})
+      for (bool pow2 : {false, true})
+        for (bool colw : {false, true}) {
+          QuantizeConfig cfg{out, sc, pow2, colw};
+          Quantized r = run(x, cfg);
+          Tensor y = poisoned({M, K}, DType::kFloat32);
+          dequantize(r.q, r.scales, cfg, y);
+          const double rel = out == kE4 ? 0x1p-4 : 0x1p-3;
+          // The bound is relative to the block amax (subnormal codes included).
+          const int64_t R = colw ? K : M, C = colw ? M : K;
+          std::vector<double> err_ok(M * K);
+          for (int64_t rr = 0; rr < R; ++rr)
+            for (int64_t cc = 0; cc < C; ++cc) {
+              double amax = 0;
+              const int64_t r0 = sc == QuantScaling::kBlock128x128
+                                     ? rr / 128 * 128
+                                     : (sc == QuantScaling::kTensorwise ? 0 : rr);
+              const int64_t r1 = sc == QuantScaling::kBlock128x128
+                                     ? std::min(R, r0 + 128)
+                                     : (sc == QuantScaling::kTensorwise ? R : rr + 1);
+              const int64_t c0 = sc == QuantScaling::kTensorwise ? 0 : cc / 128 * 128;
+              const int64_t c1 = sc == QuantScaling::kTensorwise ? C : std::min(C, c0 + 128);
+              if ((rr == r0 || sc == QuantScaling::kBlock1x128) && cc == c0) {
+                for (int64_t a = r0; a < r1; ++a)
+                  for (int64_t b = c0; b < c1; ++b) {
+                    const int64_t i = colw ? b * K + a : a * K + b;
+                    amax = std::max(amax, std::fabs(double(x.data_ptr<float>()[i])));
+                  }
+                for (int64_t a = r0; a < r1; ++a)
+                  for (int64_t b = c0; b < c1; ++b)
+                    err_ok[colw ? b * K + a : a * K + b] = rel * amax;
+              }
+            }
+          for (int64_t i = 0; i < M * K; ++i) {
+            const double e = std::fabs(double(y.data_ptr<float>()[i]) - x.data_ptr<float>()[i]);
+            ASSERT_LE(e, err_ok[i] * (1 + 1e-6))
+                << "element " << i << " scaling " << int(sc) << " " << dtype_name(out) << " pow2 "
+                << pow2 << " col " << colw;
+          }
+        }
+}
+
+TEST(Quantize, RepresentableValuesRoundTripExactly) {
+  // Every finite code times 2^-3 (block amax = fp8_max * 2^-3, so the scale is
+  // exactly 2^-3, with or without pow2): q gives the codes back, dequantize the values.
+  for (DType out : {kE4, kE5}) {
+    const bool e4 = out == kE4;
+    std::vector<float> v;
+    for (int c = 0; c < 256; ++c) {
+      const float f = quant::fp8_value(static_cast<uint8_t>(c), e4);
+      if (std::isfinite(f)) v.push_back(f * 0.125f);
+    }
+    const int64_t K = static_cast<int64_t>(v.size());
+    for (QuantScaling sc : kScalings)
+      for (bool pow2 : {false, true})
+        for (DType dt : {DType::kFloat32, DType::kBFloat16, DType::kFloat16}) {
+          QuantizeConfig cfg{out, sc, pow2, false};
+          Tensor x = from_floats(1, K, v, dt);
+          Quantized r = run(x, cfg);
+          for (int64_t b = 0; b < r.scales.numel(); ++b)
+            EXPECT_EQ(r.scales.data_ptr<float>()[b], 0.125f);
+          Tensor y = poisoned({1, K}, dt);
+          dequantize(r.q, r.scales, cfg, y);
+          EXPECT_TRUE(bytes_equal(y, x))
+              << dtype_name(out) << " " << dtype_name(dt) << " " << int(sc);
+        }
+  }
+}
+
+TEST(Quantize, DequantizeRoundsOnce) {
+  // 1.5 * 0x1.0caaaap+0 = 1.57421869...: just below the bf16 tie 1.57421875.
+  // Rounded once -> 1.5703125; through float32 first it would become 1.578125.
+  auto deq = [](uint8_t c, float s, DType dt) {
+    Tensor q = make_tensor({1, 1}, kE4), sc = make_tensor({1}, DType::kFloat32),
+           o = make_tensor({1, 1}, dt);
+    q.data_ptr<uint8_t>()[0] = c;
+    sc.data_ptr<float>()[0] = s;
+    dequantize(q, sc, QuantizeConfig{kE4, QuantScaling::kTensorwise, false, false}, o);
+    return o;
+  };
+  EXPECT_EQ(at(deq(0x3C, 0x1.0caaaap+0f, DType::kBFloat16), 0), 1.5703125f);
+  EXPECT_EQ(at(deq(0x3E, 0x1.02db6ep+0f, DType::kBFloat16), 0), 1.7734375f);  // 1.75 * s
+  EXPECT_EQ(at(deq(0x38, 3.0f, DType::kFloat32), 0), 3.0f);
+  EXPECT_EQ(at(deq(0xBC, 0.5f, DType::kFloat16), 0), -0.75f);
+  // NaN -> the dtype's canonical NaN; overflow of the output dtype -> inf
+  EXPECT_EQ(deq(0x7F, 1.0f, DType::kBFloat16).data_ptr<uint16_t>()[0], 0x7FFF);
+  EXPECT_EQ(deq(0xFF, 1.0f, DType::kFloat32).data_ptr<uint32_t>()[0], 0x7FFFFFFFu);
+  EXPECT_EQ(deq(0x7F, 1.0f, DType::kFloat16).data_ptr<uint16_t>()[0], 0x7FFF);
+  EXPECT_EQ(at(deq(0x7E, 1024.0f, DType::kFloat16), 0), INFINITY);
+  EXPECT_EQ(at(deq(0x7E, 3e38f, DType::kFloat32), 0), INFINITY);
+  EXPECT_EQ(at(deq(0xFE, 3e38f, DType::kBFloat16), 0), -INFINITY);
+}
+
+TEST(Quantize, BadInput) {
+  Tensor x = make_tensor({4, 200}, DType::kFloat32);
+  fill_random(x, 1);
+  Tensor q = make_tensor({4, 200}, kE4), qt = make_tensor({200, 4}, kE4);
+  Tensor s = make_tensor({4, 2}, DType::kFloat32);
+  const QuantizeConfig cfg{kE4, QuantScaling::kBlock1x128, false, false};
+  EXPECT_NO_THROW(quantize(x, cfg, q, s));
+  auto msg = [](auto fn) { return message_of(fn); };
+  EXPECT_NE(msg([&] {
+              quantize(make_tensor({4, 200}, DType::kInt32), cfg, q, s);
+            }).find("x must be float32, bfloat16 or float16 [4,200] on cpu, got int32"),
+            std::string::npos);
+  EXPECT_NE(msg([&] {
+              quantize(make_tensor({4, 200, 1}, DType::kFloat32), cfg, q, s);
+            }).find("x must be [M,K]"),
+            std::string::npos);
+  EXPECT_NE(msg([&] {
+              quantize(x, cfg, make_tensor({4, 200}, kE5), s);
+            }).find("q must be float8_e4m3 [4,200]"),
+            std::string::npos)
+      << msg([&] {
+           quantize(x, cfg, make_tensor({4, 200}, kE5), s);
+         });
+  EXPECT_NE(msg([&] {
+              quantize(x, QuantizeConfig{kE4, QuantScaling::kBlock1x128, false, true}, q, s);
+            }).find("q (columnwise: [K,M]) must be"),
+            std::string::npos);
+  EXPECT_NE(msg([&] {
+              quantize(x, cfg, q, make_tensor({4, 1}, DType::kFloat32));
+            }).find("scales must be float32 [4,2]"),
+            std::string::npos);
+  EXPECT_NE(msg([&] {
+              quantize(x, QuantizeConfig{kE4, QuantScaling::kBlock128x128, false, false}, q, s);
+            }).find("scales must be float32 [1,2]"),
+            std::string::npos);
+  EXPECT_NE(msg([&] {
+              quantize(x, QuantizeConfig{kE4, QuantScaling::kTensorwise, false, true}, qt, s);
+            }).find("scales must be float32 [1]"),
+            std::string::npos);
+  EXPECT_NE(
+      msg([&] { quantize(x, QuantizeConfig{DType::kBFloat16}, q, s); }).find("QuantizeConfig.out"),
+      std::string::npos);
+  EXPECT_NE(msg([&] {
+              quantize(x, QuantizeConfig{kE4, static_cast<QuantScaling>(7)}, q, s);
+            }).find("QuantizeConfig.scaling"),
+            std::string::npos);
+  EXPECT_NE(msg([&] {
+              quantize(x, cfg, q, make_tensor({4, 2}, DType::kFloat16));
+            }).find("scales must be float32"),
+            std::string::npos);
+  // non-unit inner stride
+  TensorView xs = TensorView::strided(x.data(), DType::kFloat32, Device::cpu(), {4, 100}, {200, 2});
+  EXPECT_NE(msg([&] { quantize(xs, cfg, q, s); }).find("x must have unit stride"),
+            std::string::npos);
+  EXPECT_NE(msg([&] { quantize(TensorView{}, cfg, q, s); }).find("x"), std::string::npos);
+  // dequantize
+  Tensor out = make_tensor({4, 200}, DType::kFloat32);
+  EXPECT_NO_THROW(dequantize(q, s, cfg, out));
+  EXPECT_NE(msg([&] {
+              dequantize(q, s, cfg, make_tensor({4, 200}, DType::kInt64));
+            }).find("out must be float32, bfloat16 or float16"),
+            std::string::npos);
+  EXPECT_NE(msg([&] {
+              dequantize(q, s, cfg, make_tensor({4, 201}, DType::kFloat32));
+            }).find("q must be float8_e4m3 [4,201]"),
+            std::string::npos);
+  EXPECT_NE(msg([&] {
+              dequantize(q, make_tensor({2, 4}, DType::kFloat32), cfg, out);
+            }).find("scales must be float32 [4,2]"),
+            std::string::npos);
+  EXPECT_EQ(quantize_workspace_bytes(4, 200, cfg), 0u);
+}
+
+}  // namespace
+}  // namespace moeflow::test
