@@ -30,8 +30,8 @@ import torch
 from . import _C
 
 __all__ = [
-    "RouterOutput", "router", "router_logits", "apply_capacity", "update_expert_bias", "Plan",
-    "permute",
+    "RouterOutput", "router", "router_logits", "apply_capacity", "update_expert_bias",
+    "quantize", "dequantize", "Plan", "permute",
     "unpermute", "grouped_mlp", "WgradStore"
 ]
 
@@ -228,6 +228,54 @@ def update_expert_bias(tokens_per_expert: torch.Tensor, expert_bias: torch.Tenso
     if bump is not None:  # written outside torch: tell autograd it changed
         bump(expert_bias)
     return expert_bias
+
+
+_FP8 = {"e4m3": torch.float8_e4m3fn, "e5m2": torch.float8_e5m2}
+
+
+def _scale_shape(rows: int, cols: int, scaling: str) -> Tuple[int, ...]:
+    nb = lambda n: -(-n // 128)  # noqa: E731
+    return {"tensorwise": (1,), "1x128": (rows, nb(cols)),
+            "128x128": (nb(rows), nb(cols))}.get(scaling, (1,))
+
+
+def quantize(x: torch.Tensor, fp8_format: str = "e4m3", scaling: str = "1x128",
+             pow2_scales: bool = False, columnwise: bool = False
+             ) -> Tuple[torch.Tensor, torch.Tensor]:
+    """FP8 quantization (moeflow/quantize.h has the exact policy): x [M, K]
+    float32 / float16 / bfloat16 -> (q, scales), x ~= q * scale of its block.
+    ``fp8_format`` "e4m3" (torch.float8_e4m3fn) or "e5m2"; ``scaling``
+    "tensorwise" (scales [1]), "1x128" (activations: [M, ceil(K/128)]) or
+    "128x128" (weights: [ceil(M/128), ceil(K/128)]); ``pow2_scales`` rounds
+    the scales up to powers of two; ``columnwise`` quantizes x^T (q [K, M],
+    the blocks along M). On the device, no sync; not differentiable."""
+    if x.dim() != 2:
+        raise _C.Error(f"x must be [M, K], got shape {tuple(x.shape)}")
+    x = _rows(x.detach())
+    M, K = x.shape
+    R, C = (K, M) if columnwise else (M, K)
+    q = torch.empty((R, C), dtype=_FP8.get(fp8_format, torch.float8_e4m3fn), device=x.device)
+    scales = torch.empty(_scale_shape(R, C, scaling), dtype=torch.float32, device=x.device)
+    ws = None
+    if x.is_cuda:
+        n = _C.quantize_workspace_bytes(M, K, fp8_format, scaling, pow2_scales, columnwise)
+        ws = torch.empty(n, dtype=torch.uint8, device=x.device) if n else None
+    _C.quantize(x, fp8_format, scaling, bool(pow2_scales), bool(columnwise), q, scales, ws,
+                _stream(x))
+    return q, scales
+
+
+def dequantize(q: torch.Tensor, scales: torch.Tensor, scaling: str = "1x128",
+               columnwise: bool = False, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+    """The inverse of :func:`quantize`: out [M, K] in ``dtype`` (x's layout,
+    also for ``columnwise``), q * scale rounded once."""
+    fmt = "e5m2" if q.dtype == torch.float8_e5m2 else "e4m3"
+    R, C = q.shape
+    M, K = (C, R) if columnwise else (R, C)
+    out = torch.empty((M, K), dtype=dtype, device=q.device)
+    _C.dequantize(_rows(q), scales.contiguous(), fmt, scaling, False, bool(columnwise), out,
+                  _stream(q))
+    return out
 
 
 class Plan:

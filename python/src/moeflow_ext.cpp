@@ -21,6 +21,7 @@
 #include "moeflow/moeflow.h"
 #include "moeflow/permute.h"
 #include "moeflow/plan.h"
+#include "moeflow/quantize.h"
 #include "moeflow/router.h"
 #include "moeflow/version.h"
 
@@ -205,6 +206,29 @@ RouterConfig router_config(int E, int K, const std::string& score_function, bool
   return c;
 }
 
+QuantizeConfig quantize_config(const std::string& out, const std::string& scaling, bool pow2,
+                               bool columnwise) {
+  QuantizeConfig c;
+  if (out == "e4m3")
+    c.out = DType::kFloat8E4M3;
+  else if (out == "e5m2")
+    c.out = DType::kFloat8E5M2;
+  else
+    MOEFLOW_CHECK(false, "fp8 format must be 'e4m3' or 'e5m2', got '", out, "'");
+  if (scaling == "tensorwise")
+    c.scaling = QuantScaling::kTensorwise;
+  else if (scaling == "1x128")
+    c.scaling = QuantScaling::kBlock1x128;
+  else if (scaling == "128x128")
+    c.scaling = QuantScaling::kBlock128x128;
+  else
+    MOEFLOW_CHECK(false, "scaling must be 'tensorwise', '1x128' or '128x128', got '", scaling,
+                  "'");
+  c.pow2_scales = pow2;
+  c.columnwise = columnwise;
+  return c;
+}
+
 DropPolicy drop_policy_of(const std::string& s) {
   if (s == "probs") return DropPolicy::kProbs;
   if (s == "position") return DropPolicy::kPosition;
@@ -347,6 +371,37 @@ NB_MODULE(_C, m) {
                                   rate, stream_of(s));
       },
       nb::arg("tokens_per_expert"), nb::arg("expert_bias"), nb::arg("rate"), nb::arg("stream") = 0);
+
+  // FP8 quantization (moeflow/quantize.h).
+  m.def(
+      "quantize_workspace_bytes",
+      [](int64_t rows, int64_t cols, const std::string& fmt, const std::string& scaling, bool pow2,
+         bool columnwise) {
+        return quantize_workspace_bytes(rows, cols, quantize_config(fmt, scaling, pow2, columnwise));
+      },
+      nb::arg("rows"), nb::arg("cols"), nb::arg("fp8_format"), nb::arg("scaling"),
+      nb::arg("pow2_scales"), nb::arg("columnwise"));
+  m.def(
+      "quantize",
+      [](const Array& x, const std::string& fmt, const std::string& scaling, bool pow2,
+         bool columnwise, const Array& q, const Array& scales, const std::optional<Array>& ws,
+         uintptr_t s) {
+        quantize(rows_of(x, "x"), quantize_config(fmt, scaling, pow2, columnwise), rows_of(q, "q"),
+                 view_of(scales, "scales"), opt_view(ws, "workspace"), stream_of(s));
+      },
+      nb::arg("x"), nb::arg("fp8_format"), nb::arg("scaling"), nb::arg("pow2_scales"),
+      nb::arg("columnwise"), nb::arg("q"), nb::arg("scales"),
+      nb::arg("workspace").none() = nb::none(), nb::arg("stream") = 0);
+  m.def(
+      "dequantize",
+      [](const Array& q, const Array& scales, const std::string& fmt, const std::string& scaling,
+         bool pow2, bool columnwise, const Array& out, uintptr_t s) {
+        dequantize(rows_of(q, "q"), view_of(scales, "scales"),
+                   quantize_config(fmt, scaling, pow2, columnwise), rows_of(out, "out"),
+                   stream_of(s));
+      },
+      nb::arg("q"), nb::arg("scales"), nb::arg("fp8_format"), nb::arg("scaling"),
+      nb::arg("pow2_scales"), nb::arg("columnwise"), nb::arg("out"), nb::arg("stream") = 0);
 
   m.def(
       "plan_capacity_rows",

@@ -1,0 +1,86 @@
+"""moeflow.ops.quantize / dequantize (FP8) against a torch transcription of
+the policy in moeflow/quantize.h: per-block amax / fp8_max scales, x / scale
+rounded to nearest even with saturation (torch's float -> fp8 conversion after
+a clamp), and the round trip's error bound."""
+import pytest
+
+torch = pytest.importorskip("torch")
+import moeflow.ops as mf  # noqa: E402
+
+DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="no CUDA device (torch.cuda.is_available() is False)"))]
+FMT = {"e4m3": (torch.float8_e4m3fn, 448.0), "e5m2": (torch.float8_e5m2, 57344.0)}
+
+
+def ref_quantize(x, fmt, scaling):
+    """(q, scales) of the rowwise policy, in torch."""
+    dt, fmax = FMT[fmt]
+    x = x.float()
+    M, K = x.shape
+    bm = M if scaling == "tensorwise" else (1 if scaling == "1x128" else 128)
+    bk = K if scaling == "tensorwise" else 128
+    nbm, nbk = -(-M // bm), -(-K // bk)
+    scales = torch.ones(nbm, nbk)
+    q = torch.empty(M, K, dtype=dt)
+    for i in range(nbm):
+        for j in range(nbk):
+            blk = x[i * bm:(i + 1) * bm, j * bk:(j + 1) * bk]
+            amax = blk.abs().max() if blk.numel() else torch.tensor(0.0)
+            s = (amax / fmax) if amax > 0 else torch.tensor(1.0)
+            scales[i, j] = s
+            q[i * bm:(i + 1) * bm, j * bk:(j + 1) * bk] = (blk / s).clamp(-fmax, fmax).to(dt)
+    return q, scales.reshape(1) if scaling == "tensorwise" else scales
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("fmt", ["e4m3", "e5m2"])
+@pytest.mark.parametrize("scaling", ["tensorwise", "1x128", "128x128"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_quantize_matches_the_policy(device, fmt, scaling, dtype):
+    g = torch.Generator().manual_seed(1)
+    M, K = 150, 300  # partial blocks both ways
+    x = (torch.randn(M, K, generator=g) * torch.rand(M, 1, generator=g) * 10).to(dtype)
+    x[3, :128] = 0  # an all-zero block: scale 1
+    q, s = mf.quantize(x.to(device), fmt, scaling)
+    want_q, want_s = ref_quantize(x, fmt, scaling)
+    assert q.dtype == FMT[fmt][0] and q.shape == (M, K)
+    assert torch.equal(s.cpu(), want_s)
+    assert torch.equal(q.cpu().view(torch.uint8), want_q.view(torch.uint8))
+    # The round trip: within half an fp8 step of each block's amax.
+    out = mf.dequantize(q, s, scaling, dtype=torch.float32).cpu()
+    bound = 2.0 ** -4 if fmt == "e4m3" else 2.0 ** -3
+    if scaling == "1x128":
+        blk_amax = x.float().abs().reshape(M, -1).amax(1, keepdim=True)  # row bound (looser)
+    else:
+        blk_amax = x.float().abs().max()
+    assert ((out - x.float()).abs() <= bound * blk_amax + 1e-30).all()
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_columnwise_is_the_rowwise_of_the_transpose(device):
+    x = torch.randn(130, 260).to(device, torch.bfloat16)
+    q, s = mf.quantize(x, "e4m3", "1x128", columnwise=True)
+    qt, st = mf.quantize(x.t().contiguous(), "e4m3", "1x128")
+    assert q.shape == (260, 130) and s.shape == (260, 2)
+    assert torch.equal(q.view(torch.uint8), qt.view(torch.uint8)) and torch.equal(s, st)
+    out = mf.dequantize(q, s, "1x128", columnwise=True)
+    assert out.shape == x.shape
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_pow2_scales(device):
+    x = torch.randn(4, 256).to(device)
+    _, s = mf.quantize(x, "e4m3", "1x128", pow2_scales=True)
+    m, e = torch.frexp(s.cpu())
+    assert (m == 0.5).all()  # powers of two
+    _, s_plain = mf.quantize(x, "e4m3", "1x128")
+    assert (s >= s_plain).all()
+
+
+def test_quantize_bad_input():
+    with pytest.raises(mf._C.Error, match="scaling"):
+        mf.quantize(torch.randn(4, 8), "e4m3", "2x2")
+    with pytest.raises(mf._C.Error, match="fp8 format"):
+        mf.quantize(torch.randn(4, 8), "e3m4", "1x128")
+    with pytest.raises(mf._C.Error, match="x must be"):
+        mf.quantize(torch.randn(4, 8, 2), "e4m3", "1x128")
