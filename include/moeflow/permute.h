@@ -7,6 +7,7 @@
 #pragma once
 
 #include "moeflow/plan.h"
+#include "moeflow/quantize.h"
 #include "moeflow/tensor.h"
 
 namespace moeflow {
@@ -30,6 +31,24 @@ struct PermuteExtras {
 //   y: [capacity,H] same dtype; stride(1) must be 1.
 void permute(TensorView x, const RoutingPlan& plan, TensorView y, const PermuteExtras& extras = {},
              cudaStream_t stream = nullptr);
+
+// Permute with FP8 quantization fused in (the FC1 input of blockwise FP8
+// training): exactly quantize(x, 1x128 rowwise) followed by permute of the
+// fp8 rows with their scales, bit for bit on both backends; x is read once.
+//   x:        [T,H] float32/float16/bfloat16; rows may be strided (stride(1) == 1).
+//   y:        [capacity,H] config.out (fp8); stride(1) == 1. Pad rows: code 0.
+//   y_scales: [capacity, ceil(H/128)] float32, contiguous: the scales of each
+//             row (the same for the K copies of a token). Pad rows: 0 (as
+//             permute writes permuted_scales on pad rows).
+//   config:   scaling must be kBlock1x128, columnwise false; out e4m3/e5m2;
+//             pow2_scales honoured.
+//   extras:   probs / permuted_probs as in permute; scales / permuted_scales
+//             must be empty (y_scales takes their place).
+// Dropped / unrouted slots write nothing; rows >= total_rows are untouched.
+// CUDA: one kernel, no host sync, no allocation; graph-capturable.
+void permute_quantize(TensorView x, const RoutingPlan& plan, TensorView y, TensorView y_scales,
+                      const QuantizeConfig& config, const PermuteExtras& extras = {},
+                      cudaStream_t stream = nullptr);
 
 // out[t] = sum over k of w[t,k] * y[dest_row[t,k]], accumulated in float32 in
 // ascending k order (bitwise deterministic); dropped/unrouted slots add nothing.

@@ -18,6 +18,7 @@
 #include <algorithm>
 
 #include "core/quantize_backend.h"
+#include "cuda/fp8.cuh"
 #include "cuda/common.cuh"
 
 namespace moeflow::cuda {
@@ -48,13 +49,6 @@ struct Src {
     return to_float(x[r * xr + c * xc]);
   }
 };
-
-template <bool E4M3>
-__device__ __forceinline__ uint8_t to_fp8(float v) {
-  if (v != v) return quant::kFp8NaN;
-  return static_cast<uint8_t>(
-      __nv_cvt_float_to_fp8(v, __NV_SATFINITE, E4M3 ? __NV_E4M3 : __NV_E5M2));
-}
 
 struct Dst {
   uint8_t* q;

@@ -1,0 +1,211 @@
+// CUDA permute_quantize: permute with 1x128 rowwise FP8 quantization fused in
+// (policy: moeflow/quantize.h; shared scalar math: core/quantize_backend.h).
+//
+// One warp per work item: first the T tokens, then the pad items (expert, r)
+// as in permute. A token's warp walks its row in chunks of 512 columns; lane l
+// holds columns [16 l, 16 l + 16) of the chunk, so the 8 lanes 8g..8g+7 hold
+// one 1x128 block. Per chunk: load (x is read once), amax over the block
+// (3 xor shuffles within the 8 lanes), quant::scale_of, codes by __fdiv_rn and
+// cvt.rn.satfinite (NaN -> 0x7F, as quantize.cu), then every routed slot
+// (lowest k first) gets the 16 codes as one 16-byte store per lane and the
+// block's scale from the block's first lane. Pad items write code 0, scale 0
+// and prob 0. Dropped / unrouted slots write nothing. Rows that are not
+// 16-byte aligned (or H % 16 != 0) take the same path with byte stores.
+// No host sync, no allocation; graph-capturable.
+#include <cuda_fp8.h>
+
+#include <type_traits>
+
+#include "core/permute_quantize_backend.h"
+#include "core/quantize_backend.h"
+#include "cuda/fp8.cuh"
+#include "cuda/common.cuh"
+
+namespace moeflow::cuda {
+namespace {
+
+using quant::kBlock;
+
+constexpr int kWarps = 8;
+constexpr int kThreads = kWarps * kWarpSize;
+constexpr int kPerLane = 16;                      // contiguous columns per lane
+constexpr int kLanesPerBlock = kBlock / kPerLane;  // lanes sharing one 1x128 block
+constexpr int64_t kChunk = int64_t{kPerLane} * kWarpSize;
+static_assert(kBlock % kPerLane == 0 && kLanesPerBlock <= kWarpSize, "lane layout");
+
+// The pad rows of all experts, (expert, r) flattened into pad items (the
+// layout permute.cu uses); item i is a row when row_of(i) >= 0.
+struct PadRows {
+  const int32_t* kept;
+  const int32_t* padded;
+  const int64_t* offsets;
+  int align;
+
+  __device__ int64_t row_of(int64_t i) const {
+    const int e = static_cast<int>(i / (align - 1));
+    const int64_t r = i % (align - 1);
+    return r < padded[e] - kept[e] ? offsets[e] + kept[e] + r : -1;
+  }
+};
+
+struct Args {
+  const uint8_t* x;
+  int64_t x_stride;  // bytes
+  uint8_t* y;
+  int64_t y_stride;  // bytes
+  float* y_scales;   // [capacity, nb], contiguous
+  int64_t nb;
+  int64_t hidden;
+  const int64_t* dest_row;
+  int64_t num_tokens;
+  int topk;
+  const float* probs;     // [T,K] or null
+  float* permuted_probs;  // [capacity] or null
+  bool pow2;
+  PadRows pads;
+  int64_t num_pad_items;
+};
+
+// VEC: 16-byte aligned rows and H % 16 == 0 (a lane's 16 columns are all in or all out).
+template <typename T, bool E4M3, bool VEC>
+__global__ void __launch_bounds__(kThreads) permute_quantize_kernel(Args a) {
+  const int lane = threadIdx.x % kWarpSize;
+  const int64_t item = int64_t{blockIdx.x} * kWarps + threadIdx.x / kWarpSize;
+  if (item >= a.num_tokens + a.num_pad_items) return;
+
+  if (item >= a.num_tokens) {  // pad row: codes 0, scales 0, prob 0
+    const int64_t row = a.pads.row_of(item - a.num_tokens);
+    if (row < 0) return;
+    uint8_t* yrow = a.y + row * a.y_stride;
+    if constexpr (VEC) {
+      for (int64_t v = lane; v < a.hidden / 16; v += kWarpSize)
+        reinterpret_cast<uint4*>(yrow)[v] = make_uint4(0, 0, 0, 0);
+    } else {
+      for (int64_t c = lane; c < a.hidden; c += kWarpSize) yrow[c] = 0;
+    }
+    for (int64_t b = lane; b < a.nb; b += kWarpSize) a.y_scales[row * a.nb + b] = 0.0f;
+    if (lane == 0 && a.permuted_probs) a.permuted_probs[row] = 0.0f;
+    return;
+  }
+
+  const int64_t t = item;
+  const int64_t* dest = a.dest_row + t * a.topk;
+  if (a.permuted_probs) {
+    for (int k = lane; k < a.topk; k += kWarpSize) {
+      const int64_t r = dest[k];
+      if (r >= 0) a.permuted_probs[r] = a.probs[t * a.topk + k];
+    }
+  }
+  const int64_t row0 = lane < a.topk ? dest[lane] : -1;
+  const unsigned routed0 = __ballot_sync(0xffffffffu, row0 >= 0);
+  if (routed0 == 0 && a.topk <= kWarpSize) return;  // nothing to write (warp-uniform)
+
+  const T* xrow = reinterpret_cast<const T*>(a.x + t * a.x_stride);
+  for (int64_t c0 = 0; c0 < a.hidden; c0 += kChunk) {
+    const int64_t cl = c0 + int64_t{lane} * kPerLane;  // this lane's first column
+    const bool in = cl < a.hidden;
+    float v[kPerLane];
+    if constexpr (VEC) {
+      constexpr int kVecs = kPerLane * sizeof(T) / 16;
+      uint4 raw[kVecs];
+      if (in) {
+        const uint4* src = reinterpret_cast<const uint4*>(xrow + cl);
+#pragma unroll
+        for (int i = 0; i < kVecs; ++i) raw[i] = src[i];
+      } else {
+#pragma unroll
+        for (int i = 0; i < kVecs; ++i) raw[i] = make_uint4(0, 0, 0, 0);
+      }
+      const T* e = reinterpret_cast<const T*>(raw);
+#pragma unroll
+      for (int j = 0; j < kPerLane; ++j) v[j] = to_float(e[j]);
+    } else {
+#pragma unroll
+      for (int j = 0; j < kPerLane; ++j) v[j] = cl + j < a.hidden ? to_float(xrow[cl + j]) : 0.0f;
+    }
+    // Columns past H read as 0: they leave the amax (a max of |finite| >= 0) as it is.
+    float m = 0.0f;
+#pragma unroll
+    for (int j = 0; j < kPerLane; ++j) m = quant::amax_join(m, quant::amax_term(v[j]));
+#pragma unroll
+    for (int o = kLanesPerBlock / 2; o > 0; o >>= 1)
+      m = quant::amax_join(m, __shfl_xor_sync(0xffffffffu, m, o));
+    const float scale = quant::scale_of(m, E4M3, a.pow2);
+    uint32_t w[kPerLane / 4] = {};
+#pragma unroll
+    for (int j = 0; j < kPerLane; ++j)
+      w[j / 4] |= uint32_t{to_fp8<E4M3>(__fdiv_rn(v[j], scale))} << (8 * (j % 4));
+    const bool lead = in && lane % kLanesPerBlock == 0;  // writes the block's scale
+    const int64_t blk = cl / kBlock;
+
+    for (int kg = 0; kg < a.topk; kg += kWarpSize) {
+      int64_t row = row0;
+      unsigned routed = routed0;
+      if (kg > 0) {
+        row = kg + lane < a.topk ? dest[kg + lane] : -1;
+        routed = __ballot_sync(0xffffffffu, row >= 0);
+      }
+      for (unsigned mk = routed; mk != 0; mk &= mk - 1) {
+        const int64_t r = __shfl_sync(0xffffffffu, row, __ffs(mk) - 1);
+        uint8_t* yrow = a.y + r * a.y_stride;
+        if constexpr (VEC) {
+          if (in) *reinterpret_cast<uint4*>(yrow + cl) = make_uint4(w[0], w[1], w[2], w[3]);
+        } else {
+#pragma unroll
+          for (int j = 0; j < kPerLane; ++j)
+            if (cl + j < a.hidden) yrow[cl + j] = static_cast<uint8_t>(w[j / 4] >> (8 * (j % 4)));
+        }
+        if (lead) a.y_scales[r * a.nb + blk] = scale;
+      }
+    }
+  }
+}
+
+}  // namespace
+
+void permute_quantize(TensorView x, const RoutingPlan& plan, TensorView y, TensorView y_scales,
+                      const QuantizeConfig& config, const PermuteExtras& extras,
+                      cudaStream_t stream) {
+  Args a{};
+  a.x = static_cast<const uint8_t*>(x.data);
+  a.x_stride = x.strides[0] * static_cast<int64_t>(dtype_size(x.dtype));
+  a.y = static_cast<uint8_t*>(y.data);
+  a.y_stride = y.strides[0];  // fp8: one byte an element
+  a.y_scales = static_cast<float*>(y_scales.data);
+  a.nb = y_scales.shape[1];
+  a.hidden = x.shape[1];
+  a.dest_row = plan.dest_row.data_ptr<int64_t>();
+  a.num_tokens = plan.num_tokens;
+  a.topk = plan.topk;
+  a.probs = extras.probs.defined() ? static_cast<const float*>(extras.probs.data) : nullptr;
+  a.permuted_probs =
+      extras.permuted_probs.defined() ? static_cast<float*>(extras.permuted_probs.data) : nullptr;
+  a.pow2 = config.pow2_scales;
+  a.pads = PadRows{plan.tokens_per_expert.data_ptr<int32_t>(),
+                   plan.padded_tokens_per_expert.data_ptr<int32_t>(),
+                   plan.expert_row_offsets.data_ptr<int64_t>(), plan.config.align};
+  a.num_pad_items = (plan.config.align == 1 || plan.num_tokens == 0)
+                        ? 0
+                        : int64_t{plan.config.num_experts} * (plan.config.align - 1);
+  const int64_t items = a.num_tokens + a.num_pad_items;
+  if (items == 0) return;
+  const bool vec = aligned_to(16, {a.hidden, a.x_stride, a.y_stride,
+                                   static_cast<int64_t>(reinterpret_cast<uintptr_t>(a.x)),
+                                   static_cast<int64_t>(reinterpret_cast<uintptr_t>(a.y))});
+  const int64_t blocks = ceil_div(items, kWarps);
+  with_float_type(x.dtype, [&](auto t) {
+    using T = decltype(t);
+    auto launch = [&](auto e4m3, auto vec_c) {
+      permute_quantize_kernel<T, decltype(e4m3)::value, decltype(vec_c)::value>
+          <<<static_cast<unsigned>(blocks), kThreads, 0, stream>>>(a);
+      MOEFLOW_CUDA_LAUNCH_CHECK();
+    };
+    const bool e4m3 = config.out == DType::kFloat8E4M3;
+    if (e4m3 && vec) return launch(std::true_type{}, std::true_type{});
+    if (e4m3) return launch(std::true_type{}, std::false_type{});
+    if (vec) return launch(std::false_type{}, std::true_type{});
+    launch(std::false_type{}, std::false_type{});
+  });
+}
+
+}  // namespace moeflow::cuda

@@ -1,0 +1,263 @@
+// CPU permute_quantize tests: bitwise equal to quantize (1x128 rowwise) then
+// permute of the fp8 rows with their scales, over uneven routings, align 16
+// and 128, dropped slots, K = 1 and 8, H not a multiple of 128, both fp8
+// formats, pow2 scales, special values and strided rows; pad rows (codes 0,
+// scales 0, probs 0), rows past total_rows untouched; bad input.
+#include <limits>
+
+#include "test_util.h"
+
+namespace moeflow::test {
+namespace {
+
+struct PqCase {
+  Case c;
+  int64_t capacity;  // -1: the worst case (nothing dropped)
+};
+
+const std::vector<PqCase> kPqCases = {
+    {{64, 2, 4, 200, 16}, -1},    {{97, 8, 64, 256, 128}, -1}, {{50, 1, 8, 128, 16}, -1},
+    {{40, 4, 7, 1000, 1}, -1},    {{120, 8, 16, 136, 16}, 256}, {{33, 1, 4, 40, 128}, 128},
+    {{1, 8, 8, 7168, 16}, -1},    {{0, 2, 4, 64, 16}, -1},
+};
+
+Tensor poisoned(const std::vector<int64_t>& shape, DType dtype) {
+  Tensor t = make_tensor(shape, dtype);
+  fill_bytes(t, 0xFF);
+  return t;
+}
+
+bool row_is(const Tensor& t, int64_t row, uint8_t byte) {
+  const int64_t rb = t.numel() / std::max<int64_t>(t.size(0), 1) * dtype_size(t.dtype());
+  const auto* p = static_cast<const uint8_t*>(t.data()) + row * rb;
+  for (int64_t i = 0; i < rb; ++i)
+    if (p[i] != byte) return false;
+  return true;
+}
+
+int64_t nblocks(int64_t h) { return (h + 127) / 128; }
+
+struct Outputs {
+  Tensor y, ys, pp;
+};
+
+Outputs run_fused(TensorView x, const RoutingPlan& plan, const QuantizeConfig& cfg,
+                  const Tensor& probs) {
+  const int64_t H = x.shape[1];
+  Outputs o{poisoned({plan.capacity_rows, H}, cfg.out),
+            poisoned({plan.capacity_rows, nblocks(H)}, DType::kFloat32),
+            poisoned({plan.capacity_rows}, DType::kFloat32)};
+  permute_quantize(x, plan, o.y, o.ys, cfg, PermuteExtras{probs, o.pp, {}, {}});
+  return o;
+}
+
+// The definition: quantize then permute with the scales as side data.
+Outputs run_composed(TensorView x, const RoutingPlan& plan, const QuantizeConfig& cfg,
+                     const Tensor& probs) {
+  const int64_t T = x.shape[0], H = x.shape[1];
+  Tensor q = make_tensor({T, H}, cfg.out), s = make_tensor({T, nblocks(H)}, DType::kFloat32);
+  quantize(x, cfg, q, s);
+  Outputs o{poisoned({plan.capacity_rows, H}, cfg.out),
+            poisoned({plan.capacity_rows, nblocks(H)}, DType::kFloat32),
+            poisoned({plan.capacity_rows}, DType::kFloat32)};
+  permute(q, plan, o.y, PermuteExtras{probs, probs.defined() ? TensorView(o.pp) : TensorView(), s, o.ys});
+  return o;
+}
+
+// Some special rows: zeros, NaN/inf, huge and tiny magnitudes.
+void add_special_values(Tensor& x) {
+  const int64_t T = x.size(0), H = x.size(1);
+  if (T < 4 || H < 3) return;
+  for (int64_t h = 0; h < H; ++h) detail::store_float(x.data(), x.dtype(), 0 * H + h, 0.0f);
+  detail::store_float(x.data(), x.dtype(), 1 * H + 0, std::numeric_limits<float>::quiet_NaN());
+  detail::store_float(x.data(), x.dtype(), 1 * H + 2, -std::numeric_limits<float>::infinity());
+  for (int64_t h = 0; h < H; ++h) {
+    detail::store_float(x.data(), x.dtype(), 2 * H + h, 3.0e4f * (h % 3 == 0 ? -1.0f : 0.5f));
+    detail::store_float(x.data(), x.dtype(), 3 * H + h, 1.0e-6f * static_cast<float>(h % 7));
+  }
+}
+
+void expect_layout(const Outputs& o, const RoutingPlan& plan) {
+  const int64_t total = plan_status(plan).total_rows;
+  auto row_token = to_vec<int32_t>(plan.row_token);
+  for (int64_t r = 0; r < plan.capacity_rows; ++r) {
+    if (r >= total) {
+      ASSERT_TRUE(row_is(o.y, r, 0xFF) && row_is(o.ys, r, 0xFF)) << "row past total_rows written: " << r;
+      ASSERT_TRUE(row_is(o.pp, r, 0xFF)) << r;
+    } else if (row_token[r] < 0) {
+      ASSERT_TRUE(row_is(o.y, r, 0)) << "pad row codes not 0: " << r;
+      ASSERT_TRUE(row_is(o.ys, r, 0)) << "pad row scales not 0: " << r;
+      ASSERT_EQ(o.pp.data_ptr<float>()[r], 0.0f);
+    } else {
+      for (int64_t b = 0; b < o.ys.size(1); ++b)
+        ASSERT_GT(o.ys.data_ptr<float>()[r * o.ys.size(1) + b], 0.0f) << "row " << r;
+    }
+  }
+}
+
+TEST(PermuteQuantize, EqualsQuantizeThenPermuteBitwise) {
+  uint32_t seed = 1000;
+  for (const PqCase& pc : kPqCases) {
+    const Case& c = pc.c;
+    for (DType dt : {DType::kBFloat16, DType::kFloat32, DType::kFloat16}) {
+      for (DType out : {DType::kFloat8E4M3, DType::kFloat8E5M2}) {
+        for (bool pow2 : {false, true}) {
+          SCOPED_TRACE(name_of(c) + " cap=" + std::to_string(pc.capacity) + " " + dtype_name(dt) +
+                       " -> " + dtype_name(out) + (pow2 ? " pow2" : ""));
+          Tensor ids = random_topk(c.T, c.K, c.E, seed++, 1.0, 0.1);
+          RoutingPlan plan =
+              allocate_plan(c.T, c.K, PlanConfig{c.E, c.align, pc.capacity}, Device::cpu());
+          build_plan(ids, plan);
+          if (pc.capacity > 0 && c.T > 0) ASSERT_GT(plan_status(plan).overflow, 0) << "no drops";
+          Tensor x = make_tensor({c.T, c.H}, dt);
+          fill_random(x, seed++, -4.0f, 4.0f);
+          add_special_values(x);
+          Tensor probs = make_tensor({c.T, c.K}, DType::kFloat32);
+          fill_random(probs, seed++, 0.0f, 1.0f);
+          const QuantizeConfig cfg{out, QuantScaling::kBlock1x128, pow2, false};
+          Outputs got = run_fused(x, plan, cfg, probs);
+          Outputs want = run_composed(x, plan, cfg, probs);
+          EXPECT_TRUE(bytes_equal(got.y, want.y));
+          EXPECT_TRUE(bytes_equal(got.ys, want.ys));
+          EXPECT_TRUE(bytes_equal(got.pp, want.pp));
+          expect_layout(got, plan);
+        }
+      }
+    }
+  }
+}
+
+TEST(PermuteQuantize, HandWorkedScalesAndPadRows) {
+  // 3 tokens, top-2, 2 experts, align 16, H = 130 (a full block and a block of 2).
+  int32_t idv[] = {1, 0, 0, -1, 1, 0};
+  Tensor ids = make_tensor({3, 2}, DType::kInt32);
+  std::copy(idv, idv + 6, ids.data_ptr<int32_t>());
+  RoutingPlan plan = allocate_plan(3, 2, PlanConfig{2, 16, -1}, Device::cpu());
+  build_plan(ids, plan);
+  const int64_t H = 130;
+  Tensor x = Tensor::zeros({3, H}, DType::kFloat32);
+  float* xv = x.data_ptr<float>();
+  xv[0 * H + 5] = 448.0f;   // token 0 block 0: amax 448 -> scale 1
+  xv[0 * H + 6] = -1.0f;
+  xv[0 * H + 129] = 896.0f;  // token 0 block 1: amax 896 -> scale 2
+  xv[1 * H + 0] = 300.0f;   // token 1 block 0: 300/448, pow2 -> 1; block 1 all zero -> 1
+  xv[2 * H + 128] = 3.0f;   // token 2 block 0 zero -> 1; block 1: 3/448 -> pow2 2^-7
+  const QuantizeConfig cfg{DType::kFloat8E4M3, QuantScaling::kBlock1x128, true, false};
+  Tensor y = poisoned({plan.capacity_rows, H}, DType::kFloat8E4M3);
+  Tensor ys = poisoned({plan.capacity_rows, 2}, DType::kFloat32);
+  permute_quantize(x, plan, y, ys, cfg);
+  // expert 0: t0 (k1), t1 (k0), t2 (k1) -> rows 0..2, pad 3..15; expert 1: t0, t2 -> 16, 17, pad to 31
+  const float* s = ys.data_ptr<float>();
+  const auto* q = static_cast<const uint8_t*>(y.data());
+  EXPECT_EQ(s[0 * 2 + 0], 1.0f);
+  EXPECT_EQ(s[0 * 2 + 1], 2.0f);
+  EXPECT_EQ(s[16 * 2 + 0], 1.0f);
+  EXPECT_EQ(s[16 * 2 + 1], 2.0f);
+  EXPECT_EQ(q[0 * H + 5], 0x7E);    // 448 = e4m3 max
+  EXPECT_EQ(q[0 * H + 6], 0xB8);    // -1
+  EXPECT_EQ(q[0 * H + 129], 0x7E);  // 896 / 2
+  EXPECT_EQ(q[16 * H + 129], 0x7E);
+  EXPECT_EQ(s[1 * 2 + 0], 1.0f);
+  EXPECT_EQ(s[1 * 2 + 1], 1.0f);
+  EXPECT_EQ(s[2 * 2 + 0], 1.0f);
+  EXPECT_EQ(s[2 * 2 + 1], 0.0078125f);
+  EXPECT_EQ(q[2 * H + 128], 0x7C);  // 3 / 2^-7 = 384 = 1.5 * 2^8
+  for (int r : {3, 15, 18, 31}) {
+    EXPECT_TRUE(row_is(y, r, 0)) << r;
+    EXPECT_TRUE(row_is(ys, r, 0)) << r;
+  }
+  for (int64_t r = 32; r < plan.capacity_rows; ++r) {
+    EXPECT_TRUE(row_is(y, r, 0xFF)) << r;
+    EXPECT_TRUE(row_is(ys, r, 0xFF)) << r;
+  }
+}
+
+TEST(PermuteQuantize, StridedRows) {
+  const Case c{77, 4, 8, 300, 16};
+  RoutingPlan plan = allocate_plan(c.T, c.K, PlanConfig{c.E, c.align, -1}, Device::cpu());
+  build_plan(random_topk(c.T, c.K, c.E, 5), plan);
+  Tensor xbuf = make_tensor({c.T, 512}, DType::kBFloat16);
+  fill_random(xbuf, 6);
+  auto x = TensorView::strided(xbuf.data(), DType::kBFloat16, Device::cpu(), {c.T, c.H}, {512, 1});
+  Tensor xc = make_tensor({c.T, c.H}, DType::kBFloat16);
+  for (int64_t t = 0; t < c.T; ++t)
+    std::memcpy(static_cast<uint8_t*>(xc.data()) + t * c.H * 2,
+                static_cast<const uint8_t*>(xbuf.data()) + t * 512 * 2, c.H * 2);
+  const QuantizeConfig cfg{};
+  Tensor ybuf = poisoned({plan.capacity_rows, 320}, DType::kFloat8E4M3);
+  auto y = TensorView::strided(ybuf.data(), DType::kFloat8E4M3, Device::cpu(),
+                               {plan.capacity_rows, c.H}, {320, 1});
+  Tensor ys = poisoned({plan.capacity_rows, nblocks(c.H)}, DType::kFloat32);
+  permute_quantize(x, plan, y, ys, cfg);
+  Outputs want = run_composed(xc, plan, cfg, {});
+  const int64_t total = plan_status(plan).total_rows;
+  for (int64_t r = 0; r < plan.capacity_rows; ++r) {
+    const auto* got = static_cast<const uint8_t*>(ybuf.data()) + r * 320;
+    const auto* exp = static_cast<const uint8_t*>(want.y.data()) + r * c.H;
+    ASSERT_EQ(0, std::memcmp(got, exp, c.H)) << "row " << r;
+    for (int64_t h = c.H; h < 320; ++h) ASSERT_EQ(got[h], 0xFF) << "gap written, row " << r;
+  }
+  EXPECT_TRUE(bytes_equal(ys, want.ys));
+  EXPECT_GT(total, 0);
+}
+
+TEST(PermuteQuantize, BadInputErrors) {
+  const Case c{8, 2, 4, 200, 16};
+  RoutingPlan plan = allocate_plan(c.T, c.K, PlanConfig{c.E, c.align, -1}, Device::cpu());
+  build_plan(random_topk(c.T, c.K, c.E, 7), plan);
+  const int64_t cap = plan.capacity_rows;
+  Tensor x = make_tensor({c.T, c.H}, DType::kBFloat16);
+  fill_random(x, 8);
+  Tensor y = make_tensor({cap, c.H}, DType::kFloat8E4M3);
+  Tensor ys = make_tensor({cap, 2}, DType::kFloat32);
+  const QuantizeConfig cfg{};
+  EXPECT_EQ(message_of([&] { permute_quantize(x, plan, y, ys, cfg); }), "no error");
+
+  Tensor ybf = make_tensor({cap, c.H}, DType::kBFloat16);
+  EXPECT_NE(message_of([&] { permute_quantize(x, plan, ybf, ys, cfg); }).find("y must be float8_e4m3"),
+            std::string::npos)
+      << message_of([&] { permute_quantize(x, plan, ybf, ys, cfg); });
+  Tensor y52 = make_tensor({cap, c.H}, DType::kFloat8E5M2);
+  EXPECT_NE(message_of([&] { permute_quantize(x, plan, y52, ys, cfg); }).find("y must be float8_e4m3"),
+            std::string::npos);
+  Tensor ys1 = make_tensor({cap, 1}, DType::kFloat32);
+  const std::string want_ys = "y_scales must be float32 [" + std::to_string(cap) + ",2] on cpu";
+  EXPECT_NE(message_of([&] { permute_quantize(x, plan, y, ys1, cfg); }).find(want_ys), std::string::npos)
+      << message_of([&] { permute_quantize(x, plan, y, ys1, cfg); });
+  Tensor ysrows = make_tensor({c.T, 2}, DType::kFloat32);
+  EXPECT_NE(message_of([&] { permute_quantize(x, plan, y, ysrows, cfg); }).find(want_ys), std::string::npos);
+  Tensor ysbf = make_tensor({cap, 2}, DType::kBFloat16);
+  EXPECT_NE(message_of([&] { permute_quantize(x, plan, y, ysbf, cfg); }).find(want_ys), std::string::npos);
+
+  for (QuantScaling s : {QuantScaling::kTensorwise, QuantScaling::kBlock128x128}) {
+    const QuantizeConfig bad{DType::kFloat8E4M3, s, false, false};
+    EXPECT_NE(message_of([&] { permute_quantize(x, plan, y, ys, bad); })
+                  .find("QuantizeConfig.scaling must be kBlock1x128"),
+              std::string::npos);
+  }
+  const QuantizeConfig colwise{DType::kFloat8E4M3, QuantScaling::kBlock1x128, false, true};
+  EXPECT_NE(message_of([&] { permute_quantize(x, plan, y, ys, colwise); })
+                .find("QuantizeConfig.columnwise must be false"),
+            std::string::npos);
+  const QuantizeConfig not_fp8{DType::kBFloat16, QuantScaling::kBlock1x128, false, false};
+  EXPECT_NE(message_of([&] { permute_quantize(x, plan, y, ys, not_fp8); })
+                .find("QuantizeConfig.out must be float8_e4m3 or float8_e5m2"),
+            std::string::npos);
+
+  Tensor x8 = make_tensor({c.T, c.H}, DType::kFloat8E4M3);
+  EXPECT_NE(message_of([&] { permute_quantize(x8, plan, y, ys, cfg); })
+                .find("x must be float32, bfloat16 or float16"),
+            std::string::npos);
+  Tensor scales = make_tensor({c.T, 2}, DType::kFloat32);
+  Tensor pscales = make_tensor({cap, 2}, DType::kFloat32);
+  EXPECT_NE(message_of([&] { permute_quantize(x, plan, y, ys, cfg, PermuteExtras{{}, {}, scales, pscales}); })
+                .find("scales and permuted_scales must be empty"),
+            std::string::npos);
+  Tensor probs = make_tensor({c.T, c.K}, DType::kFloat32);
+  EXPECT_NE(message_of([&] { permute_quantize(x, plan, y, ys, cfg, PermuteExtras{probs, {}, {}, {}}); })
+                .find("probs and permuted_probs must be given together"),
+            std::string::npos);
+}
+
+}  // namespace
+}  // namespace moeflow::test
