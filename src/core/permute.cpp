@@ -27,9 +27,11 @@ static Expect rows_of(const std::vector<DType>& dtypes, int64_t rows, int64_t hi
   return e;
 }
 
+#ifdef MOEFLOW_WITH_CUDA
 static void select_device(const RoutingPlan& plan) {
   if (plan.device.is_cuda()) detail::cuda_set_device(plan.device.index);
 }
+#endif
 
 void permute(TensorView x, const RoutingPlan& plan, TensorView y, const PermuteExtras& extras,
              cudaStream_t stream) {
