@@ -74,4 +74,29 @@ struct FdCase {
   bool bias;
 };
 
+// The configurations the finite-difference tests share (each with the given
+// loss coefficients): softmax k2, pre_softmax k3 scaled, sigmoid k1, and
+// sigmoid k4 group-limited, scaled, with an expert bias.
+inline std::vector<FdCase> common_fd_cases(int E, float aux, float z, float seq) {
+  std::vector<FdCase> cases;
+  auto add = [&](const char* name, RouterConfig c, bool bias = false) {
+    c.aux_loss_coeff = aux;
+    c.z_loss_coeff = z;
+    c.seq_aux_loss_coeff = seq;
+    cases.push_back({name, c, bias});
+  };
+  add("softmax k2", softmax_cfg(E, 2));
+  RouterConfig pre = softmax_cfg(E, 3);
+  pre.pre_softmax = true;
+  pre.topk_scaling_factor = 1.5f;
+  add("pre_softmax k3 scaled", pre);
+  add("sigmoid k1", sigmoid_cfg(E, 1));
+  RouterConfig sg = sigmoid_cfg(E, 4);
+  sg.num_groups = 4;
+  sg.group_topk = 2;
+  sg.topk_scaling_factor = 2.5f;
+  add("sigmoid k4 grouped scaled bias", sg, true);
+  return cases;
+}
+
 }  // namespace moeflow::test

@@ -216,27 +216,13 @@ TEST(Router, NonFiniteLogits) {
 // Loss = sum probs*g + daux*aux + dz*z, with the forward's choice.
 TEST(Router, BackwardMatchesFiniteDifferences) {
   const int E = 8;
-  std::vector<FdCase> cases;
-  auto add = [&](const char* name, RouterConfig c, bool bias = false) {
-    c.aux_loss_coeff = 0.3f;
-    c.z_loss_coeff = 0.2f;
-    cases.push_back({name, c, bias});
-  };
-  add("softmax k2", softmax_cfg(E, 2));
-  RouterConfig pre = softmax_cfg(E, 3);
-  pre.pre_softmax = true;
-  pre.topk_scaling_factor = 1.5f;
-  add("pre_softmax k3 scaled", pre);
-  add("sigmoid k1", sigmoid_cfg(E, 1));
-  RouterConfig sg = sigmoid_cfg(E, 4);
-  sg.num_groups = 4;
-  sg.group_topk = 2;
-  sg.topk_scaling_factor = 2.5f;
-  add("sigmoid k4 grouped scaled bias", sg, true);
+  std::vector<FdCase> cases = common_fd_cases(E, 0.3f, 0.2f, 0.0f);
   RouterConfig sm_grouped = softmax_cfg(E, 2);
   sm_grouped.num_groups = 2;
   sm_grouped.group_topk = 1;
-  add("softmax k2 grouped", sm_grouped);
+  sm_grouped.aux_loss_coeff = 0.3f;
+  sm_grouped.z_loss_coeff = 0.2f;
+  cases.push_back({"softmax k2 grouped", sm_grouped, false});
 
   const int64_t T = 5;
   const float h = 1e-2f;
