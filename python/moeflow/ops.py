@@ -31,7 +31,7 @@ from . import _C
 
 __all__ = [
     "RouterOutput", "router", "router_logits", "apply_capacity", "update_expert_bias",
-    "quantize", "dequantize", "Plan", "permute",
+    "quantize", "dequantize", "Plan", "permute", "permute_quantize",
     "unpermute", "grouped_mlp", "WgradStore"
 ]
 
@@ -411,6 +411,29 @@ def permute(x: torch.Tensor, plan: Plan, probs: Optional[torch.Tensor] = None,
     out = _Permute.apply(x, probs, plan, scales)
     y, pp = out[0], (out[1] if probs is not None else None)
     return (y, pp) if scales is None else (y, pp, out[2])
+
+
+def permute_quantize(x: torch.Tensor, plan: Plan, probs: Optional[torch.Tensor] = None,
+                     fp8_format: str = "e4m3", pow2_scales: bool = False):
+    """x [T, H] bf16/fp16/float32 -> (rows [capacity, H] fp8 expert-major and
+    padded, with their 1x128 scales rows_scales [capacity, ceil(H/128)]
+    float32; probs of every row [capacity] float32 or None): exactly
+    ``quantize(x, fp8_format, "1x128")`` then :func:`permute` of the fp8 rows
+    with their scales, with x read once (pad rows: code 0, scale 0). Returns
+    (rows, row_probs, row_scales). Not differentiable (the FP8 forward
+    input of the experts)."""
+    x = _rows(x.detach())
+    fp8 = _FP8.get(fp8_format, torch.float8_e4m3fn)
+    y = torch.empty((plan.capacity_rows, x.shape[1]), dtype=fp8, device=x.device)
+    scales = torch.empty((plan.capacity_rows, -(-x.shape[1] // 128)), dtype=torch.float32,
+                         device=x.device)
+    pp = None
+    if probs is not None:
+        probs = probs.detach().contiguous()
+        pp = torch.empty(plan.capacity_rows, dtype=torch.float32, device=x.device)
+    _C.permute_quantize(x, plan._view, y, scales, fp8_format, bool(pow2_scales), probs, pp,
+                        _stream(x))
+    return y, pp, scales
 
 
 class _Unpermute(torch.autograd.Function):

@@ -469,6 +469,20 @@ NB_MODULE(_C, m) {
       nb::arg("permuted_probs").none() = nb::none(), nb::arg("scales").none() = nb::none(),
       nb::arg("permuted_scales").none() = nb::none(), nb::arg("stream") = 0);
   m.def(
+      "permute_quantize",
+      [](const AnyArray& x, const PyPlan& p, const AnyArray& y, const Array& y_scales,
+         const std::string& fmt, bool pow2, const std::optional<Array>& probs,
+         const std::optional<Array>& pprobs, uintptr_t s) {
+        PermuteExtras e;
+        e.probs = opt_view(probs, "probs");
+        e.permuted_probs = opt_view(pprobs, "permuted_probs");
+        permute_quantize(rows_of(x, "x"), p.plan, rows_of(y, "y"), view_of(y_scales, "y_scales"),
+                         quantize_config(fmt, "1x128", pow2, false), e, stream_of(s));
+      },
+      nb::arg("x"), nb::arg("plan"), nb::arg("y"), nb::arg("y_scales"), nb::arg("fp8_format"),
+      nb::arg("pow2_scales"), nb::arg("probs").none() = nb::none(),
+      nb::arg("permuted_probs").none() = nb::none(), nb::arg("stream") = 0);
+  m.def(
       "unpermute",
       [](const AnyArray& y, const PyPlan& p, const AnyArray& out, const std::optional<Array>& probs,
          uintptr_t s) {

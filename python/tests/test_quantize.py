@@ -84,3 +84,23 @@ def test_quantize_bad_input():
         mf.quantize(torch.randn(4, 8), "e3m4", "1x128")
     with pytest.raises(mf._C.Error, match="x must be"):
         mf.quantize(torch.randn(4, 8, 2), "e4m3", "1x128")
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("fmt", ["e4m3", "e5m2"])
+@pytest.mark.parametrize("pow2", [False, True])
+def test_permute_quantize_is_quantize_then_permute(device, fmt, pow2):
+    T, H, E, K = 40, 300, 6, 2
+    g = torch.Generator().manual_seed(3)
+    x = (torch.randn(T, H, generator=g) * 4).to(device, torch.bfloat16)
+    ids = torch.randint(0, E, (T, K), generator=g, dtype=torch.int32)
+    ids[:, 1] = (ids[:, 0] + 1) % E  # distinct experts per token
+    probs = torch.rand(T, K, generator=g).to(device)
+    plan = mf.Plan(ids.to(device), E, align=16)
+    y, pp, sc = mf.permute_quantize(x, plan, probs, fmt, pow2)
+    q, s = mf.quantize(x, fmt, "1x128", pow2_scales=pow2)
+    y2, pp2, sc2 = mf.permute(q, plan, probs, scales=s)
+    rows = int(plan.total_rows)
+    assert y.dtype == FMT[fmt][0] and sc.shape == (plan.capacity_rows, 3)
+    assert torch.equal(y[:rows].view(torch.uint8), y2[:rows].view(torch.uint8))
+    assert torch.equal(sc[:rows], sc2[:rows]) and torch.equal(pp[:rows], pp2[:rows])
