@@ -91,7 +91,9 @@ struct RouterTokenInfo {
 // loss is 0 when T = 0):
 //   aux_loss = E * coeff / (K * T * T) * sum_e (sum_t s[t,e]) * tokens_per_expert[e]
 //     s = softmax(logits) over E (softmax), or sigmoid(logits) / (its sum over
-//     E + 1e-20) (sigmoid).
+//     E + 1e-20) (sigmoid). tokens_per_expert counts the slots routed (groups
+//     and expert bias included); recent Megatron-Core counts a plain top-k of
+//     s instead, which differs only with groups or an expert bias.
 //   z_loss = coeff * mean_t (logsumexp_e logits[t,e])^2
 //   seq_aux_loss = (1/S) * sum_s E * coeff / (K * L_s * L_s) * sum_e (sum_{t in s} s[t,e]) * c[s,e]
 //     the aux loss of each sequence, averaged over the S sequences; L_s = the
