@@ -119,9 +119,7 @@ Problem random_problem(int E, int max_rows, int64_t k, int64_t n, uint32_t seed,
 }
 
 Tensor poisoned_gpu(const std::vector<int64_t>& shape, DType dt) {
-  Tensor t = Tensor::empty(shape, dt, kGpu);
-  fill_bytes(t, 0xFF);
-  return t;
+  return poisoned(shape, dt, kGpu);
 }
 
 // Zeroes the pad rows and the tail of a CPU [rows, cols] input.

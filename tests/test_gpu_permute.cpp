@@ -22,12 +22,6 @@ class Gpu : public ::testing::Test {
 
 Tensor on_gpu(const Tensor& t) { return t.to(kGpu); }
 
-Tensor poisoned(const std::vector<int64_t>& shape, DType dtype, Device dev) {
-  Tensor t = Tensor::empty(shape, dtype, dev);
-  fill_bytes(t, 0xFF);
-  return t;
-}
-
 void poison_plan(RoutingPlan& p) {
   for (Tensor* t : {&p.tokens_per_expert, &p.padded_tokens_per_expert, &p.expert_row_offsets,
                     &p.dest_row, &p.row_token, &p.row_k, &p.total_rows, &p.overflow, &p.invalid_ids})

@@ -19,14 +19,6 @@ class GpuPermuteQuantize : public ::testing::Test {
   void SetUp() override { ASSERT_GT(cuda_device_count(), 0) << "GPU tests need a CUDA device"; }
 };
 
-Tensor poisoned(const std::vector<int64_t>& shape, DType dtype, Device dev) {
-  Tensor t = Tensor::empty(shape, dtype, dev);
-  fill_bytes(t, 0xFF);
-  return t;
-}
-
-int64_t nblocks(int64_t h) { return (h + 127) / 128; }
-
 struct Built {
   RoutingPlan cpu, gpu;
 };
@@ -51,7 +43,7 @@ struct Out {
 
 Out poisoned_outputs(const RoutingPlan& plan, int64_t H, DType out, Device dev) {
   return Out{poisoned({plan.capacity_rows, H}, out, dev),
-             poisoned({plan.capacity_rows, nblocks(H)}, DType::kFloat32, dev),
+             poisoned({plan.capacity_rows, blocks128(H)}, DType::kFloat32, dev),
              poisoned({plan.capacity_rows}, DType::kFloat32, dev)};
 }
 
@@ -167,7 +159,7 @@ TEST_F(GpuPermuteQuantize, GraphCaptureReplayWithNewRoutings) {
   Tensor x_g = Tensor::empty({c.T, c.H}, DType::kBFloat16, kGpu);
   Tensor probs_g = Tensor::empty({c.T, c.K}, DType::kFloat32, kGpu);
   Out got{Tensor::empty({plan.capacity_rows, c.H}, qcfg.out, kGpu),
-          Tensor::empty({plan.capacity_rows, nblocks(c.H)}, DType::kFloat32, kGpu),
+          Tensor::empty({plan.capacity_rows, blocks128(c.H)}, DType::kFloat32, kGpu),
           Tensor::empty({plan.capacity_rows}, DType::kFloat32, kGpu)};
   // Warm-up outside the capture (module load).
   copy(random_topk(c.T, c.K, c.E, 1), ids_g, stream);

@@ -19,22 +19,6 @@ class GpuQuantize : public ::testing::Test {
   void SetUp() override { ASSERT_GT(cuda_device_count(), 0) << "GPU tests need a CUDA device"; }
 };
 
-int64_t nb(int64_t n) {
-  return (n + 127) / 128;
-}
-
-std::vector<int64_t> scales_shape(int64_t R, int64_t C, QuantScaling s) {
-  if (s == QuantScaling::kTensorwise) return {1};
-  if (s == QuantScaling::kBlock1x128) return {R, nb(C)};
-  return {nb(R), nb(C)};
-}
-
-Tensor poisoned(const std::vector<int64_t>& shape, DType dtype, Device dev) {
-  Tensor t = Tensor::empty(shape, dtype, dev);
-  fill_bytes(t, 0xFF);
-  return t;
-}
-
 // [M, ld] storage with values in the first K columns: random magnitudes per
 // row (2^-20 .. 2^20), NaN/inf sprinkled, an all-zero row, a row of tiny
 // values (subnormal scales), gap columns holding 30000 (must never be read).

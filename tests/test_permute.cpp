@@ -18,20 +18,6 @@ RoutingPlan plan_for(const Case& c, uint32_t seed, double unrouted = 0.1) {
   return plan;
 }
 
-Tensor poisoned(const std::vector<int64_t>& shape, DType dtype) {
-  Tensor t = make_tensor(shape, dtype);
-  fill_bytes(t, 0xFF);
-  return t;
-}
-
-bool row_is(const Tensor& t, int64_t row, uint8_t byte) {
-  const int64_t rb = t.numel() / std::max<int64_t>(t.size(0), 1) * dtype_size(t.dtype());
-  const auto* p = static_cast<const uint8_t*>(t.data()) + row * rb;
-  for (int64_t i = 0; i < rb; ++i)
-    if (p[i] != byte) return false;
-  return true;
-}
-
 TEST(Permute, HandWorkedRowsPadsAndUntouchedTail) {
   // 3 tokens, top-2, 2 experts, align 16.
   int32_t idv[] = {1, 0, 0, -1, 1, 0};

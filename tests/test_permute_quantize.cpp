@@ -21,22 +21,6 @@ const std::vector<PqCase> kPqCases = {
     {{1, 8, 8, 7168, 16}, -1},    {{0, 2, 4, 64, 16}, -1},
 };
 
-Tensor poisoned(const std::vector<int64_t>& shape, DType dtype) {
-  Tensor t = make_tensor(shape, dtype);
-  fill_bytes(t, 0xFF);
-  return t;
-}
-
-bool row_is(const Tensor& t, int64_t row, uint8_t byte) {
-  const int64_t rb = t.numel() / std::max<int64_t>(t.size(0), 1) * dtype_size(t.dtype());
-  const auto* p = static_cast<const uint8_t*>(t.data()) + row * rb;
-  for (int64_t i = 0; i < rb; ++i)
-    if (p[i] != byte) return false;
-  return true;
-}
-
-int64_t nblocks(int64_t h) { return (h + 127) / 128; }
-
 struct Outputs {
   Tensor y, ys, pp;
 };
@@ -45,7 +29,7 @@ Outputs run_fused(TensorView x, const RoutingPlan& plan, const QuantizeConfig& c
                   const Tensor& probs) {
   const int64_t H = x.shape[1];
   Outputs o{poisoned({plan.capacity_rows, H}, cfg.out),
-            poisoned({plan.capacity_rows, nblocks(H)}, DType::kFloat32),
+            poisoned({plan.capacity_rows, blocks128(H)}, DType::kFloat32),
             poisoned({plan.capacity_rows}, DType::kFloat32)};
   permute_quantize(x, plan, o.y, o.ys, cfg, PermuteExtras{probs, o.pp, {}, {}});
   return o;
@@ -55,10 +39,10 @@ Outputs run_fused(TensorView x, const RoutingPlan& plan, const QuantizeConfig& c
 Outputs run_composed(TensorView x, const RoutingPlan& plan, const QuantizeConfig& cfg,
                      const Tensor& probs) {
   const int64_t T = x.shape[0], H = x.shape[1];
-  Tensor q = make_tensor({T, H}, cfg.out), s = make_tensor({T, nblocks(H)}, DType::kFloat32);
+  Tensor q = make_tensor({T, H}, cfg.out), s = make_tensor({T, blocks128(H)}, DType::kFloat32);
   quantize(x, cfg, q, s);
   Outputs o{poisoned({plan.capacity_rows, H}, cfg.out),
-            poisoned({plan.capacity_rows, nblocks(H)}, DType::kFloat32),
+            poisoned({plan.capacity_rows, blocks128(H)}, DType::kFloat32),
             poisoned({plan.capacity_rows}, DType::kFloat32)};
   permute(q, plan, o.y, PermuteExtras{probs, probs.defined() ? TensorView(o.pp) : TensorView(), s, o.ys});
   return o;
@@ -187,7 +171,7 @@ TEST(PermuteQuantize, StridedRows) {
   Tensor ybuf = poisoned({plan.capacity_rows, 320}, DType::kFloat8E4M3);
   auto y = TensorView::strided(ybuf.data(), DType::kFloat8E4M3, Device::cpu(),
                                {plan.capacity_rows, c.H}, {320, 1});
-  Tensor ys = poisoned({plan.capacity_rows, nblocks(c.H)}, DType::kFloat32);
+  Tensor ys = poisoned({plan.capacity_rows, blocks128(c.H)}, DType::kFloat32);
   permute_quantize(x, plan, y, ys, cfg);
   Outputs want = run_composed(xc, plan, cfg, {});
   const int64_t total = plan_status(plan).total_rows;

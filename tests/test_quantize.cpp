@@ -21,22 +21,6 @@ constexpr DType kE5 = DType::kFloat8E5M2;
 const QuantScaling kScalings[] = {QuantScaling::kTensorwise, QuantScaling::kBlock1x128,
                                   QuantScaling::kBlock128x128};
 
-int64_t nb(int64_t n) {
-  return (n + 127) / 128;
-}
-
-std::vector<int64_t> scales_shape(int64_t R, int64_t C, QuantScaling s) {
-  if (s == QuantScaling::kTensorwise) return {1};
-  if (s == QuantScaling::kBlock1x128) return {R, nb(C)};
-  return {nb(R), nb(C)};
-}
-
-Tensor poisoned(const std::vector<int64_t>& shape, DType dtype) {
-  Tensor t = make_tensor(shape, dtype);
-  fill_bytes(t, 0xFF);
-  return t;
-}
-
 Tensor from_floats(int64_t M, int64_t K, const std::vector<float>& v,
                    DType dtype = DType::kFloat32) {
   Tensor x = make_tensor({M, K}, dtype);

@@ -35,6 +35,33 @@ inline Tensor make_tensor(const std::vector<int64_t>& shape, DType dtype) {
   return Tensor::empty(shape, dtype, Device::cpu());
 }
 
+// A tensor whose every byte is 0xFF (NaN for floats): an output a kernel
+// must overwrite, or must leave alone where the check says so.
+inline Tensor poisoned(const std::vector<int64_t>& shape, DType dtype,
+                       Device device = Device::cpu()) {
+  Tensor t = Tensor::empty(shape, dtype, device);
+  fill_bytes(t, 0xFF);
+  return t;
+}
+
+// FP8 blocks: how many 128-wide blocks cover n, and the scales' shape of a
+// quantized [R,C] matrix (moeflow/quantize.h).
+inline int64_t blocks128(int64_t n) { return (n + 127) / 128; }
+inline std::vector<int64_t> scales_shape(int64_t R, int64_t C, QuantScaling s) {
+  if (s == QuantScaling::kTensorwise) return {1};
+  if (s == QuantScaling::kBlock1x128) return {R, blocks128(C)};
+  return {blocks128(R), blocks128(C)};
+}
+
+// Whether every byte of row `row` of the host tensor t is `byte`.
+inline bool row_is(const Tensor& t, int64_t row, uint8_t byte) {
+  const int64_t rb = t.numel() / std::max<int64_t>(t.size(0), 1) * dtype_size(t.dtype());
+  const auto* p = static_cast<const uint8_t*>(t.data()) + row * rb;
+  for (int64_t i = 0; i < rb; ++i)
+    if (p[i] != byte) return false;
+  return true;
+}
+
 // Top-k ids [T,K] with distinct experts per token; `skew` > 0 favours low ids
 // (probability ~ 1/(e+1)^skew); `unrouted` is the chance of a -1 slot.
 inline Tensor random_topk(int64_t T, int K, int E, uint32_t seed, double skew = 0.0,
