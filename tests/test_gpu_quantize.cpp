@@ -187,7 +187,7 @@ TEST_F(GpuQuantize, BadInput) {
   const QuantizeConfig cfg{};
   EXPECT_NE(message_of([&] {
               quantize(x, cfg, make_tensor({4, 200}, DType::kFloat8E4M3), s);
-            }).find("q must be float8_e4m3 [4,200] on cuda:0, got float8_e4m3 [4,200] cpu"),
+            }).find("q must be float8_e4m3 [4,200] on cuda:0, got float8_e4m3 [4,200] on cpu"),
             std::string::npos);
   EXPECT_NE(message_of([&] {
               quantize(x, cfg, q, make_tensor({4, 2}, DType::kFloat32));

@@ -88,6 +88,41 @@ TEST(GroupedMlpApi, Fc1AndActivationBackwardAloneMatchTheMlp) {
                                       weighted ? TensorView(dprobs2) : TensorView{});
       EXPECT_TRUE(bytes_equal(d_h2, d_h)) << "d_h";
       if (weighted) EXPECT_TRUE(bytes_equal(dprobs2, dprobs)) << "dprobs";
+
+      // backward_dgrad without dx, then backward_fc1_dgrad: the same bits.
+      Tensor d_h3 = Tensor::zeros({rows, N1}, dt), dprobs3 = Tensor::zeros({rows}, DType::kFloat32),
+             dx3 = Tensor::zeros({rows, H}, dt);
+      grouped_mlp_backward_dgrad(dy, w, g, pv, cfg, {h, {}}, {}, d_h3,
+                                 weighted ? TensorView(dprobs3) : TensorView{});
+      EXPECT_TRUE(bytes_equal(d_h3, d_h)) << "d_h without dx";
+      if (weighted) EXPECT_TRUE(bytes_equal(dprobs3, dprobs)) << "dprobs without dx";
+      grouped_mlp_backward_fc1_dgrad(d_h3, w, g, cfg, dx3);
+      EXPECT_TRUE(bytes_equal(dx3, dx)) << "dx from backward_fc1_dgrad";
+
+      // Weight gradients in two calls (FC2's, then FC1's with only its own
+      // operands) equal the joint call.
+      Tensor dw1 = Tensor::zeros({E, N1, H}, DType::kFloat32),
+             dw2 = Tensor::zeros({E, H, F}, DType::kFloat32),
+             db1 = Tensor::zeros({E, N1}, DType::kFloat32);
+      grouped_mlp_backward_wgrad(dy, x, g, {h, a}, d_h, GroupedMlpGrads{dw1, dw2, db1, {}});
+      Tensor dw1s = Tensor::zeros({E, N1, H}, DType::kFloat32),
+             dw2s = Tensor::zeros({E, H, F}, DType::kFloat32),
+             db1s = Tensor::zeros({E, N1}, DType::kFloat32);
+      grouped_mlp_backward_wgrad(dy, {}, g, {h, a}, {}, GroupedMlpGrads{{}, dw2s, {}, {}});
+      grouped_mlp_backward_wgrad({}, x, g, {h, {}}, d_h, GroupedMlpGrads{dw1s, {}, db1s, {}});
+      EXPECT_TRUE(bytes_equal(dw2s, dw2)) << "dw2 alone";
+      EXPECT_TRUE(bytes_equal(dw1s, dw1)) << "dw1 alone";
+      EXPECT_TRUE(bytes_equal(db1s, db1)) << "dbias1 alone";
+      EXPECT_NE(message_of([&] {
+                  grouped_mlp_backward_wgrad(dy, {}, g, {h, {}}, {},
+                                             GroupedMlpGrads{{}, dw2s, {}, {}});
+                }).find("grads.dw2 needs saved.a"),
+                std::string::npos);
+      EXPECT_NE(message_of([&] {
+                  grouped_mlp_backward_wgrad({}, {}, g, {h, {}}, d_h,
+                                             GroupedMlpGrads{dw1s, {}, {}, {}});
+                }).find("grads.dw1 needs x"),
+                std::string::npos);
     }
 }
 

@@ -65,6 +65,8 @@ void grouped_mlp_fc1_forward(TensorView x, const GroupedMlpWeights& w, const Gro
 
 // Input gradient now: dx [rows, H], d_h [rows, N1] (the FC1 output gradient,
 // kept for backward_wgrad), dprobs optional [rows] float32 (with probs).
+// dx may be left undefined: then only d_h (and dprobs) are computed, and
+// backward_fc1_dgrad gives dx later.
 // Reads saved.h only: saved.a may be left undefined here.
 void grouped_mlp_backward_dgrad(TensorView dy, const GroupedMlpWeights& w,
                                 const GroupLayout& groups, TensorView probs,
@@ -105,7 +107,16 @@ void grouped_mlp_activation_backward(TensorView h, const GroupLayout& groups, Te
                                      const GroupedMlpConfig& config, TensorView d_h,
                                      TensorView dprobs = {}, cudaStream_t stream = nullptr);
 
-// Weight gradients later (delayed wgrad): needs dy, x, saved.a and d_h.
+// dx = d_h · W1_e [rows, H]: FC1's input gradient alone, for a backward_dgrad
+// called without dx (so that FC2's weight gradient can run, and dy be freed,
+// before dx exists). Same sync and graph behaviour as backward_dgrad.
+void grouped_mlp_backward_fc1_dgrad(TensorView d_h, const GroupedMlpWeights& w,
+                                    const GroupLayout& groups, const GroupedMlpConfig& config,
+                                    TensorView dx, cudaStream_t stream = nullptr);
+
+// Weight gradients later (delayed wgrad). Each gradient reads only its own
+// operands: dw2 dy and saved.a, dbias2 dy, dw1 d_h and x, dbias1 d_h; the
+// others may be left undefined (e.g. FC2's gradients first, FC1's later).
 void grouped_mlp_backward_wgrad(TensorView dy, TensorView x, const GroupLayout& groups,
                                 const GroupedMlpSaved& saved, TensorView d_h,
                                 const GroupedMlpGrads& grads, cudaStream_t stream = nullptr);

@@ -13,8 +13,8 @@ captured in a CUDA graph):
     topk_ids, probs, ... = ops.router(logits, ...)       Megatron-Core's router
     plan = ops.Plan(topk_ids, E, align)
     rows, row_probs = ops.permute(x, plan, probs)
-    y = ops.grouped_mlp(rows, fc1, fc2, plan=plan, probs=row_probs)
-    out = ops.unpermute(y, plan)
+    out = ops.grouped_mlp(rows, fc1, fc2, plan=plan, probs=row_probs,
+                          unpermute=True)             = ops.unpermute(y, plan), one node
 
 Options follow Megatron-Core's config (the names in brackets):
 ``topk`` (moe_router_topk), ``score_function`` (moe_router_score_function),
@@ -467,14 +467,15 @@ class MoELayer(ExpertCheckpointMixin, torch.nn.Module):
                 self.token_drop_policy)
         plan = ops.Plan(ids, self.num_experts, self.align)
         rows, row_probs = ops.permute(xe, plan, probs)
-        y = ops.grouped_mlp(rows, self.fc1_weight, self.fc2_weight, plan=plan, probs=row_probs,
-                            activation=self.activation, glu_interleave=self.glu_interleave,
-                            alpha=self.activation_alpha, limit=self.activation_limit,
-                            offset=self.activation_offset,
-                            accumulate_into_main_grad=self.gradient_accumulation_fusion,
-                            recompute_activation=self.recompute_activation,
-                            wgrad_store=self._wgrad_store)
-        out = ops.unpermute(y, plan)
+        # The experts' rows back to token order in the same autograd node
+        # (unpermute=True): its backward frees the rows' gradient early.
+        out = ops.grouped_mlp(rows, self.fc1_weight, self.fc2_weight, plan=plan,
+                              probs=row_probs, activation=self.activation,
+                              glu_interleave=self.glu_interleave, alpha=self.activation_alpha,
+                              limit=self.activation_limit, offset=self.activation_offset,
+                              accumulate_into_main_grad=self.gradient_accumulation_fusion,
+                              recompute_activation=self.recompute_activation,
+                              wgrad_store=self._wgrad_store, unpermute=True)
         if shared is not None:
             if side is not None:
                 torch.cuda.current_stream(xe.device).wait_stream(side)

@@ -502,77 +502,102 @@ def _add_grad(p: torch.Tensor, g: torch.Tensor) -> None:
 class _GroupedMlp(torch.autograd.Function):
     # cfg: (activation, glu_interleave, alpha, limit, offset); opts:
     # (main_grads or None, recompute_activation, wgrad_store or None, the
-    # parameters a delayed wgrad adds its gradients into).
+    # parameters a delayed wgrad adds its gradients into, the Plan to
+    # unpermute the output with or None).
     @staticmethod
     def forward(ctx, x, fc1, fc2, bias1, bias2, probs, offsets, real_rows, cfg, opts):
         ctx.set_materialize_grads(False)
-        recompute = opts[1]
+        recompute, plan = opts[1], opts[4]
         x = _rows(x)
         rows = x.shape[0]
         y = x.new_empty((rows, fc2.shape[1]))
         h = x.new_empty((rows, fc1.shape[1]))
         a = x.new_empty((rows, fc2.shape[2]))
+        s = _stream(x)
         _C.grouped_mlp_forward(x, fc1, fc2, bias1, bias2, offsets, real_rows, probs, *cfg, y, h,
-                               a, _stream(x))
+                               a, s)
         ctx.cfg, ctx.opts = cfg, opts
         # Keeping only h (recompute_activation): a is recomputed before the
         # weight gradients, so it does not live from forward to backward.
         ctx.save_for_backward(x, fc1, fc2, bias1, bias2, probs, offsets, real_rows, h,
                               None if recompute else a)
-        return y
+        if plan is None:
+            return y
+        del a
+        out = y.new_empty((plan.num_tokens, y.shape[1]))
+        _C.unpermute(y, plan._view, out, None, s)
+        return out
 
     @staticmethod
     def backward(ctx, dy):
         if dy is None:
             return (None,) * 10
         x, fc1, fc2, bias1, bias2, probs, offsets, real_rows, h, a = ctx.saved_tensors
-        main, _, store, params = ctx.opts
+        main, _, store, params, plan = ctx.opts
         cfg, need = ctx.cfg, ctx.needs_input_grad
-        dy = _rows(dy)
         s = _stream(dy)
-        dx = torch.empty_like(x)
+        if plan is not None:  # the rows' gradient: local, freed once FC2's wgrad has read it
+            dout = _rows(dy)
+            dy = dout.new_empty((x.shape[0], fc2.shape[1]))
+            _C.unpermute_backward(dout, plan._view, None, None, dy, None, s)
+            del dout
+        else:
+            dy = _rows(dy)
         d_h = torch.empty_like(h)
         dprobs = None
         if probs is not None and need[5]:
             dprobs = torch.empty(x.shape[0], dtype=torch.float32, device=x.device)
+        # FC2 dgrad + the activation's backward: d_h (dx comes after FC2's wgrad).
         _C.grouped_mlp_backward_dgrad(dy, fc1, fc2, bias1, bias2, offsets, real_rows, probs,
-                                      *cfg, h, dx, d_h, dprobs, s)
+                                      *cfg, h, None, d_h, dprobs, s)
         want = (need[1], need[2], bias1 is not None and need[3], bias2 is not None and need[4])
 
-        def wgrad():
-            """(dW1, dW2, db1, db2) in the parameters' dtypes (None where not
-            wanted, or where main_grad received it)."""
-            if not any(want):
-                return None, None, None, None
-            st = _stream(dy)
-            act = a
-            if act is None:
+        def wgrad(dy, act, fc):
+            """FC2's (fc=2: dW2, db2) or FC1's (fc=1: dW1, db1) gradients in the
+            parameters' dtypes (None where not wanted, or where main_grad
+            received them)."""
+            st = _stream(d_h)
+            w_want, b_want = (want[1], want[3]) if fc == 2 else (want[0], want[2])
+            if not (w_want or b_want):
+                return None, None
+            w, b = (fc2, bias2) if fc == 2 else (fc1, bias1)
+            if fc == 2 and w_want and act is None:
                 act = x.new_empty((x.shape[0], fc2.shape[2]))
                 _C.grouped_mlp_recompute_activation(h, offsets, real_rows, probs, *cfg, act, st)
-            db1 = torch.empty(bias1.shape, dtype=torch.float32, device=x.device) \
-                if want[2] else None
-            db2 = torch.empty(bias2.shape, dtype=torch.float32, device=x.device) \
-                if want[3] else None
-            if main is not None:  # accumulated into the float32 main gradients
-                g1 = g2 = None
-                _C.grouped_mlp_backward_wgrad(dy, x, offsets, real_rows, h, act, d_h,
-                                              main[0] if want[0] else None,
-                                              main[1] if want[1] else None, db1, db2, True, st)
-            else:  # written in the weights' dtype by the GEMM's epilogue
-                g1 = torch.empty_like(fc1) if want[0] else None
-                g2 = torch.empty_like(fc2) if want[1] else None
-                _C.grouped_mlp_backward_wgrad(dy, x, offsets, real_rows, h, act, d_h, g1, g2,
-                                              db1, db2, False, st)
-            return (g1, g2, None if db1 is None else db1.to(bias1.dtype),
-                    None if db2 is None else db2.to(bias2.dtype))
+            db = torch.empty(b.shape, dtype=torch.float32, device=x.device) if b_want else None
+            acc = main is not None
+            g = None
+            if w_want:
+                g = main[fc - 1] if acc else torch.empty_like(w)
+            dw1, dw2 = (None, g) if fc == 2 else (g, None)
+            db1, db2 = (None, db) if fc == 2 else (db, None)
+            _C.grouped_mlp_backward_wgrad(dy if fc == 2 else None, x if fc == 1 else None,
+                                          offsets, real_rows, h, act if fc == 2 else None,
+                                          d_h if fc == 1 else None, dw1, dw2, db1, db2, acc, st)
+            return (None if acc else g), (None if db is None else db.to(b.dtype))
 
-        dx = dx if need[0] else None
+        def fc1_dgrad():
+            if not need[0]:
+                return None
+            dx = torch.empty_like(x)
+            _C.grouped_mlp_backward_fc1_dgrad(d_h, fc1, fc2, offsets, real_rows, *cfg, dx, s)
+            return dx
+
         if store is None:
-            g1, g2, gb1, gb2 = wgrad()
+            # FC2's weight gradient first: then dy and a are free before dx
+            # and FC1's weight gradient are allocated (the step's peak).
+            g2, gb2 = wgrad(dy, a, 2)
+            del dy, a
+            dx = fc1_dgrad()
+            g1, gb1 = wgrad(None, None, 1)
             return dx, g1, g2, gb1, gb2, dprobs, None, None, None, None
 
+        dx = fc1_dgrad()
+
         def delayed():
-            for p, g in zip(params, wgrad()):
+            g2, gb2 = wgrad(dy, a, 2)
+            g1, gb1 = wgrad(None, None, 1)
+            for p, g in zip(params, (g1, g2, gb1, gb2)):
                 if p is not None and g is not None:
                     _add_grad(p, g.view(p.shape))
         store._pending.append(delayed)
@@ -589,7 +614,7 @@ def grouped_mlp(x: torch.Tensor, fc1: torch.Tensor, fc2: torch.Tensor, *,
                 activation: str = "swiglu", glu_interleave: int = 0, alpha: float = 1.702,
                 limit: float = 7.0, offset: float = 1.0,
                 accumulate_into_main_grad: bool = False, recompute_activation: bool = True,
-                wgrad_store: Optional[WgradStore] = None,
+                wgrad_store: Optional[WgradStore] = None, unpermute: bool = False,
                 _grad_params: Optional[Tuple] = None) -> torch.Tensor:
     """The grouped expert MLP: for the rows of each expert e,
     h = x W1_e^T + b1_e, a = act(h) * p, y = a W2_e^T + b2_e.
@@ -609,7 +634,11 @@ def grouped_mlp(x: torch.Tensor, fc1: torch.Tensor, fc2: torch.Tensor, *,
     Megatron's gradient-accumulation fusion) and fc1 / fc2 get no ``.grad``.
     ``recompute_activation`` (default): only the FC1 output h is kept for
     backward; a = act(h) * p is recomputed just before the weight gradients.
-    ``wgrad_store``: delay the weight gradients (see :class:`WgradStore`)."""
+    ``wgrad_store``: delay the weight gradients (see :class:`WgradStore`).
+    ``unpermute`` (needs ``plan``): returns ``unpermute(y, plan)`` [T, H]
+    instead of y, in the same autograd node, so that backward frees the
+    rows' gradient as soon as FC2's weight gradient has read it (a lower
+    peak than the two ops chained)."""
     if activation not in _ACTIVATIONS:
         raise ValueError(f"activation must be one of {_ACTIVATIONS}, got {activation!r}")
     if plan is not None:
@@ -628,6 +657,8 @@ def grouped_mlp(x: torch.Tensor, fc1: torch.Tensor, fc2: torch.Tensor, *,
                                  f"tensor of shape {tuple(w.shape)}, got "
                                  f"{None if g is None else (g.dtype, tuple(g.shape))}")
         main = (fc1.main_grad, fc2.main_grad)
+    if unpermute and plan is None:
+        raise ValueError("unpermute=True needs plan= (the plan to unpermute the rows with)")
     params = _grad_params if _grad_params is not None else (fc1, fc2, bias1, bias2)
-    opts = (main, bool(recompute_activation), wgrad_store, params)
+    opts = (main, bool(recompute_activation), wgrad_store, params, plan if unpermute else None)
     return _GroupedMlp.apply(x, fc1, fc2, bias1, bias2, probs, offsets, real_rows, cfg, opts)

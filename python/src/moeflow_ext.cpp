@@ -540,19 +540,34 @@ NB_MODULE(_C, m) {
          const std::optional<Array>& b2, const Array& offsets,
          const std::optional<Array>& real_rows, const std::optional<Array>& probs,
          const std::string& act, int glu_interleave, float alpha, float limit, float offset,
-         const Array& h, const AnyArray& dx, const Array& d_h, const std::optional<Array>& dprobs,
-         uintptr_t s) {
+         const Array& h, const std::optional<AnyArray>& dx, const Array& d_h,
+         const std::optional<Array>& dprobs, uintptr_t s) {
         GroupedMlpSaved saved{view_of(h, "h"), TensorView{}};
         grouped_mlp_backward_dgrad(
             rows_of(dy, "dy"), mlp_weights(fc1, fc2, b1, b2), layout(offsets, real_rows),
             opt_view(probs, "probs"), mlp_config(act, glu_interleave, alpha, limit, offset), saved,
-            rows_of(dx, "dx"), view_of(d_h, "d_h"), opt_view(dprobs, "dprobs"), stream_of(s));
+            dx ? rows_of(*dx, "dx") : TensorView{}, view_of(d_h, "d_h"),
+            opt_view(dprobs, "dprobs"), stream_of(s));
       },
       nb::arg("dy"), nb::arg("fc1"), nb::arg("fc2"), nb::arg("bias1").none(),
       nb::arg("bias2").none(), nb::arg("offsets"), nb::arg("real_rows").none(),
       nb::arg("probs").none(), nb::arg("activation"), nb::arg("glu_interleave"), nb::arg("alpha"),
-      nb::arg("limit"), nb::arg("offset"), nb::arg("h"), nb::arg("dx"), nb::arg("d_h"),
+      nb::arg("limit"), nb::arg("offset"), nb::arg("h"), nb::arg("dx").none(), nb::arg("d_h"),
       nb::arg("dprobs").none(), nb::arg("stream") = 0);
+  m.def(
+      "grouped_mlp_backward_fc1_dgrad",
+      [](const Array& d_h, const Array& fc1, const Array& fc2, const Array& offsets,
+         const std::optional<Array>& real_rows, const std::string& act, int glu_interleave,
+         float alpha, float limit, float offset, const AnyArray& dx, uintptr_t s) {
+        grouped_mlp_backward_fc1_dgrad(view_of(d_h, "d_h"), mlp_weights(fc1, fc2, {}, {}),
+                                       layout(offsets, real_rows),
+                                       mlp_config(act, glu_interleave, alpha, limit, offset),
+                                       rows_of(dx, "dx"), stream_of(s));
+      },
+      nb::arg("d_h"), nb::arg("fc1"), nb::arg("fc2"), nb::arg("offsets"),
+      nb::arg("real_rows").none(), nb::arg("activation"), nb::arg("glu_interleave"),
+      nb::arg("alpha"), nb::arg("limit"), nb::arg("offset"), nb::arg("dx"),
+      nb::arg("stream") = 0);
   m.def(
       "grouped_mlp_recompute_activation",
       [](const Array& h, const Array& offsets, const std::optional<Array>& real_rows,
@@ -568,23 +583,26 @@ NB_MODULE(_C, m) {
       nb::arg("offset"), nb::arg("a"), nb::arg("stream") = 0);
   m.def(
       "grouped_mlp_backward_wgrad",
-      [](const AnyArray& dy, const AnyArray& x, const Array& offsets,
-         const std::optional<Array>& real_rows, const Array& h, const Array& a, const Array& d_h,
+      [](const std::optional<AnyArray>& dy, const std::optional<AnyArray>& x,
+         const Array& offsets, const std::optional<Array>& real_rows, const Array& h,
+         const std::optional<Array>& a, const std::optional<Array>& d_h,
          const std::optional<Array>& dw1, const std::optional<Array>& dw2,
          const std::optional<Array>& db1, const std::optional<Array>& db2, bool accumulate,
          uintptr_t s) {
-        GroupedMlpSaved saved{view_of(h, "h"), view_of(a, "a")};
+        GroupedMlpSaved saved{view_of(h, "h"), opt_view(a, "a")};
         GroupedMlpGrads g;
         g.dw1 = opt_view(dw1, "dw1");
         g.dw2 = opt_view(dw2, "dw2");
         g.dbias1 = opt_view(db1, "dbias1");
         g.dbias2 = opt_view(db2, "dbias2");
         g.accumulate = accumulate;
-        grouped_mlp_backward_wgrad(rows_of(dy, "dy"), rows_of(x, "x"), layout(offsets, real_rows),
-                                   saved, view_of(d_h, "d_h"), g, stream_of(s));
+        grouped_mlp_backward_wgrad(dy ? rows_of(*dy, "dy") : TensorView{},
+                                   x ? rows_of(*x, "x") : TensorView{}, layout(offsets, real_rows),
+                                   saved, opt_view(d_h, "d_h"), g, stream_of(s));
       },
-      nb::arg("dy"), nb::arg("x"), nb::arg("offsets"), nb::arg("real_rows").none(), nb::arg("h"),
-      nb::arg("a"), nb::arg("d_h"), nb::arg("dw1").none(), nb::arg("dw2").none(),
+      nb::arg("dy").none(), nb::arg("x").none(), nb::arg("offsets"), nb::arg("real_rows").none(),
+      nb::arg("h"), nb::arg("a").none(), nb::arg("d_h").none(), nb::arg("dw1").none(),
+      nb::arg("dw2").none(),
       nb::arg("dbias1").none(), nb::arg("dbias2").none(), nb::arg("accumulate"),
       nb::arg("stream") = 0);
 

@@ -230,3 +230,57 @@ def test_weight_gradients_accumulate_into_main_grad(device):
     del fc1.main_grad
     with pytest.raises(ValueError, match="fc1.main_grad"):
         mf.grouped_mlp(x, fc1, fc2, offsets=offsets, accumulate_into_main_grad=True)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("mode", ["grad", "main_grad", "delayed", "bias"])
+def test_grouped_mlp_unpermute_is_bitwise_the_two_ops(device, mode):
+    """grouped_mlp(..., unpermute=True) gives the output and every gradient
+    of unpermute(grouped_mlp(...)) bit for bit (it only reorders backward)."""
+    dt = torch.bfloat16 if device == "cuda" else torch.float16
+    T, K, E, H, F = 37, 3, 5, 64, 32
+    ids, probs = routing(T, K, E, device, seed=11)
+    plan = mf.Plan(ids, E, 16)
+    g = torch.Generator().manual_seed(12)
+    x0 = torch.randn(T, H, generator=g).to(device, dt)
+    w0 = [(torch.randn(*s, generator=g) * 0.1).to(device, dt)
+          for s in ((E, 2 * F, H), (E, H, F), (E, 2 * F), (E, H))]
+    dout = torch.randn(T, H, generator=g).to(device, dt)
+
+    def run(fused):
+        x = x0.clone().requires_grad_(True)
+        p = probs.clone().requires_grad_(True)
+        ws = [w.clone().requires_grad_(True) for w in w0]
+        b1, b2 = (ws[2], ws[3]) if mode == "bias" else (None, None)
+        if mode == "main_grad":
+            for w in ws[:2]:
+                w.main_grad = torch.full(w.shape, 0.5, device=device)
+        store = mf.WgradStore() if mode == "delayed" else None
+        rows, rp = mf.permute(x, plan, p)
+        kw = dict(plan=plan, probs=rp, bias1=b1, bias2=b2, wgrad_store=store,
+                  accumulate_into_main_grad=mode == "main_grad")
+        if fused:
+            out = mf.grouped_mlp(rows, ws[0], ws[1], unpermute=True, **kw)
+        else:
+            out = mf.unpermute(mf.grouped_mlp(rows, ws[0], ws[1], **kw), plan)
+        out.backward(dout)
+        if store is not None:
+            assert len(store) == 1
+            store.run()
+        grads = [out, x.grad, p.grad]
+        for w in ws[:2]:
+            grads.append(w.main_grad if mode == "main_grad" else w.grad)
+        if mode == "bias":
+            grads += [ws[2].grad, ws[3].grad]
+        return grads
+
+    for a, b in zip(run(True), run(False)):
+        assert a is not None and b is not None
+        assert torch.equal(a, b)
+
+
+def test_grouped_mlp_unpermute_needs_plan():
+    x = torch.zeros(4, 8, dtype=torch.float16)
+    w1, w2 = torch.zeros(1, 8, 8, dtype=torch.float16), torch.zeros(1, 8, 4, dtype=torch.float16)
+    with pytest.raises(ValueError, match="unpermute=True needs plan"):
+        mf.grouped_mlp(x, w1, w2, offsets=torch.tensor([0, 4]), unpermute=True)

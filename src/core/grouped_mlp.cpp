@@ -205,7 +205,8 @@ void grouped_mlp_backward_dgrad(TensorView dy, const GroupedMlpWeights& w,
                                 const GroupedMlpConfig& c, const GroupedMlpSaved& saved,
                                 TensorView dx, TensorView d_h, TensorView dprobs,
                                 cudaStream_t stream) {
-  const Dims d = check_weights(dx, w, c, groups);
+  MOEFLOW_CHECK(dy.defined() && dy.ndim == 2, "dy must be [rows,H], got ", dy.str());
+  const Dims d = check_weights(dx.defined() ? dx : dy, w, c, groups);
   check_saved(saved, d, /*need_a=*/false);
   detail::expect(dy, "dy", Expect{{d.dtype}, {d.rows, d.hidden}, d.dev});
   detail::expect(d_h, "d_h", Expect{{d.dtype}, {d.rows, d.n1}, d.dev});
@@ -239,9 +240,9 @@ void grouped_mlp_backward_dgrad(TensorView dy, const GroupedMlpWeights& w,
     call.ffn = d.ffn;
     call.options = c.gemm;
     const int64_t tiles = (d.ffn + 255) / 256;
-    const int64_t ld_bytes = dx.strides[0] * esz;
-    bool ok = !dprobs.defined() || (reinterpret_cast<uintptr_t>(dx.data) % 4 == 0 &&
-                                    ld_bytes % 4 == 0 && ld_bytes / 4 >= tiles);
+    const int64_t ld_bytes = dx.defined() ? dx.strides[0] * esz : 0;
+    bool ok = dx.defined() && (!dprobs.defined() || (reinterpret_cast<uintptr_t>(dx.data) % 4 == 0 &&
+                                                     ld_bytes % 4 == 0 && ld_bytes / 4 >= tiles));
     if (dprobs.defined()) {
       call.part = static_cast<float*>(dx.data);
       call.part_ld = ld_bytes / 4;
@@ -267,6 +268,18 @@ void grouped_mlp_backward_dgrad(TensorView dy, const GroupedMlpWeights& w,
                    stream);
 #endif
   }
+  if (dx.defined()) grouped_gemm_dgrad(d_h, d.fc1, groups, dx, c.gemm, stream);
+}
+
+void grouped_mlp_backward_fc1_dgrad(TensorView d_h, const GroupedMlpWeights& w,
+                                    const GroupLayout& groups, const GroupedMlpConfig& c,
+                                    TensorView dx, cudaStream_t stream) {
+  const Dims d = check_weights(dx, w, c, groups);
+  detail::expect(d_h, "d_h", Expect{{d.dtype}, {d.rows, d.n1}, d.dev});
+  MOEFLOW_CHECK(d_h.is_contiguous(), "d_h must be contiguous");
+#ifdef MOEFLOW_WITH_CUDA
+  if (d.dev.is_cuda()) detail::cuda_set_device(d.dev.index);
+#endif
   grouped_gemm_dgrad(d_h, d.fc1, groups, dx, c.gemm, stream);
 }
 
@@ -340,10 +353,24 @@ void grouped_mlp_backward_wgrad(TensorView dy, TensorView x, const GroupLayout& 
                                 const GroupedMlpSaved& saved, TensorView d_h,
                                 const GroupedMlpGrads& g, const GemmOptions& options,
                                 cudaStream_t stream) {
-  MOEFLOW_CHECK(dy.defined() && x.defined() && saved.a.defined() && d_h.defined(),
-                "backward_wgrad needs dy, x, saved.a and d_h");
+  // FC2's gradients read dy (and saved.a for dw2), FC1's read d_h (and x for dw1).
+  const bool fc2 = g.dw2.defined() || g.dw2_experts.stacked.defined() ||
+                   g.dw2_experts.pointers.defined() || g.dbias2.defined();
+  const bool fc1 = g.dw1.defined() || g.dw1_experts.stacked.defined() ||
+                   g.dw1_experts.pointers.defined() || g.dbias1.defined();
+  MOEFLOW_CHECK(!fc2 || dy.defined(), "backward_wgrad: grads.dw2 / dbias2 need dy");
+  MOEFLOW_CHECK(!fc1 || d_h.defined(), "backward_wgrad: grads.dw1 / dbias1 need d_h");
+  MOEFLOW_CHECK(!(g.dw2.defined() || g.dw2_experts.stacked.defined() ||
+                  g.dw2_experts.pointers.defined()) || saved.a.defined(),
+                "backward_wgrad: grads.dw2 needs saved.a");
+  MOEFLOW_CHECK(!(g.dw1.defined() || g.dw1_experts.stacked.defined() ||
+                  g.dw1_experts.pointers.defined()) || x.defined(),
+                "backward_wgrad: grads.dw1 needs x");
+  if (!fc1 && !fc2) return;
   const int64_t E = groups.offsets.defined() ? groups.offsets.shape[0] - 1 : 0;
-  const MlpRows r{groups, E, x.shape[0]};
+  const int64_t rows = x.defined() ? x.shape[0] : (dy.defined() ? dy.shape[0] : d_h.shape[0]);
+  const MlpRows r{groups, E, rows};
+  const DType data_dtype = x.defined() ? x.dtype : dy.defined() ? dy.dtype : d_h.dtype;
   // Each weight gradient: stacked, E separate tensors, or not asked for;
   // float32 or the weights' dtype (that of x and dy).
   auto grad_of = [&](TensorView stacked, const GroupedWeights& experts, const char* name) {
@@ -355,8 +382,8 @@ void grouped_mlp_backward_wgrad(TensorView dy, TensorView x, const GroupLayout& 
                                                   : GroupedWeights{};
     if (separate || stacked.defined()) {
       const DType dt = gw.stacked.defined() ? gw.stacked.dtype : gw.dtype;
-      MOEFLOW_CHECK(dt == DType::kFloat32 || dt == x.dtype, "grads.", name,
-                    separate ? "_experts" : "", " must be float32 or ", dtype_name(x.dtype),
+      MOEFLOW_CHECK(dt == DType::kFloat32 || dt == data_dtype, "grads.", name,
+                    separate ? "_experts" : "", " must be float32 or ", dtype_name(data_dtype),
                     " (the weights' dtype), got ", dtype_name(dt));
     }
     return gw;
