@@ -1,5 +1,5 @@
 // GPU router tests (label gpu): the CUDA backend against the CPU reference
-// on random cases (T 0, 1, 7, 4096; E 8, 64, 256, 512; K 1, 2, 8; every
+// on random cases (T 0, 1, 7, 4096; E 8, 32, 64, 256, 512, 1000; K 1, 2, 8; every
 // option). Expert ids, counts and the non-finite count must match exactly
 // (both backends compute the routing scores with the same exact arithmetic);
 // probs and dlogits within the float32 tolerance; the losses (sums over T*E
@@ -109,7 +109,7 @@ void expect_same_forward(const Outs& gpu, const Outs& cpu) {
 TEST_F(GpuRouter, ForwardAndBackwardMatchCpu) {
   uint32_t seed = 100;
   for (int64_t T : {0, 1, 7, 4096}) {
-    for (int E : {8, 64, 256, 512}) {
+    for (int E : {8, 32, 64, 256, 512, 1000}) {
       for (int K : {1, 2, 8}) {
         if (K > E) continue;
         for (const Case& cs : cases_for(E, K)) {

@@ -1,22 +1,33 @@
 // CUDA router forward (selection, probabilities, counts, losses) and the
 // expert-bias update.
 //
-// Forward, two kernels:
-//   route_kernel:    one warp per token; the token's scores and routing
-//                    scores sit in shared memory (lane l owns experts
-//                    l, l+32, ...). Groups: one lane per group sums its top
-//                    (K / group_topk) routing scores; the group_topk best
-//                    groups are found by K-free repeated warp arg-max. Top-k:
-//                    K rounds of a warp arg-max over rank keys (score, then
-//                    lower id), each round taking the best key below the
-//                    previous one, so nothing is marked or sorted. Each block
-//                    owns a fixed range of tokens and writes its per-expert
-//                    partial counts and aux-loss column sums (warps combined in
-//                    warp order) and its z-loss and non-finite partials.
+// Forward, two kernels (and the sequence stage between them):
+//   route: per block of tokens, the per-expert partial counts and aux-loss
+//          column sums (warps combined in warp order) and the z-loss and
+//          non-finite partials of its tokens ("rows" of the workspace).
+//     route_fast_kernel<V> (router_route.cuh): E <= 512, K <= 32,
+//          num_groups <= 32: one warp per token, the token's logits, scores
+//          and rank keys in registers (lane l owns experts l + 32 j), groups
+//          by several lanes per group, top-k by warp arg-max of the lanes'
+//          cached best keys (redux.sync), ids and scores kept in lanes.
+//     route_kernel (every other shape): one warp per token, scores and
+//          routing scores in shared memory (lane l owns experts l, l+32, ...).
+//          Groups: one lane per group sums its top (K / group_topk) routing
+//          scores; the group_topk best groups are found by repeated warp
+//          arg-max. Top-k: K rounds of a warp arg-max over rank keys (score,
+//          then lower id), each round taking the best key below the previous
+//          one, so nothing is marked or sorted.
 //   (seq_aux_loss: the per-sequence stage of router_seq.cu runs here.)
-//   finalize_kernel: one block sums the block partials in block order:
-//                    tokens_per_expert, aux_loss, z_loss, nonfinite, and the
-//                    sequences' loss terms in sequence order: seq_aux_loss.
+//   finalize_kernel: a grid of 32-expert chunks by splits of 128 rows; each
+//          block sums its rows for its experts (warp w: rows w + 32 u, u < 4,
+//          as (r0 + r1) + (r2 + r3); then the warps in order) into the
+//          split's column sums. The last block to arrive (an integer ticket,
+//          zeroed by the route kernel's block 0) adds the splits in order per
+//          expert: tokens_per_expert and the aux-loss terms, which it sums,
+//          and the z-loss and non-finite rows, by fixed trees (butterflies
+//          per warp, then over the warps), and writes aux_loss, z_loss,
+//          nonfinite, the sequences' seq_aux_loss (in sequence order) and
+//          the cu_seqlens check.
 // Padding tokens (padding_mask) get ids -1 and probs 0 and are skipped
 // everywhere; with a mask the losses' token count is sum(counts) / K, read on
 // the device.
@@ -24,6 +35,7 @@
 // The scores use core/router_math.h, which the CPU reference shares, so both
 // backends choose the same experts. No host sync, no allocation, no float
 // atomics; sizes come from shapes (graph safe).
+#include <algorithm>
 #include <cmath>
 
 #include "core/backends.h"
@@ -31,6 +43,7 @@
 #include "core/router_math.h"
 #include "cuda/common.cuh"
 #include "cuda/router_common.cuh"
+#include "cuda/router_route.cuh"
 
 namespace moeflow::cuda {
 namespace {
@@ -41,31 +54,17 @@ using router_detail::warp_max;
 using router_detail::warp_max_u64;
 using router_detail::warp_sum;
 using router_detail::z_factor_of;
+using router_route::RouteParams;
 
 constexpr int kMaxWarps = 8;
 constexpr int kTokensPerWarp = 8;  // tokens a warp handles in route_kernel
-constexpr int kFinalThreads = 256;
+constexpr int kFinalWarps = 32;  // finalize_kernel: a lane per expert, the warps over rows
+constexpr int kFinalThreads = kFinalWarps * kWarpSize;
+constexpr int kFinalRowsPerWarp = 4;
+constexpr int kFinalRows = kFinalWarps * kFinalRowsPerWarp;  // rows per finalize block
+constexpr int kBiasThreads = 256;
 constexpr size_t kSharedBudget = 40 << 10;  // dynamic shared memory of route_kernel
 constexpr size_t kAlign = 256;
-
-struct RouteParams {
-  const float* logits;
-  const float* bias;    // [E] or null
-  const uint8_t* mask;  // [T] or null: nonzero = padding token
-  int32_t* ids;
-  float* probs;
-  int64_t num_tokens;
-  int num_experts, topk;
-  bool softmax, pre_softmax;
-  int num_groups, group_topk;
-  float scale;
-  bool aux, z;
-  // Per-block partials (workspace).
-  float* part_colsum;       // [blocks, E]
-  int32_t* part_count;      // [blocks, E]
-  float* part_z;            // [blocks]
-  int32_t* part_nonfinite;  // [blocks]
-};
 
 // Shared memory of route_kernel for `warps` warps.
 struct RouteShared {
@@ -82,11 +81,67 @@ int route_warps(int E, int G) {
   return 1;
 }
 
+// How the route stage runs for T tokens: which kernel, its blocks (rows of
+// partials, at least one so that the ticket is always zeroed) and threads.
+// A function of the shapes only.
+struct RoutePlan {
+  int fast_v;  // route_fast_kernel<fast_v>, or 0: route_kernel
+  int tokens_per_warp;
+  int threads;
+  int64_t blocks;
+  size_t shared;
+};
+
+int fast_v_of(const RouterConfig& c) {
+  namespace rr = router_route;
+  if (c.topk > rr::kFastMaxK || c.num_groups > rr::kFastMaxGroups) return 0;
+  const int slots = static_cast<int>(ceil_div(int64_t{c.num_experts}, int64_t{kWarpSize}));
+  for (int v = 1; v <= rr::kFastMaxV; v *= 2)
+    if (slots <= v) return v;
+  return 0;
+}
+
+RoutePlan route_plan(int64_t T, const RouterConfig& c) {
+  RoutePlan r{};
+  r.fast_v = fast_v_of(c);
+  if (r.fast_v > 0) {
+    // About one wave of blocks on a 132-SM GPU (blocks per SM by register
+    // use: 4 for V <= 4, 2 for V = 8, 1 for V = 16), more tokens per warp on
+    // long inputs (their loads overlap the previous token's routing), which
+    // also keeps finalize's rows few. A function of the shapes only.
+    const int64_t target = r.fast_v <= 4 ? 512 : (r.fast_v == 8 ? 256 : 128);
+    r.tokens_per_warp = static_cast<int>(std::clamp<int64_t>(
+        ceil_div(T, target * router_route::kFastWarps), 1, 16));
+    r.threads = router_route::kFastThreads;
+    r.shared = router_route::fast_shared_bytes(
+        c.num_experts, c.num_groups > 0 || c.aux_loss_coeff != 0.0f);
+  } else {
+    const int warps = route_warps(c.num_experts, c.num_groups);
+    r.tokens_per_warp = kTokensPerWarp;
+    r.threads = warps * kWarpSize;
+    r.shared = RouteShared{warps, c.num_experts, c.num_groups}.bytes();
+  }
+  const int64_t per_block = int64_t{r.threads / kWarpSize} * r.tokens_per_warp;
+  r.blocks = std::max<int64_t>(1, ceil_div(T, per_block));
+  return r;
+}
+
+// finalize_kernel's grid: 32 experts by kFinalRows rows per block.
+int64_t final_chunks(int E) {
+  return ceil_div(int64_t{E}, int64_t{kWarpSize});
+}
+int64_t final_splits(int64_t rows) {
+  return ceil_div(rows, int64_t{kFinalRows});
+}
+
 struct Workspace {
   float* part_colsum;
   int32_t* part_count;
   float* part_z;
   int32_t* part_nonfinite;
+  float* split_colsum;   // [splits, E]: finalize's column sums per row split
+  int32_t* split_count;  // [splits, E]
+  unsigned* ticket;      // finalize's arrival counter
   float* seq_loss;  // [S] (seq_aux_loss only)
   void* seq;        // router_detail::seq_aux_workspace_bytes (seq_aux_loss only)
   size_t bytes;
@@ -96,19 +151,25 @@ size_t align_up(size_t v) {
   return (v + kAlign - 1) / kAlign * kAlign;
 }
 
-// S: sequences of the seq_aux_loss stage (0: none).
-Workspace carve(void* base, int64_t blocks, int E, int64_t T = 0, int64_t S = 0) {
+// rows: blocks of the route stage; S: sequences of the seq_aux_loss stage (0: none).
+Workspace carve(void* base, int64_t rows, int E, int64_t T = 0, int64_t S = 0) {
   auto* p = static_cast<uint8_t*>(base);
   Workspace w{};
   size_t off = 0;
   w.part_colsum = reinterpret_cast<float*>(p + off);
-  off = align_up(off + sizeof(float) * blocks * E);
+  off = align_up(off + sizeof(float) * rows * E);
   w.part_count = reinterpret_cast<int32_t*>(p + off);
-  off = align_up(off + sizeof(int32_t) * blocks * E);
+  off = align_up(off + sizeof(int32_t) * rows * E);
   w.part_z = reinterpret_cast<float*>(p + off);
-  off = align_up(off + sizeof(float) * blocks);
+  off = align_up(off + sizeof(float) * rows);
   w.part_nonfinite = reinterpret_cast<int32_t*>(p + off);
-  off = align_up(off + sizeof(int32_t) * blocks);
+  off = align_up(off + sizeof(int32_t) * rows);
+  w.split_colsum = reinterpret_cast<float*>(p + off);
+  off = align_up(off + sizeof(float) * final_splits(rows) * E);
+  w.split_count = reinterpret_cast<int32_t*>(p + off);
+  off = align_up(off + sizeof(int32_t) * final_splits(rows) * E);
+  w.ticket = reinterpret_cast<unsigned*>(p + off);
+  off = align_up(off + sizeof(unsigned));
   if (S > 0) {
     w.seq_loss = reinterpret_cast<float*>(p + off);
     off = align_up(off + sizeof(float) * S);
@@ -117,10 +178,6 @@ Workspace carve(void* base, int64_t blocks, int E, int64_t T = 0, int64_t S = 0)
   }
   w.bytes = off;
   return w;
-}
-
-int64_t route_blocks(int64_t T, int warps) {
-  return ceil_div(T, int64_t{warps} * kTokensPerWarp);
 }
 
 __global__ void route_kernel(RouteParams p) {
@@ -137,6 +194,7 @@ __global__ void route_kernel(RouteParams p) {
   float* z_warp = reinterpret_cast<float*>(count + E);
   int32_t* bad_warp = reinterpret_cast<int32_t*>(z_warp + warps);
 
+  if (blockIdx.x == 0 && threadIdx.x == 0) *p.ticket = 0;
   for (int e = threadIdx.x; e < E; e += blockDim.x) count[e] = 0;
   for (int e = lane; e < E; e += kWarpSize) colsum[e] = 0.0f;
   __syncthreads();
@@ -297,12 +355,16 @@ __global__ void route_kernel(RouteParams p) {
 }
 
 struct FinalizeParams {
-  const float* part_colsum;
+  const float* part_colsum;  // read when aux
   const int32_t* part_count;
   const float* part_z;
   const int32_t* part_nonfinite;
-  int64_t blocks;
+  int64_t rows;  // blocks of the route stage
   int num_experts;
+  bool aux;
+  float* split_colsum;  // [gridDim.y, E] (workspace)
+  int32_t* split_count;
+  unsigned* ticket;
   int32_t* tokens_per_expert;
   float* aux_loss;     // or null
   float* z_loss;       // or null
@@ -324,90 +386,147 @@ struct FinalizeParams {
   int32_t* invalid_cu;
 };
 
+__device__ __forceinline__ float reduce_add(float v) { return warp_sum(v); }
+__device__ __forceinline__ long long reduce_add(long long v) {
+  return router_detail::warp_sum_ll(v);
+}
+
+// v summed over the block (32 warps): each warp's butterfly, then the warps'
+// sums by a butterfly; a fixed order. Every thread gets the sum.
+template <typename T>
+__device__ T block_sum(T v, T* red) {
+  static_assert(kFinalWarps == kWarpSize, "one warp sum per lane");
+  v = reduce_add(v);
+  if (threadIdx.x % kWarpSize == 0) red[threadIdx.x / kWarpSize] = v;
+  __syncthreads();
+  v = reduce_add(red[threadIdx.x % kWarpSize]);
+  __syncthreads();  // red is free again
+  return v;
+}
+
+// Grid (32-expert chunks, row splits of kFinalRows rows).
 __global__ void __launch_bounds__(kFinalThreads) finalize_kernel(FinalizeParams p) {
-  __shared__ float red[kFinalThreads];
-  __shared__ long long red_n[kFinalThreads];
+  __shared__ float col_c[kFinalWarps][kWarpSize + 1];
+  __shared__ int32_t col_n[kFinalWarps][kWarpSize + 1];
+  __shared__ float red_f[kFinalWarps];
+  __shared__ long long red_n[kFinalWarps];
+  __shared__ bool is_last;
   const int E = p.num_experts;
-  float acc = 0.0f;
+  const int warp = threadIdx.x / kWarpSize, lane = threadIdx.x % kWarpSize;
+  const int64_t R = p.rows;
+
+  // Step 1: this block's 32 experts over its rows: warp w takes rows
+  // w + 32 u (u < 4) of the split, summed as (r0 + r1) + (r2 + r3); then the
+  // warps in order.
+  {
+    const int e = blockIdx.x * kWarpSize + lane;
+    const int64_t r0 = int64_t{blockIdx.y} * kFinalRows + warp;
+    float c[kFinalRowsPerWarp];
+    int32_t n = 0;
+#pragma unroll
+    for (int u = 0; u < kFinalRowsPerWarp; ++u) {
+      const int64_t b = r0 + int64_t{u} * kFinalWarps;
+      const bool in = e < E && b < R;
+      c[u] = in && p.aux ? p.part_colsum[b * E + e] : 0.0f;
+      n += in ? p.part_count[b * E + e] : 0;
+    }
+    col_c[warp][lane] = (c[0] + c[1]) + (c[2] + c[3]);
+    col_n[warp][lane] = n;
+    __syncthreads();
+    if (warp == 0 && e < E) {
+      float cs = 0.0f;
+      int32_t ns = 0;
+      for (int w = 0; w < kFinalWarps; ++w) {
+        cs = cs + col_c[w][lane];
+        ns += col_n[w][lane];
+      }
+      p.split_colsum[int64_t{blockIdx.y} * E + e] = cs;
+      p.split_count[int64_t{blockIdx.y} * E + e] = ns;
+    }
+  }
+
+  // Step 2: the last block to arrive finishes (the ticket is an integer
+  // counter; what the last block computes does not depend on who it is).
+  const unsigned blocks = gridDim.x * gridDim.y;
+  if (blocks > 1) {
+    if (warp == 0) __threadfence();  // this block's split sums before its ticket
+    __syncthreads();
+    if (threadIdx.x == 0) is_last = atomicAdd(p.ticket, 1u) == blocks - 1;
+    __syncthreads();
+    if (!is_last) return;
+    __threadfence();
+  }
+  // Per expert: the splits in order; the aux-loss terms and counts by the
+  // block's fixed tree.
+  const int64_t splits = gridDim.y;
+  float aux_part = 0.0f;
   long long total = 0;
   for (int e = threadIdx.x; e < E; e += kFinalThreads) {
     float c = 0.0f;
     int32_t n = 0;
-    for (int64_t b = 0; b < p.blocks; ++b) {
-      c = c + p.part_colsum[b * E + e];
-      n += p.part_count[b * E + e];
+    for (int64_t sp = 0; sp < splits; ++sp) {
+      c = c + __ldcg(p.split_colsum + sp * E + e);
+      n += __ldcg(p.split_count + sp * E + e);
     }
     p.tokens_per_expert[e] = n;
-    acc = acc + c * static_cast<float>(n);
+    aux_part = aux_part + c * static_cast<float>(n);
     total += n;
   }
-  red[threadIdx.x] = acc;
-  red_n[threadIdx.x] = total;
-  __syncthreads();
-  for (int half = kFinalThreads / 2; half >= 1; half /= 2) {
-    if (threadIdx.x < half) {
-      red[threadIdx.x] = red[threadIdx.x] + red[threadIdx.x + half];
-      red_n[threadIdx.x] += red_n[threadIdx.x + half];
-    }
-    __syncthreads();
+  float z = 0.0f;
+  long long bad = 0;
+  for (int64_t b = threadIdx.x; b < R; b += kFinalThreads) {
+    z = z + p.part_z[b];
+    bad += p.part_nonfinite[b];
   }
-  const float aux_sum = red[0];
+  const float aux_sum = block_sum(aux_part, red_f);
+  total = block_sum(total, red_n);
+  z = block_sum(z, red_f);
+  bad = block_sum(bad, red_n);
   if (threadIdx.x == 0) {
-    float z = 0.0f;
-    int32_t bad = 0;
-    for (int64_t b = 0; b < p.blocks; ++b) {
-      z = z + p.part_z[b];
-      bad += p.part_nonfinite[b];
-    }
     float aux_factor = p.aux_factor, z_factor = p.z_factor;
     if (p.masked) {  // the real tokens
-      const int64_t real = red_n[0] / p.topk;
+      const int64_t real = total / p.topk;
       aux_factor = p.aux_coeff != 0.0f ? aux_factor_of(E, p.topk, p.aux_coeff, real) : 0.0f;
       z_factor = p.z_coeff != 0.0f ? z_factor_of(p.z_coeff, real) : 0.0f;
     }
     if (p.aux_loss) *p.aux_loss = aux_factor != 0.0f ? aux_sum * aux_factor : 0.0f;
     if (p.z_loss) *p.z_loss = z_factor != 0.0f ? z * z_factor : 0.0f;
-    if (p.nonfinite) *p.nonfinite = bad;
+    if (p.nonfinite) *p.nonfinite = static_cast<int32_t>(bad);
+    if (blocks > 1) *p.ticket = 0;
   }
-  // The sequences' loss terms, strided per thread then a tree: fixed order.
+  // The sequences' loss terms, strided per thread then the tree: fixed order.
   if (p.seq_aux_loss) {
-    __syncthreads();
     float s = 0.0f;
     if (p.seq_loss)
       for (int64_t i = threadIdx.x; i < p.num_sequences; i += kFinalThreads) s = s + p.seq_loss[i];
-    red[threadIdx.x] = s;
-    __syncthreads();
-    for (int half = kFinalThreads / 2; half >= 1; half /= 2) {
-      if (threadIdx.x < half) red[threadIdx.x] = red[threadIdx.x] + red[threadIdx.x + half];
-      __syncthreads();
-    }
-    if (threadIdx.x == 0) *p.seq_aux_loss = red[0];
+    s = block_sum(s, red_f);
+    if (threadIdx.x == 0) *p.seq_aux_loss = s;
   }
   // cu_seqlens: 0 = cu[0] <= cu[1] <= ... <= cu[S] = T.
   if (p.invalid_cu) {
-    bool bad = false;
+    bool bad_cu = false;
     if (p.cu) {
       for (int64_t i = threadIdx.x; i < p.num_sequences; i += kFinalThreads)
-        bad |= p.cu[i] > p.cu[i + 1];
-      if (threadIdx.x == 0) bad |= p.cu[0] != 0 || p.cu[p.num_sequences] != p.num_tokens;
+        bad_cu |= p.cu[i] > p.cu[i + 1];
+      if (threadIdx.x == 0) bad_cu |= p.cu[0] != 0 || p.cu[p.num_sequences] != p.num_tokens;
     }
-    bad = __syncthreads_or(bad);
-    if (threadIdx.x == 0) *p.invalid_cu = bad ? 1 : 0;
+    bad_cu = __syncthreads_or(bad_cu);
+    if (threadIdx.x == 0) *p.invalid_cu = bad_cu ? 1 : 0;
   }
 }
 
 __global__ void update_bias_kernel(const int32_t* counts, float* bias, int E, float rate) {
-  __shared__ long long red[kFinalThreads];
+  __shared__ long long red[kBiasThreads];
   long long s = 0;
-  for (int e = threadIdx.x; e < E; e += kFinalThreads) s += counts[e];
+  for (int e = threadIdx.x; e < E; e += kBiasThreads) s += counts[e];
   red[threadIdx.x] = s;
   __syncthreads();
-  for (int half = kFinalThreads / 2; half >= 1; half /= 2) {
+  for (int half = kBiasThreads / 2; half >= 1; half /= 2) {
     if (threadIdx.x < half) red[threadIdx.x] += red[threadIdx.x + half];
     __syncthreads();
   }
   const double mean = static_cast<double>(red[0]) / E;
-  for (int e = threadIdx.x; e < E; e += kFinalThreads) {
+  for (int e = threadIdx.x; e < E; e += kBiasThreads) {
     const double off = mean - counts[e];
     const float sign = off > 0 ? 1.0f : (off < 0 ? -1.0f : 0.0f);
     bias[e] = bias[e] + rate * sign;
@@ -417,8 +536,8 @@ __global__ void update_bias_kernel(const int32_t* counts, float* bias, int E, fl
 }  // namespace
 
 size_t router_workspace_bytes(int64_t num_tokens, const RouterConfig& c, int64_t num_sequences) {
-  const int warps = route_warps(c.num_experts, c.num_groups);
-  return carve(nullptr, route_blocks(num_tokens, warps), c.num_experts, num_tokens, num_sequences)
+  return carve(nullptr, route_plan(num_tokens, c).blocks, c.num_experts, num_tokens,
+               num_sequences)
       .bytes;
 }
 
@@ -427,22 +546,25 @@ void router_forward(const RouterForwardArgs& a, cudaStream_t stream) {
   const RouterOutputs& out = a.out;
   const int64_t T = a.logits.shape[0];
   const int E = c.num_experts, K = c.topk;
-  const int warps = route_warps(E, c.num_groups);
-  const int64_t blocks = route_blocks(T, warps);
+  const RoutePlan plan = route_plan(T, c);
   // The sequence stage runs when its outputs are wanted (S from cu_seqlens).
   const bool seq = a.num_sequences > 0 && out.seq_tokens_per_expert.defined();
   const int64_t S = seq ? a.num_sequences : 0;
-  const Workspace ws = carve(a.workspace.data, blocks, E, T, S);
+  const Workspace ws = carve(a.workspace.data, plan.blocks, E, T, S);
+  MOEFLOW_CHECK(plan.blocks <= 0x7FFFFFFF && final_splits(plan.blocks) <= 65535,
+                "router: too many tokens (", T, ")");
+  const dim3 final_grid(static_cast<unsigned>(final_chunks(E)),
+                        static_cast<unsigned>(final_splits(plan.blocks)));
   const bool softmax = c.score_function == ScoreFunction::kSoftmax;
   const uint8_t* mask =
       a.padding_mask.defined() ? static_cast<const uint8_t*>(a.padding_mask.data) : nullptr;
-  if (blocks > 0) {
+  {
     RouteParams p{};
-    p.logits = a.logits.data_ptr<float>();
+    p.logits = T > 0 ? a.logits.data_ptr<float>() : nullptr;
     p.bias = a.expert_bias.defined() ? a.expert_bias.data_ptr<float>() : nullptr;
     p.mask = mask;
-    p.ids = out.topk_ids.data_ptr<int32_t>();
-    p.probs = out.probs.data_ptr<float>();
+    p.ids = T > 0 ? out.topk_ids.data_ptr<int32_t>() : nullptr;
+    p.probs = T > 0 ? out.probs.data_ptr<float>() : nullptr;
     p.num_tokens = T;
     p.num_experts = E;
     p.topk = K;
@@ -453,17 +575,25 @@ void router_forward(const RouterForwardArgs& a, cudaStream_t stream) {
     p.scale = rm::effective_scale(c.topk_scaling_factor);
     p.aux = c.aux_loss_coeff != 0.0f;
     p.z = c.z_loss_coeff != 0.0f;
+    p.tokens_per_warp = plan.tokens_per_warp;
     p.part_colsum = ws.part_colsum;
     p.part_count = ws.part_count;
     p.part_z = ws.part_z;
     p.part_nonfinite = ws.part_nonfinite;
-    const size_t shared = RouteShared{warps, E, c.num_groups}.bytes();
-    MOEFLOW_CHECK(shared <= 48 << 10, "router: num_experts=", E, " with num_groups=", c.num_groups,
-                  " needs ", shared,
+    p.ticket = ws.ticket;
+    MOEFLOW_CHECK(plan.shared <= 48 << 10, "router: num_experts=", E,
+                  " with num_groups=", c.num_groups, " needs ", plan.shared,
                   " bytes of shared memory; the CUDA router supports up to 49152 "
                   "(about 2400 experts)");
-    MOEFLOW_CHECK(blocks <= 0x7FFFFFFF, "router: too many tokens (", T, ")");
-    route_kernel<<<static_cast<unsigned>(blocks), warps * kWarpSize, shared, stream>>>(p);
+    const auto grid = static_cast<unsigned>(plan.blocks);
+    switch (plan.fast_v) {
+      case 1: router_route::route_fast_kernel<1><<<grid, plan.threads, plan.shared, stream>>>(p); break;
+      case 2: router_route::route_fast_kernel<2><<<grid, plan.threads, plan.shared, stream>>>(p); break;
+      case 4: router_route::route_fast_kernel<4><<<grid, plan.threads, plan.shared, stream>>>(p); break;
+      case 8: router_route::route_fast_kernel<8><<<grid, plan.threads, plan.shared, stream>>>(p); break;
+      case 16: router_route::route_fast_kernel<16><<<grid, plan.threads, plan.shared, stream>>>(p); break;
+      default: route_kernel<<<grid, plan.threads, plan.shared, stream>>>(p);
+    }
     MOEFLOW_CUDA_LAUNCH_CHECK();
   }
   if (seq) {
@@ -488,8 +618,12 @@ void router_forward(const RouterForwardArgs& a, cudaStream_t stream) {
   f.part_count = ws.part_count;
   f.part_z = ws.part_z;
   f.part_nonfinite = ws.part_nonfinite;
-  f.blocks = blocks;
+  f.rows = plan.blocks;
   f.num_experts = E;
+  f.aux = c.aux_loss_coeff != 0.0f;
+  f.split_colsum = ws.split_colsum;
+  f.split_count = ws.split_count;
+  f.ticket = ws.ticket;
   f.tokens_per_expert = out.tokens_per_expert.data_ptr<int32_t>();
   f.aux_loss = out.aux_loss.defined() ? out.aux_loss.data_ptr<float>() : nullptr;
   f.z_loss = out.z_loss.defined() ? out.z_loss.data_ptr<float>() : nullptr;
@@ -507,7 +641,7 @@ void router_forward(const RouterForwardArgs& a, cudaStream_t stream) {
   f.num_tokens = T;
   f.invalid_cu =
       out.invalid_cu_seqlens.defined() ? out.invalid_cu_seqlens.data_ptr<int32_t>() : nullptr;
-  finalize_kernel<<<1, kFinalThreads, 0, stream>>>(f);
+  finalize_kernel<<<final_grid, kFinalThreads, 0, stream>>>(f);
   MOEFLOW_CUDA_LAUNCH_CHECK();
 }
 
@@ -515,9 +649,9 @@ void router_update_expert_bias(TensorView tokens_per_expert, TensorView expert_b
                                cudaStream_t stream) {
   const int64_t E = tokens_per_expert.shape[0];
   if (E == 0) return;
-  update_bias_kernel<<<1, kFinalThreads, 0, stream>>>(tokens_per_expert.data_ptr<int32_t>(),
-                                                      expert_bias.data_ptr<float>(),
-                                                      static_cast<int>(E), rate);
+  update_bias_kernel<<<1, kBiasThreads, 0, stream>>>(tokens_per_expert.data_ptr<int32_t>(),
+                                                     expert_bias.data_ptr<float>(),
+                                                     static_cast<int>(E), rate);
   MOEFLOW_CUDA_LAUNCH_CHECK();
 }
 
