@@ -17,7 +17,7 @@ shape (T 8192, E 256, top-8, 8 groups / top-4, sigmoid + expert bias),
 forward and backward, against the torch router.
 
     PYTHONPATH=build/python:bench python3 bench/py_layer.py [--json FILE] [--profile [--trace FILE]]
-        [--router] [--case NAME]
+        [--router] [--case NAME] [--top N] [--memory-snapshot FILE]
 """
 import argparse
 import json
@@ -110,11 +110,27 @@ def kernel_sum_ms(fn, trace=None):
     by_name = {}
     for e in evs:
         t = (getattr(e, "device_time", None) or getattr(e, "cuda_time", 0.0)) / 1e3
-        by_name[e.name] = by_name.get(e.name, 0.0) + t
+        name = short_name(e.name)
+        by_name[name] = by_name.get(name, 0.0) + t
     return sum(by_name.values()), by_name
 
 
-def bench_router(out):
+def short_name(name):
+    """A kernel's name without its parameter list, cut to 160 characters
+    (the template arguments of moeflow's grouped GEMM kept: its mode)."""
+    name = name.replace("(anonymous namespace)::", "")
+    if "(" in name and not name.startswith("Memset") and not name.startswith("Memcpy"):
+        depth = 0
+        for i, c in enumerate(name):
+            depth += c in "<"
+            depth -= c in ">"
+            if c == "(" and depth == 0 and i > 0:
+                name = name[:i]
+                break
+    return name[:160]
+
+
+def bench_router(out, profile=False):
     dev = torch.device("cuda")
     T, E, K = 8192, 256, 8
     opts = dict(score_function="sigmoid", num_groups=8, group_topk=4, topk_scaling_factor=2.5)
@@ -143,6 +159,15 @@ def bench_router(out):
         torch.autograd.backward([probs, aux], [dprobs, torch.ones((), device=dev)])
     res["torch_fwd_bwd_us"] = 1e3 * bench_ms(t_bwd, iters=50)
     res["torch_bwd_us"] = res["torch_fwd_bwd_us"] - res["torch_fwd_us"]
+    if profile:
+        for key, fn in (("moeflow_fwd", lambda: mf.router(logits.detach(), K, expert_bias=bias,
+                                                          aux_loss_coeff=AUX, **opts)),
+                        ("moeflow_fwd_bwd", mf_bwd)):
+            total, by_name = kernel_sum_ms(fn)
+            res[key + "_kernels_us"] = {n: round(1e3 * t, 2) for n, t in by_name.items()}
+            print(f"    {key}: kernels {1e3 * total:.1f} us: " + ", ".join(
+                f"{n[:60]} {1e3 * t:.1f}" for n, t in sorted(by_name.items(), key=lambda kv: -kv[1])),
+                flush=True)
     del r
     out["router_dsv3"] = res
     print(f"router dsv3 (T {T}, E {E}, top-{K}, groups 8/4, sigmoid+bias): "
@@ -156,6 +181,10 @@ def main():
     ap.add_argument("--case", action="append")
     ap.add_argument("--profile", action="store_true")
     ap.add_argument("--router", action="store_true")
+    ap.add_argument("--top", type=int, default=10, help="with --profile: kernels listed per step")
+    ap.add_argument("--memory-snapshot", help="write each case's moeflow step memory history "
+                                              "(torch.cuda.memory._dump_snapshot), FILE with the "
+                                              "case name inserted")
     ap.add_argument("--trace", help="with --profile: write each case's moeflow step as a Chrome "
                                     "trace, FILE with the case name inserted")
     args = ap.parse_args()
@@ -163,7 +192,7 @@ def main():
     out = {"device": torch.cuda.get_device_name(0), "torch": torch.__version__,
            "moeflow": moeflow.__version__, "cases": {}}
     if args.router:
-        bench_router(out)
+        bench_router(out, args.profile)
     for name, T, H, Fd, E, K, opts in CASES:
         if args.case and name not in args.case:
             continue
@@ -201,10 +230,20 @@ def main():
                     trace = f"{stem}-{name}.{ext}" if dot else f"{args.trace}-{name}"
                 total, by_name = kernel_sum_ms(fn, trace)
                 res[key]["kernel_sum_ms"] = total
-                top = sorted(by_name.items(), key=lambda kv: -kv[1])[:10]
-                res[key]["top_kernels_ms"] = {n[:120]: round(t, 4) for n, t in top}
+                top = sorted(by_name.items(), key=lambda kv: -kv[1])[:args.top]
+                res[key]["top_kernels_ms"] = {n: round(t, 4) for n, t in top}
             for p in params:
                 p.grad = None
+            if args.memory_snapshot and key == "moeflow":
+                stem, dot, ext = args.memory_snapshot.rpartition(".")
+                torch.cuda.memory._record_memory_history(max_entries=100000)
+                fn()
+                torch.cuda.synchronize()
+                torch.cuda.memory._dump_snapshot(f"{stem}-{name}.{ext}" if dot else
+                                                 f"{args.memory_snapshot}-{name}")
+                torch.cuda.memory._record_memory_history(enabled=None)
+                for p in params:
+                    p.grad = None
         out["cases"][name] = res
         t, m = res["torch"], res["moeflow"]
         line = (f"{name:10s} layer fwd+bwd: torch {t['fwd_bwd_ms']:7.2f} ms, moeflow "
@@ -216,7 +255,7 @@ def main():
         print(line, flush=True)
         if args.profile:
             for n, t in res["moeflow"]["top_kernels_ms"].items():
-                print(f"    {t:8.3f} ms  {n[:100]}", flush=True)
+                print(f"    {t:8.3f} ms  {n[:150]}", flush=True)
         del layer, x, dy, params
         torch.cuda.empty_cache()
     if args.json:

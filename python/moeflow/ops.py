@@ -22,6 +22,7 @@ grouped MLP reads and writes rows by the plan's expert offsets only.
 from __future__ import annotations
 
 import atexit
+import functools
 import weakref
 from typing import NamedTuple, Optional, Tuple
 
@@ -36,8 +37,23 @@ __all__ = [
 ]
 
 
+_raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None)
+
+
 def _stream(t: torch.Tensor) -> int:
-    return torch.cuda.current_stream(t.device).cuda_stream if t.is_cuda else 0
+    """The address of torch's current stream on t's device (0 on the CPU)."""
+    if not t.is_cuda:
+        return 0
+    if _raw_stream is not None:  # no Stream object made: the op's hot path
+        return _raw_stream(t.get_device())
+    return torch.cuda.current_stream(t.device).cuda_stream
+
+
+# Shape-only queries to the C++ side (pure functions of their arguments),
+# memoised so that an op's hot path makes no extra C++ call.
+_router_ws_bytes = functools.lru_cache(maxsize=256)(lambda *a: _C.router_workspace_bytes(*a))
+_plan_capacity_rows = functools.lru_cache(maxsize=256)(lambda *a: _C.plan_capacity_rows(*a))
+_plan_ws_bytes = functools.lru_cache(maxsize=256)(lambda *a: _C.plan_workspace_bytes(*a))
 
 
 def _rows(t: torch.Tensor) -> torch.Tensor:
@@ -71,13 +87,14 @@ class _Router(torch.autograd.Function):
         S = cu_seqlens.shape[0] - 1 if cu_seqlens is not None else 0
         ids = torch.empty((T, K), dtype=torch.int32, device=dev)
         probs = torch.empty((T, K), dtype=f32, device=dev)
-        tpe = torch.empty(E, dtype=torch.int32, device=dev)
+        # The small int32 outputs share one allocation: counts [E], nonfinite [1].
+        small = torch.empty(E + 1, dtype=torch.int32, device=dev)
+        tpe, nonfinite = small[:E], small[E:]
         aux = torch.empty((), dtype=f32, device=dev) if aux_coeff != 0 else None
         z = torch.empty((), dtype=f32, device=dev) if z_coeff != 0 else None
         seq = torch.empty((), dtype=f32, device=dev) if seq_coeff != 0 else None
         seq_tpe = torch.empty((S, E), dtype=torch.int32, device=dev) if seq is not None else None
-        nonfinite = torch.empty(1, dtype=torch.int32, device=dev)
-        ws_bytes = _C.router_workspace_bytes(T, *cfg, S) if logits.is_cuda else 0
+        ws_bytes = _router_ws_bytes(T, *cfg, S) if logits.is_cuda else 0
         ws = torch.empty(ws_bytes, dtype=torch.uint8, device=dev) if ws_bytes else None
         _C.router_forward(logits, *cfg, ids, probs, tpe, None if aux is None else aux.view(1),
                           None if z is None else z.view(1), None if seq is None else seq.view(1),
@@ -305,26 +322,42 @@ class Plan:
             raise ValueError(f"routing_mask must be [T, num_experts={E}], got {tuple(ids.shape)}")
         dev = ids.device
         self.num_tokens, self.topk, self.num_experts, self.align = T, K, E, int(align)
-        self.capacity_rows = _C.plan_capacity_rows(T, K, E, self.align, capacity_rows)
+        self.capacity_rows = _plan_capacity_rows(T, K, E, self.align, capacity_rows)
         cap = self.capacity_rows
-        # Two allocations, split into the plan's tensors (every one of them is
+        # Two allocations holding the plan's tensors (every one of them is
         # written by the build: no zero fill needed); the C++ plan reads the
-        # two buffers.
+        # two buffers, the tensors are views made when first read.
         self._buffers = (torch.empty(E + 1 + T * K + 1, dtype=torch.int64, device=dev),
                          torch.empty(2 * E + 2 * cap + 2, dtype=torch.int32, device=dev))
-        (self.expert_row_offsets, dest_row, self.total_rows) = \
-            self._buffers[0].split_with_sizes([E + 1, T * K, 1])
-        self.dest_row = dest_row.view(T, K)
-        (self.tokens_per_expert, self.padded_tokens_per_expert, self.row_token, self.row_k,
-         self.overflow, self.invalid_ids) = \
-            self._buffers[1].split_with_sizes([E, E, cap, cap, 1, 1])
-        ws = _C.plan_workspace_bytes(T, K, E, self.align, capacity_rows)
+        self._views = None
+        ws = _plan_ws_bytes(T, K, E, self.align, capacity_rows)
         self._workspace = torch.empty(ws, dtype=torch.uint8, device=dev) if ws else None
         self._capacity_arg = capacity_rows
         self._plan_view = None
         _live_plans.add(self)
         build = _C.build_plan_from_mask if _mask else _C.build_plan
         build(ids, self._view, self._workspace, _stream(ids))
+
+    def _split(self, name: str) -> torch.Tensor:
+        if self._views is None:
+            T, K, E, cap = self.num_tokens, self.topk, self.num_experts, self.capacity_rows
+            offs, dest, total = self._buffers[0].split_with_sizes([E + 1, T * K, 1])
+            v = dict(zip(("tokens_per_expert", "padded_tokens_per_expert", "row_token", "row_k",
+                          "overflow", "invalid_ids"),
+                         self._buffers[1].split_with_sizes([E, E, cap, cap, 1, 1])))
+            v.update(expert_row_offsets=offs, dest_row=dest.view(T, K), total_rows=total)
+            self._views = v
+        return self._views[name]
+
+    expert_row_offsets = property(lambda self: self._split("expert_row_offsets"))
+    dest_row = property(lambda self: self._split("dest_row"))
+    total_rows = property(lambda self: self._split("total_rows"))
+    tokens_per_expert = property(lambda self: self._split("tokens_per_expert"))
+    padded_tokens_per_expert = property(lambda self: self._split("padded_tokens_per_expert"))
+    row_token = property(lambda self: self._split("row_token"))
+    row_k = property(lambda self: self._split("row_k"))
+    overflow = property(lambda self: self._split("overflow"))
+    invalid_ids = property(lambda self: self._split("invalid_ids"))
 
     @property
     def _view(self) -> "_C.PlanView":
