@@ -149,6 +149,23 @@ def bench_router(out, profile=False):
     res["moeflow_fwd_bwd_us"] = 1e3 * bench_ms(mf_bwd, iters=50)
     res["moeflow_bwd_us"] = res["moeflow_fwd_bwd_us"] - res["moeflow_fwd_us"]
 
+    # The kernels alone: 20 forwards (no autograd) replayed in one CUDA
+    # graph, time per forward (kernels and the gaps between them).
+    with torch.no_grad():
+        fwd = lambda: mf.router(logits.detach(), K, expert_bias=bias,  # noqa: E731
+                                aux_loss_coeff=AUX, **opts)
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            fwd()
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            for _ in range(20):
+                fwd()
+        res["moeflow_graph_fwd_us"] = 1e3 * bench_ms(graph.replay, iters=20) / 20
+        del graph
+
     def t_fwd():
         with torch.no_grad():
             torch_router(logits, K, use_expert_bias=True, expert_bias=bias, **opts)
@@ -171,7 +188,8 @@ def bench_router(out, profile=False):
     del r
     out["router_dsv3"] = res
     print(f"router dsv3 (T {T}, E {E}, top-{K}, groups 8/4, sigmoid+bias): "
-          f"moeflow fwd {res['moeflow_fwd_us']:.1f} us, bwd {res['moeflow_bwd_us']:.1f} us; "
+          f"moeflow fwd {res['moeflow_fwd_us']:.1f} us (in a graph {res['moeflow_graph_fwd_us']:.1f}),"
+          f" bwd {res['moeflow_bwd_us']:.1f} us; "
           f"torch fwd {res['torch_fwd_us']:.1f} us, bwd {res['torch_bwd_us']:.1f} us", flush=True)
 
 

@@ -1,0 +1,81 @@
+"""What sets the grouped MLP's speed inside the layer? Times
+moeflow.ops.grouped_mlp forward + backward (bf16 weight gradients) on the
+dsv3-shaped layer rows (T 8192, top-8 of 32 experts, H 7168, F 2048) in
+alternation, same process, varying one thing at a time:
+
+  uniform, constant   2048 rows per expert, every operand one constant value
+  uniform, randn      2048 rows per expert, randn operands
+  router, real_rows   the rows a softmax router (random weights) gives, each
+                      expert padded to 16 rows, with the plan's real rows
+                      (as the layer runs it)
+  router, offsets     the same padded offsets without real_rows
+  router, align 128   the same routing padded to 128 rows
+
+    PYTHONPATH=build/python python3 dev/probes/mlp_rows.py
+"""
+import torch
+
+import moeflow.ops as mf
+
+
+def main():
+    dev = torch.device("cuda")
+    T, K, E, H, F = 8192, 8, 32, 7168, 2048
+    g = torch.Generator(device=dev).manual_seed(0)
+    rows_u = T * K
+    w1 = (torch.randn(E, 2 * F, H, device=dev, generator=g) * 0.02).to(torch.bfloat16)
+    w2 = (torch.randn(E, H, F, device=dev, generator=g) * 0.02).to(torch.bfloat16)
+    x_tok = torch.randn(T, H, device=dev, generator=g).to(torch.bfloat16)
+    router_w = torch.randn(E, H, device=dev, generator=g) * 0.02
+    ids = torch.topk(x_tok.float() @ router_w.t(), K, dim=1).indices.to(torch.int32)
+    plans = {a: mf.Plan(ids, E, a) for a in (16, 128)}
+    variants = {}
+    offs_u = torch.arange(E + 1, device=dev, dtype=torch.int64) * (rows_u // E)
+    xu = torch.randn(rows_u, H, device=dev, generator=g).to(torch.bfloat16)
+    c = lambda *s: torch.full(s, 0.0115, device=dev, dtype=torch.bfloat16)  # noqa: E731
+    variants["uniform, constant"] = (c(rows_u, H), c(E, 2 * F, H), c(E, H, F), offs_u, None)
+    variants["uniform, randn"] = (xu, w1, w2, offs_u, None)
+    for a, plan in plans.items():
+        x = mf.permute(x_tok, plan)[0]
+        if a == 16:
+            variants["router, real_rows"] = (x, w1, w2, plan.expert_row_offsets,
+                                             plan.tokens_per_expert)
+            variants["router, offsets"] = (x, w1, w2, plan.expert_row_offsets, None)
+        else:
+            variants["router, align 128"] = (x, w1, w2, plan.expert_row_offsets,
+                                             plan.tokens_per_expert)
+    counts = plans[16].tokens_per_expert.tolist()
+    print(f"router rows per expert: min {min(counts)} max {max(counts)} "
+          f"(uniform {rows_u // E})", flush=True)
+    state = {}
+    for name, (x, a, b, offs, real) in variants.items():
+        state[name] = (x.clone().requires_grad_(True), a.clone().requires_grad_(True),
+                       b.clone().requires_grad_(True), offs, real,
+                       torch.randn(x.shape[0], H, device=dev, generator=g).to(torch.bfloat16),
+                       torch.rand(x.shape[0], device=dev, generator=g))
+
+    def step(name):
+        x, a, b, offs, real, dy, p = state[name]
+        for t in (x, a, b):
+            t.grad = None
+        mf.grouped_mlp(x, a, b, offsets=offs, real_rows=real, probs=p).backward(dy)
+
+    for name in state:
+        step(name)
+    res = {k: [] for k in state}
+    for _ in range(6):
+        for name in state:
+            s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            s.record(); step(name); e.record(); torch.cuda.synchronize()
+            res[name].append(s.elapsed_time(e))
+    for name, ts in res.items():
+        ts.sort()
+        rows = state[name][0].shape[0]
+        flops = 3 * 2 * rows * H * 3 * F
+        ms = ts[len(ts) // 2]
+        print(f"{name:20s} rows {rows:6d}  fwd+bwd {ms:7.2f} ms ({flops / ms / 1e9:6.1f} "
+              f"TFLOP/s of the padded rows)", flush=True)
+
+
+if __name__ == "__main__":
+    main()
