@@ -3,6 +3,7 @@
 // included), both fp8 formats, pow2 scales, dropped slots, K > 32, unaligned
 // rows (the byte path); outputs poisoned with 0xFF first (rows past
 // total_rows must stay poisoned); CUDA graph capture + replay with new routings.
+// unpermute_backward_quantize the same way, with and without probs.
 #include <cuda_runtime.h>
 
 #include <limits>
@@ -202,6 +203,48 @@ TEST_F(GpuPermuteQuantize, GraphCaptureReplayWithNewRoutings) {
   cudaGraphExecDestroy(exec);
   cudaGraphDestroy(graph);
   cudaStreamDestroy(stream);
+}
+
+TEST_F(GpuPermuteQuantize, UnpermuteBackwardQuantizeMatchesCpuBitwise) {
+  uint32_t seed = 6000;
+  for (const PqCase& pc : kPqCases) {
+    const Case& c = pc.c;
+    for (DType dt : pc.dtypes) {
+      for (DType out : {DType::kFloat8E4M3, DType::kFloat8E5M2}) {
+        for (bool with_probs : {false, true}) {
+          const bool pow2 = with_probs;
+          SCOPED_TRACE(name_of(c) + " cap=" + std::to_string(pc.capacity) + " " + dtype_name(dt) +
+                       " -> " + dtype_name(out) + (with_probs ? " probs pow2" : ""));
+          Tensor ids = random_topk(c.T, c.K, c.E, seed++, 1.0, 0.05);
+          Built b = build_both(ids, PlanConfig{c.E, c.align, pc.capacity});
+          Tensor dout = make_tensor({c.T, c.H}, dt);
+          fill_random(dout, seed++, -8.0f, 8.0f);
+          add_special_values(dout);
+          Tensor probs;
+          if (with_probs) {
+            probs = make_tensor({c.T, c.K}, DType::kFloat32);
+            fill_random(probs, seed++, -2.0f, 2.0f);
+          }
+          const QuantizeConfig cfg{out, QuantScaling::kBlock1x128, pow2, false};
+          Out want = poisoned_outputs(b.cpu, c.H, out, Device::cpu());
+          unpermute_backward_quantize(dout, b.cpu, with_probs ? TensorView(probs) : TensorView{},
+                                      want.y, want.ys, cfg);
+          Out got = poisoned_outputs(b.gpu, c.H, out, kGpu);
+          Tensor probs_g = with_probs ? probs.to(kGpu) : Tensor{};
+          unpermute_backward_quantize(dout.to(kGpu), b.gpu,
+                                      with_probs ? TensorView(probs_g) : TensorView{}, got.y,
+                                      got.ys, cfg);
+          MOEFLOW_CUDA_CHECK(cudaDeviceSynchronize());
+          Tensor y = got.y.to(Device::cpu()), ys = got.ys.to(Device::cpu());
+          EXPECT_TRUE(bytes_equal(y, want.y));
+          EXPECT_TRUE(bytes_equal(ys, want.ys));
+          const int64_t total = plan_status(b.cpu).total_rows;
+          expect_tail_poisoned(y, total);
+          expect_tail_poisoned(ys, total);
+        }
+      }
+    }
+  }
 }
 
 }  // namespace

@@ -3,6 +3,10 @@
 // and 128, dropped slots, K = 1 and 8, H not a multiple of 128, both fp8
 // formats, pow2 scales, special values and strided rows; pad rows (codes 0,
 // scales 0, probs 0), rows past total_rows untouched; bad input.
+// unpermute_backward_quantize: bitwise equal to unpermute_backward into
+// dout's dtype then quantize of the written rows, with and without probs;
+// pad rows (codes 0, scale 1), rows past total_rows untouched; a hand-worked
+// case; bad input.
 #include <limits>
 
 #include "test_util.h"
@@ -240,6 +244,139 @@ TEST(PermuteQuantize, BadInputErrors) {
   Tensor probs = make_tensor({c.T, c.K}, DType::kFloat32);
   EXPECT_NE(message_of([&] { permute_quantize(x, plan, y, ys, cfg, PermuteExtras{probs, {}, {}, {}}); })
                 .find("probs and permuted_probs must be given together"),
+            std::string::npos);
+}
+
+// The definition of unpermute_backward_quantize: unpermute_backward into a
+// [capacity,H] buffer of dout's dtype, then quantize of its rows < total_rows.
+Outputs run_bwd_composed(TensorView dout, const RoutingPlan& plan, const QuantizeConfig& cfg,
+                         const Tensor& probs) {
+  const int64_t H = dout.shape[1];
+  Tensor tmp = poisoned({plan.capacity_rows, H}, dout.dtype);
+  unpermute_backward(dout, plan, {}, probs.defined() ? TensorView(probs) : TensorView{}, tmp);
+  Outputs o{poisoned({plan.capacity_rows, H}, cfg.out),
+            poisoned({plan.capacity_rows, blocks128(H)}, DType::kFloat32), Tensor{}};
+  const int64_t total = plan_status(plan).total_rows;
+  if (total > 0) {
+    const auto rows = TensorView::strided(tmp.data(), dout.dtype, Device::cpu(), {total, H}, {H, 1});
+    const auto q = TensorView::strided(o.y.data(), cfg.out, Device::cpu(), {total, H}, {H, 1});
+    const auto sc = TensorView::strided(o.ys.data(), DType::kFloat32, Device::cpu(),
+                                        {total, blocks128(H)}, {blocks128(H), 1});
+    quantize(rows, cfg, q, sc);
+  }
+  return o;
+}
+
+TEST(UnpermuteBackwardQuantize, EqualsUnpermuteBackwardThenQuantizeBitwise) {
+  uint32_t seed = 3000;
+  for (const PqCase& pc : kPqCases) {
+    const Case& c = pc.c;
+    for (DType dt : {DType::kBFloat16, DType::kFloat32, DType::kFloat16}) {
+      for (DType out : {DType::kFloat8E4M3, DType::kFloat8E5M2}) {
+        for (bool with_probs : {false, true}) {
+          const bool pow2 = (seed % 2) == 0;
+          SCOPED_TRACE(name_of(c) + " cap=" + std::to_string(pc.capacity) + " " + dtype_name(dt) +
+                       " -> " + dtype_name(out) + (pow2 ? " pow2" : "") +
+                       (with_probs ? " probs" : ""));
+          Tensor ids = random_topk(c.T, c.K, c.E, seed++, 1.0, 0.1);
+          RoutingPlan plan =
+              allocate_plan(c.T, c.K, PlanConfig{c.E, c.align, pc.capacity}, Device::cpu());
+          build_plan(ids, plan);
+          Tensor dout = make_tensor({c.T, c.H}, dt);
+          fill_random(dout, seed++, -4.0f, 4.0f);
+          add_special_values(dout);
+          Tensor probs;
+          if (with_probs) {
+            probs = make_tensor({c.T, c.K}, DType::kFloat32);
+            fill_random(probs, seed++, -2.0f, 2.0f);
+          }
+          const QuantizeConfig cfg{out, QuantScaling::kBlock1x128, pow2, false};
+          Outputs got{poisoned({plan.capacity_rows, c.H}, out),
+                      poisoned({plan.capacity_rows, blocks128(c.H)}, DType::kFloat32), Tensor{}};
+          unpermute_backward_quantize(dout, plan, with_probs ? TensorView(probs) : TensorView{},
+                                      got.y, got.ys, cfg);
+          Outputs want = run_bwd_composed(dout, plan, cfg, probs);
+          EXPECT_TRUE(bytes_equal(got.y, want.y));
+          EXPECT_TRUE(bytes_equal(got.ys, want.ys));
+          const int64_t total = plan_status(plan).total_rows;
+          auto row_token = to_vec<int32_t>(plan.row_token);
+          for (int64_t r = 0; r < plan.capacity_rows; ++r) {
+            if (r >= total) {
+              ASSERT_TRUE(row_is(got.y, r, 0xFF) && row_is(got.ys, r, 0xFF)) << "row " << r;
+            } else if (row_token[r] < 0) {
+              ASSERT_TRUE(row_is(got.y, r, 0)) << "pad row codes not 0: " << r;
+              for (int64_t b = 0; b < blocks128(c.H); ++b)
+                ASSERT_EQ(got.ys.data_ptr<float>()[r * blocks128(c.H) + b], 1.0f) << r;
+            }
+          }
+        }
+      }
+    }
+  }
+}
+
+TEST(UnpermuteBackwardQuantize, HandWorkedSlotScales) {
+  // 2 tokens, top-2, 2 experts, align 16, H = 128; probs 1 and 0.5 for token 0.
+  int32_t idv[] = {0, 1, 1, -1};
+  Tensor ids = make_tensor({2, 2}, DType::kInt32);
+  std::copy(idv, idv + 4, ids.data_ptr<int32_t>());
+  RoutingPlan plan = allocate_plan(2, 2, PlanConfig{2, 16, -1}, Device::cpu());
+  build_plan(ids, plan);
+  const int64_t H = 128;
+  Tensor dout = Tensor::zeros({2, H}, DType::kFloat32);
+  dout.data_ptr<float>()[3] = 896.0f;       // token 0: amax 896
+  dout.data_ptr<float>()[H + 7] = -448.0f;  // token 1: amax 448
+  Tensor probs = make_tensor({2, 2}, DType::kFloat32);
+  const float pv[] = {1.0f, 0.5f, 2.0f, 3.0f};
+  std::copy(pv, pv + 4, probs.data_ptr<float>());
+  const QuantizeConfig cfg{};
+  Tensor y = poisoned({plan.capacity_rows, H}, DType::kFloat8E4M3);
+  Tensor ys = poisoned({plan.capacity_rows, 1}, DType::kFloat32);
+  unpermute_backward_quantize(dout, plan, probs, y, ys, cfg);
+  // expert 0: token 0 (k0) -> row 0, pad 1..15; expert 1: token 0 (k1), token 1 (k0) -> 16, 17
+  const float* s = ys.data_ptr<float>();
+  const auto* q = static_cast<const uint8_t*>(y.data());
+  EXPECT_EQ(s[0], 2.0f);   // 1 * 896 / 448
+  EXPECT_EQ(s[16], 1.0f);  // 0.5 * 896 / 448
+  EXPECT_EQ(s[17], 2.0f);  // 2 * 448 / 448
+  EXPECT_EQ(q[0 * H + 3], 0x7E);
+  EXPECT_EQ(q[16 * H + 3], 0x7E);
+  EXPECT_EQ(q[17 * H + 7], 0xFE);  // -448
+  EXPECT_EQ(s[1], 1.0f);           // a pad row: a zero block's scale
+  EXPECT_TRUE(row_is(y, 1, 0));
+  for (int64_t r = 32; r < plan.capacity_rows; ++r) EXPECT_TRUE(row_is(y, r, 0xFF)) << r;
+}
+
+TEST(UnpermuteBackwardQuantize, BadInputErrors) {
+  const Case c{8, 2, 4, 200, 16};
+  RoutingPlan plan = allocate_plan(c.T, c.K, PlanConfig{c.E, c.align, -1}, Device::cpu());
+  build_plan(random_topk(c.T, c.K, c.E, 9), plan);
+  const int64_t cap = plan.capacity_rows;
+  Tensor dout = make_tensor({c.T, c.H}, DType::kBFloat16);
+  fill_random(dout, 10);
+  Tensor y = make_tensor({cap, c.H}, DType::kFloat8E4M3);
+  Tensor ys = make_tensor({cap, 2}, DType::kFloat32);
+  const QuantizeConfig cfg{};
+  EXPECT_EQ(message_of([&] { unpermute_backward_quantize(dout, plan, {}, y, ys, cfg); }), "no error");
+  Tensor ybf = make_tensor({cap, c.H}, DType::kBFloat16);
+  EXPECT_NE(message_of([&] { unpermute_backward_quantize(dout, plan, {}, ybf, ys, cfg); })
+                .find("dy must be float8_e4m3"),
+            std::string::npos);
+  Tensor ys1 = make_tensor({cap, 1}, DType::kFloat32);
+  EXPECT_NE(message_of([&] { unpermute_backward_quantize(dout, plan, {}, y, ys1, cfg); })
+                .find("dy_scales must be float32 [" + std::to_string(cap) + ",2] on cpu"),
+            std::string::npos);
+  Tensor probs_bad = make_tensor({c.T, c.K + 1}, DType::kFloat32);
+  EXPECT_NE(message_of([&] { unpermute_backward_quantize(dout, plan, probs_bad, y, ys, cfg); })
+                .find("probs must be float32 [8,2] on cpu"),
+            std::string::npos);
+  Tensor d8 = make_tensor({c.T, c.H}, DType::kFloat8E4M3);
+  EXPECT_NE(message_of([&] { unpermute_backward_quantize(d8, plan, {}, y, ys, cfg); })
+                .find("dout must be float32, bfloat16 or float16"),
+            std::string::npos);
+  const QuantizeConfig colwise{DType::kFloat8E4M3, QuantScaling::kBlock1x128, false, true};
+  EXPECT_NE(message_of([&] { unpermute_backward_quantize(dout, plan, {}, y, ys, colwise); })
+                .find("unpermute_backward_quantize: QuantizeConfig.columnwise must be false"),
             std::string::npos);
 }
 

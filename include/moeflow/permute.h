@@ -78,4 +78,24 @@ void unpermute_backward(TensorView dout, const RoutingPlan& plan, TensorView y_f
                         TensorView probs, TensorView dy, TensorView dprobs = {},
                         cudaStream_t stream = nullptr);
 
+// The gradient of unpermute with FP8 quantization fused in (the FC2 dgrad
+// input of blockwise FP8 training): exactly unpermute_backward(dout, plan,
+// {}, probs, tmp) into a tmp of dout's dtype, then quantize (1x128 rowwise)
+// of tmp's rows < total_rows into dy and dy_scales, bit for bit on both
+// backends; dout is read once.
+//   dout:      [T,H] float32/float16/bfloat16; rows may be strided (stride(1) == 1).
+//   probs:     optional [T,K] float32 (the forward's merge_probs): slot (t,k)'s
+//              row quantizes w[t,k] * dout[t] rounded to dout's dtype (its own
+//              scales); without probs the K rows of a token are the same.
+//   dy:        [capacity,H] config.out (fp8); stride(1) == 1. Pad rows: code 0.
+//   dy_scales: [capacity, ceil(H/128)] float32, contiguous. Pad rows: the
+//              scale quantize gives a zero block (1).
+//   config:    as permute_quantize (kBlock1x128, rowwise, e4m3/e5m2, pow2_scales).
+// The probs' gradient reads the forward rows: unpermute_backward computes it.
+// Dropped / unrouted slots write nothing; rows >= total_rows are untouched.
+// CUDA: one kernel, no host sync, no allocation; graph-capturable.
+void unpermute_backward_quantize(TensorView dout, const RoutingPlan& plan, TensorView probs,
+                                 TensorView dy, TensorView dy_scales,
+                                 const QuantizeConfig& config, cudaStream_t stream = nullptr);
+
 }  // namespace moeflow

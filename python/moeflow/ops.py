@@ -33,7 +33,7 @@ from . import _C
 __all__ = [
     "RouterOutput", "router", "router_logits", "apply_capacity", "update_expert_bias",
     "quantize", "dequantize", "Plan", "permute", "permute_quantize",
-    "unpermute", "grouped_mlp", "WgradStore"
+    "unpermute", "unpermute_backward_quantize", "grouped_mlp", "WgradStore"
 ]
 
 
@@ -467,6 +467,28 @@ def permute_quantize(x: torch.Tensor, plan: Plan, probs: Optional[torch.Tensor] 
     _C.permute_quantize(x, plan._view, y, scales, fp8_format, bool(pow2_scales), probs, pp,
                         _stream(x))
     return y, pp, scales
+
+
+def unpermute_backward_quantize(dout: torch.Tensor, plan: Plan,
+                                probs: Optional[torch.Tensor] = None,
+                                fp8_format: str = "e4m3", pow2_scales: bool = False):
+    """The gradient of :func:`unpermute` as FP8 rows for an FP8 FC2 dgrad:
+    dout [T, H] bf16/fp16/float32 -> (dy [capacity, H] fp8 expert-major with
+    its 1x128 scales dy_scales [capacity, ceil(H/128)] float32), exactly the
+    rows unpermute's backward writes (each slot's w * dout, rounded to dout's
+    dtype, with ``probs`` [T, K]) quantized rowwise, with dout read once. Pad
+    rows: code 0, scale 1; rows past ``plan.total_rows`` are left as
+    allocated. Not differentiable; the probs' gradient needs the forward rows
+    (unpermute's own backward)."""
+    dout = _rows(dout.detach())
+    fp8 = _FP8.get(fp8_format, torch.float8_e4m3fn)
+    dy = torch.empty((plan.capacity_rows, dout.shape[1]), dtype=fp8, device=dout.device)
+    scales = torch.empty((plan.capacity_rows, -(-dout.shape[1] // 128)), dtype=torch.float32,
+                         device=dout.device)
+    _C.unpermute_backward_quantize(dout, plan._view,
+                                   None if probs is None else probs.detach().contiguous(), dy,
+                                   scales, fp8_format, bool(pow2_scales), _stream(dout))
+    return dy, scales
 
 
 class _Unpermute(torch.autograd.Function):

@@ -483,6 +483,18 @@ NB_MODULE(_C, m) {
       nb::arg("pow2_scales"), nb::arg("probs").none() = nb::none(),
       nb::arg("permuted_probs").none() = nb::none(), nb::arg("stream") = 0);
   m.def(
+      "unpermute_backward_quantize",
+      [](const AnyArray& dout, const PyPlan& p, const std::optional<Array>& probs,
+         const AnyArray& dy, const Array& dy_scales, const std::string& fmt, bool pow2,
+         uintptr_t s) {
+        unpermute_backward_quantize(rows_of(dout, "dout"), p.plan, opt_view(probs, "probs"),
+                                    rows_of(dy, "dy"), view_of(dy_scales, "dy_scales"),
+                                    quantize_config(fmt, "1x128", pow2, false), stream_of(s));
+      },
+      nb::arg("dout"), nb::arg("plan"), nb::arg("probs").none(), nb::arg("dy"),
+      nb::arg("dy_scales"), nb::arg("fp8_format"), nb::arg("pow2_scales"),
+      nb::arg("stream") = 0);
+  m.def(
       "unpermute",
       [](const AnyArray& y, const PyPlan& p, const AnyArray& out, const std::optional<Array>& probs,
          uintptr_t s) {

@@ -104,3 +104,27 @@ def test_permute_quantize_is_quantize_then_permute(device, fmt, pow2):
     assert y.dtype == FMT[fmt][0] and sc.shape == (plan.capacity_rows, 3)
     assert torch.equal(y[:rows].view(torch.uint8), y2[:rows].view(torch.uint8))
     assert torch.equal(sc[:rows], sc2[:rows]) and torch.equal(pp[:rows], pp2[:rows])
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("fmt", ["e4m3", "e5m2"])
+@pytest.mark.parametrize("with_probs", [False, True])
+def test_unpermute_backward_quantize_is_the_backward_rows_quantized(device, fmt, with_probs):
+    T, H, E, K = 40, 300, 6, 2
+    g = torch.Generator().manual_seed(4)
+    dout = (torch.randn(T, H, generator=g) * 4).to(device, torch.bfloat16)
+    ids = torch.randint(0, E, (T, K), generator=g, dtype=torch.int32)
+    ids[:, 1] = (ids[:, 0] + 1) % E
+    probs = torch.rand(T, K, generator=g).to(device) if with_probs else None
+    plan = mf.Plan(ids.to(device), E, align=16)
+    dy, sc = mf.unpermute_backward_quantize(dout, plan, probs, fmt)
+    # The rows unpermute's backward writes, then quantize.
+    y = torch.zeros(plan.capacity_rows, H, dtype=torch.bfloat16, device=device,
+                    requires_grad=True)
+    p = None if probs is None else probs.clone().requires_grad_(True)
+    mf.unpermute(y, plan, p).backward(dout)
+    rows = int(plan.total_rows)
+    q, s = mf.quantize(y.grad[:rows], fmt, "1x128")
+    assert dy.dtype == FMT[fmt][0] and sc.shape == (plan.capacity_rows, 3)
+    assert torch.equal(dy[:rows].view(torch.uint8), q.view(torch.uint8))
+    assert torch.equal(sc[:rows], s)

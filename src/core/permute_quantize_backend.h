@@ -1,6 +1,7 @@
-// The backend entry points of permute_quantize (moeflow/permute.h). Arguments
-// arrive validated: x [T,H] float, y [capacity,H] fp8, y_scales
-// [capacity, ceil(H/128)] float32, config 1x128 rowwise, extras without scales.
+// The backend entry points of permute_quantize and unpermute_backward_quantize
+// (moeflow/permute.h). Arguments arrive validated: x / dout [T,H] float, y / dy
+// [capacity,H] fp8, scales [capacity, ceil(H/128)] float32, config 1x128
+// rowwise, extras without scales, probs [T,K] float32 or empty.
 #pragma once
 
 #include "moeflow/permute.h"
@@ -10,12 +11,18 @@ namespace moeflow {
 namespace cpu {
 void permute_quantize(TensorView x, const RoutingPlan& plan, TensorView y, TensorView y_scales,
                       const QuantizeConfig& config, const PermuteExtras& extras);
+void unpermute_backward_quantize(TensorView dout, const RoutingPlan& plan, TensorView probs,
+                                 TensorView dy, TensorView dy_scales,
+                                 const QuantizeConfig& config);
 }  // namespace cpu
 
 namespace cuda {
 void permute_quantize(TensorView x, const RoutingPlan& plan, TensorView y, TensorView y_scales,
                       const QuantizeConfig& config, const PermuteExtras& extras,
                       cudaStream_t stream);
+void unpermute_backward_quantize(TensorView dout, const RoutingPlan& plan, TensorView probs,
+                                 TensorView dy, TensorView dy_scales,
+                                 const QuantizeConfig& config, cudaStream_t stream);
 }  // namespace cuda
 
 }  // namespace moeflow

@@ -1,7 +1,10 @@
-// CPU reference for permute_quantize: literally the composition it is defined
-// as, quantize(x, 1x128 rowwise) into a temporary [T,H] fp8 buffer and its
+// CPU references for permute_quantize and unpermute_backward_quantize:
+// literally the compositions they are defined as. permute_quantize:
+// quantize(x, 1x128 rowwise) into a temporary [T,H] fp8 buffer and its
 // [T, ceil(H/128)] scales, then permute of those rows with the scales as
-// PermuteExtras.scales. The oracle of the fused CUDA kernel.
+// PermuteExtras.scales. unpermute_backward_quantize: unpermute_backward into
+// a temporary [capacity,H] of dout's dtype, then quantize of its rows below
+// total_rows. The oracles of the fused CUDA kernels.
 #include "core/backends.h"
 #include "core/permute_quantize_backend.h"
 #include "core/quantize_backend.h"
@@ -15,6 +18,23 @@ void permute_quantize(TensorView x, const RoutingPlan& plan, TensorView y, Tenso
   Tensor scales = Tensor::empty({T, y_scales.shape[1]}, DType::kFloat32, Device::cpu());
   cpu::quantize(x, config, q, scales);
   cpu::permute(q, plan, y, PermuteExtras{extras.probs, extras.permuted_probs, scales, y_scales});
+}
+
+void unpermute_backward_quantize(TensorView dout, const RoutingPlan& plan, TensorView probs,
+                                 TensorView dy, TensorView dy_scales,
+                                 const QuantizeConfig& config) {
+  const int64_t H = dout.shape[1];
+  const int64_t total = plan.total_rows.data_ptr<int64_t>()[0];
+  if (total <= 0) return;
+  Tensor tmp = Tensor::empty({plan.capacity_rows, H}, dout.dtype, Device::cpu());
+  cpu::unpermute_backward(dout, plan, {}, probs, tmp, {});
+  const TensorView rows = TensorView::strided(tmp.data(), dout.dtype, Device::cpu(), {total, H},
+                                              {H, 1});
+  const TensorView q = TensorView::strided(dy.data, dy.dtype, Device::cpu(), {total, H},
+                                           {dy.strides[0], 1});
+  const TensorView s = TensorView::strided(dy_scales.data, DType::kFloat32, Device::cpu(),
+                                           {total, dy_scales.shape[1]}, {dy_scales.shape[1], 1});
+  cpu::quantize(rows, config, q, s);
 }
 
 }  // namespace moeflow::cpu

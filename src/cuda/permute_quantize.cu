@@ -11,6 +11,14 @@
 // block's scale from the block's first lane. Pad items write code 0, scale 0
 // and prob 0. Dropped / unrouted slots write nothing. Rows that are not
 // 16-byte aligned (or H % 16 != 0) take the same path with byte stores.
+//
+// unpermute_backward_quantize: the same layout and quantization, the other
+// way: a token's warp reads its row of dout once and writes every routed
+// slot's row of dy as FP8 with its scales. Without probs the K rows are one
+// quantization of dout's row; with probs slot k quantizes round(w_k * dout)
+// (rounded to dout's dtype first, as unpermute_backward writes dy), so each
+// slot has its own scales. Pad items write code 0 and the scale quantize
+// gives a zero block (unpermute_backward zeroes pad rows).
 // No host sync, no allocation; graph-capturable.
 #include <cuda_fp8.h>
 
@@ -48,6 +56,77 @@ struct PadRows {
   }
 };
 
+// One chunk of a row: lane l's 16 values v, quantized with the 1x128 block
+// of the 8 lanes 8g..8g+7 (columns past H must be 0): the codes, four per
+// word, and the block's scale.
+template <bool E4M3>
+__device__ __forceinline__ float quantize_chunk(const float (&v)[kPerLane], bool pow2,
+                                                uint32_t (&w)[kPerLane / 4]) {
+  float m = 0.0f;
+#pragma unroll
+  for (int j = 0; j < kPerLane; ++j) m = quant::amax_join(m, quant::amax_term(v[j]));
+#pragma unroll
+  for (int o = kLanesPerBlock / 2; o > 0; o >>= 1)
+    m = quant::amax_join(m, __shfl_xor_sync(0xffffffffu, m, o));
+  const float scale = quant::scale_of(m, E4M3, pow2);
+#pragma unroll
+  for (int j = 0; j < kPerLane / 4; ++j) w[j] = 0;
+#pragma unroll
+  for (int j = 0; j < kPerLane; ++j)
+    w[j / 4] |= uint32_t{to_fp8<E4M3>(__fdiv_rn(v[j], scale))} << (8 * (j % 4));
+  return scale;
+}
+
+// Lane l's 16 columns [cl, cl + 16) of row `src` as floats (0 past H).
+template <typename T, bool VEC>
+__device__ __forceinline__ void load_chunk(const T* src, int64_t cl, int64_t hidden,
+                                           float (&v)[kPerLane]) {
+  if constexpr (VEC) {
+    constexpr int kVecs = kPerLane * sizeof(T) / 16;
+    uint4 raw[kVecs];
+    if (cl < hidden) {
+      const uint4* p = reinterpret_cast<const uint4*>(src + cl);
+#pragma unroll
+      for (int i = 0; i < kVecs; ++i) raw[i] = p[i];
+    } else {
+#pragma unroll
+      for (int i = 0; i < kVecs; ++i) raw[i] = make_uint4(0, 0, 0, 0);
+    }
+    const T* e = reinterpret_cast<const T*>(raw);
+#pragma unroll
+    for (int j = 0; j < kPerLane; ++j) v[j] = to_float(e[j]);
+  } else {
+#pragma unroll
+    for (int j = 0; j < kPerLane; ++j) v[j] = cl + j < hidden ? to_float(src[cl + j]) : 0.0f;
+  }
+}
+
+// Stores lane l's 16 codes at columns [cl, cl + 16) of an fp8 row.
+template <bool VEC>
+__device__ __forceinline__ void store_codes(uint8_t* yrow, int64_t cl, int64_t hidden,
+                                            const uint32_t (&w)[kPerLane / 4]) {
+  if constexpr (VEC) {
+    if (cl < hidden) *reinterpret_cast<uint4*>(yrow + cl) = make_uint4(w[0], w[1], w[2], w[3]);
+  } else {
+#pragma unroll
+    for (int j = 0; j < kPerLane; ++j)
+      if (cl + j < hidden) yrow[cl + j] = static_cast<uint8_t>(w[j / 4] >> (8 * (j % 4)));
+  }
+}
+
+// A pad row: codes 0 and `scale` for every block.
+template <bool VEC>
+__device__ __forceinline__ void write_pad_row(uint8_t* yrow, float* scales, int64_t nb,
+                                              int64_t hidden, float scale, int lane) {
+  if constexpr (VEC) {
+    for (int64_t v = lane; v < hidden / 16; v += kWarpSize)
+      reinterpret_cast<uint4*>(yrow)[v] = make_uint4(0, 0, 0, 0);
+  } else {
+    for (int64_t c = lane; c < hidden; c += kWarpSize) yrow[c] = 0;
+  }
+  for (int64_t b = lane; b < nb; b += kWarpSize) scales[b] = scale;
+}
+
 struct Args {
   const uint8_t* x;
   int64_t x_stride;  // bytes
@@ -76,14 +155,8 @@ __global__ void __launch_bounds__(kThreads) permute_quantize_kernel(Args a) {
   if (item >= a.num_tokens) {  // pad row: codes 0, scales 0, prob 0
     const int64_t row = a.pads.row_of(item - a.num_tokens);
     if (row < 0) return;
-    uint8_t* yrow = a.y + row * a.y_stride;
-    if constexpr (VEC) {
-      for (int64_t v = lane; v < a.hidden / 16; v += kWarpSize)
-        reinterpret_cast<uint4*>(yrow)[v] = make_uint4(0, 0, 0, 0);
-    } else {
-      for (int64_t c = lane; c < a.hidden; c += kWarpSize) yrow[c] = 0;
-    }
-    for (int64_t b = lane; b < a.nb; b += kWarpSize) a.y_scales[row * a.nb + b] = 0.0f;
+    write_pad_row<VEC>(a.y + row * a.y_stride, a.y_scales + row * a.nb, a.nb, a.hidden, 0.0f,
+                       lane);
     if (lane == 0 && a.permuted_probs) a.permuted_probs[row] = 0.0f;
     return;
   }
@@ -103,39 +176,12 @@ __global__ void __launch_bounds__(kThreads) permute_quantize_kernel(Args a) {
   const T* xrow = reinterpret_cast<const T*>(a.x + t * a.x_stride);
   for (int64_t c0 = 0; c0 < a.hidden; c0 += kChunk) {
     const int64_t cl = c0 + int64_t{lane} * kPerLane;  // this lane's first column
-    const bool in = cl < a.hidden;
     float v[kPerLane];
-    if constexpr (VEC) {
-      constexpr int kVecs = kPerLane * sizeof(T) / 16;
-      uint4 raw[kVecs];
-      if (in) {
-        const uint4* src = reinterpret_cast<const uint4*>(xrow + cl);
-#pragma unroll
-        for (int i = 0; i < kVecs; ++i) raw[i] = src[i];
-      } else {
-#pragma unroll
-        for (int i = 0; i < kVecs; ++i) raw[i] = make_uint4(0, 0, 0, 0);
-      }
-      const T* e = reinterpret_cast<const T*>(raw);
-#pragma unroll
-      for (int j = 0; j < kPerLane; ++j) v[j] = to_float(e[j]);
-    } else {
-#pragma unroll
-      for (int j = 0; j < kPerLane; ++j) v[j] = cl + j < a.hidden ? to_float(xrow[cl + j]) : 0.0f;
-    }
     // Columns past H read as 0: they leave the amax (a max of |finite| >= 0) as it is.
-    float m = 0.0f;
-#pragma unroll
-    for (int j = 0; j < kPerLane; ++j) m = quant::amax_join(m, quant::amax_term(v[j]));
-#pragma unroll
-    for (int o = kLanesPerBlock / 2; o > 0; o >>= 1)
-      m = quant::amax_join(m, __shfl_xor_sync(0xffffffffu, m, o));
-    const float scale = quant::scale_of(m, E4M3, a.pow2);
-    uint32_t w[kPerLane / 4] = {};
-#pragma unroll
-    for (int j = 0; j < kPerLane; ++j)
-      w[j / 4] |= uint32_t{to_fp8<E4M3>(__fdiv_rn(v[j], scale))} << (8 * (j % 4));
-    const bool lead = in && lane % kLanesPerBlock == 0;  // writes the block's scale
+    load_chunk<T, VEC>(xrow, cl, a.hidden, v);
+    uint32_t w[kPerLane / 4];
+    const float scale = quantize_chunk<E4M3>(v, a.pow2, w);
+    const bool lead = cl < a.hidden && lane % kLanesPerBlock == 0;  // writes the block's scale
     const int64_t blk = cl / kBlock;
 
     for (int kg = 0; kg < a.topk; kg += kWarpSize) {
@@ -147,15 +193,86 @@ __global__ void __launch_bounds__(kThreads) permute_quantize_kernel(Args a) {
       }
       for (unsigned mk = routed; mk != 0; mk &= mk - 1) {
         const int64_t r = __shfl_sync(0xffffffffu, row, __ffs(mk) - 1);
-        uint8_t* yrow = a.y + r * a.y_stride;
-        if constexpr (VEC) {
-          if (in) *reinterpret_cast<uint4*>(yrow + cl) = make_uint4(w[0], w[1], w[2], w[3]);
-        } else {
+        store_codes<VEC>(a.y + r * a.y_stride, cl, a.hidden, w);
+        if (lead) a.y_scales[r * a.nb + blk] = scale;
+      }
+    }
+  }
+}
+
+// unpermute_backward_quantize: dout [T,H] -> dy rows (fp8) and their scales.
+struct BwdArgs {
+  const uint8_t* dout;
+  int64_t dout_stride;  // bytes
+  uint8_t* dy;
+  int64_t dy_stride;  // bytes
+  float* dy_scales;   // [capacity, nb], contiguous
+  int64_t nb;
+  int64_t hidden;
+  const int64_t* dest_row;
+  int64_t num_tokens;
+  int topk;
+  const float* probs;  // [T,K] or null
+  bool pow2;
+  PadRows pads;
+  int64_t num_pad_items;
+};
+
+template <typename T, bool E4M3, bool VEC>
+__global__ void __launch_bounds__(kThreads) unpermute_bwd_quantize_kernel(BwdArgs a) {
+  const int lane = threadIdx.x % kWarpSize;
+  const int64_t item = int64_t{blockIdx.x} * kWarps + threadIdx.x / kWarpSize;
+  if (item >= a.num_tokens + a.num_pad_items) return;
+
+  if (item >= a.num_tokens) {  // pad row: a zero row quantized (codes 0)
+    const int64_t row = a.pads.row_of(item - a.num_tokens);
+    if (row < 0) return;
+    write_pad_row<VEC>(a.dy + row * a.dy_stride, a.dy_scales + row * a.nb, a.nb, a.hidden,
+                       quant::scale_of(0.0f, E4M3, a.pow2), lane);
+    return;
+  }
+
+  const int64_t t = item;
+  const int64_t* dest = a.dest_row + t * a.topk;
+  const int64_t row0 = lane < a.topk ? dest[lane] : -1;
+  const float w0 = lane < a.topk && a.probs ? a.probs[t * a.topk + lane] : 1.0f;
+  const unsigned routed0 = __ballot_sync(0xffffffffu, row0 >= 0);
+  if (routed0 == 0 && a.topk <= kWarpSize) return;  // nothing to write (warp-uniform)
+
+  const T* grow = reinterpret_cast<const T*>(a.dout + t * a.dout_stride);
+  for (int64_t c0 = 0; c0 < a.hidden; c0 += kChunk) {
+    const int64_t cl = c0 + int64_t{lane} * kPerLane;
+    float v[kPerLane];
+    load_chunk<T, VEC>(grow, cl, a.hidden, v);
+    const bool lead = cl < a.hidden && lane % kLanesPerBlock == 0;
+    const int64_t blk = cl / kBlock;
+    uint32_t w[kPerLane / 4];
+    float scale = 0.0f;
+    if (!a.probs) scale = quantize_chunk<E4M3>(v, a.pow2, w);  // the K rows are the same
+
+    for (int kg = 0; kg < a.topk; kg += kWarpSize) {
+      int64_t row = row0;
+      float wt = w0;
+      unsigned routed = routed0;
+      if (kg > 0) {
+        const int k = kg + lane;
+        row = k < a.topk ? dest[k] : -1;
+        wt = k < a.topk && a.probs ? a.probs[t * a.topk + k] : 1.0f;
+        routed = __ballot_sync(0xffffffffu, row >= 0);
+      }
+      for (unsigned mk = routed; mk != 0; mk &= mk - 1) {
+        const int src = __ffs(mk) - 1;
+        const int64_t r = __shfl_sync(0xffffffffu, row, src);
+        if (a.probs) {  // this slot's row: round(w * dout) in dout's dtype, then quantized
+          const float wk = __shfl_sync(0xffffffffu, wt, src);
+          float u[kPerLane];
 #pragma unroll
           for (int j = 0; j < kPerLane; ++j)
-            if (cl + j < a.hidden) yrow[cl + j] = static_cast<uint8_t>(w[j / 4] >> (8 * (j % 4)));
+            u[j] = cl + j < a.hidden ? to_float(from_float<T>(wk * v[j])) : 0.0f;
+          scale = quantize_chunk<E4M3>(u, a.pow2, w);
         }
-        if (lead) a.y_scales[r * a.nb + blk] = scale;
+        store_codes<VEC>(a.dy + r * a.dy_stride, cl, a.hidden, w);
+        if (lead) a.dy_scales[r * a.nb + blk] = scale;
       }
     }
   }
@@ -197,6 +314,49 @@ void permute_quantize(TensorView x, const RoutingPlan& plan, TensorView y, Tenso
     using T = decltype(t);
     auto launch = [&](auto e4m3, auto vec_c) {
       permute_quantize_kernel<T, decltype(e4m3)::value, decltype(vec_c)::value>
+          <<<static_cast<unsigned>(blocks), kThreads, 0, stream>>>(a);
+      MOEFLOW_CUDA_LAUNCH_CHECK();
+    };
+    const bool e4m3 = config.out == DType::kFloat8E4M3;
+    if (e4m3 && vec) return launch(std::true_type{}, std::true_type{});
+    if (e4m3) return launch(std::true_type{}, std::false_type{});
+    if (vec) return launch(std::false_type{}, std::true_type{});
+    launch(std::false_type{}, std::false_type{});
+  });
+}
+
+void unpermute_backward_quantize(TensorView dout, const RoutingPlan& plan, TensorView probs,
+                                 TensorView dy, TensorView dy_scales,
+                                 const QuantizeConfig& config, cudaStream_t stream) {
+  BwdArgs a{};
+  a.dout = static_cast<const uint8_t*>(dout.data);
+  a.dout_stride = dout.strides[0] * static_cast<int64_t>(dtype_size(dout.dtype));
+  a.dy = static_cast<uint8_t*>(dy.data);
+  a.dy_stride = dy.strides[0];  // fp8: one byte an element
+  a.dy_scales = static_cast<float*>(dy_scales.data);
+  a.nb = dy_scales.shape[1];
+  a.hidden = dout.shape[1];
+  a.dest_row = plan.dest_row.data_ptr<int64_t>();
+  a.num_tokens = plan.num_tokens;
+  a.topk = plan.topk;
+  a.probs = probs.defined() ? static_cast<const float*>(probs.data) : nullptr;
+  a.pow2 = config.pow2_scales;
+  a.pads = PadRows{plan.tokens_per_expert.data_ptr<int32_t>(),
+                   plan.padded_tokens_per_expert.data_ptr<int32_t>(),
+                   plan.expert_row_offsets.data_ptr<int64_t>(), plan.config.align};
+  a.num_pad_items = (plan.config.align == 1 || plan.num_tokens == 0)
+                        ? 0
+                        : int64_t{plan.config.num_experts} * (plan.config.align - 1);
+  const int64_t items = a.num_tokens + a.num_pad_items;
+  if (items == 0) return;
+  const bool vec = aligned_to(16, {a.hidden, a.dout_stride, a.dy_stride,
+                                   static_cast<int64_t>(reinterpret_cast<uintptr_t>(a.dout)),
+                                   static_cast<int64_t>(reinterpret_cast<uintptr_t>(a.dy))});
+  const int64_t blocks = ceil_div(items, kWarps);
+  with_float_type(dout.dtype, [&](auto t) {
+    using T = decltype(t);
+    auto launch = [&](auto e4m3, auto vec_c) {
+      unpermute_bwd_quantize_kernel<T, decltype(e4m3)::value, decltype(vec_c)::value>
           <<<static_cast<unsigned>(blocks), kThreads, 0, stream>>>(a);
       MOEFLOW_CUDA_LAUNCH_CHECK();
     };
