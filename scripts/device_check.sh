@@ -16,6 +16,10 @@
 #   python     the Python tests on the GPU (pytest python/tests, the machine's torch)
 #   pylayer    bench/py_layer.py (MoELayer vs the torch composite, the router)
 #              and bench/py_overhead.py (host cost of moeflow.ops calls)
+#   mlprows    dev/probes/mlp_rows.py (the grouped MLP on the layer's rows)
+#   sonic      bench/peers_sonicmoe.py, SonicMoE installed from ./.sonic (its
+#              wheels and the cutlass-dsl libs as libs.tar.xz; the folder is
+#              ignored by git) into a folder outside the checkout
 #   variants   the permute kernel variants of dev/
 #
 # Default: build test multigpu permute gemm mlp dispatch.
@@ -110,6 +114,23 @@ for s in "${steps[@]}"; do
         --profile --router --json "$OUT/py_layer.json" || fail pylayer
       PYTHONPATH=build/python:bench PYTHONUNBUFFERED=1 timeout 100 python3 bench/py_overhead.py \
         --json "$OUT/py_overhead.json" || fail "py overhead"
+      ;;
+    mlprows)
+      PYTHONPATH=build/python PYTHONUNBUFFERED=1 timeout 200 python3 dev/probes/mlp_rows.py ||
+        fail mlprows
+      ;;
+    sonic)
+      if [ -d .sonic ]; then
+        site=/tmp/moeflow-sonic
+        mkdir -p "$site"
+        [ -f .sonic/libs.tar.xz ] && tar xJf .sonic/libs.tar.xz -C "$site"
+        python3 -m pip install -q --no-deps --no-index --target "$site" .sonic/*.whl ||
+          fail "sonic install"
+        PYTHONPATH="$site:build/python:bench" PYTHONUNBUFFERED=1 timeout 400 \
+          python3 bench/peers_sonicmoe.py --json "$OUT/sonicmoe.json" || fail sonic
+      else
+        echo "SKIPPED: sonic needs ./.sonic (the SonicMoE wheels)"
+      fi
       ;;
     *)
       echo "unknown step: $s"; exit 2
