@@ -1,6 +1,7 @@
 """What sets the grouped MLP's speed inside the layer? Times
 moeflow.ops.grouped_mlp forward + backward (bf16 weight gradients) on the
-dsv3-shaped layer rows (T 8192, top-8 of 32 experts, H 7168, F 2048) in
+layer rows of bench/py_layer.py's dsv3 case (T 8192, top-8 of 32 experts,
+H 7168, F 2048) and mixtral case (T 16384, top-2 of 8, H 4096, F 14336) in
 alternation, same process, varying one thing at a time:
 
   uniform, constant   2048 rows per expert, every operand one constant value
@@ -11,16 +12,29 @@ alternation, same process, varying one thing at a time:
   router, offsets     the same padded offsets without real_rows
   router, align 128   the same routing padded to 128 rows
 
-    PYTHONPATH=build/python python3 dev/probes/mlp_rows.py
+    PYTHONPATH=build/python python3 dev/probes/mlp_rows.py [--case dsv3|mixtral]
 """
+import argparse
+
 import torch
 
 import moeflow.ops as mf
 
 
+CASES = {"dsv3": (8192, 8, 32, 7168, 2048), "mixtral": (16384, 2, 8, 4096, 14336)}
+
+
 def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--case", action="append", choices=sorted(CASES))
+    for name in ap.parse_args().case or ["dsv3", "mixtral"]:
+        print(f"== {name}", flush=True)
+        run(*CASES[name])
+        torch.cuda.empty_cache()
+
+
+def run(T, K, E, H, F):
     dev = torch.device("cuda")
-    T, K, E, H, F = 8192, 8, 32, 7168, 2048
     g = torch.Generator(device=dev).manual_seed(0)
     rows_u = T * K
     w1 = (torch.randn(E, 2 * F, H, device=dev, generator=g) * 0.02).to(torch.bfloat16)
@@ -71,10 +85,10 @@ def main():
     for name, ts in res.items():
         ts.sort()
         rows = state[name][0].shape[0]
-        flops = 3 * 2 * rows * H * 3 * F
+        flops = 3 * 2 * rows_u * H * 3 * F  # the routed rows' work (T * K rows)
         ms = ts[len(ts) // 2]
-        print(f"{name:20s} rows {rows:6d}  fwd+bwd {ms:7.2f} ms ({flops / ms / 1e9:6.1f} "
-              f"TFLOP/s of the padded rows)", flush=True)
+        print(f"{name:20s} buffer rows {rows:6d}  fwd+bwd {ms:7.2f} ms "
+              f"({flops / ms / 1e9:6.1f} TFLOP/s of the T*K rows)", flush=True)
 
 
 if __name__ == "__main__":
