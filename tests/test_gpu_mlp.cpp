@@ -6,7 +6,8 @@
 // activation output and the saved pre-activation output are checked (relative
 // norm error under the bf16/fp16 GEMM bound); outputs are poisoned first; pad
 // rows must be exactly zero and the tail untouched. Also the delayed wgrad
-// into bf16 / fp16 weight gradients (bitwise the float32 ones rounded).
+// into bf16 / fp16 weight gradients (bitwise the float32 ones rounded), and
+// the activation quantized to FP8 (bitwise the GPU's own composition).
 #include <cuda_runtime.h>
 
 #include <random>
@@ -395,6 +396,13 @@ TEST(GpuMlp, FusedFc1RejectsBadLayouts) {
   call.glu_interleave = 24;
   EXPECT_NE(message_of([&] { cuda::mlp_fc1_forward(call, nullptr); }).find("glu_interleave"),
             std::string::npos);
+}
+
+// The activation quantized for an FP8 FC2 on the GPU: the GPU's own
+// composition (recompute_activation then quantize), bit for bit.
+TEST(GpuMlp, ActivationQuantizeIsRecomputeThenQuantize) {
+  ASSERT_GT(cuda_device_count(), 0) << "GPU tests need a CUDA device";
+  expect_activation_quantize_is_composition(kGpu);
 }
 
 }  // namespace

@@ -267,5 +267,36 @@ TEST(GroupedMlpApi, BadInputIsRejected) {
             std::string::npos);
 }
 
+// The activation quantized for an FP8 FC2: the composition, bit for bit.
+TEST(GroupedMlpApi, ActivationQuantizeIsRecomputeThenQuantize) {
+  expect_activation_quantize_is_composition(Device::cpu());
+}
+
+TEST(GroupedMlpApi, ActivationQuantizeBadInput) {
+  Tensor offs = make_tensor({2}, DType::kInt64);
+  offs.data_ptr<int64_t>()[0] = 0;
+  offs.data_ptr<int64_t>()[1] = 4;
+  GroupLayout g;
+  g.offsets = offs;
+  Tensor h = make_tensor({4, 256}, DType::kBFloat16);
+  fill_random(h, 3);
+  Tensor aq = make_tensor({4, 128}, DType::kFloat8E4M3), as = make_tensor({4, 1}, DType::kFloat32);
+  const GroupedMlpConfig cfg;
+  EXPECT_EQ(message_of([&] { grouped_mlp_activation_quantize(h, g, {}, cfg, QuantizeConfig{}, aq, as); }),
+            "no error");
+  const QuantizeConfig tw{DType::kFloat8E4M3, QuantScaling::kTensorwise, false, false};
+  EXPECT_NE(message_of([&] { grouped_mlp_activation_quantize(h, g, {}, cfg, tw, aq, as); })
+                .find("QuantizeConfig must be kBlock1x128 rowwise"),
+            std::string::npos);
+  Tensor as2 = make_tensor({4, 2}, DType::kFloat32);
+  EXPECT_NE(message_of([&] { grouped_mlp_activation_quantize(h, g, {}, cfg, QuantizeConfig{}, aq, as2); })
+                .find("a_scales must be float32 [4,1] on cpu"),
+            std::string::npos);
+  Tensor abf = make_tensor({4, 128}, DType::kBFloat16);
+  EXPECT_NE(message_of([&] { grouped_mlp_activation_quantize(h, g, {}, cfg, QuantizeConfig{}, abf, as); })
+                .find("a_q must be float8_e4m3 [4,128] on cpu"),
+            std::string::npos);
+}
+
 }  // namespace
 }  // namespace moeflow::test

@@ -256,4 +256,70 @@ inline void run_mlp_api_case(const MlpApiCase& cs, Device dev, uint32_t seed,
       ASSERT_EQ(at(yh, r * H), 0.0f) << "pad row " << r;
 }
 
+// grouped_mlp_activation_quantize on `dev` against the composition on the
+// same device: recompute_activation into a of h's dtype, then quantize (1x128
+// rowwise) of the group rows; pad rows code 0 / scale 1, rows past the
+// groups untouched (poisoned).
+inline void expect_activation_quantize_is_composition(Device dev) {
+  const DType dt = DType::kBFloat16;
+  const int64_t E = 3, rows = 100;
+  Tensor offs = make_tensor({E + 1}, DType::kInt64), real = make_tensor({E}, DType::kInt32);
+  const int64_t o[] = {0, 32, 32, 96};  // rows 96..99: past the groups
+  const int32_t rr[] = {20, 0, 61};
+  std::copy(o, o + E + 1, offs.data_ptr<int64_t>());
+  std::copy(rr, rr + E, real.data_ptr<int32_t>());
+  Tensor offs_d = offs.to(dev), real_d = real.to(dev);
+  GroupLayout g;
+  g.offsets = offs_d;
+  g.real_rows = real_d;
+  uint32_t seed = 90;
+  struct Q {
+    Activation act;
+    int il;
+    int64_t f;
+    bool probs;
+  };
+  for (const Q& q : {Q{Activation::kSwiGLU, 0, 256, true}, Q{Activation::kSwiGLU, 8, 200, false},
+                     Q{Activation::kGeGLU, 4, 136, true}, Q{Activation::kGelu, 0, 1000, true},
+                     Q{Activation::kSquaredRelu, 0, 96, false}}) {
+    for (DType out : {DType::kFloat8E4M3, DType::kFloat8E5M2}) {
+      const bool pow2 = out == DType::kFloat8E5M2;
+      SCOPED_TRACE(std::to_string(static_cast<int>(q.act)) + " il=" + std::to_string(q.il) +
+                   " F=" + std::to_string(q.f) + " " + dtype_name(out));
+      const int64_t n1 = is_gated(q.act) ? 2 * q.f : q.f, nb = blocks128(q.f);
+      Tensor h = make_tensor({rows, n1}, dt), probs = make_tensor({rows}, DType::kFloat32);
+      fill_random(h, seed++, -6.0f, 6.0f);
+      fill_random(probs, seed++, 0.0f, 1.0f);
+      Tensor h_d = h.to(dev), probs_d = probs.to(dev);
+      GroupedMlpConfig cfg;
+      cfg.activation = q.act;
+      cfg.glu_interleave = q.il;
+      const QuantizeConfig qc{out, QuantScaling::kBlock1x128, pow2, false};
+      const TensorView pv = q.probs ? TensorView(probs_d) : TensorView{};
+      Tensor aq = poisoned({rows, q.f}, out, dev), as = poisoned({rows, nb}, DType::kFloat32, dev);
+      grouped_mlp_activation_quantize(h_d, g, pv, cfg, qc, aq, as);
+      Tensor a = poisoned({rows, q.f}, dt, dev);
+      grouped_mlp_recompute_activation(h_d, g, pv, cfg, a);
+      Tensor wq = poisoned({rows, q.f}, out, dev), ws = poisoned({rows, nb}, DType::kFloat32, dev);
+      const int64_t n = 96;  // the group rows
+      auto rows_of = [&](const Tensor& t, int64_t cols, DType d) {
+        return TensorView::strided(const_cast<void*>(t.data()), d, dev, {n, cols}, {cols, 1});
+      };
+      quantize(rows_of(a, q.f, dt), qc, rows_of(wq, q.f, out), rows_of(ws, nb, DType::kFloat32));
+      Tensor aq_c = aq.to(Device::cpu()), as_c = as.to(Device::cpu());
+      EXPECT_TRUE(bytes_equal(aq_c, wq.to(Device::cpu())));
+      EXPECT_TRUE(bytes_equal(as_c, ws.to(Device::cpu())));
+      for (int64_t r = 0; r < rows; ++r) {
+        const bool pad = (r >= 20 && r < 32) || (r >= 93 && r < 96);
+        if (r >= 96) {
+          ASSERT_TRUE(row_is(aq_c, r, 0xFF) && row_is(as_c, r, 0xFF)) << "row past groups: " << r;
+        } else if (pad) {
+          ASSERT_TRUE(row_is(aq_c, r, 0)) << "pad row " << r;
+          for (int64_t b = 0; b < nb; ++b) ASSERT_EQ(as_c.data_ptr<float>()[r * nb + b], 1.0f) << r;
+        }
+      }
+    }
+  }
+}
+
 }  // namespace moeflow::test

@@ -18,6 +18,7 @@
 
 #include "moeflow/activation.h"
 #include "moeflow/grouped_gemm.h"
+#include "moeflow/quantize.h"
 
 namespace moeflow {
 
@@ -98,6 +99,18 @@ struct GroupedMlpGrads {
 void grouped_mlp_recompute_activation(TensorView h, const GroupLayout& groups, TensorView probs,
                                       const GroupedMlpConfig& config, TensorView a,
                                       cudaStream_t stream = nullptr);
+
+// FC2's input in FP8 (blockwise FP8 training): a = act(h) * p rounded to h's
+// dtype, exactly as recompute_activation writes it, then quantized 1x128
+// rowwise (moeflow/quantize.h) into a_q [rows, F] (quant.out: e4m3 / e5m2;
+// stride(1) == 1) and a_scales [rows, ceil(F/128)] float32, bit for bit the
+// composition on the same backend; h is read once. Pad rows: code 0, scale
+// 1 (a zero block); rows past the groups are untouched. quant: kBlock1x128,
+// rowwise. No host sync, no allocation; graph-capturable.
+void grouped_mlp_activation_quantize(TensorView h, const GroupLayout& groups, TensorView probs,
+                                     const GroupedMlpConfig& config, const QuantizeConfig& quant,
+                                     TensorView a_q, TensorView a_scales,
+                                     cudaStream_t stream = nullptr);
 
 // The activation's backward alone (backward_dgrad's middle step): d_h
 // [rows, N1] holds d(a) in its last F columns (gated) or is d(a) (plain); on

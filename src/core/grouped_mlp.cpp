@@ -3,10 +3,12 @@
 // backend (the device of x decides).
 #include "moeflow/grouped_mlp.h"
 
+#include <algorithm>
 #include <tuple>
 
 #include "core/internal.h"
 #include "core/mlp_call.h"
+#include "core/quantize_backend.h"
 
 namespace moeflow {
 
@@ -309,6 +311,57 @@ void grouped_mlp_recompute_activation(TensorView h, const GroupLayout& groups, T
     (void)stream;
 #endif
   }
+}
+
+void grouped_mlp_activation_quantize(TensorView h, const GroupLayout& groups, TensorView probs,
+                                     const GroupedMlpConfig& c, const QuantizeConfig& quant,
+                                     TensorView a_q, TensorView a_scales, cudaStream_t stream) {
+  MOEFLOW_CHECK(quant.out == DType::kFloat8E4M3 || quant.out == DType::kFloat8E5M2,
+                "activation_quantize: QuantizeConfig.out must be float8_e4m3 or float8_e5m2, got ",
+                dtype_name(quant.out));
+  MOEFLOW_CHECK(quant.scaling == QuantScaling::kBlock1x128 && !quant.columnwise,
+                "activation_quantize: QuantizeConfig must be kBlock1x128 rowwise");
+  MOEFLOW_CHECK(h.defined() && h.ndim == 2, "h must be [rows,N1], got ", h.str());
+  MOEFLOW_CHECK(a_q.defined() && a_q.ndim == 2, "a_q must be [rows,F], got ", a_q.str());
+  const int64_t rows = h.shape[0], f = a_q.shape[1];
+  const bool gated = is_gated(c.activation);
+  detail::expect(h, "h", Expect{kHalf, {rows, gated ? 2 * f : f}, h.device});
+  MOEFLOW_CHECK(h.is_contiguous(), "h must be contiguous");
+  Expect qe{{quant.out}, {rows, f}, h.device};
+  qe.contiguous = false;
+  qe.inner_unit = true;
+  detail::expect(a_q, "a_q", qe);
+  const int64_t nb = (f + quant::kBlock - 1) / quant::kBlock;
+  detail::expect(a_scales, "a_scales", Expect{{DType::kFloat32}, {rows, nb}, h.device});
+  if (probs.defined()) detail::expect(probs, "probs", Expect{{DType::kFloat32}, {rows}, h.device});
+  if (gated && c.glu_interleave != 0)
+    MOEFLOW_CHECK(c.glu_interleave > 0 && f % c.glu_interleave == 0,
+                  "config.glu_interleave must divide F=", f, ", got ", c.glu_interleave);
+  const MlpRows r{groups, experts_of(groups, h.device), rows};
+  if (h.device.is_cpu()) {  // the composition: the activation, then quantize of the group rows
+    Tensor a = Tensor::empty({rows, f}, h.dtype, Device::cpu());
+    cpu::mlp_fc1_epilogue(r, h, {}, probs, c.activation, c.params, c.glu_interleave, a);
+    const int64_t* off = groups.offsets.data_ptr<int64_t>();
+    const int64_t r0 = std::max<int64_t>(off[0], 0), r1 = std::min<int64_t>(off[r.num_groups], rows);
+    if (r1 <= r0) return;
+    const int64_t esz = static_cast<int64_t>(dtype_size(h.dtype));
+    const auto part = [&](void* base, int64_t stride, int64_t cols, DType dt, int64_t bytes) {
+      return TensorView::strided(static_cast<uint8_t*>(base) + r0 * stride * bytes, dt,
+                                 Device::cpu(), {r1 - r0, cols}, {stride, 1});
+    };
+    cpu::quantize(part(a.data(), f, f, h.dtype, esz), quant,
+                  part(a_q.data, a_q.strides[0], f, quant.out, 1),
+                  part(a_scales.data, nb, nb, DType::kFloat32, 4));
+    return;
+  }
+#ifdef MOEFLOW_WITH_CUDA
+  detail::cuda_set_device(h.device.index);
+  cuda::mlp_activation_quantize(r, h, probs, c.activation, c.params, c.glu_interleave,
+                                quant.out == DType::kFloat8E4M3, quant.pow2_scales, a_q, a_scales,
+                                stream);
+#else
+  (void)stream;
+#endif
 }
 
 void grouped_mlp_activation_backward(TensorView h, const GroupLayout& groups, TensorView probs,

@@ -73,6 +73,11 @@ void mlp_fc1_forward(const MlpFc1Call& call, cudaStream_t stream);
 void mlp_fc1_epilogue(const MlpRows& r, TensorView h, TensorView bias1, TensorView probs,
                       Activation act, const ActivationParams& ap, int interleave, TensorView a,
                       cudaStream_t stream);
+// a = act(h) * p (h's dtype) quantized 1x128 rowwise into a_q / a_scales
+// (grouped_mlp_activation_quantize; arguments validated).
+void mlp_activation_quantize(const MlpRows& r, TensorView h, TensorView probs, Activation act,
+                             const ActivationParams& ap, int interleave, bool e4m3, bool pow2,
+                             TensorView a_q, TensorView a_scales, cudaStream_t stream);
 void mlp_bias_add(const MlpRows& r, TensorView y, TensorView bias, cudaStream_t stream);
 void mlp_dglu(const MlpRows& r, TensorView h, TensorView d_h, TensorView probs, Activation act,
               const ActivationParams& ap, int interleave, int64_t ffn, TensorView dprobs,

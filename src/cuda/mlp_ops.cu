@@ -7,6 +7,7 @@
 #include "core/activations.h"
 #include "core/mlp_call.h"
 #include "cuda/common.cuh"
+#include "cuda/fp8.cuh"
 
 namespace moeflow::cuda {
 
@@ -268,6 +269,53 @@ __global__ void __launch_bounds__(256)
   }
 }
 
+
+// a = act(h) * p in T, quantized 1x128 rowwise: one warp per row, 512
+// columns per step (lane l: 16 columns, fp8.cuh's chunk layout). The
+// activation's arithmetic is the epilogue kernels' (same bits for a).
+template <typename T, Activation A, bool E4M3, bool VEC>
+__global__ void __launch_bounds__(256)
+    act_quantize_kernel(RowMap m, const T* h, int64_t n1, const float* probs, ActivationParams ap,
+                        int il, uint8_t* aq, int64_t aq_stride, float* scales, int64_t nb,
+                        int64_t f, int64_t rows, bool pow2) {
+  constexpr bool kGated = A == Activation::kSwiGLU || A == Activation::kGeGLU ||
+                          A == Activation::kClampedQuickGeGLU;
+  const int lane = threadIdx.x % 32;
+  const int64_t row = blockIdx.x * int64_t{8} + threadIdx.x / 32;
+  if (row >= rows) return;  // warp-uniform
+  bool data;
+  const int e = m.expert_of(row, data);
+  if (e < 0) return;
+  uint8_t* qrow = aq + row * aq_stride;
+  float* srow = scales + row * nb;
+  if (!data) {  // a pad row: a zero row quantized
+    for (int64_t c = lane; c < f; c += 32) qrow[c] = 0;
+    const float one = quant::scale_of(0.0f, E4M3, pow2);
+    for (int64_t b = lane; b < nb; b += 32) srow[b] = one;
+    return;
+  }
+  const T* hrow = h + row * n1;
+  const float p = probs ? probs[row] : 1.0f;
+  for (int64_t c0 = 0; c0 < f; c0 += int64_t{kFp8PerLane} * 32) {
+    const int64_t cl = c0 + int64_t{lane} * kFp8PerLane;
+    float v[kFp8PerLane];
+#pragma unroll
+    for (int j = 0; j < kFp8PerLane; ++j) {
+      const int64_t col = cl + j;
+      v[j] = 0.0f;
+      if (col < f) {
+        const float g = to_float(hrow[kGated ? glu_gate_col(col, il) : col]);
+        const float u = kGated ? to_float(hrow[glu_up_col(col, il, f)]) : 0.0f;
+        v[j] = to_float(from_float<T>(act_forward(A, g, u, ap) * p));
+      }
+    }
+    uint32_t w[kFp8PerLane / 4];
+    const float scale = quantize_chunk<E4M3>(v, pow2, w);
+    store_codes<VEC>(qrow, cl, f, w);
+    if (cl < f && lane % kFp8LanesPerBlock == 0) srow[cl / quant::kBlock] = scale;
+  }
+}
+
 }  // namespace
 
 void mlp_fc1_epilogue(const MlpRows& r, TensorView h, TensorView bias1, TensorView probs,
@@ -308,6 +356,38 @@ void mlp_fc1_epilogue(const MlpRows& r, TensorView h, TensorView bias1, TensorVi
         row_map(r), h.data_ptr<__half>(), h.shape[1],
         bias1.defined() ? bias1.data_ptr<__half>() : nullptr, pp, act, ap, il, a.data_ptr<__half>(),
         a.shape[1], r.rows);
+  MOEFLOW_CUDA_LAUNCH_CHECK();
+}
+
+void mlp_activation_quantize(const MlpRows& r, TensorView h, TensorView probs, Activation act,
+                             const ActivationParams& ap, int il, bool e4m3, bool pow2,
+                             TensorView a_q, TensorView a_scales, cudaStream_t stream) {
+  if (r.rows == 0) return;
+  const unsigned blocks = static_cast<unsigned>((r.rows + 7) / 8);
+  const float* pp = probs.defined() ? probs.data_ptr<float>() : nullptr;
+  const int64_t f = a_q.shape[1], stride = a_q.strides[0];
+  const bool vec = f % 16 == 0 && stride % 16 == 0 && reinterpret_cast<uintptr_t>(a_q.data) % 16 == 0;
+  with_activation(act, [&](auto A) {
+    constexpr Activation kA = decltype(A)::value;
+    auto launch = [&](auto tag, auto e4, auto v) {
+      using T = decltype(tag);
+      act_quantize_kernel<T, kA, decltype(e4)::value, decltype(v)::value>
+          <<<blocks, 256, 0, stream>>>(row_map(r), h.data_ptr<T>(), h.shape[1], pp, ap, il,
+                                       static_cast<uint8_t*>(a_q.data), stride,
+                                       a_scales.data_ptr<float>(), a_scales.shape[1], f, r.rows,
+                                       pow2);
+    };
+    auto by_type = [&](auto e4, auto v) {
+      if (h.dtype == DType::kBFloat16)
+        launch(__nv_bfloat16{}, e4, v);
+      else
+        launch(__half{}, e4, v);
+    };
+    if (e4m3 && vec) return by_type(std::true_type{}, std::true_type{});
+    if (e4m3) return by_type(std::true_type{}, std::false_type{});
+    if (vec) return by_type(std::false_type{}, std::true_type{});
+    by_type(std::false_type{}, std::false_type{});
+  });
   MOEFLOW_CUDA_LAUNCH_CHECK();
 }
 

@@ -36,10 +36,9 @@ using quant::kBlock;
 
 constexpr int kWarps = 8;
 constexpr int kThreads = kWarps * kWarpSize;
-constexpr int kPerLane = 16;                      // contiguous columns per lane
-constexpr int kLanesPerBlock = kBlock / kPerLane;  // lanes sharing one 1x128 block
+constexpr int kPerLane = kFp8PerLane;              // contiguous columns per lane
+constexpr int kLanesPerBlock = kFp8LanesPerBlock;  // lanes sharing one 1x128 block
 constexpr int64_t kChunk = int64_t{kPerLane} * kWarpSize;
-static_assert(kBlock % kPerLane == 0 && kLanesPerBlock <= kWarpSize, "lane layout");
 
 // The pad rows of all experts, (expert, r) flattened into pad items (the
 // layout permute.cu uses); item i is a row when row_of(i) >= 0.
@@ -55,27 +54,6 @@ struct PadRows {
     return r < padded[e] - kept[e] ? offsets[e] + kept[e] + r : -1;
   }
 };
-
-// One chunk of a row: lane l's 16 values v, quantized with the 1x128 block
-// of the 8 lanes 8g..8g+7 (columns past H must be 0): the codes, four per
-// word, and the block's scale.
-template <bool E4M3>
-__device__ __forceinline__ float quantize_chunk(const float (&v)[kPerLane], bool pow2,
-                                                uint32_t (&w)[kPerLane / 4]) {
-  float m = 0.0f;
-#pragma unroll
-  for (int j = 0; j < kPerLane; ++j) m = quant::amax_join(m, quant::amax_term(v[j]));
-#pragma unroll
-  for (int o = kLanesPerBlock / 2; o > 0; o >>= 1)
-    m = quant::amax_join(m, __shfl_xor_sync(0xffffffffu, m, o));
-  const float scale = quant::scale_of(m, E4M3, pow2);
-#pragma unroll
-  for (int j = 0; j < kPerLane / 4; ++j) w[j] = 0;
-#pragma unroll
-  for (int j = 0; j < kPerLane; ++j)
-    w[j / 4] |= uint32_t{to_fp8<E4M3>(__fdiv_rn(v[j], scale))} << (8 * (j % 4));
-  return scale;
-}
 
 // Lane l's 16 columns [cl, cl + 16) of row `src` as floats (0 past H).
 template <typename T, bool VEC>
@@ -98,19 +76,6 @@ __device__ __forceinline__ void load_chunk(const T* src, int64_t cl, int64_t hid
   } else {
 #pragma unroll
     for (int j = 0; j < kPerLane; ++j) v[j] = cl + j < hidden ? to_float(src[cl + j]) : 0.0f;
-  }
-}
-
-// Stores lane l's 16 codes at columns [cl, cl + 16) of an fp8 row.
-template <bool VEC>
-__device__ __forceinline__ void store_codes(uint8_t* yrow, int64_t cl, int64_t hidden,
-                                            const uint32_t (&w)[kPerLane / 4]) {
-  if constexpr (VEC) {
-    if (cl < hidden) *reinterpret_cast<uint4*>(yrow + cl) = make_uint4(w[0], w[1], w[2], w[3]);
-  } else {
-#pragma unroll
-    for (int j = 0; j < kPerLane; ++j)
-      if (cl + j < hidden) yrow[cl + j] = static_cast<uint8_t>(w[j / 4] >> (8 * (j % 4)));
   }
 }
 
