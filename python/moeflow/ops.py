@@ -33,7 +33,8 @@ from . import _C
 __all__ = [
     "RouterOutput", "router", "router_logits", "apply_capacity", "update_expert_bias",
     "quantize", "dequantize", "Plan", "permute", "permute_quantize",
-    "unpermute", "unpermute_backward_quantize", "grouped_mlp", "WgradStore"
+    "unpermute", "unpermute_backward_quantize", "grouped_mlp", "activation_quantize",
+    "WgradStore"
 ]
 
 
@@ -657,6 +658,39 @@ class _GroupedMlp(torch.autograd.Function):
                     _add_grad(p, g.view(p.shape))
         store._pending.append(delayed)
         return dx, None, None, None, None, dprobs, None, None, None, None
+
+
+def activation_quantize(h: torch.Tensor, *, plan: Optional[Plan] = None,
+                        offsets: Optional[torch.Tensor] = None,
+                        real_rows: Optional[torch.Tensor] = None,
+                        probs: Optional[torch.Tensor] = None, activation: str = "swiglu",
+                        glu_interleave: int = 0, alpha: float = 1.702, limit: float = 7.0,
+                        offset: float = 1.0, fp8_format: str = "e4m3",
+                        pow2_scales: bool = False) -> Tuple[torch.Tensor, torch.Tensor]:
+    """FC2's input of the grouped MLP as FP8: a = act(h) * p in h's dtype (as
+    :func:`grouped_mlp` computes it from FC1's output h [rows, N1]), quantized
+    1x128 rowwise, with h read once. Returns (a_q [rows, F] fp8, a_scales
+    [rows, ceil(F/128)] float32); pad rows: code 0, scale 1; rows past the
+    groups are left as allocated. Groups and activation options as
+    :func:`grouped_mlp`. Not differentiable."""
+    if activation not in _ACTIVATIONS:
+        raise ValueError(f"activation must be one of {_ACTIVATIONS}, got {activation!r}")
+    if plan is not None:
+        offsets, real_rows = plan.expert_row_offsets, plan.tokens_per_expert
+    if offsets is None:
+        raise ValueError("activation_quantize needs plan= or offsets=")
+    h = h.detach().contiguous()
+    gated = activation in ("swiglu", "geglu", "clamped_quick_geglu")
+    F = h.shape[1] // 2 if gated else h.shape[1]
+    a_q = torch.empty((h.shape[0], F), dtype=_FP8.get(fp8_format, torch.float8_e4m3fn),
+                      device=h.device)
+    a_scales = torch.empty((h.shape[0], -(-F // 128)), dtype=torch.float32, device=h.device)
+    _C.grouped_mlp_activation_quantize(h, offsets, real_rows,
+                                       None if probs is None else probs.detach().contiguous(),
+                                       activation, int(glu_interleave), float(alpha),
+                                       float(limit), float(offset), fp8_format,
+                                       bool(pow2_scales), a_q, a_scales, _stream(h))
+    return a_q, a_scales
 
 
 _ACTIVATIONS = ("swiglu", "geglu", "clamped_quick_geglu", "gelu", "relu", "squared_relu")

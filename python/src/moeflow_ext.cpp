@@ -594,6 +594,23 @@ NB_MODULE(_C, m) {
       nb::arg("activation"), nb::arg("glu_interleave"), nb::arg("alpha"), nb::arg("limit"),
       nb::arg("offset"), nb::arg("a"), nb::arg("stream") = 0);
   m.def(
+      "grouped_mlp_activation_quantize",
+      [](const Array& h, const Array& offsets, const std::optional<Array>& real_rows,
+         const std::optional<Array>& probs, const std::string& act, int glu_interleave,
+         float alpha, float limit, float offset, const std::string& fmt, bool pow2,
+         const AnyArray& a_q, const Array& a_scales, uintptr_t s) {
+        grouped_mlp_activation_quantize(view_of(h, "h"), layout(offsets, real_rows),
+                                        opt_view(probs, "probs"),
+                                        mlp_config(act, glu_interleave, alpha, limit, offset),
+                                        quantize_config(fmt, "1x128", pow2, false),
+                                        rows_of(a_q, "a_q"), view_of(a_scales, "a_scales"),
+                                        stream_of(s));
+      },
+      nb::arg("h"), nb::arg("offsets"), nb::arg("real_rows").none(), nb::arg("probs").none(),
+      nb::arg("activation"), nb::arg("glu_interleave"), nb::arg("alpha"), nb::arg("limit"),
+      nb::arg("offset"), nb::arg("fp8_format"), nb::arg("pow2_scales"), nb::arg("a_q"),
+      nb::arg("a_scales"), nb::arg("stream") = 0);
+  m.def(
       "grouped_mlp_backward_wgrad",
       [](const std::optional<AnyArray>& dy, const std::optional<AnyArray>& x,
          const Array& offsets, const std::optional<Array>& real_rows, const Array& h,
