@@ -243,6 +243,30 @@ __global__ void __launch_bounds__(kThreads) unpermute_bwd_quantize_kernel(BwdArg
   }
 }
 
+// The pad rows of a plan and how many pad items the kernels walk.
+PadRows pads_of(const RoutingPlan& plan) {
+  return PadRows{plan.tokens_per_expert.data_ptr<int32_t>(),
+                 plan.padded_tokens_per_expert.data_ptr<int32_t>(),
+                 plan.expert_row_offsets.data_ptr<int64_t>(), plan.config.align};
+}
+int64_t pad_items_of(const RoutingPlan& plan) {
+  return (plan.config.align == 1 || plan.num_tokens == 0)
+             ? 0
+             : int64_t{plan.config.num_experts} * (plan.config.align - 1);
+}
+
+// Calls f(T{}, e4m3, vec) with T the float type of `dtype` and e4m3 / vec as
+// std::bool_constant: the kernel instance of a launch.
+template <typename F>
+void with_fp8_instance(DType dtype, bool e4m3, bool vec, F&& f) {
+  with_float_type(dtype, [&](auto t) {
+    if (e4m3 && vec) return f(t, std::true_type{}, std::true_type{});
+    if (e4m3) return f(t, std::true_type{}, std::false_type{});
+    if (vec) return f(t, std::false_type{}, std::true_type{});
+    f(t, std::false_type{}, std::false_type{});
+  });
+}
+
 }  // namespace
 
 void permute_quantize(TensorView x, const RoutingPlan& plan, TensorView y, TensorView y_scales,
@@ -263,31 +287,20 @@ void permute_quantize(TensorView x, const RoutingPlan& plan, TensorView y, Tenso
   a.permuted_probs =
       extras.permuted_probs.defined() ? static_cast<float*>(extras.permuted_probs.data) : nullptr;
   a.pow2 = config.pow2_scales;
-  a.pads = PadRows{plan.tokens_per_expert.data_ptr<int32_t>(),
-                   plan.padded_tokens_per_expert.data_ptr<int32_t>(),
-                   plan.expert_row_offsets.data_ptr<int64_t>(), plan.config.align};
-  a.num_pad_items = (plan.config.align == 1 || plan.num_tokens == 0)
-                        ? 0
-                        : int64_t{plan.config.num_experts} * (plan.config.align - 1);
+  a.pads = pads_of(plan);
+  a.num_pad_items = pad_items_of(plan);
   const int64_t items = a.num_tokens + a.num_pad_items;
   if (items == 0) return;
   const bool vec = aligned_to(16, {a.hidden, a.x_stride, a.y_stride,
                                    static_cast<int64_t>(reinterpret_cast<uintptr_t>(a.x)),
                                    static_cast<int64_t>(reinterpret_cast<uintptr_t>(a.y))});
   const int64_t blocks = ceil_div(items, kWarps);
-  with_float_type(x.dtype, [&](auto t) {
-    using T = decltype(t);
-    auto launch = [&](auto e4m3, auto vec_c) {
-      permute_quantize_kernel<T, decltype(e4m3)::value, decltype(vec_c)::value>
-          <<<static_cast<unsigned>(blocks), kThreads, 0, stream>>>(a);
-      MOEFLOW_CUDA_LAUNCH_CHECK();
-    };
-    const bool e4m3 = config.out == DType::kFloat8E4M3;
-    if (e4m3 && vec) return launch(std::true_type{}, std::true_type{});
-    if (e4m3) return launch(std::true_type{}, std::false_type{});
-    if (vec) return launch(std::false_type{}, std::true_type{});
-    launch(std::false_type{}, std::false_type{});
-  });
+  with_fp8_instance(x.dtype, config.out == DType::kFloat8E4M3, vec,
+                    [&](auto t, auto e4m3, auto vec_c) {
+                      permute_quantize_kernel<decltype(t), decltype(e4m3)::value, decltype(vec_c)::value>
+                          <<<static_cast<unsigned>(blocks), kThreads, 0, stream>>>(a);
+                      MOEFLOW_CUDA_LAUNCH_CHECK();
+                    });
 }
 
 void unpermute_backward_quantize(TensorView dout, const RoutingPlan& plan, TensorView probs,
@@ -306,31 +319,20 @@ void unpermute_backward_quantize(TensorView dout, const RoutingPlan& plan, Tenso
   a.topk = plan.topk;
   a.probs = probs.defined() ? static_cast<const float*>(probs.data) : nullptr;
   a.pow2 = config.pow2_scales;
-  a.pads = PadRows{plan.tokens_per_expert.data_ptr<int32_t>(),
-                   plan.padded_tokens_per_expert.data_ptr<int32_t>(),
-                   plan.expert_row_offsets.data_ptr<int64_t>(), plan.config.align};
-  a.num_pad_items = (plan.config.align == 1 || plan.num_tokens == 0)
-                        ? 0
-                        : int64_t{plan.config.num_experts} * (plan.config.align - 1);
+  a.pads = pads_of(plan);
+  a.num_pad_items = pad_items_of(plan);
   const int64_t items = a.num_tokens + a.num_pad_items;
   if (items == 0) return;
   const bool vec = aligned_to(16, {a.hidden, a.dout_stride, a.dy_stride,
                                    static_cast<int64_t>(reinterpret_cast<uintptr_t>(a.dout)),
                                    static_cast<int64_t>(reinterpret_cast<uintptr_t>(a.dy))});
   const int64_t blocks = ceil_div(items, kWarps);
-  with_float_type(dout.dtype, [&](auto t) {
-    using T = decltype(t);
-    auto launch = [&](auto e4m3, auto vec_c) {
-      unpermute_bwd_quantize_kernel<T, decltype(e4m3)::value, decltype(vec_c)::value>
-          <<<static_cast<unsigned>(blocks), kThreads, 0, stream>>>(a);
-      MOEFLOW_CUDA_LAUNCH_CHECK();
-    };
-    const bool e4m3 = config.out == DType::kFloat8E4M3;
-    if (e4m3 && vec) return launch(std::true_type{}, std::true_type{});
-    if (e4m3) return launch(std::true_type{}, std::false_type{});
-    if (vec) return launch(std::false_type{}, std::true_type{});
-    launch(std::false_type{}, std::false_type{});
-  });
+  with_fp8_instance(dout.dtype, config.out == DType::kFloat8E4M3, vec,
+                    [&](auto t, auto e4m3, auto vec_c) {
+                      unpermute_bwd_quantize_kernel<decltype(t), decltype(e4m3)::value, decltype(vec_c)::value>
+                          <<<static_cast<unsigned>(blocks), kThreads, 0, stream>>>(a);
+                      MOEFLOW_CUDA_LAUNCH_CHECK();
+                    });
 }
 
 }  // namespace moeflow::cuda
