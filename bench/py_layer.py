@@ -17,7 +17,7 @@ shape (T 8192, E 256, top-8, 8 groups / top-4, sigmoid + expert bias),
 forward and backward, against the torch router.
 
     PYTHONPATH=build/python:bench python3 bench/py_layer.py [--json FILE] [--profile [--trace FILE]]
-        [--router] [--case NAME] [--top N] [--memory-snapshot FILE]
+        [--router] [--case NAME] [--top N] [--memory-snapshot FILE] [--align N]
 """
 import argparse
 import json
@@ -200,6 +200,8 @@ def main():
     ap.add_argument("--profile", action="store_true")
     ap.add_argument("--router", action="store_true")
     ap.add_argument("--top", type=int, default=10, help="with --profile: kernels listed per step")
+    ap.add_argument("--align", type=int, default=16,
+                    help="MoELayer's align (rows per expert padded to a multiple of it)")
     ap.add_argument("--memory-snapshot", help="write each case's moeflow step memory history "
                                               "(torch.cuda.memory._dump_snapshot), FILE with the "
                                               "case name inserted")
@@ -208,14 +210,15 @@ def main():
     args = ap.parse_args()
     dev = torch.device("cuda")
     out = {"device": torch.cuda.get_device_name(0), "torch": torch.__version__,
-           "moeflow": moeflow.__version__, "cases": {}}
+           "moeflow": moeflow.__version__, "align": args.align, "cases": {}}
     if args.router:
         bench_router(out, args.profile)
     for name, T, H, Fd, E, K, opts in CASES:
         if args.case and name not in args.case:
             continue
         torch.manual_seed(0)
-        layer = moeflow.MoELayer(H, Fd, E, K, aux_loss_coeff=AUX, device=dev, **opts)
+        layer = moeflow.MoELayer(H, Fd, E, K, aux_loss_coeff=AUX, align=args.align, device=dev,
+                                 **opts)
         layer.train()
         if layer.expert_bias is not None:
             layer.expert_bias.normal_(0, 1e-2)

@@ -14,8 +14,9 @@
 #   mlp        moeflow bench mlp + the PyTorch composite (bench/peers_mlp.py)
 #   dispatch   moeflow bench dispatch, both backends + NCCL all_to_all (2+ GPUs)
 #   python     the Python tests on the GPU (pytest python/tests, the machine's torch)
-#   pylayer    bench/py_layer.py (MoELayer vs the torch composite, the router)
-#              and bench/py_overhead.py (host cost of moeflow.ops calls)
+#   pylayer    bench/py_layer.py (MoELayer vs the torch composite, the router;
+#              again with align 128) and bench/py_overhead.py (host cost of
+#              moeflow.ops calls)
 #   mlprows    dev/probes/mlp_rows.py (the grouped MLP on the layer's rows)
 #   sonic      bench/peers_sonicmoe.py, SonicMoE installed from ./.sonic (its
 #              wheels and the cutlass-dsl libs as libs.tar.xz; the folder is
@@ -112,6 +113,8 @@ for s in "${steps[@]}"; do
     pylayer)
       PYTHONPATH=build/python:bench PYTHONUNBUFFERED=1 timeout 400 python3 bench/py_layer.py \
         --profile --router --json "$OUT/py_layer.json" || fail pylayer
+      PYTHONPATH=build/python:bench PYTHONUNBUFFERED=1 timeout 200 python3 bench/py_layer.py \
+        --align 128 --json "$OUT/py_layer_align128.json" || fail "pylayer align 128"
       PYTHONPATH=build/python:bench PYTHONUNBUFFERED=1 timeout 100 python3 bench/py_overhead.py \
         --json "$OUT/py_overhead.json" || fail "py overhead"
       ;;
