@@ -115,6 +115,23 @@ def kernel_sum_ms(fn, trace=None):
     return sum(by_name.values()), by_name
 
 
+def gemm_rates(by_name, rows, H, Fd):
+    """TFLOP/s of moeflow's grouped GEMM kernels in a layer step (SwiGLU):
+    FC1 forward (the fused kernel), FC2 forward, the two dgrads, the two
+    wgrads, each from its kernels' summed time and the routed rows' FLOPs."""
+    fc1, fc2 = 2.0 * rows * H * 2 * Fd, 2.0 * rows * Fd * H
+    groups = {"fc1 fwd": (fc1, ("tma_kernel<__nv_bfloat16, __nv_bfloat16, 0", "EpiMlpFc1")),
+              "fc2 fwd": (fc2, ("tma_kernel<__nv_bfloat16, __nv_bfloat16, 0", "EpiIdentity")),
+              "dgrad": (fc1 + fc2, ("tma_kernel<__nv_bfloat16, __nv_bfloat16, 1",)),
+              "wgrad": (fc1 + fc2, ("tma_kernel<__nv_bfloat16, __nv_bfloat16, 2",))}
+    out = {}
+    for label, (flops, keys) in groups.items():
+        ms = sum(t for n, t in by_name.items() if all(k in n for k in keys))
+        if ms > 0:
+            out[label] = flops / ms / 1e9
+    return out
+
+
 def short_name(name):
     """A kernel's name without its parameter list, cut to 160 characters
     (the template arguments of moeflow's grouped GEMM kept: its mode)."""
@@ -251,6 +268,8 @@ def main():
                     trace = f"{stem}-{name}.{ext}" if dot else f"{args.trace}-{name}"
                 total, by_name = kernel_sum_ms(fn, trace)
                 res[key]["kernel_sum_ms"] = total
+                if key == "moeflow":
+                    res[key]["gemm_tflops"] = gemm_rates(by_name, T * K, H, Fd)
                 top = sorted(by_name.items(), key=lambda kv: -kv[1])[:args.top]
                 res[key]["top_kernels_ms"] = {n: round(t, 4) for n, t in top}
             for p in params:
@@ -275,6 +294,9 @@ def main():
                      f"(step / kernels {m['fwd_bwd_ms'] / m['kernel_sum_ms']:.3f})")
         print(line, flush=True)
         if args.profile:
+            rates = res["moeflow"]["gemm_tflops"]
+            print("    grouped GEMMs (TFLOP/s of the T*K rows): " + ", ".join(
+                f"{k} {v:.0f}" for k, v in rates.items()), flush=True)
             for n, t in res["moeflow"]["top_kernels_ms"].items():
                 print(f"    {t:8.3f} ms  {n[:150]}", flush=True)
         del layer, x, dy, params
