@@ -20,7 +20,7 @@ __device__ __forceinline__ uint8_t to_fp8(float v) {
       __nv_cvt_float_to_fp8(v, __NV_SATFINITE, E4M3 ? __NV_E4M3 : __NV_E5M2));
 }
 
-constexpr int kFp8PerLane = 16;                           // contiguous columns per lane
+constexpr int kFp8PerLane = 16;                                 // contiguous columns per lane
 constexpr int kFp8LanesPerBlock = quant::kBlock / kFp8PerLane;  // lanes sharing a 1x128 block
 static_assert(quant::kBlock % kFp8PerLane == 0 && kFp8LanesPerBlock <= 32, "lane layout");
 

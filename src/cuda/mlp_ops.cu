@@ -104,8 +104,8 @@ template <typename T, Activation A, int THREADS>
 __global__ void __launch_bounds__(THREADS)
     dglu_halves_kernel(RowMap m, const T* h, T* d_h, int64_t f, const float* probs,
                        ActivationParams ap, float* dprobs, int64_t rows) {
-  constexpr bool kGated = A == Activation::kSwiGLU || A == Activation::kGeGLU ||
-                          A == Activation::kClampedQuickGeGLU;
+  constexpr bool kGated =
+      A == Activation::kSwiGLU || A == Activation::kGeGLU || A == Activation::kClampedQuickGeGLU;
   constexpr int64_t kN1 = kGated ? 2 : 1;
   using V = Pack<T, 8>;
   const int64_t row = blockIdx.x;
@@ -225,8 +225,8 @@ template <typename T, Activation A>
 __global__ void __launch_bounds__(256)
     fc1_epilogue_vec_kernel(RowMap m, T* h, int64_t n1, const T* bias, const float* probs,
                             ActivationParams ap, int il, T* a, int64_t f, int64_t rows) {
-  constexpr bool kGated = A == Activation::kSwiGLU || A == Activation::kGeGLU ||
-                          A == Activation::kClampedQuickGeGLU;
+  constexpr bool kGated =
+      A == Activation::kSwiGLU || A == Activation::kGeGLU || A == Activation::kClampedQuickGeGLU;
   using V = Pack<T, 8>;
   const int lane = threadIdx.x % 32;
   const int64_t row = blockIdx.x * int64_t{8} + threadIdx.x / 32;
@@ -264,11 +264,11 @@ __global__ void __launch_bounds__(256)
     V o;
 #pragma unroll
     for (int i = 0; i < 8; ++i)
-      o.v[i] = from_float<T>(act_forward(A, to_float(g.v[i]), kGated ? to_float(u.v[i]) : 0.0f, ap) * p);
+      o.v[i] =
+          from_float<T>(act_forward(A, to_float(g.v[i]), kGated ? to_float(u.v[i]) : 0.0f, ap) * p);
     arow[v] = o;
   }
 }
-
 
 // a = act(h) * p in T, quantized 1x128 rowwise: one warp per row, 512
 // columns per step (lane l: 16 columns, fp8.cuh's chunk layout). The
@@ -278,8 +278,8 @@ __global__ void __launch_bounds__(256)
     act_quantize_kernel(RowMap m, const T* h, int64_t n1, const float* probs, ActivationParams ap,
                         int il, uint8_t* aq, int64_t aq_stride, float* scales, int64_t nb,
                         int64_t f, int64_t rows, bool pow2) {
-  constexpr bool kGated = A == Activation::kSwiGLU || A == Activation::kGeGLU ||
-                          A == Activation::kClampedQuickGeGLU;
+  constexpr bool kGated =
+      A == Activation::kSwiGLU || A == Activation::kGeGLU || A == Activation::kClampedQuickGeGLU;
   const int lane = threadIdx.x % 32;
   const int64_t row = blockIdx.x * int64_t{8} + threadIdx.x / 32;
   if (row >= rows) return;  // warp-uniform
@@ -366,16 +366,16 @@ void mlp_activation_quantize(const MlpRows& r, TensorView h, TensorView probs, A
   const unsigned blocks = static_cast<unsigned>((r.rows + 7) / 8);
   const float* pp = probs.defined() ? probs.data_ptr<float>() : nullptr;
   const int64_t f = a_q.shape[1], stride = a_q.strides[0];
-  const bool vec = f % 16 == 0 && stride % 16 == 0 && reinterpret_cast<uintptr_t>(a_q.data) % 16 == 0;
+  const bool vec =
+      f % 16 == 0 && stride % 16 == 0 && reinterpret_cast<uintptr_t>(a_q.data) % 16 == 0;
   with_activation(act, [&](auto A) {
     constexpr Activation kA = decltype(A)::value;
     auto launch = [&](auto tag, auto e4, auto v) {
       using T = decltype(tag);
       act_quantize_kernel<T, kA, decltype(e4)::value, decltype(v)::value>
-          <<<blocks, 256, 0, stream>>>(row_map(r), h.data_ptr<T>(), h.shape[1], pp, ap, il,
-                                       static_cast<uint8_t*>(a_q.data), stride,
-                                       a_scales.data_ptr<float>(), a_scales.shape[1], f, r.rows,
-                                       pow2);
+          <<<blocks, 256, 0, stream>>>(
+              row_map(r), h.data_ptr<T>(), h.shape[1], pp, ap, il, static_cast<uint8_t*>(a_q.data),
+              stride, a_scales.data_ptr<float>(), a_scales.shape[1], f, r.rows, pow2);
     };
     auto by_type = [&](auto e4, auto v) {
       if (h.dtype == DType::kBFloat16)
@@ -417,8 +417,8 @@ void mlp_dglu(const MlpRows& r, TensorView h, TensorView d_h, TensorView probs, 
       constexpr Activation A = decltype(a)::value;
       if (h.dtype == DType::kBFloat16)
         dglu_halves_kernel<__nv_bfloat16, A, kT><<<static_cast<unsigned>(r.rows), kT, 0, stream>>>(
-            row_map(r), h.data_ptr<__nv_bfloat16>(), d_h.data_ptr<__nv_bfloat16>(), f, pp0, ap,
-            dp0, r.rows);
+            row_map(r), h.data_ptr<__nv_bfloat16>(), d_h.data_ptr<__nv_bfloat16>(), f, pp0, ap, dp0,
+            r.rows);
       else
         dglu_halves_kernel<__half, A, kT><<<static_cast<unsigned>(r.rows), kT, 0, stream>>>(
             row_map(r), h.data_ptr<__half>(), d_h.data_ptr<__half>(), f, pp0, ap, dp0, r.rows);
@@ -450,8 +450,8 @@ void mlp_dglu(const MlpRows& r, TensorView h, TensorView d_h, TensorView probs, 
 }
 
 namespace {
-__global__ void dprobs_from_partials_kernel(RowMap m, const float* part, int64_t ld,
-                                            int64_t tiles, float* dprobs, int64_t rows) {
+__global__ void dprobs_from_partials_kernel(RowMap m, const float* part, int64_t ld, int64_t tiles,
+                                            float* dprobs, int64_t rows) {
   const int64_t row = blockIdx.x * int64_t{blockDim.x} + threadIdx.x;
   if (row >= rows) return;
   bool data;

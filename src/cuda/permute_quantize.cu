@@ -26,8 +26,8 @@
 
 #include "core/permute_quantize_backend.h"
 #include "core/quantize_backend.h"
-#include "cuda/fp8.cuh"
 #include "cuda/common.cuh"
+#include "cuda/fp8.cuh"
 
 namespace moeflow::cuda {
 namespace {
@@ -120,8 +120,7 @@ __global__ void __launch_bounds__(kThreads) permute_quantize_kernel(Args a) {
   if (item >= a.num_tokens) {  // pad row: codes 0, scales 0, prob 0
     const int64_t row = a.pads.row_of(item - a.num_tokens);
     if (row < 0) return;
-    write_pad_row<VEC>(a.y + row * a.y_stride, a.y_scales + row * a.nb, a.nb, a.hidden, 0.0f,
-                       lane);
+    write_pad_row<VEC>(a.y + row * a.y_stride, a.y_scales + row * a.nb, a.nb, a.hidden, 0.0f, lane);
     if (lane == 0 && a.permuted_probs) a.permuted_probs[row] = 0.0f;
     return;
   }
@@ -291,21 +290,21 @@ void permute_quantize(TensorView x, const RoutingPlan& plan, TensorView y, Tenso
   a.num_pad_items = pad_items_of(plan);
   const int64_t items = a.num_tokens + a.num_pad_items;
   if (items == 0) return;
-  const bool vec = aligned_to(16, {a.hidden, a.x_stride, a.y_stride,
-                                   static_cast<int64_t>(reinterpret_cast<uintptr_t>(a.x)),
-                                   static_cast<int64_t>(reinterpret_cast<uintptr_t>(a.y))});
+  const bool vec = aligned_to(
+      16, {a.hidden, a.x_stride, a.y_stride, static_cast<int64_t>(reinterpret_cast<uintptr_t>(a.x)),
+           static_cast<int64_t>(reinterpret_cast<uintptr_t>(a.y))});
   const int64_t blocks = ceil_div(items, kWarps);
-  with_fp8_instance(x.dtype, config.out == DType::kFloat8E4M3, vec,
-                    [&](auto t, auto e4m3, auto vec_c) {
-                      permute_quantize_kernel<decltype(t), decltype(e4m3)::value, decltype(vec_c)::value>
-                          <<<static_cast<unsigned>(blocks), kThreads, 0, stream>>>(a);
-                      MOEFLOW_CUDA_LAUNCH_CHECK();
-                    });
+  with_fp8_instance(
+      x.dtype, config.out == DType::kFloat8E4M3, vec, [&](auto t, auto e4m3, auto vec_c) {
+        permute_quantize_kernel<decltype(t), decltype(e4m3)::value, decltype(vec_c)::value>
+            <<<static_cast<unsigned>(blocks), kThreads, 0, stream>>>(a);
+        MOEFLOW_CUDA_LAUNCH_CHECK();
+      });
 }
 
 void unpermute_backward_quantize(TensorView dout, const RoutingPlan& plan, TensorView probs,
-                                 TensorView dy, TensorView dy_scales,
-                                 const QuantizeConfig& config, cudaStream_t stream) {
+                                 TensorView dy, TensorView dy_scales, const QuantizeConfig& config,
+                                 cudaStream_t stream) {
   BwdArgs a{};
   a.dout = static_cast<const uint8_t*>(dout.data);
   a.dout_stride = dout.strides[0] * static_cast<int64_t>(dtype_size(dout.dtype));
@@ -327,12 +326,12 @@ void unpermute_backward_quantize(TensorView dout, const RoutingPlan& plan, Tenso
                                    static_cast<int64_t>(reinterpret_cast<uintptr_t>(a.dout)),
                                    static_cast<int64_t>(reinterpret_cast<uintptr_t>(a.dy))});
   const int64_t blocks = ceil_div(items, kWarps);
-  with_fp8_instance(dout.dtype, config.out == DType::kFloat8E4M3, vec,
-                    [&](auto t, auto e4m3, auto vec_c) {
-                      unpermute_bwd_quantize_kernel<decltype(t), decltype(e4m3)::value, decltype(vec_c)::value>
-                          <<<static_cast<unsigned>(blocks), kThreads, 0, stream>>>(a);
-                      MOEFLOW_CUDA_LAUNCH_CHECK();
-                    });
+  with_fp8_instance(
+      dout.dtype, config.out == DType::kFloat8E4M3, vec, [&](auto t, auto e4m3, auto vec_c) {
+        unpermute_bwd_quantize_kernel<decltype(t), decltype(e4m3)::value, decltype(vec_c)::value>
+            <<<static_cast<unsigned>(blocks), kThreads, 0, stream>>>(a);
+        MOEFLOW_CUDA_LAUNCH_CHECK();
+      });
 }
 
 }  // namespace moeflow::cuda
