@@ -160,9 +160,12 @@ def bench_router(out, profile=False):
         lambda: mf.router(logits.detach(), K, expert_bias=bias, aux_loss_coeff=AUX, **opts),
         iters=50)
 
+    one = torch.ones((), device=dev)
+
     def mf_bwd():
+        logits.grad = None
         r = mf.router(logits, K, expert_bias=bias, aux_loss_coeff=AUX, **opts)
-        torch.autograd.backward([r.probs, r.aux_loss], [dprobs, torch.ones((), device=dev)])
+        torch.autograd.backward([r.probs, r.aux_loss], [dprobs, one])
     res["moeflow_fwd_bwd_us"] = 1e3 * bench_ms(mf_bwd, iters=50)
     res["moeflow_bwd_us"] = res["moeflow_fwd_bwd_us"] - res["moeflow_fwd_us"]
 
@@ -182,6 +185,22 @@ def bench_router(out, profile=False):
                 fwd()
         res["moeflow_graph_fwd_us"] = 1e3 * bench_ms(graph.replay, iters=20) / 20
         del graph
+    # The same for 20 forward + backward steps (autograd captured; the
+    # backward's time is the difference).
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(3):
+            mf_bwd()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(20):
+            mf_bwd()
+    res["moeflow_graph_fwd_bwd_us"] = 1e3 * bench_ms(graph.replay, iters=20) / 20
+    res["moeflow_graph_bwd_us"] = res["moeflow_graph_fwd_bwd_us"] - res["moeflow_graph_fwd_us"]
+    del graph
+    logits.grad = None
 
     def t_fwd():
         with torch.no_grad():
@@ -189,8 +208,9 @@ def bench_router(out, profile=False):
     res["torch_fwd_us"] = 1e3 * bench_ms(t_fwd, iters=50)
 
     def t_bwd():
+        logits.grad = None
         ids, probs, tpe, aux = torch_router(logits, K, expert_bias=bias, **opts)
-        torch.autograd.backward([probs, aux], [dprobs, torch.ones((), device=dev)])
+        torch.autograd.backward([probs, aux], [dprobs, one])
     res["torch_fwd_bwd_us"] = 1e3 * bench_ms(t_bwd, iters=50)
     res["torch_bwd_us"] = res["torch_fwd_bwd_us"] - res["torch_fwd_us"]
     if profile:
@@ -206,7 +226,7 @@ def bench_router(out, profile=False):
     out["router_dsv3"] = res
     print(f"router dsv3 (T {T}, E {E}, top-{K}, groups 8/4, sigmoid+bias): "
           f"moeflow fwd {res['moeflow_fwd_us']:.1f} us (in a graph {res['moeflow_graph_fwd_us']:.1f}),"
-          f" bwd {res['moeflow_bwd_us']:.1f} us; "
+          f" bwd {res['moeflow_bwd_us']:.1f} us (in a graph {res['moeflow_graph_bwd_us']:.1f}); "
           f"torch fwd {res['torch_fwd_us']:.1f} us, bwd {res['torch_bwd_us']:.1f} us", flush=True)
 
 

@@ -129,7 +129,9 @@ for s in "${steps[@]}"; do
         [ -f .sonic/libs.tar.xz ] && tar xJf .sonic/libs.tar.xz -C "$site"
         python3 -m pip install -q --no-deps --no-index --target "$site" .sonic/*.whl ||
           fail "sonic install"
-        PYTHONPATH="$site:build/python:bench" PYTHONUNBUFFERED=1 timeout 400 \
+        # (the libs' .pth line, which --target does not process)
+        PYTHONPATH="$site:$site/nvidia_cutlass_dsl/python_packages:build/python:bench" \
+          PYTHONUNBUFFERED=1 timeout 400 \
           python3 bench/peers_sonicmoe.py --json "$OUT/sonicmoe.json" || fail sonic
       else
         echo "SKIPPED: sonic needs ./.sonic (the SonicMoE wheels)"

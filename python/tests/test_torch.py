@@ -284,3 +284,53 @@ def test_grouped_mlp_unpermute_needs_plan():
     w1, w2 = torch.zeros(1, 8, 8, dtype=torch.float16), torch.zeros(1, 8, 4, dtype=torch.float16)
     with pytest.raises(ValueError, match="unpermute=True needs plan"):
         mf.grouped_mlp(x, w1, w2, offsets=torch.tensor([0, 4]), unpermute=True)
+
+
+_FRESH_THREAD_SCRIPT = r"""
+import threading
+import torch
+import moeflow.ops as mf
+
+dt, dev = torch.bfloat16, "cuda"
+E, H, F, rows = 4, 512, 256, 1024
+offsets = torch.arange(E + 1, device=dev, dtype=torch.int64) * (rows // E)
+x = torch.randn(rows, H, device=dev).to(dt).requires_grad_(True)
+fc1 = (torch.randn(E, 2 * F, H, device=dev) * 0.05).to(dt).requires_grad_(True)
+fc2 = (torch.randn(E, H, F, device=dev) * 0.05).to(dt).requires_grad_(True)
+probs = torch.rand(rows, device=dev)
+dy = torch.randn(rows, H, device=dev).to(dt)
+# The process's first backward, its gradient given (no torch kernel runs
+# before moeflow's): the autograd engine's device thread has made no CUDA
+# runtime call when the grouped GEMM encodes its tensor maps.
+mf.grouped_mlp(x, fc1, fc2, offsets=offsets, probs=probs).backward(dy)
+errors = []
+
+def forward_in_new_thread():
+    try:
+        with torch.no_grad():
+            mf.grouped_mlp(x, fc1, fc2, offsets=offsets)
+    except Exception as e:  # reported by the main thread
+        errors.append(repr(e))
+
+t = threading.Thread(target=forward_in_new_thread)
+t.start()
+t.join()
+torch.cuda.synchronize()
+assert not errors, errors
+assert torch.isfinite(x.grad.float()).all() and torch.isfinite(fc1.grad.float()).all()
+print("ok")
+"""
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_grouped_mlp_runs_on_a_thread_without_a_cuda_context():
+    """The first backward of a process (the autograd thread) and a forward on a
+    new thread: neither thread has made a CUDA runtime call before the grouped
+    GEMM encodes its TMA tensor maps, which need a current context."""
+    import os
+    import subprocess
+    import sys
+
+    r = subprocess.run([sys.executable, "-c", _FRESH_THREAD_SCRIPT], capture_output=True,
+                       text=True, env=os.environ.copy(), timeout=300)
+    assert r.returncode == 0 and r.stdout.strip().endswith("ok"), r.stdout + r.stderr

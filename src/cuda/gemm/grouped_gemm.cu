@@ -68,6 +68,30 @@ PFN_cuTensorMapEncodeTiled_v12000 tensor_map_encoder() {
   return fn;
 }
 
+// Encoding a tensor map needs a current driver context. A thread that has
+// made no CUDA runtime call yet (the autograd engine's device thread running
+// a backward, say) has none: bind the current device's primary context, as
+// the runtime does on its first call.
+void ensure_current_context() {
+  static const PFN_cuCtxGetCurrent_v4000 get_current = [] {
+    void* f = nullptr;
+    cudaDriverEntryPointQueryResult status{};
+    MOEFLOW_CUDA_CHECK(
+        cudaGetDriverEntryPointByVersion("cuCtxGetCurrent", &f, 4000, cudaEnableDefault, &status));
+    MOEFLOW_CHECK(f != nullptr && status == cudaDriverEntryPointSuccess,
+                  "cuCtxGetCurrent is not available from the driver");
+    return reinterpret_cast<PFN_cuCtxGetCurrent_v4000>(f);
+  }();
+  CUcontext ctx = nullptr;
+  if (get_current(&ctx) == CUDA_SUCCESS && ctx != nullptr) return;
+  int dev = 0;
+  MOEFLOW_CUDA_CHECK(cudaGetDevice(&dev));
+  MOEFLOW_CUDA_CHECK(cudaSetDevice(dev));  // binds the primary context to this thread
+  ctx = nullptr;
+  MOEFLOW_CHECK(get_current(&ctx) == CUDA_SUCCESS && ctx != nullptr,
+                "no CUDA context is current on this thread (device ", dev, ")");
+}
+
 int64_t addr_of(const void* p) {
   return static_cast<int64_t>(reinterpret_cast<uintptr_t>(p));
 }
@@ -136,6 +160,7 @@ bool launch_tma(const Params& p, const GemmOptions& o, cudaStream_t stream, cons
   if (p.rows >= (int64_t{1} << 31) || w_rows >= (int64_t{1} << 31)) return false;
   if (p.rows == 0 || p.n_out == 0 || (MODE == 2 ? p.m_out : p.k_red) == 0)
     return false;  // maps need extents > 0
+  ensure_current_context();
   CUtensorMap map_a, map_w, map_c, map_raw;
   std::memset(&map_raw, 0, sizeof(map_raw));
   if (MODE == 0) {  // A [rows,K] in 128 x 64 boxes; W as [E*N, K] in 256 x 64 boxes
