@@ -8,8 +8,10 @@ softmax top-k router on both sides.
 
 Needs ``pip install sonic-moe`` (Python >= 3.12; it pins torch <= 2.9.1
 and nvidia-cutlass-dsl 4.4.2: install it with --no-deps beside the
-machine's torch when that is newer, with quack-kernels, nvidia-cutlass-dsl
-and its libs, apache-tvm-ffi, torch-c-dlpack-ext and einops).
+machine's torch when that is newer, with quack-kernels 0.4.1 (the last
+release that runs on cutlass-dsl 4.4.2; later ones need 4.5 or 4.7),
+nvidia-cutlass-dsl and its libs, apache-tvm-ffi, torch-c-dlpack-ext and
+einops).
 
     PYTHONPATH=build/python:bench python3 bench/peers_sonicmoe.py [--json FILE]
 """

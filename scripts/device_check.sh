@@ -119,7 +119,7 @@ for s in "${steps[@]}"; do
         --json "$OUT/py_overhead.json" || fail "py overhead"
       ;;
     mlprows)
-      PYTHONPATH=build/python PYTHONUNBUFFERED=1 timeout 200 python3 dev/probes/mlp_rows.py ||
+      PYTHONPATH=build/python:bench PYTHONUNBUFFERED=1 timeout 200 python3 dev/probes/mlp_rows.py ||
         fail mlprows
       ;;
     sonic)

@@ -2,7 +2,7 @@
 moeflow.ops.grouped_mlp forward + backward (bf16 weight gradients) on the
 layer rows of bench/py_layer.py's dsv3 case (T 8192, top-8 of 32 experts,
 H 7168, F 2048) and mixtral case (T 16384, top-2 of 8, H 4096, F 14336) in
-alternation, same process, varying one thing at a time:
+turn, same process, varying one thing at a time:
 
   uniform, constant   2048 rows per expert, every operand one constant value
   uniform, randn      2048 rows per expert, randn operands
@@ -11,14 +11,21 @@ alternation, same process, varying one thing at a time:
                       (as the layer runs it)
   router, offsets     the same padded offsets without real_rows
   router, align 128   the same routing padded to 128 rows
+  uniform, router x   uniform groups holding the router case's rows (each
+                      token's row K times)
+  router, randn x     the router case's groups holding unique randn rows
 
-    PYTHONPATH=build/python python3 dev/probes/mlp_rows.py [--case dsv3|mixtral]
+Each variant's grouped GEMMs are also profiled once (TFLOP/s per kind, as
+bench/py_layer.py --profile prints them).
+
+    PYTHONPATH=build/python:bench python3 dev/probes/mlp_rows.py [--case dsv3|mixtral]
 """
 import argparse
 
 import torch
 
 import moeflow.ops as mf
+from py_layer import gemm_rates, kernel_sum_ms
 
 
 CASES = {"dsv3": (8192, 8, 32, 7168, 2048), "mixtral": (16384, 2, 8, 4096, 14336)}
@@ -54,6 +61,12 @@ def run(T, K, E, H, F):
         if a == 16:
             variants["router, real_rows"] = (x, w1, w2, plan.expert_row_offsets,
                                              plan.tokens_per_expert)
+            # one thing of the router case at a time: its rows' values on
+            # uniform groups, and unique randn rows on its groups
+            variants["uniform, router x"] = (x[:rows_u].contiguous(), w1, w2, offs_u, None)
+            xr = torch.randn(x.shape, device=dev, generator=g).to(torch.bfloat16)
+            variants["router, randn x"] = (xr, w1, w2, plan.expert_row_offsets,
+                                           plan.tokens_per_expert)
             variants["router, offsets"] = (x, w1, w2, plan.expert_row_offsets, None)
         else:
             variants["router, align 128"] = (x, w1, w2, plan.expert_row_offsets,
@@ -74,21 +87,30 @@ def run(T, K, E, H, F):
             t.grad = None
         mf.grouped_mlp(x, a, b, offsets=offs, real_rows=real, probs=p).backward(dy)
 
-    for name in state:
-        step(name)
-    res = {k: [] for k in state}
-    for _ in range(6):
-        for name in state:
-            s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            s.record(); step(name); e.record(); torch.cuda.synchronize()
-            res[name].append(s.elapsed_time(e))
-    for name, ts in res.items():
-        ts.sort()
-        rows = state[name][0].shape[0]
-        flops = 3 * 2 * rows_u * H * 3 * F  # the routed rows' work (T * K rows)
-        ms = ts[len(ts) // 2]
-        print(f"{name:20s} buffer rows {rows:6d}  fwd+bwd {ms:7.2f} ms "
-              f"({flops / ms / 1e9:6.1f} TFLOP/s of the T*K rows)", flush=True)
+    # Steady state: the GPU's clock follows its power draw over the last tens
+    # of milliseconds, so a variant timed right after a low-power one (the
+    # constant operands) looks faster. Each variant runs 8 steps untimed,
+    # then 8 timed back to back; uniform randn runs first and last (drift).
+    flops = 3 * 2 * rows_u * H * 3 * F  # the routed rows' work (T * K rows)
+    order = [n for n in state if n != "uniform, constant"] + ["uniform, randn",
+                                                               "uniform, constant"]
+    for name in order:
+        for _ in range(8):
+            step(name)
+        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        s.record()
+        for _ in range(8):
+            step(name)
+        e.record()
+        torch.cuda.synchronize()
+        ms = s.elapsed_time(e) / 8
+        for _ in range(3):
+            step(name)
+        total, by_name = kernel_sum_ms(lambda: step(name))
+        rates = gemm_rates(by_name, rows_u, H, F)
+        print(f"{name:20s} rows {state[name][0].shape[0]:6d}  step {ms:7.2f} ms "
+              f"({flops / ms / 1e9:5.1f} TFLOP/s of T*K rows); kernels {total:6.2f} ms; GEMMs: " +
+              ", ".join(f"{k} {v:.0f}" for k, v in rates.items()), flush=True)
 
 
 if __name__ == "__main__":

@@ -251,10 +251,14 @@ __device__ __forceinline__ TileGeom tile_geometry(const Params& p, const int32_t
   const int64_t seg_lo = p.offsets[lo], seg_hi = p.offsets[lo + 1];
   // Raster: bands of p.raster m tiles, m fastest within a band, so the
   // blocks running at once share B (weight) tiles in L2 as well as A tiles.
+  // The remainder joins the last band (p.raster to 2 p.raster - 1 m tiles):
+  // a band of one or two m tiles would read every weight tile for them alone.
   const int64_t m_tiles = ceil_div_dev(p.reduce_grouped ? p.m_out : seg_hi - seg_lo, TM);
   const int64_t rb = p.raster;
-  const int64_t band = local / (rb * n_tiles), in_band = local % (rb * n_tiles);
-  const int64_t band_rows = min(rb, m_tiles - band * rb);
+  const int64_t last_band = m_tiles > rb ? m_tiles / rb - 1 : 0;
+  const int64_t band = min(int64_t{local} / (rb * n_tiles), last_band);
+  const int64_t in_band = local - band * rb * n_tiles;
+  const int64_t band_rows = band == last_band ? m_tiles - band * rb : rb;
   const int64_t mt = band * rb + in_band % band_rows, nt = in_band / band_rows;
   int64_t real_hi = seg_hi;
   if (p.real_rows) {

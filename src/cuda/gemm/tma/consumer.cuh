@@ -21,46 +21,49 @@ __device__ __forceinline__ uint64_t smem_desc_mn(const void* p) {
 
 // Zeroes reduction rows [from, 64) of `blocks` consecutive 64 x 64 MN-major
 // blocks (8 KB each) of a slice; whole 128-byte rows, so the swizzle does not
-// matter. Run by the 128 threads of one consumer warpgroup.
+// matter. Run by NT threads (tid 0..NT-1); constant divisions only.
+template <int NT>
 __device__ __forceinline__ void zero_slice_rows(uint8_t* base, int blocks, int from, int tid) {
-  const int rows = 64 - from;
-  for (int i = tid; i < blocks * rows * 8; i += 128) {
-    const int blk = i / (rows * 8), r = from + (i / 8) % rows, chunk = i % 8;
-    *reinterpret_cast<uint4*>(base + blk * 8192 + r * 128 + chunk * 16) = make_uint4(0, 0, 0, 0);
+  for (int i = tid; i < blocks * 64 * 8; i += NT) {
+    const int r = (i / 8) % 64;
+    if (r >= from) *reinterpret_cast<uint4*>(base + i * 16) = make_uint4(0, 0, 0, 0);
   }
 }
 
-// wgrad, the group's last slice: zero the rows past its end. Each
-// warpgroup zeroes its own 64 columns of dC^T; the shared weight
-// rows are zeroed by the warpgroup that claims the stage first,
-// the other waits on zeroed[s] (no lockstep between the two, so
-// the stagger survives).
-template <typename Epi>
-__device__ __forceinline__ void zero_past_group(int stages, int bufs, int s, int last_rows,
-                                                uint32_t& zero_phase) {
+// wgrad: warps 1-3 of warpgroup 0 (idle in the plain GEMM) zero the rows past
+// the group in each tile's last slice (both operands: dC^T's 128 columns and
+// A's 256, six 8 KB blocks in a row) as soon as its loads land, while the
+// consumers still work on earlier slices; the consumers only wait on
+// zeroed[s]. They step the same StageRing as the other roles. The producer
+// posts each such slice on zreq[s] after issuing its loads, so that the wait
+// on full[s] is for that slice's phase (a stage's requests cannot overtake:
+// the next one at s needs the consumers to have released this one).
+template <typename TIn, typename Epi>
+__device__ __forceinline__ void wgrad_zero_warps(const Params& p, int32_t num_tiles, int stages,
+                                                 int bufs) {
+  constexpr int kZeroThreads = 96;
   const SmemPtrs sm = carve_smem<Epi>(stages, bufs);
-  const int c = threadIdx.x / 128 - 1, tid = threadIdx.x % 128;
-  uint8_t* smem = sm.smem;
-  int32_t* claim = sm.claim;
-  uint64_t* zeroed = sm.zeroed;
-  uint8_t* stage = smem + s * kStageBytes;
-  zero_slice_rows(stage + c * 8192, 1, last_rows, tid);
-  if (tid == 0) claim[kMaxStages + c] = atomicAdd(&claim[s], 1);
-  named_barrier(kBarConsumer + c, 128);
-  const bool first = claim[kMaxStages + c] == 0;
-  if (first) zero_slice_rows(stage + kStageBytesA, kTileN / 64, last_rows, tid);
-  sm90::fence_proxy_async();
-  named_barrier(kBarConsumer + c, 128);
-  const uint32_t parity = (zero_phase >> s) & 1;
-  zero_phase ^= 1u << s;
-  if (first) {
-    if (tid == 0) mbar_arrive(&zeroed[s]);
-  } else {
-    mbar_wait(&zeroed[s], parity);
-    sm90::fence_proxy_async();
-    if (tid == 0) atomicExch(&claim[s], 0);  // before this stage is released
+  const int tid = threadIdx.x - 32;
+  uint32_t it = 0, req_phase = 0;
+  StageRing ring;
+  for (int32_t tile = blockIdx.x; tile < num_tiles; tile += gridDim.x) {
+    const Work w = consumer_work<TIn>(p, sm.tile_start, tile);
+    if (w.k_tiles == 0) continue;
+    uint32_t parity;
+    for (int kt = 0; kt + 1 < w.k_tiles; ++kt, ++it) ring.next(it, stages, parity);
+    const int s = ring.next(it, stages, parity);
+    ++it;
+    if (w.last_rows >= kTileK) continue;
+    mbar_wait(&sm.zreq[s], (req_phase >> s) & 1u);
+    req_phase ^= 1u << s;
+    mbar_wait(&sm.full[s], parity);
+    zero_slice_rows<kZeroThreads>(sm.smem + s * kStageBytes, 6, w.last_rows, tid);
+    sm90::fence_proxy_async();  // the generic stores, before the wgmma reads
+    named_barrier(kBarHelpers, kZeroThreads);
+    if (tid == 0) mbar_arrive(&sm.zeroed[s]);
   }
 }
+static_assert(kStageBytesA + kStageBytesB == 6 * 8192, "a wgrad slice: six 64 x 64 blocks");
 
 template <typename TIn, typename TOut, int MODE, typename Epi, bool GATHER>
 __device__ __forceinline__ void consumer_mainloop(const Params& p, const CUtensorMap& map_c,
@@ -113,7 +116,9 @@ __device__ __forceinline__ void consumer_mainloop(const Params& p, const CUtenso
       if constexpr (GATHER) sm90::fence_proxy_async();
       if constexpr (MODE == 2) {
         if (kt == tw.k_tiles - 1 && tw.last_rows < kTileK) {
-          zero_past_group<Epi>(stages, bufs, s, tw.last_rows, zero_phase);
+          mbar_wait(&sm.zeroed[s], (zero_phase >> s) & 1u);  // wgrad_zero_warps
+          zero_phase ^= 1u << s;
+          sm90::fence_proxy_async();
         }
       }
       const TIn* sa = reinterpret_cast<const TIn*>(smem + s * kStageBytes) +

@@ -47,7 +47,7 @@ namespace moeflow::cuda::gemm::sm90tma {
 // MODE 2, wgrad: groups split the reduction rows; A = dC^T and B = A read
 //   MN-major from row boxes; the slice holding the group's last rows has the
 //   rows past them zeroed in shared memory (they belong to pad rows or the next
-//   group); the output is each group's dW (float32, or the inputs' bf16 /
+//   group) by warps 1-3 of warpgroup 0, ahead of the consumers; the output is each group's dW (float32, or the inputs' bf16 /
 //   fp16: float32 accumulators rounded once), stored or accumulated.
 // The epilogue functor (epilogue_ops.cuh) maps the accumulators to the
 // output: identity, or the fused FC1 bias + activation + probability scale,
@@ -75,7 +75,7 @@ __global__ void __launch_bounds__(kThreads, 1)
     mbar_init(sm.go, 1);
     for (int s = 0; s < kMaxStages; ++s) {
       mbar_init(&sm.zeroed[s], 1);
-      sm.claim[s] = 0;
+      mbar_init(&sm.zreq[s], 1);
     }
     asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
   }
@@ -101,6 +101,8 @@ __global__ void __launch_bounds__(kThreads, 1)
                                                 hold);
     } else if constexpr (Epi::kHelperAct) {
       if (threadIdx.x >= 32) helper_warps<TOut>(p, map_c, map_raw, num_tiles, stages, bufs, epi);
+    } else if constexpr (MODE == 2) {
+      if (threadIdx.x >= 32) wgrad_zero_warps<TIn, Epi>(p, num_tiles, stages, bufs);
     }
   } else {
     // Consumers: warpgroup c = wg - 1 owns rows c*64 .. c*64+63 of each tile.

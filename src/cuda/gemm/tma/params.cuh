@@ -79,11 +79,11 @@ struct HelperBlock {
 struct Smem {
   // stages (1024-aligned) | staging (staging_chunks()) | bias (2 x Epi::kBiasSmem) |
   // full[] | empty[] | go |
-  // zeroed[] | claim[] + broadcast[2] | tile_start[E+1]
+  // zeroed[] | zreq[] | tile_start[E+1]
   static size_t bytes(int stages, int chunks, int num_groups, int bias_smem) {
     return 1024 + size_t(stages) * kStageBytes + size_t(chunks) * kChunkBytes +
-           size_t(2 * bias_smem) + sizeof(HelperBlock) + (3 * kMaxStages + 1) * 8 +
-           (kMaxStages + 2) * 4 + size_t(num_groups + 1) * 4;
+           size_t(2 * bias_smem) + sizeof(HelperBlock) + (4 * kMaxStages + 1) * 8 +
+           size_t(num_groups + 1) * 4;
   }
 };
 
@@ -100,7 +100,7 @@ struct SmemPtrs {
   uint64_t* empty;      // [kMaxStages] both consumer warpgroups released a stage
   uint64_t* go;         // consumer 1 starts after consumer 0's first slices
   uint64_t* zeroed;     // [kMaxStages] wgrad: a slice's rows past the group were zeroed
-  int32_t* claim;       // [kMaxStages] + 2 broadcast slots
+  uint64_t* zreq;       // [kMaxStages] wgrad: the producer issued a slice to zero
   int32_t* tile_start;  // [E+1] first tile of each group
 };
 // Each role carves it itself (the same arithmetic everywhere, so that the
@@ -120,11 +120,12 @@ __device__ __forceinline__ SmemPtrs carve_smem(int stages, int bufs) {
   sm.full = reinterpret_cast<uint64_t*>(sm.hb + 1);
   sm.empty = sm.full + kMaxStages;
   sm.go = sm.empty + kMaxStages;  // consumer 1 starts after consumer 0's first slices
-  // wgrad: the weight rows of a group's last slice are zeroed past its end by
-  // whichever consumer warpgroup claims the stage first; zeroed[s] tells the other.
+  // wgrad: a group's last slice has its rows past the group zeroed by the
+  // zeroing warps (consumer.cuh, wgrad_zero_warps): zreq[s] from the
+  // producer to them, zeroed[s] from them to the consumers.
   sm.zeroed = sm.go + 1;
-  sm.claim = reinterpret_cast<int32_t*>(sm.zeroed + kMaxStages);  // + 2 broadcast slots
-  sm.tile_start = sm.claim + kMaxStages + 2;
+  sm.zreq = sm.zeroed + kMaxStages;
+  sm.tile_start = reinterpret_cast<int32_t*>(sm.zreq + kMaxStages);
   return sm;
 }
 

@@ -105,6 +105,7 @@ __device__ __forceinline__ void producer_mainloop(const Params& p, const CUtenso
 #pragma unroll
         for (int i = 0; i < kTileN / 64; ++i)
           tma_load_2d(stage + kStageBytesA + i * 8192, &map_w, &full[s], cur.n0 + i * 64, r);
+        if (kt == cur.k_tiles - 1 && cur.last_rows < kTileK) mbar_arrive(&sm.zreq[s]);
       } else {
         if (!gather) tma_load_2d(stage, &map_a, &full[s], kt * kTileK, cur.m0);
         if constexpr (MODE == 1) {

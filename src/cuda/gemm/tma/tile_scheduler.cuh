@@ -42,6 +42,7 @@ struct StageRing {
 // What the producer needs of a tile, in 32-bit (the TMA path keeps rows < 2^31).
 struct Loads {
   int k_tiles, m0, n0, kr0, w_row;
+  int last_rows;  // rows of the final slice (wgrad)
 };
 template <typename TIn, int MODE, typename Epi>
 __device__ __forceinline__ Loads producer_loads(const Params& p, const int32_t* tile_start,
@@ -52,6 +53,7 @@ __device__ __forceinline__ Loads producer_loads(const Params& p, const int32_t* 
   l.m0 = static_cast<int>(tg.m0);
   l.n0 = static_cast<int>(tg.n0);
   l.kr0 = static_cast<int>(tg.kr0);
+  l.last_rows = static_cast<int>(tg.k_lim - tg.kr0 - int64_t{l.k_tiles - 1} * kTileK);
   l.w_row = static_cast<int>(int64_t{tg.group} * (MODE == 1 ? p.k_red : p.n_out) +
                              (MODE == 1 ? 0 : (Epi::kSplitB ? tg.n0 / 2 : tg.n0)));
   return l;
