@@ -116,9 +116,12 @@ void run_gemm_bench(const GemmBenchOptions& opt) {
            dc = Tensor::empty({M, N}, DType::kBFloat16, dev);
     Tensor da = Tensor::empty({M, K}, DType::kBFloat16, dev),
            dw = Tensor::empty({E, N, K}, DType::kFloat32, dev);
-    fill_bytes(a, 0x3C, stream);  // ~0.0115 in bf16: finite, non-zero
-    fill_bytes(w, 0x3C, stream);
-    fill_bytes(dc, 0x3C, stream);
+    // Random operands, as the peers' randn (a constant draws less power and
+    // runs at a higher clock); weights scaled by 1/sqrt(K).
+    const float ws = std::sqrt(3.0f / static_cast<float>(K));
+    fill_uniform(a, 1, -1.0f, 1.0f, stream);
+    fill_uniform(w, 2, -ws, ws, stream);
+    fill_uniform(dc, 3, -1.0f, 1.0f, stream);
     fill_bytes(dw, 0, stream);
     const double flops = 2.0 * M * K * N;
     const float one = 1.0f, zero = 0.0f;
@@ -191,7 +194,7 @@ void run_gemm_bench(const GemmBenchOptions& opt) {
       // random row map, against the contiguous forward, in alternation.
       const int64_t src_rows = std::max<int64_t>(1, M / 4);
       Tensor src = Tensor::empty({src_rows, K}, DType::kBFloat16, dev);
-      fill_bytes(src, 0x3C, stream);
+      fill_uniform(src, 4, -1.0f, 1.0f, stream);
       Tensor map_h = Tensor::empty({M}, DType::kInt32);
       std::mt19937 rng(7);
       for (int64_t r = 0; r < M; ++r)

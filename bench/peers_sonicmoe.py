@@ -29,7 +29,14 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--json")
     ap.add_argument("--case", action="append")
+    ap.add_argument("--stack-after", type=float, default=0,
+                    help="print every thread's stack and exit after this many seconds "
+                         "(0: never), to see where a long compile or a hang is")
     args = ap.parse_args()
+    if args.stack_after > 0:
+        import faulthandler
+        faulthandler.dump_traceback_later(args.stack_after, exit=True)
+    print("importing sonicmoe ...", flush=True)
     from sonicmoe import KernelBackendMoE, MoE  # noqa: E402 (after the argument check)
     from sonicmoe.enums import ActivationType
 
@@ -61,6 +68,7 @@ def main():
             ours(x).backward(dy)
 
         res = {}
+        print(f"{name}: timing (SonicMoE compiles its kernels on first use) ...", flush=True)
         for key, module, fn in (("sonicmoe", sonic, sonic_step), ("moeflow", ours, ours_step)):
             params = [x] + list(module.parameters())
             try:

@@ -10,7 +10,7 @@
 #   racecheck  compute-sanitizer racecheck on the plan kernels
 #   sanitize-ep  memcheck + racecheck on the EP tests (2+ GPUs)
 #   permute    moeflow bench permute + the PyTorch permute peers
-#   gemm       moeflow bench gemm + torch._grouped_mm
+#   gemm       moeflow bench gemm + torch._grouped_mm (bench/peers_gemm.py)
 #   mlp        moeflow bench mlp + the PyTorch composite (bench/peers_mlp.py)
 #   dispatch   moeflow bench dispatch, both backends + NCCL all_to_all (2+ GPUs)
 #   python     the Python tests on the GPU (pytest python/tests, the machine's torch)
@@ -24,8 +24,9 @@
 #   variants   the permute kernel variants of dev/
 #
 # Default: build test multigpu permute gemm mlp dispatch.
-# The PyTorch peers of permute and gemm come from peers.py and a2a_peers.py in
-# ./.peers when present (copy them there; the folder is ignored by git).
+# The PyTorch peers of permute and the all-to-all come from peers.py and
+# a2a_peers.py in ./.peers when present (copy them there; the folder is
+# ignored by git).
 # Usage: scripts/device_check.sh [step...]
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -84,8 +85,8 @@ for s in "${steps[@]}"; do
       ;;
     gemm)
       build/moeflow bench gemm --json "$OUT/gemm.json" || fail gemm
-      [ -f .peers/peers.py ] && { PYTHONUNBUFFERED=1 python3 .peers/peers.py --only gemm \
-        --json "$OUT/peers_gemm.json" | tail -20 || fail "gemm peers"; }
+      PYTHONPATH=bench PYTHONUNBUFFERED=1 python3 bench/peers_gemm.py \
+        --json "$OUT/peers_gemm.json" || fail "gemm peers"
       ;;
     mlp)
       timeout 300 build/moeflow bench mlp --json "$OUT/mlp.json" || fail mlp
@@ -132,7 +133,8 @@ for s in "${steps[@]}"; do
         # (the libs' .pth line, which --target does not process)
         PYTHONPATH="$site:$site/nvidia_cutlass_dsl/python_packages:build/python:bench" \
           PYTHONUNBUFFERED=1 timeout 400 \
-          python3 bench/peers_sonicmoe.py --json "$OUT/sonicmoe.json" || fail sonic
+          python3 bench/peers_sonicmoe.py --stack-after 380 --json "$OUT/sonicmoe.json" ||
+          fail sonic
       else
         echo "SKIPPED: sonic needs ./.sonic (the SonicMoE wheels)"
       fi

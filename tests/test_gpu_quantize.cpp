@@ -207,5 +207,18 @@ TEST_F(GpuQuantize, BadInput) {
             std::string::npos);
 }
 
+// fill_uniform (moeflow/tensor.h): the CUDA fill is bitwise the CPU's.
+TEST(GpuFillUniform, MatchesCpuBitwise) {
+  ASSERT_GT(cuda_device_count(), 0) << "GPU tests need a CUDA device";
+  for (DType dt : {DType::kFloat32, DType::kFloat16, DType::kBFloat16}) {
+    Tensor want = Tensor::empty({1000, 77}, dt, Device::cpu());
+    fill_uniform(want, 123, -2.0f, 3.0f);
+    Tensor got = Tensor::empty({1000, 77}, dt, kGpu);
+    fill_bytes(got, 0xFF);
+    fill_uniform(got, 123, -2.0f, 3.0f);
+    EXPECT_TRUE(bytes_equal(got.to(Device::cpu()), want)) << dtype_name(dt);
+  }
+}
+
 }  // namespace
 }  // namespace moeflow::test

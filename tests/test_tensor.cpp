@@ -2,8 +2,10 @@
 #include <gtest/gtest.h>
 
 #include <cmath>
+#include <cstring>
 #include <limits>
 
+#include "core/fill.h"
 #include "core/internal.h"
 #include "moeflow/moeflow.h"
 
@@ -80,12 +82,60 @@ TEST(DType, HalfRoundTripsAndRounds) {
   EXPECT_EQ(float_to_half(1.0f), 0x3C00);
   EXPECT_EQ(float_to_half(-2.0f), 0xC000);
   EXPECT_EQ(float_to_half(65504.0f), 0x7BFF);
-  EXPECT_EQ(float_to_half(65520.0f), 0x7C00);   // rounds to inf
-  EXPECT_EQ(float_to_half(std::ldexp(1.0f, -24)), 0x0001);  // smallest subnormal
-  EXPECT_EQ(float_to_half(std::ldexp(1.0f, -25)), 0x0000);  // tie to even: 0
+  EXPECT_EQ(float_to_half(65520.0f), 0x7C00);                      // rounds to inf
+  EXPECT_EQ(float_to_half(std::ldexp(1.0f, -24)), 0x0001);         // smallest subnormal
+  EXPECT_EQ(float_to_half(std::ldexp(1.0f, -25)), 0x0000);         // tie to even: 0
   EXPECT_EQ(float_to_half(1.0f + std::ldexp(1.0f, -11)), 0x3C00);  // tie to even
   for (uint32_t h = 0; h < 0x7C00; ++h)  // every finite positive half round-trips
     ASSERT_EQ(float_to_half(half_to_float(static_cast<uint16_t>(h))), h) << h;
+}
+
+TEST(FillUniform, InRangeDeterministicAndRoundedOnce) {
+  for (DType dt : {DType::kFloat32, DType::kFloat16, DType::kBFloat16}) {
+    Tensor a = Tensor::empty({257, 33}, dt, Device::cpu());
+    Tensor b = Tensor::empty({257, 33}, dt, Device::cpu());
+    Tensor c = Tensor::empty({257, 33}, dt, Device::cpu());
+    fill_uniform(a, 7, -0.5f, 0.25f);
+    fill_uniform(b, 7, -0.5f, 0.25f);
+    fill_uniform(c, 8, -0.5f, 0.25f);
+    ASSERT_EQ(std::memcmp(a.data(), b.data(), a.view().nbytes()), 0) << dtype_name(dt);
+    EXPECT_NE(std::memcmp(a.data(), c.data(), a.view().nbytes()), 0) << dtype_name(dt);
+    double sum = 0;
+    int64_t distinct_signs[2] = {0, 0};
+    for (int64_t i = 0; i < a.view().numel(); ++i) {
+      const float v = detail::load_float(a.data(), dt, i);
+      const float f = detail::uniform_at(7, static_cast<uint64_t>(i), -0.5f, 0.25f);
+      ASSERT_GE(f, -0.5f);
+      ASSERT_LT(f, 0.25f);
+      Tensor one = Tensor::empty({1}, dt, Device::cpu());
+      detail::store_float(one.data(), dt, 0, f);
+      ASSERT_EQ(v, detail::load_float(one.data(), dt, 0)) << i;  // f rounded once
+      sum += v;
+      ++distinct_signs[v < 0];
+    }
+    EXPECT_NEAR(sum / a.view().numel(), -0.125, 0.01) << dtype_name(dt);
+    EXPECT_GT(distinct_signs[0], 0);
+    EXPECT_GT(distinct_signs[1], 0);
+  }
+}
+
+TEST(FillUniform, BadArgumentsAreNamed) {
+  Tensor i = Tensor::empty({4}, DType::kInt32, Device::cpu());
+  Tensor f = Tensor::empty({4}, DType::kFloat32, Device::cpu());
+  auto message = [](auto fn) -> std::string {
+    try {
+      fn();
+    } catch (const Error& e) {
+      return e.what();
+    }
+    return "no error";
+  };
+  EXPECT_NE(message([&] {
+              fill_uniform(i, 1, 0.0f, 1.0f);
+            }).find("dst must be float32, float16 or bfloat16, got int32"),
+            std::string::npos);
+  EXPECT_NE(message([&] { fill_uniform(f, 1, 1.0f, 0.0f); }).find("lo must be <= hi"),
+            std::string::npos);
 }
 
 TEST(Checks, ExpectNamesArgumentExpectedAndActual) {
@@ -95,8 +145,9 @@ TEST(Checks, ExpectNamesArgumentExpectedAndActual) {
     detail::expect(probs, "probs", detail::Expect{{DType::kFloat32}, {4, 8}, Device::cpu()});
     FAIL() << "expected an error";
   } catch (const Error& e) {
-    EXPECT_NE(std::string(e.what()).find("probs must be float32 [4,8] on cpu, got bfloat16 [4,8] on cpu"),
-              std::string::npos)
+    EXPECT_NE(
+        std::string(e.what()).find("probs must be float32 [4,8] on cpu, got bfloat16 [4,8] on cpu"),
+        std::string::npos)
         << e.what();
   }
 }

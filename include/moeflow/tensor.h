@@ -131,6 +131,13 @@ class Tensor {
 void copy(TensorView src, TensorView dst, cudaStream_t stream = nullptr);
 // Fills every byte of a contiguous view with `byte` (e.g. 0xFF poisons floats as NaN).
 void fill_bytes(TensorView dst, uint8_t byte, cudaStream_t stream = nullptr);
+// Fills a contiguous float32 / float16 / bfloat16 view with pseudo-random
+// values uniform in [lo, hi), element i from a hash of (seed, i): the CPU and
+// a GPU give bitwise the same tensor. Enqueued on `stream` (no sync) for a
+// CUDA view. Benchmarks fill their operands with it: a GPU's power draw,
+// and so its clock, depend on the data (a constant flatters a GEMM).
+void fill_uniform(TensorView dst, uint64_t seed, float lo, float hi,
+                  cudaStream_t stream = nullptr);
 
 // Number of CUDA devices visible (0 when built without CUDA or none present).
 int cuda_device_count();

@@ -16,6 +16,8 @@ void cuda_free(void* ptr, int device) noexcept;
 // Copies bytes between any two places (host or device); waits when `sync`.
 void cuda_copy(void* dst, const void* src, size_t bytes, cudaStream_t stream, bool sync);
 void cuda_fill(void* dst, uint8_t byte, size_t bytes, cudaStream_t stream);
+void cuda_fill_uniform(void* dst, DType dtype, int64_t n, uint64_t seed, float lo, float hi,
+                       cudaStream_t stream);
 void cuda_stream_sync(cudaStream_t stream);
 int cuda_count() noexcept;
 std::string cuda_error_string(int code);

@@ -11,6 +11,7 @@ void* cuda_alloc(size_t, int) { no_cuda(); }
 void cuda_free(void*, int) noexcept {}
 void cuda_copy(void*, const void*, size_t, cudaStream_t, bool) { no_cuda(); }
 void cuda_fill(void*, uint8_t, size_t, cudaStream_t) { no_cuda(); }
+void cuda_fill_uniform(void*, DType, int64_t, uint64_t, float, float, cudaStream_t) { no_cuda(); }
 void cuda_stream_sync(cudaStream_t) { no_cuda(); }
 int cuda_count() noexcept { return 0; }
 std::string cuda_error_string(int code) { return "CUDA error " + std::to_string(code); }

@@ -5,6 +5,7 @@
 #include <cstring>
 #include <sstream>
 
+#include "core/fill.h"
 #include "core/internal.h"
 #include "moeflow/tensor.h"
 
@@ -151,6 +152,24 @@ void fill_bytes(TensorView dst, uint8_t byte, cudaStream_t stream) {
     std::memset(dst.data, byte, bytes);
   } else {
     detail::cuda_fill(dst.data, byte, bytes, stream);
+  }
+}
+
+void fill_uniform(TensorView dst, uint64_t seed, float lo, float hi, cudaStream_t stream) {
+  MOEFLOW_CHECK(dst.is_contiguous(), "fill_uniform: view must be contiguous");
+  MOEFLOW_CHECK(dst.dtype == DType::kFloat32 || dst.dtype == DType::kFloat16 ||
+                    dst.dtype == DType::kBFloat16,
+                "fill_uniform: dst must be float32, float16 or bfloat16, got ",
+                dtype_name(dst.dtype));
+  MOEFLOW_CHECK(lo <= hi, "fill_uniform: lo must be <= hi, got [", lo, ", ", hi, ")");
+  const int64_t n = dst.numel();
+  if (n == 0) return;
+  if (dst.device.is_cpu()) {
+    for (int64_t i = 0; i < n; ++i)
+      detail::store_float(dst.data, dst.dtype, i,
+                          detail::uniform_at(seed, static_cast<uint64_t>(i), lo, hi));
+  } else {
+    detail::cuda_fill_uniform(dst.data, dst.dtype, n, seed, lo, hi, stream);
   }
 }
 

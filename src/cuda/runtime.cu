@@ -1,7 +1,13 @@
 // Thin shims over the CUDA runtime used by the core (allocation, copies,
 // fills, device selection), so that only src/cuda includes CUDA headers.
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
 #include <cuda_runtime.h>
 
+#include <algorithm>
+#include <type_traits>
+
+#include "core/fill.h"
 #include "core/internal.h"
 
 namespace moeflow::detail {
@@ -31,7 +37,40 @@ void cuda_fill(void* dst, uint8_t byte, size_t bytes, cudaStream_t stream) {
   MOEFLOW_CUDA_CHECK(cudaMemsetAsync(dst, byte, bytes, stream));
 }
 
-void cuda_stream_sync(cudaStream_t stream) { MOEFLOW_CUDA_CHECK(cudaStreamSynchronize(stream)); }
+namespace {
+template <typename T>
+__global__ void fill_uniform_kernel(T* dst, int64_t n, uint64_t seed, float lo, float hi) {
+  for (int64_t i = blockIdx.x * int64_t{blockDim.x} + threadIdx.x; i < n;
+       i += int64_t{gridDim.x} * blockDim.x) {
+    const float v = uniform_at(seed, static_cast<uint64_t>(i), lo, hi);
+    if constexpr (std::is_same_v<T, float>)
+      dst[i] = v;
+    else if constexpr (std::is_same_v<T, __half>)
+      dst[i] = __float2half_rn(v);
+    else
+      dst[i] = __float2bfloat16_rn(v);
+  }
+}
+}  // namespace
+
+void cuda_fill_uniform(void* dst, DType dtype, int64_t n, uint64_t seed, float lo, float hi,
+                       cudaStream_t stream) {
+  const int threads = 256;
+  const unsigned blocks =
+      static_cast<unsigned>(std::min<int64_t>((n + threads - 1) / threads, 4096));
+  if (dtype == DType::kFloat32)
+    fill_uniform_kernel<<<blocks, threads, 0, stream>>>(static_cast<float*>(dst), n, seed, lo, hi);
+  else if (dtype == DType::kFloat16)
+    fill_uniform_kernel<<<blocks, threads, 0, stream>>>(static_cast<__half*>(dst), n, seed, lo, hi);
+  else
+    fill_uniform_kernel<<<blocks, threads, 0, stream>>>(static_cast<__nv_bfloat16*>(dst), n, seed,
+                                                        lo, hi);
+  MOEFLOW_CUDA_CHECK(cudaGetLastError());
+}
+
+void cuda_stream_sync(cudaStream_t stream) {
+  MOEFLOW_CUDA_CHECK(cudaStreamSynchronize(stream));
+}
 
 int cuda_count() noexcept {
   int n = 0;
