@@ -79,10 +79,18 @@ def main():
     # as in training.
     for t in (logits, x, fc1, fc2):
         t.requires_grad_(True)
+    # y above needs no gradient (made before requires_grad_): unpermute's
+    # autograd path is timed on a y that does; and the router under no_grad.
+    y_g = mf.grouped_mlp(rows, fc1, fc2, plan=plan, probs=row_probs)
+    cases += [
+        ("unpermute_grad", lambda: mf.unpermute(y_g, plan), cases[4][2]),
+        ("router_nograd", lambda: mf.router(logits, K), cases[0][2]),
+    ]
     for name, py, c in cases:
-        tp, tc = per_call_us(py), per_call_us(c)
+        with torch.set_grad_enabled(name != "router_nograd"):
+            tp, tc = per_call_us(py), per_call_us(c)
         out["ops"][name] = {"python_us": tp, "cpp_us": tc, "overhead_us": tp - tc}
-        print(f"{name:12s} moeflow.ops {tp:6.1f} us/call, _C {tc:6.1f} us/call, "
+        print(f"{name:14s} moeflow.ops {tp:6.1f} us/call, _C {tc:6.1f} us/call, "
               f"overhead {tp - tc:5.1f} us", flush=True)
     if args.json:
         with open(args.json, "w") as f:

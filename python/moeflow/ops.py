@@ -24,6 +24,7 @@ from __future__ import annotations
 import atexit
 import functools
 import weakref
+from operator import attrgetter as _attrgetter
 from typing import NamedTuple, Optional, Tuple
 
 import torch
@@ -50,16 +51,26 @@ def _stream(t: torch.Tensor) -> int:
     return torch.cuda.current_stream(t.device).cuda_stream
 
 
+# The hot paths' torch names as module globals. An op whose inputs need no
+# gradient (grad mode off, or none requiring grad) calls its Function's
+# forward with ctx None: the same outputs without the autograd node, whose
+# apply() is most of an op's host time.
+_grad_enabled = torch.is_grad_enabled
+_empty = torch.empty
+_int32, _int64, _float32, _uint8 = torch.int32, torch.int64, torch.float32, torch.uint8
+_tuple_new = tuple.__new__
+
+
 # Shape-only queries to the C++ side (pure functions of their arguments),
 # memoised so that an op's hot path makes no extra C++ call.
 _router_ws_bytes = functools.lru_cache(maxsize=256)(lambda *a: _C.router_workspace_bytes(*a))
-_plan_capacity_rows = functools.lru_cache(maxsize=256)(lambda *a: _C.plan_capacity_rows(*a))
-_plan_ws_bytes = functools.lru_cache(maxsize=256)(lambda *a: _C.plan_workspace_bytes(*a))
+_plan_sizes = functools.lru_cache(maxsize=256)(
+    lambda *a: (_C.plan_capacity_rows(*a), _C.plan_workspace_bytes(*a)))
 
 
 def _rows(t: torch.Tensor) -> torch.Tensor:
     """The tensor itself when its rows have unit-stride elements, else a copy."""
-    return t if t.stride(-1) == 1 else t.contiguous()
+    return t if t.is_contiguous() or t.stride(-1) == 1 else t.contiguous()
 
 
 class RouterOutput(NamedTuple):
@@ -74,48 +85,58 @@ class RouterOutput(NamedTuple):
 
 
 class _Router(torch.autograd.Function):
-    # cfg: the RouterConfig fields in _C's order (num_experts, topk,
-    # score_function, pre_softmax, num_groups, group_topk,
+    # args: (expert_bias, padding_mask, cu_seqlens, cfg, nd), none of them
+    # differentiable. cfg: the RouterConfig fields in _C's order (num_experts,
+    # topk, score_function, pre_softmax, num_groups, group_topk,
     # topk_scaling_factor, aux_loss_coeff, z_loss_coeff, seq_aux_loss_coeff).
+    # The node's outputs: probs, or (probs, aux, z, seq) with any loss on;
+    # the non-differentiable ones (ids, counts, nonfinite) are appended to the
+    # list nd instead (apply() costs per input and per output).
+    # ctx None: called without autograd (router's fast path).
     @staticmethod
-    def forward(ctx, logits, expert_bias, padding_mask, cu_seqlens, cfg):
-        ctx.set_materialize_grads(False)
-        E, K, aux_coeff, z_coeff, seq_coeff = cfg[0], cfg[1], cfg[7], cfg[8], cfg[9]
+    def forward(ctx, logits, args):
+        expert_bias, padding_mask, cu_seqlens, cfg, nd = args
+        E, K = cfg[0], cfg[1]
         logits = logits.contiguous()
         # float32, or float64 on the CPU (for gradient checks): the probs and
         # losses in the logits' dtype.
         T, dev, f32 = logits.shape[0], logits.device, logits.dtype
-        S = cu_seqlens.shape[0] - 1 if cu_seqlens is not None else 0
-        ids = torch.empty((T, K), dtype=torch.int32, device=dev)
-        probs = torch.empty((T, K), dtype=f32, device=dev)
+        ids = _empty(T, K, dtype=_int32, device=dev)
+        probs = _empty(T, K, dtype=f32, device=dev)
         # The small int32 outputs share one allocation: counts [E], nonfinite [1].
-        small = torch.empty(E + 1, dtype=torch.int32, device=dev)
-        tpe, nonfinite = small[:E], small[E:]
-        aux = torch.empty((), dtype=f32, device=dev) if aux_coeff != 0 else None
-        z = torch.empty((), dtype=f32, device=dev) if z_coeff != 0 else None
-        seq = torch.empty((), dtype=f32, device=dev) if seq_coeff != 0 else None
-        seq_tpe = torch.empty((S, E), dtype=torch.int32, device=dev) if seq is not None else None
-        ws_bytes = _router_ws_bytes(T, *cfg, S) if logits.is_cuda else 0
-        ws = torch.empty(ws_bytes, dtype=torch.uint8, device=dev) if ws_bytes else None
+        tpe, nonfinite = _empty(E + 1, dtype=_int32, device=dev).split_with_sizes((E, 1))
+        aux = z = seq = seq_tpe = ws = None
+        S = cu_seqlens.shape[0] - 1 if cu_seqlens is not None else 0
+        losses = cfg[7] != 0 or cfg[8] != 0 or cfg[9] != 0
+        if losses:
+            aux = _empty((), dtype=f32, device=dev) if cfg[7] != 0 else None
+            z = _empty((), dtype=f32, device=dev) if cfg[8] != 0 else None
+            if cfg[9] != 0:
+                seq = _empty((), dtype=f32, device=dev)
+                seq_tpe = _empty(S, E, dtype=_int32, device=dev)
+        if logits.is_cuda:
+            ws_bytes = _router_ws_bytes(T, *cfg, S)
+            ws = _empty(ws_bytes, dtype=_uint8, device=dev) if ws_bytes else None
         _C.router_forward(logits, *cfg, ids, probs, tpe, None if aux is None else aux.view(1),
                           None if z is None else z.view(1), None if seq is None else seq.view(1),
                           seq_tpe, nonfinite, None, expert_bias, padding_mask, cu_seqlens, ws,
                           _stream(logits))
-        ctx.cfg = cfg
-        # The backward reads the logits, the choice, the counts (losses) and
-        # the token structure.
-        losses = aux is not None or z is not None or seq is not None
-        ctx.save_for_backward(logits, ids, tpe if losses else None, padding_mask,
-                              cu_seqlens if seq is not None else None, seq_tpe)
-        ctx.mark_non_differentiable(ids, tpe, nonfinite)
-        return ids, probs, tpe, aux, z, seq, nonfinite
+        nd += (ids, tpe, nonfinite)
+        if ctx is not None:
+            ctx.set_materialize_grads(False)
+            ctx.cfg = cfg
+            # The backward reads the logits, the choice, the counts (losses)
+            # and the token structure.
+            ctx.save_for_backward(logits, ids, tpe if losses else None, padding_mask,
+                                  None if seq is None else cu_seqlens, seq_tpe)
+        return (probs, aux, z, seq) if losses else probs
 
     @staticmethod
     @torch.autograd.function.once_differentiable
-    def backward(ctx, _dids, dprobs, _dtpe, daux, dz, dseq, _dnonfinite):
-        none = (None,) * 5
-        if not ctx.needs_input_grad[0] or all(g is None for g in (dprobs, daux, dz, dseq)):
-            return none
+    def backward(ctx, dprobs, daux=None, dz=None, dseq=None):
+        if not ctx.needs_input_grad[0] or (dprobs is None and daux is None and dz is None
+                                           and dseq is None):
+            return None, None
         logits, ids, tpe, mask, cu_seqlens, seq_tpe = ctx.saved_tensors
         if dprobs is None:
             dprobs = torch.zeros(ids.shape, dtype=logits.dtype, device=logits.device)
@@ -126,7 +147,7 @@ class _Router(torch.autograd.Function):
 
         _C.router_backward(logits, ids, tpe, *ctx.cfg, dprobs.contiguous(), one(daux), one(dz),
                            one(dseq), mask, cu_seqlens, seq_tpe, dlogits, _stream(logits))
-        return (dlogits,) + none[1:]
+        return dlogits, None
 
 
 def router(logits: torch.Tensor, topk: int, *, score_function: str = "softmax",
@@ -179,7 +200,17 @@ def router(logits: torch.Tensor, topk: int, *, score_function: str = "softmax",
     bias = None if expert_bias is None else expert_bias.detach().contiguous()
     mask = None if padding_mask is None else padding_mask.detach().contiguous()
     cu = None if cu_seqlens is None else cu_seqlens.detach().contiguous()
-    return RouterOutput(*_Router.apply(logits, bias, mask, cu, cfg))
+    nd = []  # ids, tokens_per_expert, nonfinite
+    args = (bias, mask, cu, cfg, nd)
+    if logits.requires_grad and _grad_enabled():
+        out = _Router.apply(logits, args)
+    else:
+        out = _Router.forward(None, logits, args)
+    if cfg[7] != 0 or cfg[8] != 0 or cfg[9] != 0:
+        probs, aux, z, seq = out
+    else:
+        probs, aux, z, seq = out, None, None, None
+    return _tuple_new(RouterOutput, (nd[0], probs, nd[1], aux, z, seq, nd[2]))
 
 
 def apply_capacity(topk_ids: torch.Tensor, probs: Optional[torch.Tensor], num_experts: int,
@@ -322,52 +353,57 @@ class Plan:
         if _mask and K != E:
             raise ValueError(f"routing_mask must be [T, num_experts={E}], got {tuple(ids.shape)}")
         dev = ids.device
-        self.num_tokens, self.topk, self.num_experts, self.align = T, K, E, int(align)
-        self.capacity_rows = _plan_capacity_rows(T, K, E, self.align, capacity_rows)
-        cap = self.capacity_rows
+        align = int(align)
+        cap, ws = _plan_sizes(T, K, E, align, capacity_rows)
+        self.num_tokens, self.topk, self.num_experts, self.align = T, K, E, align
+        self.capacity_rows = cap
         # Two allocations holding the plan's tensors (every one of them is
         # written by the build: no zero fill needed); the C++ plan reads the
         # two buffers, the tensors are views made when first read.
-        self._buffers = (torch.empty(E + 1 + T * K + 1, dtype=torch.int64, device=dev),
-                         torch.empty(2 * E + 2 * cap + 2, dtype=torch.int32, device=dev))
-        self._views = None
-        ws = _plan_ws_bytes(T, K, E, self.align, capacity_rows)
-        self._workspace = torch.empty(ws, dtype=torch.uint8, device=dev) if ws else None
+        b64 = _empty(E + 1 + T * K + 1, dtype=_int64, device=dev)
+        b32 = _empty(2 * E + 2 * cap + 2, dtype=_int32, device=dev)
+        self._buffers = (b64, b32)
+        self._workspace = _empty(ws, dtype=_uint8, device=dev) if ws else None
         self._capacity_arg = capacity_rows
-        self._plan_view = None
-        _live_plans.add(self)
+        self._plan_view = view = _C.PlanView.from_buffers(T, K, E, align, capacity_rows, b64, b32)
+        # Registered for _release_plan_views (the ref leaves the set with the plan).
+        _live_plans.add(_weakref(self, _live_plans_discard))
         build = _C.build_plan_from_mask if _mask else _C.build_plan
-        build(ids, self._view, self._workspace, _stream(ids))
+        build(ids, view, self._workspace, _stream(ids))
 
-    def _split(self, name: str) -> torch.Tensor:
-        if self._views is None:
-            T, K, E, cap = self.num_tokens, self.topk, self.num_experts, self.capacity_rows
-            offs, dest, total = self._buffers[0].split_with_sizes([E + 1, T * K, 1])
-            v = dict(zip(("tokens_per_expert", "padded_tokens_per_expert", "row_token", "row_k",
-                          "overflow", "invalid_ids"),
-                         self._buffers[1].split_with_sizes([E, E, cap, cap, 1, 1])))
-            v.update(expert_row_offsets=offs, dest_row=dest.view(T, K), total_rows=total)
-            self._views = v
-        return self._views[name]
+    def __getattr__(self, name: str):
+        # Reached only for an attribute not set: those made on first use.
+        d = self.__dict__
+        if "_buffers" in d:
+            if name.startswith("_t_") and "_t_dest_row" not in d:  # views of the two buffers
+                T, K, E, cap = self.num_tokens, self.topk, self.num_experts, self.capacity_rows
+                offs, dest, total = self._buffers[0].split_with_sizes([E + 1, T * K, 1])
+                (self._t_tokens_per_expert, self._t_padded_tokens_per_expert, self._t_row_token,
+                 self._t_row_k, self._t_overflow, self._t_invalid_ids) = \
+                    self._buffers[1].split_with_sizes([E, E, cap, cap, 1, 1])
+                self._t_expert_row_offsets, self._t_dest_row = offs, dest.view(T, K)
+                self._t_total_rows = total
+            elif name == "_plan_view":  # released at exit (_release_plan_views): made again
+                self._plan_view = _C.PlanView.from_buffers(
+                    self.num_tokens, self.topk, self.num_experts, self.align,
+                    self._capacity_arg, *self._buffers)
+            if name in d:
+                return d[name]
+        raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
 
-    expert_row_offsets = property(lambda self: self._split("expert_row_offsets"))
-    dest_row = property(lambda self: self._split("dest_row"))
-    total_rows = property(lambda self: self._split("total_rows"))
-    tokens_per_expert = property(lambda self: self._split("tokens_per_expert"))
-    padded_tokens_per_expert = property(lambda self: self._split("padded_tokens_per_expert"))
-    row_token = property(lambda self: self._split("row_token"))
-    row_k = property(lambda self: self._split("row_k"))
-    overflow = property(lambda self: self._split("overflow"))
-    invalid_ids = property(lambda self: self._split("invalid_ids"))
+    # Read-only; one C-level getter each (no Python frame once the views exist).
+    expert_row_offsets = property(_attrgetter("_t_expert_row_offsets"))
+    dest_row = property(_attrgetter("_t_dest_row"))
+    total_rows = property(_attrgetter("_t_total_rows"))
+    tokens_per_expert = property(_attrgetter("_t_tokens_per_expert"))
+    padded_tokens_per_expert = property(_attrgetter("_t_padded_tokens_per_expert"))
+    row_token = property(_attrgetter("_t_row_token"))
+    row_k = property(_attrgetter("_t_row_k"))
+    overflow = property(_attrgetter("_t_overflow"))
+    invalid_ids = property(_attrgetter("_t_invalid_ids"))
 
-    @property
-    def _view(self) -> "_C.PlanView":
-        """The C++ RoutingPlan over this plan's tensors (made once)."""
-        if self._plan_view is None:
-            self._plan_view = _C.PlanView.from_buffers(
-                self.num_tokens, self.topk, self.num_experts, self.align, self._capacity_arg,
-                *self._buffers)
-        return self._plan_view
+    # The C++ RoutingPlan over this plan's tensors (_C.PlanView).
+    _view = property(_attrgetter("_plan_view"))
 
     @classmethod
     def from_mask(cls, routing_mask: torch.Tensor, align: int = 1,
@@ -384,35 +420,38 @@ class Plan:
 # Plan's PlanView with it (nanobind then reports "leaked instances"). So the
 # C++ views of the plans still alive are released here, at exit, while
 # Python is intact; a plan used after that makes its view again.
-_live_plans: "weakref.WeakSet[Plan]" = weakref.WeakSet()
+_live_plans: "set[weakref.ref[Plan]]" = set()
+_live_plans_discard = _live_plans.discard
+_weakref = weakref.ref
 
 
 @atexit.register
 def _release_plan_views() -> None:
-    for plan in list(_live_plans):
-        plan._plan_view = None
+    for ref in _live_plans.copy():
+        plan = ref()
+        if plan is not None:
+            plan.__dict__.pop("_plan_view", None)
 
 
 class _Permute(torch.autograd.Function):
+    # ctx None: called without autograd (permute's fast path).
     @staticmethod
     def forward(ctx, x, probs, plan, scales):
-        ctx.set_materialize_grads(False)
-        y = x.new_empty((plan.capacity_rows, x.shape[1]))
-        pp = torch.empty(plan.capacity_rows if probs is not None else 0, dtype=torch.float32,
-                         device=x.device)
+        cap = plan.capacity_rows
+        y = x.new_empty(cap, x.shape[1])
+        pp = ps = None
         if probs is not None:
+            pp = _empty(cap, dtype=_float32, device=x.device)
             probs = probs.contiguous()
-        ps = None
         if scales is not None:
             scales = scales.contiguous()
-            ps = scales.new_empty((plan.capacity_rows,) + tuple(scales.shape[1:]))
-            ctx.mark_non_differentiable(ps)
-        _C.permute(_rows(x), plan._view, y, probs, pp if probs is not None else None, scales, ps,
-                   _stream(x))
-        ctx.plan, ctx.x_shape, ctx.x_dtype = plan, x.shape, x.dtype
-        ctx.has_probs = probs is not None
-        if probs is None:
-            ctx.mark_non_differentiable(pp)
+            ps = scales.new_empty((cap,) + tuple(scales.shape[1:]))
+        _C.permute(_rows(x), plan._view, y, probs, pp, scales, ps, _stream(x))
+        if ctx is not None:
+            ctx.set_materialize_grads(False)
+            ctx.plan, ctx.x_meta = plan, (x.shape, x.dtype, probs is not None)
+            if ps is not None:
+                ctx.mark_non_differentiable(ps)
         return (y, pp) if ps is None else (y, pp, ps)
 
     @staticmethod
@@ -420,12 +459,13 @@ class _Permute(torch.autograd.Function):
         plan = ctx.plan
         if dy is None and dpp is None:
             return None, None, None, None
+        x_shape, x_dtype, has_probs = ctx.x_meta
         dev = (dy if dy is not None else dpp).device
         if dy is None:
-            dy = torch.zeros((plan.capacity_rows, ctx.x_shape[1]), dtype=ctx.x_dtype, device=dev)
-        dx = dy.new_empty(ctx.x_shape)
+            dy = torch.zeros((plan.capacity_rows, x_shape[1]), dtype=x_dtype, device=dev)
+        dx = dy.new_empty(*x_shape)
         dprobs = None
-        if ctx.has_probs and ctx.needs_input_grad[1] and dpp is not None:
+        if has_probs and ctx.needs_input_grad[1] and dpp is not None:
             dprobs = torch.empty((plan.num_tokens, plan.topk), dtype=torch.float32, device=dev)
         _C.permute_backward(_rows(dy), plan._view, dx,
                             dpp.contiguous() if dprobs is not None else None, dprobs,
@@ -442,9 +482,10 @@ def permute(x: torch.Tensor, plan: Plan, probs: Optional[torch.Tensor] = None,
     per-token ``scales`` [T, S] of any dtype (e.g. float32 1x128 block
     scales): they travel with the rows, and a third output, the rows'
     scales [capacity, S] (0 on pad rows), is returned."""
-    out = _Permute.apply(x, probs, plan, scales)
-    y, pp = out[0], (out[1] if probs is not None else None)
-    return (y, pp) if scales is None else (y, pp, out[2])
+    if _grad_enabled() and (x.requires_grad or (probs is not None and probs.requires_grad)
+                            or (scales is not None and scales.requires_grad)):
+        return _Permute.apply(x, probs, plan, scales)
+    return _Permute.forward(None, x, probs, plan, scales)
 
 
 def permute_quantize(x: torch.Tensor, plan: Plan, probs: Optional[torch.Tensor] = None,
@@ -494,15 +535,16 @@ def unpermute_backward_quantize(dout: torch.Tensor, plan: Plan,
 
 class _Unpermute(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, y, probs, plan):
-        out = y.new_empty((plan.num_tokens, y.shape[1]))
+    def forward(ctx, y, probs, plan):  # ctx None: called without autograd (unpermute's fast path)
+        out = y.new_empty(plan.num_tokens, y.shape[1])
         y = _rows(y)
         if probs is not None:
             probs = probs.contiguous()
         _C.unpermute(y, plan._view, out, probs, _stream(y))
-        ctx.plan, ctx.y_meta = plan, (y.shape, y.dtype)
-        # The backward reads y only for the probs' gradient.
-        ctx.save_for_backward(y if ctx.needs_input_grad[1] else None, probs)
+        if ctx is not None:
+            ctx.plan, ctx.y_meta = plan, (y.shape, y.dtype)
+            # The backward reads y only for the probs' gradient.
+            ctx.save_for_backward(y if ctx.needs_input_grad[1] else None, probs)
         return out
 
     @staticmethod
@@ -510,7 +552,7 @@ class _Unpermute(torch.autograd.Function):
         plan = ctx.plan
         y, probs = ctx.saved_tensors
         shape, dtype = ctx.y_meta
-        dy = dout.new_empty(shape, dtype=dtype)
+        dy = dout.new_empty(*shape, dtype=dtype)
         dprobs = None
         if y is not None:
             dprobs = torch.empty((plan.num_tokens, plan.topk), dtype=torch.float32,
@@ -524,7 +566,9 @@ def unpermute(y: torch.Tensor, plan: Plan,
     """rows [capacity, H] -> out [T, H]: each token's rows summed in float32
     in a fixed order (bitwise deterministic), weighted by probs [T, K] float32
     when given (differentiable), written in y's dtype."""
-    return _Unpermute.apply(y, probs, plan)
+    if _grad_enabled() and (y.requires_grad or (probs is not None and probs.requires_grad)):
+        return _Unpermute.apply(y, probs, plan)
+    return _Unpermute.forward(None, y, probs, plan)
 
 
 class WgradStore:
@@ -556,45 +600,49 @@ def _add_grad(p: torch.Tensor, g: torch.Tensor) -> None:
 
 
 class _GroupedMlp(torch.autograd.Function):
-    # cfg: (activation, glu_interleave, alpha, limit, offset); opts:
-    # (main_grads or None, recompute_activation, wgrad_store or None, the
-    # parameters a delayed wgrad adds its gradients into, the Plan to
-    # unpermute the output with or None).
+    # args: (offsets, real_rows, cfg, opts), nothing differentiable, in one
+    # argument (apply() costs per input). cfg: (activation, glu_interleave,
+    # alpha, limit, offset); opts: (main_grads or None, recompute_activation,
+    # wgrad_store or None, the parameters a delayed wgrad adds its gradients
+    # into, the Plan to unpermute the output with or None).
+    # ctx None: called without autograd (grouped_mlp's fast path).
     @staticmethod
-    def forward(ctx, x, fc1, fc2, bias1, bias2, probs, offsets, real_rows, cfg, opts):
-        ctx.set_materialize_grads(False)
-        recompute, plan = opts[1], opts[4]
+    def forward(ctx, x, fc1, fc2, bias1, bias2, probs, args):
+        offsets, real_rows, cfg, opts = args
         x = _rows(x)
         rows = x.shape[0]
-        y = x.new_empty((rows, fc2.shape[1]))
-        h = x.new_empty((rows, fc1.shape[1]))
-        a = x.new_empty((rows, fc2.shape[2]))
+        y = x.new_empty(rows, fc2.shape[1])
+        h = x.new_empty(rows, fc1.shape[1])
+        a = x.new_empty(rows, fc2.shape[2])
         s = _stream(x)
         _C.grouped_mlp_forward(x, fc1, fc2, bias1, bias2, offsets, real_rows, probs, *cfg, y, h,
                                a, s)
-        ctx.cfg, ctx.opts = cfg, opts
-        # Keeping only h (recompute_activation): a is recomputed before the
-        # weight gradients, so it does not live from forward to backward.
-        ctx.save_for_backward(x, fc1, fc2, bias1, bias2, probs, offsets, real_rows, h,
-                              None if recompute else a)
+        if ctx is not None:
+            ctx.set_materialize_grads(False)
+            ctx.cfg, ctx.opts = cfg, opts
+            # Keeping only h (recompute_activation): a is recomputed before the
+            # weight gradients, so it does not live from forward to backward.
+            ctx.save_for_backward(x, fc1, fc2, bias1, bias2, probs, offsets, real_rows, h,
+                                  None if opts[1] else a)
+        plan = opts[4]
         if plan is None:
             return y
         del a
-        out = y.new_empty((plan.num_tokens, y.shape[1]))
+        out = y.new_empty(plan.num_tokens, y.shape[1])
         _C.unpermute(y, plan._view, out, None, s)
         return out
 
     @staticmethod
     def backward(ctx, dy):
         if dy is None:
-            return (None,) * 10
+            return (None,) * 7
         x, fc1, fc2, bias1, bias2, probs, offsets, real_rows, h, a = ctx.saved_tensors
         main, _, store, params, plan = ctx.opts
         cfg, need = ctx.cfg, ctx.needs_input_grad
         s = _stream(dy)
         if plan is not None:  # the rows' gradient: local, freed once FC2's wgrad has read it
             dout = _rows(dy)
-            dy = dout.new_empty((x.shape[0], fc2.shape[1]))
+            dy = dout.new_empty(x.shape[0], fc2.shape[1])
             _C.unpermute_backward(dout, plan._view, None, None, dy, None, s)
             del dout
         else:
@@ -618,10 +666,14 @@ class _GroupedMlp(torch.autograd.Function):
                 return None, None
             w, b = (fc2, bias2) if fc == 2 else (fc1, bias1)
             if fc == 2 and w_want and act is None:
-                act = x.new_empty((x.shape[0], fc2.shape[2]))
+                act = x.new_empty(x.shape[0], fc2.shape[2])
                 _C.grouped_mlp_recompute_activation(h, offsets, real_rows, probs, *cfg, act, st)
-            db = torch.empty(b.shape, dtype=torch.float32, device=x.device) if b_want else None
             acc = main is not None
+            # The bias gradient is summed into db too when acc: start it at zero.
+            db = None
+            if b_want:
+                db = (torch.zeros if acc else torch.empty)(b.shape, dtype=torch.float32,
+                                                           device=x.device)
             g = None
             if w_want:
                 g = main[fc - 1] if acc else torch.empty_like(w)
@@ -646,7 +698,7 @@ class _GroupedMlp(torch.autograd.Function):
             del dy, a
             dx = fc1_dgrad()
             g1, gb1 = wgrad(None, None, 1)
-            return dx, g1, g2, gb1, gb2, dprobs, None, None, None, None
+            return dx, g1, g2, gb1, gb2, dprobs, None
 
         dx = fc1_dgrad()
 
@@ -657,7 +709,7 @@ class _GroupedMlp(torch.autograd.Function):
                 if p is not None and g is not None:
                     _add_grad(p, g.view(p.shape))
         store._pending.append(delayed)
-        return dx, None, None, None, None, dprobs, None, None, None, None
+        return dx, None, None, None, None, dprobs, None
 
 
 def activation_quantize(h: torch.Tensor, *, plan: Optional[Plan] = None,
@@ -748,6 +800,12 @@ def grouped_mlp(x: torch.Tensor, fc1: torch.Tensor, fc2: torch.Tensor, *,
         main = (fc1.main_grad, fc2.main_grad)
     if unpermute and plan is None:
         raise ValueError("unpermute=True needs plan= (the plan to unpermute the rows with)")
+    if not (_grad_enabled() and (x.requires_grad or fc1.requires_grad or fc2.requires_grad
+                                 or (bias1 is not None and bias1.requires_grad)
+                                 or (bias2 is not None and bias2.requires_grad)
+                                 or (probs is not None and probs.requires_grad))):
+        return _GroupedMlp.forward(None, x, fc1, fc2, bias1, bias2, probs, (
+            offsets, real_rows, cfg, (None, True, None, None, plan if unpermute else None)))
     params = _grad_params if _grad_params is not None else (fc1, fc2, bias1, bias2)
     opts = (main, bool(recompute_activation), wgrad_store, params, plan if unpermute else None)
-    return _GroupedMlp.apply(x, fc1, fc2, bias1, bias2, probs, offsets, real_rows, cfg, opts)
+    return _GroupedMlp.apply(x, fc1, fc2, bias1, bias2, probs, (offsets, real_rows, cfg, opts))
