@@ -16,7 +16,9 @@
 // for "full", issues wgmma.m64n256k16 from shared-memory descriptors, keeps
 // one wgmma group in flight and frees the stage of the previous group through
 // its "empty" mbarrier. The producer runs ahead into the next tile while the
-// consumers run the epilogue of the previous one.
+// consumers run the epilogue of the previous one. The other warps of
+// warpgroup 0 are the helpers of the fused MLP epilogues (helpers.cuh) or, in
+// wgrad, zero the rows past a group in its last slice (consumer.cuh).
 //
 // Epilogue: each consumer warpgroup writes its 64 x 256 accumulators, chunk by
 // chunk (64 rows x 128 bytes), into a ring of 2-5 8 KB staging buffers in the
