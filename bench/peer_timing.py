@@ -1,4 +1,5 @@
-"""Timing shared by the PyTorch peer scripts: median of CUDA-event times."""
+"""Shared by the PyTorch peer scripts: median of CUDA-event times, and the
+mildly uneven rows per expert of the grouped-GEMM / MLP cases."""
 import torch
 
 
@@ -35,3 +36,13 @@ def step_stats(fn, params):
     for p in params:
         p.grad = None
     return ms, peak
+
+
+def split(E, M, seed=0):
+    """Rows per expert: mildly uneven (weights 0.5..1.5), multiples of 16,
+    summing to M (the same kind of split as bench_gemm's uneven_split)."""
+    g = torch.Generator().manual_seed(seed)
+    w = torch.rand(E, generator=g) + 0.5
+    s = (w / w.sum() * M / 16).floor().long() * 16
+    s[-1] += M - s.sum()
+    return s

@@ -11,20 +11,13 @@ import json
 
 import torch
 
-from peer_timing import bench_ms
+from peer_timing import bench_ms, split
 
 # name, experts, rows, K, N (bench/bench_gemm.cpp)
 CASES = [("dsv3-fc1", 32, 65536, 7168, 4096), ("dsv3-fc2", 32, 65536, 2048, 7168),
          ("mixtral-fc1", 8, 32768, 4096, 28672), ("qwen3-fc1", 128, 131072, 2048, 1536),
          ("qwen3-fc2", 128, 131072, 768, 2048)]
 
-
-def split(E, M, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    w = torch.rand(E, generator=g) + 0.5
-    s = (w / w.sum() * M / 16).floor().long() * 16
-    s[-1] += M - s.sum()
-    return s
 
 
 def main():

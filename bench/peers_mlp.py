@@ -10,21 +10,12 @@ the step allocates beyond its inputs and weights.
 import argparse, json
 import torch
 import torch.nn.functional as F
-from peer_timing import bench_ms
+from peer_timing import bench_ms, split
 
 # name, local experts, rows, H, F  (the grouped-GEMM cases of bench/bench_gemm.cpp)
 CASES = [("dsv3", 32, 65536, 7168, 2048), ("mixtral", 8, 32768, 4096, 14336),
          ("qwen3-30b", 128, 131072, 2048, 768)]
 
-
-
-
-def split(E, M, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    w = torch.rand(E, generator=g) + 0.5
-    s = (w / w.sum() * M / 16).floor().long() * 16
-    s[-1] += M - s.sum()
-    return s
 
 
 def main():

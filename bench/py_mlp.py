@@ -17,7 +17,8 @@ import torch.nn.functional as F
 
 import moeflow.ops as mf
 from peer_timing import bench_ms
-from peers_mlp import CASES, split
+from peer_timing import split
+from peers_mlp import CASES
 
 
 def main():
