@@ -125,6 +125,7 @@ void run_dispatch_bench(const DispatchBenchOptions& opt) {
         fill_bytes(sc, 0x3C, stream);
       }
       EpDispatchResult d = ep_dispatch(g, x, routing.ids, routing.probs, sc, stream);
+      EpHandle last = d.handle;  // the latest timed dispatch's (combine's routes)
       Tensor y = Tensor::empty({g.capacity_rows(), p.hidden}, DType::kBFloat16, dev);
       if (opt.fp8)
         fill_bytes(y, 0x3C, stream);
@@ -146,10 +147,10 @@ void run_dispatch_bench(const DispatchBenchOptions& opt) {
         rr.sweep_dispatch_ms.push_back(median_ms(
             [&] {
               const Routing& rt = next();
-              ep_dispatch(g, x, rt.ids, rt.probs, sc, stream);
+              last = ep_dispatch(g, x, rt.ids, rt.probs, sc, stream).handle;
             },
             stream, opt.timing.warmup, opt.timing.iters));
-        rr.sweep_combine_ms.push_back(median_ms([&] { ep_combine(g, y, true, out, stream); },
+        rr.sweep_combine_ms.push_back(median_ms([&] { ep_combine(g, last, y, true, out, stream); },
                                                 stream, opt.timing.warmup, opt.timing.iters));
       }
       if (r == 0 && !configs.empty()) print_progress("sweep", configs.size(), configs.size());
@@ -159,10 +160,10 @@ void run_dispatch_bench(const DispatchBenchOptions& opt) {
       rr.dispatch_ms = median_ms(
           [&] {
             const Routing& rt = next();
-            ep_dispatch(g, x, rt.ids, rt.probs, sc, stream);
+            last = ep_dispatch(g, x, rt.ids, rt.probs, sc, stream).handle;
           },
           stream, opt.timing.warmup, opt.timing.iters);
-      rr.combine_ms = median_ms([&] { ep_combine(g, y, true, out, stream); }, stream,
+      rr.combine_ms = median_ms([&] { ep_combine(g, last, y, true, out, stream); }, stream,
                                 opt.timing.warmup, opt.timing.iters);
       std::vector<int64_t> sent = g.last_send_rows(), got = g.last_recv_rows();
       const int64_t row = p.hidden * 2;  // bf16 rows (combine)

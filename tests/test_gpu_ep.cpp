@@ -244,17 +244,17 @@ void run_rounds(int W, const std::vector<Round>& rounds, int64_t capacity_rows =
         Tensor out = Tensor::empty({rd.tokens[r], H}, ydt, dev);
         op([&] {
           fill_bytes(out, 0xFF, st);
-          ep_combine(*groups[r], yy, true, out, st);
+          ep_combine(*groups[r], res.handle, yy, true, out, st);
         });
         got_out[r] = out.to(Device::cpu());
         op([&] {
           fill_bytes(out, 0xFF, st);
-          ep_combine(*groups[r], yy, true, out, st);  // determinism
+          ep_combine(*groups[r], res.handle, yy, true, out, st);  // determinism
         });
         got_out2[r] = out.to(Device::cpu());
         op([&] {
           fill_bytes(out, 0xFF, st);
-          ep_dispatch_backward(*groups[r], yy, out, st);
+          ep_dispatch_backward(*groups[r], res.handle, yy, out, st);
         });
         got_unw[r] = out.to(Device::cpu());
         {
@@ -263,7 +263,7 @@ void run_rounds(int W, const std::vector<Round>& rounds, int64_t capacity_rows =
           op([&] {
             fill_bytes(gy, 0xFF, st);
             fill_bytes(dp, 0xFF, st);
-            ep_combine_backward(*groups[r], d, yy, true, gy, dp, st);
+            ep_combine_backward(*groups[r], res.handle, d, yy, true, gy, dp, st);
           });
           got_gy[r] = gy.to(Device::cpu());
           got_dprobs[r] = dp.to(Device::cpu());
@@ -481,8 +481,8 @@ void graph_replay(int W, bool simulated) {
       fill_bytes(out, 0xFF, st);
     };
     auto step = [&] {
-      ep_dispatch(g, x, id, pr, st);
-      ep_combine(g, y, true, out, st);
+      const EpDispatchResult res = ep_dispatch(g, x, id, pr, st);
+      ep_combine(g, res.handle, y, true, out, st);
     };
     for (int i = 0; i < rounds; ++i) {
       load(i);
@@ -517,6 +517,118 @@ void graph_replay(int W, bool simulated) {
         EXPECT_FALSE(same_bytes(eager[i][r].data(), eager[i - 1][r].data(), eager[i][r].nbytes()))
             << "new routings must change the result";
     }
+}
+
+// Two dispatches in flight (two layers): dispatch A, dispatch B, combine B,
+// combine A, then the backward functions in the same reversed order, each
+// with its own handle: bitwise the results of A and B run one after the other.
+void two_in_flight(int W, EpBackend backend, bool simulated) {
+  const int E = 8 * W, K = 4;
+  const int64_t H = 96, T = 160;
+  EpOptions opt;
+  opt.num_experts = E;
+  opt.topk = K;
+  opt.hidden = H;
+  opt.dtype = DType::kBFloat16;
+  opt.max_tokens_per_rank = T;
+  opt.backend = backend;
+  std::vector<int> devs;
+  for (int r = 0; r < W; ++r) devs.push_back(r);
+  auto groups = simulated ? EpGroup::create_simulated(W, 0, opt) : EpGroup::create_local(devs, opt);
+  const int64_t cap = groups[0]->capacity_rows();
+  std::vector<std::vector<Tensor>> xs(2), ids(2), probs(2), ys(2), douts(2);
+  uint32_t seed = 77;
+  for (int i = 0; i < 2; ++i)
+    for (int r = 0; r < W; ++r) {
+      xs[i].push_back(make_tensor({T - 7 * i * r, H}, DType::kBFloat16));
+      fill_random(xs[i][r], seed++);
+      ids[i].push_back(random_topk(T - 7 * i * r, K, E, seed++, 0.5, 0.05));
+      probs[i].push_back(make_tensor({T - 7 * i * r, K}, DType::kFloat32));
+      fill_random(probs[i][r], seed++, 0.1f, 1.0f);
+      ys[i].push_back(make_tensor({cap, H}, DType::kBFloat16));
+      fill_random(ys[i][r], seed++);
+      douts[i].push_back(make_tensor({T - 7 * i * r, H}, DType::kBFloat16));
+      fill_random(douts[i][r], seed++);
+    }
+  // per mode (0: one after the other, 1: in flight), layer, rank: out, grad_y, dprobs, grad_x
+  std::vector<Tensor> got[2][2][4];
+  for (auto& m : got)
+    for (auto& l : m)
+      for (auto& v : l) v.resize(W);
+  HostBarrier ready(W);
+  EpGroup::run_local(groups, [&](int r) {
+    EpGroup& g = *groups[r];
+    const Device dev = g.device();
+    cudaStream_t st = simulated ? g.simulated_stream() : nullptr;
+    Tensor x[2], id[2], pr[2], y[2], dout[2], out[2], gy[2], dp[2], gx[2];
+    for (int i = 0; i < 2; ++i) {
+      x[i] = xs[i][r].to(dev);
+      id[i] = ids[i][r].to(dev);
+      pr[i] = probs[i][r].to(dev);
+      y[i] = ys[i][r].to(dev);
+      dout[i] = douts[i][r].to(dev);
+      const int64_t Ti = x[i].sizes()[0];
+      out[i] = Tensor::empty({Ti, H}, DType::kBFloat16, dev);
+      gx[i] = Tensor::empty({Ti, H}, DType::kBFloat16, dev);
+      gy[i] = Tensor::empty({cap, H}, DType::kBFloat16, dev);
+      dp[i] = Tensor::empty({Ti, K}, DType::kFloat32, dev);
+    }
+    MOEFLOW_CUDA_CHECK(cudaDeviceSynchronize());
+    auto op = [&](const std::function<void()>& f) {
+      if (simulated) ready.arrive_and_wait();
+      f();
+    };
+    auto forward = [&](int i, EpHandle& h) {
+      op([&] { h = ep_dispatch(g, x[i], id[i], pr[i], st).handle; });
+    };
+    auto finish = [&](int mode, int i, const EpHandle& h) {
+      for (Tensor* t : {&out[i], &gx[i], &gy[i], &dp[i]}) fill_bytes(*t, 0xFF, st);
+      op([&] { ep_combine(g, h, y[i], true, out[i], st); });
+      op([&] { ep_combine_backward(g, h, dout[i], y[i], true, gy[i], dp[i], st); });
+      op([&] { ep_dispatch_backward(g, h, y[i], gx[i], st); });
+      MOEFLOW_CUDA_CHECK(cudaStreamSynchronize(st));
+      got[mode][i][0][r] = out[i].to(Device::cpu());
+      got[mode][i][1][r] = gy[i].to(Device::cpu());
+      got[mode][i][2][r] = dp[i].to(Device::cpu());
+      got[mode][i][3][r] = gx[i].to(Device::cpu());
+    };
+    EpHandle a, b;
+    forward(0, a);
+    finish(0, 0, a);
+    forward(1, b);
+    finish(0, 1, b);
+    forward(0, a);
+    forward(1, b);
+    finish(1, 1, b);
+    finish(1, 0, a);
+    if (simulated) ready.arrive_and_wait();
+  });
+  for (int i = 0; i < 2; ++i)
+    for (int v = 0; v < 4; ++v)
+      for (int r = 0; r < W; ++r) {
+        SCOPED_TRACE("layer " + std::to_string(i) + " value " + std::to_string(v) + " rank " +
+                     std::to_string(r));
+        const Tensor& want = got[0][i][v][r];
+        const Tensor& have = got[1][i][v][r];
+        ASSERT_EQ(want.nbytes(), have.nbytes());
+        EXPECT_TRUE(same_bytes(have.data(), want.data(), want.nbytes()));
+      }
+}
+
+TEST(GpuEpNvlinkSimulated, TwoDispatchesInFlight) {
+  two_in_flight(2, EpBackend::kNvlink, true);
+}
+
+TEST(MultiGpuEpNvlink, TwoDispatchesInFlight) {
+  const int W = cuda_device_count();
+  if (W < 2) GTEST_SKIP() << "needs 2+ GPUs (label multigpu)";
+  two_in_flight(W, EpBackend::kNvlink, false);
+}
+
+TEST(MultiGpuEpNccl, TwoDispatchesInFlight) {
+  const int W = cuda_device_count();
+  if (W < 2) GTEST_SKIP() << "needs 2+ GPUs (label multigpu)";
+  two_in_flight(W, EpBackend::kNccl, false);
 }
 
 TEST(MultiGpuEpNvlink, GraphReplayWithNewRouting) {

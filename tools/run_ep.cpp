@@ -161,12 +161,12 @@ int run_ep_layer(const RunOptions& opt) {
             MOEFLOW_CUDA_CHECK(cudaEventRecord(ev[1], stream));
             grouped_mlp_forward(d.x, w, gl, d.probs, cfg, y, saved, stream);
             MOEFLOW_CUDA_CHECK(cudaEventRecord(ev[2], stream));
-            ep_combine(g, y, false, out, stream);  // the probs were applied in the MLP
+            ep_combine(g, d.handle, y, false, out, stream);  // the probs were applied in the MLP
             MOEFLOW_CUDA_CHECK(cudaEventRecord(ev[3], stream));
             if (opt.backward) {
-              ep_combine_backward(g, dout, y, false, gy, {}, stream);
+              ep_combine_backward(g, d.handle, dout, y, false, gy, {}, stream);
               grouped_mlp_backward_dgrad(gy, w, gl, d.probs, cfg, saved, dxr, dh, dpr, stream);
-              ep_dispatch_backward(g, dxr, dx, stream);
+              ep_dispatch_backward(g, d.handle, dxr, dx, stream);
               grouped_mlp_backward_wgrad(gy, d.x, gl, saved, dh, grads, stream);
             }
             MOEFLOW_CUDA_CHECK(cudaEventRecord(ev[4], stream));

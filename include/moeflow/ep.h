@@ -14,15 +14,18 @@
 //
 // Every rank must call each collective operation (dispatch, combine and the
 // backward functions) in the same order. Every function enqueues on `stream`
-// and returns with its work ordered before later work there. The views
-// returned point into buffers the group owns and stay valid until the next
-// dispatch on it. How the backends work, and their environment knobs:
-// docs/ep.md; the tuning options: docs/tuning.md.
+// and returns with its work ordered before later work there. A dispatch
+// returns an EpHandle: its received rows and its way back, which combine and
+// the backward functions take, so that several dispatches (layers) can be in
+// flight and a backward can run long after its forward. How the backends
+// work, and their environment knobs: docs/ep.md; the tuning options:
+// docs/tuning.md.
 #pragma once
 
 #include <array>
 #include <functional>
 #include <memory>
+#include <utility>
 #include <vector>
 
 #include "moeflow/plan.h"
@@ -101,6 +104,13 @@ struct EpOptions {
   // same value. MOEFLOW_EP_REGISTER=0/1 overrides it. Where ncclMemAlloc
   // fails the buffers are plain and nccl_buffers_registered() says false.
   bool nccl_register_buffers = true;
+  // Backend nccl: dispatch waits at most this many seconds for the peers'
+  // routing messages (its one host synchronisation). Past it, it throws an
+  // error naming the ranks whose message did not arrive, after aborting the
+  // communicator when the group owns it (from_unique_id, create_local); the
+  // group is unusable then. 0: wait forever. The nvlink backend's device
+  // barriers do not time out.
+  double timeout_s = 300.0;
 };
 
 class EpGroup {
@@ -110,9 +120,12 @@ class EpGroup {
   // any rank destroys the communicator (their registered buffers and windows
   // are released through it, with the peers' NCCL proxies).
   static std::unique_ptr<EpGroup> from_comm(ncclComm* comm, const EpOptions& options);
-  // From an NCCL unique id broadcast by the framework (all ranks call together).
+  // From an NCCL unique id broadcast by the framework (all ranks call together;
+  // blocks until they have). device: the rank's GPU (-1: the current device);
+  // the current device is left as it was.
   static std::unique_ptr<EpGroup> from_unique_id(const std::array<char, 128>& id, int rank,
-                                                 int world_size, const EpOptions& options);
+                                                 int world_size, const EpOptions& options,
+                                                 int device = -1);
   static std::array<char, 128> new_unique_id();
   // One group per listed GPU of this process (communicators made together).
   static std::vector<std::unique_ptr<EpGroup>> create_local(const std::vector<int>& devices,
@@ -166,6 +179,29 @@ class EpGroup {
   std::unique_ptr<Impl> impl_;
 };
 
+// What one dispatch leaves for its combine and backward functions (the way
+// back), and the buffers of its received rows. Copyable; the state is shared
+// and goes back to its group's pool when the last copy is destroyed (the
+// group keeps the pool: a state is allocated only when more dispatches are in
+// flight than ever before on that group, so warm up before a CUDA graph
+// capture). Host-side, thread-safe to copy and destroy.
+class EpHandle {
+ public:
+  struct State;  // the backend's (src/cuda/ep/group.h)
+  EpHandle() = default;
+  EpHandle(std::shared_ptr<State> state, const void* group, int64_t num_tokens)
+      : state_(std::move(state)), group_(group), num_tokens_(num_tokens) {}
+  bool defined() const { return state_ != nullptr; }
+  int64_t num_tokens() const { return num_tokens_; }  // T of the dispatch on this rank
+  const void* group() const { return group_; }         // the EpGroup it came from
+  State& state() const { return *state_; }
+
+ private:
+  std::shared_ptr<State> state_;
+  const void* group_ = nullptr;
+  int64_t num_tokens_ = 0;
+};
+
 struct EpDispatchResult {
   TensorView x;             // [capacity, H] received tokens, expert-major, padded; pad rows zero
   TensorView probs;         // [capacity] float32: probability of each row, 0 on pad rows
@@ -173,6 +209,7 @@ struct EpDispatchResult {
   const RoutingPlan* plan;  // the local experts' plan (device counts/offsets; overflow = dropped)
   int64_t received_tokens;  // tokens that arrived (host value, known after the count
                             // exchange; -1 on the nvlink backend)
+  EpHandle handle;          // owns x, probs, scales and plan: valid while a copy lives
 };
 
 // x [T,H] of EpOptions::dtype (T <= max_tokens_per_rank, may be 0), ids
@@ -187,24 +224,29 @@ EpDispatchResult ep_dispatch(EpGroup& group, TensorView x, TensorView ids, Tenso
 EpDispatchResult ep_dispatch(EpGroup& group, TensorView x, TensorView ids, TensorView probs,
                              TensorView scales, cudaStream_t stream = nullptr);
 
+// The functions below take the handle of a dispatch of this group (any
+// earlier one whose handle is still alive; every rank passes the handle of
+// the same dispatch).
+//
 // y [capacity, H] (the expert outputs of the dispatched rows, float32/float16/
-// bfloat16) -> out [T,H] of the last dispatch: out[t] = sum over ranks q
+// bfloat16) -> out [T,H] of the handle's dispatch: out[t] = sum over ranks q
 // ascending of sum over t's kept slots on q, k ascending, of w * y[row], w =
 // the slot's prob when `weighted`, else 1.
-void ep_combine(EpGroup& group, TensorView y, bool weighted, TensorView out,
-                cudaStream_t stream = nullptr);
+void ep_combine(EpGroup& group, const EpHandle& handle, TensorView y, bool weighted,
+                TensorView out, cudaStream_t stream = nullptr);
 
 // Gradient of dispatch (a combine without weights): grad_recv [capacity,H] ->
 // grad_x [T,H].
-void ep_dispatch_backward(EpGroup& group, TensorView grad_recv, TensorView grad_x,
-                          cudaStream_t stream = nullptr);
+void ep_dispatch_backward(EpGroup& group, const EpHandle& handle, TensorView grad_recv,
+                          TensorView grad_x, cudaStream_t stream = nullptr);
 
-// Gradient of combine: a dispatch of dout [T,H] along the last dispatch's
-// routes. grad_y [capacity,H] (dtype of y): w * dout[t] on the row of slot
-// (t,k) (w = 1 unless `weighted`), pad rows zero; dprobs [T,K] float32
-// (optional): <dout[t], y[row]> for every kept slot, 0 for unrouted or
-// dropped slots. y: the forward input of combine.
-void ep_combine_backward(EpGroup& group, TensorView dout, TensorView y, bool weighted,
-                         TensorView grad_y, TensorView dprobs = {}, cudaStream_t stream = nullptr);
+// Gradient of combine: a dispatch of dout [T,H] along the handle's routes.
+// grad_y [capacity,H] (dtype of y): w * dout[t] on the row of slot (t,k) (w =
+// 1 unless `weighted`), pad rows zero; dprobs [T,K] float32 (optional):
+// <dout[t], y[row]> for every kept slot, 0 for unrouted or dropped slots. y:
+// the forward input of combine.
+void ep_combine_backward(EpGroup& group, const EpHandle& handle, TensorView dout, TensorView y,
+                         bool weighted, TensorView grad_y, TensorView dprobs = {},
+                         cudaStream_t stream = nullptr);
 
 }  // namespace moeflow

@@ -213,7 +213,67 @@ inline cudaStream_t stream_of(uintptr_t s) {
   return reinterpret_cast<cudaStream_t>(s);
 }
 
+// --- Returned arrays ------------------------------------------------------------
+
+inline nb::dlpack::dtype dlpack_dtype(DType d) {
+  using C = nb::dlpack::dtype_code;
+  auto make = [](C code, int bits) {
+    nb::dlpack::dtype t;
+    t.code = static_cast<uint8_t>(code);
+    t.bits = static_cast<uint8_t>(bits);
+    t.lanes = 1;
+    return t;
+  };
+  switch (d) {
+    case DType::kFloat32:
+      return make(C::Float, 32);
+    case DType::kFloat16:
+      return make(C::Float, 16);
+    case DType::kBFloat16:
+      return make(C::Bfloat, 16);
+    case DType::kFloat8E4M3:
+      return make(C::Float8_E4M3FN, 8);
+    case DType::kFloat8E5M2:
+      return make(C::Float8_E5M2, 8);
+    case DType::kInt32:
+      return make(C::Int, 32);
+    case DType::kInt64:
+      return make(C::Int, 64);
+    case DType::kUInt8:
+      return make(C::UInt, 8);
+    case DType::kFloat64:
+      return make(C::Float, 64);
+    case DType::kBool:
+      return make(C::Bool, 8);
+  }
+  MOEFLOW_CHECK(false, "dtype ", dtype_name(d), " has no DLPack equivalent");
+  return make(C::Float, 32);
+}
+
+// DType from its name ("bfloat16", "float16", "float32", ... as dtype_name
+// writes them; "torch." / "float8_e4m3fn" spellings accepted too).
+inline DType dtype_from_name(std::string s) {
+  if (s.rfind("torch.", 0) == 0) s = s.substr(6);
+  if (s == "float8_e4m3fn") s = "float8_e4m3";
+  for (DType d : {DType::kFloat32, DType::kFloat16, DType::kBFloat16, DType::kFloat8E4M3,
+                  DType::kFloat8E5M2, DType::kInt32, DType::kInt64, DType::kUInt8, DType::kBool})
+    if (s == dtype_name(d)) return d;
+  MOEFLOW_CHECK(false, "dtype: expected float32, float16, bfloat16, float8_e4m3, float8_e5m2, ",
+                "int32, int64, uint8 or bool, got '", s, "'");
+  return DType::kFloat32;
+}
+
+// Returned arrays: nanobind's framework-neutral array object (__dlpack__ and
+// the buffer protocol), numpy arrays with an older nanobind.
+#if NB_VERSION_MAJOR >= 3 || (NB_VERSION_MAJOR == 2 && NB_VERSION_MINOR >= 2)
+using OutArray = nb::ndarray<nb::array_api>;
+#else
+using OutArray = nb::ndarray<nb::numpy>;
+#endif
+
 // The checkpoint bindings (checkpoint_bindings.cpp).
 void bind_checkpoint(nb::module_& m);
+// The expert-parallel bindings (ep_bindings.cpp).
+void bind_ep(nb::module_& m);
 
 }  // namespace moeflow::python

@@ -3,7 +3,8 @@
 // arrays (the caller's allocator, e.g. torch's caching allocator: nothing is
 // allocated here) and a CUDA stream as an integer (0: the legacy default
 // stream). The torch autograd wrappers live in moeflow/ops.py; the
-// checkpoint API is bound in checkpoint_bindings.cpp.
+// checkpoint API is bound in checkpoint_bindings.cpp, the expert-parallel
+// one in ep_bindings.cpp.
 #include <nanobind/nanobind.h>
 #include <nanobind/ndarray.h>
 #include <nanobind/stl/map.h>
@@ -636,4 +637,5 @@ NB_MODULE(_C, m) {
       nb::arg("stream") = 0);
 
   bind_checkpoint(m);
+  bind_ep(m);
 }

@@ -39,21 +39,30 @@ DType grad_dtype(const EpOptions& o) {
   return dtype_is_arith_float(o.dtype) ? o.dtype : o.backward_dtype;
 }
 
+// The handle of a dispatch of this group.
+void check_handle(const EpGroup& group, const EpHandle& handle) {
+  MOEFLOW_CHECK(handle.defined(), "handle: expected the handle of a dispatch, got an empty one");
+  MOEFLOW_CHECK(handle.group() == &group,
+                "handle: it comes from a dispatch of another expert-parallel group");
+}
+
 // combine and dispatch backward: rows [capacity, H] -> out [T, H].
-void check_combine(EpGroup& group, TensorView y, const char* y_name, TensorView out,
-                   const char* out_name) {
+void check_combine(EpGroup& group, const EpHandle& handle, TensorView y, const char* y_name,
+                   TensorView out, const char* out_name) {
+  check_handle(group, handle);
   const Device dev = group.device();
   const int64_t H = group.options().hidden;
   detail::expect(y, y_name, Expect{kFloats, {group.capacity_rows(), H}, dev});
-  detail::expect(out, out_name, Expect{kFloats, {cuda::ep_last_num_tokens(group), H}, dev});
+  detail::expect(out, out_name, Expect{kFloats, {handle.num_tokens(), H}, dev});
   MOEFLOW_CHECK(out.strides[1] == 1, out_name, " rows must be contiguous (stride(1) == 1)");
   if (is_nvlink(group))
     MOEFLOW_CHECK(y.strides[1] == 1, y_name, " rows must be contiguous (stride(1) == 1)");
 }
 
-void combine(EpGroup& group, TensorView y, bool weighted, TensorView out, cudaStream_t stream) {
-  if (is_nvlink(group)) return cuda::ep_nvlink_combine(group, y, weighted, out, stream);
-  cuda::ep_nccl_combine(group, y, weighted, out, stream);
+void combine(EpGroup& group, const EpHandle& handle, TensorView y, bool weighted, TensorView out,
+             cudaStream_t stream) {
+  if (is_nvlink(group)) return cuda::ep_nvlink_combine(group, handle, y, weighted, out, stream);
+  cuda::ep_nccl_combine(group, handle, y, weighted, out, stream);
 }
 
 }  // namespace
@@ -81,6 +90,7 @@ void check_ep_options(const EpOptions& o, int world) {
                 "backward_dtype must be float32, float16 or bfloat16 (FP8 tokens), got ",
                 dtype_name(grad_dtype(o)));
   MOEFLOW_CHECK(o.scale_cols >= 0, "scale_cols must be >= 0, got ", o.scale_cols);
+  MOEFLOW_CHECK(o.timeout_s >= 0.0, "timeout_s must be >= 0 (0: no timeout), got ", o.timeout_s);
   MOEFLOW_CHECK(o.eager_share >= 0.0 && o.eager_share < 1.0, "eager_share must be in [0, 1), got ",
                 o.eager_share);
 }
@@ -126,23 +136,26 @@ EpDispatchResult ep_dispatch(EpGroup& group, TensorView x, TensorView ids, Tenso
   return ep_dispatch(group, x, ids, probs, TensorView{}, stream);
 }
 
-void ep_combine(EpGroup& group, TensorView y, bool weighted, TensorView out, cudaStream_t stream) {
-  check_combine(group, y, "y", out, "out");
-  combine(group, y, weighted, out, stream);
+void ep_combine(EpGroup& group, const EpHandle& handle, TensorView y, bool weighted,
+                TensorView out, cudaStream_t stream) {
+  check_combine(group, handle, y, "y", out, "out");
+  combine(group, handle, y, weighted, out, stream);
 }
 
-void ep_dispatch_backward(EpGroup& group, TensorView grad_recv, TensorView grad_x,
-                          cudaStream_t stream) {
-  check_combine(group, grad_recv, "grad_recv", grad_x, "grad_x");
-  combine(group, grad_recv, false, grad_x, stream);
+void ep_dispatch_backward(EpGroup& group, const EpHandle& handle, TensorView grad_recv,
+                          TensorView grad_x, cudaStream_t stream) {
+  check_combine(group, handle, grad_recv, "grad_recv", grad_x, "grad_x");
+  combine(group, handle, grad_recv, false, grad_x, stream);
 }
 
-void ep_combine_backward(EpGroup& group, TensorView dout, TensorView y, bool weighted,
-                         TensorView grad_y, TensorView dprobs, cudaStream_t stream) {
+void ep_combine_backward(EpGroup& group, const EpHandle& handle, TensorView dout, TensorView y,
+                         bool weighted, TensorView grad_y, TensorView dprobs,
+                         cudaStream_t stream) {
+  check_handle(group, handle);
   const EpOptions& o = group.options();
   const Device dev = group.device();
   const int K = o.topk;
-  const int64_t T = cuda::ep_last_num_tokens(group), H = o.hidden;
+  const int64_t T = handle.num_tokens(), H = o.hidden;
   const int64_t capacity = group.capacity_rows();
   detail::expect(dout, "dout", Expect{{grad_dtype(o)}, {T, H}, dev});
   MOEFLOW_CHECK(dout.strides[1] == 1, "dout rows must be contiguous (stride(1) == 1)");
@@ -153,7 +166,8 @@ void ep_combine_backward(EpGroup& group, TensorView dout, TensorView y, bool wei
     MOEFLOW_CHECK(dprobs.is_contiguous(), "dprobs must be contiguous");
   }
   if (!is_nvlink(group))
-    return cuda::ep_nccl_combine_backward(group, dout, y, weighted, grad_y, dprobs, stream);
+    return cuda::ep_nccl_combine_backward(group, handle, dout, y, weighted, grad_y, dprobs,
+                                          stream);
   MOEFLOW_CHECK(y.dtype == grad_dtype(o), "the nvlink backend needs y of the gradient dtype ",
                 dtype_name(grad_dtype(o)),
                 " (the token dtype, or backward_dtype with FP8 tokens), got ", y.str());
@@ -164,7 +178,7 @@ void ep_combine_backward(EpGroup& group, TensorView dout, TensorView y, bool wei
                               {y.data, y.strides[0] * esz},
                               {grad_y.data, grad_y.strides[0] * esz}}),
                 "the nvlink backend needs 16-byte aligned rows of dout, y and grad_y");
-  cuda::ep_nvlink_combine_backward(group, dout, y, weighted, grad_y, dprobs, stream);
+  cuda::ep_nvlink_combine_backward(group, handle, dout, y, weighted, grad_y, dprobs, stream);
 }
 
 }  // namespace moeflow

@@ -15,22 +15,18 @@ void check_ep_options(const EpOptions& options, int world_size);
 
 namespace cuda {
 
-// T of the last dispatch on this rank (what combine's out and
-// combine_backward's dout must have).
-int64_t ep_last_num_tokens(EpGroup& group);
-
 EpDispatchResult ep_nccl_dispatch(EpGroup& group, TensorView x, TensorView ids, TensorView probs,
                                   TensorView scales, cudaStream_t stream);
-void ep_nccl_combine(EpGroup& group, TensorView y, bool weighted, TensorView out,
+void ep_nccl_combine(EpGroup& group, const EpHandle& handle, TensorView y, bool weighted, TensorView out,
                      cudaStream_t stream);
-void ep_nccl_combine_backward(EpGroup& group, TensorView dout, TensorView y, bool weighted,
+void ep_nccl_combine_backward(EpGroup& group, const EpHandle& handle, TensorView dout, TensorView y, bool weighted,
                               TensorView grad_y, TensorView dprobs, cudaStream_t stream);
 
 EpDispatchResult ep_nvlink_dispatch(EpGroup& group, TensorView x, TensorView ids, TensorView probs,
                                     TensorView scales, cudaStream_t stream);
-void ep_nvlink_combine(EpGroup& group, TensorView y, bool weighted, TensorView out,
+void ep_nvlink_combine(EpGroup& group, const EpHandle& handle, TensorView y, bool weighted, TensorView out,
                        cudaStream_t stream);
-void ep_nvlink_combine_backward(EpGroup& group, TensorView dout, TensorView y, bool weighted,
+void ep_nvlink_combine_backward(EpGroup& group, const EpHandle& handle, TensorView dout, TensorView y, bool weighted,
                                 TensorView grad_y, TensorView dprobs, cudaStream_t stream);
 
 }  // namespace cuda

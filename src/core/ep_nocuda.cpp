@@ -28,7 +28,7 @@ std::unique_ptr<EpGroup> EpGroup::from_comm(ncclComm*, const EpOptions&) {
   no_cuda();
 }
 std::unique_ptr<EpGroup> EpGroup::from_unique_id(const std::array<char, 128>&, int, int,
-                                                 const EpOptions&) {
+                                                 const EpOptions&, int) {
   no_cuda();
 }
 std::array<char, 128> EpGroup::new_unique_id() {
@@ -89,17 +89,14 @@ const std::vector<int64_t>& EpGroup::last_recv_rows() const {
 }
 
 namespace cuda {
-int64_t ep_last_num_tokens(EpGroup&) {
-  no_cuda();
-}
 EpDispatchResult ep_nccl_dispatch(EpGroup&, TensorView, TensorView, TensorView, TensorView,
                                   cudaStream_t) {
   no_cuda();
 }
-void ep_nccl_combine(EpGroup&, TensorView, bool, TensorView, cudaStream_t) {
+void ep_nccl_combine(EpGroup&, const EpHandle&, TensorView, bool, TensorView, cudaStream_t) {
   no_cuda();
 }
-void ep_nccl_combine_backward(EpGroup&, TensorView, TensorView, bool, TensorView, TensorView,
+void ep_nccl_combine_backward(EpGroup&, const EpHandle&, TensorView, TensorView, bool, TensorView, TensorView,
                               cudaStream_t) {
   no_cuda();
 }
@@ -107,10 +104,10 @@ EpDispatchResult ep_nvlink_dispatch(EpGroup&, TensorView, TensorView, TensorView
                                     cudaStream_t) {
   no_cuda();
 }
-void ep_nvlink_combine(EpGroup&, TensorView, bool, TensorView, cudaStream_t) {
+void ep_nvlink_combine(EpGroup&, const EpHandle&, TensorView, bool, TensorView, cudaStream_t) {
   no_cuda();
 }
-void ep_nvlink_combine_backward(EpGroup&, TensorView, TensorView, bool, TensorView, TensorView,
+void ep_nvlink_combine_backward(EpGroup&, const EpHandle&, TensorView, TensorView, bool, TensorView, TensorView,
                                 cudaStream_t) {
   no_cuda();
 }

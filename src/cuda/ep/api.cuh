@@ -282,6 +282,10 @@ struct FusedArgs {
   const int32_t* dest_rank;  // [tmax, K]: the rank of each slot (-1: none)
   const int64_t* dest_row;   // [tmax, K]: its row there
   const float* weights;      // [tmax, K] the slots' probs, or null
+  // The holder's side of the dispatch (the window's, copied into the handle):
+  const int32_t* inv;    // [W, tmax, K]: the row here of each peer token's slot (-1)
+  const int32_t* ntok;   // [W]: each rank's T
+  const float* rprobs;   // [capacity]: each received row's prob
 };
 struct CombineParams {
   FusedArgs f;
@@ -305,6 +309,10 @@ struct CombineBwdParams {
 };
 void launch_combine_bwd(const CombineBwdParams& p, DType dtype, unsigned grid, cudaStream_t stream);
 
+// Rows [0, *total_rows) of `row_bytes` (a multiple of 16) from src to dst
+// (at most max_rows): the used rows of a receive layout.
+void launch_copy_rows(const uint8_t* src, uint8_t* dst, int64_t row_bytes,
+                      const int64_t* total_rows, int64_t max_rows, cudaStream_t stream);
 // ids [T,K] (int32/int64) -> local [tmax,K] int32, rows past T unrouted.
 void launch_copy_ids(const int64_t* ids, int64_t T, int K, int64_t tmax, int32_t* out,
                      cudaStream_t stream);

@@ -129,7 +129,8 @@ EpGroup::Impl::~Impl() {
   // callers' streams): let it finish before buffers are deregistered and
   // freed (cudaFree would have waited; ncclMemFree does not).
   int cur = -1;
-  if (cudaGetDevice(&cur) == cudaSuccess && cudaSetDevice(device) == cudaSuccess) {
+  // (after a timeout the work of a caller's communicator never ends: not waited for)
+  if (!aborted && cudaGetDevice(&cur) == cudaSuccess && cudaSetDevice(device) == cudaSuccess) {
     cudaDeviceSynchronize();
     cudaSetDevice(cur);
   }
@@ -197,17 +198,16 @@ void EpGroup::Impl::init_common(const EpOptions& o) {
   z.row_bytes = o.hidden * static_cast<int64_t>(dtype_size(o.dtype));
   z.grad_row_bytes = o.hidden * static_cast<int64_t>(dtype_size(z.grad_dtype));
   tuning = resolve_tuning(o, world, rank, z.row_bytes);
+  handles = std::make_shared<EpHandlePool>();
+  handles->make = [this] { return make_handle_state(); };  // (called by dispatch only)
   trace.on = tuning.trace;
   const Device dev = Device::cuda(device);
   const int64_t rows_max = z.max_recv_rows;
-  buf.token_flags = Tensor::empty({2 * (rows_max + 1)}, DType::kInt32, dev);
-  buf.token_rows = Tensor::empty({2 * (rows_max + 1)}, DType::kInt32, dev);
-  buf.recv_single = Tensor::empty({rows_max + 1}, DType::kInt32, dev);
-  buf.recv_single_pos = Tensor::empty({rows_max + 1}, DType::kInt32, dev);
   size_t scan_bytes = 0;
-  MOEFLOW_CUDA_CHECK(
-      cub::DeviceScan::ExclusiveSum(nullptr, scan_bytes, buf.token_flags.data_ptr<int32_t>(),
-                                    buf.token_rows.data_ptr<int32_t>(), 2 * (rows_max + 1)));
+  MOEFLOW_CUDA_CHECK(cub::DeviceScan::ExclusiveSum(nullptr, scan_bytes,
+                                                   static_cast<const int32_t*>(nullptr),
+                                                   static_cast<int32_t*>(nullptr),
+                                                   2 * (rows_max + 1)));
   buf.scan_workspace = Tensor::empty({static_cast<int64_t>(scan_bytes) + 16}, DType::kUInt8, dev);
   buf.route_counts = Tensor::empty({4 * world * kMaxChunks + 1}, DType::kInt32, dev);
   buf.own_row_token = Tensor::empty({z.max_tokens}, DType::kInt32, dev);
@@ -254,11 +254,7 @@ void EpGroup::Impl::allocate_nccl_buffers(const Device& dev) {
   };
   const Buf bufs[] = {
       {&buf.send_x, {send_max, H}, wide_dtype()},
-      {&buf.send_ids, {send_max, K}, DType::kInt32},
-      {&buf.send_probs, {send_max, K}, DType::kFloat32},
       {&buf.recv_x, {rows_max, H}, wide_dtype()},
-      {&buf.recv_ids, {rows_max, K}, DType::kInt32},
-      {&buf.recv_probs, {rows_max, K}, DType::kFloat32},
       {&buf.held_partials, {rows_max, H}, DType::kFloat32},
       {&buf.home_partials, {send_max, H}, DType::kFloat32},
       {&buf.recv_dprobs, {rows_max, K}, DType::kFloat32},
@@ -306,13 +302,72 @@ void EpGroup::Impl::allocate_nccl_buffers(const Device& dev) {
   pc.num_experts = size.experts_per_rank;
   pc.align = opt.align;
   pc.capacity_rows = size.capacity;
-  buf.plan = allocate_plan(rows_max, opt.topk, pc, dev);
   buf.plan_workspace =
       Tensor::empty({static_cast<int64_t>(plan_workspace_bytes(rows_max, opt.topk, pc)) + 16},
                     DType::kUInt8, dev);
-  buf.out_x = Tensor::empty({size.capacity, H}, opt.dtype, dev);
-  buf.out_probs = Tensor::empty({size.capacity}, DType::kFloat32, dev);
-  buf.out_scales = Tensor::empty({size.capacity, opt.scale_cols}, opt.scale_dtype, dev);
+}
+
+// --- Dispatch states (EpHandle) -----------------------------------------------------
+// One dispatch's buffers, sized from the options like the group's.
+std::unique_ptr<EpHandle::State> EpGroup::Impl::make_handle_state() const {
+  auto st = std::make_unique<EpHandle::State>();
+  const Device dev = Device::cuda(device);
+  const int64_t K = opt.topk, H = opt.hidden, cap = size.capacity;
+  const int64_t rows_max = size.max_recv_rows, send_max = size.max_send_rows;
+  PlanConfig pc;
+  pc.num_experts = size.experts_per_rank;
+  pc.align = opt.align;
+  pc.capacity_rows = cap;
+  if (opt.backend == EpBackend::kNccl) {
+    st->token_flags = Tensor::empty({2 * (rows_max + 1)}, DType::kInt32, dev);
+    st->token_rows = Tensor::empty({2 * (rows_max + 1)}, DType::kInt32, dev);
+    st->send_ids = Tensor::empty({send_max, K}, DType::kInt32, dev);
+    st->send_probs = Tensor::empty({send_max, K}, DType::kFloat32, dev);
+    st->recv_ids = Tensor::empty({rows_max, K}, DType::kInt32, dev);
+    st->recv_probs = Tensor::empty({rows_max, K}, DType::kFloat32, dev);
+    st->recv_single = Tensor::empty({rows_max + 1}, DType::kInt32, dev);
+    st->recv_single_pos = Tensor::empty({rows_max + 1}, DType::kInt32, dev);
+    st->plan = allocate_plan(rows_max, opt.topk, pc, dev);
+  } else {
+    const int64_t tmax = size.max_tokens;
+    st->dest_rank = Tensor::empty({tmax, K}, DType::kInt32, dev);
+    st->dest_row = Tensor::empty({tmax, K}, DType::kInt64, dev);
+    st->home_probs = Tensor::empty({tmax, K}, DType::kFloat32, dev);
+    st->inv = Tensor::empty({world, tmax, K}, DType::kInt32, dev);
+    st->ntok = Tensor::empty({world}, DType::kInt32, dev);
+    st->plan = allocate_plan(1, opt.topk, pc, dev);
+  }
+  st->out_x = Tensor::empty({cap, H}, opt.dtype, dev);
+  st->out_probs = Tensor::empty({cap}, DType::kFloat32, dev);
+  st->out_scales = Tensor::empty({cap, opt.scale_cols}, opt.scale_dtype, dev);
+  return st;
+}
+
+std::shared_ptr<EpHandle::State> EpHandlePool::acquire(const std::shared_ptr<EpHandlePool>& pool) {
+  std::unique_ptr<EpHandle::State> st;
+  {
+    std::lock_guard<std::mutex> lock(pool->mutex);
+    if (!pool->free.empty()) {
+      st = std::move(pool->free.back());
+      pool->free.pop_back();
+    }
+  }
+  if (!st) {  // more dispatches in flight than ever before: a new state
+    st = pool->make();
+    std::lock_guard<std::mutex> lock(pool->mutex);
+    ++pool->made;
+  }
+  // NOTE: a state goes back when its last handle goes; work enqueued with it
+  // is ordered before the next dispatch that takes it (the group's
+  // operations run in one order on every rank, on the caller's stream).
+  return std::shared_ptr<EpHandle::State>(st.release(), [pool](EpHandle::State* p) {
+    std::lock_guard<std::mutex> lock(pool->mutex);
+    pool->free.emplace_back(p);
+  });
+}
+
+EpHandle EpGroup::Impl::new_handle(int64_t num_tokens, const EpGroup& group) {
+  return EpHandle(EpHandlePool::acquire(handles), &group, num_tokens);
 }
 
 // --- EpGroup ------------------------------------------------------------------------
@@ -361,17 +416,11 @@ ncclComm* EpGroup::nccl_comm() const {
   return impl_->comm;
 }
 const std::vector<int64_t>& EpGroup::last_send_rows() const {
-  return impl_->last.send_rows;
+  return impl_->prev_send_rows;
 }
 const std::vector<int64_t>& EpGroup::last_recv_rows() const {
-  return impl_->last.recv_rows;
+  return impl_->prev_recv_rows;
 }
-
-namespace cuda {
-int64_t ep_last_num_tokens(EpGroup& group) {
-  return group.impl().last.num_tokens;
-}
-}  // namespace cuda
 
 std::unique_ptr<EpGroup> EpGroup::from_comm(ncclComm* comm, const EpOptions& options) {
   MOEFLOW_CHECK(comm != nullptr, "comm must be an NCCL communicator, got null");
@@ -391,9 +440,20 @@ std::array<char, 128> EpGroup::new_unique_id() {
 }
 
 std::unique_ptr<EpGroup> EpGroup::from_unique_id(const std::array<char, 128>& id, int rank,
-                                                 int world_size, const EpOptions& options) {
+                                                 int world_size, const EpOptions& options,
+                                                 int device) {
   MOEFLOW_CHECK(world_size >= 1 && rank >= 0 && rank < world_size,
                 "rank must be in [0, world_size=", world_size, "), got ", rank);
+  int prev = 0;
+  MOEFLOW_CUDA_CHECK(cudaGetDevice(&prev));
+  if (device >= 0 && device != prev) {
+    MOEFLOW_CUDA_CHECK(cudaSetDevice(device));
+    struct Restore {
+      int d;
+      ~Restore() { cudaSetDevice(d); }
+    } restore{prev};
+    return from_unique_id(id, rank, world_size, options, -1);
+  }
   ncclUniqueId uid;
   std::memcpy(uid.internal, id.data(), 128);
   ncclComm_t comm = nullptr;

@@ -10,7 +10,9 @@
 #include <nccl.h>
 
 #include <algorithm>
+#include <functional>
 #include <memory>
+#include <mutex>
 #include <string>
 #include <utility>
 #include <vector>
@@ -66,19 +68,12 @@ struct EpSizes {
 // The device buffers of the nccl backend (those up to recv_single_pos are
 // allocated for both backends, the rest by allocate_nccl_buffers).
 struct NcclBuffers {
-  // [flags | single] of the last dispatch, each W*T + 1 entries
-  // (launch_send_flags), and their one exclusive scan: each (q, t)'s send
-  // row, then the single rows' prefix offset by the flags' total
-  // (token_rows[W*T]). single[q*T + t]: token t has one slot on peer q
-  // (combine sends that row of y home instead of a float32 partial).
-  Tensor token_flags, token_rows, scan_workspace;
+  Tensor scan_workspace;            // the token flags' scan (EpHandle::State::token_rows)
   Tensor route_counts;             // both sides' rows per peer and piece (launch_route_counts)
   int32_t* host_counts = nullptr;  // pinned copy of route_counts (the host sync)
   Tensor own_row_token;            // [tmax]: the token of this rank's j-th own row
-  // The single flag and its scan over the received rows.
-  Tensor recv_single, recv_single_pos;
   // Staging buffers NCCL moves (one registered arena, or plain).
-  Tensor send_x, send_ids, send_probs, recv_x, recv_ids, recv_probs;
+  Tensor send_x, recv_x;
   Tensor held_partials;             // holder side of combine: float32 partials, then single rows
   Tensor home_partials;             // home side: the partials (and single rows) that came back
   Tensor recv_dprobs, back_dprobs;  // combine backward
@@ -87,22 +82,13 @@ struct NcclBuffers {
   // slot, sent from there), the receiver's flags over them, their scan and
   // its workspace.
   Tensor routes, recv_flags, recv_flag_scan, recv_scan_workspace;
-  Tensor eager_x;                           // the eager piece's send rows (eager_total_rows)
-  RoutingPlan plan;                         // the receive plan of the local experts
-  Tensor plan_workspace, out_x, out_probs;  // the dispatch result
+  Tensor eager_x;         // the eager piece's send rows (eager_total_rows)
+  Tensor plan_workspace;  // build_plan's over the received ids
   void* arena_handle = nullptr;  // ncclCommRegister handle of the arena (null: plain buffers)
-
-  int32_t* single(int world, int64_t T) { return token_flags.data_ptr<int32_t>() + world * T + 1; }
-  int32_t* single_pos_raw(int world, int64_t T) {
-    return token_rows.data_ptr<int32_t>() + world * T + 1;
-  }
-  int32_t* single_pos_base(int world, int64_t T) {
-    return token_rows.data_ptr<int32_t>() + world * T;
-  }
 };
 
-// What the last dispatch leaves for combine and the backward functions
-// (host values). Piece c holds the home tokens [piece_start(c),
+// What a dispatch of the nccl backend leaves for combine and the backward
+// functions (host values). Piece c holds the home tokens [piece_start(c),
 // piece_start(c+1)) of each rank; rows of piece c to / from rank q start at
 // *_piece[q*(C+1) + c] inside q's range.
 struct LastDispatch {
@@ -167,10 +153,6 @@ struct NvlinkState {
   RoutingPlan local;  // over the E global experts, align 1, nothing dropped
   Tensor local_ws;
   Tensor first_row, fit;       // [E] int64
-  Tensor dest_rank, dest_row;  // [tmax, K]
-  Tensor probs;                // [tmax, K] float32: the last dispatch's probs (combine weights)
-  RoutingPlan recv;            // this rank's receive plan (counts / offsets on the device)
-  int64_t T = 0;
 
   // Simulated ranks (EpGroup::create_simulated): the barrier words shared by
   // the group's ranks and every rank's window.
@@ -182,9 +164,52 @@ struct NvlinkState {
   void release(ncclComm_t comm);
 };
 
+// The state of one dispatch (EpHandle): its result and its way back. Made
+// by EpHandlePool::make for the group's backend, reused across dispatches.
+struct EpHandle::State {
+  // Backend nccl. [flags | single] of the dispatch, each W*T + 1 entries
+  // (launch_send_flags), and their one exclusive scan: each (q, t)'s send
+  // row, then the single rows' prefix offset by the flags' total
+  // (token_rows[W*T]). single[q*T + t]: token t has one slot on peer q
+  // (combine sends that row of y home instead of a float32 partial).
+  Tensor token_flags, token_rows;
+  Tensor send_ids, send_probs;     // [send rows, K]: the local ids / probs of each sent row
+  Tensor recv_ids, recv_probs;     // [recv rows, K]: the same of each received row
+  Tensor recv_single, recv_single_pos;  // the single flag and its scan over the received rows
+  RoutingPlan plan;                // the receive plan of the local experts
+  LastDispatch last;               // the host-side way back
+  // Backend nvlink: where this rank's slots went, their probs, and what the
+  // holder side of combine reads (copied out of the window after dispatch).
+  Tensor dest_rank, dest_row;  // [tmax, K]
+  Tensor home_probs;           // [tmax, K] float32: the slots' probs (combine weights at home)
+  Tensor inv, ntok;            // [W, tmax, K] / [W] int32: the window's inv and ntok
+  // Both: the result rows (nvlink: probs are also the holder's weights).
+  Tensor out_x, out_probs, out_scales;
+
+  int32_t* single(int world, int64_t T) { return token_flags.data_ptr<int32_t>() + world * T + 1; }
+  int32_t* single_pos_raw(int world, int64_t T) {
+    return token_rows.data_ptr<int32_t>() + world * T + 1;
+  }
+  int32_t* single_pos_base(int world, int64_t T) {
+    return token_rows.data_ptr<int32_t>() + world * T;
+  }
+};
+
+// The group's dispatch states: a handle takes a free one (or a new one, made
+// by `make`) and gives it back when its last copy goes. Shared with the
+// handles, so a handle may outlive its group.
+struct EpHandlePool {
+  std::mutex mutex;
+  std::vector<std::unique_ptr<EpHandle::State>> free;
+  std::function<std::unique_ptr<EpHandle::State>()> make;
+  size_t made = 0;  // states made so far
+  static std::shared_ptr<EpHandle::State> acquire(const std::shared_ptr<EpHandlePool>& pool);
+};
+
 struct EpGroup::Impl {
   ncclComm_t comm = nullptr;  // null for simulated ranks
   bool owns_comm = false;
+  bool aborted = false;  // a dispatch timed out (EpOptions::timeout_s): the group is unusable
   int rank = 0, world = 1, device = 0, sm_count = 0;
   bool simulated = false;  // create_simulated: a rank of several on one GPU
   EpOptions opt;           // as given (the setters change the tunable fields)
@@ -192,7 +217,10 @@ struct EpGroup::Impl {
   EpSizes size;
   NcclBuffers buf;
   EpStreams streams;
-  LastDispatch last;
+  // The previous dispatch's rows to / from each rank (the eager piece's size,
+  // last_send_rows / last_recv_rows).
+  std::vector<int64_t> prev_send_rows, prev_recv_rows;
+  std::shared_ptr<EpHandlePool> handles;
   EpTrace trace;
   std::unique_ptr<NvlinkState> nvl;  // backend nvlink
 
@@ -201,6 +229,8 @@ struct EpGroup::Impl {
   void init_simulated(int r, int w, const EpOptions& o);
   void init_common(const EpOptions& o);
   void allocate_nccl_buffers(const Device& dev);
+  std::unique_ptr<EpHandle::State> make_handle_state() const;
+  EpHandle new_handle(int64_t num_tokens, const EpGroup& group);
   void init_nvlink();  // (nvlink.cu; collective)
 
   int chunks() const { return std::clamp(opt.pipeline_chunks, 1, kMaxChunks); }

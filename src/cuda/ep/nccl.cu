@@ -33,8 +33,11 @@
 // caller's stream waiting for the internal one.
 #include <nccl.h>
 
+#include <chrono>
 #include <cmath>
 #include <cstdio>
+#include <string>
+#include <thread>
 #include <cub/device/device_scan.cuh>
 
 #include "core/backends.h"
@@ -90,6 +93,7 @@ using namespace ep_nccl;
 // One dispatch's arguments and the values its steps share.
 struct Dispatch {
   EpGroup::Impl& g;
+  EpHandle::State& h;  // this dispatch's state (the handle's)
   TensorView x, ids, probs, scales;
   cudaStream_t stream;  // the caller's
   cudaStream_t cs;      // NCCL's
@@ -138,8 +142,8 @@ struct Dispatch {
                         W,
                         me};
   }
-  const int32_t* flags() const { return g.buf.token_flags.data_ptr<int32_t>(); }
-  const int32_t* rows() const { return g.buf.token_rows.data_ptr<int32_t>(); }
+  const int32_t* flags() const { return h.token_flags.data_ptr<int32_t>(); }
+  const int32_t* rows() const { return h.token_rows.data_ptr<int32_t>(); }
   // Token rows of tokens [t0, t1) for the peers (where to: set by the caller).
   PackRowsParams pack_rows(int64_t t0, int64_t t1) const {
     PackRowsParams p{};
@@ -162,15 +166,15 @@ struct Dispatch {
 // (the same number on both sides of a pair).
 void plan_eager_rows(Dispatch& d) {
   EpGroup::Impl& g = d.g;
-  LastDispatch& last = g.last;
+  LastDispatch& last = d.h.last;
   for (int q = 0; q < d.W; ++q) {
     auto rows = [&](const std::vector<int64_t>& cnt) {
       if (q == d.me || static_cast<int>(cnt.size()) != d.W) return int32_t{0};
       return static_cast<int32_t>(std::min<int64_t>(
           g.size.eager_max_rows, static_cast<int64_t>(std::floor(g.tuning.eager_share * cnt[q]))));
     };
-    last.eager_send.n[q] = rows(last.send_rows);
-    last.eager_recv.n[q] = rows(last.recv_rows);
+    last.eager_send.n[q] = rows(g.prev_send_rows);
+    last.eager_recv.n[q] = rows(g.prev_recv_rows);
     last.eager_offset.n[q] = q == 0 ? 0 : last.eager_offset.n[q - 1] + last.eager_send.n[q - 1];
     d.eager = d.eager || last.eager_send.n[q] > 0 || last.eager_recv.n[q] > 0;
   }
@@ -186,8 +190,8 @@ void plan_eager_rows(Dispatch& d) {
 void flag_tokens(Dispatch& d) {
   SendFlagsParams p;
   p.routing = d.routing();
-  p.flags = d.g.buf.token_flags.data_ptr<int32_t>();
-  p.single = d.g.buf.single(d.W, d.T);
+  p.flags = d.h.token_flags.data_ptr<int32_t>();
+  p.single = d.h.single(d.W, d.T);
   p.route = d.own_route();
   launch_send_flags(p, d.stream);
 }
@@ -204,6 +208,10 @@ void send_routes(Dispatch& d) {
   int32_t* route = g.buf.routes.data_ptr<int32_t>();
   EpGroup::Impl::order(g.streams.ev_start, d.stream, d.cs);
   if (d.W > 1) {
+    // each peer's head (its T) poisoned: a timeout names those still so
+    for (int q = 0; q < d.W; ++q)
+      if (q != d.me)
+        MOEFLOW_CUDA_CHECK(cudaMemsetAsync(route + q * d.words, 0xFF, sizeof(int32_t), d.cs));
     MOEFLOW_NCCL_CHECK(ncclGroupStart());
     for (int q = 0; q < d.W; ++q) {
       if (q == d.me) continue;
@@ -222,8 +230,8 @@ void rank_send_rows(Dispatch& d) {
   EpGroup::Impl& g = d.g;
   size_t scan_bytes = static_cast<size_t>(g.buf.scan_workspace.numel());
   MOEFLOW_CUDA_CHECK(cub::DeviceScan::ExclusiveSum(
-      g.buf.scan_workspace.data(), scan_bytes, g.buf.token_flags.data_ptr<int32_t>(),
-      g.buf.token_rows.data_ptr<int32_t>(), 2 * (d.W * d.T + 1), d.stream));
+      g.buf.scan_workspace.data(), scan_bytes, d.h.token_flags.data_ptr<int32_t>(),
+      d.h.token_rows.data_ptr<int32_t>(), 2 * (d.W * d.T + 1), d.stream));
   g.mark("ranked", d.stream);
 }
 
@@ -233,10 +241,10 @@ void pack_eager_parts(Dispatch& d) {
   for (int k = 0; d.eager && k < g.tuning.eager_parts; ++k) {
     if (d.T > 0) {
       PackRowsParams p = d.pack_rows(0, d.T);
-      p.lo = d.part_rows(g.last.eager_send, k);
-      p.hi = d.part_rows(g.last.eager_send, k + 1);
+      p.lo = d.part_rows(d.h.last.eager_send, k);
+      p.hi = d.part_rows(d.h.last.eager_send, k + 1);
       p.eager = static_cast<uint8_t*>(g.buf.eager_x.data());
-      p.eager_off = g.last.eager_offset;
+      p.eager_off = d.h.last.eager_offset;
       launch_pack_rows(p, d.stream);
     }
     MOEFLOW_CUDA_CHECK(cudaEventRecord(g.streams.ev_eager_packed[k], d.stream));
@@ -269,10 +277,10 @@ void send_eager_parts(Dispatch& d) {
   EpGroup::Impl& g = d.g;
   const int64_t row_bytes = g.size.row_bytes;
   for (int k = 0; d.eager && k < g.tuning.eager_parts; ++k) {
-    const EagerRows slo = d.part_rows(g.last.eager_send, k),
-                    shi = d.part_rows(g.last.eager_send, k + 1);
-    const EagerRows rlo = d.part_rows(g.last.eager_recv, k),
-                    rhi = d.part_rows(g.last.eager_recv, k + 1);
+    const EagerRows slo = d.part_rows(d.h.last.eager_send, k),
+                    shi = d.part_rows(d.h.last.eager_send, k + 1);
+    const EagerRows rlo = d.part_rows(d.h.last.eager_recv, k),
+                    rhi = d.part_rows(d.h.last.eager_recv, k + 1);
     MOEFLOW_CUDA_CHECK(cudaStreamWaitEvent(d.cs, g.streams.ev_eager_packed[k], 0));
     const uint8_t* se = static_cast<const uint8_t*>(g.buf.eager_x.data());
     MOEFLOW_NCCL_CHECK(ncclGroupStart());
@@ -280,7 +288,7 @@ void send_eager_parts(Dispatch& d) {
       if (q == d.me) continue;
       const int64_t sb = slo.n[q], ns = shi.n[q] - sb, rb = rlo.n[q], nr = rhi.n[q] - rb;
       if (ns > 0)
-        MOEFLOW_NCCL_CHECK(ncclSend(se + (int64_t{g.last.eager_offset.n[q]} + sb) * row_bytes,
+        MOEFLOW_NCCL_CHECK(ncclSend(se + (int64_t{d.h.last.eager_offset.n[q]} + sb) * row_bytes,
                                     ns * row_bytes, ncclUint8, q, g.comm, d.cs));
       if (nr > 0)
         MOEFLOW_NCCL_CHECK(ncclRecv(d.slot_row(q, rb), nr * row_bytes, ncclUint8, q, g.comm, d.cs));
@@ -302,8 +310,8 @@ void pack_sender_side(Dispatch& d) {
     p.routing = d.routing();
     p.flags = d.flags();
     p.rows = d.rows();
-    p.send_ids = g.buf.send_ids.data_ptr<int32_t>();
-    p.send_probs = g.buf.send_probs.data_ptr<float>();
+    p.send_ids = d.h.send_ids.data_ptr<int32_t>();
+    p.send_probs = d.h.send_probs.data_ptr<float>();
     p.own_row_token = g.buf.own_row_token.data_ptr<int32_t>();
     launch_pack_meta(p, d.stream);
     if (d.with_scales()) {
@@ -324,7 +332,7 @@ void pack_sender_side(Dispatch& d) {
     if (t1 > t0) {
       PackRowsParams p = d.pack_rows(t0, t1);
       p.send_x = static_cast<uint8_t*>(g.buf.send_x.data());
-      p.hi = g.last.eager_send;  // rows past the eager ones
+      p.hi = d.h.last.eager_send;  // rows past the eager ones
       launch_pack_rows(p, d.stream);
     }
     MOEFLOW_CUDA_CHECK(cudaEventRecord(g.streams.ev_packed[c], d.stream));
@@ -332,15 +340,53 @@ void pack_sender_side(Dispatch& d) {
   }
 }
 
+// The host's wait for the routing messages (dispatch's one synchronisation),
+// bounded by EpOptions::timeout_s: past it, the ranks whose message has not
+// arrived (their slot's head still poisoned by send_routes) are named.
+void wait_for_counts(Dispatch& d) {
+  EpGroup::Impl& g = d.g;
+  MOEFLOW_CHECK(!g.aborted, "the expert-parallel group was aborted by an earlier timeout");
+  const double limit = g.opt.timeout_s;
+  const auto start = std::chrono::steady_clock::now();
+  for (int spins = 0;; ++spins) {
+    const cudaError_t e = cudaEventQuery(g.streams.ev_counts);
+    if (e == cudaSuccess) return;
+    if (e != cudaErrorNotReady) MOEFLOW_CUDA_CHECK(e);
+    const double waited =
+        std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+    if (limit > 0 && waited > limit) break;
+    if (spins > 1000) std::this_thread::sleep_for(std::chrono::microseconds(50));
+  }
+  // Timed out: read the message heads on a stream of its own.
+  std::vector<int32_t> heads(d.W, 0);
+  cudaStream_t probe = nullptr;
+  if (cudaStreamCreateWithFlags(&probe, cudaStreamNonBlocking) == cudaSuccess) {
+    for (int q = 0; q < d.W; ++q)
+      cudaMemcpyAsync(&heads[q], g.buf.routes.data_ptr<int32_t>() + q * d.words, sizeof(int32_t),
+                      cudaMemcpyDeviceToHost, probe);
+    cudaStreamSynchronize(probe);
+    cudaStreamDestroy(probe);
+  }
+  std::string missing;
+  for (int q = 0; q < d.W; ++q)
+    if (q != d.me && heads[q] < 0) missing += (missing.empty() ? "" : ", ") + std::to_string(q);
+  g.aborted = true;
+  if (g.owns_comm && g.comm) ncclCommAbort(g.comm), g.comm = nullptr;
+  MOEFLOW_CHECK(false, "ep dispatch on rank ", g.rank, ": timed out after ", limit,
+                " s waiting for the routing messages of rank(s) ",
+                missing.empty() ? std::string("(unknown)") : missing,
+                " (EpOptions::timeout_s); the group is aborted");
+}
+
 // Step 4a: the host waits for the counts (the one synchronisation), then
 // lays out every pair's row ranges, per piece, and combine's way back.
 void read_counts(Dispatch& d) {
   EpGroup::Impl& g = d.g;
-  LastDispatch& l = g.last;
+  LastDispatch& l = d.h.last;
   const int W = d.W, C = d.C;
   const int32_t* host = g.buf.host_counts;
   g.trace.host_mark("h_sync");
-  MOEFLOW_CUDA_CHECK(cudaEventSynchronize(g.streams.ev_counts));
+  wait_for_counts(d);
   g.trace.host_mark("h_woke");
   l.send_offset.assign(W, 0);
   l.send_rows.assign(W, 0);
@@ -387,6 +433,8 @@ void read_counts(Dispatch& d) {
   }
   l.back_partial_rows = so - sso;
   l.held_partial_rows = ro - rso;
+  g.prev_send_rows = l.send_rows;  // the next dispatch's eager piece
+  g.prev_recv_rows = l.recv_rows;
 }
 
 // Step 4b: the scales of every peer's rows (FP8 dispatch), then the token
@@ -395,7 +443,7 @@ void read_counts(Dispatch& d) {
 // piece (every NCCL group on the stream costs a gap on the link).
 void send_rows(Dispatch& d) {
   EpGroup::Impl& g = d.g;
-  const LastDispatch& l = g.last;
+  const LastDispatch& l = d.h.last;
   const int64_t row_bytes = g.size.row_bytes;
   if (d.with_scales()) {
     MOEFLOW_CUDA_CHECK(
@@ -443,14 +491,14 @@ void unpack_routes(Dispatch& d) {
   size_t rb = static_cast<size_t>(g.buf.recv_scan_workspace.numel());
   MOEFLOW_CUDA_CHECK(cub::DeviceScan::ExclusiveSum(g.buf.recv_scan_workspace.data(), rb, rfl, rps,
                                                    2 * (N + 1), as));
-  MOEFLOW_CUDA_CHECK(cudaMemsetAsync(g.buf.recv_ids.data(), 0xFF, g.buf.recv_ids.nbytes(), as));
+  MOEFLOW_CUDA_CHECK(cudaMemsetAsync(d.h.recv_ids.data(), 0xFF, d.h.recv_ids.nbytes(), as));
   const RecvUnpackParams p{route,
                            rfl,
                            rps,
-                           g.buf.recv_ids.data_ptr<int32_t>(),
-                           g.buf.recv_probs.data_ptr<float>(),
-                           g.buf.recv_single.data_ptr<int32_t>(),
-                           g.buf.recv_single_pos.data_ptr<int32_t>()};
+                           d.h.recv_ids.data_ptr<int32_t>(),
+                           d.h.recv_probs.data_ptr<float>(),
+                           d.h.recv_single.data_ptr<int32_t>(),
+                           d.h.recv_single_pos.data_ptr<int32_t>()};
   launch_recv_unpack(p, as);
   MOEFLOW_CUDA_CHECK(cudaEventRecord(g.streams.ev_join, as));
 }
@@ -459,17 +507,17 @@ void unpack_routes(Dispatch& d) {
 // experts, the own rows first, then every peer's piece once it arrived.
 void permute_received(Dispatch& d) {
   EpGroup::Impl& g = d.g;
-  const LastDispatch& l = g.last;
+  const LastDispatch& l = d.h.last;
   const Device dev = Device::cuda(g.device);
   MOEFLOW_CUDA_CHECK(cudaStreamWaitEvent(d.stream, g.streams.ev_join, 0));
-  moeflow::build_plan(g.buf.recv_ids, g.buf.plan, g.buf.plan_workspace, d.stream);
+  moeflow::build_plan(d.h.recv_ids, d.h.plan, g.buf.plan_workspace, d.stream);
   g.mark("plan", d.stream);
   PermuteExtras extras;
-  extras.probs = g.buf.recv_probs;
-  extras.permuted_probs = g.buf.out_probs;
+  extras.probs = d.h.recv_probs;
+  extras.permuted_probs = d.h.out_probs;
   if (d.scales.defined()) {  // own rows: the caller's scales, by token (own_row_token)
     extras.scales = d.scales;
-    extras.permuted_scales = g.buf.out_scales;
+    extras.permuted_scales = d.h.out_scales;
   }
   const int64_t H = g.opt.hidden;
   // A peer's received rows [b, e): permuted from its slot into their rows.
@@ -482,12 +530,12 @@ void permute_received(Dispatch& d) {
           g.opt.scale_dtype, dev, {e - b, g.opt.scale_cols}, {g.opt.scale_cols, 1});
     const TensorView rows =
         TensorView::strided(d.slot_row(q, b), g.opt.dtype, dev, {e - b, H}, {H, 1});
-    cuda::permute_tokens(rows, first, e - b, false, g.buf.plan, g.buf.out_x, extras, d.stream,
+    cuda::permute_tokens(rows, first, e - b, false, d.h.plan, d.h.out_x, extras, d.stream,
                          nullptr, blocks);
   };
   // own rows straight from x, with the pad rows
   const int ob = g.opt.overlap_blocks;
-  cuda::permute_tokens(d.x, l.recv_offset[d.me], l.recv_rows[d.me], true, g.buf.plan, g.buf.out_x,
+  cuda::permute_tokens(d.x, l.recv_offset[d.me], l.recv_rows[d.me], true, d.h.plan, d.h.out_x,
                        extras, d.stream, g.buf.own_row_token.data_ptr<int32_t>(), ob);
   g.mark("self", d.stream);
   for (int k = 0; d.eager && k < g.tuning.eager_parts;
@@ -521,9 +569,14 @@ EpDispatchResult ep_nccl_dispatch(EpGroup& group, TensorView x, TensorView ids, 
                                   TensorView scales, cudaStream_t stream) {
   EpGroup::Impl& g = group.impl();
   const int64_t T = x.shape[0];
-  g.last.num_tokens = T;
+  MOEFLOW_CHECK(!g.aborted, "the expert-parallel group was aborted by an earlier timeout");
+  EpHandle handle = g.new_handle(T, group);
+  EpHandle::State& h = handle.state();
+  h.last = LastDispatch{};
+  h.last.num_tokens = T;
   g.mark("start", stream);
   Dispatch d{g,
+             h,
              x,
              ids,
              probs,
@@ -537,7 +590,7 @@ EpDispatchResult ep_nccl_dispatch(EpGroup& group, TensorView x, TensorView ids, 
              g.rank,
              g.chunks(),
              route_words(g.size.max_tokens, g.opt.topk)};
-  g.last.pieces = d.C;
+  h.last.pieces = d.C;
   plan_eager_rows(d);
   flag_tokens(d);
   send_routes(d);
@@ -556,9 +609,12 @@ EpDispatchResult ep_nccl_dispatch(EpGroup& group, TensorView x, TensorView ids, 
   const int32_t invalid = g.buf.host_counts[4 * d.W * d.C];
   MOEFLOW_CHECK(invalid == 0, "ids: ", invalid, " routing entries outside [-1, ", d.E, ") on rank ",
                 g.rank, " (treated as unrouted; the dispatch completed)");
-  return EpDispatchResult{g.buf.out_x, g.buf.out_probs,
-                          scales.defined() ? g.buf.out_scales.view() : TensorView{}, &g.buf.plan,
-                          g.last.received_rows};
+  return EpDispatchResult{h.out_x,
+                          h.out_probs,
+                          scales.defined() ? h.out_scales.view() : TensorView{},
+                          &h.plan,
+                          h.last.received_rows,
+                          std::move(handle)};
 }
 
 }  // namespace cuda

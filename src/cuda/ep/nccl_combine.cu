@@ -25,11 +25,10 @@ using namespace ep_nccl;
 
 // Grouped send/recv of piece c of the per-peer row ranges, peers only (no
 // self transfer): rows [off[q] + pc[q*(P+1) + c], off[q] + pc[q*(P+1) + c + 1]).
-void exchange_piece(EpGroup::Impl& g, int c, const uint8_t* send, int64_t send_row_bytes,
+void exchange_piece(EpGroup::Impl& g, int P, int c, const uint8_t* send, int64_t send_row_bytes,
                     const std::vector<int64_t>& s_off, const std::vector<int64_t>& s_pc,
                     uint8_t* recv, int64_t recv_row_bytes, const std::vector<int64_t>& r_off,
                     const std::vector<int64_t>& r_pc, cudaStream_t stream) {
-  const int P = g.last.pieces;
   MOEFLOW_NCCL_CHECK(ncclGroupStart());
   for (int q = 0; q < g.world; ++q) {
     if (q == g.rank) continue;
@@ -54,13 +53,15 @@ namespace cuda {
 // home tokens of piece c are added up as soon as their partials are all back.
 // A row with one slot here goes back as that slot's row of y (ysize bytes
 // per element instead of 4), after the float32 partials of the buffer.
-void ep_nccl_combine(EpGroup& group, TensorView y, bool weighted, TensorView out,
-                     cudaStream_t stream) {
+void ep_nccl_combine(EpGroup& group, const EpHandle& handle, TensorView y, bool weighted,
+                     TensorView out, cudaStream_t stream) {
   EpGroup::Impl& g = group.impl();
-  const LastDispatch& l = g.last;
+  EpHandle::State& h = handle.state();
+  const LastDispatch& l = h.last;
+  MOEFLOW_CHECK(!g.aborted, "the expert-parallel group was aborted by an earlier timeout");
   const int W = g.world, me = g.rank, C = l.pieces, K = g.opt.topk;
   const int64_t H = g.opt.hidden;
-  const float* weights = weighted ? g.buf.recv_probs.data_ptr<float>() : nullptr;
+  const float* weights = weighted ? h.recv_probs.data_ptr<float>() : nullptr;
   cudaStream_t cs = g.streams.nccl;
   const int64_t pb = H * 4, ysize = static_cast<int64_t>(dtype_size(y.dtype)), yb = H * ysize;
   uint8_t* partial_b = static_cast<uint8_t*>(g.buf.held_partials.data());
@@ -74,14 +75,14 @@ void ep_nccl_combine(EpGroup& group, TensorView y, bool weighted, TensorView out
     p.y = y.data;
     p.y_stride = y.strides[0];
     p.hidden = H;
-    p.dest_row = g.buf.plan.dest_row.data_ptr<int64_t>();
-    p.recv_ids = g.buf.recv_ids.data_ptr<int32_t>();
+    p.dest_row = h.plan.dest_row.data_ptr<int64_t>();
+    p.recv_ids = h.recv_ids.data_ptr<int32_t>();
     p.weights = weights;
     p.topk = K;
     p.r0 = r0;
     p.n = n;
-    p.recv_single = g.buf.recv_single.data_ptr<int32_t>();
-    p.recv_single_pos = g.buf.recv_single_pos.data_ptr<int32_t>();
+    p.recv_single = h.recv_single.data_ptr<int32_t>();
+    p.recv_single_pos = h.recv_single_pos.data_ptr<int32_t>();
     p.partial = reinterpret_cast<float*>(partial_b);
     p.single_rows = partial_s;
     launch_holder(p, y.dtype, max_blocks > 0 ? max_blocks : 4 * g.sm_count, stream);
@@ -96,9 +97,9 @@ void ep_nccl_combine(EpGroup& group, TensorView y, bool weighted, TensorView out
     g.mark("unperm" + std::to_string(c), stream);
     EpGroup::Impl::order(g.streams.ev_piece[c], stream, cs);
     MOEFLOW_NCCL_CHECK(ncclGroupStart());
-    exchange_piece(g, c, partial_b, pb, l.held_partial_offset, l.held_partial_piece, back_b, pb,
+    exchange_piece(g, C, c, partial_b, pb, l.held_partial_offset, l.held_partial_piece, back_b, pb,
                    l.back_partial_offset, l.back_partial_piece, cs);
-    exchange_piece(g, c, partial_s, yb, l.held_single_offset, l.held_single_piece, back_s, yb,
+    exchange_piece(g, C, c, partial_s, yb, l.held_single_offset, l.held_single_piece, back_s, yb,
                    l.back_single_offset, l.back_single_piece, cs);
     MOEFLOW_NCCL_CHECK(ncclGroupEnd());
     MOEFLOW_CUDA_CHECK(cudaEventRecord(g.streams.ev_back[c], cs));
@@ -118,13 +119,13 @@ void ep_nccl_combine(EpGroup& group, TensorView y, bool weighted, TensorView out
   p.num_tokens = T;
   p.world = W;
   p.topk = K;
-  p.flags = g.buf.token_flags.data_ptr<int32_t>();
-  p.rows = g.buf.token_rows.data_ptr<int32_t>();
-  p.single = g.buf.single(W, T);
-  p.single_pos_raw = g.buf.single_pos_raw(W, T);
-  p.single_base = g.buf.single_pos_base(W, T);
-  p.send_ids = g.buf.send_ids.data_ptr<int32_t>();
-  p.send_probs = g.buf.send_probs.data_ptr<float>();
+  p.flags = h.token_flags.data_ptr<int32_t>();
+  p.rows = h.token_rows.data_ptr<int32_t>();
+  p.single = h.single(W, T);
+  p.single_pos_raw = h.single_pos_raw(W, T);
+  p.single_base = h.single_pos_base(W, T);
+  p.send_ids = h.send_ids.data_ptr<int32_t>();
+  p.send_probs = h.send_probs.data_ptr<float>();
   p.weighted = weighted;
   p.out = out.data;
   p.out_stride = out.strides[0];
@@ -144,16 +145,19 @@ void ep_nccl_combine(EpGroup& group, TensorView y, bool weighted, TensorView out
 
 // A dispatch of dout along the last dispatch's routes, the gradient of the
 // holder's unpermute on the expert rank, and the dot products sent home.
-void ep_nccl_combine_backward(EpGroup& group, TensorView dout, TensorView y, bool weighted,
-                              TensorView grad_y, TensorView dprobs, cudaStream_t stream) {
+void ep_nccl_combine_backward(EpGroup& group, const EpHandle& handle, TensorView dout,
+                              TensorView y, bool weighted, TensorView grad_y, TensorView dprobs,
+                              cudaStream_t stream) {
   EpGroup::Impl& g = group.impl();
-  const LastDispatch& l = g.last;
+  EpHandle::State& h = handle.state();
+  const LastDispatch& l = h.last;
+  MOEFLOW_CHECK(!g.aborted, "the expert-parallel group was aborted by an earlier timeout");
   const Device dev = Device::cuda(g.device);
   const int K = g.opt.topk, W = g.world;
   const int64_t T = l.num_tokens, H = g.opt.hidden;
   const int64_t grad_row_bytes = g.size.grad_row_bytes;
-  const int32_t* flags = g.buf.token_flags.data_ptr<int32_t>();
-  const int32_t* pos = g.buf.token_rows.data_ptr<int32_t>();
+  const int32_t* flags = h.token_flags.data_ptr<int32_t>();
+  const int32_t* pos = h.token_rows.data_ptr<int32_t>();
   if (T > 0) {  // dout rows along the dispatch routes
     PackRowsParams p;
     p.x = static_cast<const uint8_t*>(dout.data);
@@ -184,7 +188,7 @@ void ep_nccl_combine_backward(EpGroup& group, TensorView dout, TensorView y, boo
   const TensorView recv_d = TensorView::strided(g.buf.recv_x.data(), g.size.grad_dtype, dev,
                                                 {g.size.max_recv_rows, H}, {H, 1});
   moeflow::unpermute_backward(
-      recv_d, g.buf.plan, y, weighted ? TensorView(g.buf.recv_probs) : TensorView{}, grad_y,
+      recv_d, h.plan, y, weighted ? TensorView(h.recv_probs) : TensorView{}, grad_y,
       dprobs.defined() ? TensorView(g.buf.recv_dprobs) : TensorView{}, stream);
   if (!dprobs.defined()) return;
   const int64_t pb = int64_t{K} * 4;
@@ -194,7 +198,7 @@ void ep_nccl_combine_backward(EpGroup& group, TensorView dout, TensorView y, boo
   MOEFLOW_NCCL_CHECK(ncclGroupEnd());
   if (T == 0) return;
   const DprobsParams p{g.buf.back_dprobs.data_ptr<float>(),
-                       g.buf.send_ids.data_ptr<int32_t>(),
+                       h.send_ids.data_ptr<int32_t>(),
                        T,
                        K,
                        W,

@@ -19,7 +19,10 @@
 //      peer holds one slot of t, else into the peer's stage; per kept slot
 //      its prob, row_src and row_k, and per peer the token's inv entries;
 //   4. one warp per peer token with two or more slots here, once announced:
-//      copied from the stage into its final rows.
+//      copied from the stage into its final rows;
+//   5. the used rows, their probs and the holder's way back (inv, ntok)
+//      copied from the window into the dispatch's handle, so that later
+//      dispatches may rewrite the window while this one's combine waits.
 // combine: barrier; on the holder, one warp per peer token with kept slots
 // here: the float32 sum of its slots (k ascending, weighted) stored into the
 // home rank's partial, or, when it holds one slot of the token, that slot's
@@ -142,14 +145,6 @@ void EpGroup::Impl::init_nvlink() {
       DType::kUInt8, dev);
   s.first_row = Tensor::empty({E}, DType::kInt64, dev);
   s.fit = Tensor::empty({E}, DType::kInt64, dev);
-  s.dest_rank = Tensor::empty({tmax, K}, DType::kInt32, dev);
-  s.dest_row = Tensor::empty({tmax, K}, DType::kInt64, dev);
-  s.probs = Tensor::empty({tmax, K}, DType::kFloat32, dev);
-  PlanConfig rc;
-  rc.num_experts = size.experts_per_rank;
-  rc.align = opt.align;
-  rc.capacity_rows = capacity;
-  s.recv = allocate_plan(1, static_cast<int>(K), rc, dev);
   MOEFLOW_CUDA_CHECK(cudaDeviceSynchronize());
 }
 
@@ -164,36 +159,42 @@ unsigned grid(const EpGroup::Impl& g) {
   return static_cast<unsigned>(g.opt.nvlink_blocks);
 }
 
-// Pad rows of this rank's receive layout (its plan of the last dispatch) in
+// Pad rows of this rank's receive layout (`recv`: its plan of a dispatch) in
 // `rows` (stride in bytes) zeroed.
-void zero_pads(EpGroup::Impl& g, uint8_t* rows, int64_t stride_bytes, int64_t row_bytes,
-               float* probs, int32_t* row_src, cudaStream_t stream, uint8_t* scales = nullptr) {
-  NvlinkState& s = *g.nvl;
-  const nvl::Pads pads{g.size.experts_per_rank, s.recv.tokens_per_expert.data_ptr<int32_t>(),
-                       s.recv.padded_tokens_per_expert.data_ptr<int32_t>(),
-                       s.recv.expert_row_offsets.data_ptr<int64_t>()};
+void zero_pads(EpGroup::Impl& g, const RoutingPlan& recv, uint8_t* rows, int64_t stride_bytes,
+               int64_t row_bytes, float* probs, int32_t* row_src, cudaStream_t stream,
+               uint8_t* scales = nullptr) {
+  const nvl::Pads pads{g.size.experts_per_rank, recv.tokens_per_expert.data_ptr<int32_t>(),
+                       recv.padded_tokens_per_expert.data_ptr<int32_t>(),
+                       recv.expert_row_offsets.data_ptr<int64_t>()};
   nvl::launch_pads(nvl::PadsParams{rows, stride_bytes, probs, row_src, row_bytes, pads, scales,
                                    g.size.scale_bytes},
                    stream);
 }
 
-// The fused kernel's window, roles and this rank's slots (the last dispatch).
-nvl::FusedArgs fused_args(EpGroup::Impl& g, int home_percent, bool weighted) {
+// The fused kernel's window, roles and this rank's slots (the handle's
+// dispatch).
+nvl::FusedArgs fused_args(EpGroup::Impl& g, const EpHandle& handle, int home_percent,
+                          bool weighted) {
   NvlinkState& s = *g.nvl;
+  EpHandle::State& h = handle.state();
   nvl::FusedArgs f;
   f.win = s.view();
   f.o = s.off;
   f.P = home_blocks(g, home_percent);
   f.batch = g.tuning.nvl_batch;
   f.H = g.opt.hidden;
-  f.Tn = s.T;
+  f.Tn = handle.num_tokens();
   f.K = g.opt.topk;
   f.W = g.world;
   f.me = g.rank;
   f.tmax = g.size.max_tokens;
-  f.dest_rank = s.dest_rank.data_ptr<int32_t>();
-  f.dest_row = s.dest_row.data_ptr<int64_t>();
-  f.weights = weighted ? s.probs.data_ptr<float>() : nullptr;
+  f.dest_rank = h.dest_rank.data_ptr<int32_t>();
+  f.dest_row = h.dest_row.data_ptr<int64_t>();
+  f.weights = weighted ? h.home_probs.data_ptr<float>() : nullptr;
+  f.inv = h.inv.data_ptr<int32_t>();
+  f.ntok = h.ntok.data_ptr<int32_t>();
+  f.rprobs = h.out_probs.data_ptr<float>();
   return f;
 }
 
@@ -209,8 +210,9 @@ EpDispatchResult ep_nvlink_dispatch(EpGroup& group, TensorView x, TensorView ids
   const int K = g.opt.topk, W = g.world, E = g.opt.num_experts, L = g.size.experts_per_rank;
   const int64_t T = x.shape[0], H = g.opt.hidden;
   const Device dev = Device::cuda(g.device);
-  g.last.num_tokens = T;
-  s.T = T;
+  EpHandle handle = g.new_handle(T, group);
+  EpHandle::State& h = handle.state();
+  RoutingPlan& recv = h.plan;
   g.mark("start", stream);
   // 1. the rank's slots ranked per global expert, over the caller's int32 ids
   // as they are (ids outside [-1, E) are unrouted there and counted), int64
@@ -247,21 +249,21 @@ EpDispatchResult ep_nvlink_dispatch(EpGroup& group, TensorView x, TensorView ids
   cp.align = g.opt.align;
   cp.first_row = s.first_row.data_ptr<int64_t>();
   cp.fit = s.fit.data_ptr<int64_t>();
-  cp.kept = s.recv.tokens_per_expert.data_ptr<int32_t>();
-  cp.padded = s.recv.padded_tokens_per_expert.data_ptr<int32_t>();
-  cp.offsets = s.recv.expert_row_offsets.data_ptr<int64_t>();
-  cp.total_rows = s.recv.total_rows.data_ptr<int64_t>();
-  cp.overflow = s.recv.overflow.data_ptr<int32_t>();
+  cp.kept = recv.tokens_per_expert.data_ptr<int32_t>();
+  cp.padded = recv.padded_tokens_per_expert.data_ptr<int32_t>();
+  cp.offsets = recv.expert_row_offsets.data_ptr<int64_t>();
+  cp.total_rows = recv.total_rows.data_ptr<int64_t>();
+  cp.overflow = recv.overflow.data_ptr<int32_t>();
   cp.epoch = reinterpret_cast<int32_t*>(base + o.epoch);
   cp.invalid_src = s.local.invalid_ids.data_ptr<int32_t>();
-  cp.invalid_dst = s.recv.invalid_ids.data_ptr<int32_t>();
+  cp.invalid_dst = recv.invalid_ids.data_ptr<int32_t>();
   nvl::launch_counts(cp, stream);
   g.mark("counts", stream);
   // The pad rows (nothing else writes them) on the side stream, on the SMs
   // the fused kernel leaves free; the caller's stream waits at the end.
   MOEFLOW_CUDA_CHECK(cudaEventRecord(g.streams.ev_fork, stream));
   MOEFLOW_CUDA_CHECK(cudaStreamWaitEvent(g.streams.side, g.streams.ev_fork, 0));
-  zero_pads(g, base + o.x, g.size.row_bytes, g.size.row_bytes,
+  zero_pads(g, recv, base + o.x, g.size.row_bytes, g.size.row_bytes,
             reinterpret_cast<float*>(base + o.probs), reinterpret_cast<int32_t*>(base + o.row_src),
             g.streams.side, scales.defined() ? base + o.scales : nullptr);
   MOEFLOW_CUDA_CHECK(cudaEventRecord(g.streams.ev_join, g.streams.side));
@@ -269,7 +271,7 @@ EpDispatchResult ep_nvlink_dispatch(EpGroup& group, TensorView x, TensorView ids
   // into its row there, several through the peer's stage
   const nvl::HomeArgs home{ids32,
                            probs.defined() ? probs.data_ptr<float>() : nullptr,
-                           s.probs.data_ptr<float>(),
+                           h.home_probs.data_ptr<float>(),
                            K,
                            E,
                            L,
@@ -281,8 +283,8 @@ EpDispatchResult ep_nvlink_dispatch(EpGroup& group, TensorView x, TensorView ids
                            s.local.expert_row_offsets.data_ptr<int64_t>(),
                            s.first_row.data_ptr<int64_t>(),
                            s.fit.data_ptr<int64_t>(),
-                           s.dest_rank.data_ptr<int32_t>(),
-                           s.dest_row.data_ptr<int64_t>(),
+                           h.dest_rank.data_ptr<int32_t>(),
+                           h.dest_row.data_ptr<int64_t>(),
                            scales.defined() ? static_cast<const uint8_t*>(scales.data) : nullptr,
                            g.size.scale_bytes};
   const nvl::DispatchParams dp{s.view(),
@@ -296,19 +298,33 @@ EpDispatchResult ep_nvlink_dispatch(EpGroup& group, TensorView x, TensorView ids
   nvl::launch_dispatch(dp, g.tuning.nvl_bulk_copies, grid(g), stream);
   MOEFLOW_CUDA_CHECK(cudaStreamWaitEvent(stream, g.streams.ev_join, 0));
   g.mark("rows", stream);
-  g.trace.print("nvlink dispatch", g.rank);
+  // 4. the result and the holder's way back move out of the window into the
+  // handle (the next dispatch rewrites the window): the used rows only.
   const int64_t capacity = g.size.capacity;
-  const TensorView rx = TensorView::strided(base + o.x, g.opt.dtype, dev, {capacity, H}, {H, 1});
-  const TensorView rp = TensorView::strided(base + o.probs, DType::kFloat32, dev, {capacity}, {1});
-  const TensorView rs =
-      scales.defined() ? TensorView::strided(base + o.scales, g.opt.scale_dtype, dev,
-                                             {capacity, g.opt.scale_cols}, {g.opt.scale_cols, 1})
-                       : TensorView{};
-  return EpDispatchResult{rx, rp, rs, &s.recv, -1};
+  nvl::launch_copy_rows(base + o.x, static_cast<uint8_t*>(h.out_x.data()), g.size.row_bytes,
+                        recv.total_rows.data_ptr<int64_t>(), capacity, stream);
+  MOEFLOW_CUDA_CHECK(cudaMemcpyAsync(h.out_probs.data(), base + o.probs, capacity * 4,
+                                     cudaMemcpyDeviceToDevice, stream));
+  MOEFLOW_CUDA_CHECK(cudaMemcpyAsync(h.inv.data(), base + o.inv, h.inv.nbytes(),
+                                     cudaMemcpyDeviceToDevice, stream));
+  MOEFLOW_CUDA_CHECK(cudaMemcpyAsync(h.ntok.data(), base + o.ntok, h.ntok.nbytes(),
+                                     cudaMemcpyDeviceToDevice, stream));
+  if (scales.defined())
+    nvl::launch_copy_rows(base + o.scales, static_cast<uint8_t*>(h.out_scales.data()),
+                          g.size.scale_bytes, recv.total_rows.data_ptr<int64_t>(), capacity,
+                          stream);
+  g.mark("out", stream);
+  g.trace.print("nvlink dispatch", g.rank);
+  return EpDispatchResult{h.out_x,
+                          h.out_probs,
+                          scales.defined() ? h.out_scales.view() : TensorView{},
+                          &recv,
+                          -1,
+                          std::move(handle)};
 }
 
-void ep_nvlink_combine(EpGroup& group, TensorView y, bool weighted, TensorView out,
-                       cudaStream_t stream) {
+void ep_nvlink_combine(EpGroup& group, const EpHandle& handle, TensorView y, bool weighted,
+                       TensorView out, cudaStream_t stream) {
   EpGroup::Impl& g = group.impl();
   NvlinkState& s = *g.nvl;
   const nvl::Offsets& o = s.off;
@@ -317,7 +333,7 @@ void ep_nvlink_combine(EpGroup& group, TensorView y, bool weighted, TensorView o
   nvl::launch_op_start(s.view(), reinterpret_cast<int32_t*>(base + o.epoch), stream);
   g.mark("barrier", stream);
   nvl::CombineParams p;
-  p.f = fused_args(g, g.tuning.nvl_combine_home_percent, weighted);
+  p.f = fused_args(g, handle, g.tuning.nvl_combine_home_percent, weighted);
   p.y = y.data;
   p.y_stride = y.strides[0];
   p.weighted = weighted;
@@ -328,8 +344,9 @@ void ep_nvlink_combine(EpGroup& group, TensorView y, bool weighted, TensorView o
   g.trace.print("nvlink combine", g.rank);
 }
 
-void ep_nvlink_combine_backward(EpGroup& group, TensorView dout, TensorView y, bool weighted,
-                                TensorView grad_y, TensorView dprobs, cudaStream_t stream) {
+void ep_nvlink_combine_backward(EpGroup& group, const EpHandle& handle, TensorView dout,
+                                TensorView y, bool weighted, TensorView grad_y, TensorView dprobs,
+                                cudaStream_t stream) {
   EpGroup::Impl& g = group.impl();
   NvlinkState& s = *g.nvl;
   const nvl::Offsets& o = s.off;
@@ -338,10 +355,10 @@ void ep_nvlink_combine_backward(EpGroup& group, TensorView dout, TensorView y, b
   const int64_t esz = int64_t(dtype_size(y.dtype));
   uint8_t* base = static_cast<uint8_t*>(s.base);
   nvl::launch_op_start(s.view(), reinterpret_cast<int32_t*>(base + o.epoch), stream);
-  zero_pads(g, static_cast<uint8_t*>(grad_y.data), grad_y.strides[0] * esz, H * esz, nullptr,
-            nullptr, stream);
+  zero_pads(g, handle.state().plan, static_cast<uint8_t*>(grad_y.data), grad_y.strides[0] * esz,
+            H * esz, nullptr, nullptr, stream);
   nvl::CombineBwdParams p;
-  p.f = fused_args(g, g.tuning.nvl_home_percent, weighted);
+  p.f = fused_args(g, handle, g.tuning.nvl_home_percent, weighted);
   p.dout = dout.data;
   p.dout_stride = dout.strides[0];
   p.y = y.data;
@@ -350,9 +367,11 @@ void ep_nvlink_combine_backward(EpGroup& group, TensorView dout, TensorView y, b
   p.g_stride = grad_y.strides[0];
   nvl::launch_combine_bwd(p, y.dtype, grid(g), stream);
   nvl::launch_barrier(s.view(), stream);  // every dot product has landed at home
-  if (dprobs.defined() && s.T > 0)
-    nvl::launch_dprobs(reinterpret_cast<const float*>(base + o.dp), s.dest_rank.data_ptr<int32_t>(),
-                       s.T * K, dprobs.data_ptr<float>(), stream);
+  const int64_t T = handle.num_tokens();
+  if (dprobs.defined() && T > 0)
+    nvl::launch_dprobs(reinterpret_cast<const float*>(base + o.dp),
+                       handle.state().dest_rank.data_ptr<int32_t>(), T * K,
+                       dprobs.data_ptr<float>(), stream);
 }
 
 }  // namespace cuda

@@ -314,9 +314,9 @@ __global__ void __launch_bounds__(kSumWarps * 32) combine_kernel(const CombinePa
     }
     return;
   }
-  const int32_t* ntok = reinterpret_cast<const int32_t*>(win.local + o.ntok);
-  const int32_t* inv = reinterpret_cast<const int32_t*>(win.local + o.inv);
-  const float* rprobs = reinterpret_cast<const float*>(win.local + o.probs);
+  const int32_t* ntok = f.ntok;  // (the dispatch's, from its handle)
+  const int32_t* inv = f.inv;
+  const float* rprobs = f.rprobs;
   Pending pend;
   for_tokens(ro, ntok, W, me, false, [&](int s, int64_t t) {
     const size_t st = size_t(s) * tmax + t;
@@ -429,10 +429,10 @@ __global__ void __launch_bounds__(kBwdWarps * 32)
     pend.flush(win, o.flag, epoch, lane);
     return;
   }
-  const int32_t* ntok = reinterpret_cast<const int32_t*>(win.local + o.ntok);
-  const int32_t* inv = reinterpret_cast<const int32_t*>(win.local + o.inv);
+  const int32_t* ntok = f.ntok;  // (the dispatch's, from its handle)
+  const int32_t* inv = f.inv;
   const int32_t* flag = reinterpret_cast<const int32_t*>(win.local + o.flag);
-  const float* rprobs = reinterpret_cast<const float*>(win.local + o.probs);
+  const float* rprobs = f.rprobs;
   const T* stage = reinterpret_cast<const T*>(win.local + o.stage);
   for_tokens(ro, ntok, W, me, false, [&](int s, int64_t t) {
     const size_t st = size_t(s) * tmax + t;
@@ -476,6 +476,34 @@ void launch_barrier(const Window& win, cudaStream_t stream) {
 
 void launch_op_start(const Window& win, int32_t* epoch, cudaStream_t stream) {
   op_start_kernel<<<1, 128, 0, stream>>>(win, epoch);
+  MOEFLOW_CUDA_LAUNCH_CHECK();
+}
+
+// Rows [0, *total_rows) from src to dst, 16-byte words when rows allow.
+template <class Word>
+__global__ void copy_rows_kernel(const Word* __restrict__ src, Word* __restrict__ dst,
+                                 int64_t row_words, const int64_t* total_rows, int64_t max_rows) {
+  const int64_t n = min(*total_rows, max_rows) * row_words;
+  for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < n;
+       i += int64_t(gridDim.x) * blockDim.x)
+    dst[i] = src[i];
+}
+
+void launch_copy_rows(const uint8_t* src, uint8_t* dst, int64_t row_bytes,
+                      const int64_t* total_rows, int64_t max_rows, cudaStream_t stream) {
+  if (row_bytes <= 0 || max_rows <= 0) return;
+  int dev = 0, sms = 0;
+  MOEFLOW_CUDA_CHECK(cudaGetDevice(&dev));
+  MOEFLOW_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev));
+  const bool wide = row_bytes % 16 == 0 && reinterpret_cast<uintptr_t>(src) % 16 == 0 &&
+                    reinterpret_cast<uintptr_t>(dst) % 16 == 0;
+  const unsigned grid = static_cast<unsigned>(4 * sms);
+  if (wide)
+    copy_rows_kernel<uint4><<<grid, 256, 0, stream>>>(reinterpret_cast<const uint4*>(src),
+                                                      reinterpret_cast<uint4*>(dst),
+                                                      row_bytes / 16, total_rows, max_rows);
+  else
+    copy_rows_kernel<uint8_t><<<grid, 256, 0, stream>>>(src, dst, row_bytes, total_rows, max_rows);
   MOEFLOW_CUDA_LAUNCH_CHECK();
 }
 
