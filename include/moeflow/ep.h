@@ -104,12 +104,14 @@ struct EpOptions {
   // same value. MOEFLOW_EP_REGISTER=0/1 overrides it. Where ncclMemAlloc
   // fails the buffers are plain and nccl_buffers_registered() says false.
   bool nccl_register_buffers = true;
-  // Backend nccl: dispatch waits at most this many seconds for the peers'
-  // routing messages (its one host synchronisation). Past it, it throws an
-  // error naming the ranks whose message did not arrive, after aborting the
-  // communicator when the group owns it (from_unique_id, create_local); the
-  // group is unusable then. 0: wait forever. The nvlink backend's device
-  // barriers do not time out.
+  // How long a rank waits for a peer, in seconds (0: forever). Backend nccl:
+  // dispatch's host wait for the routing messages; past it, dispatch throws
+  // an error naming the ranks whose message did not arrive, after aborting
+  // the communicator when the group owns it (from_unique_id, create_local).
+  // Backend nvlink: every device-side wait (barriers, per-token flags);
+  // past it, the kernels record the missing ranks in host-mapped memory and
+  // end, and the next operation (or check()) throws naming them. Either way
+  // the group is unusable afterwards.
   double timeout_s = 300.0;
 };
 
@@ -167,6 +169,10 @@ class EpGroup {
   // Backend nccl: whether NCCL accepted the registration of the staging
   // buffers (EpOptions::nccl_register_buffers; NCCL_LOCAL_REGISTER=0 declines).
   bool nccl_buffers_registered() const;
+  // Throws if an earlier operation of the group timed out waiting for a peer
+  // (EpOptions::timeout_s). No synchronisation: an nvlink operation's timeout
+  // is known once the GPU has run it (every operation also checks first).
+  void check();
   // Rows of the last dispatch sent to / received from each rank (host values).
   const std::vector<int64_t>& last_send_rows() const;
   const std::vector<int64_t>& last_recv_rows() const;

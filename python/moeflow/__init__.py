@@ -8,6 +8,10 @@
   No host synchronisation: a step can be captured in a CUDA graph.
 - ``moeflow.MoELayer`` (needs torch; imported on first use): router ->
   permute -> grouped expert MLP -> unpermute as one torch.nn.Module.
+- ``moeflow.ep`` (needs torch.distributed; ``import moeflow.ep``): expert
+  parallelism, a group over a process group and dispatch / combine as
+  autograd functions (backends "nccl", "nvlink" and a pure-torch
+  "reference"); ``MoELayer(..., ep_group=...)`` holds its rank's experts.
 - ``moeflow.build_info()``: what this build contains (CUDA backend or CPU
   only, CUDA and NCCL versions, CUDA architectures).
 """

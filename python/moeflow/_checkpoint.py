@@ -39,8 +39,13 @@ def _reorder_glu(w: torch.Tensor, src: int, dst: int) -> torch.Tensor:
 
 class ExpertCheckpointMixin:
     """state_dict / load_state_dict in both expert key layouts, and
-    save_safetensors / load_safetensors (see MoELayer)."""
+    save_safetensors / load_safetensors (see MoELayer). A layer that holds
+    only some experts (expert parallelism) has ``expert_range`` = [first,
+    last) of the ``num_experts`` global ones: per-expert keys use the global
+    ids, and a whole checkpoint loads its slice."""
 
+    def _local_range(self) -> Tuple[int, int]:
+        return tuple(getattr(self, "expert_range", (0, self.num_experts)))
 
     def _check_glu(self, g: Optional[int], what: str) -> int:
         """The FC1 row order g (None: the layer's own), validated."""
@@ -74,8 +79,9 @@ class ExpertCheckpointMixin:
             if name == "fc1_weight":
                 value = _reorder_glu(value, self.glu_interleave, g)
             if layout == "per_expert" and name in _EXPERT_PARAMS:
-                for e in range(self.num_experts):
-                    destination[f"{prefix}{name}{e}"] = value[e]
+                first = self._local_range()[0]
+                for i in range(value.shape[0]):
+                    destination[f"{prefix}{name}{first + i}"] = value[i]
             else:
                 destination[prefix + name] = value
 
@@ -88,6 +94,7 @@ class ExpertCheckpointMixin:
             error_msgs.append(str(e))
             src_g = self.glu_interleave
         drop, converted, per_expert = set(), {}, set()
+        first, last = self._local_range()
         for name in _EXPERT_PARAMS:
             param = getattr(self, name)
             key = prefix + name
@@ -98,9 +105,15 @@ class ExpertCheckpointMixin:
                 if m:
                     per.setdefault(int(m.group(1)), []).append(k)
             if not per:
-                if (name == "fc1_weight" and src_g != self.glu_interleave and key in state_dict
-                        and state_dict[key].shape == param.shape):
-                    converted[key] = _reorder_glu(state_dict[key], src_g, self.glu_interleave)
+                w = state_dict.get(key)
+                if (w is not None and last - first < self.num_experts and w.dim() >= 1
+                        and tuple(w.shape) == (self.num_experts, *param.shape[1:])):
+                    w = w[first:last]  # a whole checkpoint: this layer's experts
+                if (name == "fc1_weight" and src_g != self.glu_interleave and w is not None
+                        and w.shape == param.shape):
+                    w = _reorder_glu(w, src_g, self.glu_interleave)
+                if w is not None and w is not state_dict[key]:
+                    converted[key] = w
                 continue  # grouped (or absent: the base class reports it)
             drop.update(k for ks in per.values() for k in ks)
             per_expert.add(key)
@@ -117,13 +130,14 @@ class ExpertCheckpointMixin:
                                   f"num_experts={self.num_experts} ({key}0..{key}"
                                   f"{self.num_experts - 1})")
                 continue
-            missing = [f"{key}{e}" for e in range(self.num_experts) if e not in per]
+            # Experts outside [first, last) belong to other ranks: not used here.
+            missing = [f"{key}{e}" for e in range(first, last) if e not in per]
             if missing:
                 missing_keys.extend(missing)
                 continue
-            parts = [state_dict[per[e][0]] for e in range(self.num_experts)]
+            parts = [state_dict[per[e][0]] for e in range(first, last)]
             bad = False
-            for e, t in enumerate(parts):
+            for e, t in zip(range(first, last), parts):
                 if tuple(t.shape) != tuple(param.shape[1:]):
                     error_msgs.append(f"size mismatch for {per[e][0]}: copying a param with shape "
                                       f"{tuple(t.shape)} from checkpoint, the shape in current "
@@ -164,6 +178,10 @@ class ExpertCheckpointMixin:
         recorded in the file's metadata (``"moeflow.glu_interleave"``)."""
         layout = self._check_layout(layout)
         g = self._check_glu(glu_interleave, "glu_interleave")
+        if self._local_range() != (0, self.num_experts):
+            raise _C.Error(f"save_safetensors: the layer holds experts {self._local_range()} "
+                           f"of {self.num_experts} (ep_group); writing a file of all experts "
+                           f"needs the other ranks' weights: use state_dict() per rank")
         kind = getattr(_C.ExpertKeyLayout, layout)
         meta = {"format": "pt"}
         if self.activation in _GATED:
@@ -216,10 +234,12 @@ class ExpertCheckpointMixin:
             plain("expert_bias", self.expert_bias)
         for name, t in self._shared_tensors():
             plain(name, t)
+        first, last = self._local_range()
         for name, p in self._expert_params(g, prefix):
             w = getattr(self, name)
-            dst = torch.empty(w.shape, dtype=w.dtype)
-            _C.load_expert_param(f, p, dst)  # halves order
+            dst = torch.empty((self.num_experts, *w.shape[1:]), dtype=w.dtype)
+            _C.load_expert_param(f, p, dst)  # halves order, all experts
+            dst = dst[first:last]
             stem = re.escape(p.prefix + p.stem)
             used.update(k for k in f.keys() if re.fullmatch(stem + r"[0-9]*", k))
             if name == "fc1_weight":

@@ -16,6 +16,13 @@ captured in a CUDA graph):
     out = ops.grouped_mlp(rows, fc1, fc2, plan=plan, probs=row_probs,
                           unpermute=True)             = ops.unpermute(y, plan), one node
 
+With ``ep_group`` (a :class:`moeflow.ep.Group`, expert parallelism) the layer
+holds only its rank's L = E / W experts and the path is
+
+    rows, tpe, offsets, handle = ep.dispatch(x, topk_ids, probs, ep_group)
+    y = ops.grouped_mlp(rows, fc1, fc2, offsets=offsets, real_rows=tpe)
+    out = ep.combine(y, handle, probs)                  probs applied here
+
 Options follow Megatron-Core's config (the names in brackets):
 ``topk`` (moe_router_topk), ``score_function`` (moe_router_score_function),
 ``pre_softmax`` (moe_router_pre_softmax), ``num_groups`` / ``group_topk``
@@ -38,6 +45,7 @@ from typing import Dict, List, Optional, Union
 import torch
 
 from . import ops
+from . import ep as _ep
 from ._checkpoint import _GATED, ExpertCheckpointMixin
 
 __all__ = ["MoELayer", "MoEAuxLossAutoScaler", "SharedExpertMLP"]
@@ -204,6 +212,25 @@ class MoELayer(ExpertCheckpointMixin, torch.nn.Module):
     The shared expert's keys (``shared_experts.linear_fc1.weight`` ...,
     its GLU rows always as halves) are the same in both layouts.
 
+    Expert parallelism (``ep_group``, a :class:`moeflow.ep.Group` whose
+    num_experts, topk, hidden_size and dtype match the layer's E, topk, H
+    and ``params_dtype``): the router stays over all E experts (replicated
+    on every rank: ``router_weight`` [E, H]), the layer holds only the
+    rank's local experts ``ep_group.expert_range`` = [first, first + L):
+    ``fc1_weight`` [L, N1, H], ``fc2_weight`` [L, H, F]; tokens go to the
+    ranks of their experts and back through ``moeflow.ep.dispatch`` /
+    ``combine`` (the group's ``align`` and ``capacity_rows`` apply; slots
+    that do not fit are counted in ``last_ep_overflow``, [1] int32, this
+    rank's received slots dropped). Every rank must run every forward and
+    backward of the layer together. Checkpoints with ``ep_group``:
+    ``state_dict()`` holds the local experts only (grouped: ``fc1_weight``
+    [L, N1, H]; per-expert: ``fc1_weight{i}`` for the global ids i in the
+    expert range); ``load_state_dict`` takes that, or a whole checkpoint
+    (grouped [E, ...] or all E per-expert keys) and keeps the local experts;
+    ``load_safetensors`` reads a whole checkpoint and keeps the local experts;
+    ``save_safetensors`` is not available with ``ep_group`` (it would need
+    the other ranks' experts).
+
     ``state_dict()`` writes the layout ``layer.state_dict_layout`` (default
     "grouped") with the FC1 GLU rows in the order
     ``layer.state_dict_glu_interleave`` (None, the default: the layer's own
@@ -237,7 +264,8 @@ class MoELayer(ExpertCheckpointMixin, torch.nn.Module):
                  delay_wgrad_compute: bool = False,
                  gradient_accumulation_fusion: bool = False,
                  params_dtype: torch.dtype = torch.bfloat16,
-                 device: Optional[Union[torch.device, str]] = None):
+                 device: Optional[Union[torch.device, str]] = None,
+                 ep_group: Optional["_ep.Group"] = None):
         super().__init__()
         H, F, E, K = int(hidden_size), int(ffn_hidden_size), int(num_experts), int(topk)
         if min(H, F, E) <= 0:
@@ -262,6 +290,22 @@ class MoELayer(ExpertCheckpointMixin, torch.nn.Module):
             raise ValueError(f"params_dtype must be torch.bfloat16 or torch.float16, got "
                              f"{params_dtype}")
         self.hidden_size, self.ffn_hidden_size, self.num_experts, self.topk = H, F, E, K
+        if ep_group is not None:
+            if not isinstance(ep_group, _ep.Group):
+                raise TypeError(f"ep_group must be a moeflow.ep.Group, got "
+                                f"{type(ep_group).__name__}")
+            for what, mine, theirs in (("num_experts", E, ep_group.num_experts),
+                                       ("topk", K, ep_group.topk),
+                                       ("hidden_size", H, ep_group.hidden_size),
+                                       ("params_dtype", params_dtype, ep_group.dtype)):
+                if mine != theirs:
+                    raise ValueError(f"ep_group.{'dtype' if what == 'params_dtype' else what} "
+                                     f"must equal the layer's {what}={mine}, got {theirs}")
+        self.ep_group = ep_group
+        # The experts this layer holds: [first, last) of the E global ones.
+        self.expert_range = (0, E) if ep_group is None else tuple(ep_group.expert_range)
+        self.num_local_experts = self.expert_range[1] - self.expert_range[0]
+        self.last_ep_overflow: Optional[torch.Tensor] = None
         self.activation, self.glu_interleave = activation, int(glu_interleave)
         self.activation_alpha = float(activation_alpha)
         self.activation_limit = float(activation_limit)
@@ -316,10 +360,11 @@ class MoELayer(ExpertCheckpointMixin, torch.nn.Module):
         n1 = 2 * F if gated else F
         self.router_weight = torch.nn.Parameter(
             torch.empty((E, H), dtype=torch.float32, device=device))
+        L = self.num_local_experts
         self.fc1_weight = torch.nn.Parameter(
-            torch.empty((E, n1, H), dtype=params_dtype, device=device))
+            torch.empty((L, n1, H), dtype=params_dtype, device=device))
         self.fc2_weight = torch.nn.Parameter(
-            torch.empty((E, H, F), dtype=params_dtype, device=device))
+            torch.empty((L, H, F), dtype=params_dtype, device=device))
         self.shared_experts = SharedExpertMLP(H, Fs, activation, bool(shared_expert_gate),
                                               params_dtype, device) if Fs else None
         if self.use_expert_bias:
@@ -465,23 +510,44 @@ class MoELayer(ExpertCheckpointMixin, torch.nn.Module):
             ids, self.last_dropped = ops.apply_capacity(
                 ids, routed.probs.detach(), self.num_experts, self.capacity_factor,
                 self.token_drop_policy)
-        plan = ops.Plan(ids, self.num_experts, self.align)
-        rows, row_probs = ops.permute(xe, plan, probs)
-        # The experts' rows back to token order in the same autograd node
-        # (unpermute=True): its backward frees the rows' gradient early.
-        out = ops.grouped_mlp(rows, self.fc1_weight, self.fc2_weight, plan=plan,
-                              probs=row_probs, activation=self.activation,
-                              glu_interleave=self.glu_interleave, alpha=self.activation_alpha,
-                              limit=self.activation_limit, offset=self.activation_offset,
-                              accumulate_into_main_grad=self.gradient_accumulation_fusion,
-                              recompute_activation=self.recompute_activation,
-                              wgrad_store=self._wgrad_store, unpermute=True)
+        if self.ep_group is not None:
+            out = self._experts_ep(xe, ids, probs)
+        else:
+            out = self._experts(xe, ids, probs)
         if shared is not None:
             if side is not None:
                 torch.cuda.current_stream(xe.device).wait_stream(side)
                 shared.record_stream(torch.cuda.current_stream(xe.device))
             out = out + shared
         return out.to(x.dtype).reshape(shape)
+
+    def _mlp(self, rows: torch.Tensor, **groups) -> torch.Tensor:
+        """The grouped expert MLP of the local experts over ``rows``, its
+        groups given by ``groups`` (ops.grouped_mlp's plan / offsets ...)."""
+        return ops.grouped_mlp(rows, self.fc1_weight, self.fc2_weight,
+                               activation=self.activation, glu_interleave=self.glu_interleave,
+                               alpha=self.activation_alpha, limit=self.activation_limit,
+                               offset=self.activation_offset,
+                               accumulate_into_main_grad=self.gradient_accumulation_fusion,
+                               recompute_activation=self.recompute_activation,
+                               wgrad_store=self._wgrad_store, **groups)
+
+    def _experts_ep(self, xe: torch.Tensor, ids: torch.Tensor,
+                    probs: torch.Tensor) -> torch.Tensor:
+        """The routed experts across the ranks: dispatch, the local experts'
+        MLP, combine weighted by probs. [T, H] -> [T, H]."""
+        rows, tpe, offsets, handle = _ep.dispatch(xe, ids, probs, self.ep_group)
+        self.last_ep_overflow = handle.overflow.clone()
+        y = self._mlp(rows, offsets=offsets, real_rows=tpe)
+        return _ep.combine(y, handle, probs)
+
+    def _experts(self, xe: torch.Tensor, ids: torch.Tensor, probs: torch.Tensor) -> torch.Tensor:
+        """The routed experts on this device: permute, MLP, unpermute."""
+        plan = ops.Plan(ids, self.num_experts, self.align)
+        rows, row_probs = ops.permute(xe, plan, probs)
+        # The experts' rows back to token order in the same autograd node
+        # (unpermute=True): its backward frees the rows' gradient early.
+        return self._mlp(rows, plan=plan, probs=row_probs, unpermute=True)
 
     @torch.no_grad()
     def update_expert_bias(self, tokens_per_expert: Optional[torch.Tensor] = None) -> None:
@@ -530,6 +596,9 @@ class MoELayer(ExpertCheckpointMixin, torch.nn.Module):
                   f"token_drop_policy={self.token_drop_policy!r}")
         if self.z_loss_coeff:
             s += f", z_loss_coeff={self.z_loss_coeff}"
+        if self.ep_group is not None:
+            s += (f", ep_group=({self.ep_group.backend!r}, rank {self.ep_group.rank} of "
+                  f"{self.ep_group.world_size}, experts {self.expert_range})")
         if self.shared_experts is not None:
             s += f", shared_expert_ffn_hidden_size={self.shared_experts.ffn_hidden_size}"
         if self.delay_wgrad_compute:

@@ -6,6 +6,7 @@
 // keep its state alive. Outputs of combine and the backward functions are
 // caller-allocated, streams are integers (0: the legacy default stream).
 #include <nanobind/stl/string.h>
+#include <nanobind/stl/unique_ptr.h>
 
 #include <array>
 #include <cstring>
@@ -28,15 +29,17 @@ struct PyEpHandle {
   EpDispatchResult result;
 };
 
-// A device array over `v`, keeping the handle's state alive.
-OutArray device_array(const TensorView& v, const EpHandle& h) {
+// A device array over `v`, keeping the handle's state alive (returned by
+// value: the array owns its reference to the state).
+nb::object device_array(const TensorView& v, const EpHandle& h) {
   const std::vector<int64_t> sizes = v.sizes();
   std::vector<size_t> shape(sizes.begin(), sizes.end());
   std::vector<int64_t> strides(v.strides, v.strides + v.ndim);
   nb::capsule owner(new EpHandle(h), [](void* p) noexcept { delete static_cast<EpHandle*>(p); });
-  return OutArray(v.data, shape.size(), shape.data(), owner, strides.data(), dlpack_dtype(v.dtype),
-                  v.device.is_cpu() ? nb::device::cpu::value : nb::device::cuda::value,
-                  v.device.index);
+  OutArray a(v.data, shape.size(), shape.data(), owner, strides.data(), dlpack_dtype(v.dtype),
+             v.device.is_cpu() ? nb::device::cpu::value : nb::device::cuda::value,
+             v.device.index);
+  return nb::cast(std::move(a), nb::rv_policy::reference);  // (the capsule owns the state)
 }
 
 EpBackend backend_from_name(const std::string& s) {
@@ -46,11 +49,11 @@ EpBackend backend_from_name(const std::string& s) {
   return EpBackend::kNccl;
 }
 
-std::unique_ptr<PyEpGroup> make_group(nb::bytes unique_id, int rank, int world_size, int device,
+void make_group(PyEpGroup* self, nb::bytes unique_id, int rank, int world_size, int device,
                                       const std::string& backend, int num_experts, int topk,
                                       int64_t hidden, const std::string& dtype, int align,
                                       int64_t max_tokens_per_rank, int64_t capacity_rows,
-                                      double timeout_s) {
+                                      double timeout_s, const nb::kwargs& options) {
   std::array<char, 128> id{};
   MOEFLOW_CHECK(unique_id.size() == id.size(), "unique_id: expected ", id.size(),
                 " bytes (an NCCL unique id), got ", unique_id.size());
@@ -65,14 +68,36 @@ std::unique_ptr<PyEpGroup> make_group(nb::bytes unique_id, int rank, int world_s
   o.max_tokens_per_rank = max_tokens_per_rank;
   o.capacity_rows = capacity_rows;
   o.timeout_s = timeout_s;
+  // The tuning options of EpOptions, by name (docs/tuning.md).
+  for (auto [key, value] : options) {
+    const std::string k = nb::cast<std::string>(key);
+    if (k == "pipeline_chunks")
+      o.pipeline_chunks = nb::cast<int>(value);
+    else if (k == "pipeline_first_share")
+      o.pipeline_first_share = nb::cast<double>(value);
+    else if (k == "eager_share")
+      o.eager_share = nb::cast<double>(value);
+    else if (k == "overlap_blocks")
+      o.overlap_blocks = nb::cast<int>(value);
+    else if (k == "nvlink_blocks")
+      o.nvlink_blocks = nb::cast<int>(value);
+    else if (k == "nvlink_bulk_copies")
+      o.nvlink_bulk_copies = nb::cast<bool>(value);
+    else if (k == "nccl_register_buffers")
+      o.nccl_register_buffers = nb::cast<bool>(value);
+    else
+      MOEFLOW_CHECK(false, "options: unknown EpOptions field '", k,
+                    "' (pipeline_chunks, pipeline_first_share, eager_share, overlap_blocks, "
+                    "nvlink_blocks, nvlink_bulk_copies, nccl_register_buffers)");
+  }
   MOEFLOW_CHECK(device >= 0, "device must be a CUDA device index, got ", device);
-  auto g = std::make_unique<PyEpGroup>();
+  std::unique_ptr<EpGroup> group;
   {
     // (collective: every rank blocks here until all have joined)
     nb::gil_scoped_release release;
-    g->group = EpGroup::from_unique_id(id, rank, world_size, o, device);
+    group = EpGroup::from_unique_id(id, rank, world_size, o, device);
   }
-  return g;
+  new (self) PyEpGroup{std::move(group)};
 }
 
 EpGroup& group_of(PyEpGroup& g) {
@@ -99,7 +124,7 @@ void bind_ep(nb::module_& m) {
       .def_prop_ro("scales",
                    [](const PyEpHandle& h) -> nb::object {
                      if (!h.result.scales.defined()) return nb::none();
-                     return nb::cast(device_array(h.result.scales, h.handle));
+                     return device_array(h.result.scales, h.handle);
                    })
       .def_prop_ro("tokens_per_expert",
                    [](const PyEpHandle& h) {
@@ -124,11 +149,11 @@ void bind_ep(nb::module_& m) {
   nb::class_<PyEpGroup>(m, "EpGroup",
                         "An expert-parallel group (moeflow/ep.h) over a communicator made from "
                         "an NCCL unique id.")
-      .def(nb::new_(&make_group), nb::arg("unique_id"), nb::arg("rank"), nb::arg("world_size"),
+      .def("__init__", &make_group, nb::arg("unique_id"), nb::arg("rank"), nb::arg("world_size"),
            nb::arg("device"), nb::arg("backend"), nb::arg("num_experts"), nb::arg("topk"),
            nb::arg("hidden"), nb::arg("dtype"), nb::arg("align") = 16,
            nb::arg("max_tokens_per_rank"), nb::arg("capacity_rows") = -1,
-           nb::arg("timeout_s") = 300.0)
+           nb::arg("timeout_s") = 300.0, nb::arg("options"))
       .def_prop_ro("rank", [](PyEpGroup& g) { return group_of(g).rank(); })
       .def_prop_ro("world_size", [](PyEpGroup& g) { return group_of(g).world_size(); })
       .def_prop_ro("local_experts", [](PyEpGroup& g) { return group_of(g).local_experts(); })

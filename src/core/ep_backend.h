@@ -22,6 +22,8 @@ void ep_nccl_combine(EpGroup& group, const EpHandle& handle, TensorView y, bool 
 void ep_nccl_combine_backward(EpGroup& group, const EpHandle& handle, TensorView dout, TensorView y, bool weighted,
                               TensorView grad_y, TensorView dprobs, cudaStream_t stream);
 
+// Throws when an earlier operation's wait on a peer timed out (no sync).
+void ep_nvlink_check(EpGroup& group);
 EpDispatchResult ep_nvlink_dispatch(EpGroup& group, TensorView x, TensorView ids, TensorView probs,
                                     TensorView scales, cudaStream_t stream);
 void ep_nvlink_combine(EpGroup& group, const EpHandle& handle, TensorView y, bool weighted, TensorView out,

@@ -81,6 +81,9 @@ cudaStream_t EpGroup::simulated_stream() const {
 bool EpGroup::nccl_buffers_registered() const {
   return false;
 }
+void EpGroup::check() {
+  no_cuda();
+}
 const std::vector<int64_t>& EpGroup::last_send_rows() const {
   return impl_->rows;
 }
@@ -98,6 +101,9 @@ void ep_nccl_combine(EpGroup&, const EpHandle&, TensorView, bool, TensorView, cu
 }
 void ep_nccl_combine_backward(EpGroup&, const EpHandle&, TensorView, TensorView, bool, TensorView, TensorView,
                               cudaStream_t) {
+  no_cuda();
+}
+void ep_nvlink_check(EpGroup&) {
   no_cuda();
 }
 EpDispatchResult ep_nvlink_dispatch(EpGroup&, TensorView, TensorView, TensorView, TensorView,

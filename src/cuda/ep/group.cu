@@ -65,6 +65,8 @@ EpTuning resolve_tuning(const EpOptions& o, int world, int rank, int64_t row_byt
     t.eager_parts = std::clamp(std::atoi(v), 1, kMaxEagerParts);
   t.first_piece_permille =
       std::clamp(static_cast<int>(std::lround(o.pipeline_first_share * 1000)), 1, 999);
+  t.timeout_s = o.timeout_s;
+  if (const char* v = std::getenv("MOEFLOW_EP_TIMEOUT")) t.timeout_s = std::max(0.0, std::atof(v));
   t.register_buffers = o.nccl_register_buffers;
   if (const char* v = std::getenv("MOEFLOW_EP_REGISTER")) t.register_buffers = std::atoi(v) != 0;
   t.debug_ranges = std::getenv("MOEFLOW_EP_DEBUG_RANGES") != nullptr;
@@ -156,6 +158,7 @@ EpGroup::Impl::~Impl() {
   // arena itself goes (ncclMemFree) with the last tensor over it.
   if (buf.arena_handle && !owns_comm) ncclCommDeregister(comm, buf.arena_handle);
   if (owns_comm && comm) ncclCommDestroy(comm);
+  if (nvl && nvl->status_host) cudaFreeHost(nvl->status_host);
   if (nvl && nvl->base) {
     if (nvl->plain)
       cudaFree(nvl->base);
@@ -414,6 +417,11 @@ cudaStream_t EpGroup::simulated_stream() const {
 }
 ncclComm* EpGroup::nccl_comm() const {
   return impl_->comm;
+}
+void EpGroup::check() {
+  if (impl_->opt.backend == EpBackend::kNvlink) return cuda::ep_nvlink_check(*this);
+  MOEFLOW_CHECK(!impl_->aborted, "ep (nccl) on rank ", impl_->rank,
+                ": a dispatch timed out (EpOptions::timeout_s); the group is unusable");
 }
 const std::vector<int64_t>& EpGroup::last_send_rows() const {
   return impl_->prev_send_rows;

@@ -40,6 +40,7 @@ struct EpTuning {
   double eager_share = 0.0;           // eager_share or MOEFLOW_EP_EAGER, clamped to [0, 0.99]
   int eager_parts = 1;                // parts of the eager piece (MOEFLOW_EP_EAGER_PARTS, 1..4)
   int first_piece_permille = 500;     // pipeline_first_share per mille (piece_start's split)
+  double timeout_s = 300.0;           // timeout_s or MOEFLOW_EP_TIMEOUT (0: none)
   bool register_buffers = true;       // nccl_register_buffers or MOEFLOW_EP_REGISTER
   bool debug_ranges = false;          // MOEFLOW_EP_DEBUG_RANGES: print the arena and exchanges
   bool trace = false;                 // MOEFLOW_EP_TRACE=1, rank 0: print each step's time
@@ -158,6 +159,12 @@ struct NvlinkState {
   // the group's ranks and every rank's window.
   std::shared_ptr<void> sim_bar;
   std::vector<uint8_t*> sim_bases;
+
+  // Timeouts: the host-mapped status the kernels write (nvl::Window).
+  int world = 1, rank = 0;
+  unsigned long long timeout_ns = 0;
+  int32_t* status_host = nullptr;
+  int32_t* status_dev = nullptr;
 
   nvl::Window view() const;
   // The device communicator and the window (the memory is freed by the owner).

@@ -346,7 +346,7 @@ void pack_sender_side(Dispatch& d) {
 void wait_for_counts(Dispatch& d) {
   EpGroup::Impl& g = d.g;
   MOEFLOW_CHECK(!g.aborted, "the expert-parallel group was aborted by an earlier timeout");
-  const double limit = g.opt.timeout_s;
+  const double limit = g.tuning.timeout_s;
   const auto start = std::chrono::steady_clock::now();
   for (int spins = 0;; ++spins) {
     const cudaError_t e = cudaEventQuery(g.streams.ev_counts);

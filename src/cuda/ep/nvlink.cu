@@ -35,6 +35,8 @@
 // 0) and <dout, y> stored into the home rank's dp; barrier; dprobs.
 #include <nccl.h>
 
+#include <string>
+
 #include "core/backends.h"
 #include "core/ep_backend.h"
 #include "cuda/ep/group.h"
@@ -43,6 +45,13 @@ namespace moeflow {
 
 nvl::Window NvlinkState::view() const {
   nvl::Window w{have_win ? win : nullptr, static_cast<uint8_t*>(base), dc};
+  w.world = world;
+  w.rank = rank;
+  w.off_arrive = off.arrive;
+  w.off_round = off.round;
+  w.off_abort = off.abort;
+  w.status = status_dev;
+  w.timeout_ns = have_win ? timeout_ns : 0;  // (plain and simulated windows: no timeout)
   if (sim_bar) {
     w.sim_bar = static_cast<unsigned*>(sim_bar.get());
     w.sim_world = static_cast<int>(sim_bases.size());
@@ -97,7 +106,18 @@ void EpGroup::Impl::init_nvlink() {
   o.flag = take(size_t(world) * tmax * 4);
   o.epoch = take(4);
   o.scales = take(size_t(capacity) * size.scale_bytes);
+  o.arrive = take(size_t(world) * 4);
+  o.round = take(4);
+  o.abort = take(4);
   s.bytes = at;
+  s.world = world;
+  s.rank = rank;
+  s.timeout_ns = static_cast<unsigned long long>(tuning.timeout_s * 1e9);
+  MOEFLOW_CUDA_CHECK(cudaHostAlloc(reinterpret_cast<void**>(&s.status_host), 2 * sizeof(int32_t),
+                                   cudaHostAllocMapped));
+  s.status_host[0] = s.status_host[1] = 0;
+  MOEFLOW_CUDA_CHECK(cudaHostGetDevicePointer(reinterpret_cast<void**>(&s.status_dev),
+                                              s.status_host, 0));
   if (world == 1 || simulated) {
     // NCCL gives a one-rank communicator no symmetric memory: the window is
     // plain device memory and the barriers are block-local. Simulated
@@ -172,6 +192,22 @@ void zero_pads(EpGroup::Impl& g, const RoutingPlan& recv, uint8_t* rows, int64_t
                    stream);
 }
 
+// Throws when a wait of an earlier operation timed out (read from the
+// host-mapped status, no synchronisation).
+void check_timeout(EpGroup::Impl& g) {
+  const NvlinkState& s = *g.nvl;
+  const volatile int32_t* st = s.status_host;
+  if (!g.aborted && st[0] == 0) return;
+  g.aborted = true;
+  std::string missing;
+  for (int q = 0; q < g.world; ++q)
+    if ((st[1] >> q) & 1) missing += (missing.empty() ? "" : ", ") + std::to_string(q);
+  MOEFLOW_CHECK(false, "ep (nvlink) on rank ", g.rank, ": an earlier operation timed out after ",
+                g.tuning.timeout_s, " s waiting for rank(s) ",
+                missing.empty() ? std::string("(unknown)") : missing,
+                " (EpOptions::timeout_s); the group is unusable");
+}
+
 // The fused kernel's window, roles and this rank's slots (the handle's
 // dispatch).
 nvl::FusedArgs fused_args(EpGroup::Impl& g, const EpHandle& handle, int home_percent,
@@ -202,14 +238,18 @@ nvl::FusedArgs fused_args(EpGroup::Impl& g, const EpHandle& handle, int home_per
 
 namespace cuda {
 
+void ep_nvlink_check(EpGroup& group) {
+  check_timeout(group.impl());
+}
+
 EpDispatchResult ep_nvlink_dispatch(EpGroup& group, TensorView x, TensorView ids, TensorView probs,
                                     TensorView scales, cudaStream_t stream) {
   EpGroup::Impl& g = group.impl();
   NvlinkState& s = *g.nvl;
   const nvl::Offsets& o = s.off;
   const int K = g.opt.topk, W = g.world, E = g.opt.num_experts, L = g.size.experts_per_rank;
-  const int64_t T = x.shape[0], H = g.opt.hidden;
-  const Device dev = Device::cuda(g.device);
+  const int64_t T = x.shape[0];
+  check_timeout(g);
   EpHandle handle = g.new_handle(T, group);
   EpHandle::State& h = handle.state();
   RoutingPlan& recv = h.plan;
@@ -329,6 +369,7 @@ void ep_nvlink_combine(EpGroup& group, const EpHandle& handle, TensorView y, boo
   NvlinkState& s = *g.nvl;
   const nvl::Offsets& o = s.off;
   uint8_t* base = static_cast<uint8_t*>(s.base);
+  check_timeout(g);
   g.mark("start", stream);
   nvl::launch_op_start(s.view(), reinterpret_cast<int32_t*>(base + o.epoch), stream);
   g.mark("barrier", stream);
@@ -354,6 +395,7 @@ void ep_nvlink_combine_backward(EpGroup& group, const EpHandle& handle, TensorVi
   const int K = g.opt.topk;
   const int64_t esz = int64_t(dtype_size(y.dtype));
   uint8_t* base = static_cast<uint8_t*>(s.base);
+  check_timeout(g);
   nvl::launch_op_start(s.view(), reinterpret_cast<int32_t*>(base + o.epoch), stream);
   zero_pads(g, handle.state().plan, static_cast<uint8_t*>(grad_y.data), grad_y.strides[0] * esz,
             H * esz, nullptr, nullptr, stream);

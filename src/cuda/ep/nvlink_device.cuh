@@ -28,16 +28,12 @@ __device__ __forceinline__ void warp_publish() {
   __syncwarp();
 }
 __device__ __forceinline__ void st_flag(int32_t* p, int32_t v) {
-  asm volatile("st.release.sys.global.s32 [%0], %1;" ::"l"(p), "r"(v) : "memory");
+  st_release_sys(p, v);
 }
-__device__ __forceinline__ void spin_flag(const int32_t* p, int32_t v) {
-  int32_t got;
-  do {
-    asm volatile("ld.acquire.sys.global.s32 %0, [%1];" : "=r"(got) : "l"(p) : "memory");
-  } while (got != v);
-}
-__device__ __forceinline__ void warp_wait_flag(const int32_t* p, int32_t v, int lane) {
-  if (lane == 0) spin_flag(p, v);
+// Waits for rank `who`'s flag (Window::wait_flag: gives up on a timeout).
+__device__ __forceinline__ void warp_wait_flag(const Window& win, const int32_t* p, int32_t v,
+                                               int who, int lane) {
+  if (lane == 0) win.wait_flag(p, v, who);
   __syncwarp();
 }
 

@@ -189,7 +189,7 @@ __global__ void __launch_bounds__(NW * 32) dispatch_kernel(const DispatchParams 
   const uint8_t* stage = win.local + o.stage;
   for_tokens(ro, ntok, W, me, false, [&](int s, int64_t t) {
     const size_t st = size_t(s) * tmax + t;
-    warp_wait_flag(flag + st, epoch, lane);
+    warp_wait_flag(win, flag + st, epoch, s, lane);
     const int64_t row = lane < K ? __ldcg(inv + st * K + lane) : -1;
     const int n = list_rows(my, row, win.local + o.x, row_bytes, lane);
     if (n <= 1) return;  // an only slot here was stored by the home rank
@@ -259,7 +259,7 @@ __global__ void __launch_bounds__(kSumWarps * 32) combine_kernel(const CombinePa
       // lane p < W: the bytes per element of rank p's partial
       const int64_t eb = ((single >> lane) & 1u) ? int64_t{sizeof(T)} : 4;
       if (lane < W && lane != me && ((ranks >> lane) & 1u)) {  // lane p waits for rank p
-        spin_flag(flag + size_t(lane) * tmax + t, epoch);
+        win.wait_flag(flag + size_t(lane) * tmax + t, epoch, lane);
         prefetch_span(partial + (size_t(lane) * tmax + t) * H, 0, kAhead * 32 * U * N * eb, H * eb);
       }
       __syncwarp();
@@ -440,7 +440,7 @@ __global__ void __launch_bounds__(kBwdWarps * 32)
     const float w = row >= 0 && weights ? rprobs[row] : 1.0f;
     const int n = collect_slots(l, __ballot_sync(kFull, row >= 0), row, w, lane);
     if (n == 0) return;
-    warp_wait_flag(flag + st, epoch, lane);
+    warp_wait_flag(win, flag + st, epoch, s, lane);
     for (int i = 0; i < n; ++i) {
       const int64_t r = l.row[i];
       const float dot = grad_row<T, true>(stage + st * H, y + r * y_stride, grad_y + r * g_stride,

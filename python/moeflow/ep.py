@@ -1,0 +1,575 @@
+"""Expert parallelism from PyTorch (needs torch and torch.distributed).
+
+    import moeflow.ep as ep
+    group = ep.Group(num_experts=E, topk=K, hidden_size=H, dtype=torch.bfloat16,
+                     max_tokens_per_rank=4096)            # over the default process group
+    rows, tpe, offsets, handle = ep.dispatch(x, topk_ids, probs, group)
+    y = ops.grouped_mlp(rows, fc1, fc2, offsets=offsets, real_rows=tpe)  # the local experts
+    out = ep.combine(y, handle, probs)                    # [T, H], weighted by probs
+
+W ranks each hold L = E / W experts: rank q owns the global experts
+[q*L, (q+1)*L). :func:`dispatch` sends every token to the ranks of its
+experts and returns there the received rows, permuted by local expert and
+padded to ``align`` rows: local experts in order, inside an expert the rows
+ordered by (source rank, token, k), pad rows zero. :func:`combine` brings
+each token's expert outputs home: out[t] = sum over ranks q ascending of
+partial_q[t], partial_q[t] = the float32 sum over k ascending of w[t,k] *
+y_q[row] (a fused multiply-add chain), cast to y's dtype. Slots that do not
+fit ``capacity_rows`` on their rank are dropped (experts in order: the tail
+of the one that fits partially and every later one) and counted in
+``handle.overflow``. These are the semantics of moeflow/ep_reference.h.
+
+Every rank must call each operation (dispatch, combine and, through
+autograd, their backward functions) in the same order: they are
+collectives. Arguments are checked on each rank before any communication; a
+check failing on some ranks only leaves the others waiting until the process
+group's (or, for the device backends, the group's) timeout.
+
+Backends:
+
+- ``"nccl"`` / ``"nvlink"``: moeflow's CUDA backends (moeflow/ep.h,
+  docs/ep.md) through ``moeflow._C.EpGroup``; one GPU per rank, the current
+  CUDA device at group creation. Everything runs on torch's current stream.
+  nccl copies the per-peer row counts to the host once per dispatch (dispatch
+  is not CUDA-graph capturable; the rest does not synchronise); nvlink never
+  synchronises.
+- ``"reference"``: plain torch over ``torch.distributed.all_to_all_single``
+  (gloo on the CPU, or nccl on GPUs): the readable oracle and the CPU path.
+  It synchronises with the host (split sizes) and keeps per-slot copies; the
+  fused multiply-add of combine is computed in float64 (equal to a fused
+  float32 multiply-add but for rare double-rounding ties).
+
+Each dispatch returns an :class:`EpHandle` that holds its way back: many
+dispatches (layers) can be in flight, and activation recomputation
+(torch.utils.checkpoint) works, each recomputed dispatch making its own.
+"""
+from __future__ import annotations
+
+from typing import Optional, Tuple
+
+import torch
+import torch.distributed as dist
+
+from . import _C
+from .ops import _stream
+
+__all__ = ["Group", "EpHandle", "dispatch", "combine", "recv_capacity_rows"]
+
+_BACKENDS = ("nccl", "nvlink", "reference")
+_ALIGNS = (1, 16, 32, 64, 128, 256)
+_DTYPES = {torch.bfloat16: "bfloat16", torch.float16: "float16", torch.float32: "float32"}
+_FLOATS = tuple(_DTYPES)
+
+
+def _name(dtype: torch.dtype) -> str:
+    return str(dtype).replace("torch.", "")
+
+
+def _desc(t: Optional[torch.Tensor]) -> str:
+    if t is None:
+        return "None"
+    return f"{_name(t.dtype)} {list(t.shape)} on {t.device}"
+
+
+def recv_capacity_rows(num_experts: int, world_size: int, topk: int, max_tokens_per_rank: int,
+                       align: int, capacity_rows: int = -1) -> int:
+    """Receive rows of every rank: ``capacity_rows`` when >= 0, else the worst
+    case max_tokens_per_rank * W * min(K, E/W) + (E/W) * (align - 1), rounded up
+    to align (moeflow/ep_reference.h)."""
+    if capacity_rows >= 0:
+        return int(capacity_rows)
+    local = num_experts // world_size
+    worst = max_tokens_per_rank * world_size * min(topk, local) + local * (align - 1)
+    return (worst + align - 1) // align * align
+
+
+class Group:
+    """An expert-parallel group over a torch.distributed process group.
+
+    ``process_group``: the ranks (None: the default group); rank and world
+    size come from it. ``num_experts`` E (a multiple of the world size W),
+    ``topk`` K, ``hidden_size`` H and ``dtype`` (bfloat16 / float16 / float32)
+    of the dispatched tokens; ``max_tokens_per_rank`` bounds T on every rank
+    (it sizes the buffers); ``align`` (1, 16, 32, 64, 128, 256) pads each
+    local expert's rows; ``capacity_rows`` the receive rows per rank (-1: the
+    worst case, see :func:`recv_capacity_rows`; else a multiple of align).
+    ``timeout`` (seconds) bounds a device backend's waits for its peers.
+    ``options``: further ``EpOptions`` fields of the device backends (e.g.
+    ``pipeline_chunks``, ``nvlink_blocks``; docs/tuning.md), passed to
+    ``moeflow._C.EpGroup`` by name; none for the reference backend.
+
+    The device backends need the current CUDA device set to the rank's GPU
+    (torch.cuda.set_device) before the group is made; every rank makes its
+    group together (rank 0 makes an NCCL id and broadcasts it through the
+    process group). The reference backend works on the tensors' device,
+    which the process group's backend must support (gloo: CPU, nccl: CUDA).
+    """
+
+    def __init__(self, process_group=None, *, num_experts: int, topk: int, hidden_size: int,
+                 dtype: torch.dtype = torch.bfloat16, backend: str = "nccl",
+                 max_tokens_per_rank: int, align: int = 16, capacity_rows: int = -1,
+                 timeout: float = 300.0, **options):
+        if backend not in _BACKENDS:
+            raise ValueError(f"backend must be one of {_BACKENDS}, got {backend!r}")
+        if not dist.is_available() or not dist.is_initialized():
+            raise RuntimeError("moeflow.ep.Group needs torch.distributed initialised "
+                               "(torch.distributed.init_process_group), it is not")
+        W = dist.get_world_size(process_group)
+        rank = dist.get_rank(process_group)
+        if rank < 0:
+            raise ValueError("moeflow.ep.Group: this process is not a member of process_group")
+        E, K, H = int(num_experts), int(topk), int(hidden_size)
+        if E <= 0 or E % W:
+            raise ValueError(f"num_experts must be a positive multiple of the world size {W}, "
+                             f"got {E}")
+        if not 1 <= K <= min(E, 32):
+            raise ValueError(f"topk must be in [1, min(num_experts={E}, 32)], got {K}")
+        if H <= 0:
+            raise ValueError(f"hidden_size must be > 0, got {H}")
+        if dtype not in _DTYPES:
+            raise ValueError(f"dtype must be torch.bfloat16, torch.float16 or torch.float32, "
+                             f"got {dtype}")
+        if int(align) not in _ALIGNS:
+            raise ValueError(f"align must be one of {_ALIGNS}, got {align}")
+        align = int(align)
+        if int(max_tokens_per_rank) < 0:
+            raise ValueError(f"max_tokens_per_rank must be >= 0, got {max_tokens_per_rank}")
+        capacity_rows = int(capacity_rows)
+        if capacity_rows != -1 and (capacity_rows < 0 or capacity_rows % align):
+            raise ValueError(f"capacity_rows must be -1 (the worst case) or a non-negative "
+                             f"multiple of align={align}, got {capacity_rows}")
+        if not float(timeout) >= 0:
+            raise ValueError(f"timeout must be >= 0 seconds (0: wait forever), got {timeout}")
+        if backend == "reference" and options:
+            raise ValueError(f"the reference backend takes no options, got "
+                             f"{sorted(options)}")
+        self.process_group = process_group
+        self.rank, self.world_size = rank, W
+        self.num_experts, self.topk, self.hidden_size, self.dtype = E, K, H, dtype
+        self.local_experts = E // W
+        self.expert_range = (rank * self.local_experts, (rank + 1) * self.local_experts)
+        self.backend, self.align = backend, align
+        self.max_tokens_per_rank = int(max_tokens_per_rank)
+        self.timeout = float(timeout)
+        self.device: Optional[torch.device] = None
+        self._g = None
+        if backend == "reference":
+            self.capacity_rows = recv_capacity_rows(E, W, K, self.max_tokens_per_rank, align,
+                                                    capacity_rows)
+            return
+        if not hasattr(_C, "EpGroup"):
+            raise RuntimeError(f"backend {backend!r} needs moeflow's expert-parallel extension "
+                               f"(moeflow._C.EpGroup), which this build does not have (built "
+                               f"without CUDA?); use backend='reference'")
+        if not torch.cuda.is_available():
+            raise RuntimeError(f"backend {backend!r} needs a CUDA device, torch sees none")
+        dev = torch.cuda.current_device()
+        self.device = torch.device("cuda", dev)
+        obj = [_C.ep_unique_id() if rank == 0 else None]
+        src = 0 if process_group is None else dist.get_global_rank(process_group, 0)
+        dist.broadcast_object_list(obj, src=src, group=process_group)
+        uid = bytes(obj[0])
+        if len(uid) != 128:
+            raise RuntimeError(f"the broadcast NCCL id has {len(uid)} bytes, expected 128")
+        self._g = _C.EpGroup(uid, rank, W, dev, backend, E, K, H, _DTYPES[dtype], align,
+                             self.max_tokens_per_rank, capacity_rows, self.timeout, **options)
+        self.capacity_rows = int(self._g.capacity_rows)
+
+    def destroy(self) -> None:
+        """Releases a device backend's group (its buffers and communicator);
+        every rank calls it together, once no handle of it is in use."""
+        self._g = None
+
+    def __repr__(self) -> str:
+        return (f"moeflow.ep.Group(backend={self.backend!r}, rank={self.rank}, "
+                f"world_size={self.world_size}, num_experts={self.num_experts}, "
+                f"local_experts={self.local_experts}, topk={self.topk}, "
+                f"hidden_size={self.hidden_size}, dtype={self.dtype}, align={self.align}, "
+                f"capacity_rows={self.capacity_rows})")
+
+
+class EpHandle:
+    """One dispatch's state: what its combine and the backward functions need
+    (the way back). Made by :func:`dispatch`; on the device backends it holds
+    the C++ handle, whose buffers (the received rows among them) stay alive
+    while it or a tensor viewing them lives.
+
+    Tensors (on the group's device): ``row_probs`` [capacity] float32 (the
+    rows' probabilities, 0 on pad rows; meaningful when dispatched with
+    probs), ``tokens_per_expert`` [L] int32, ``expert_row_offsets`` [L+1]
+    int64, ``total_rows`` [1] int64 (rows used), ``overflow`` [1] int32 (slots
+    sent to this rank that did not fit). ``num_tokens``: T of this rank."""
+
+    __slots__ = ("group", "num_tokens", "device", "x_dtype", "weighted", "_probs_key", "_h",
+                 "_ref", "row_probs", "tokens_per_expert", "expert_row_offsets", "total_rows",
+                 "overflow")
+
+    def __init__(self, group: Group):
+        self.group = group
+        self._h = self._ref = None
+
+    def __repr__(self) -> str:
+        return (f"moeflow.ep.EpHandle(backend={self.group.backend!r}, "
+                f"num_tokens={self.num_tokens}, capacity_rows={self.group.capacity_rows})")
+
+
+# ---------------------------------------------------------------------------
+# The reference backend: torch.distributed.all_to_all_single.
+
+class _RefState:
+    """The reference's way back. Slots are (t, k), flat index t*K + k.
+    send_slots [n_send] int64: the slots sent, by destination rank then slot;
+    send_splits / recv_splits: rows per peer (host lists); recv_rows [n_recv]
+    int64: the row of each received slot (-1: dropped); dest_rank [T, K]
+    int32 (-1: unrouted), dest_row [T, K] int64 (-1: unrouted or dropped)."""
+    __slots__ = ("send_slots", "send_splits", "recv_splits", "recv_rows", "dest_rank",
+                 "dest_row")
+
+
+def _a2a(group: Group, t: torch.Tensor, in_splits, out_splits) -> torch.Tensor:
+    """Rows of t [n, ...] to the ranks (in_splits rows each); returns the
+    received rows [sum(out_splits), ...] in source rank order."""
+    shape = t.shape[1:]
+    raw = t.contiguous().reshape(t.shape[0], shape.numel()).view(torch.uint8)
+    out = torch.empty((sum(out_splits), raw.shape[1]), dtype=torch.uint8, device=t.device)
+    dist.all_to_all_single(out, raw, list(out_splits), list(in_splits),
+                           group=group.process_group)
+    return out.view(t.dtype).reshape(-1, *shape)
+
+
+def _pack(parts) -> torch.Tensor:
+    """[n, ...] tensors -> one uint8 [n, bytes] tensor (one message per row)."""
+    n = parts[0].shape[0]
+    return torch.cat([p.contiguous().reshape(n, p.shape[1:].numel()).view(torch.uint8)
+                      for p in parts], 1)
+
+
+def _unpack(buf: torch.Tensor, specs):
+    """The inverse of _pack: specs = [(dtype, row shape), ...]."""
+    out, col, n = [], 0, buf.shape[0]
+    for dtype, shape in specs:
+        nbytes = torch.Size(shape).numel() * torch.empty((), dtype=dtype).element_size()
+        if n == 0:
+            out.append(torch.empty((0, *shape), dtype=dtype, device=buf.device))
+        else:
+            part = buf[:, col:col + nbytes].contiguous().view(dtype)
+            out.append(part.reshape(n, *shape))
+        col += nbytes
+    return out
+
+
+def _ref_dispatch(group: Group, x: torch.Tensor, ids: torch.Tensor,
+                  probs: Optional[torch.Tensor], h: EpHandle) -> torch.Tensor:
+    """Fills h; returns the received rows [capacity, H]."""
+    W, L, E, K = group.world_size, group.local_experts, group.num_experts, group.topk
+    cap, a, H, dev = group.capacity_rows, group.align, group.hidden_size, x.device
+    T = x.shape[0]
+    flat = ids.reshape(-1).to(torch.int64)
+    bad = (flat < -1) | (flat >= E)
+    first_bad = int(bad.nonzero()[0, 0]) if bool(bad.any()) else -1
+    flat = torch.where(bad, torch.full_like(flat, -1), flat)  # unrouted; reported at the end
+    dest = torch.where(flat >= 0, flat // L, torch.full_like(flat, -1))
+    routed = (flat >= 0).nonzero().squeeze(1)
+    send_slots = routed[torch.argsort(dest[routed], stable=True)]
+    send_counts = torch.bincount(dest[routed], minlength=W)
+    recv_counts = torch.empty_like(send_counts)
+    dist.all_to_all_single(recv_counts, send_counts, group=group.process_group)
+    send_splits, recv_splits = send_counts.tolist(), recv_counts.tolist()
+    p = probs.reshape(-1)[send_slots] if probs is not None else \
+        torch.zeros(send_slots.shape[0], dtype=torch.float32, device=dev)
+    msg = _pack([x[send_slots // K], flat[send_slots] % L, p])
+    rx, rle, rp = _unpack(_a2a(group, msg, send_splits, recv_splits),
+                          [(x.dtype, (H,)), (torch.int64, ()), (torch.float32, ())])
+    # The receive layout: per local expert the arrival order (source rank,
+    # token, k); segments padded to align from the routed counts, then clipped
+    # to the capacity (the RoutingPlan's layout_expert rule).
+    n_recv = rle.shape[0]
+    routed_e = torch.bincount(rle, minlength=L)
+    start = torch.cumsum(routed_e, 0) - routed_e
+    order = torch.argsort(rle, stable=True)
+    rank_in = torch.empty(n_recv, dtype=torch.int64, device=dev)
+    rank_in[order] = torch.arange(n_recv, device=dev) - start[rle[order]]
+    padded_routed = (routed_e + a - 1) // a * a
+    offset = (torch.cumsum(padded_routed, 0) - padded_routed).clamp(max=cap)
+    kept = torch.minimum(routed_e, cap - offset)
+    padded = (kept + a - 1) // a * a
+    total = offset[-1:] + padded[-1:]
+    recv_rows = torch.where(rank_in < kept[rle], offset[rle] + rank_in,
+                            torch.full_like(rank_in, -1))
+    keep = (recv_rows >= 0).nonzero().squeeze(1)
+    rows = torch.zeros((cap, H), dtype=x.dtype, device=dev)
+    row_probs = torch.zeros(cap, dtype=torch.float32, device=dev)
+    rows[recv_rows[keep]] = rx[keep]
+    row_probs[recv_rows[keep]] = rp[keep]
+    # The way back: each source learns the rows of its slots.
+    back = _a2a(group, recv_rows, recv_splits, send_splits)
+    dest_row = torch.full((T * K,), -1, dtype=torch.int64, device=dev)
+    dest_row[send_slots] = back
+    st = _RefState()
+    st.send_slots, st.send_splits, st.recv_splits = send_slots, send_splits, recv_splits
+    st.recv_rows = recv_rows
+    st.dest_rank = dest.to(torch.int32).view(T, K)
+    st.dest_row = dest_row.view(T, K)
+    h._ref = st
+    h.row_probs = row_probs
+    h.tokens_per_expert = kept.to(torch.int32)
+    h.expert_row_offsets = torch.cat([offset, total])
+    h.total_rows = total
+    h.overflow = (routed_e - kept).sum().reshape(1).to(torch.int32)
+    if first_bad >= 0:
+        raise ValueError(f"topk_ids[{first_bad // K}, {first_bad % K}] = "
+                         f"{int(ids.reshape(-1)[first_bad])} is outside [-1, {E}) (num_experts="
+                         f"{E}); the dispatch completed with that slot unrouted")
+    return rows
+
+
+def _ref_home(h: EpHandle, rows: torch.Tensor) -> torch.Tensor:
+    """rows [capacity, H] on the expert ranks -> each sent slot's row at home
+    [n_send, H] (zeros for dropped slots)."""
+    st = h._ref
+    keep = (st.recv_rows >= 0).nonzero().squeeze(1)
+    vals = torch.zeros((st.recv_rows.shape[0], rows.shape[1]), dtype=rows.dtype,
+                       device=rows.device)
+    vals[keep] = rows[st.recv_rows[keep]]
+    return _a2a(h.group, vals, st.recv_splits, st.send_splits)
+
+
+def _ref_away(h: EpHandle, slot_rows: torch.Tensor) -> torch.Tensor:
+    """The sent slots' rows [n_send, H] -> [capacity, H] on the expert ranks at
+    the slots' rows; every other row zero."""
+    st, g = h._ref, h.group
+    rv = _a2a(g, slot_rows, st.send_splits, st.recv_splits)
+    keep = (st.recv_rows >= 0).nonzero().squeeze(1)
+    out = torch.zeros((g.capacity_rows, slot_rows.shape[1]), dtype=slot_rows.dtype,
+                      device=slot_rows.device)
+    out[st.recv_rows[keep]] = rv[keep]
+    return out
+
+
+def _ref_slots(h: EpHandle, slot_home: torch.Tensor) -> torch.Tensor:
+    """[n_send, H] -> [T, K, H] float64 per slot (zeros where not sent)."""
+    T, K, H = h.num_tokens, h.group.topk, slot_home.shape[1]
+    full = torch.zeros((T * K, H), dtype=torch.float64, device=slot_home.device)
+    full[h._ref.send_slots] = slot_home.double()
+    return full.view(T, K, H)
+
+
+def _ref_sum(h: EpHandle, full: torch.Tensor, w: Optional[torch.Tensor],
+             out_dtype: torch.dtype) -> torch.Tensor:
+    """The combine sum: per rank q ascending a float32 fma chain over k
+    ascending of t's kept slots on q; the partials added in rank order."""
+    st, W, K = h._ref, h.group.world_size, h.group.topk
+    T, H, dev = full.shape[0], full.shape[2], full.device
+    kept = st.dest_row >= 0
+    wd = None if w is None else w.detach().double()
+    total = torch.zeros((T, H), dtype=torch.float32, device=dev)
+    have = torch.zeros((T, 1), dtype=torch.bool, device=dev)
+    for q in range(W):
+        on_q = kept & (st.dest_rank == q)
+        partial = torch.zeros((T, H), dtype=torch.float32, device=dev)
+        for k in range(K):
+            prod = full[:, k] if wd is None else wd[:, k:k + 1] * full[:, k]
+            # float64 holds w*y exactly: one rounding to float32, as an fma.
+            partial = torch.where(on_q[:, k:k + 1], (prod + partial.double()).float(), partial)
+        any_q = on_q.any(1, keepdim=True)
+        total = torch.where(any_q, torch.where(have, total + partial, partial), total)
+        have = have | any_q
+    return total.to(out_dtype)
+
+
+# ---------------------------------------------------------------------------
+# Autograd functions.
+
+def _dispatch_forward(x, ids, probs, h: EpHandle) -> torch.Tensor:
+    g = h.group
+    if g.backend == "reference":
+        return _ref_dispatch(g, x, ids, probs, h)
+    c = g._g.dispatch(x, ids, probs, stream=_stream(x))
+    h._h = c
+    h.row_probs = torch.from_dlpack(c.probs)
+    h.tokens_per_expert = torch.from_dlpack(c.tokens_per_expert)
+    h.expert_row_offsets = torch.from_dlpack(c.expert_row_offsets)
+    h.total_rows = torch.from_dlpack(c.total_rows)
+    h.overflow = torch.from_dlpack(c.overflow)
+    return torch.from_dlpack(c.x)
+
+
+class _Dispatch(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, args):  # ctx None: called without autograd
+        ids, probs, h = args
+        rows = _dispatch_forward(x, ids, probs, h)
+        if ctx is not None:
+            ctx.handle = h
+            ctx.mark_non_differentiable(h.tokens_per_expert, h.expert_row_offsets)
+        return rows, h.tokens_per_expert, h.expert_row_offsets
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, grad_rows, _tpe=None, _offsets=None):
+        h = ctx.handle
+        g = h.group
+        grad_rows = grad_rows.to(g.dtype)
+        if g.backend == "reference":  # a combine without weights
+            return _ref_sum(h, _ref_slots(h, _ref_home(h, grad_rows)), None, h.x_dtype), None
+        grad_x = torch.empty((h.num_tokens, g.hidden_size), dtype=h.x_dtype, device=h.device)
+        g._g.dispatch_backward(h._h, grad_rows.contiguous(), grad_x, _stream(grad_rows))
+        return grad_x, None
+
+
+class _Combine(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, y, probs, h):  # ctx None: called without autograd
+        g = h.group
+        y_home = None
+        if g.backend == "reference":
+            y_home = _ref_slots(h, _ref_home(h, y))  # [T, K, H] float64
+            out = _ref_sum(h, y_home, probs, y.dtype)
+        else:
+            y = y.contiguous()
+            out = torch.empty((h.num_tokens, g.hidden_size), dtype=y.dtype, device=y.device)
+            g._g.combine(h._h, y, probs is not None, out, _stream(y))
+        if ctx is not None:
+            ctx.set_materialize_grads(False)
+            ctx.handle, ctx.y_dtype = h, y.dtype
+            if g.backend == "reference":
+                ctx.save_for_backward(probs, y_home if probs is not None else None)
+            else:  # y for the probs' gradient (the nvlink backend reads it always)
+                ctx.save_for_backward(probs, y if probs is not None or g.backend == "nvlink"
+                                      else None)
+        return out
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, dout):
+        h = ctx.handle
+        g = h.group
+        dtype, dev, T, K = ctx.y_dtype, h.device, h.num_tokens, g.topk
+        if dout is None:  # every rank takes part: a zero gradient
+            dout = torch.zeros((T, g.hidden_size), dtype=dtype, device=dev)
+        probs, y = ctx.saved_tensors
+        if g.backend == "reference":
+            st = h._ref
+            d = dout.float()[st.send_slots // K]
+            if probs is not None:
+                d = probs.detach().reshape(-1)[st.send_slots].unsqueeze(1) * d
+            grad_y = _ref_away(h, d.to(dtype))
+            dprobs = None
+            if probs is not None:
+                dot = (dout.double().unsqueeze(1) * y).sum(-1)
+                dprobs = torch.where(st.dest_row >= 0, dot, torch.zeros_like(dot)).float()
+            return grad_y, dprobs, None
+        weighted = probs is not None
+        shape = (g.capacity_rows, g.hidden_size)
+        if y is None:  # not read (unweighted): any rows of the shape
+            y = torch.empty(shape, dtype=dtype, device=dev)
+        grad_y = torch.empty(shape, dtype=dtype, device=dev)
+        dprobs = torch.empty((T, K), dtype=torch.float32, device=dev) if weighted else None
+        g._g.combine_backward(h._h, dout.to(g.dtype).contiguous(), y, weighted, grad_y, dprobs,
+                              _stream(dout))
+        return grad_y, dprobs, None
+
+
+def _check_same_device(name: str, t: torch.Tensor, dev: torch.device) -> None:
+    if t.device != dev:
+        raise ValueError(f"{name} must be on {dev} (x's device), got {t.device}")
+
+
+def dispatch(x: torch.Tensor, topk_ids: torch.Tensor, probs: Optional[torch.Tensor],
+             group: Group) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, EpHandle]:
+    """Sends this rank's tokens to the ranks of their experts.
+
+    x [T, H] of the group's dtype (T <= max_tokens_per_rank, may be 0 and may
+    differ per rank); topk_ids [T, K] int32 / int64 global expert ids (-1:
+    none); probs [T, K] float32 or None (the rows carry them; pass the same
+    tensor to :func:`combine` to weight the outputs by it).
+
+    Returns (rows [capacity, H] in x's dtype: the received rows of the local
+    experts, permuted and padded, pad rows zero, rows past ``total_rows``
+    unspecified; tokens_per_expert [L] int32: the rows kept per local expert;
+    expert_row_offsets [L+1] int64: their segments; handle). rows is
+    differentiable w.r.t. x (backward: the rows' gradients summed home, a
+    combine without weights). An id outside [-1, E) travels as unrouted; the
+    reference and nccl backends then raise on that rank once the dispatch
+    completed (no rank waits), the nvlink backend counts it on the device
+    (moeflow/ep.h).
+    """
+    if not isinstance(group, Group):
+        raise TypeError(f"group must be a moeflow.ep.Group, got {type(group).__name__}")
+    g = group
+    H, K = g.hidden_size, g.topk
+    if not isinstance(x, torch.Tensor) or x.dim() != 2 or x.shape[1] != H or x.dtype != g.dtype:
+        raise ValueError(f"x must be {_name(g.dtype)} [T, {H}], got "
+                         f"{_desc(x) if isinstance(x, torch.Tensor) else type(x).__name__}")
+    T = x.shape[0]
+    if T > g.max_tokens_per_rank:
+        raise ValueError(f"x has {T} tokens, more than the group's max_tokens_per_rank="
+                         f"{g.max_tokens_per_rank}")
+    if g.device is not None and x.device != g.device:
+        raise ValueError(f"x must be on the group's device {g.device}, got {x.device}")
+    if (not isinstance(topk_ids, torch.Tensor) or tuple(topk_ids.shape) != (T, K)
+            or topk_ids.dtype not in (torch.int32, torch.int64)):
+        raise ValueError(f"topk_ids must be int32 or int64 [{T}, {K}], got "
+                         f"{_desc(topk_ids) if isinstance(topk_ids, torch.Tensor) else topk_ids}")
+    _check_same_device("topk_ids", topk_ids, x.device)
+    if probs is not None:
+        if tuple(probs.shape) != (T, K) or probs.dtype != torch.float32:
+            raise ValueError(f"probs must be float32 [{T}, {K}] or None, got {_desc(probs)}")
+        _check_same_device("probs", probs, x.device)
+    if g.backend != "reference" and g._g is None:
+        raise RuntimeError("the group was destroyed")
+    h = EpHandle(g)
+    h.num_tokens, h.device, h.x_dtype, h.weighted = T, x.device, x.dtype, probs is not None
+    h._probs_key = None if probs is None else (probs.data_ptr(), tuple(probs.stride()))
+    ids = topk_ids.detach().contiguous()
+    p = None if probs is None else probs.detach().contiguous()
+    xin = x if g.backend == "reference" else x.contiguous()
+    args = (ids, p, h)
+    if torch.is_grad_enabled() and x.requires_grad:
+        rows, tpe, offs = _Dispatch.apply(xin, args)
+    else:
+        rows, tpe, offs = _Dispatch.forward(None, xin.detach(), args)
+    return rows, tpe, offs, h
+
+
+def combine(y: torch.Tensor, handle: EpHandle, probs: Optional[torch.Tensor] = None
+            ) -> torch.Tensor:
+    """Brings the expert outputs home: y [capacity, H] (float32 / float16 /
+    bfloat16; the nvlink backend: the group's dtype) -> out [T, H] in y's
+    dtype, out[t] = sum over ranks q ascending of the float32 fma chain over
+    t's kept slots on q, k ascending, of w * y[row]; tokens with no kept slot
+    give zeros. Rows of y other than the dispatched slots' are not read.
+
+    ``probs``: None (w = 1) or the [T, K] float32 tensor given to the
+    handle's :func:`dispatch` (w = probs[t, k]; the values at dispatch are
+    used). Differentiable w.r.t. y and probs: backward sends w * dout[t] to
+    each slot's row (pad rows zero) and gives dprobs[t, k] = <dout[t],
+    y[row]> (0 for unrouted or dropped slots)."""
+    if not isinstance(handle, EpHandle):
+        raise TypeError(f"handle must be the moeflow.ep.EpHandle of a dispatch, got "
+                        f"{type(handle).__name__}")
+    g = handle.group
+    shape = (g.capacity_rows, g.hidden_size)
+    if not isinstance(y, torch.Tensor) or tuple(y.shape) != shape or y.dtype not in _FLOATS:
+        raise ValueError(f"y must be float32, float16 or bfloat16 {list(shape)}, got "
+                         f"{_desc(y) if isinstance(y, torch.Tensor) else type(y).__name__}")
+    if g.backend == "nvlink" and y.dtype != g.dtype:
+        raise ValueError(f"the nvlink backend needs y of the group's dtype {_name(g.dtype)}, "
+                         f"got {_name(y.dtype)}")
+    if y.device != handle.device:
+        raise ValueError(f"y must be on {handle.device} (the dispatch's device), got "
+                         f"{y.device}")
+    if probs is not None:
+        T, K = handle.num_tokens, g.topk
+        if tuple(probs.shape) != (T, K) or probs.dtype != torch.float32:
+            raise ValueError(f"probs must be float32 [{T}, {K}] or None, got {_desc(probs)}")
+        if not handle.weighted:
+            raise ValueError("combine got probs, but the handle's dispatch had none "
+                             "(pass probs to dispatch, or None to combine)")
+        if (probs.data_ptr(), tuple(probs.stride())) != handle._probs_key:
+            raise ValueError("probs must be the tensor given to the handle's dispatch "
+                             "(its rows carry the weights)")
+    if torch.is_grad_enabled() and (y.requires_grad or (probs is not None
+                                                        and probs.requires_grad)):
+        return _Combine.apply(y, probs, handle)
+    return _Combine.forward(None, y, probs, handle)
