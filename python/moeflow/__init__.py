@@ -12,10 +12,27 @@
   parallelism, a group over a process group and dispatch / combine as
   autograd functions (backends "nccl", "nvlink" and a pure-torch
   "reference"); ``MoELayer(..., ep_group=...)`` holds its rank's experts.
+- ``moeflow.permutation`` (needs torch): TransformerEngine's permutation
+  entry points (moe_permute_with_probs, moe_permute_and_pad_with_probs,
+  moe_unpermute; mask form) on moeflow's ops.
 - ``moeflow.build_info()``: what this build contains (CUDA backend or CPU
   only, CUDA and NCCL versions, CUDA architectures).
 """
-from ._C import Error, __version__, build_info, cuda_device_count  # noqa: F401
+import importlib.util as _util
+
+# NOTE: torch first, when it is installed: moeflow's extension links libnccl,
+# and the first libnccl.so.2 a process loads is the one every later library
+# gets. Loaded before torch, an older NCCL than torch's leaves torch's
+# symbols unresolved ("undefined symbol: ncclCommResume"); loaded after it,
+# moeflow uses torch's (the build takes the same one where it can:
+# MOEFLOW_NCCL_FROM_PYTHON).
+if _util.find_spec("torch") is not None:
+    try:
+        import torch as _torch  # noqa: F401
+    except ImportError:
+        pass
+
+from ._C import Error, __version__, build_info, cuda_device_count  # noqa: E402,F401
 
 __all__ = ["Error", "MoELayer", "__version__", "build_info", "cuda_device_count"]
 

@@ -69,8 +69,14 @@ _plan_sizes = functools.lru_cache(maxsize=256)(
 
 
 def _rows(t: torch.Tensor) -> torch.Tensor:
-    """The tensor itself when its rows have unit-stride elements, else a copy."""
-    return t if t.is_contiguous() or t.stride(-1) == 1 else t.contiguous()
+    """The tensor itself when its rows have unit-stride elements, else a copy
+    (an empty one: a fresh tensor, since torch calls an empty tensor
+    contiguous whatever its strides, e.g. the [0, 0] of an expanded grad)."""
+    if t.dim() and t.stride(-1) == 1:
+        return t
+    if t.numel() == 0:
+        return t.new_empty(t.shape)
+    return t if t.is_contiguous() else t.contiguous()
 
 
 class RouterOutput(NamedTuple):

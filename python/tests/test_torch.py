@@ -362,3 +362,20 @@ def test_grouped_mlp_runs_on_a_thread_without_a_cuda_context():
     r = subprocess.run([sys.executable, "-c", _FRESH_THREAD_SCRIPT], capture_output=True,
                        text=True, env=os.environ.copy(), timeout=300)
     assert r.returncode == 0 and r.stdout.strip().endswith("ok"), r.stdout + r.stderr
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_empty_permute_and_unpermute_take_expanded_gradients(device):
+    # .sum().backward() of an empty output hands the op an expanded [0, H]
+    # gradient with strides (0, 0), which torch calls contiguous.
+    E, K, H = 4, 2, 8
+    ids = torch.zeros(0, K, dtype=torch.int32, device=device)
+    plan = mf.Plan(ids, E, 16)
+    x = torch.zeros(0, H, dtype=torch.float16, device=device, requires_grad=True)
+    rows, _ = mf.permute(x, plan)
+    rows.sum().backward()
+    assert x.grad is not None and x.grad.shape == (0, H)
+    y = torch.zeros(plan.capacity_rows, H, dtype=torch.float16, device=device,
+                    requires_grad=True)
+    mf.unpermute(y, plan).sum().backward()
+    assert y.grad is not None and y.grad.shape == y.shape
