@@ -14,16 +14,35 @@ at the end that it fell (exit status 1 if not).
 On the CPU the experts run through moeflow's CPU reference backend (bf16
 experts, float32 elsewhere; bf16 throughout on CUDA); everything else is
 plain torch.
+
+Expert parallelism (--expert-parallel): one process a rank, started by
+torchrun; on CUDA one GPU a rank (LOCAL_RANK), on the CPU gloo.
+
+    PYTHONPATH=build/python torchrun --nproc-per-node=8 examples/train_moe.py \
+        --config gpu --expert-parallel                   # nvlink backend; or --ep-backend nccl
+    PYTHONPATH=build/python torchrun --nproc-per-node=2 examples/train_moe.py \
+        --expert-parallel                                # CPU: gloo, reference backend
+
+Each rank then holds E / W experts of every MoE layer (a moeflow.ep.Group over
+the world, MoELayer(..., ep_group=group)) and trains on its own batches; the
+tokens travel to their experts' ranks and back inside the layer. Everything
+else (embedding, attention, norms, routers) is replicated: initialised from
+rank 0 and its gradients averaged over the ranks every step. The printed
+loss is the mean over the ranks; rank 0 prints. --uneven-tokens gives the
+ranks different numbers of tokens (rank r: batch - r sequences).
 """
 import argparse
 import math
+import os
 import sys
 import time
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as tnf
 
 import moeflow
+import moeflow.ep
 
 CONFIGS = {
     # vocab, d_model, heads, blocks, experts, top-k, expert FFN, seq, batch, steps, lr
@@ -35,7 +54,7 @@ CONFIGS = {
 
 
 class Block(torch.nn.Module):
-    def __init__(self, c, dtype, expert_dtype, device):
+    def __init__(self, c, dtype, expert_dtype, device, ep_group=None):
         super().__init__()
         d = c["d"]
         self.heads = c["heads"]
@@ -46,7 +65,7 @@ class Block(torch.nn.Module):
         self.moe = moeflow.MoELayer(d, c["ffn"], c["experts"], c["topk"],
                                     score_function="softmax", aux_loss_coeff=1e-2,
                                     z_loss_coeff=1e-3, params_dtype=expert_dtype,
-                                    device=device)
+                                    device=device, ep_group=ep_group)
 
     def forward(self, x):
         B, S, d = x.shape
@@ -58,10 +77,10 @@ class Block(torch.nn.Module):
 
 
 class MoETransformer(torch.nn.Module):
-    def __init__(self, c, dtype, expert_dtype, device):
+    def __init__(self, c, dtype, expert_dtype, device, ep_group=None):
         super().__init__()
         self.embed = torch.nn.Embedding(c["vocab"], c["d"], device=device, dtype=dtype)
-        self.blocks = torch.nn.ModuleList(Block(c, dtype, expert_dtype, device)
+        self.blocks = torch.nn.ModuleList(Block(c, dtype, expert_dtype, device, ep_group)
                                           for _ in range(c["blocks"]))
         self.norm = torch.nn.RMSNorm(c["d"], device=device, dtype=dtype)
         torch.nn.init.normal_(self.embed.weight, std=c["d"] ** -0.5)  # logits of order 1
@@ -71,6 +90,15 @@ class MoETransformer(torch.nn.Module):
         for b in self.blocks:
             x = b(x)
         return self.norm(x) @ self.embed.weight.t()  # tied head: [B, S, vocab]
+
+    def expert_parameters(self):
+        """The routed experts' weights (with expert parallelism: this rank's)."""
+        return [p for b in self.blocks for p in (b.moe.fc1_weight, b.moe.fc2_weight)]
+
+    def replicated_parameters(self):
+        """Everything else: with expert parallelism the same on every rank."""
+        experts = {id(p) for p in self.expert_parameters()}
+        return [p for p in self.parameters() if id(p) not in experts]
 
 
 def markov_chain(vocab, successors, gen):
@@ -91,6 +119,52 @@ def sample(chain, batch, seq, gen):
     return tokens
 
 
+# ---------------------------------------------------------------------------
+# Expert parallelism: the few steps beyond single-process training.
+
+def init_distributed(device):
+    """The process group over the ranks torchrun started: nccl on CUDA (one
+    GPU a rank, LOCAL_RANK), gloo on the CPU. Returns (rank, world size,
+    this rank's device)."""
+    if "LOCAL_RANK" not in os.environ:
+        sys.exit("train_moe.py: --expert-parallel runs under torchrun, e.g. "
+                 "torchrun --nproc-per-node=2 examples/train_moe.py --expert-parallel")
+    if device.type == "cuda":
+        device = torch.device("cuda", int(os.environ["LOCAL_RANK"]))
+        torch.cuda.set_device(device)  # the device backends use the current device
+    dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
+    return dist.get_rank(), dist.get_world_size(), device
+
+
+def broadcast_parameters(params):
+    """Rank 0's values to every rank (as DistributedDataParallel does at start)."""
+    for p in params:
+        dist.broadcast(p.detach(), src=0)
+
+
+def average_gradients(replicated, experts, world):
+    """Gradients of the mean of the ranks' losses. A replicated parameter's
+    gradient is that of its rank's loss: summed over the ranks, divided by W.
+    An expert's gradient already sums every rank's loss (the tokens of all
+    ranks came to it): divided by W. (One all-reduce per parameter keeps
+    this short; a real trainer buckets them, or wraps the replicated part in
+    DistributedDataParallel.)"""
+    for p in replicated:
+        dist.all_reduce(p.grad)
+        p.grad /= world
+    for p in experts:
+        p.grad /= world
+
+
+def mean_over_ranks(values, device):
+    """[float] -> the same floats averaged over the ranks."""
+    t = torch.tensor(values, dtype=torch.float64, device=device)
+    dist.all_reduce(t)
+    return (t / dist.get_world_size()).tolist()
+
+
+# ---------------------------------------------------------------------------
+
 def progress(step, steps, loss, aux, t0, width=30):
     done = int(width * step / steps)
     rate = step / max(time.time() - t0, 1e-9)
@@ -108,7 +182,15 @@ def main():
     ap.add_argument("--steps", type=int, help="training steps (default: the config's)")
     ap.add_argument("--device", help="cpu or cuda (default: cuda for --config gpu, else cpu)")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--expert-parallel", action="store_true",
+                    help="split the experts over the ranks (run under torchrun)")
+    ap.add_argument("--ep-backend", choices=("nvlink", "nccl", "reference"),
+                    help="moeflow.ep backend (default: nvlink on CUDA, reference on the CPU)")
+    ap.add_argument("--uneven-tokens", action="store_true",
+                    help="rank r trains on batch - r sequences a step (at least 1)")
     args = ap.parse_args()
+    if not args.expert_parallel and (args.ep_backend or args.uneven_tokens):
+        ap.error("--ep-backend and --uneven-tokens need --expert-parallel")
     c = dict(CONFIGS[args.config])
     if args.steps:
         c["steps"] = args.steps
@@ -120,47 +202,83 @@ def main():
     cuda = device.type == "cuda"
     dtype = torch.bfloat16 if cuda else torch.float32
     expert_dtype = torch.bfloat16
-    torch.manual_seed(args.seed)
+
+    rank, world, group, batch = 0, 1, None, c["batch"]
+    if args.expert_parallel:
+        backend = args.ep_backend or ("nvlink" if cuda else "reference")
+        if not cuda and backend != "reference":
+            sys.exit(f"train_moe.py: --ep-backend {backend} needs CUDA (--device cuda)")
+        rank, world, device = init_distributed(device)
+        # One group for every MoE layer (each dispatch keeps its own handle).
+        group = moeflow.ep.Group(num_experts=c["experts"], topk=c["topk"], hidden_size=c["d"],
+                                 dtype=expert_dtype, backend=backend,
+                                 max_tokens_per_rank=c["batch"] * c["seq"])
+        batches = [max(1, c["batch"] - r) if args.uneven_tokens else c["batch"]
+                   for r in range(world)]  # sequences a step, per rank
+        batch = batches[rank]
+    torch.manual_seed(args.seed + rank)  # with expert parallelism each rank's experts differ
     gen = torch.Generator().manual_seed(args.seed)
 
-    model = MoETransformer(c, dtype, expert_dtype, device)
+    model = MoETransformer(c, dtype, expert_dtype, device, group)
+    experts, replicated = model.expert_parameters(), model.replicated_parameters()
+    if group is not None:
+        broadcast_parameters(replicated)
     opt = torch.optim.AdamW(model.parameters(), lr=c["lr"], weight_decay=0.0, eps=1e-6)
-    chain = markov_chain(c["vocab"], 4, gen)
+    chain = markov_chain(c["vocab"], 4, gen)  # the same data distribution on every rank
+    if group is not None:
+        gen.manual_seed(args.seed + 1 + rank)  # each rank its own batches
     # The chain's entropy rate: the loss a perfect model reaches.
     stationary = torch.linalg.matrix_power(chain, 64)[0]
     entropy = float(-(stationary[:, None] * chain * chain.log()).sum())
-    n_params = sum(p.numel() for p in model.parameters())
-    print(f"train_moe: config {args.config}, {n_params / 1e6:.2f} M parameters, "
-          f"{c['blocks']} block(s) of {c['experts']} experts top-{c['topk']}, device {device}; "
-          f"loss starts near log(vocab) = {math.log(c['vocab']):.3f}, the data's entropy is "
-          f"{entropy:.3f}", flush=True)
+    n_params = sum(p.numel() for p in replicated) + world * sum(p.numel() for p in experts)
+    if rank == 0:
+        print(f"train_moe: config {args.config}, {n_params / 1e6:.2f} M parameters, "
+              f"{c['blocks']} block(s) of {c['experts']} experts top-{c['topk']}, device "
+              f"{device}; loss starts near log(vocab) = {math.log(c['vocab']):.3f}, the data's "
+              f"entropy is {entropy:.3f}", flush=True)
+        if group is not None:
+            print(f"train_moe: expert parallel over {world} ranks ({group.backend} backend), "
+                  f"{group.local_experts} experts a rank; tokens a step per rank: "
+                  f"{[b * c['seq'] for b in batches]}", flush=True)
 
     first = last = None
     t0 = time.time()
     ema = None
     for step in range(1, c["steps"] + 1):
-        tokens = sample(chain, c["batch"], c["seq"], gen).to(device)
+        tokens = sample(chain, batch, c["seq"], gen).to(device)
         logits = model(tokens[:, :-1])
         loss = tnf.cross_entropy(logits.float().reshape(-1, c["vocab"]),
                                  tokens[:, 1:].reshape(-1))
         opt.zero_grad(set_to_none=True)
         loss.backward()  # includes the routers' aux and z losses
+        if group is not None:
+            average_gradients(replicated, experts, world)
         opt.step()
         if step == 1 or step % 10 == 0 or step == c["steps"]:
             value = float(loss.detach())
             aux = sum(float(b.moe.last_losses["aux_loss"]) for b in model.blocks)
+            if group is not None:
+                value, aux = mean_over_ranks([value, aux], device)
             first = value if first is None else first
             ema = value if ema is None else 0.7 * ema + 0.3 * value
             last = ema
-            progress(step, c["steps"], value, aux, t0)
+            if rank == 0:
+                progress(step, c["steps"], value, aux, t0)
     tpe = model.blocks[-1].moe.last_tokens_per_expert.float()
-    print(f"loss {first:.3f} -> {last:.3f} (entropy {entropy:.3f}) in {c['steps']} steps, "
-          f"{time.time() - t0:.1f} s; last block's tokens per expert: max / mean "
-          f"{float(tpe.max() / tpe.mean()):.2f}")
-    if not last < first - 0.5 * (first - entropy):
-        print("train_moe: FAIL: the loss did not fall by half of what can be learned")
+    if group is not None:
+        dist.all_reduce(tpe)  # every rank's routing: the experts' global load
+    ok = last < first - 0.5 * (first - entropy)
+    if rank == 0:
+        print(f"loss {first:.3f} -> {last:.3f} (entropy {entropy:.3f}) in {c['steps']} steps, "
+              f"{time.time() - t0:.1f} s; last block's tokens per expert: max / mean "
+              f"{float(tpe.max() / tpe.mean()):.2f}")
+        print("train_moe: PASS: the loss fell" if ok else
+              "train_moe: FAIL: the loss did not fall by half of what can be learned")
+    if group is not None:
+        group.destroy()
+        dist.destroy_process_group()
+    if not ok:
         sys.exit(1)
-    print("train_moe: PASS: the loss fell")
 
 
 if __name__ == "__main__":

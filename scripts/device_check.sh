@@ -22,6 +22,11 @@
 #              wheels and the cutlass-dsl libs as libs.tar.xz; the folder is
 #              ignored by git) into a folder outside the checkout
 #   variants   the permute kernel variants of dev/
+#   pyep       the expert-parallel Python tests on the GPUs (python/tests/test_ep.py
+#              -k gpu, test_megatron.py) and bench/py_layer_ep.py under torchrun on
+#              every GPU, against megatron-core installed from ./.wheels (its
+#              wheel; the folder is ignored by git) into a folder outside the
+#              checkout (2+ GPUs)
 #
 # Default: build test multigpu permute gemm mlp dispatch.
 # The PyTorch peers of permute and the all-to-all come from peers.py and
@@ -105,6 +110,24 @@ for s in "${steps[@]}"; do
       ;;
     variants)
       build/permute_variants || fail variants
+      ;;
+    pyep)
+      if [ "$ngpu" -ge 2 ]; then
+        PYTHONPATH=build/python timeout 400 python3 -m pytest -q -rs python/tests/test_ep.py \
+          python/tests/test_megatron.py -k "gpu or megatron" > "$OUT/pytest_ep.log" 2>&1 || fail "python ep"
+        tail -5 "$OUT/pytest_ep.log"
+        mcore=/tmp/moeflow-mcore
+        ls .wheels/megatron_core-*.whl > /dev/null 2>&1 &&
+          python3 -m pip install -q --no-deps --no-index --target "$mcore" .wheels/megatron_core-*.whl
+        for run in "nvlink both" "nccl ours"; do  # (the peer once)
+          set -- $run
+          PYTHONPATH=build/python PYTHONUNBUFFERED=1 timeout 500 torchrun --nproc-per-node="$ngpu" \
+            bench/py_layer_ep.py --backend "$1" --impl "$2" --mcore-path "$mcore" \
+            --json "$OUT/py_layer_ep_${1}_w${ngpu}.json" || fail "py_layer_ep $1"
+        done
+      else
+        echo "SKIPPED: pyep needs 2+ GPUs ($ngpu here)"
+      fi
       ;;
     python)
       PYTHONPATH=build/python timeout 500 python3 -m pytest -q -rs python/tests \

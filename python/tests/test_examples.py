@@ -2,6 +2,7 @@
 exits non-zero on a mismatch), on the CPU here; and a script that uses the
 package exits without nanobind reporting leaked objects."""
 import importlib.util
+import re
 import subprocess
 import sys
 import textwrap
@@ -14,10 +15,10 @@ EXAMPLES = ROOT / "examples"
 HAS_TORCH = importlib.util.find_spec("torch") is not None
 
 
-def run_python(args, **kw):
+def run_python(args, timeout=600, **kw):
     """Runs python with this process's environment (PYTHONPATH finds moeflow)."""
-    return subprocess.run([sys.executable, *args], capture_output=True, text=True, timeout=600,
-                          cwd=ROOT, **kw)
+    return subprocess.run([sys.executable, *args], capture_output=True, text=True,
+                          timeout=timeout, cwd=ROOT, **kw)
 
 
 def check_clean(r):
@@ -43,6 +44,28 @@ def test_train_moe_loss_falls():
     # The tiny configuration, shortened: the loss is well down by step 60.
     r = run_python([str(EXAMPLES / "train_moe.py"), "--steps", "60", "--device", "cpu"])
     check_clean(r)
+    assert "train_moe: PASS" in r.stdout, r.stdout
+
+
+def has_gloo():
+    import torch.distributed as dist
+    return dist.is_available() and dist.is_gloo_available()
+
+
+@pytest.mark.skipif(not HAS_TORCH, reason="examples/train_moe.py needs torch (not installed)")
+def test_train_moe_expert_parallel_on_two_cpu_ranks():
+    # torchrun's launcher on two CPU ranks (gloo, the reference backend), each
+    # with its own number of tokens; --standalone picks a free port.
+    if not has_gloo():
+        pytest.skip("torch.distributed with gloo is not available")
+    r = run_python(["-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
+                    str(EXAMPLES / "train_moe.py"), "--expert-parallel", "--uneven-tokens",
+                    "--steps", "40"], timeout=180)
+    check_clean(r)
+    assert "expert parallel over 2 ranks (reference backend)" in r.stdout, r.stdout
+    assert "tokens a step per rank: [256, 224]" in r.stdout, r.stdout
+    first, last = re.search(r"^loss ([0-9.]+) -> ([0-9.]+)", r.stdout, re.M).groups()
+    assert float(last) < float(first), r.stdout
     assert "train_moe: PASS" in r.stdout, r.stdout
 
 
