@@ -15,6 +15,8 @@
 #     and the torch examples need it (about 4 GB with its CUDA libraries).
 #     MOEFLOW_INSTALL_TORCH=0 leaves it out: those tests are then reported
 #     as skipped.
+#  4. megatron-core's sources (pip, into .venv/mcore) for the tests of
+#     moeflow.megatron; MOEFLOW_INSTALL_MEGATRON=0 leaves them out.
 # The CUDA toolkit (nvcc on PATH or /usr/local/cuda/bin) is used when present;
 # MOEFLOW_WITH_CUDA=OFF forces the CPU backend (read by CMakeLists.txt).
 set -euo pipefail
@@ -64,6 +66,18 @@ if ! "$py" -c "import torch" >/dev/null 2>&1; then
     "$py" -m pip install --quiet --disable-pip-version-check --no-input torch
     "$py" -c "import torch"  # fails loudly if pip did not manage
   fi
+fi
+# megatron-core (its pure-Python sources, no dependencies) for the tests of
+# moeflow.megatron, into $venv/mcore (scripts/test.sh puts it on the path).
+# Its wheels say Python 3.12+ and cp312; the tests need only its sources.
+mcore="$venv/mcore"
+if [ "${MOEFLOW_INSTALL_MEGATRON:-1}" = 1 ] && [ ! -d "$mcore/megatron/core" ] &&
+   "$py" -c "import torch" >/dev/null 2>&1; then
+  echo "setup: installing megatron-core 0.19.2 (sources, into $mcore; MOEFLOW_INSTALL_MEGATRON=0 leaves it out)"
+  "$py" -m pip install --quiet --disable-pip-version-check --no-input --no-deps \
+      --ignore-requires-python --python-version 3.12 --implementation cp --only-binary=:all: \
+      --platform manylinux_2_28_x86_64 --target "$mcore" megatron-core==0.19.2 ||
+    echo "setup: megatron-core could not be installed: the moeflow.megatron tests will be skipped"
 fi
 echo "setup: Python environment $venv ($("$py" -c 'import sys; print(sys.version.split()[0])'))," \
      "torch: $("$py" -c 'import torch; print(torch.__version__)' 2>/dev/null || echo 'not installed (its tests and example are skipped)')"

@@ -46,6 +46,8 @@ if grep -q '^MOEFLOW_BUILD_PYTHON:STRING=OFF' build/CMakeCache.txt 2>/dev/null |
   fail "the Python package was not built (no build/python/moeflow/_C*.so; was -DMOEFLOW_BUILD_PYTHON=OFF given?)"
 fi
 env=(PYTHONPATH="$PWD/build/python${PYTHONPATH:+:$PYTHONPATH}")
+# megatron-core's sources for the moeflow.megatron tests (scripts/setup.sh)
+[ -d "$venv/mcore/megatron/core" ] && env+=(MCORE_PATH="$venv/mcore")
 [ "$gpu" = 1 ] || env+=(CUDA_VISIBLE_DEVICES=)
 env "${env[@]}" "$py" -c "import moeflow; print('test: Python package', moeflow.build_info())"
 env "${env[@]}" "$py" -m pytest -q -rs python/tests

@@ -10,16 +10,15 @@ unpermute over the gathered tokens, one plan per expert rank) and compares
 its own share. Nothing waits forever: the process group has a timeout, the
 parent a deadline after which it kills the ranks.
 """
-import datetime
 import gc
 import os
-import socket
 import tempfile
-import time
 import traceback
 
 import torch
 import torch.distributed as dist
+
+import rank_runner
 
 import moeflow.ep as ep
 from moeflow import _C, ops
@@ -513,27 +512,8 @@ def _worker(rank, world, port, backend, cuda, names, queue):
     try:
         torch.set_num_threads(1)
         os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
-        if cuda:
-            torch.cuda.set_device(rank)
-        dist.init_process_group("nccl" if cuda else "gloo",
-                                init_method=f"tcp://127.0.0.1:{port}", rank=rank,
-                                world_size=world,
-                                timeout=datetime.timedelta(seconds=PG_TIMEOUT_S))
-        ctx = Ctx(rank, world, backend, cuda)
-        failed = False
-        for name in names:
-            if failed:
-                results[name] = "not run: an earlier check failed on some rank"
-                continue
-            try:
-                CHECKS[name](ctx)
-                results[name] = None
-            except Exception:
-                results[name] = traceback.format_exc()
-            # Stop at the first failure anywhere (the ranks may be out of step).
-            flags = [None] * world
-            dist.all_gather_object(flags, results[name] is not None)
-            failed = any(flags)
+        rank_runner.init_process_group(rank, world, port, cuda, PG_TIMEOUT_S)
+        rank_runner.run_checks(CHECKS, names, Ctx(rank, world, backend, cuda), world, results)
         gc.collect()  # the device backends' groups go before the process group
         dist.destroy_process_group()
     except Exception:
@@ -541,63 +521,16 @@ def _worker(rank, world, port, backend, cuda, names, queue):
     queue.put((rank, results))
 
 
-def free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _context():
-    import multiprocessing as mp
-    try:
-        ctx = mp.get_context("forkserver")
-        # The server imports torch and moeflow once; each rank is forked from it.
-        ctx.set_forkserver_preload(["torch", "torch.distributed", "moeflow.ep", "moeflow.layer",
-                                    "ep_worker"])
-        return ctx
-    except ValueError:
-        return mp.get_context("spawn")
-
-
 def run(world, names=None, *, backend="reference", cuda=False, deadline_s=120.0):
     """Runs the checks on `world` ranks. Returns {check: [errors]} (empty lists
     where every rank passed) or raises when the ranks did not report in time."""
-    import queue as queue_mod
     names = list(CHECKS) if names is None else list(names)
-    mp = _context()
-    q = mp.Queue()
-    port = free_port()
-    procs = [mp.Process(target=_worker, args=(r, world, port, backend, cuda, names, q),
-                        daemon=True) for r in range(world)]
-    for p in procs:
-        p.start()
-    reports, end = {}, time.monotonic() + deadline_s
-    try:
-        while len(reports) < world:
-            left = end - time.monotonic()
-            if left <= 0:
-                raise TimeoutError(f"{world} ranks: only {sorted(reports)} reported within "
-                                   f"{deadline_s} s")
-            try:
-                rank, res = q.get(timeout=min(left, 1.0))
-                reports[rank] = res
-            except queue_mod.Empty:
-                dead = [p for p in procs if p.exitcode not in (None, 0)]
-                if dead and len(reports) < world:
-                    time.sleep(1.0)  # a report may still be in the pipe
-                    while not q.empty():
-                        rank, res = q.get()
-                        reports[rank] = res
-                    if len(reports) < world:
-                        raise RuntimeError(f"rank process(es) died: exit codes "
-                                           f"{[p.exitcode for p in procs]}")
-        for p in procs:
-            p.join(timeout=10)
-    finally:
-        for p in procs:
-            if p.is_alive():
-                p.kill()
-                p.join(timeout=5)
+    # The server imports torch and moeflow once; each rank is forked from it.
+    ctx = rank_runner.mp_context(["torch", "torch.distributed", "moeflow.ep", "moeflow.layer",
+                                  "ep_worker"])
+    reports = rank_runner.run_ranks(ctx, _worker,
+                                    world, (world, rank_runner.free_port(), backend, cuda, names),
+                                    deadline_s)
     out = {}
     for name in names + ["<setup>"]:
         errs = [f"rank {r}: {reports[r].get(name, 'not run (see <setup>)')}"
