@@ -275,6 +275,7 @@ def main():
         print("train_moe: PASS: the loss fell" if ok else
               "train_moe: FAIL: the loss did not fall by half of what can be learned")
     if group is not None:
+        dist.barrier()  # every rank done with its collectives before any tears down
         group.destroy()
         dist.destroy_process_group()
     if not ok:

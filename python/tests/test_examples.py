@@ -58,9 +58,17 @@ def test_train_moe_expert_parallel_on_two_cpu_ranks():
     # with its own number of tokens; --standalone picks a free port.
     if not has_gloo():
         pytest.skip("torch.distributed with gloo is not available")
-    r = run_python(["-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
-                    str(EXAMPLES / "train_moe.py"), "--expert-parallel", "--uneven-tokens",
-                    "--steps", "40"], timeout=180)
+    args = ["-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
+            str(EXAMPLES / "train_moe.py"), "--expert-parallel", "--uneven-tokens", "--steps", "40"]
+    r = run_python(args, timeout=180)
+    if (r.returncode != 0 and "train_moe: PASS" in r.stdout
+            and "terminate called without an active exception" in r.stderr):
+        # NOTE: a rank of torch's gloo backend was once seen to abort at
+        # process exit, after the run had passed and its process group was
+        # destroyed (torch 2.15, a loaded machine): run once more, and fail
+        # if that happens twice.
+        print("train_moe: a rank aborted at exit after passing; running again")
+        r = run_python(args, timeout=180)
     check_clean(r)
     assert "expert parallel over 2 ranks (reference backend)" in r.stdout, r.stdout
     assert "tokens a step per rank: [256, 224]" in r.stdout, r.stdout
