@@ -42,6 +42,12 @@ Backends:
 Each dispatch returns an :class:`EpHandle` that holds its way back: many
 dispatches (layers) can be in flight, and activation recomputation
 (torch.utils.checkpoint) works, each recomputed dispatch making its own.
+
+FP8 dispatch: a group of dtype float8_e4m3fn / float8_e5m2 with
+``scale_cols`` / ``scale_dtype`` moves FP8 rows with their per-token scales
+(``dispatch(q, ids, probs, group, scales=s)``, ``handle.row_scales``),
+forward-only w.r.t. the FP8 tokens; combine takes float expert outputs and
+its backward runs in ``backward_dtype``.
 """
 from __future__ import annotations
 
@@ -57,8 +63,13 @@ __all__ = ["Group", "EpHandle", "dispatch", "combine", "recv_capacity_rows"]
 
 _BACKENDS = ("nccl", "nvlink", "reference")
 _ALIGNS = (1, 16, 32, 64, 128, 256)
-_DTYPES = {torch.bfloat16: "bfloat16", torch.float16: "float16", torch.float32: "float32"}
-_FLOATS = tuple(_DTYPES)
+_FLOATS = (torch.bfloat16, torch.float16, torch.float32)
+_FP8 = (torch.float8_e4m3fn, torch.float8_e5m2)
+# Token dtypes -> moeflow's names (the binding's dtype strings).
+_DTYPES = {torch.bfloat16: "bfloat16", torch.float16: "float16", torch.float32: "float32",
+           torch.float8_e4m3fn: "float8_e4m3", torch.float8_e5m2: "float8_e5m2"}
+_SCALE_DTYPES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16",
+                 torch.int32: "int32", torch.uint8: "uint8"}
 
 
 def _name(dtype: torch.dtype) -> str:
@@ -88,12 +99,21 @@ class Group:
 
     ``process_group``: the ranks (None: the default group); rank and world
     size come from it. ``num_experts`` E (a multiple of the world size W),
-    ``topk`` K, ``hidden_size`` H and ``dtype`` (bfloat16 / float16 / float32)
-    of the dispatched tokens; ``max_tokens_per_rank`` bounds T on every rank
+    ``topk`` K, ``hidden_size`` H and ``dtype`` (bfloat16 / float16 / float32,
+    or float8_e4m3fn / float8_e5m2: FP8 dispatch, below) of the dispatched
+    tokens; ``max_tokens_per_rank`` bounds T on every rank
     (it sizes the buffers); ``align`` (1, 16, 32, 64, 128, 256) pads each
     local expert's rows; ``capacity_rows`` the receive rows per rank (-1: the
     worst case, see :func:`recv_capacity_rows`; else a multiple of align).
     ``timeout`` (seconds) bounds a device backend's waits for its peers.
+    ``scale_cols`` S > 0: every dispatch takes per-token scales [T, S] of
+    ``scale_dtype`` (float32 / bfloat16 / float16 / int32 / uint8) that
+    travel with the token's rows (:func:`dispatch`'s ``scales``,
+    ``handle.row_scales``); 0: none.
+    ``backward_dtype`` (FP8 tokens only; float32 / float16 / bfloat16,
+    default bfloat16): the dtype of the gradients that go back through
+    combine's backward (``dout``; on the nvlink backend also combine's y).
+    A float token dtype uses its own (passing another one is an error).
     ``options``: further ``EpOptions`` fields of the device backends (e.g.
     ``pipeline_chunks``, ``nvlink_blocks``; docs/tuning.md), passed to
     ``moeflow._C.EpGroup`` by name; none for the reference backend.
@@ -103,12 +123,21 @@ class Group:
     group together (rank 0 makes an NCCL id and broadcasts it through the
     process group). The reference backend works on the tensors' device,
     which the process group's backend must support (gloo: CPU, nccl: CUDA).
+
+    FP8 dispatch (``dtype`` float8_e4m3fn / float8_e5m2): the rows travel as
+    their H bytes, usually with their block scales (e.g. ``ops.quantize``'s
+    1x128 scales: ``scale_cols`` = ceil(H / 128), float32); the experts'
+    outputs y that :func:`combine` takes are float (``backward_dtype`` on the
+    nvlink backend). Such a dispatch is forward-only w.r.t. x (see
+    :func:`dispatch`). The nvlink backend needs H a multiple of 16.
     """
 
     def __init__(self, process_group=None, *, num_experts: int, topk: int, hidden_size: int,
                  dtype: torch.dtype = torch.bfloat16, backend: str = "nccl",
                  max_tokens_per_rank: int, align: int = 16, capacity_rows: int = -1,
-                 timeout: float = 300.0, **options):
+                 timeout: float = 300.0, scale_cols: int = 0,
+                 scale_dtype: torch.dtype = torch.float32,
+                 backward_dtype: Optional[torch.dtype] = None, **options):
         if backend not in _BACKENDS:
             raise ValueError(f"backend must be one of {_BACKENDS}, got {backend!r}")
         if not dist.is_available() or not dist.is_initialized():
@@ -127,8 +156,23 @@ class Group:
         if H <= 0:
             raise ValueError(f"hidden_size must be > 0, got {H}")
         if dtype not in _DTYPES:
-            raise ValueError(f"dtype must be torch.bfloat16, torch.float16 or torch.float32, "
-                             f"got {dtype}")
+            raise ValueError(f"dtype must be torch.bfloat16, torch.float16, torch.float32, "
+                             f"torch.float8_e4m3fn or torch.float8_e5m2, got {dtype}")
+        if backward_dtype is None:
+            grad_dtype = torch.bfloat16 if dtype in _FP8 else dtype
+        elif backward_dtype not in _FLOATS:
+            raise ValueError(f"backward_dtype must be torch.bfloat16, torch.float16 or "
+                             f"torch.float32, got {backward_dtype}")
+        elif dtype in _FLOATS and backward_dtype != dtype:
+            raise ValueError(f"backward_dtype is for FP8 tokens: a {_name(dtype)} group's "
+                             f"gradients are {_name(dtype)}, got backward_dtype={backward_dtype}")
+        else:
+            grad_dtype = backward_dtype
+        if isinstance(scale_cols, bool) or not isinstance(scale_cols, int) or scale_cols < 0:
+            raise ValueError(f"scale_cols must be an int >= 0 (0: no scales), got {scale_cols!r}")
+        if scale_dtype not in _SCALE_DTYPES:
+            raise ValueError(f"scale_dtype must be one of "
+                             f"{', '.join(str(d) for d in _SCALE_DTYPES)}, got {scale_dtype}")
         if int(align) not in _ALIGNS:
             raise ValueError(f"align must be one of {_ALIGNS}, got {align}")
         align = int(align)
@@ -146,6 +190,9 @@ class Group:
         self.process_group = process_group
         self.rank, self.world_size = rank, W
         self.num_experts, self.topk, self.hidden_size, self.dtype = E, K, H, dtype
+        # The dtype of the gradient rows (combine's dout; nvlink: its y too).
+        self.backward_dtype = grad_dtype
+        self.scale_cols, self.scale_dtype = int(scale_cols), scale_dtype
         self.local_experts = E // W
         self.expert_range = (rank * self.local_experts, (rank + 1) * self.local_experts)
         self.backend, self.align = backend, align
@@ -172,7 +219,9 @@ class Group:
         if len(uid) != 128:
             raise RuntimeError(f"the broadcast NCCL id has {len(uid)} bytes, expected 128")
         self._g = _C.EpGroup(uid, rank, W, dev, backend, E, K, H, _DTYPES[dtype], align,
-                             self.max_tokens_per_rank, capacity_rows, self.timeout, **options)
+                             self.max_tokens_per_rank, capacity_rows, self.timeout,
+                             backward_dtype=_DTYPES[grad_dtype], scale_cols=self.scale_cols,
+                             scale_dtype=_SCALE_DTYPES[scale_dtype], **options)
         self.capacity_rows = int(self._g.capacity_rows)
 
     def destroy(self) -> None:
@@ -185,7 +234,11 @@ class Group:
                 f"world_size={self.world_size}, num_experts={self.num_experts}, "
                 f"local_experts={self.local_experts}, topk={self.topk}, "
                 f"hidden_size={self.hidden_size}, dtype={self.dtype}, align={self.align}, "
-                f"capacity_rows={self.capacity_rows})")
+                f"capacity_rows={self.capacity_rows}"
+                + (f", scale_cols={self.scale_cols}, scale_dtype={self.scale_dtype}"
+                   if self.scale_cols else "")
+                + (f", backward_dtype={self.backward_dtype}" if self.dtype in _FP8 else "")
+                + ")")
 
 
 class EpHandle:
@@ -196,17 +249,21 @@ class EpHandle:
 
     Tensors (on the group's device): ``row_probs`` [capacity] float32 (the
     rows' probabilities, 0 on pad rows; meaningful when dispatched with
-    probs), ``tokens_per_expert`` [L] int32, ``expert_row_offsets`` [L+1]
-    int64, ``total_rows`` [1] int64 (rows used), ``overflow`` [1] int32 (slots
-    sent to this rank that did not fit). ``num_tokens``: T of this rank."""
+    probs), ``row_scales`` [capacity, S] of the group's ``scale_dtype`` (the
+    rows' scales when the group has ``scale_cols`` S > 0: row i's are those
+    of the token on row i; pad rows zero, rows past ``total_rows``
+    unspecified; None without scales), ``tokens_per_expert`` [L] int32,
+    ``expert_row_offsets`` [L+1] int64, ``total_rows`` [1] int64 (rows used),
+    ``overflow`` [1] int32 (slots sent to this rank that did not fit).
+    ``num_tokens``: T of this rank."""
 
     __slots__ = ("group", "num_tokens", "device", "x_dtype", "weighted", "_probs_key", "_h",
-                 "_ref", "row_probs", "tokens_per_expert", "expert_row_offsets", "total_rows",
-                 "overflow")
+                 "_ref", "row_probs", "row_scales", "tokens_per_expert", "expert_row_offsets",
+                 "total_rows", "overflow")
 
     def __init__(self, group: Group):
         self.group = group
-        self._h = self._ref = None
+        self._h = self._ref = self.row_scales = None
 
     def __repr__(self) -> str:
         return (f"moeflow.ep.EpHandle(backend={self.group.backend!r}, "
@@ -258,11 +315,26 @@ def _unpack(buf: torch.Tensor, specs):
     return out
 
 
+def _bytes(t: torch.Tensor) -> torch.Tensor:
+    """t [n, ...] as uint8 [n, bytes per row] (a view of a contiguous copy):
+    rows of any dtype (FP8 included) move bit for bit as bytes."""
+    return t.contiguous().reshape(t.shape[0], t.shape[1:].numel()).view(torch.uint8)
+
+
+def _place(n: int, idx: torch.Tensor, src: torch.Tensor) -> torch.Tensor:
+    """[n, ...] zeros of src's dtype with src's rows at the rows idx (byte
+    copies)."""
+    out = torch.zeros((n, _bytes(src).shape[1]), dtype=torch.uint8, device=src.device)
+    out[idx] = _bytes(src)
+    return out.view(src.dtype).reshape(n, *src.shape[1:])
+
+
 def _ref_dispatch(group: Group, x: torch.Tensor, ids: torch.Tensor,
-                  probs: Optional[torch.Tensor], h: EpHandle) -> torch.Tensor:
+                  probs: Optional[torch.Tensor], scales: Optional[torch.Tensor],
+                  h: EpHandle) -> torch.Tensor:
     """Fills h; returns the received rows [capacity, H]."""
     W, L, E, K = group.world_size, group.local_experts, group.num_experts, group.topk
-    cap, a, H, dev = group.capacity_rows, group.align, group.hidden_size, x.device
+    cap, a, dev = group.capacity_rows, group.align, x.device
     T = x.shape[0]
     flat = ids.reshape(-1).to(torch.int64)
     bad = (flat < -1) | (flat >= E)
@@ -277,9 +349,15 @@ def _ref_dispatch(group: Group, x: torch.Tensor, ids: torch.Tensor,
     send_splits, recv_splits = send_counts.tolist(), recv_counts.tolist()
     p = probs.reshape(-1)[send_slots] if probs is not None else \
         torch.zeros(send_slots.shape[0], dtype=torch.float32, device=dev)
-    msg = _pack([x[send_slots // K], flat[send_slots] % L, p])
-    rx, rle, rp = _unpack(_a2a(group, msg, send_splits, recv_splits),
-                          [(x.dtype, (H,)), (torch.int64, ()), (torch.float32, ())])
+    # Token rows (and scales) are gathered as bytes: any dtype, FP8 included.
+    xb = _bytes(x)
+    parts = [xb[send_slots // K], flat[send_slots] % L, p]
+    specs = [(torch.uint8, (xb.shape[1],)), (torch.int64, ()), (torch.float32, ())]
+    if scales is not None:  # the token's scales beside each of its rows
+        sb = _bytes(scales)
+        parts.append(sb[send_slots // K])
+        specs.append((torch.uint8, (sb.shape[1],)))
+    rx, rle, rp, *rs = _unpack(_a2a(group, _pack(parts), send_splits, recv_splits), specs)
     # The receive layout: per local expert the arrival order (source rank,
     # token, k); segments padded to align from the routed counts, then clipped
     # to the capacity (the RoutingPlan's layout_expert rule).
@@ -297,10 +375,10 @@ def _ref_dispatch(group: Group, x: torch.Tensor, ids: torch.Tensor,
     recv_rows = torch.where(rank_in < kept[rle], offset[rle] + rank_in,
                             torch.full_like(rank_in, -1))
     keep = (recv_rows >= 0).nonzero().squeeze(1)
-    rows = torch.zeros((cap, H), dtype=x.dtype, device=dev)
-    row_probs = torch.zeros(cap, dtype=torch.float32, device=dev)
-    rows[recv_rows[keep]] = rx[keep]
-    row_probs[recv_rows[keep]] = rp[keep]
+    at = recv_rows[keep]
+    rows = _place(cap, at, rx[keep]).view(x.dtype)  # pad rows (and rows past total) zero
+    row_probs = _place(cap, at, rp[keep])
+    h.row_scales = None if scales is None else _place(cap, at, rs[0][keep]).view(scales.dtype)
     # The way back: each source learns the rows of its slots.
     back = _a2a(group, recv_rows, recv_splits, send_splits)
     dest_row = torch.full((T * K,), -1, dtype=torch.int64, device=dev)
@@ -380,13 +458,14 @@ def _ref_sum(h: EpHandle, full: torch.Tensor, w: Optional[torch.Tensor],
 # ---------------------------------------------------------------------------
 # Autograd functions.
 
-def _dispatch_forward(x, ids, probs, h: EpHandle) -> torch.Tensor:
+def _dispatch_forward(x, ids, probs, scales, h: EpHandle) -> torch.Tensor:
     g = h.group
     if g.backend == "reference":
-        return _ref_dispatch(g, x, ids, probs, h)
-    c = g._g.dispatch(x, ids, probs, stream=_stream(x))
+        return _ref_dispatch(g, x, ids, probs, scales, h)
+    c = g._g.dispatch(x, ids, probs, scales, stream=_stream(x))
     h._h = c
     h.row_probs = torch.from_dlpack(c.probs)
+    h.row_scales = None if scales is None else torch.from_dlpack(c.scales)
     h.tokens_per_expert = torch.from_dlpack(c.tokens_per_expert)
     h.expert_row_offsets = torch.from_dlpack(c.expert_row_offsets)
     h.total_rows = torch.from_dlpack(c.total_rows)
@@ -397,8 +476,8 @@ def _dispatch_forward(x, ids, probs, h: EpHandle) -> torch.Tensor:
 class _Dispatch(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, args):  # ctx None: called without autograd
-        ids, probs, h = args
-        rows = _dispatch_forward(x, ids, probs, h)
+        ids, probs, scales, h = args
+        rows = _dispatch_forward(x, ids, probs, scales, h)
         if ctx is not None:
             ctx.handle = h
             ctx.mark_non_differentiable(h.tokens_per_expert, h.expert_row_offsets)
@@ -465,8 +544,8 @@ class _Combine(torch.autograd.Function):
             y = torch.empty(shape, dtype=dtype, device=dev)
         grad_y = torch.empty(shape, dtype=dtype, device=dev)
         dprobs = torch.empty((T, K), dtype=torch.float32, device=dev) if weighted else None
-        g._g.combine_backward(h._h, dout.to(g.dtype).contiguous(), y, weighted, grad_y, dprobs,
-                              _stream(dout))
+        g._g.combine_backward(h._h, dout.to(g.backward_dtype).contiguous(), y, weighted, grad_y,
+                              dprobs, _stream(dout))
         return grad_y, dprobs, None
 
 
@@ -476,23 +555,37 @@ def _check_same_device(name: str, t: torch.Tensor, dev: torch.device) -> None:
 
 
 def dispatch(x: torch.Tensor, topk_ids: torch.Tensor, probs: Optional[torch.Tensor],
-             group: Group) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, EpHandle]:
+             group: Group, scales: Optional[torch.Tensor] = None
+             ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, EpHandle]:
     """Sends this rank's tokens to the ranks of their experts.
 
     x [T, H] of the group's dtype (T <= max_tokens_per_rank, may be 0 and may
     differ per rank); topk_ids [T, K] int32 / int64 global expert ids (-1:
     none); probs [T, K] float32 or None (the rows carry them; pass the same
-    tensor to :func:`combine` to weight the outputs by it).
+    tensor to :func:`combine` to weight the outputs by it); scales [T, S] of
+    the group's ``scale_dtype`` when the group has ``scale_cols`` S > 0 (then
+    on every dispatch), else None: each token's scales travel with its rows
+    (``handle.row_scales``).
 
     Returns (rows [capacity, H] in x's dtype: the received rows of the local
     experts, permuted and padded, pad rows zero, rows past ``total_rows``
     unspecified; tokens_per_expert [L] int32: the rows kept per local expert;
-    expert_row_offsets [L+1] int64: their segments; handle). rows is
-    differentiable w.r.t. x (backward: the rows' gradients summed home, a
-    combine without weights). An id outside [-1, E) travels as unrouted; the
-    reference and nccl backends then raise on that rank once the dispatch
-    completed (no rank waits), the nvlink backend counts it on the device
-    (moeflow/ep.h).
+    expert_row_offsets [L+1] int64: their segments; handle). With float
+    tokens, rows is differentiable w.r.t. x (backward: the rows' gradients
+    summed home, a combine without weights). FP8 tokens (an FP8 group): x is
+    the FP8 rows, e.g. ``q, s = ops.quantize(x, "e4m3")`` (1x128 blocks: s is
+    [T, ceil(H/128)] float32, one row of scales per token, which is this
+    layout), then ``dispatch(q, ids, probs, group, scales=s)``; rows are the
+    FP8 bytes as sent, bit for bit, and the dispatch is forward-only w.r.t.
+    x (x must not require grad; rows and row_scales carry no gradient). The
+    gradient of the tokens before quantization is the rows' gradient summed
+    home, ``combine(grad_rows, handle)`` (no probs; grad_rows of a float
+    dtype, ``backward_dtype`` on the nvlink backend), which a caller's
+    autograd function can return from its backward (docs/python.md).
+
+    An id outside [-1, E) travels as unrouted; the reference and nccl
+    backends then raise on that rank once the dispatch completed (no rank
+    waits), the nvlink backend counts it on the device (moeflow/ep.h).
     """
     if not isinstance(group, Group):
         raise TypeError(f"group must be a moeflow.ep.Group, got {type(group).__name__}")
@@ -507,6 +600,11 @@ def dispatch(x: torch.Tensor, topk_ids: torch.Tensor, probs: Optional[torch.Tens
                          f"{g.max_tokens_per_rank}")
     if g.device is not None and x.device != g.device:
         raise ValueError(f"x must be on the group's device {g.device}, got {x.device}")
+    fp8 = g.dtype in _FP8
+    if fp8 and x.requires_grad:
+        raise ValueError(f"the dispatch of FP8 tokens ({_name(g.dtype)}) is forward-only: x must "
+                         f"not require grad (the gradient of the tokens before quantization "
+                         f"is combine(grad_rows, handle))")
     if (not isinstance(topk_ids, torch.Tensor) or tuple(topk_ids.shape) != (T, K)
             or topk_ids.dtype not in (torch.int32, torch.int64)):
         raise ValueError(f"topk_ids must be int32 or int64 [{T}, {K}], got "
@@ -516,6 +614,21 @@ def dispatch(x: torch.Tensor, topk_ids: torch.Tensor, probs: Optional[torch.Tens
         if tuple(probs.shape) != (T, K) or probs.dtype != torch.float32:
             raise ValueError(f"probs must be float32 [{T}, {K}] or None, got {_desc(probs)}")
         _check_same_device("probs", probs, x.device)
+    S = g.scale_cols
+    if S:
+        want = f"{_name(g.scale_dtype)} [{T}, {S}]"
+        if scales is None:
+            raise ValueError(f"scales must be {want} (the group was made with scale_cols={S}: "
+                             f"every dispatch takes scales), got None")
+        if (not isinstance(scales, torch.Tensor) or tuple(scales.shape) != (T, S)
+                or scales.dtype != g.scale_dtype):
+            got = _desc(scales) if isinstance(scales, torch.Tensor) else repr(scales)
+            raise ValueError(f"scales must be {want}, got {got}")
+        _check_same_device("scales", scales, x.device)
+    elif scales is not None:
+        got = _desc(scales) if isinstance(scales, torch.Tensor) else repr(scales)
+        raise ValueError(f"scales given ({got}), but the group was made without scales "
+                         f"(scale_cols=0; make it with scale_cols and scale_dtype)")
     if g.backend != "reference" and g._g is None:
         raise RuntimeError("the group was destroyed")
     h = EpHandle(g)
@@ -523,8 +636,9 @@ def dispatch(x: torch.Tensor, topk_ids: torch.Tensor, probs: Optional[torch.Tens
     h._probs_key = None if probs is None else (probs.data_ptr(), tuple(probs.stride()))
     ids = topk_ids.detach().contiguous()
     p = None if probs is None else probs.detach().contiguous()
+    sc = None if scales is None else scales.detach().contiguous()
     xin = x if g.backend == "reference" else x.contiguous()
-    args = (ids, p, h)
+    args = (ids, p, sc, h)
     if torch.is_grad_enabled() and x.requires_grad:
         rows, tpe, offs = _Dispatch.apply(xin, args)
     else:
@@ -535,10 +649,11 @@ def dispatch(x: torch.Tensor, topk_ids: torch.Tensor, probs: Optional[torch.Tens
 def combine(y: torch.Tensor, handle: EpHandle, probs: Optional[torch.Tensor] = None
             ) -> torch.Tensor:
     """Brings the expert outputs home: y [capacity, H] (float32 / float16 /
-    bfloat16; the nvlink backend: the group's dtype) -> out [T, H] in y's
-    dtype, out[t] = sum over ranks q ascending of the float32 fma chain over
-    t's kept slots on q, k ascending, of w * y[row]; tokens with no kept slot
-    give zeros. Rows of y other than the dispatched slots' are not read.
+    bfloat16; the nvlink backend: the group's dtype, ``backward_dtype`` with
+    FP8 tokens) -> out [T, H] in y's dtype, out[t] = sum over ranks q
+    ascending of the float32 fma chain over t's kept slots on q, k ascending,
+    of w * y[row]; tokens with no kept slot give zeros. Rows of y other than
+    the dispatched slots' are not read.
 
     ``probs``: None (w = 1) or the [T, K] float32 tensor given to the
     handle's :func:`dispatch` (w = probs[t, k]; the values at dispatch are
@@ -553,9 +668,10 @@ def combine(y: torch.Tensor, handle: EpHandle, probs: Optional[torch.Tensor] = N
     if not isinstance(y, torch.Tensor) or tuple(y.shape) != shape or y.dtype not in _FLOATS:
         raise ValueError(f"y must be float32, float16 or bfloat16 {list(shape)}, got "
                          f"{_desc(y) if isinstance(y, torch.Tensor) else type(y).__name__}")
-    if g.backend == "nvlink" and y.dtype != g.dtype:
-        raise ValueError(f"the nvlink backend needs y of the group's dtype {_name(g.dtype)}, "
-                         f"got {_name(y.dtype)}")
+    if g.backend == "nvlink" and y.dtype != g.backward_dtype:
+        raise ValueError(f"the nvlink backend needs y of the group's gradient dtype "
+                         f"{_name(g.backward_dtype)} (its dtype, or backward_dtype with FP8 "
+                         f"tokens), got {_name(y.dtype)}")
     if y.device != handle.device:
         raise ValueError(f"y must be on {handle.device} (the dispatch's device), got "
                          f"{y.device}")

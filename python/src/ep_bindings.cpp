@@ -5,6 +5,9 @@
 // rows and their plan) are DLPack objects over the handle's buffers: they
 // keep its state alive. Outputs of combine and the backward functions are
 // caller-allocated, streams are integers (0: the legacy default stream).
+// FP8 dispatch: the group's backward_dtype, scale_cols and scale_dtype
+// (EpOptions) are keyword arguments; dispatch takes the scales, and
+// EpHandle.scales are the received rows' scales.
 #include <nanobind/stl/string.h>
 #include <nanobind/stl/unique_ptr.h>
 
@@ -37,8 +40,7 @@ nb::object device_array(const TensorView& v, const EpHandle& h) {
   std::vector<int64_t> strides(v.strides, v.strides + v.ndim);
   nb::capsule owner(new EpHandle(h), [](void* p) noexcept { delete static_cast<EpHandle*>(p); });
   OutArray a(v.data, shape.size(), shape.data(), owner, strides.data(), dlpack_dtype(v.dtype),
-             v.device.is_cpu() ? nb::device::cpu::value : nb::device::cuda::value,
-             v.device.index);
+             v.device.is_cpu() ? nb::device::cpu::value : nb::device::cuda::value, v.device.index);
   return nb::cast(std::move(a), nb::rv_policy::reference);  // (the capsule owns the state)
 }
 
@@ -50,10 +52,10 @@ EpBackend backend_from_name(const std::string& s) {
 }
 
 void make_group(PyEpGroup* self, nb::bytes unique_id, int rank, int world_size, int device,
-                                      const std::string& backend, int num_experts, int topk,
-                                      int64_t hidden, const std::string& dtype, int align,
-                                      int64_t max_tokens_per_rank, int64_t capacity_rows,
-                                      double timeout_s, const nb::kwargs& options) {
+                const std::string& backend, int num_experts, int topk, int64_t hidden,
+                const std::string& dtype, int align, int64_t max_tokens_per_rank,
+                int64_t capacity_rows, double timeout_s, const std::string& backward_dtype,
+                int64_t scale_cols, const std::string& scale_dtype, const nb::kwargs& options) {
   std::array<char, 128> id{};
   MOEFLOW_CHECK(unique_id.size() == id.size(), "unique_id: expected ", id.size(),
                 " bytes (an NCCL unique id), got ", unique_id.size());
@@ -64,6 +66,10 @@ void make_group(PyEpGroup* self, nb::bytes unique_id, int rank, int world_size, 
   o.topk = topk;
   o.hidden = hidden;
   o.dtype = dtype_from_name(dtype);
+  // FP8 tokens: the gradient rows' dtype; per-token scales beside the rows
+  o.backward_dtype = dtype_from_name(backward_dtype);
+  o.scale_cols = scale_cols;
+  o.scale_dtype = dtype_from_name(scale_dtype);
   o.align = align;
   o.max_tokens_per_rank = max_tokens_per_rank;
   o.capacity_rows = capacity_rows;
@@ -134,17 +140,14 @@ void bind_ep(nb::module_& m) {
                    [](const PyEpHandle& h) {
                      return device_array(h.result.plan->expert_row_offsets, h.handle);
                    })
-      .def_prop_ro("total_rows",
-                   [](const PyEpHandle& h) {
-                     return device_array(h.result.plan->total_rows, h.handle);
-                   })
-      .def_prop_ro("overflow",
-                   [](const PyEpHandle& h) {
-                     return device_array(h.result.plan->overflow, h.handle);
-                   })
+      .def_prop_ro(
+          "total_rows",
+          [](const PyEpHandle& h) { return device_array(h.result.plan->total_rows, h.handle); })
+      .def_prop_ro(
+          "overflow",
+          [](const PyEpHandle& h) { return device_array(h.result.plan->overflow, h.handle); })
       .def_prop_ro("num_tokens", [](const PyEpHandle& h) { return h.handle.num_tokens(); })
-      .def_prop_ro("received_tokens",
-                   [](const PyEpHandle& h) { return h.result.received_tokens; });
+      .def_prop_ro("received_tokens", [](const PyEpHandle& h) { return h.result.received_tokens; });
 
   nb::class_<PyEpGroup>(m, "EpGroup",
                         "An expert-parallel group (moeflow/ep.h) over a communicator made from "
@@ -153,7 +156,8 @@ void bind_ep(nb::module_& m) {
            nb::arg("device"), nb::arg("backend"), nb::arg("num_experts"), nb::arg("topk"),
            nb::arg("hidden"), nb::arg("dtype"), nb::arg("align") = 16,
            nb::arg("max_tokens_per_rank"), nb::arg("capacity_rows") = -1,
-           nb::arg("timeout_s") = 300.0, nb::arg("options"))
+           nb::arg("timeout_s") = 300.0, nb::arg("backward_dtype") = "bfloat16",
+           nb::arg("scale_cols") = 0, nb::arg("scale_dtype") = "float32", nb::arg("options"))
       .def_prop_ro("rank", [](PyEpGroup& g) { return group_of(g).rank(); })
       .def_prop_ro("world_size", [](PyEpGroup& g) { return group_of(g).world_size(); })
       .def_prop_ro("local_experts", [](PyEpGroup& g) { return group_of(g).local_experts(); })
@@ -177,8 +181,8 @@ void bind_ep(nb::module_& m) {
             h->handle = h->result.handle;
             return h;
           },
-          nb::arg("x"), nb::arg("ids"), nb::arg("probs").none(), nb::arg("scales").none() = nb::none(),
-          nb::arg("stream") = 0)
+          nb::arg("x"), nb::arg("ids"), nb::arg("probs").none(),
+          nb::arg("scales").none() = nb::none(), nb::arg("stream") = 0)
       .def(
           "combine",
           [](PyEpGroup& g, const PyEpHandle& h, const Array& y, bool weighted, const Array& out,
@@ -204,8 +208,8 @@ void bind_ep(nb::module_& m) {
                                 weighted, rows_of(grad_y, "grad_y"), opt_view(dprobs, "dprobs"),
                                 stream_of(s));
           },
-          nb::arg("handle"), nb::arg("dout"), nb::arg("y"), nb::arg("weighted"),
-          nb::arg("grad_y"), nb::arg("dprobs").none(), nb::arg("stream") = 0);
+          nb::arg("handle"), nb::arg("dout"), nb::arg("y"), nb::arg("weighted"), nb::arg("grad_y"),
+          nb::arg("dprobs").none(), nb::arg("stream") = 0);
 }
 
 }  // namespace moeflow::python

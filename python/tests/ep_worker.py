@@ -8,7 +8,9 @@ rank]}. Every rank builds every rank's inputs from the same seeds, so each
 computes the single-process oracle itself (moeflow.ops' Plan / permute /
 unpermute over the gathered tokens, one plan per expert rank) and compares
 its own share. Nothing waits forever: the process group has a timeout, the
-parent a deadline after which it kills the ranks.
+parent a deadline after which it kills the ranks. The FP8 checks live in
+ep_worker_fp8.py; GPU_CHECKS (a CUDA-graph capture of the EP layer, the
+nvlink backend refused over NCCL's network transport) run only on GPUs.
 """
 import gc
 import os
@@ -505,15 +507,127 @@ CHECKS = {f.__name__[len("check_"):]: f for f in (
 
 
 # ---------------------------------------------------------------------------
+# GPU only, for the backends test_ep.py names.
+
+# Each rank its own NCCL "host": NCCL connects the ranks through its network
+# transport (sockets over the loopback interface), as between nodes.
+NET_ENV = {"NCCL_HOSTID": "moeflow-ep-test-node-{rank}", "NCCL_P2P_DISABLE": "1",
+           "NCCL_SHM_DISABLE": "1", "NCCL_IB_DISABLE": "1", "NCCL_SOCKET_IFNAME": "lo"}
+
+
+def _bits(t):
+    t = t.detach().cpu().contiguous()
+    return t.view(torch.uint8) if t.dtype.is_floating_point else t
+
+
+def check_layer_cuda_graph(ctx):
+    """A training step of the EP MoELayer (router with aux losses, dispatch,
+    the local experts, combine, all of backward) captured in one CUDA graph
+    after eager warm-up steps (they leave a handle state in the group's pool
+    for the captured dispatch: nothing is allocated during capture), then
+    replayed with new tokens copied into the static inputs: out, x.grad and
+    every parameter's gradient bitwise those of an eager step on the same
+    tokens. Backend nvlink (nccl's dispatch synchronises with the host)."""
+    r, dev, dt = ctx.rank, ctx.device, torch.bfloat16
+    E, K, H, F = 4 * ctx.world, 2, 64, 32
+    T = (48, 40, 33, 45)[r % 4]  # differs per rank
+    g = ctx.group(num_experts=E, topk=K, hidden_size=H, dtype=dt, max_tokens_per_rank=48)
+    torch.manual_seed(0)
+    layer = MoELayer(H, F, E, K, params_dtype=dt, device=dev, ep_group=g, aux_loss_coeff=1e-2,
+                     z_loss_coeff=1e-3)
+    static_x = torch.zeros((T, H), dtype=dt, device=dev, requires_grad=True)
+    static_dout = torch.zeros((T, H), dtype=dt, device=dev)
+
+    def load(seed):
+        gen = torch.Generator().manual_seed(100 * seed + r)
+        with torch.no_grad():
+            static_x.copy_(torch.randn((T, H), generator=gen).to(dt))
+            static_dout.copy_(torch.randn((T, H), generator=gen).to(dt))
+
+    def clear():
+        static_x.grad = None
+        for p in layer.parameters():
+            p.grad = None
+
+    def step():
+        out = layer(static_x)
+        out.backward(static_dout)
+        return out.detach()  # the autograd graph (and the dispatch's handle) go
+
+    def grads():
+        return {"x.grad": static_x.grad, **{f"{n}.grad": p.grad
+                                            for n, p in layer.named_parameters()}}
+
+    load(0)
+    side = torch.cuda.Stream(dev)
+    side.wait_stream(torch.cuda.current_stream(dev))
+    with torch.cuda.stream(side):
+        for _ in range(3):
+            clear()
+            step()
+    torch.cuda.current_stream(dev).wait_stream(side)
+    clear()
+    graph = torch.cuda.CUDAGraph()
+    # thread_local: the process group's watchdog thread may query its events
+    # meanwhile (no collective of it runs in the step)
+    with torch.cuda.graph(graph, capture_error_mode="thread_local"):
+        static_out = step()
+    static = grads()  # written by the graph (allocated in its pool)
+    missing = [n for n, t in static.items() if t is None]
+    if missing:
+        raise AssertionError(f"no gradient captured for {missing}")
+    outs = []
+    for seed in (1, 2):
+        load(seed)
+        graph.replay()
+        torch.cuda.synchronize(dev)
+        got = {"out": static_out.clone(), **{n: t.clone() for n, t in static.items()}}
+        clear()
+        want = {"out": step(), **grads()}
+        torch.cuda.synchronize(dev)
+        for n, t in got.items():
+            eq(f"replay {seed}: {n} (bits)", _bits(t), _bits(want[n]))
+        outs.append(got["out"])
+    if T and torch.equal(outs[0], outs[1]):
+        raise AssertionError("two replays with different tokens gave the same output")
+
+
+def check_nvlink_needs_one_node(ctx):
+    """Run with NET_ENV (every rank its own NCCL host): making an nvlink group
+    fails on every rank with an error that says why, rather than waiting, and
+    the ranks go on with the nccl backend."""
+    W = ctx.world
+    kw = dict(num_experts=2 * W, topk=2, hidden_size=64, dtype=torch.bfloat16,
+              max_tokens_per_rank=8)
+    raises(_C.Error, r"the nvlink backend needs (NCCL symmetric memory|the NCCL device API|"
+           r"all ranks in one NVLink domain)", lambda: ctx.group(**{**kw, "backend": "nvlink"}))
+    Roundtrip(Ctx(ctx.rank, W, "nccl", ctx.cuda), tokens(W, 7, 3), E=2 * W, K=2, H=24,
+              dtype=torch.bfloat16, seed=30).run()
+
+
+GPU_CHECKS = {f.__name__[len("check_"):]: f for f in (
+    check_layer_cuda_graph, check_nvlink_needs_one_node)}
+
+
+def all_checks():
+    """Every check by name: these, the FP8 ones (ep_worker_fp8) and the GPU-only ones."""
+    import ep_worker_fp8
+    return {**CHECKS, **ep_worker_fp8.CHECKS, **GPU_CHECKS}
+
+
+# ---------------------------------------------------------------------------
 # The processes.
 
-def _worker(rank, world, port, backend, cuda, names, queue):
+def _worker(rank, world, port, backend, cuda, names, env, queue):
     results = {}
     try:
         torch.set_num_threads(1)
+        # (before NCCL starts in this process: it reads them once)
+        os.environ.update({k: v.format(rank=rank) for k, v in (env or {}).items()})
         os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
         rank_runner.init_process_group(rank, world, port, cuda, PG_TIMEOUT_S)
-        rank_runner.run_checks(CHECKS, names, Ctx(rank, world, backend, cuda), world, results)
+        rank_runner.run_checks(all_checks(), names, Ctx(rank, world, backend, cuda), world,
+                               results)
         gc.collect()  # the device backends' groups go before the process group
         dist.destroy_process_group()
     except Exception:
@@ -521,15 +635,22 @@ def _worker(rank, world, port, backend, cuda, names, queue):
     queue.put((rank, results))
 
 
-def run(world, names=None, *, backend="reference", cuda=False, deadline_s=120.0):
+def run(world, names=None, *, backend="reference", cuda=False, deadline_s=120.0, env=None):
     """Runs the checks on `world` ranks. Returns {check: [errors]} (empty lists
-    where every rank passed) or raises when the ranks did not report in time."""
-    names = list(CHECKS) if names is None else list(names)
+    where every rank passed) or raises when the ranks did not report in time.
+    names: of all_checks() (None: CHECKS and the FP8 ones); env: variables set
+    in every rank process before its process group starts ("{rank}" in a
+    value becomes the rank)."""
+    if names is None:
+        import ep_worker_fp8
+        names = list(CHECKS) + list(ep_worker_fp8.CHECKS)
+    names = list(names)
     # The server imports torch and moeflow once; each rank is forked from it.
     ctx = rank_runner.mp_context(["torch", "torch.distributed", "moeflow.ep", "moeflow.layer",
-                                  "ep_worker"])
-    reports = rank_runner.run_ranks(ctx, _worker,
-                                    world, (world, rank_runner.free_port(), backend, cuda, names),
+                                  "ep_worker", "ep_worker_fp8"])
+    reports = rank_runner.run_ranks(ctx, _worker, world,
+                                    (world, rank_runner.free_port(), backend, cuda, names,
+                                     dict(env or {})),
                                     deadline_s)
     out = {}
     for name in names + ["<setup>"]:

@@ -2,12 +2,18 @@
 forward and backward against a single-process oracle built from moeflow.ops
 (one Plan per expert rank over the gathered tokens), two dispatches in
 flight, activation recomputation, the expert-parallel MoELayer against the
-single-device one, and argument errors. The checks live in ep_worker.py.
+single-device one, FP8 dispatch with per-token scales (rows and scales bit
+for bit, the bf16 gradient path), and argument errors. The checks live in
+ep_worker.py and ep_worker_fp8.py.
 
 CPU: world sizes 2 and 3, gloo, backend "reference" (all checks of a world
 size run in one set of processes). GPU (skipped without two CUDA devices):
-nccl process groups, one GPU per rank, backends "reference", "nccl" and
-"nvlink" (select them with ``-k gpu``)."""
+nccl process groups, one GPU per rank, backends "reference", "nccl",
+"nvlink" and "nccl-net" (the nccl backend with every rank its own NCCL host:
+NCCL's network transport, as between nodes; ep_worker.NET_ENV); with nvlink
+also a training step of the EP layer captured in one CUDA graph, and the
+nvlink backend refused with a clear error over the network transport
+(select them with ``-k gpu``)."""
 import functools
 
 import pytest
@@ -16,21 +22,28 @@ torch = pytest.importorskip("torch")
 dist = pytest.importorskip("torch.distributed")
 
 import ep_worker  # noqa: E402
+import ep_worker_fp8  # noqa: E402
 from moeflow import _C  # noqa: E402
 
 pytestmark = pytest.mark.skipif(not dist.is_available(), reason="torch.distributed unavailable")
 
-CHECKS = list(ep_worker.CHECKS)
+CHECKS = list(ep_worker.CHECKS) + list(ep_worker_fp8.CHECKS)
 GPUS = torch.cuda.device_count() if torch.cuda.is_available() else 0
+# GPU backend ids: (moeflow.ep backend, environment of the rank processes)
+GPU_BACKENDS = {"reference": ("reference", None), "nccl": ("nccl", None),
+                "nvlink": ("nvlink", None), "nccl-net": ("nccl", ep_worker.NET_ENV)}
+GPU_EXTRA = {"nvlink": ["layer_cuda_graph"]}  # checks of one backend only
 
 
 @functools.lru_cache(maxsize=None)
-def _results(world, backend, cuda):
+def _results(world, backend_id, cuda):
     """Every check on `world` ranks, once per (world, backend, cuda); a run
     that failed as a whole (a deadline, a dead rank) is kept as its error."""
+    backend, env = GPU_BACKENDS[backend_id] if cuda else (backend_id, None)
+    names = CHECKS + (GPU_EXTRA.get(backend_id, []) if cuda else [])
     try:
-        return ep_worker.run(world, CHECKS, backend=backend, cuda=cuda,
-                             deadline_s=120.0 if not cuda else 300.0)
+        return ep_worker.run(world, names, backend=backend, cuda=cuda, env=env,
+                             deadline_s=120.0 if not cuda else 420.0)
     except Exception as e:  # noqa: BLE001
         return {"<setup>": [f"{type(e).__name__}: {e}"]}
 
@@ -49,16 +62,40 @@ def test_cpu(world, check):
     _assert_passed(_results(world, "reference", False), check)
 
 
-@pytest.mark.skipif(GPUS < 2, reason="needs 2 CUDA devices (one per rank)")
-@pytest.mark.parametrize("check", CHECKS)
-@pytest.mark.parametrize("backend", ["reference", "nccl", "nvlink"])
-@pytest.mark.parametrize("world", [2, 3])
-def test_gpu(world, backend, check):
+def _skip_gpu(world, backend):
+    if GPUS < 2:
+        pytest.skip("needs 2 CUDA devices (one per rank)")
     if world > GPUS:
         pytest.skip(f"needs {world} CUDA devices, {GPUS} visible")
     if backend != "reference" and not hasattr(_C, "EpGroup"):
         pytest.skip("this moeflow build has no moeflow._C.EpGroup")
+
+
+@pytest.mark.parametrize("check", CHECKS)
+@pytest.mark.parametrize("backend", list(GPU_BACKENDS))
+@pytest.mark.parametrize("world", [2, 3])
+def test_gpu(world, backend, check):
+    _skip_gpu(world, backend)
     _assert_passed(_results(world, backend, True), check)
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_gpu_nvlink_layer_step_in_one_cuda_graph(world):
+    _skip_gpu(world, "nvlink")
+    _assert_passed(_results(world, "nvlink", True), "layer_cuda_graph")
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_gpu_nvlink_over_network_transport_fails_clearly(world):
+    """Every rank its own NCCL host: group creation raises (no hang: the run
+    has a deadline), and the ranks go on with the nccl backend."""
+    _skip_gpu(world, "nvlink")
+    try:
+        results = ep_worker.run(world, ["nvlink_needs_one_node"], backend="nvlink", cuda=True,
+                                env=ep_worker.NET_ENV, deadline_s=300.0)
+    except Exception as e:  # noqa: BLE001
+        results = {"<setup>": [f"{type(e).__name__}: {e}"]}
+    _assert_passed(results, "nvlink_needs_one_node")
 
 
 def test_capacity_formula():
