@@ -86,12 +86,10 @@ def recv_capacity_rows(num_experts: int, world_size: int, topk: int, max_tokens_
                        align: int, capacity_rows: int = -1) -> int:
     """Receive rows of every rank: ``capacity_rows`` when >= 0, else the worst
     case max_tokens_per_rank * W * min(K, E/W) + (E/W) * (align - 1), rounded up
-    to align (moeflow/ep_reference.h)."""
-    if capacity_rows >= 0:
-        return int(capacity_rows)
-    local = num_experts // world_size
-    worst = max_tokens_per_rank * world_size * min(topk, local) + local * (align - 1)
-    return (worst + align - 1) // align * align
+    to align (moeflow/ep_reference.h, which computes it)."""
+    return int(_C.ep_recv_capacity_rows(int(num_experts), int(world_size), int(topk),
+                                        int(max_tokens_per_rank), int(align),
+                                        int(capacity_rows)))
 
 
 class Group:

@@ -18,6 +18,7 @@
 
 #include "arrays.h"
 #include "moeflow/ep.h"
+#include "moeflow/ep_reference.h"
 
 namespace moeflow::python {
 namespace {
@@ -114,6 +115,21 @@ EpGroup& group_of(PyEpGroup& g) {
 }  // namespace
 
 void bind_ep(nb::module_& m) {
+  m.def(
+      "ep_recv_capacity_rows",
+      [](int num_experts, int world_size, int topk, int64_t max_tokens_per_rank, int align,
+         int64_t capacity_rows) {
+        ep_reference::EpConfig c;
+        c.world_size = world_size;
+        c.num_experts = num_experts;
+        c.align = align;
+        c.max_tokens_per_rank = max_tokens_per_rank;
+        c.capacity_rows = capacity_rows;
+        return ep_reference::recv_capacity_rows(c, topk);
+      },
+      nb::arg("num_experts"), nb::arg("world_size"), nb::arg("topk"),
+      nb::arg("max_tokens_per_rank"), nb::arg("align"), nb::arg("capacity_rows") = -1,
+      "Receive rows of every rank of an expert-parallel group (moeflow/ep_reference.h).");
   m.def(
       "ep_unique_id",
       [] {
