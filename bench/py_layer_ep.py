@@ -44,6 +44,7 @@ import argparse
 import datetime
 import gc
 import json
+import math
 import os
 import statistics
 import sys
@@ -89,12 +90,22 @@ def parse_args():
     ap.add_argument("--warmup", type=int, default=5, help="warm-up steps (default 5)")
     ap.add_argument("--iters", type=int, default=20, help="timed steps (default 20)")
     ap.add_argument("--align", type=int, default=16, help="moeflow's rows-per-expert alignment")
+    ap.add_argument("--capacity-factor", type=float,
+                    help="moeflow's receive rows per rank: ceil(T * K * factor) rounded up to "
+                         "align (a budget, as install(capacity_factor=) of moeflow.megatron; "
+                         "slots past it are dropped and counted); default the worst case "
+                         "T * W * min(K, E/W) + padding, which never drops")
     ap.add_argument("--aux-loss-coeff", type=float, default=1e-2,
                     help="switch aux loss coefficient of both layers (0: none)")
     ap.add_argument("--seed", type=int, default=1234)
     ap.add_argument("--timeout-min", type=int, default=10,
                     help="collective timeout: a rank stuck this long aborts the run")
     ap.add_argument("--json", help="write the rows to this file (rank 0)")
+    ap.add_argument("--profile", action="store_true",
+                    help="after the timed steps, one more step under torch.profiler: rank 0 "
+                         "prints its kernels' summed time and the largest kernels")
+    ap.add_argument("--top", type=int, default=14, help="with --profile: kernels listed")
+    ap.add_argument("--trace", help="with --profile: a folder for rank 0's Chrome traces")
     args = ap.parse_args()
     names = args.case or ["all"]
     args.cases = list(CASES) if "all" in names else list(dict.fromkeys(names))
@@ -196,6 +207,36 @@ def measure(d, fwd, params, x, dy, warmup, iters):
     return [statistics.median(steps), statistics.median(fwds), (peak - base) / MiB, peak / MiB]
 
 
+def profile_step(d, args, label, fwd, params, x, dy):
+    """With --profile: one step on every rank under torch.profiler; rank 0
+    prints the sum of its kernel times against the step's wall time, and the
+    largest kernels (bench/py_layer.py's helpers)."""
+    if not args.profile:
+        return
+    from py_layer import kernel_sum_ms
+    grads = list(params) + [x]
+
+    def step():
+        for p in grads:
+            p.grad = None
+        fwd(x).backward(dy)
+
+    trace = None
+    if args.trace and d.rank == 0:
+        os.makedirs(args.trace, exist_ok=True)
+        trace = os.path.join(args.trace, f"{label}_w{d.world}.json")
+    d.sync()
+    total, by_name = kernel_sum_ms(step, trace)
+    for p in grads:
+        p.grad = None
+    if d.rank == 0:
+        print(f"[profile {label} W={d.world}] kernels of one step (rank 0): {total:.2f} ms",
+              file=sys.stderr, flush=True)
+        for name, t in sorted(by_name.items(), key=lambda kv: -kv[1])[:args.top]:
+            print(f"  {t:8.3f} ms  {name}", file=sys.stderr, flush=True)
+    d.sync()
+
+
 def summarise(per_rank):
     """The row's numbers from every rank's [step, fwd, extra, peak]: the
     slowest rank's medians, the largest peaks, and the per-rank lists."""
@@ -232,9 +273,12 @@ def run_ours(d, args, name, moeflow):
     torch.cuda.synchronize()
     free_before = torch.cuda.mem_get_info(d.dev)[0]
     reserved_before = torch.cuda.memory_reserved(d.dev)
+    cap = -1
+    if args.capacity_factor is not None:
+        cap = -(-math.ceil(T * K * args.capacity_factor) // args.align) * args.align
     group = moeflow.ep.Group(dist.group.WORLD, num_experts=E, topk=K, hidden_size=H,
                              dtype=torch.bfloat16, backend=args.backend,
-                             max_tokens_per_rank=T, align=args.align)
+                             max_tokens_per_rank=T, align=args.align, capacity_rows=cap)
     opts = dict(router)
     if opts.get("use_expert_bias"):
         # Counts only, the bias updated by the training loop (megatron's way): the
@@ -254,6 +298,7 @@ def run_ours(d, args, name, moeflow):
         log(d, "note: moeflow's layer has no [E, H] router_weight: its own initialisation")
     del w
     res = measure(d, layer, layer.parameters(), x, dy, args.warmup, args.iters)
+    profile_step(d, args, f"moeflow_{name}", layer, layer.parameters(), x, dy)
     # Slots dropped for want of receive rows (none expected: worst-case capacity).
     ov = getattr(layer, "last_ep_overflow", None)
     # What moeflow holds outside torch's allocator after the steps: the group's
@@ -294,6 +339,7 @@ def run_megatron(d, args, name, experts):
         return out.view(T, H)
 
     res = measure(d, fwd, layer.parameters(), x, dy, args.warmup, args.iters)
+    profile_step(d, args, f"megatron-{experts}_{name}", fwd, layer.parameters(), x, dy)
     n_local = sum(p.numel() for p in layer.parameters())
     layer = x = dy = None  # noqa: F841 (fwd holds layer: dropped with it)
     return res, n_local
@@ -336,6 +382,11 @@ def table(rows, world):
                          f"{p['fwd_ms']:7.2f} {ratio}  {o_m:>25s} {fmt_mem(p):>11s}")
     groups = [f"{r['case']} {r['ep_buffers_MiB'] / 1024:.2f}" for r in rows
               if r["impl"] == "moeflow" and "ep_buffers_MiB" in r]
+    dropped = [f"{r['case']} {r['ep_overflow']:.0f}" for r in rows
+               if r["impl"] == "moeflow" and r.get("ep_overflow")]
+    if dropped:
+        lines.append("moeflow slots dropped for want of receive capacity (the rows differ "
+                     "from the peer's): " + ", ".join(dropped))
     if groups:
         lines.append("moeflow memory outside torch's allocator (EP group + dispatch states; "
                      "add to its peaks), GiB: " + ", ".join(groups))
@@ -356,7 +407,8 @@ def main():
         if E % d.world:
             sys.exit(f"py_layer_ep: case {name}: {E} experts do not split over {d.world} ranks")
     meta = {"device": torch.cuda.get_device_name(d.dev), "world": d.world,
-            "torch": torch.__version__, "backend": args.backend, "warmup": args.warmup,
+            "torch": torch.__version__, "backend": args.backend,
+            "capacity_factor": args.capacity_factor, "warmup": args.warmup,
             "iters": args.iters, "aux_loss_coeff": args.aux_loss_coeff,
             "timing": "median per rank over the timed steps, then the slowest rank; "
                       "peaks: the largest over the ranks (MiB)"}
@@ -386,6 +438,7 @@ def main():
                      tokens_per_rank=CASES[name][0], **summarise([v[:4] for v in per_rank]))
             r["ep_overflow"] = max(v[4] for v in per_rank)
             r["ep_buffers_MiB"] = max(v[5] for v in per_rank)
+            r["capacity_factor"] = args.capacity_factor
             r["params_per_rank"] = n
             rows.append(r)
             write_json(d, args, meta, rows)
@@ -439,7 +492,9 @@ def main():
 
     if d.rank == 0:
         print(f"\nEP MoE layer step (fwd+bwd, router included), {d.world} x "
-              f"{meta['device']}, moeflow backend {args.backend}; ms = the slowest rank's "
+              f"{meta['device']}, moeflow backend {args.backend}, receive capacity "
+              f"{'the worst case' if args.capacity_factor is None else 'T*K*%g' % args.capacity_factor}"
+              f"; ms = the slowest rank's "
               f"median; peak GiB = the largest rank's (extra over params+inputs / absolute)")
         if meta.get("megatron_experts"):
             for v, desc in meta["megatron_experts"].items():

@@ -293,11 +293,10 @@ class MoeflowDispatchManager:
         self.hidden_size = config.moe_latent_size or config.hidden_size
         self.align = s.align if s.align is not None else _default_align(config)
         self.static_shape = s.static_shape
-        dev = (torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available()
-               else torch.device("cpu"))
         # Slots dropped for want of receive rows (capacity_factor), accumulated
         # on the device like HybridEP's: MoEFlexTokenDispatcher.check_over_budget().
-        self.over_budget = torch.zeros(1, dtype=torch.bool, device=dev)
+        # Moved to the tokens' device at the first dispatch (_group_for).
+        self.over_budget = torch.zeros(1, dtype=torch.bool)
         self.token_probs: Optional[torch.Tensor] = None  # [T, K] float32
         self.token_indices: Optional[torch.Tensor] = None  # [T, K] int64, -1: none
         self.handle: Optional[ep.EpHandle] = None
@@ -339,6 +338,7 @@ class MoeflowDispatchManager:
                                  dtype=x.dtype, max_tokens_per_rank=max_t, backend=backend,
                                  align=self.align, capacity_factor=s.capacity_factor,
                                  timeout=s.timeout, **s.options)
+            self.over_budget = self.over_budget.to(x.device)
         g = self._g
         if T > g.max_tokens_per_rank:
             raise ValueError(f"this rank dispatches {T} tokens, more than the moeflow group's "
