@@ -62,6 +62,11 @@ _STREAM = _FakeStream()
 
 def stub_cpu():
     """torch.cuda as megatron-core's MoE path needs it with CPU tensors."""
+    if torch.cuda.is_available():
+        # On a machine with a GPU, torch.compile (megatron's fused activation)
+        # would look the stubbed device up in its CUDA device list: run it eagerly.
+        import torch._dynamo as dynamo
+        dynamo.config.disable = True
     torch.cuda.current_device = lambda: "cpu"
     torch.cuda.Stream = lambda *a, **k: _STREAM
     torch.cuda.current_stream = lambda *a, **k: _STREAM
