@@ -7,7 +7,8 @@ for bit, the bf16 gradient path), and argument errors. The checks live in
 ep_worker.py and ep_worker_fp8.py.
 
 CPU: world sizes 2 and 3, gloo, backend "reference" (all checks of a world
-size run in one set of processes). GPU (skipped without two CUDA devices):
+size run in one set of processes). GPU, world sizes 2, 3 and 4 (each skipped
+without that many CUDA devices):
 nccl process groups, one GPU per rank, backends "reference", "nccl",
 "nvlink" and "nccl-net" (the nccl backend with every rank its own NCCL host:
 NCCL's network transport, as between nodes; ep_worker.NET_ENV); with nvlink
@@ -28,6 +29,7 @@ from moeflow import _C  # noqa: E402
 pytestmark = pytest.mark.skipif(not dist.is_available(), reason="torch.distributed unavailable")
 
 CHECKS = list(ep_worker.CHECKS) + list(ep_worker_fp8.CHECKS)
+GPU_WORLDS = [2, 3, 4]
 GPUS = torch.cuda.device_count() if torch.cuda.is_available() else 0
 # GPU backend ids: (moeflow.ep backend, environment of the rank processes)
 GPU_BACKENDS = {"reference": ("reference", None), "nccl": ("nccl", None),
@@ -73,13 +75,13 @@ def _skip_gpu(world, backend):
 
 @pytest.mark.parametrize("check", CHECKS)
 @pytest.mark.parametrize("backend", list(GPU_BACKENDS))
-@pytest.mark.parametrize("world", [2, 3])
+@pytest.mark.parametrize("world", GPU_WORLDS)
 def test_gpu(world, backend, check):
     _skip_gpu(world, backend)
     _assert_passed(_results(world, backend, True), check)
 
 
-@pytest.mark.parametrize("world", [2, 3])
+@pytest.mark.parametrize("world", GPU_WORLDS)
 def test_gpu_nvlink_layer_step_in_one_cuda_graph(world):
     _skip_gpu(world, "nvlink")
     _assert_passed(_results(world, "nvlink", True), "layer_cuda_graph")
