@@ -115,7 +115,8 @@ void run_gemm_bench(const GemmBenchOptions& opt) {
     Tensor out = Tensor::empty({M, N}, DType::kBFloat16, dev),
            dc = Tensor::empty({M, N}, DType::kBFloat16, dev);
     Tensor da = Tensor::empty({M, K}, DType::kBFloat16, dev),
-           dw = Tensor::empty({E, N, K}, DType::kFloat32, dev);
+           dw = Tensor::empty({E, N, K}, DType::kFloat32, dev),
+           dw_bf16 = Tensor::empty({E, N, K}, DType::kBFloat16, dev);
     // Random operands, as the peers' randn (a constant draws less power and
     // runs at a higher clock); weights scaled by 1/sqrt(K).
     const float ws = std::sqrt(3.0f / static_cast<float>(K));
@@ -365,6 +366,11 @@ void run_gemm_bench(const GemmBenchOptions& opt) {
                                               {3, 2, 8, 1, 0},
                                               {3, 4, 8, 1, 0},
                                               {3, 5, 8, 2, 0},
+                                              {4, 2, 8, 0, 0},
+                                              {4, 2, 8, 2, 0},
+                                              {4, 2, 8, 3, 0},
+                                              {4, 3, 8, 3, 0},
+                                              {4, 4, 8, 2, 0},
                                               {4, 2, 8, 1, 2},
                                               {4, 2, 2, 1, 0},
                                               {4, 2, 4, 1, 0},
@@ -383,6 +389,10 @@ void run_gemm_bench(const GemmBenchOptions& opt) {
         const double g = tflops([&] {
           grouped_gemm_wgrad(dc, a, layout, GroupedWeights::from_stacked(dw), true, t, stream);
         });
+        const double gb = tflops([&] {
+          grouped_gemm_wgrad(dc, a, layout, GroupedWeights::from_stacked(dw_bf16), false, t,
+                             stream);
+        });
         double fu = 0.0;
         if (fused_call) {
           const Fc1Call v = fused_with(t);
@@ -390,8 +400,8 @@ void run_gemm_bench(const GemmBenchOptions& opt) {
         }
         fmt::print(
             "    tune stages={} bufs={} raster={} stagger={} desync={}: forward {:7.1f} dgrad "
-            "{:7.1f} wgrad {:7.1f} fused fc1 {:7.1f} TFLOP/s\n",
-            st, nb, rb, sg, ds, f, d, g, fu);
+            "{:7.1f} wgrad {:7.1f} wgrad bf16 {:7.1f} fused fc1 {:7.1f} TFLOP/s\n",
+            st, nb, rb, sg, ds, f, d, g, gb, fu);
         std::fflush(stdout);
       }
       // The fused FC1's held-stage window (helper mode): K slices the ring
@@ -432,6 +442,19 @@ void run_gemm_bench(const GemmBenchOptions& opt) {
                                     CUDA_R_32F, K, CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT));
         });
     add("wgrad", wg, wg_dense);
+    // The layer's wgrad: a bf16 dW written from the accumulators (no float32
+    // buffer, nothing accumulated), against dense cuBLAS writing one bf16 dW.
+    const auto [wb, wb_dense] = paired(
+        [&] {
+          grouped_gemm_wgrad(dc, a, layout, GroupedWeights::from_stacked(dw_bf16), false, stream);
+        },
+        [&] {
+          CUBLAS_CHECK(cublasGemmEx(handle, CUBLAS_OP_N, CUBLAS_OP_T, K, N, M, &one, a.data(),
+                                    CUDA_R_16BF, K, dc.data(), CUDA_R_16BF, N, &zero,
+                                    dw_bf16.data(), CUDA_R_16BF, K, CUBLAS_COMPUTE_32F,
+                                    CUBLAS_GEMM_DEFAULT));
+        });
+    add("wgrad_bf16", wb, wb_dense);
   }
   cublasDestroy(handle);
   if (!opt.json_path.empty()) {

@@ -1,6 +1,7 @@
 """torch._grouped_mm on the rows-per-expert sweep of `moeflow bench gemm --sweep`
 (same splits: uniform R rows per expert, or skewed ~1/(e+1) rounded to 16),
-plus the bytes a forward must move (A, W, C once), for the memory bound.
+forward and wgrad (a bf16 dW per expert), plus the bytes a forward must move
+(A, W, C once), for the memory bound.
 
     python3 bench/peers_gemm_sweep.py [--experts 32] [--k 2048] [--n 1536] [--json FILE]
 """
@@ -41,9 +42,15 @@ def main():
             name = f"{'skew' if skewed else 'unif'}-{R}"
             flops = 2 * M * K * N
             moved = (M * K + E * N * K + M * N) * 2
+            # wgrad (bf16 dW per expert, as in autograd): dC^T A with the groups
+            # splitting the reduction rows.
+            dC = torch.randn(M, N, device=dev, dtype=torch.bfloat16)
+            ms_w = bench_ms(lambda: torch._grouped_mm(dC.t(), A, offs=offs), iters=20, warm=5)
             out["cases"][name] = {"torch_grouped_mm_TFLOPs": flops / ms / 1e9,
-                                  "torch_grouped_mm_GBps": moved / ms / 1e6, "bytes": moved}
-            print(f"{name:10s} torch._grouped_mm {flops / ms / 1e9:7.1f} TFLOP/s  ({moved / ms / 1e6:6.0f} GB/s of A+W+C)")
+                                  "torch_grouped_mm_GBps": moved / ms / 1e6, "bytes": moved,
+                                  "torch_grouped_mm_wgrad_TFLOPs": flops / ms_w / 1e9}
+            print(f"{name:10s} torch._grouped_mm {flops / ms / 1e9:7.1f} TFLOP/s  ({moved / ms / 1e6:6.0f} GB/s of A+W+C)"
+                  f"  wgrad {flops / ms_w / 1e9:7.1f} TFLOP/s")
     if args.json:
         json.dump(out, open(args.json, "w"), indent=1)
 

@@ -22,6 +22,9 @@
 #              wheels and the cutlass-dsl libs as libs.tar.xz; the folder is
 #              ignored by git) into a folder outside the checkout
 #   variants   the permute kernel variants of dev/
+#   shortk     the short-K wgrad of the expert-parallel layer (dsv3 FC1 at W = 4:
+#              64 experts, K 7168, N 4096; rows per expert 64..4096): moeflow bench
+#              gemm --sweep --tune beside torch._grouped_mm (bench/peers_gemm_sweep.py)
 #   pyep       the expert-parallel Python tests on the GPUs (python/tests/test_ep.py
 #              -k gpu, test_megatron.py) and bench/py_layer_ep.py under torchrun on
 #              every GPU, against megatron-core installed from ./.wheels (its
@@ -110,6 +113,14 @@ for s in "${steps[@]}"; do
       ;;
     variants)
       build/permute_variants || fail variants
+      ;;
+    shortk)
+      sweep=(--sweep-experts 64 --sweep-k 7168 --sweep-n 4096)
+      timeout 500 build/moeflow bench gemm --sweep "${sweep[@]}" --tune \
+        --json "$OUT/gemm_shortk.json" > "$OUT/gemm_shortk.log" 2>&1 || fail shortk
+      grep -E "^\[|wgrad|tune" "$OUT/gemm_shortk.log" | head -120
+      PYTHONPATH=bench PYTHONUNBUFFERED=1 timeout 200 python3 bench/peers_gemm_sweep.py \
+        --experts 64 --k 7168 --n 4096 --json "$OUT/peers_shortk.json" || fail "shortk peers"
       ;;
     pyep)
       if [ "$ngpu" -ge 2 ]; then
