@@ -27,7 +27,8 @@
 #              gemm --sweep --tune beside torch._grouped_mm (bench/peers_gemm_sweep.py)
 #   pyep       the expert-parallel Python tests on the GPUs (python/tests/test_ep.py
 #              -k gpu, test_megatron.py) and bench/py_layer_ep.py under torchrun on
-#              every GPU, against megatron-core installed from ./.wheels (its
+#              every GPU (also with a 1.25 receive budget), against megatron-core
+#              installed from ./.wheels (its
 #              wheel; the folder is ignored by git) into a folder outside the
 #              checkout (2+ GPUs)
 #
@@ -130,11 +131,15 @@ for s in "${steps[@]}"; do
         mcore=/tmp/moeflow-mcore
         ls .wheels/megatron_core-*.whl > /dev/null 2>&1 &&
           python3 -m pip install -q --no-deps --no-index --target "$mcore" .wheels/megatron_core-*.whl
-        for run in "nvlink both" "nccl ours"; do  # (the peer once)
+        # the peer once; ours also with a receive budget of 1.25 T K rows (memory)
+        for run in "nvlink both" "nvlink ours 1.25" "nccl ours"; do
           set -- $run
-          PYTHONPATH=build/python PYTHONUNBUFFERED=1 timeout 500 torchrun --nproc-per-node="$ngpu" \
-            bench/py_layer_ep.py --backend "$1" --impl "$2" --mcore-path "$mcore" \
-            --json "$OUT/py_layer_ep_${1}_w${ngpu}.json" || fail "py_layer_ep $1"
+          cap=(); tag=$1
+          [ -n "${3:-}" ] && { cap=(--capacity-factor "$3"); tag=${1}_cap$3; }
+          PYTHONPATH=build/python:bench PYTHONUNBUFFERED=1 timeout 500 torchrun \
+            --nproc-per-node="$ngpu" bench/py_layer_ep.py --backend "$1" --impl "$2" "${cap[@]}" \
+            --mcore-path "$mcore" --json "$OUT/py_layer_ep_${tag}_w${ngpu}.json" ||
+            fail "py_layer_ep $tag"
         done
       else
         echo "SKIPPED: pyep needs 2+ GPUs ($ngpu here)"
