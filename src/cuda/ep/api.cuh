@@ -309,11 +309,10 @@ struct CombineBwdParams {
 };
 void launch_combine_bwd(const CombineBwdParams& p, DType dtype, unsigned grid, cudaStream_t stream);
 
-// Rows [0, *total_rows) of `row_bytes` from src to dst (at most max_rows):
-// the used rows of a receive layout; 4 blocks per SM of the device's sm_count.
+// Rows [0, *total_rows) of `row_bytes` (a multiple of 16) from src to dst
+// (at most max_rows): the used rows of a receive layout.
 void launch_copy_rows(const uint8_t* src, uint8_t* dst, int64_t row_bytes,
-                      const int64_t* total_rows, int64_t max_rows, int sm_count,
-                      cudaStream_t stream);
+                      const int64_t* total_rows, int64_t max_rows, cudaStream_t stream);
 // ids [T,K] (int32/int64) -> local [tmax,K] int32, rows past T unrouted.
 void launch_copy_ids(const int64_t* ids, int64_t T, int K, int64_t tmax, int32_t* out,
                      cudaStream_t stream);

@@ -342,7 +342,7 @@ EpDispatchResult ep_nvlink_dispatch(EpGroup& group, TensorView x, TensorView ids
   // handle (the next dispatch rewrites the window): the used rows only.
   const int64_t capacity = g.size.capacity;
   nvl::launch_copy_rows(base + o.x, static_cast<uint8_t*>(h.out_x.data()), g.size.row_bytes,
-                        recv.total_rows.data_ptr<int64_t>(), capacity, g.sm_count, stream);
+                        recv.total_rows.data_ptr<int64_t>(), capacity, stream);
   MOEFLOW_CUDA_CHECK(cudaMemcpyAsync(h.out_probs.data(), base + o.probs, capacity * 4,
                                      cudaMemcpyDeviceToDevice, stream));
   MOEFLOW_CUDA_CHECK(cudaMemcpyAsync(h.inv.data(), base + o.inv, h.inv.nbytes(),
@@ -352,7 +352,7 @@ EpDispatchResult ep_nvlink_dispatch(EpGroup& group, TensorView x, TensorView ids
   if (scales.defined())
     nvl::launch_copy_rows(base + o.scales, static_cast<uint8_t*>(h.out_scales.data()),
                           g.size.scale_bytes, recv.total_rows.data_ptr<int64_t>(), capacity,
-                          g.sm_count, stream);
+                          stream);
   g.mark("out", stream);
   g.trace.print("nvlink dispatch", g.rank);
   return EpDispatchResult{h.out_x,

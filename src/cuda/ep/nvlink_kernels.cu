@@ -490,10 +490,11 @@ __global__ void copy_rows_kernel(const Word* __restrict__ src, Word* __restrict_
 }
 
 void launch_copy_rows(const uint8_t* src, uint8_t* dst, int64_t row_bytes,
-                      const int64_t* total_rows, int64_t max_rows, int sm_count,
-                      cudaStream_t stream) {
+                      const int64_t* total_rows, int64_t max_rows, cudaStream_t stream) {
   if (row_bytes <= 0 || max_rows <= 0) return;
-  const int sms = sm_count > 0 ? sm_count : 1;
+  int dev = 0, sms = 0;
+  MOEFLOW_CUDA_CHECK(cudaGetDevice(&dev));
+  MOEFLOW_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev));
   const bool wide = row_bytes % 16 == 0 && reinterpret_cast<uintptr_t>(src) % 16 == 0 &&
                     reinterpret_cast<uintptr_t>(dst) % 16 == 0;
   const unsigned grid = static_cast<unsigned>(4 * sms);
