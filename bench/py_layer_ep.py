@@ -213,7 +213,11 @@ def profile_step(d, args, label, fwd, params, x, dy):
     largest kernels (bench/py_layer.py's helpers)."""
     if not args.profile:
         return
-    from py_layer import kernel_sum_ms
+    try:
+        from py_layer import kernel_sum_ms  # imports moeflow
+    except ImportError as e:
+        log(d, f"--profile skipped for {label}: bench/py_layer.py does not import ({e})")
+        return
     grads = list(params) + [x]
 
     def step():
