@@ -34,6 +34,7 @@ struct GemmBenchOptions {
   bool tune = false;               // also time the shared-memory splits of the TMA kernel
   std::vector<int> tune_hold;      // fused FC1 held-stage windows to time, paired with FC1 alone
   int sweep_experts = 32;
+  std::vector<int64_t> sweep_rows;  // rows per expert in the sweep; empty: 64..4096
   int64_t sweep_k = 2048, sweep_n = 1536;
   Device device;
   TimingOptions timing;

@@ -84,8 +84,10 @@ void run_gemm_bench(const GemmBenchOptions& opt) {
         cases.push_back(c);
     for (auto& c : cases) c.sizes = uneven_split(c.experts, c.rows, 0);
   } else {
+    std::vector<int64_t> rows_per_expert = opt.sweep_rows;
+    if (rows_per_expert.empty()) rows_per_expert = {64, 128, 256, 512, 1024, 2048, 4096};
     for (bool skewed : {false, true})
-      for (int64_t R : {64, 128, 256, 512, 1024, 2048, 4096}) {
+      for (int64_t R : rows_per_expert) {
         GemmCase c{fmt::format("{}-{}", skewed ? "skew" : "unif", R),
                    opt.sweep_experts,
                    opt.sweep_experts * R,

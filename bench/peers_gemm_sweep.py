@@ -3,7 +3,7 @@
 forward and wgrad (a bf16 dW per expert), plus the bytes a forward must move
 (A, W, C once), for the memory bound.
 
-    python3 bench/peers_gemm_sweep.py [--experts 32] [--k 2048] [--n 1536] [--json FILE]
+    python3 bench/peers_gemm_sweep.py [--experts 32] [--k 2048] [--n 1536] [--rows R ...] [--json FILE]
 """
 import argparse, json
 import torch
@@ -26,6 +26,8 @@ def main():
     ap.add_argument("--experts", type=int, default=32)
     ap.add_argument("--k", type=int, default=2048)
     ap.add_argument("--n", type=int, default=1536)
+    ap.add_argument("--rows", type=int, nargs="+", default=[64, 128, 256, 512, 1024, 2048, 4096],
+                    help="rows per expert to sweep")
     ap.add_argument("--json")
     args = ap.parse_args()
     E, K, N = args.experts, args.k, args.n
@@ -33,7 +35,7 @@ def main():
     out = {"device": torch.cuda.get_device_name(0), "experts": E, "K": K, "N": N, "cases": {}}
     W = torch.randn(E, N, K, device=dev, dtype=torch.bfloat16) / K ** 0.5
     for skewed in (False, True):
-        for R in (64, 128, 256, 512, 1024, 2048, 4096):
+        for R in args.rows:
             sizes = sweep_split(E, R, skewed)
             M = sum(sizes)
             offs = torch.tensor(sizes, device=dev).cumsum(0).to(torch.int32)

@@ -92,6 +92,8 @@ int main(int argc, char** argv) {
       ->check(CLI::Range(0, 1 << 20));
   bgemm->add_option("--sweep-experts", gopt.sweep_experts, "experts in the sweep")
       ->capture_default_str();
+  bgemm->add_option("--sweep-rows", gopt.sweep_rows, "rows per expert in the sweep (default: 64..4096)")
+      ->check(CLI::Range(int64_t{1}, int64_t{1} << 24));
   bgemm->add_option("--sweep-k", gopt.sweep_k, "K in the sweep")->capture_default_str();
   bgemm->add_option("--sweep-n", gopt.sweep_n, "N in the sweep")->capture_default_str();
   bgemm->add_option("--json", gopt.json_path, "also write the results as JSON to this file");

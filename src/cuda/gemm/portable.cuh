@@ -234,10 +234,14 @@ struct TileGeom {
 
 template <int TM, int TN, typename TIn>
 __device__ __forceinline__ TileGeom tile_geometry(const Params& p, const int32_t* tile_start,
-                                                  int32_t tile) {
+                                                  int32_t tile, int hint = 0) {
   const int E = p.num_groups;
   const int64_t n_tiles = ceil_div_dev(p.n_out, TN);
-  int lo = 0, hi = E - 1;
+  // hint: a group at or before the tile's (a block's tiles ascend, so the
+  // group of its previous tile): one or two reads in the common case.
+  int lo = hint, hi = E - 1;
+  if (lo < hi && tile_start[lo + 1] <= tile) ++lo;
+  if (lo < hi && tile_start[lo + 1] > tile) hi = lo;
   while (lo < hi) {  // last group with tile_start <= tile
     const int mid = (lo + hi + 1) / 2;
     if (tile_start[mid] <= tile)
@@ -253,12 +257,15 @@ __device__ __forceinline__ TileGeom tile_geometry(const Params& p, const int32_t
   // blocks running at once share B (weight) tiles in L2 as well as A tiles.
   // The remainder joins the last band (p.raster to 2 p.raster - 1 m tiles):
   // a band of one or two m tiles would read every weight tile for them alone.
-  const int64_t m_tiles = ceil_div_dev(p.reduce_grouped ? p.m_out : seg_hi - seg_lo, TM);
-  const int64_t rb = p.raster;
-  const int64_t last_band = m_tiles > rb ? m_tiles / rb - 1 : 0;
-  const int64_t band = min(int64_t{local} / (rb * n_tiles), last_band);
-  const int64_t in_band = local - band * rb * n_tiles;
-  const int64_t band_rows = band == last_band ? m_tiles - band * rb : rb;
+  // (32-bit: every tile count fits the int32 tile prefix; divisions by a
+  // runtime value cost far less unsigned and in 32 bits)
+  const uint32_t m_tiles =
+      static_cast<uint32_t>(ceil_div_dev(p.reduce_grouped ? p.m_out : seg_hi - seg_lo, TM));
+  const uint32_t rb = static_cast<uint32_t>(p.raster), nt32 = static_cast<uint32_t>(n_tiles);
+  const uint32_t last_band = m_tiles > rb ? m_tiles / rb - 1 : 0;
+  const uint32_t band = min(static_cast<uint32_t>(local) / (rb * nt32), last_band);
+  const uint32_t in_band = static_cast<uint32_t>(local) - band * rb * nt32;
+  const uint32_t band_rows = band == last_band ? m_tiles - band * rb : rb;
   const int64_t mt = band * rb + in_band % band_rows, nt = in_band / band_rows;
   int64_t real_hi = seg_hi;
   if (p.real_rows) {

@@ -78,7 +78,9 @@ __device__ __forceinline__ void consumer_mainloop(const Params& p, const CUtenso
   const int32_t* tile_start = sm.tile_start;
   const int c = wg - 1;
   const int tid = threadIdx.x % 128, lane = threadIdx.x % 32, warp = tid / 32;
-  auto work_of = [&](int32_t tile) { return consumer_work<TIn>(p, tile_start, tile); };
+  auto work_of = [&](int32_t tile, int hint) {
+    return consumer_work<TIn>(p, tile_start, tile, hint);
+  };
   uint32_t it = 0, zero_phase = 0;
   StageRing ring;
   int prev_s = 0, buf_i = 0;  // stage of slice it-1; staging buffer
@@ -90,14 +92,14 @@ __device__ __forceinline__ void consumer_mainloop(const Params& p, const CUtenso
   bool go_sent = c == 1 || stagger <= 0;
   if (c == 1 && stagger > 0) mbar_wait(go, 0);
   Work tw{};
-  if (static_cast<int32_t>(blockIdx.x) < num_tiles) tw = work_of(blockIdx.x);
+  if (static_cast<int32_t>(blockIdx.x) < num_tiles) tw = work_of(blockIdx.x, 0);
   for (int32_t tile = blockIdx.x; tile < num_tiles; tile += gridDim.x) {
     const int32_t next = tile + gridDim.x;
     // The next tile's geometry (a search of the group table, global loads,
-    // 64-bit divisions), worked out before the main loop so that its
-    // latency hides behind it rather than delaying the epilogue.
+    // divisions), worked out once the first slice's wgmma runs, so that it
+    // hides behind the tensor cores rather than delaying either end.
     Work nw{};
-    if (next < num_tiles) nw = work_of(next);
+    bool have_next = false;
     float acc[128];
 #pragma unroll
     for (int i = 0; i < 128; ++i) acc[i] = 0.0f;
@@ -140,6 +142,10 @@ __device__ __forceinline__ void consumer_mainloop(const Params& p, const CUtenso
                                   sm90::smem_desc(sb + ks * 16));
       }
       sm90::wgmma_commit();
+      if (kt == 0 && next < num_tiles) {
+        nw = work_of(next, tw.group);
+        have_next = true;
+      }
       sm90::wgmma_wait<1>();
       sm90::fence_operands(acc);
       // NOTE: the group of slice it-1 is complete: its stage is free again.
@@ -150,6 +156,7 @@ __device__ __forceinline__ void consumer_mainloop(const Params& p, const CUtenso
         go_sent = true;
       }
     }
+    if (!have_next && next < num_tiles) nw = work_of(next, tw.group);
     sm90::wgmma_wait<0>();
     sm90::fence_operands(acc);
     if constexpr (Epi::kHelperAct) {

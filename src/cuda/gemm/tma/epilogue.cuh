@@ -65,6 +65,7 @@ __device__ __forceinline__ void consumer_store(const Params& p, const CUtensorMa
   uint8_t* smem = sm.smem;
   HelperBlock* hb = sm.hb;
   const int c = th.c, tid = th.tid, lane = th.lane, rl0 = th.rl0;
+  const int warp = tid / 32;
   // (not in helper mode; one offset from the base, as the compiler folds it best)
   uint8_t* my_staging = sm.smem + (int64_t{stages * kStageBytes} + int64_t{c * bufs * kChunkBytes});
   // Epilogue. Fragment of thread (warp, lane): rows warp*16 + lane/4 (+8),
@@ -138,29 +139,68 @@ __device__ __forceinline__ void consumer_store(const Params& p, const CUtensorMa
       named_barrier(kBarConsumer + c, 128);
       uint8_t* buf = my_staging + buf_i * kChunkBytes;
       if (++buf_i == bufs) buf_i = 0;
+      // The chunk's values into the staging buffer. The old values of a
+      // bf16 / fp16 dW (accumulate) are read in a separate copy of the loop,
+      // so that the common path carries no per-element addressing.
+      auto stage = [&](auto add_old) {
+        constexpr bool kAdd = decltype(add_old)::value;
+        if constexpr (sizeof(TOut) == 2 && !kAdd) {
+          // 2-byte outputs: stmatrix.x4 writes four 8 x 8 matrices of the
+          // accumulator fragment per warp (fragment columns jj, jj + 1, row
+          // halves 0, 1); lane l addresses row l % 8 of matrix l / 8.
+          const int mi = lane / 8;
+          const int r = warp * 16 + (mi & 1) * 8 + lane % 8;  // chunk row of the lane's address
+          const uint32_t row_s = smem_u32(buf) + r * 128;
+          auto stsm = [&](auto masked) {
 #pragma unroll
-      for (int jj = 0; jj < kCw / 8; ++jj) {
+            for (int jj = 0; jj < kCw / 8; jj += 2) {
+              uint32_t reg[4];
 #pragma unroll
-        for (int half = 0; half < 2; ++half) {
-          const int rl = rl0 + half * 8;
-          const int cl = jj * 8 + 2 * (lane % 4);
-          float2 v = rl < data_rows ? value(jj, half, col0 + cl) : make_float2(0.0f, 0.0f);
-          if constexpr (kAddInRegs) {
-            // (rows < data_rows lie inside dW; K % 8 == 0: col + 1 < K as well)
-            if (p.accumulate && rl < data_rows && col0 + cl < col_lim) {
-              const Pack<TOut, 2> old =
-                  *reinterpret_cast<const Pack<TOut, 2>*>(base + (wg_row0 + rl) * ld + col0 + cl);
-              v.x += to_float(old.v[0]);
-              v.y += to_float(old.v[1]);
+              for (int m = 0; m < 4; ++m) {
+                const int j2 = jj + m / 2, half = m % 2;
+                const int cl = j2 * 8 + 2 * (lane % 4);
+                // (masked: pad rows are stored as zeros)
+                const bool data = !decltype(masked)::value || rl0 + half * 8 < data_rows;
+                reg[m] = pack2<TOut>(data ? value(j2, half, col0 + cl) : make_float2(0.0f, 0.0f));
+              }
+              stmatrix_x4(row_s + (((jj + (mi >> 1)) ^ (r & 7)) << 4), reg);
+            }
+          };
+          if (data_rows >= 64)  // uniform: every row of the warpgroup holds data
+            stsm(std::false_type{});
+          else
+            stsm(std::true_type{});
+        } else {
+#pragma unroll
+          for (int jj = 0; jj < kCw / 8; ++jj) {
+#pragma unroll
+            for (int half = 0; half < 2; ++half) {
+              const int rl = rl0 + half * 8;
+              const int cl = jj * 8 + 2 * (lane % 4);
+              float2 v = rl < data_rows ? value(jj, half, col0 + cl) : make_float2(0.0f, 0.0f);
+              if constexpr (kAdd) {
+                // (rows < data_rows lie inside dW; K % 8 == 0: col + 1 < K as well)
+                if (rl < data_rows && col0 + cl < col_lim) {
+                  const Pack<TOut, 2> old = *reinterpret_cast<const Pack<TOut, 2>*>(
+                      base + (wg_row0 + rl) * ld + col0 + cl);
+                  v.x += to_float(old.v[0]);
+                  v.y += to_float(old.v[1]);
+                }
+              }
+              const int byte = cl * static_cast<int>(sizeof(TOut));
+              st_shared_pair<TOut>(
+                  smem_u32(buf) + rl * 128 + (((byte >> 4) ^ (rl & 7)) << 4) + (byte & 15), v);
             }
           }
-          Pack<TOut, 2> o;
-          o.v[0] = from_float<TOut>(v.x);
-          o.v[1] = from_float<TOut>(v.y);
-          const int byte = cl * static_cast<int>(sizeof(TOut));
-          *reinterpret_cast<Pack<TOut, 2>*>(buf + rl * 128 + (((byte >> 4) ^ (rl & 7)) << 4) +
-                                            (byte & 15)) = o;
         }
+      };
+      if constexpr (kAddInRegs) {
+        if (p.accumulate)
+          stage(std::true_type{});
+        else
+          stage(std::false_type{});
+      } else {
+        stage(std::false_type{});
       }
       if (tma) sm90::fence_proxy_async();  // generic-proxy writes -> visible to the TMA
       named_barrier(kBarConsumer + c, 128);

@@ -22,7 +22,10 @@ __device__ __forceinline__ void producer_mainloop(const Params& p, const CUtenso
   const int32_t* tile_start = sm.tile_start;
   constexpr bool gather = GATHER;
   const bool leader = !gather || threadIdx.x == 0;
-  auto loads_of = [&](int32_t tile) { return producer_loads<TIn, MODE, Epi>(p, tile_start, tile); };
+  // (hint: the group of the tile before, at or before the next tile's)
+  auto loads_of = [&](int32_t tile, int hint) {
+    return producer_loads<TIn, MODE, Epi>(p, tile_start, tile, hint);
+  };
   // Desync: block b starts (b % 8) * desync thousand cycles late, so that
   // the blocks' epilogues (equal-length tiles end together) do not all
   // hit memory at once; a one-off cost of a few microseconds.
@@ -35,7 +38,7 @@ __device__ __forceinline__ void producer_mainloop(const Params& p, const CUtenso
   StageRing ring;
   int ps = 0;  // stage of the last slice issued
   Loads cur{};
-  if (static_cast<int32_t>(blockIdx.x) < num_tiles) cur = loads_of(blockIdx.x);
+  if (static_cast<int32_t>(blockIdx.x) < num_tiles) cur = loads_of(blockIdx.x, 0);
   for (int32_t tile = blockIdx.x; tile < num_tiles; tile += gridDim.x) {
     // The next tile's geometry is read after this tile's first loads are
     // issued, so its global-memory latency never starves the consumers.
@@ -91,7 +94,7 @@ __device__ __forceinline__ void producer_mainloop(const Params& p, const CUtenso
       }
       if (!leader) {  // gathering threads: the A rows only
         if (kt == 0 && next < num_tiles) {
-          nxt = loads_of(next);
+          nxt = loads_of(next, cur.group);
           have_next = true;
         }
         continue;
@@ -124,11 +127,11 @@ __device__ __forceinline__ void producer_mainloop(const Params& p, const CUtenso
         }
       }
       if (kt == 0 && next < num_tiles) {
-        nxt = loads_of(next);
+        nxt = loads_of(next, cur.group);
         have_next = true;
       }
     }
-    if (!have_next && next < num_tiles) nxt = loads_of(next);
+    if (!have_next && next < num_tiles) nxt = loads_of(next, cur.group);
     if constexpr (Epi::kHelperAct) {
       if (cur.k_tiles > 0) ring.hold_stage(ps, it, hold);
     }

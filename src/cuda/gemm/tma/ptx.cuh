@@ -5,6 +5,7 @@
 #include <cuda.h>
 
 #include "cuda/bulk.cuh"
+#include "cuda/common.cuh"
 
 namespace moeflow::cuda::gemm::sm90tma {
 
@@ -67,6 +68,33 @@ __device__ __forceinline__ void bulk_wait_read(int n) {
 }
 __device__ __forceinline__ void bulk_wait_all() {
   bulk::wait_all();
+}
+
+// Two float32 values rounded to a 2-byte type, packed into one 32-bit register.
+template <typename T>
+__device__ __forceinline__ uint32_t pack2(float2 v) {
+  static_assert(sizeof(T) == 2, "pack2: 2-byte types");
+  Pack<T, 2> o;
+  o.v[0] = from_float<T>(v.x);
+  o.v[1] = from_float<T>(v.y);
+  return *reinterpret_cast<const uint32_t*>(&o);
+}
+// Two adjacent outputs at shared-memory address `addr` (4-byte aligned for
+// 2-byte types, 8-byte aligned for float32).
+template <typename T>
+__device__ __forceinline__ void st_shared_pair(uint32_t addr, float2 v) {
+  if constexpr (sizeof(T) == 4)
+    asm volatile("st.shared.v2.f32 [%0], {%1, %2};\n" ::"r"(addr), "f"(v.x), "f"(v.y) : "memory");
+  else
+    asm volatile("st.shared.b32 [%0], %1;\n" ::"r"(addr), "r"(pack2<T>(v)) : "memory");
+}
+// stmatrix.x4: four 8 x 8 matrices of 2-byte values; register i of the lane
+// holds row lane / 4, columns 2 (lane % 4) and + 1 of matrix i (the mma
+// accumulator layout); lanes 8i .. 8i + 7 give the row addresses of matrix i.
+__device__ __forceinline__ void stmatrix_x4(uint32_t addr, const uint32_t (&r)[4]) {
+  asm volatile("stmatrix.sync.aligned.m8n8.x4.shared.b16 [%0], {%1, %2, %3, %4};\n" ::"r"(addr),
+               "r"(r[0]), "r"(r[1]), "r"(r[2]), "r"(r[3])
+               : "memory");
 }
 
 template <int N>

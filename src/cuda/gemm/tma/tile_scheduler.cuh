@@ -41,18 +41,19 @@ struct StageRing {
 
 // What the producer needs of a tile, in 32-bit (the TMA path keeps rows < 2^31).
 struct Loads {
-  int k_tiles, m0, n0, kr0, w_row;
+  int k_tiles, m0, n0, kr0, w_row, group;
   int last_rows;  // rows of the final slice (wgrad)
 };
 template <typename TIn, int MODE, typename Epi>
 __device__ __forceinline__ Loads producer_loads(const Params& p, const int32_t* tile_start,
-                                                int32_t tile) {
-  const TileGeom tg = tile_geometry<kTileM, kTileN, TIn>(p, tile_start, tile);
+                                                int32_t tile, int hint = 0) {
+  const TileGeom tg = tile_geometry<kTileM, kTileN, TIn>(p, tile_start, tile, hint);
   Loads l;
   l.k_tiles = tg.m0 >= tg.m_lim ? 0 : static_cast<int>(ceil_div_dev(tg.k_lim - tg.kr0, kTileK));
   l.m0 = static_cast<int>(tg.m0);
   l.n0 = static_cast<int>(tg.n0);
   l.kr0 = static_cast<int>(tg.kr0);
+  l.group = tg.group;
   l.last_rows = static_cast<int>(tg.k_lim - tg.kr0 - int64_t{l.k_tiles - 1} * kTileK);
   l.w_row = static_cast<int>(int64_t{tg.group} * (MODE == 1 ? p.k_red : p.n_out) +
                              (MODE == 1 ? 0 : (Epi::kSplitB ? tg.n0 / 2 : tg.n0)));
@@ -68,8 +69,8 @@ struct Work {
 };
 template <typename TIn>
 __device__ __forceinline__ Work consumer_work(const Params& p, const int32_t* tile_start,
-                                              int32_t tile) {
-  const TileGeom tg = tile_geometry<kTileM, kTileN, TIn>(p, tile_start, tile);
+                                              int32_t tile, int hint = 0) {
+  const TileGeom tg = tile_geometry<kTileM, kTileN, TIn>(p, tile_start, tile, hint);
   const int64_t red = tg.k_lim - tg.kr0;
   Work w;
   w.k_tiles = tg.m0 >= tg.m_lim ? 0 : static_cast<int>(ceil_div_dev(red, kTileK));
