@@ -14,6 +14,7 @@
 
 #include "bench/bench.h"
 #include "moeflow/grouped_mlp.h"
+#include "moeflow/quantize.h"
 #include "moeflow/tuning.h"
 
 namespace moeflow::bench {
@@ -191,6 +192,34 @@ void run_gemm_bench(const GemmBenchOptions& opt) {
                                     CUDA_R_16BF, N, CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT));
         });
     add("forward", fwd, fwd_dense);
+    if (K % 128 == 0 && N % 128 == 0 && !opt.sweep) {
+      // Blockwise FP8 (1x128 activations, 128x128 weights, e4m3) against the
+      // bf16 forward, in alternation.
+      QuantizeConfig qa_cfg, qw_cfg;
+      qw_cfg.scaling = QuantScaling::kBlock128x128;
+      Tensor qa = Tensor::empty({M, K}, DType::kFloat8E4M3, dev),
+             sa = Tensor::empty({M, K / 128}, DType::kFloat32, dev),
+             qw = Tensor::empty({E, N, K}, DType::kFloat8E4M3, dev),
+             sw = Tensor::empty({E, N / 128, K / 128}, DType::kFloat32, dev);
+      Tensor ws_a = Tensor::empty(
+          {static_cast<int64_t>(std::max<size_t>(1, quantize_workspace_bytes(M, K, qa_cfg)))},
+          DType::kUInt8, dev);
+      Tensor ws_w = Tensor::empty(
+          {static_cast<int64_t>(std::max<size_t>(1, quantize_workspace_bytes(E * N, K, qw_cfg)))},
+          DType::kUInt8, dev);
+      quantize(a, qa_cfg, qa, sa, ws_a, stream);
+      quantize(TensorView(w.data(), DType::kBFloat16, dev, {E * N, K}), qw_cfg,
+               TensorView(qw.data(), DType::kFloat8E4M3, dev, {E * N, K}),
+               TensorView(sw.data(), DType::kFloat32, dev, {E * N / 128, K / 128}), ws_w, stream);
+      const auto [f8, bf] = paired(
+          [&] { grouped_gemm_fp8_forward(qa, sa, qw, sw, layout, out, stream); },
+          [&] { grouped_gemm_forward(a, GroupedWeights::from_stacked(w), layout, out, stream); });
+      Row r{c.name, "forward_fp8", flops / f8 / 1e6, 0, 0, 0};
+      r.extra = {{"TFLOPs", f8}, {"bf16_forward_TFLOPs", bf}, {"ratio_to_bf16", f8 / bf}};
+      rows_out.push_back(r);
+      fmt::print("    forward fp8 (blockwise) {:7.1f} TFLOP/s, bf16 forward {:7.1f}: {:.2f}x\n", f8,
+                 bf, f8 / bf);
+    }
     if (c.name.size() > 4 && c.name.substr(c.name.size() - 4) == "-fc1" && K % 8 == 0) {
       // Gathered A rows (what a token-major dispatch would feed FC1): every
       // row of the product reads a row of a source with M/4 rows through a

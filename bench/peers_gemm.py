@@ -1,6 +1,8 @@
 """torch._grouped_mm on the grouped-GEMM cases of `moeflow bench gemm` (its
 peer): forward out = A W_e^T, dgrad dA = dC W_e, wgrad dW_e = dC_e^T A_e
-(bf16 out), randn operands (as moeflow's bench fills them: random values),
+(bf16 out), and the FP8 forward torch has on Hopper (torch._scaled_grouped_mm:
+e4m3 with row-wise scales, fast accumulation; `forward_fp8_rowwise`), randn
+operands (as moeflow's bench fills them: random values),
 mildly uneven rows per expert in multiples of 16 (the same kind of split as
 bench_gemm's uneven_split). TFLOP/s of each, median of 20 after 5 warm-ups.
 
@@ -32,9 +34,17 @@ def main():
         w = torch.randn(E, N, K, device=dev, dtype=torch.bfloat16) / K ** 0.5
         dc = torch.randn(M, N, device=dev, dtype=torch.bfloat16)
         flops = 2.0 * M * K * N
+        # Row-wise FP8 (a scale per row of A and per output column of W).
+        sa = (a.float().abs().amax(1) / 448.0).clamp(min=1e-12)
+        a8 = (a.float() / sa[:, None]).to(torch.float8_e4m3fn)
+        sw = (w.float().abs().amax(-1) / 448.0).clamp(min=1e-12)
+        w8 = (w.float() / sw[..., None]).to(torch.float8_e4m3fn)
         ops = {"forward": lambda: torch._grouped_mm(a, w.transpose(-2, -1), offs=offs),
                "dgrad": lambda: torch._grouped_mm(dc, w, offs=offs),
-               "wgrad": lambda: torch._grouped_mm(dc.t(), a, offs=offs)}
+               "wgrad": lambda: torch._grouped_mm(dc.t(), a, offs=offs),
+               "forward_fp8_rowwise": lambda: torch._scaled_grouped_mm(
+                   a8, w8.transpose(-2, -1), sa, sw, offs=offs, out_dtype=torch.bfloat16,
+                   use_fast_accum=True)}
         res = {}
         for op, fn in ops.items():
             try:
@@ -45,7 +55,7 @@ def main():
         print(f"{name:12s} torch._grouped_mm TFLOP/s: " + ", ".join(
             f"{k} {v:.0f}" if isinstance(v, float) else f"{k} {v}" for k, v in res.items()),
             flush=True)
-        del a, w, dc
+        del a, w, dc, a8, w8
         torch.cuda.empty_cache()
     if args.json:
         with open(args.json, "w") as f:

@@ -343,5 +343,47 @@ TEST(GroupedGemm, BadInputErrors) {
             std::string::npos);
 }
 
+// The FP8 forward's reference on a hand-worked case: codes 1.0 (0x38) and
+// 2.0 (0x40), scales 0.5 and 0.25: each of the 128 products is 0.25, so every
+// output is 32; the second group's pad row is zero.
+TEST(GroupedGemmFp8, ReferenceHandWorked) {
+  const int64_t K = 128, N = 128;
+  Tensor qa = make_tensor({3, K}, DType::kFloat8E4M3), sa = make_tensor({3, 1}, DType::kFloat32);
+  Tensor qw = make_tensor({2, N, K}, DType::kFloat8E4M3),
+         sw = make_tensor({2, 1, 1}, DType::kFloat32);
+  std::memset(qa.data(), 0x38, qa.nbytes());
+  std::memset(qw.data(), 0x40, qw.nbytes());
+  for (int i = 0; i < 3; ++i) sa.data_ptr<float>()[i] = 0.5f;
+  sw.data_ptr<float>()[0] = 0.25f;
+  sw.data_ptr<float>()[1] = 0.5f;  // group 1: products 0.5, outputs 64
+  Tensor offs = make_tensor({3}, DType::kInt64), real = make_tensor({2}, DType::kInt32);
+  int64_t* o = offs.data_ptr<int64_t>();
+  o[0] = 0, o[1] = 1, o[2] = 3;
+  real.data_ptr<int32_t>()[0] = 1;
+  real.data_ptr<int32_t>()[1] = 1;
+  GroupLayout g;
+  g.offsets = offs;
+  g.real_rows = real;
+  Tensor c = poisoned({3, N}, DType::kBFloat16);
+  grouped_gemm_fp8_forward(qa, sa, qw, sw, g, c);
+  for (int64_t j = 0; j < N; ++j) {
+    EXPECT_EQ(at(c, j), 32.0f);
+    EXPECT_EQ(at(c, N + j), 64.0f);
+    EXPECT_EQ(at(c, 2 * N + j), 0.0f);
+  }
+  // Bad input names the argument.
+  Tensor qa_bf = make_tensor({3, K}, DType::kBFloat16);
+  EXPECT_NE(message_of([&] { grouped_gemm_fp8_forward(qa_bf, sa, qw, sw, g, c); }).find("a must be"),
+            std::string::npos);
+  Tensor sa_bad = make_tensor({3, 2}, DType::kFloat32);
+  EXPECT_NE(message_of([&] { grouped_gemm_fp8_forward(qa, sa_bad, qw, sw, g, c); })
+                .find("a_scales must be"),
+            std::string::npos);
+  Tensor qa_k = make_tensor({3, 96}, DType::kFloat8E4M3);
+  EXPECT_NE(message_of([&] { grouped_gemm_fp8_forward(qa_k, sa, qw, sw, g, c); })
+                .find("multiples of 128"),
+            std::string::npos);
+}
+
 }  // namespace
 }  // namespace moeflow::test

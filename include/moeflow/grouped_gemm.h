@@ -90,4 +90,16 @@ void grouped_gemm_wgrad(TensorView dc, TensorView a, const GroupLayout& groups,
                         const GroupedWeights& dw, bool accumulate, const GemmOptions& options,
                         cudaStream_t stream = nullptr);
 
+// Blockwise FP8 forward (DeepSeek-V3's recipe): C_e = dequant(A_e) ·
+// dequant(W_e)^T with the products summed in float32 and scaled every 128 of
+// K. a [rows, K] float8_e4m3 with a_scales [rows, K/128] float32 (quantize's
+// kBlock1x128 rowwise layout); w [E, N, K] float8_e4m3 with w_scales
+// [E, N/128, K/128] float32 (kBlock128x128 of w as [E*N, K]); c [rows, N]
+// bf16. K and N multiples of 128. Pad rows and rows past offsets[E] as in
+// grouped_gemm_forward. CUDA: Hopper only, one launch, graph-safe; CPU: the
+// reference (exact dequantized products summed in float64, rounded once).
+void grouped_gemm_fp8_forward(TensorView a, TensorView a_scales, TensorView w, TensorView w_scales,
+                              const GroupLayout& groups, TensorView c,
+                              cudaStream_t stream = nullptr);
+
 }  // namespace moeflow

@@ -67,8 +67,15 @@ struct GroupedGemmCall {
   GemmOptions options;  // kernel choice and tuning (moeflow/tuning.h)
 };
 
+// The blockwise FP8 forward (grouped_gemm_fp8_forward): arguments checked.
+struct Fp8GemmCall {
+  TensorView a, a_scales, w, w_scales, c;
+  GroupLayout groups;
+};
+
 namespace cpu {
 void grouped_gemm(const GroupedGemmCall& call);
+void grouped_gemm_fp8_forward(const Fp8GemmCall& call);
 void build_plan(const RoutingInput& in, RoutingPlan& plan);
 void permute(TensorView x, const RoutingPlan& plan, TensorView y, const PermuteExtras& extras);
 // out[t] = sum_k w[t,k] * y[dest(t,k)]; and, when row_vals is given,
@@ -81,6 +88,7 @@ void unpermute_backward(TensorView dout, const RoutingPlan& plan, TensorView y_f
 
 namespace cuda {
 void grouped_gemm(const GroupedGemmCall& call, cudaStream_t stream);
+void grouped_gemm_fp8_forward(const Fp8GemmCall& call, cudaStream_t stream);
 size_t plan_workspace_bytes(int64_t num_tokens, int topk, const PlanConfig& config);
 void build_plan(const RoutingInput& in, RoutingPlan& plan, TensorView workspace,
                 cudaStream_t stream);

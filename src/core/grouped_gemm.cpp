@@ -263,4 +263,33 @@ void grouped_gemm_wgrad(TensorView dc, TensorView a, const GroupLayout& groups,
   run(call, dev, stream);
 }
 
+void grouped_gemm_fp8_forward(TensorView a, TensorView a_scales, TensorView w, TensorView w_scales,
+                              const GroupLayout& groups, TensorView c, cudaStream_t stream) {
+  detail::expect_defined(a, "a");
+  detail::expect_defined(w, "w");
+  MOEFLOW_CHECK(a.ndim == 2, "a must be [rows,K], got ", a.str());
+  MOEFLOW_CHECK(w.ndim == 3, "w must be [E,N,K], got ", w.str());
+  const Device dev = a.device;
+  const int64_t rows = a.shape[0], K = a.shape[1], E = w.shape[0], N = w.shape[1];
+  MOEFLOW_CHECK(E > 0, "w must hold >= 1 expert, got ", w.str());
+  MOEFLOW_CHECK(K % 128 == 0 && N % 128 == 0,
+                "grouped_gemm_fp8_forward needs K and N to be multiples of 128, got K=", K,
+                " N=", N);
+  detail::expect(a, "a", Expect{{DType::kFloat8E4M3}, {rows, K}, dev});
+  detail::expect(a_scales, "a_scales", Expect{{DType::kFloat32}, {rows, K / 128}, dev});
+  detail::expect(w, "w", Expect{{DType::kFloat8E4M3}, {E, N, K}, dev});
+  detail::expect(w_scales, "w_scales", Expect{{DType::kFloat32}, {E, N / 128, K / 128}, dev});
+  check_layout(groups, E, dev);
+  detail::expect(c, "c", Expect{{DType::kBFloat16}, {rows, N}, dev});
+  Fp8GemmCall call{a, a_scales, w, w_scales, c, groups};
+  if (dev.is_cpu()) return cpu::grouped_gemm_fp8_forward(call);
+#ifdef MOEFLOW_WITH_CUDA
+  detail::cuda_set_device(dev.index);
+  cuda::grouped_gemm_fp8_forward(call, stream);
+#else
+  (void)stream;
+  MOEFLOW_CHECK(false, "this moeflow was built without CUDA");
+#endif
+}
+
 }  // namespace moeflow

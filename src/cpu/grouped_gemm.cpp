@@ -5,6 +5,7 @@
 
 #include "core/backends.h"
 #include "core/internal.h"
+#include "core/quantize_backend.h"
 
 namespace moeflow::cpu {
 
@@ -87,6 +88,51 @@ void grouped_gemm(const GroupedGemmCall& c) {
       for (int64_t i = 0; i < n * k; ++i) {
         const double old = c.accumulate ? static_cast<double>(load_float(dw, wdt, i)) : 0.0;
         store_float(dw, wdt, i, static_cast<float>(acc[i] + old));
+      }
+    }
+  }
+}
+
+// The blockwise FP8 forward: every product of exact dequantized values
+// (code x block scale, both float32-exact) summed in float64, rounded once
+// to bf16. The GPU sums each 128-wide K block in float32 before scaling, so
+// the two differ by float32 rounding (tests state the bound).
+void grouped_gemm_fp8_forward(const Fp8GemmCall& c) {
+  const int64_t rows = c.a.shape[0], K = c.a.shape[1], E = c.w.shape[0], N = c.w.shape[1];
+  const int64_t kb = K / 128, nb = N / 128;
+  const auto* offsets = c.groups.offsets.data_ptr<int64_t>();
+  const int32_t* real =
+      c.groups.real_rows.defined() ? c.groups.real_rows.data_ptr<int32_t>() : nullptr;
+  for (int64_t e = 0; e < E; ++e) {
+    MOEFLOW_CHECK(offsets[e] >= 0 && offsets[e] <= offsets[e + 1] && offsets[e + 1] <= rows,
+                  "groups.offsets must be monotone within [0, rows=", rows, "], got offsets[", e,
+                  "]=", offsets[e], ", offsets[", e + 1, "]=", offsets[e + 1]);
+    if (real)
+      MOEFLOW_CHECK(real[e] >= 0 && real[e] <= offsets[e + 1] - offsets[e], "groups.real_rows[", e,
+                    "]=", real[e], " must be within [0, ", offsets[e + 1] - offsets[e], "]");
+  }
+  const auto* qa = static_cast<const uint8_t*>(c.a.data);
+  const auto* qw = static_cast<const uint8_t*>(c.w.data);
+  const float* sa = c.a_scales.data_ptr<float>();
+  const float* sw = c.w_scales.data_ptr<float>();
+  std::vector<double> wf(N * K), af(K);
+  for (int64_t e = 0; e < E; ++e) {
+    const int64_t begin = offsets[e], end = offsets[e + 1];
+    const int64_t real_end = real ? begin + real[e] : end;
+    for (int64_t n = 0; n < N; ++n)
+      for (int64_t k = 0; k < K; ++k)
+        wf[n * K + k] = static_cast<double>(quant::fp8_value(qw[(e * N + n) * K + k], true)) *
+                        sw[(e * nb + n / 128) * kb + k / 128];
+    for (int64_t r = begin; r < end; ++r) {
+      const bool data = r < real_end;
+      if (data)
+        for (int64_t k = 0; k < K; ++k)
+          af[k] = static_cast<double>(quant::fp8_value(qa[r * K + k], true)) * sa[r * kb + k / 128];
+      for (int64_t n = 0; n < N; ++n) {
+        double s = 0.0;
+        if (data)
+          for (int64_t k = 0; k < K; ++k) s += af[k] * wf[n * K + k];
+        store_float(c.c.data, DType::kBFloat16, r * N + n, static_cast<float>(s));
       }
     }
   }

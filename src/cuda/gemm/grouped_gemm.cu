@@ -1,6 +1,6 @@
 // Host side of the CUDA grouped GEMM: maps forward / dgrad / wgrad (and the
 // grouped MLP's fused FC1 and dGLU) onto the kernels of portable.cuh,
-// sm90_cpasync.cuh and tma/kernel.cuh, picks the kernel from the call's
+// sm90_cpasync.cuh, tma/kernel.cuh and fp8/kernel.cuh, picks the kernel from the call's
 // GemmOptions, builds the TMA tensor maps, sizes the persistent grid from the
 // occupancy of the GPU and launches.
 #include <cudaTypedefs.h>
@@ -10,6 +10,7 @@
 
 #include "core/backends.h"
 #include "core/mlp_call.h"
+#include "cuda/gemm/fp8/kernel.cuh"
 #include "cuda/gemm/portable.cuh"
 #include "cuda/gemm/sm90_cpasync.cuh"
 #include "cuda/gemm/tma/kernel.cuh"
@@ -547,6 +548,51 @@ void mlp_fc2_dgrad_dglu(const MlpDgluCall& c, cudaStream_t stream) {
     go(__nv_bfloat16{});
   else
     go(__half{});
+}
+
+void grouped_gemm_fp8_forward(const Fp8GemmCall& c, cudaStream_t stream) {
+  namespace f = gemm::fp8;
+  MOEFLOW_CHECK(use_sm90({}), "grouped_gemm_fp8_forward needs a Hopper GPU (sm_90a build)");
+  const int64_t rows = c.a.shape[0], K = c.a.shape[1], E = c.w.shape[0], N = c.w.shape[1];
+  MOEFLOW_CHECK(E <= 8192, "grouped_gemm_fp8_forward takes at most 8192 groups, got ", E);
+  MOEFLOW_CHECK(rows < (int64_t{1} << 31) && E * N < (int64_t{1} << 31),
+                "grouped_gemm_fp8_forward: rows and E*N must be below 2^31, got ", rows, " and ",
+                E * N);
+  if (rows == 0) return;
+  Params p{};
+  p.num_groups = static_cast<int>(E);
+  p.offsets = c.groups.offsets.data_ptr<int64_t>();
+  p.real_rows = c.groups.real_rows.defined() ? c.groups.real_rows.data_ptr<int32_t>() : nullptr;
+  p.error = c.groups.error.defined() ? c.groups.error.data_ptr<int32_t>() : nullptr;
+  p.rows = rows;
+  p.a = c.a.data;
+  p.lda = K;
+  p.b = c.w.data;
+  p.b_group_stride = N * K;
+  p.ldb = K;
+  p.c = c.c.data;
+  p.ldc = N;
+  p.n_out = N;
+  p.k_red = K;
+  f::Fp8Params q{c.a_scales.data_ptr<float>(), c.w_scales.data_ptr<float>(), K / f::kBlock,
+                 N / f::kBlock};
+  ensure_current_context();
+  // A [rows, K] and W as [E*N, K], bytes, in 128 x 128 boxes.
+  const CUtensorMap map_a =
+      tensor_map<2>(c.a.data, CU_TENSOR_MAP_DATA_TYPE_UINT8, {K, rows}, {K}, {f::kTileK, f::kTileM});
+  const CUtensorMap map_w = tensor_map<2>(c.w.data, CU_TENSOR_MAP_DATA_TYPE_UINT8, {K, E * N}, {K},
+                                          {f::kTileK, f::kTileN});
+  const auto kernel = f::grouped_gemm_fp8_kernel;
+  const size_t limit = max_dynamic_smem(kernel);
+  int stages = f::kMaxStages;
+  while (stages > 2 && f::Smem::bytes(stages, p.num_groups) > limit) --stages;
+  const size_t smem = f::Smem::bytes(stages, p.num_groups);
+  MOEFLOW_CHECK(smem <= limit, "grouped_gemm_fp8_forward: ", E,
+                " groups leave no shared memory for the pipeline");
+  MOEFLOW_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                          static_cast<int>(smem)));
+  kernel<<<sm_count(), f::kThreads, smem, stream>>>(p, q, map_a, map_w, stages);
+  MOEFLOW_CUDA_LAUNCH_CHECK();
 }
 
 }  // namespace moeflow::cuda

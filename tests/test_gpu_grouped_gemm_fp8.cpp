@@ -1,0 +1,154 @@
+// GPU blockwise FP8 grouped GEMM forward (label gpu) against the CPU
+// reference: inputs quantized by moeflow::quantize (1x128 activations,
+// 128x128 weights); random values within a stated relative-norm bound, and
+// values whose every sum is exact in float32 bitwise; output poisoned first;
+// pad rows zero; rows past the groups untouched.
+#include <cuda_runtime.h>
+
+#include "gpu_util.h"
+#include "test_util.h"
+
+namespace moeflow::test {
+namespace {
+
+const Device kGpu = Device::cuda(0);
+
+struct Fp8Problem {
+  std::vector<int64_t> seg;   // rows of each group's segment
+  std::vector<int32_t> real;  // real rows of each group
+  int64_t k, n;
+  int64_t tail = 7;  // rows past offsets[E]
+};
+
+struct Fp8Inputs {
+  int64_t rows = 0;
+  Tensor offsets, real, qa, sa, qw, sw;  // CPU
+};
+
+// Quantized inputs: x and w drawn by `draw` (element index -> float), then
+// quantized with moeflow's CPU quantize.
+template <typename Draw>
+Fp8Inputs make_inputs(const Fp8Problem& p, Draw draw, bool pow2_scales = false) {
+  Fp8Inputs d;
+  const int64_t E = p.seg.size(), K = p.k, N = p.n;
+  d.offsets = make_tensor({E + 1}, DType::kInt64);
+  d.real = make_tensor({E}, DType::kInt32);
+  int64_t o = 0;
+  for (int64_t e = 0; e < E; ++e) {
+    d.offsets.data_ptr<int64_t>()[e] = o;
+    d.real.data_ptr<int32_t>()[e] = p.real[e];
+    o += p.seg[e];
+  }
+  d.offsets.data_ptr<int64_t>()[E] = o;
+  d.rows = o + p.tail;
+  Tensor x = make_tensor({d.rows, K}, DType::kFloat32), w = make_tensor({E * N, K}, DType::kFloat32);
+  for (int64_t i = 0; i < x.numel(); ++i) x.data_ptr<float>()[i] = draw(0, i);
+  for (int64_t i = 0; i < w.numel(); ++i) w.data_ptr<float>()[i] = draw(1, i);
+  QuantizeConfig ca, cw;
+  ca.scaling = QuantScaling::kBlock1x128;
+  cw.scaling = QuantScaling::kBlock128x128;
+  ca.pow2_scales = cw.pow2_scales = pow2_scales;
+  d.qa = make_tensor({d.rows, K}, DType::kFloat8E4M3);
+  d.sa = make_tensor({d.rows, K / 128}, DType::kFloat32);
+  d.qw = make_tensor({E, N, K}, DType::kFloat8E4M3);
+  d.sw = make_tensor({E, N / 128, K / 128}, DType::kFloat32);
+  quantize(x, ca, d.qa, d.sa);
+  // w as [E*N, K]: its 128 x 128 blocks never straddle two experts (N % 128 == 0)
+  quantize(w, cw, TensorView(d.qw.data(), DType::kFloat8E4M3, Device::cpu(), {E * N, K}),
+           TensorView(d.sw.data(), DType::kFloat32, Device::cpu(), {E * N / 128, K / 128}));
+  return d;
+}
+
+GroupLayout layout(const Tensor& offsets, const Tensor& real) {
+  GroupLayout g;
+  g.offsets = offsets;
+  g.real_rows = real;
+  return g;
+}
+
+// Runs the CPU reference and the GPU op; returns {cpu, gpu} outputs (CPU
+// tensors) and checks the rows the op must not touch.
+std::pair<Tensor, Tensor> run_both(const Fp8Problem& p, const Fp8Inputs& d) {
+  const int64_t N = p.n;
+  Tensor want = make_tensor({d.rows, N}, DType::kBFloat16);
+  std::memset(want.data(), 0, want.nbytes());
+  grouped_gemm_fp8_forward(d.qa, d.sa, d.qw, d.sw, layout(d.offsets, d.real), want);
+  Tensor qa = d.qa.to(kGpu), sa = d.sa.to(kGpu), qw = d.qw.to(kGpu), sw = d.sw.to(kGpu);
+  Tensor off = d.offsets.to(kGpu), real = d.real.to(kGpu);
+  Tensor c = poisoned({d.rows, N}, DType::kBFloat16, kGpu);
+  grouped_gemm_fp8_forward(qa, sa, qw, sw, layout(off, real), c);
+  EXPECT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+  Tensor got = c.to(Device::cpu());
+  // Rows past offsets[E] keep the poison.
+  const int64_t end = d.offsets.data_ptr<int64_t>()[p.seg.size()];
+  for (int64_t r = end; r < d.rows; ++r) EXPECT_TRUE(row_is(got, r, 0xFF)) << "row " << r;
+  return {want, got};
+}
+
+const std::vector<Fp8Problem> kFp8Problems = {
+    {{128}, {128}, 128, 128},                    // one tile
+    {{16, 0, 144, 32}, {1, 0, 130, 32}, 256, 128},  // empty group, pad rows, a tile's edge
+    {{256, 16, 400}, {200, 16, 389}, 384, 256},
+    {{64, 512, 128, 48, 32}, {64, 500, 0, 40, 17}, 1024, 384},  // a pad-only group
+};
+
+TEST(GpuGemmFp8, ForwardMatchesCpuWithinBound) {
+  if (!is_hopper()) GTEST_SKIP() << "the FP8 grouped GEMM runs on Hopper only";
+  uint32_t seed = 3;
+  for (const Fp8Problem& p : kFp8Problems) {
+    std::mt19937 rng(seed++);
+    std::normal_distribution<float> nd(0.0f, 1.0f);
+    std::vector<float> xs(1 << 16);
+    for (float& v : xs) v = nd(rng);
+    const Fp8Inputs d =
+        make_inputs(p, [&](int which, int64_t i) { return xs[(i * 7 + which * 31) & 0xFFFF]; });
+    const auto [want, got] = run_both(p, d);
+    // Bound: the reference sums exact products in float64 and rounds once to
+    // bf16; the GPU sums each 128-wide K block in float32 (tensor cores) and
+    // scales it, then rounds to bf16: relative norm error < 3e-3 (bf16's
+    // half ulp is 2^-9 = 2e-3 of a value; float32 sums add ~1e-6).
+    double num = 0, den = 0;
+    const int64_t end = d.offsets.data_ptr<int64_t>()[p.seg.size()];
+    for (int64_t i = 0; i < end * p.n; ++i) {
+      const double g = at(got, i), w = at(want, i);
+      ASSERT_FALSE(std::isnan(g)) << "element " << i;
+      num += (g - w) * (g - w);
+      den += w * w;
+    }
+    EXPECT_LT(std::sqrt(num / std::max(den, 1e-30)), 3e-3) << "K=" << p.k << " N=" << p.n;
+    // Pad rows are zeros.
+    for (size_t e = 0; e < p.seg.size(); ++e)
+      for (int64_t r = p.real[e]; r < p.seg[e]; ++r)
+        for (int64_t j = 0; j < p.n; ++j)
+          ASSERT_EQ(at(got, (d.offsets.data_ptr<int64_t>()[e] + r) * p.n + j), 0.0f)
+              << "group " << e << " pad row " << r;
+  }
+}
+
+TEST(GpuGemmFp8, ExactSumsAreBitwise) {
+  if (!is_hopper()) GTEST_SKIP() << "the FP8 grouped GEMM runs on Hopper only";
+  // Integers in [-8, 8], every 128-block holding 8: power-of-two scales
+  // (2^-5) make every code exact (32 v), every partial sum an integer below
+  // 2^24, so float32 and float64 agree and both round the same value.
+  for (const Fp8Problem& p : {kFp8Problems[1], kFp8Problems[3]}) {
+    const Fp8Inputs d = make_inputs(
+        p,
+        [](int which, int64_t i) {
+          if (i % 128 == 5) return 8.0f;
+          return static_cast<float>((i * (which ? 5 : 3) + which) % 17 - 8);
+        },
+        true);
+    const auto [want, got] = run_both(p, d);
+    const int64_t end = d.offsets.data_ptr<int64_t>()[p.seg.size()];
+    const auto* g = static_cast<const uint16_t*>(got.data());
+    const auto* w = static_cast<const uint16_t*>(want.data());
+    int64_t bad = 0, first = -1;
+    for (int64_t i = 0; i < end * p.n; ++i)
+      if (g[i] != w[i] && bad++ == 0) first = i;
+    EXPECT_EQ(bad, 0) << "first difference at element " << first << ": " << at(got, first)
+                      << " vs " << at(want, first);
+  }
+}
+
+}  // namespace
+}  // namespace moeflow::test
