@@ -90,6 +90,9 @@ const std::vector<Fp8Problem> kFp8Problems = {
     {{16, 0, 144, 32}, {1, 0, 130, 32}, 256, 128},  // empty group, pad rows, a tile's edge
     {{256, 16, 400}, {200, 16, 389}, 384, 256},
     {{64, 512, 128, 48, 32}, {64, 500, 0, 40, 17}, 1024, 384},  // a pad-only group
+    // more tiles than twice the SMs: blocks walk several tiles and groups
+    // (the pipeline's phases and the group search carried across tiles)
+    {{1024, 640, 0, 1536, 896, 16, 256}, {1000, 640, 0, 1500, 3, 16, 200}, 256, 1024},
 };
 
 TEST(GpuGemmFp8, ForwardMatchesCpuWithinBound) {

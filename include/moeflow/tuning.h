@@ -22,7 +22,7 @@ struct GemmOptions {
   int stages = 0;
   // TMA kernel epilogue staging buffers per consumer warpgroup, 2-5; 0: 2.
   int bufs = 0;
-  // m tiles per raster band (all kernels); 0: 8.
+  // m tiles per raster band (all kernels; at most 4096); 0: 8.
   int raster = 0;
   // K slices consumer warpgroup 1 trails consumer 0 (TMA); -1: 1.
   int stagger = -1;

@@ -320,6 +320,24 @@ def quantize(x: torch.Tensor, fp8_format: str = "e4m3", scaling: str = "1x128",
     return q, scales
 
 
+def grouped_gemm_fp8_forward(a: torch.Tensor, a_scales: torch.Tensor, w: torch.Tensor,
+                             w_scales: torch.Tensor, offsets: torch.Tensor,
+                             real_rows: Optional[torch.Tensor] = None,
+                             out: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """Blockwise FP8 grouped GEMM forward (DeepSeek-V3's recipe): out[rows of
+    expert e] = dequant(a) @ dequant(w[e])^T, bf16 [rows, N]. a [rows, K]
+    float8_e4m3fn with a_scales [rows, K/128] (``quantize(x, "e4m3", "1x128")``);
+    w [E, N, K] float8_e4m3fn with w_scales [E, N/128, K/128] (``quantize`` of
+    w as [E*N, K] with "128x128"); offsets int64 [E+1]; real_rows int32 [E]
+    (optional: rows past them are pad rows, written as zeros). K and N
+    multiples of 128. CUDA: Hopper, one launch, no sync; CPU: the reference.
+    Not differentiable."""
+    if out is None:
+        out = torch.empty(a.shape[0], w.shape[1], dtype=torch.bfloat16, device=a.device)
+    _C.grouped_gemm_fp8_forward(a, a_scales, w, w_scales, offsets, real_rows, out, _stream(a))
+    return out
+
+
 def dequantize(q: torch.Tensor, scales: torch.Tensor, scaling: str = "1x128",
                columnwise: bool = False, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
     """The inverse of :func:`quantize`: out [M, K] in ``dtype`` (x's layout,

@@ -22,6 +22,7 @@
 #include "moeflow/moeflow.h"
 #include "moeflow/permute.h"
 #include "moeflow/plan.h"
+#include "moeflow/grouped_gemm.h"
 #include "moeflow/quantize.h"
 #include "moeflow/router.h"
 #include "moeflow/version.h"
@@ -403,6 +404,18 @@ NB_MODULE(_C, m) {
       },
       nb::arg("q"), nb::arg("scales"), nb::arg("fp8_format"), nb::arg("scaling"),
       nb::arg("pow2_scales"), nb::arg("columnwise"), nb::arg("out"), nb::arg("stream") = 0);
+
+  // Blockwise FP8 grouped GEMM forward (moeflow/grouped_gemm.h).
+  m.def(
+      "grouped_gemm_fp8_forward",
+      [](const Array& a, const Array& a_scales, const Array& w, const Array& w_scales,
+         const Array& offsets, const std::optional<Array>& real_rows, const Array& c, uintptr_t s) {
+        grouped_gemm_fp8_forward(view_of(a, "a"), view_of(a_scales, "a_scales"), view_of(w, "w"),
+                                 view_of(w_scales, "w_scales"), layout(offsets, real_rows),
+                                 view_of(c, "c"), stream_of(s));
+      },
+      nb::arg("a"), nb::arg("a_scales"), nb::arg("w"), nb::arg("w_scales"), nb::arg("offsets"),
+      nb::arg("real_rows").none(), nb::arg("c"), nb::arg("stream") = 0);
 
   m.def(
       "plan_capacity_rows",

@@ -272,15 +272,19 @@ void grouped_gemm_fp8_forward(TensorView a, TensorView a_scales, TensorView w, T
   const Device dev = a.device;
   const int64_t rows = a.shape[0], K = a.shape[1], E = w.shape[0], N = w.shape[1];
   MOEFLOW_CHECK(E > 0, "w must hold >= 1 expert, got ", w.str());
-  MOEFLOW_CHECK(K % 128 == 0 && N % 128 == 0,
-                "grouped_gemm_fp8_forward needs K and N to be multiples of 128, got K=", K,
-                " N=", N);
+  MOEFLOW_CHECK(K > 0 && N > 0 && K % 128 == 0 && N % 128 == 0,
+                "grouped_gemm_fp8_forward needs K and N to be positive multiples of 128, got K=",
+                K, " N=", N);
   detail::expect(a, "a", Expect{{DType::kFloat8E4M3}, {rows, K}, dev});
   detail::expect(a_scales, "a_scales", Expect{{DType::kFloat32}, {rows, K / 128}, dev});
   detail::expect(w, "w", Expect{{DType::kFloat8E4M3}, {E, N, K}, dev});
   detail::expect(w_scales, "w_scales", Expect{{DType::kFloat32}, {E, N / 128, K / 128}, dev});
   check_layout(groups, E, dev);
   detail::expect(c, "c", Expect{{DType::kBFloat16}, {rows, N}, dev});
+  auto addr = [](const TensorView& v) { return reinterpret_cast<uintptr_t>(v.data); };
+  MOEFLOW_CHECK(addr(a) % 16 == 0 && addr(w) % 16 == 0,
+                "grouped_gemm_fp8_forward: a and w must be 16-byte aligned");
+  MOEFLOW_CHECK(addr(c) % 4 == 0, "grouped_gemm_fp8_forward: c must be 4-byte aligned");
   Fp8GemmCall call{a, a_scales, w, w_scales, c, groups};
   if (dev.is_cpu()) return cpu::grouped_gemm_fp8_forward(call);
 #ifdef MOEFLOW_WITH_CUDA

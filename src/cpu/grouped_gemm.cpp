@@ -93,10 +93,10 @@ void grouped_gemm(const GroupedGemmCall& c) {
   }
 }
 
-// The blockwise FP8 forward: every product of exact dequantized values
-// (code x block scale, both float32-exact) summed in float64, rounded once
-// to bf16. The GPU sums each 128-wide K block in float32 before scaling, so
-// the two differ by float32 rounding (tests state the bound).
+// The blockwise FP8 forward: the products of the dequantized values (code x
+// block scale, each exact) summed in float64, rounded to float32, then to
+// bf16. The GPU sums each 128-wide K block in float32 before scaling, so the
+// two differ by float32 rounding (tests state the bound).
 void grouped_gemm_fp8_forward(const Fp8GemmCall& c) {
   const int64_t rows = c.a.shape[0], K = c.a.shape[1], E = c.w.shape[0], N = c.w.shape[1];
   const int64_t kb = K / 128, nb = N / 128;

@@ -339,7 +339,8 @@ namespace {
 Params base_params(const GroupLayout& groups, int64_t num_groups, int64_t rows, const TensorView& a,
                    const char* a_name, const GemmOptions& o) {
   Params p{};
-  if (const int rb = o.raster; rb > 0) p.raster = rb;
+  // (bounded, so that the kernels' 32-bit band arithmetic cannot wrap)
+  if (const int rb = o.raster; rb > 0) p.raster = std::min(rb, 1 << 12);
   p.num_groups = static_cast<int>(num_groups);
   p.offsets = groups.offsets.data_ptr<int64_t>();
   p.real_rows = groups.real_rows.defined() ? groups.real_rows.data_ptr<int32_t>() : nullptr;

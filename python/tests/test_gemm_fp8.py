@@ -1,0 +1,71 @@
+"""moeflow.ops.grouped_gemm_fp8_forward against torch: inputs quantized by
+moeflow.ops.quantize, the reference multiplies the dequantized operands per
+expert in float64 (the CPU backend does the same and must match it to bf16
+rounding; the GPU sums each 128-wide K block in float32, bound 3e-3 relative
+norm error); pad rows zero; bad shapes named."""
+import pytest
+
+torch = pytest.importorskip("torch")
+import moeflow.ops as mf  # noqa: E402
+
+DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
+    not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] != 9,
+    reason="the FP8 grouped GEMM runs on Hopper (sm_90) GPUs"))]
+
+
+def problem(seg, real, K, N, seed):
+    g = torch.Generator().manual_seed(seed)
+    E = len(seg)
+    rows = sum(seg) + 3  # rows past offsets[E]
+    x = torch.randn(rows, K, generator=g)
+    w = torch.randn(E * N, K, generator=g) / K ** 0.5
+    qa, sa = mf.quantize(x, "e4m3", "1x128")
+    qw, sw = mf.quantize(w, "e4m3", "128x128")
+    offsets = torch.tensor([0] + list(torch.tensor(seg).cumsum(0)), dtype=torch.int64)
+    return (qa, sa, qw.view(E, N, K), sw.view(E, N // 128, K // 128), offsets,
+            torch.tensor(real, dtype=torch.int32))
+
+
+def reference(qa, sa, qw, sw, offsets, real):
+    """float64 products of the dequantized operands; pad rows zero."""
+    E, N, K = qw.shape
+    a = qa.double() * sa.double().repeat_interleave(128, 1)
+    w = qw.double() * sw.double().repeat_interleave(128, 1).repeat_interleave(128, 2)
+    out = torch.zeros(qa.shape[0], N, dtype=torch.float64)
+    for e in range(E):
+        b = int(offsets[e])
+        r = int(real[e])
+        out[b:b + r] = a[b:b + r] @ w[e].T
+    return out
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("seg,real,K,N", [([128], [128], 128, 128),
+                                          ([16, 0, 144, 32], [1, 0, 130, 32], 256, 128),
+                                          ([64, 48, 32], [64, 40, 17], 384, 256)])
+def test_fp8_forward_matches_dequantized_product(device, seg, real, K, N):
+    qa, sa, qw, sw, offsets, real_t = problem(seg, real, K, N, seed=len(seg) + K)
+    want = reference(qa, sa, qw, sw, offsets, real_t)
+    args = [t.to(device) for t in (qa, sa, qw, sw, offsets, real_t)]
+    out = torch.full((qa.shape[0], N), float("nan"), dtype=torch.bfloat16, device=device)
+    got = mf.grouped_gemm_fp8_forward(*args[:5], real_rows=args[5], out=out).cpu()
+    end = int(offsets[-1])
+    assert torch.isnan(got[end:].float()).all()  # rows past offsets[E] untouched
+    g, w_ = got[:end].double(), want[:end]
+    if device == "cpu":  # float64 sums in another order, rounded to bf16: within an ulp
+        assert torch.allclose(g, w_, rtol=2 ** -7, atol=1e-6)
+    else:
+        assert ((g - w_).norm() / w_.norm()).item() < 3e-3
+    for e in range(len(seg)):  # pad rows are zeros
+        b = int(offsets[e])
+        assert (got[b + real[e]:b + seg[e]] == 0).all()
+
+
+def test_fp8_forward_bad_input_names_the_argument():
+    qa, sa, qw, sw, offsets, real = problem([128], [128], 128, 128, seed=1)
+    with pytest.raises(Exception, match="a_scales"):
+        mf.grouped_gemm_fp8_forward(qa, sa[:, :0], qw, sw, offsets)
+    with pytest.raises(Exception, match="multiples of 128"):
+        mf.grouped_gemm_fp8_forward(qa[:, :64].contiguous(), sa, qw, sw, offsets)
+    with pytest.raises(Exception, match="a must be"):
+        mf.grouped_gemm_fp8_forward(qa.to(torch.bfloat16), sa, qw, sw, offsets)
