@@ -61,6 +61,32 @@ def test_fp8_forward_matches_dequantized_product(device, seg, real, K, N):
         assert (got[b + real[e]:b + seg[e]] == 0).all()
 
 
+@pytest.mark.parametrize("device", DEVICES)
+def test_fp8_dgrad_through_the_forward_with_transposed_codes(device):
+    """dX = dY W per expert: the forward op with dY's rows (1x128 blocks over
+    N) and W's codes and 128x128 scales transposed per expert ([E, K, N]):
+    W^T's blocks hold the same values as W's, so its codes and scales are
+    exactly W's, transposed."""
+    seg, real, K, N = [128, 0, 96], [128, 0, 80], 256, 384  # W [E, N, K]
+    g = torch.Generator().manual_seed(5)
+    E = len(seg)
+    w = torch.randn(E * N, K, generator=g) / N ** 0.5
+    dy = torch.randn(sum(seg), N, generator=g)
+    qw, sw = mf.quantize(w, "e4m3", "128x128")
+    wt, swt = mf.quantize(w.view(E, N, K).transpose(1, 2).reshape(E * K, N), "e4m3", "128x128")
+    qw_t = qw.view(E, N, K).transpose(1, 2).contiguous()
+    sw_t = sw.view(E, N // 128, K // 128).transpose(1, 2).contiguous()
+    assert torch.equal(qw_t.view(torch.uint8).reshape(E * K, N), wt.view(torch.uint8))
+    assert torch.equal(sw_t.reshape(E * K // 128, N // 128), swt)
+    qd, sd = mf.quantize(dy, "e4m3", "1x128")
+    offsets = torch.tensor([0] + list(torch.tensor(seg).cumsum(0)), dtype=torch.int64)
+    real_t = torch.tensor(real, dtype=torch.int32)
+    want = reference(qd, sd, qw_t, sw_t, offsets, real_t)
+    args = [t.to(device) for t in (qd, sd, qw_t, sw_t, offsets, real_t)]
+    got = mf.grouped_gemm_fp8_forward(*args[:5], real_rows=args[5]).cpu().double()
+    assert ((got - want).norm() / want.norm()).item() < 3e-3
+
+
 def test_fp8_forward_bad_input_names_the_argument():
     qa, sa, qw, sw, offsets, real = problem([128], [128], 128, 128, seed=1)
     with pytest.raises(Exception, match="a_scales"):
