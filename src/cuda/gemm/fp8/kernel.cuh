@@ -24,6 +24,7 @@
 #include "cuda/bulk.cuh"
 #include "cuda/gemm/portable.cuh"
 #include "cuda/gemm/sm90_cpasync.cuh"
+#include "cuda/gemm/tma/ptx.cuh"
 
 namespace moeflow::cuda::gemm::fp8 {
 
@@ -80,23 +81,9 @@ __device__ __forceinline__ void wgmma_e4m3_n128(float (&d)[64], uint64_t desc_a,
       : "l"(desc_a), "l"(desc_b), "r"(accumulate));
 }
 
-__device__ __forceinline__ void tma_load_2d(void* dst, const CUtensorMap* map, uint64_t* bar,
-                                            int c0, int c1) {
-  asm volatile(
-      "cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes"
-      " [%0], [%1, {%3, %4}], [%2];\n" ::"r"(bulk::smem_u32(dst)),
-      "l"(reinterpret_cast<uint64_t>(map)), "r"(bulk::smem_u32(bar)), "r"(c0), "r"(c1)
-      : "memory");
-}
-
-template <int N>
-__device__ __forceinline__ void setmaxnreg_inc() {
-  asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(N));
-}
-template <int N>
-__device__ __forceinline__ void setmaxnreg_dec() {
-  asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(N));
-}
+using sm90tma::setmaxnreg_dec;
+using sm90tma::setmaxnreg_inc;
+using sm90tma::tma_load_2d;
 
 __global__ void __launch_bounds__(kThreads, 1)
     grouped_gemm_fp8_kernel(Params p, Fp8Params q, const __grid_constant__ CUtensorMap map_a,
