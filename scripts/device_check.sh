@@ -71,7 +71,7 @@ for s in "${steps[@]}"; do
       ;;
     memcheck)
       compute-sanitizer --tool memcheck --error-exitcode 9 build/tests/test_gpu \
-        --gtest_filter='Gpu.*:*GpuGemm.BadOffsets*:*GpuGemm.Graph*:*GpuGemm.ForwardDgradWgradMatchCpu/Auto:*GpuGemm.WgradHalfPrecision*/Auto:GpuMlp.*:GpuRouter.*:GpuRouterPaths.*:GpuPermuteQuantize.*:GpuQuantize.*' \
+        --gtest_filter='Gpu.*:*GpuGemm.BadOffsets*:*GpuGemm.Graph*:*GpuGemm.ForwardDgradWgradMatchCpu/Auto:*GpuGemm.WgradHalfPrecision*/Auto:GpuMlp.*:GpuRouter.*:GpuRouterPaths.*:GpuPermuteQuantize.*:GpuQuantize.*:GpuGemmFp8.*' \
         > "$OUT/memcheck.log" 2>&1 || fail memcheck
       tail -3 "$OUT/memcheck.log"
       ;;
