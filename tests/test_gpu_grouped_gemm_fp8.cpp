@@ -2,7 +2,8 @@
 // reference: inputs quantized by moeflow::quantize (1x128 activations,
 // 128x128 weights); random values within a stated relative-norm bound, and
 // values whose every sum is exact in float32 bitwise; output poisoned first;
-// pad rows zero; rows past the groups untouched.
+// pad rows zero; rows past the groups untouched; a captured launch replayed
+// with new offsets.
 #include <cuda_runtime.h>
 
 #include "gpu_util.h"
@@ -151,6 +152,59 @@ TEST(GpuGemmFp8, ExactSumsAreBitwise) {
     EXPECT_EQ(bad, 0) << "first difference at element " << first << ": " << at(got, first)
                       << " vs " << at(want, first);
   }
+}
+
+// One captured launch replayed with new offsets on the device: each replay
+// bitwise equal to an eager call on the same layout.
+TEST(GpuGemmFp8, GraphReplayWithNewOffsets) {
+  if (!is_hopper()) GTEST_SKIP() << "the FP8 grouped GEMM runs on Hopper only";
+  const Fp8Problem base{{512, 256, 0, 768}, {500, 256, 0, 700}, 256, 256};
+  std::mt19937 rng(9);
+  std::normal_distribution<float> nd(0.0f, 1.0f);
+  std::vector<float> xs(1 << 16);
+  for (float& v : xs) v = nd(rng);
+  const Fp8Inputs d =
+      make_inputs(base, [&](int which, int64_t i) { return xs[(i * 5 + which * 17) & 0xFFFF]; });
+  const int64_t E = base.seg.size(), N = base.n;
+  Tensor qa = d.qa.to(kGpu), sa = d.sa.to(kGpu), qw = d.qw.to(kGpu), sw = d.sw.to(kGpu);
+  Tensor off = d.offsets.to(kGpu), real = d.real.to(kGpu);
+  Tensor c = Tensor::empty({d.rows, N}, DType::kBFloat16, kGpu);
+  cudaStream_t s;
+  ASSERT_EQ(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking), cudaSuccess);
+  grouped_gemm_fp8_forward(qa, sa, qw, sw, layout(off, real), c, s);  // warm-up
+  ASSERT_EQ(cudaStreamSynchronize(s), cudaSuccess);
+  cudaGraph_t graph;
+  cudaGraphExec_t exec;
+  ASSERT_EQ(cudaStreamBeginCapture(s, cudaStreamCaptureModeGlobal), cudaSuccess);
+  grouped_gemm_fp8_forward(qa, sa, qw, sw, layout(off, real), c, s);
+  ASSERT_EQ(cudaStreamEndCapture(s, &graph), cudaSuccess);
+  ASSERT_EQ(cudaGraphInstantiate(&exec, graph, 0), cudaSuccess);
+  // New layouts over the same rows: other segment sizes, real rows and an
+  // empty last group.
+  const std::vector<std::vector<int64_t>> segs = {{256, 512, 768, 0}, {1536, 0, 0, 0}, {0, 128, 1024, 384}};
+  for (size_t replay = 0; replay < segs.size(); ++replay) {
+    Tensor offsets = make_tensor({E + 1}, DType::kInt64), reals = make_tensor({E}, DType::kInt32);
+    int64_t o = 0;
+    for (int64_t e = 0; e < E; ++e) {
+      offsets.data_ptr<int64_t>()[e] = o;
+      reals.data_ptr<int32_t>()[e] = static_cast<int32_t>(segs[replay][e] - (e % 2) * 16 * (segs[replay][e] > 0));
+      o += segs[replay][e];
+    }
+    offsets.data_ptr<int64_t>()[E] = o;
+    ASSERT_LE(o, d.rows);
+    copy(offsets, off, s);
+    copy(reals, real, s);
+    fill_bytes(c, 0xFF, s);
+    ASSERT_EQ(cudaGraphLaunch(exec, s), cudaSuccess);
+    ASSERT_EQ(cudaStreamSynchronize(s), cudaSuccess);
+    Tensor eager = poisoned({d.rows, N}, DType::kBFloat16, kGpu);
+    grouped_gemm_fp8_forward(qa, sa, qw, sw, layout(offsets.to(kGpu), reals.to(kGpu)), eager);
+    ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+    EXPECT_TRUE(bytes_equal(c.to(Device::cpu()), eager.to(Device::cpu()))) << "replay " << replay;
+  }
+  cudaGraphExecDestroy(exec);
+  cudaGraphDestroy(graph);
+  cudaStreamDestroy(s);
 }
 
 }  // namespace
