@@ -12,8 +12,9 @@
 // accumulator (the first with scale-d 0), then, once they completed, the
 // promotion: acc += slice_acc * a_scale(row, slice) * w_scale(n block,
 // slice), in float32, every 128 of K (DeepSeek-V3's recipe). A slice's
-// stage is released once its wgmma completed; the two warpgroups promote at
-// different moments, so one's wgmma runs while the other promotes.
+// stage is released once its wgmma completed; while one warpgroup promotes,
+// the tensor cores have only the other's wgmma (docs/performance.md has the
+// figures and what was tried).
 // Epilogue: rows past the group's real rows are written as zeros, rows past
 // the group's segment not at all; 4-byte stores straight from the
 // accumulators.
