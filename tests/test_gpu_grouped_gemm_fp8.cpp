@@ -6,6 +6,8 @@
 // with new offsets.
 #include <cuda_runtime.h>
 
+#include <tuple>
+
 #include "gpu_util.h"
 #include "test_util.h"
 
@@ -26,22 +28,30 @@ struct Fp8Inputs {
   Tensor offsets, real, qa, sa, qw, sw;  // CPU
 };
 
+// The CPU layout of segment sizes and real rows: offsets int64 [E+1], real
+// int32 [E].
+std::pair<Tensor, Tensor> layout_of(const std::vector<int64_t>& seg,
+                                    const std::vector<int32_t>& real) {
+  const int64_t E = seg.size();
+  Tensor offsets = make_tensor({E + 1}, DType::kInt64), r = make_tensor({E}, DType::kInt32);
+  int64_t o = 0;
+  for (int64_t e = 0; e < E; ++e) {
+    offsets.data_ptr<int64_t>()[e] = o;
+    r.data_ptr<int32_t>()[e] = real[e];
+    o += seg[e];
+  }
+  offsets.data_ptr<int64_t>()[E] = o;
+  return {offsets, r};
+}
+
 // Quantized inputs: x and w drawn by `draw` (element index -> float), then
 // quantized with moeflow's CPU quantize.
 template <typename Draw>
 Fp8Inputs make_inputs(const Fp8Problem& p, Draw draw, bool pow2_scales = false) {
   Fp8Inputs d;
   const int64_t E = p.seg.size(), K = p.k, N = p.n;
-  d.offsets = make_tensor({E + 1}, DType::kInt64);
-  d.real = make_tensor({E}, DType::kInt32);
-  int64_t o = 0;
-  for (int64_t e = 0; e < E; ++e) {
-    d.offsets.data_ptr<int64_t>()[e] = o;
-    d.real.data_ptr<int32_t>()[e] = p.real[e];
-    o += p.seg[e];
-  }
-  d.offsets.data_ptr<int64_t>()[E] = o;
-  d.rows = o + p.tail;
+  std::tie(d.offsets, d.real) = layout_of(p.seg, p.real);
+  d.rows = d.offsets.data_ptr<int64_t>()[E] + p.tail;
   Tensor x = make_tensor({d.rows, K}, DType::kFloat32), w = make_tensor({E * N, K}, DType::kFloat32);
   for (int64_t i = 0; i < x.numel(); ++i) x.data_ptr<float>()[i] = draw(0, i);
   for (int64_t i = 0; i < w.numel(); ++i) w.data_ptr<float>()[i] = draw(1, i);
@@ -183,15 +193,11 @@ TEST(GpuGemmFp8, GraphReplayWithNewOffsets) {
   // empty last group.
   const std::vector<std::vector<int64_t>> segs = {{256, 512, 768, 0}, {1536, 0, 0, 0}, {0, 128, 1024, 384}};
   for (size_t replay = 0; replay < segs.size(); ++replay) {
-    Tensor offsets = make_tensor({E + 1}, DType::kInt64), reals = make_tensor({E}, DType::kInt32);
-    int64_t o = 0;
-    for (int64_t e = 0; e < E; ++e) {
-      offsets.data_ptr<int64_t>()[e] = o;
-      reals.data_ptr<int32_t>()[e] = static_cast<int32_t>(segs[replay][e] - (e % 2) * 16 * (segs[replay][e] > 0));
-      o += segs[replay][e];
-    }
-    offsets.data_ptr<int64_t>()[E] = o;
-    ASSERT_LE(o, d.rows);
+    std::vector<int32_t> real_rows(E);
+    for (int64_t e = 0; e < E; ++e)  // odd groups end in 16 pad rows
+      real_rows[e] = static_cast<int32_t>(segs[replay][e] - (e % 2 && segs[replay][e] > 0 ? 16 : 0));
+    const auto [offsets, reals] = layout_of(segs[replay], real_rows);
+    ASSERT_LE(offsets.data_ptr<int64_t>()[E], d.rows);
     copy(offsets, off, s);
     copy(reals, real, s);
     fill_bytes(c, 0xFF, s);
