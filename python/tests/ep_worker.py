@@ -480,8 +480,8 @@ def check_errors(ctx):
     _, _, _, h2 = ep.dispatch(x, ids, None, g)
     raises(ValueError, r"the handle's dispatch had none", lambda: ep.combine(y, h2, p))
     ep.combine(y, h2)
-    raises(ValueError, r"ep_group.num_experts must equal the layer's num_experts=8",
-           lambda: MoELayer(8, 4, 8, 2, params_dtype=torch.bfloat16, ep_group=g))
+    raises(ValueError, rf"ep_group.num_experts must equal the layer's num_experts={4 * W}",
+           lambda: MoELayer(8, 4, 4 * W, 2, params_dtype=torch.bfloat16, ep_group=g))
     raises(ValueError, r"ep_group.dtype must equal the layer's params_dtype",
            lambda: MoELayer(8, 4, 2 * W, 2, params_dtype=torch.bfloat16, ep_group=g))
     # An id out of range: that rank raises once the dispatch is complete (no
