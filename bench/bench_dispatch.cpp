@@ -8,7 +8,8 @@
 // leave a rank (combine sends float32 partial sums so that the result is
 // bitwise the reference's), also timed against an all-to-all of the bf16
 // token rows coming home (the stricter comparison: what a combine that sums
-// in bf16 would move). Both backends send a token's only slot on a rank as
+// in bf16 would move); then again with the bfloat16 wire
+// (EpOptions::combine_wire_dtype: the partials rounded, bf16 rows). Both backends send a token's only slot on a rank as
 // that slot's bf16 row instead of a float32 partial. The nvlink backend (--backend nvlink) moves
 // the same bytes over the links; it also reports the token rows its own SMs store (own slots' rows,
 // the peers' stages, the peers' rows expanded here): at a few SMs that store traffic, not the
@@ -100,7 +101,9 @@ void run_dispatch_bench(const DispatchBenchOptions& opt) {
                                                       {2, 32}, {4, 32}, {2, 64}, {4, 64}};
     struct Result {
       double dispatch_ms = 0, combine_ms = 0, a2a_ms = 0, a2a_f32_ms = 0, a2a_back_ms = 0;
+      double combine_bf16_ms = -1;  // EpOptions::combine_wire_dtype bfloat16 (-1: not run)
       double out_bytes = 0, back_bytes = 0, link_bytes = 0, wire_back_bytes = 0;
+      double wire_back_bytes_bf16 = 0;
       std::vector<double> sweep_dispatch_ms, sweep_combine_ms;  // per configs
     };
     std::vector<Result> res(W);
@@ -165,6 +168,12 @@ void run_dispatch_bench(const DispatchBenchOptions& opt) {
           stream, opt.timing.warmup, opt.timing.iters);
       rr.combine_ms = median_ms([&] { ep_combine(g, last, y, true, out, stream); }, stream,
                                 opt.timing.warmup, opt.timing.iters);
+      if (p.hidden % 8 == 0) {  // the same combine with the bfloat16 wire
+        g.set_combine_wire_dtype(DType::kBFloat16);
+        rr.combine_bf16_ms = median_ms([&] { ep_combine(g, last, y, true, out, stream); },
+                                       stream, opt.timing.warmup, opt.timing.iters);
+        g.set_combine_wire_dtype(DType::kFloat32);
+      }
       std::vector<int64_t> sent = g.last_send_rows(), got = g.last_recv_rows();
       const int64_t row = p.hidden * 2;  // bf16 rows (combine)
       double nvl_scale_extra = 0;
@@ -194,6 +203,7 @@ void run_dispatch_bench(const DispatchBenchOptions& opt) {
             if (s == r || here >= 2) rr.link_bytes += static_cast<double>(here) * drow;
             // combine sends a peer token's one slot here as a bf16 row, else a float32 partial
             if (s != r && here > 0) rr.wire_back_bytes += here == 1 ? row : p.hidden * 4;
+            if (s != r && here > 0) rr.wire_back_bytes_bf16 += row;
             for (int q = 0; q < W; ++q) {
               if (!on[q]) continue;
               if (s == r) ++rsent[q];
@@ -278,6 +288,13 @@ void run_dispatch_bench(const DispatchBenchOptions& opt) {
           "          combine sends {:.1f} MB (float32 partials, bf16 rows of one-slot tokens), "
           "{:.1f} GB/s\n",
           rr.wire_back_bytes / 1e6, rr.wire_back_bytes / rr.combine_ms / 1e6);
+      if (rr.combine_bf16_ms > 0 && W > 1)
+        fmt::print(
+            "          combine, bf16 wire: {:>10}, sends {:.1f} MB, {:.1f} GB/s (a2a of the bf16 "
+            "token rows {}, ratio {:.2f}; float32 wire / bf16 wire {:.2f})\n",
+            format_time(rr.combine_bf16_ms * 1e3), rr.wire_back_bytes_bf16 / 1e6,
+            rr.wire_back_bytes_bf16 / rr.combine_bf16_ms / 1e6, format_time(rr.a2a_back_ms * 1e3),
+            rr.a2a_back_ms / rr.combine_bf16_ms, rr.combine_ms / rr.combine_bf16_ms);
       all.push_back({{"preset", name},
                      {"pipeline_chunks", groups[r]->options().pipeline_chunks},
                      {"overlap_blocks", groups[r]->options().overlap_blocks},
@@ -298,6 +315,10 @@ void run_dispatch_bench(const DispatchBenchOptions& opt) {
                      {"nccl_a2a_back_bf16_us", rr.a2a_back_ms * 1e3},
                      {"combine_vs_bf16_a2a", rr.a2a_back_ms / rr.combine_ms},
                      {"combine_wire_bytes", rr.wire_back_bytes},
+                     {"combine_bf16_wire_us", rr.combine_bf16_ms * 1e3},
+                     {"combine_bf16_wire_bytes", rr.wire_back_bytes_bf16},
+                     {"combine_bf16_wire_vs_bf16_a2a",
+                      rr.combine_bf16_ms > 0 ? rr.a2a_back_ms / rr.combine_bf16_ms : 0.0},
                      {"backend", opt.backend},
                      {"bulk_copies", opt.bulk_copies},
                      {"routings", opt.routings},

@@ -90,6 +90,8 @@ def parse_args():
     ap.add_argument("--warmup", type=int, default=5, help="warm-up steps (default 5)")
     ap.add_argument("--iters", type=int, default=20, help="timed steps (default 20)")
     ap.add_argument("--align", type=int, default=16, help="moeflow's rows-per-expert alignment")
+    ap.add_argument("--combine-wire", choices=("float32", "bfloat16"), default="float32",
+                    help="moeflow's combine wire dtype (moeflow.ep.Group's combine_wire_dtype)")
     ap.add_argument("--capacity-factor", type=float,
                     help="moeflow's receive rows per rank: ceil(T * K * factor) rounded up to "
                          "align (a budget, as install(capacity_factor=) of moeflow.megatron; "
@@ -282,7 +284,8 @@ def run_ours(d, args, name, moeflow):
         cap = -(-math.ceil(T * K * args.capacity_factor) // args.align) * args.align
     group = moeflow.ep.Group(dist.group.WORLD, num_experts=E, topk=K, hidden_size=H,
                              dtype=torch.bfloat16, backend=args.backend,
-                             max_tokens_per_rank=T, align=args.align, capacity_rows=cap)
+                             max_tokens_per_rank=T, align=args.align, capacity_rows=cap,
+                             combine_wire_dtype=getattr(torch, args.combine_wire))
     opts = dict(router)
     if opts.get("use_expert_bias"):
         # Counts only, the bias updated by the training loop (megatron's way): the
@@ -411,7 +414,7 @@ def main():
         if E % d.world:
             sys.exit(f"py_layer_ep: case {name}: {E} experts do not split over {d.world} ranks")
     meta = {"device": torch.cuda.get_device_name(d.dev), "world": d.world,
-            "torch": torch.__version__, "backend": args.backend,
+            "torch": torch.__version__, "backend": args.backend, "combine_wire": args.combine_wire,
             "capacity_factor": args.capacity_factor, "warmup": args.warmup,
             "iters": args.iters, "aux_loss_coeff": args.aux_loss_coeff,
             "timing": "median per rank over the timed steps, then the slowest rank; "

@@ -154,6 +154,56 @@ TEST(EpReference, RandomRoutingsEverySlotArrivesOnce) {
   }
 }
 
+// The bfloat16 combine wire: each peer's partial of several slots is rounded
+// to bfloat16 once, so out differs from the float32 wire's by at most half a
+// bfloat16 ulp (at most 2^-8 relative) of each such partial, and not at all for a
+// token whose slots are all at home or single on their ranks.
+TEST(EpReference, Bf16CombineWireRoundsPeerPartialsOnly) {
+  const int W = 4, K = 4, H = 40;
+  EpSetup s = random_setup(W, 32, K, H, 16, 555);
+  Handle h;
+  auto recv = ep_reference::dispatch(s.in, s.cfg, h);
+  std::vector<Tensor> y, w;
+  for (int q = 0; q < W; ++q) {
+    y.push_back(Tensor::empty({recv[q].x.size(0), H}, DType::kFloat32));
+    fill_random(y.back(), 900 + q);
+  }
+  for (int r = 0; r < W; ++r) w.push_back(s.in[r].probs);
+  const auto f32 = ep_reference::combine(y, h, w, DType::kFloat32);
+  const auto b16 = ep_reference::combine(y, h, w, DType::kFloat32, DType::kBFloat16);
+  EXPECT_ANY_THROW(ep_reference::combine(y, h, w, DType::kFloat32, DType::kFloat16));
+  int64_t rounded_tokens = 0;
+  for (int r = 0; r < W; ++r)
+    for (int64_t t = 0; t < s.in[r].x.size(0); ++t) {
+      std::vector<int> on(W, 0);
+      for (int k = 0; k < K; ++k) {
+        const int q = h.dest_rank[r].data_ptr<int32_t>()[t * K + k];
+        if (q >= 0 && h.dest_row[r].data_ptr<int64_t>()[t * K + k] >= 0) ++on[q];
+      }
+      bool rounded = false;
+      for (int q = 0; q < W; ++q) rounded |= q != r && on[q] > 1;
+      rounded_tokens += rounded;
+      for (int64_t j = 0; j < H; ++j) {
+        const float a = f32[r].data_ptr<float>()[t * H + j], b = b16[r].data_ptr<float>()[t * H + j];
+        if (!rounded) {
+          ASSERT_EQ(a, b) << "rank " << r << " token " << t;
+          continue;
+        }
+        double bound = 1e-6;  // |partial| * 2^-8 per rounded partial, + float32 sums
+        for (int k = 0; k < K; ++k) {
+          const int q = h.dest_rank[r].data_ptr<int32_t>()[t * K + k];
+          const int64_t row = h.dest_row[r].data_ptr<int64_t>()[t * K + k];
+          if (q < 0 || row < 0) continue;
+          bound += std::abs(s.in[r].probs.data_ptr<float>()[t * K + k] *
+                            y[q].data_ptr<float>()[row * H + j]) *
+                   (q != r && on[q] > 1 ? 0x1p-8 : 0x1p-22);
+        }
+        ASSERT_LE(std::abs(a - b), bound) << "rank " << r << " token " << t << " col " << j;
+      }
+    }
+  EXPECT_GT(rounded_tokens, 0) << "the routing must give peers several slots of some token";
+}
+
 // Scales [T,S] travel with their token: every kept slot's row holds its
 // token's scales, pad rows zeros; scales on some ranks only are refused.
 TEST(EpReference, ScalesTravelWithTheirRows) {

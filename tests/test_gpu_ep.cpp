@@ -44,6 +44,7 @@ struct Round {
   int blocks = 0;               // EpOptions::overlap_blocks
   bool slow_rank0 = false;      // rank 0 starts its dispatch 50 ms after the others
   bool ids64 = false;           // the routing ids passed as int64
+  DType wire = DType::kFloat32;  // EpOptions::combine_wire_dtype
 };
 
 // The same ids as int64 (host).
@@ -136,6 +137,7 @@ void run_rounds(int W, const std::vector<Round>& rounds, int64_t capacity_rows =
         const char* env = std::getenv("MOEFLOW_EP_REGISTER");
         EXPECT_EQ(g->nccl_buffers_registered(), env ? std::atoi(env) != 0 : register_buffers);
       }
+      EXPECT_ANY_THROW(g->set_combine_wire_dtype(DType::kFloat16));
       EXPECT_ANY_THROW(g->set_nvlink_blocks(1));
       EXPECT_ANY_THROW(g->set_nvlink_blocks(100000));
       g->set_nvlink_blocks(opt.nvlink_blocks);
@@ -146,10 +148,12 @@ void run_rounds(int W, const std::vector<Round>& rounds, int64_t capacity_rows =
       SCOPED_TRACE("W=" + std::to_string(W) + " " + dtype_name(dt) +
                    " T0=" + std::to_string(rd.tokens[0]) + (rd.one_rank ? " one-rank" : "") +
                    " pieces=" + std::to_string(rd.chunks) + " blocks=" + std::to_string(rd.blocks) +
-                   (with_scales ? " scales" : ""));
+                   (with_scales ? " scales" : "") +
+                   (rd.wire == DType::kBFloat16 ? " bf16-wire" : ""));
       for (auto& g : groups) {
         g->set_pipeline_chunks(rd.chunks);
         g->set_overlap_blocks(rd.blocks);
+        g->set_combine_wire_dtype(rd.wire);
       }
       std::vector<RankInput> in(W);
       for (int r = 0; r < W; ++r) {
@@ -186,8 +190,9 @@ void run_rounds(int W, const std::vector<Round>& rounds, int64_t capacity_rows =
         fill_random(y[r], seed++);
         weights[r] = in[r].probs;
       }
-      std::vector<Tensor> want_out = ep_reference::combine(y, handle, weights, ydt);
-      std::vector<Tensor> want_unw = ep_reference::combine(y, handle, std::vector<Tensor>(W), ydt);
+      std::vector<Tensor> want_out = ep_reference::combine(y, handle, weights, ydt, rd.wire);
+      std::vector<Tensor> want_unw =
+          ep_reference::dispatch_backward(y, handle, ydt, rd.wire);
       std::vector<Tensor> dout(W), want_gy, want_dprobs;
       for (int r = 0; r < W; ++r) {
         dout[r] = make_tensor({rd.tokens[r], H}, ydt);
@@ -347,6 +352,17 @@ struct MultiRounds {
     one_rank.one_rank = true;
     tagged.tag_tokens = true;
   }
+  // The rounds with the bfloat16 combine wire (EpOptions::combine_wire_dtype).
+  std::vector<Round> bf16_wire_rounds() const {
+    std::vector<Round> v{uneven, empty_rank, one_rank, tagged};
+    Round to_peer = tagged;
+    to_peer.one_rank = true;  // rank W-1's tokens too: everything crosses except its own
+    v.push_back(to_peer);
+    for (Round& r : v) r.wire = DType::kBFloat16;
+    v[0].chunks = 1;
+    v[2].chunks = 3;
+    return v;
+  }
   // The four rounds and two more, over the pipeline's piece counts: one
   // transfer, more pieces than some peers have rows, odd counts, grid-stride
   // loops over few blocks, int64 ids, and two pieces (the default: the first
@@ -372,6 +388,24 @@ TEST(MultiGpuEp, MatchesReference) {
   // After the first round, each dispatch sends an eager piece sized from the
   // previous one's counts (rows past this one's count are padding).
   run_rounds(W, MultiRounds(W).piece_rounds());
+}
+
+// The bfloat16 combine wire: bitwise the reference with the same wire.
+TEST(MultiGpuEp, Bf16CombineWireMatchesReference) {
+  const int W = cuda_device_count();
+  if (W < 2) GTEST_SKIP() << "needs 2+ GPUs (label multigpu)";
+  run_rounds(W, MultiRounds(W).bf16_wire_rounds());
+}
+
+TEST(MultiGpuEpNvlink, Bf16CombineWireMatchesReference) {
+  const int W = cuda_device_count();
+  if (W < 2) GTEST_SKIP() << "needs 2+ GPUs (label multigpu)";
+  run_rounds(W, MultiRounds(W).bf16_wire_rounds(), -1, EpBackend::kNvlink);
+}
+
+TEST(GpuEpNvlinkSimulated, Bf16CombineWireMatchesReference) {
+  run_rounds(4, MultiRounds(4).bf16_wire_rounds(), -1, EpBackend::kNvlink, false, false, 96,
+             {DType::kBFloat16, DType::kFloat32}, true);
 }
 
 // The same rounds without the eager piece: the rows go in the pipeline's
@@ -758,6 +792,12 @@ TEST(GpuEpNvlinkSimulated, ArgumentErrors) {
   EXPECT_THROW(EpGroup::create_simulated(1, 0, opt), Error);
   EXPECT_THROW(EpGroup::create_simulated(9, 0, opt), Error);
   EXPECT_THROW(EpGroup::create_simulated(2, cuda_device_count(), opt), Error);
+  {  // the bfloat16 combine wire needs 16-byte rows
+    EpOptions o = opt;
+    o.combine_wire_dtype = DType::kBFloat16;
+    o.hidden = 60;
+    EXPECT_THROW(EpGroup::create_simulated(2, 0, o), Error);
+  }
   int sms = 0;
   MOEFLOW_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0));
   opt.nvlink_blocks = sms / 2 + 1;  // two ranks' kernels would not fit at once

@@ -113,6 +113,14 @@ struct EpOptions {
   // end, and the next operation (or check()) throws naming them. Either way
   // the group is unusable afterwards.
   double timeout_s = 300.0;
+  // What a rank sends home in combine (and dispatch backward) for a token
+  // with several slots there: their float32 sum (kFloat32: the result is
+  // bitwise ep_reference::combine's), or that sum rounded to bfloat16
+  // (kBFloat16: half the bytes; bitwise ep_reference::combine with the same
+  // wire dtype; needs hidden % 8 == 0). A token's only slot on a rank crosses
+  // as its row of y either way, and the home rank's own slots and the sums
+  // of the ranks stay float32. Every rank must use the same value.
+  DType combine_wire_dtype = DType::kFloat32;
 };
 
 class EpGroup {
@@ -162,6 +170,8 @@ class EpGroup {
   void set_pipeline_chunks(int chunks);
   void set_overlap_blocks(int blocks);
   void set_nvlink_blocks(int blocks);
+  // Changes options().combine_wire_dtype (every rank must use the same value).
+  void set_combine_wire_dtype(DType wire);
   ncclComm* nccl_comm() const;
   // A group of create_simulated(): the stream its rank's operations must run
   // on (from a process-wide pool, never destroyed); null for other groups.
@@ -237,7 +247,8 @@ EpDispatchResult ep_dispatch(EpGroup& group, TensorView x, TensorView ids, Tenso
 // y [capacity, H] (the expert outputs of the dispatched rows, float32/float16/
 // bfloat16) -> out [T,H] of the handle's dispatch: out[t] = sum over ranks q
 // ascending of sum over t's kept slots on q, k ascending, of w * y[row], w =
-// the slot's prob when `weighted`, else 1.
+// the slot's prob when `weighted`, else 1 (each peer's sum of several slots
+// rounded to bfloat16 first with EpOptions::combine_wire_dtype kBFloat16).
 void ep_combine(EpGroup& group, const EpHandle& handle, TensorView y, bool weighted,
                 TensorView out, cudaStream_t stream = nullptr);
 

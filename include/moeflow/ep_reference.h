@@ -19,7 +19,9 @@
 //   - combine: out[t] = sum over ranks q ascending of partial_q[t], where
 //     partial_q[t] = sum over k ascending (slots of t on rank q, kept) of
 //     fma(w[t,k], y_q[row], .) in float32, the first partial taken as is. With
-//     W = 1 this is exactly unpermute.
+//     W = 1 this is exactly unpermute. With a bfloat16 wire
+//     (EpOptions::combine_wire_dtype), partial_q[t] of a peer q != r holding
+//     several slots of t is rounded to bfloat16 (nearest even) first.
 #pragma once
 
 #include <cstdint>
@@ -78,13 +80,15 @@ std::vector<RankReceive> dispatch(const std::vector<RankInput>& inputs, const Ep
 
 // y[q]: expert outputs of rank q, [capacity, H] (float32/bfloat16/float16).
 // weights[r]: [T_r,K] float32 (or an undefined tensor for w = 1).
-// Returns out[r] [T_r,H] in `out_dtype`.
+// Returns out[r] [T_r,H] in `out_dtype`. wire_dtype: float32 or bfloat16
+// (the peers' partials of several slots rounded, see above).
 std::vector<Tensor> combine(const std::vector<Tensor>& y, const Handle& handle,
-                            const std::vector<Tensor>& weights, DType out_dtype);
+                            const std::vector<Tensor>& weights, DType out_dtype,
+                            DType wire_dtype = DType::kFloat32);
 
 // Gradient of dispatch (a combine without weights): grad_x[r] [T_r,H].
 std::vector<Tensor> dispatch_backward(const std::vector<Tensor>& grad_recv, const Handle& handle,
-                                      DType out_dtype);
+                                      DType out_dtype, DType wire_dtype = DType::kFloat32);
 
 // Gradient of combine: grad_y[q] [capacity,H] (w * dout sent to each row, pad
 // rows zero) and dprobs[r] [T_r,K] = <dout[r][t], y_q[row]> (0 when unrouted).

@@ -108,6 +108,12 @@ class Group:
     ``scale_dtype`` (float32 / bfloat16 / float16 / int32 / uint8) that
     travel with the token's rows (:func:`dispatch`'s ``scales``,
     ``handle.row_scales``); 0: none.
+    ``combine_wire_dtype`` (float32 / bfloat16): what a rank sends home in
+    :func:`combine` (and the dispatch's backward) for a token with several
+    slots there: their float32 sum, or that sum rounded to bfloat16 (half
+    the bytes; needs ``hidden_size`` % 8 == 0). A token's only slot crosses
+    as its row of y either way; the sums at home stay float32. Every rank
+    passes the same value (docs/ep.md).
     ``backward_dtype`` (FP8 tokens only; float32 / float16 / bfloat16,
     default bfloat16): the dtype of the gradients that go back through
     combine's backward (``dout``; on the nvlink backend also combine's y).
@@ -135,7 +141,8 @@ class Group:
                  max_tokens_per_rank: int, align: int = 16, capacity_rows: int = -1,
                  timeout: float = 300.0, scale_cols: int = 0,
                  scale_dtype: torch.dtype = torch.float32,
-                 backward_dtype: Optional[torch.dtype] = None, **options):
+                 backward_dtype: Optional[torch.dtype] = None,
+                 combine_wire_dtype: torch.dtype = torch.float32, **options):
         if backend not in _BACKENDS:
             raise ValueError(f"backend must be one of {_BACKENDS}, got {backend!r}")
         if not dist.is_available() or not dist.is_initialized():
@@ -171,6 +178,12 @@ class Group:
         if scale_dtype not in _SCALE_DTYPES:
             raise ValueError(f"scale_dtype must be one of "
                              f"{', '.join(str(d) for d in _SCALE_DTYPES)}, got {scale_dtype}")
+        if combine_wire_dtype not in (torch.float32, torch.bfloat16):
+            raise ValueError(f"combine_wire_dtype must be torch.float32 or torch.bfloat16, "
+                             f"got {combine_wire_dtype}")
+        if combine_wire_dtype == torch.bfloat16 and H % 8:
+            raise ValueError(f"combine_wire_dtype=torch.bfloat16 needs hidden_size % 8 == 0, "
+                             f"got {H}")
         if int(align) not in _ALIGNS:
             raise ValueError(f"align must be one of {_ALIGNS}, got {align}")
         align = int(align)
@@ -191,6 +204,7 @@ class Group:
         # The dtype of the gradient rows (combine's dout; nvlink: its y too).
         self.backward_dtype = grad_dtype
         self.scale_cols, self.scale_dtype = int(scale_cols), scale_dtype
+        self.combine_wire_dtype = combine_wire_dtype
         self.local_experts = E // W
         self.expert_range = (rank * self.local_experts, (rank + 1) * self.local_experts)
         self.backend, self.align = backend, align
@@ -219,7 +233,8 @@ class Group:
         self._g = _C.EpGroup(uid, rank, W, dev, backend, E, K, H, _DTYPES[dtype], align,
                              self.max_tokens_per_rank, capacity_rows, self.timeout,
                              backward_dtype=_DTYPES[grad_dtype], scale_cols=self.scale_cols,
-                             scale_dtype=_SCALE_DTYPES[scale_dtype], **options)
+                             scale_dtype=_SCALE_DTYPES[scale_dtype],
+                             combine_wire_dtype=_DTYPES[combine_wire_dtype], **options)
         self.capacity_rows = int(self._g.capacity_rows)
 
     def destroy(self) -> None:
@@ -433,7 +448,8 @@ def _ref_slots(h: EpHandle, slot_home: torch.Tensor) -> torch.Tensor:
 def _ref_sum(h: EpHandle, full: torch.Tensor, w: Optional[torch.Tensor],
              out_dtype: torch.dtype) -> torch.Tensor:
     """The combine sum: per rank q ascending a float32 fma chain over k
-    ascending of t's kept slots on q; the partials added in rank order."""
+    ascending of t's kept slots on q; the partials added in rank order. With
+    the bfloat16 wire a peer's partial of several slots is rounded first."""
     st, W, K = h._ref, h.group.world_size, h.group.topk
     T, H, dev = full.shape[0], full.shape[2], full.device
     kept = st.dest_row >= 0
@@ -448,6 +464,9 @@ def _ref_sum(h: EpHandle, full: torch.Tensor, w: Optional[torch.Tensor],
             # float64 holds w*y exactly: one rounding to float32, as an fma.
             partial = torch.where(on_q[:, k:k + 1], (prod + partial.double()).float(), partial)
         any_q = on_q.any(1, keepdim=True)
+        if h.group.combine_wire_dtype == torch.bfloat16 and q != h.group.rank:
+            several = on_q.sum(1, keepdim=True) > 1
+            partial = torch.where(several, partial.bfloat16().float(), partial)
         total = torch.where(any_q, torch.where(have, total + partial, partial), total)
         have = have | any_q
     return total.to(out_dtype)

@@ -56,7 +56,8 @@ void make_group(PyEpGroup* self, nb::bytes unique_id, int rank, int world_size, 
                 const std::string& backend, int num_experts, int topk, int64_t hidden,
                 const std::string& dtype, int align, int64_t max_tokens_per_rank,
                 int64_t capacity_rows, double timeout_s, const std::string& backward_dtype,
-                int64_t scale_cols, const std::string& scale_dtype, const nb::kwargs& options) {
+                int64_t scale_cols, const std::string& scale_dtype,
+                const std::string& combine_wire_dtype, const nb::kwargs& options) {
   std::array<char, 128> id{};
   MOEFLOW_CHECK(unique_id.size() == id.size(), "unique_id: expected ", id.size(),
                 " bytes (an NCCL unique id), got ", unique_id.size());
@@ -75,6 +76,7 @@ void make_group(PyEpGroup* self, nb::bytes unique_id, int rank, int world_size, 
   o.max_tokens_per_rank = max_tokens_per_rank;
   o.capacity_rows = capacity_rows;
   o.timeout_s = timeout_s;
+  o.combine_wire_dtype = dtype_from_name(combine_wire_dtype);
   // The tuning options of EpOptions, by name (docs/tuning.md).
   for (auto [key, value] : options) {
     const std::string k = nb::cast<std::string>(key);
@@ -173,7 +175,8 @@ void bind_ep(nb::module_& m) {
            nb::arg("hidden"), nb::arg("dtype"), nb::arg("align") = 16,
            nb::arg("max_tokens_per_rank"), nb::arg("capacity_rows") = -1,
            nb::arg("timeout_s") = 300.0, nb::arg("backward_dtype") = "bfloat16",
-           nb::arg("scale_cols") = 0, nb::arg("scale_dtype") = "float32", nb::arg("options"))
+           nb::arg("scale_cols") = 0, nb::arg("scale_dtype") = "float32",
+           nb::arg("combine_wire_dtype") = "float32", nb::arg("options"))
       .def_prop_ro("rank", [](PyEpGroup& g) { return group_of(g).rank(); })
       .def_prop_ro("world_size", [](PyEpGroup& g) { return group_of(g).world_size(); })
       .def_prop_ro("local_experts", [](PyEpGroup& g) { return group_of(g).local_experts(); })

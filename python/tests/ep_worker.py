@@ -116,9 +116,22 @@ class Oracle:
     def _slot_any(self, q):
         return (self.plans[q].dest_row >= 0).any(1, keepdim=True)
 
-    def combine(self, ys, weighted, dtype):
+    def home(self):
+        """[N, 1] the rank each gathered token came from."""
+        return torch.cat([torch.full((self.starts[r + 1] - self.starts[r], 1), r)
+                          for r in range(self.W)])
+
+    def rounded(self, q):
+        """[N, 1] the tokens whose partial from rank q crosses the bfloat16
+        wire rounded: q holds several of its slots and is not its home."""
+        return ((self.plans[q].dest_row >= 0).sum(1, keepdim=True) > 1) & (self.home() != q)
+
+    def combine(self, ys, weighted, dtype, wire=torch.float32):
         partials = [ops.unpermute(ys[q].float(), self.plans[q], self.P if weighted else None)
                     for q in range(self.W)]
+        if wire == torch.bfloat16:
+            partials = [torch.where(self.rounded(q), p.bfloat16().float(), p)
+                        for q, p in enumerate(partials)]
         return ordered_sum(partials, [self._slot_any(q) for q in range(self.W)], dtype)
 
     def grad_y(self, q, weighted, dtype):
@@ -160,12 +173,12 @@ class Roundtrip:
     in steps so that several can be interleaved."""
 
     def __init__(self, ctx, T_list, E, K, H, dtype, align=16, capacity_rows=-1,
-                 routing="random", seed=0, int64_ids=False):
-        self.ctx, self.dtype, self.K = ctx, dtype, K
+                 routing="random", seed=0, int64_ids=False, wire=torch.float32):
+        self.ctx, self.dtype, self.K, self.wire = ctx, dtype, K, wire
         W, r = ctx.world, ctx.rank
         self.g = ctx.group(num_experts=E, topk=K, hidden_size=H, dtype=dtype,
                            max_tokens_per_rank=max(T_list + [1]), align=align,
-                           capacity_rows=capacity_rows)
+                           capacity_rows=capacity_rows, combine_wire_dtype=wire)
         cap = self.g.capacity_rows
         inputs = make_inputs(T_list, E, K, H, dtype, routing, seed)
         self.o = Oracle(inputs, E, align, cap)
@@ -203,9 +216,10 @@ class Roundtrip:
         eq("overflow", self.h.overflow, plan.overflow)
         eq("rows", self.rows[:total], o.rows[r][:total])
         eq("row_probs", self.h.row_probs[:total], o.row_probs[r][:total])
-        eq("combine (weighted)", self.out, o.mine(o.combine(self.ys, True, dt), r))
-        eq("combine (unweighted)", self.out2, o.mine(o.combine(self.ys, False, dt), r))
-        eq("dispatch backward", self.x.grad, o.mine(o.combine(self.gs, False, dt), r))
+        wire = self.wire
+        eq("combine (weighted)", self.out, o.mine(o.combine(self.ys, True, dt, wire), r))
+        eq("combine (unweighted)", self.out2, o.mine(o.combine(self.ys, False, dt, wire), r))
+        eq("dispatch backward", self.x.grad, o.mine(o.combine(self.gs, False, dt, wire), r))
         eq("combine backward grad_y (weighted)", self.y.grad[:total], o.grad_y(r, True, dt)[:total])
         eq("combine backward grad_y (unweighted)", self.y2.grad[:total],
            o.grad_y(r, False, dt)[:total])
@@ -252,6 +266,17 @@ def check_dropped_slots(ctx):
     dropped = torch.tensor([int(p.overflow) for p in rt.o.plans])
     if int(dropped.sum()) == 0:
         raise AssertionError("the small capacity dropped nothing: the check checks nothing")
+
+
+def check_bf16_combine_wire(ctx):
+    # combine_wire_dtype=bfloat16: a peer's partial of several slots rounded
+    # once; bf16 and float32 experts' outputs, uneven T with a 0.
+    W = ctx.world
+    for dt, seed in ((torch.bfloat16, 5), (torch.float32, 6)):
+        rt = Roundtrip(ctx, tokens(W, 17, 0, 9), E=2 * W, K=3, H=24, dtype=dt, seed=seed,
+                       wire=torch.bfloat16).run()
+        if not any(bool(rt.o.rounded(q).any()) for q in range(W)):
+            raise AssertionError("no partial crossed rounded: the check checks nothing")
 
 
 def check_sparse_top1(ctx):  # many unrouted slots, top-1, E = W (one expert per rank)
@@ -437,6 +462,10 @@ def check_errors(ctx):
     raises(ValueError, r"num_experts must be a positive multiple of the world size",
            lambda: mk(**{**kw, "num_experts": 2 * W + 1}))
     raises(ValueError, r"backend must be one of", lambda: mk(**{**kw, "backend": "mpi"}))
+    raises(ValueError, r"combine_wire_dtype must be torch.float32 or torch.bfloat16",
+           lambda: mk(**{**kw, "combine_wire_dtype": torch.float16}))
+    raises(ValueError, r"combine_wire_dtype=torch.bfloat16 needs hidden_size % 8 == 0",
+           lambda: mk(**{**kw, "hidden_size": 12, "combine_wire_dtype": torch.bfloat16}))
     raises(ValueError, r"align must be one of \(1, 16", lambda: mk(**{**kw, "align": 3}))
     raises(ValueError, r"capacity_rows must be .* multiple of align=16, got 20",
            lambda: mk(**{**kw, "capacity_rows": 20}))
@@ -502,7 +531,7 @@ def check_errors(ctx):
 
 CHECKS = {f.__name__[len("check_"):]: f for f in (
     check_uneven_bf16, check_float32_align1_int64_ids, check_all_to_one_rank, check_dropped_slots,
-    check_sparse_top1, check_two_in_flight, check_w1_matches_ops, check_activation_recomputation,
+    check_sparse_top1, check_bf16_combine_wire, check_two_in_flight, check_w1_matches_ops, check_activation_recomputation,
     check_layer, check_errors)}
 
 
@@ -648,10 +677,15 @@ def run(world, names=None, *, backend="reference", cuda=False, deadline_s=120.0,
     # The server imports torch and moeflow once; each rank is forked from it.
     ctx = rank_runner.mp_context(["torch", "torch.distributed", "moeflow.ep", "moeflow.layer",
                                   "ep_worker", "ep_worker_fp8"])
-    reports = rank_runner.run_ranks(ctx, _worker, world,
-                                    (world, rank_runner.free_port(), backend, cuda, names,
-                                     dict(env or {})),
-                                    deadline_s)
+    for attempt in range(3):
+        reports = rank_runner.run_ranks(ctx, _worker, world,
+                                        (world, rank_runner.free_port(), backend, cuda, names,
+                                         dict(env or {})),
+                                        deadline_s)
+        # The free port can be taken by another process before rank 0 listens
+        # on it: then again with another port.
+        if not any("EADDRINUSE" in str(rep.get("<setup>") or "") for rep in reports.values()):
+            break
     out = {}
     for name in names + ["<setup>"]:
         errs = [f"rank {r}: {reports[r].get(name, 'not run (see <setup>)')}"

@@ -93,6 +93,15 @@ void check_ep_options(const EpOptions& o, int world) {
   MOEFLOW_CHECK(o.timeout_s >= 0.0, "timeout_s must be >= 0 (0: no timeout), got ", o.timeout_s);
   MOEFLOW_CHECK(o.eager_share >= 0.0 && o.eager_share < 1.0, "eager_share must be in [0, 1), got ",
                 o.eager_share);
+  check_combine_wire(o.combine_wire_dtype, o.hidden);
+}
+
+void check_combine_wire(DType wire, int64_t hidden) {
+  MOEFLOW_CHECK(wire == DType::kFloat32 || wire == DType::kBFloat16,
+                "combine_wire_dtype must be float32 or bfloat16, got ", dtype_name(wire));
+  MOEFLOW_CHECK(wire == DType::kFloat32 || hidden % 8 == 0,
+                "combine_wire_dtype bfloat16 needs hidden % 8 == 0 (16-byte rows), got hidden=",
+                hidden);
 }
 
 EpDispatchResult ep_dispatch(EpGroup& group, TensorView x, TensorView ids, TensorView probs,

@@ -12,6 +12,8 @@ constexpr int kEpMaxChunks = 16;  // EpOptions::pipeline_chunks at most
 
 // Checks the options of a group of `world_size` ranks (every factory calls it).
 void check_ep_options(const EpOptions& options, int world_size);
+// EpOptions::combine_wire_dtype against the hidden size.
+void check_combine_wire(DType wire, int64_t hidden);
 
 namespace cuda {
 

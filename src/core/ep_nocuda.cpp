@@ -72,6 +72,9 @@ void EpGroup::set_overlap_blocks(int) {
 void EpGroup::set_nvlink_blocks(int) {
   no_cuda();
 }
+void EpGroup::set_combine_wire_dtype(DType) {
+  no_cuda();
+}
 ncclComm* EpGroup::nccl_comm() const {
   return nullptr;
 }

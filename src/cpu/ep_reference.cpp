@@ -186,8 +186,11 @@ std::vector<RankReceive> dispatch(const std::vector<RankInput>& in, const EpConf
 }
 
 std::vector<Tensor> combine(const std::vector<Tensor>& y, const Handle& h,
-                            const std::vector<Tensor>& weights, DType out_dtype) {
+                            const std::vector<Tensor>& weights, DType out_dtype,
+                            DType wire_dtype) {
   const int W = h.config.world_size, K = h.topk;
+  MOEFLOW_CHECK(wire_dtype == DType::kFloat32 || wire_dtype == DType::kBFloat16,
+                "combine: wire_dtype must be float32 or bfloat16, got ", dtype_name(wire_dtype));
   MOEFLOW_CHECK(static_cast<int>(y.size()) == W, "combine: ", W, " expert outputs expected, got ", y.size());
   MOEFLOW_CHECK(weights.empty() || static_cast<int>(weights.size()) == W,
                 "combine: weights must be empty or one [T,K] tensor per rank");
@@ -206,7 +209,7 @@ std::vector<Tensor> combine(const std::vector<Tensor>& y, const Handle& h,
     for (int64_t t = 0; t < T; ++t) {
       bool have = false;
       for (int q = 0; q < W; ++q) {
-        bool any = false;
+        int slots = 0;
         std::fill(partial.begin(), partial.end(), 0.0f);
         for (int k = 0; k < K; ++k) {
           const int64_t s = t * K + k;
@@ -215,9 +218,11 @@ std::vector<Tensor> combine(const std::vector<Tensor>& y, const Handle& h,
           const float w = weighted ? weights[r].data_ptr<float>()[s] : 1.0f;
           const void* src = row_bytes(y[q], row);
           for (int64_t j = 0; j < H; ++j) partial[j] = std::fma(w, load_float(src, y[q].dtype(), j), partial[j]);
-          any = true;
+          ++slots;
         }
-        if (!any) continue;
+        if (slots == 0) continue;
+        if (wire_dtype == DType::kBFloat16 && q != r && slots > 1)  // crossed as bfloat16
+          for (int64_t j = 0; j < H; ++j) partial[j] = detail::bf16_to_float(detail::float_to_bf16(partial[j]));
         for (int64_t j = 0; j < H; ++j) total[j] = have ? total[j] + partial[j] : partial[j];
         have = true;
       }
@@ -228,8 +233,8 @@ std::vector<Tensor> combine(const std::vector<Tensor>& y, const Handle& h,
 }
 
 std::vector<Tensor> dispatch_backward(const std::vector<Tensor>& grad_recv, const Handle& h,
-                                      DType out_dtype) {
-  return combine(grad_recv, h, {}, out_dtype);
+                                      DType out_dtype, DType wire_dtype) {
+  return combine(grad_recv, h, {}, out_dtype, wire_dtype);
 }
 
 void combine_backward(const std::vector<Tensor>& dout, const Handle& h, const std::vector<Tensor>& y,

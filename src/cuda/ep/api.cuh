@@ -146,7 +146,9 @@ struct PackScalesParams {
 void launch_pack_scales(const PackScalesParams& p, cudaStream_t stream);
 
 // Combine on the rank that holds the slots, received rows [r0, r0 + n): a
-// single row's slot row of y as is, any other row its float32 partial.
+// single row's slot row of y as is, any other row its float32 partial (or
+// that partial rounded to bfloat16: partial_bf16), at partial row
+// r - recv_single_pos[r] - partial_shift.
 struct HolderParams {
   const void* y;  // [capacity, H] of y_dtype
   int64_t y_stride, hidden;
@@ -157,7 +159,9 @@ struct HolderParams {
   int64_t r0, n;
   const int32_t* recv_single;
   const int32_t* recv_single_pos;
-  float* partial;     // float32 partials
+  void* partial;      // float32 (or bfloat16) partials
+  bool partial_bf16;
+  int64_t partial_shift;
   void* single_rows;  // rows of y's dtype
 };
 // grid_cap: most blocks (the permutes' overlap_blocks, or 4 x SMs).
@@ -166,7 +170,8 @@ void launch_holder(const HolderParams& p, DType y_dtype, int64_t grid_cap, cudaS
 // out[t] for home tokens [t0, t0 + count): the partials of t added in
 // ascending rank order.
 struct CombineSumParams {
-  const float* back;        // the peers' float32 partials
+  const void* back;         // the peers' float32 (back_bf16: bfloat16) partials
+  bool back_bf16;
   const void* back_single;  // the peers' single rows (y's dtype)
   const float* partial;     // this rank's own partials
   int rank;
@@ -292,6 +297,7 @@ struct CombineParams {
   const void* y;
   int64_t y_stride;
   bool weighted;
+  bool wire_bf16;  // a peer's sum of several slots crosses as bfloat16
   void* out;
   int64_t out_stride;
 };

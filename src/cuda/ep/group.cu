@@ -403,6 +403,10 @@ void EpGroup::set_nvlink_blocks(int blocks) {
                 "] (the SMs: its roles wait on each other across ranks), got ", blocks);
   impl_->opt.nvlink_blocks = blocks;
 }
+void EpGroup::set_combine_wire_dtype(DType wire) {
+  check_combine_wire(wire, impl_->opt.hidden);
+  impl_->opt.combine_wire_dtype = wire;
+}
 void EpGroup::set_overlap_blocks(int blocks) {
   MOEFLOW_CHECK(blocks >= 0, "overlap_blocks must be >= 0, got ", blocks);
   impl_->opt.overlap_blocks = blocks;

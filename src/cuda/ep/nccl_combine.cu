@@ -8,6 +8,9 @@
 // goes back as that slot's row of y (half the bytes for 16-bit y) and is
 // weighted at home with the same bits. The rank's own partials stay in
 // place; one kernel adds each home token's partials in ascending rank order.
+// With EpOptions::combine_wire_dtype bfloat16 the holder rounds the peers'
+// partials to bfloat16 (half the bytes on the wire); its own stay float32,
+// after the single rows.
 // combine backward: dout rows go along the dispatch's routes, the expert rank
 // computes the gradient of its unpermute, and the dot products go home.
 // dispatch backward is a combine without weights.
@@ -63,13 +66,23 @@ void ep_nccl_combine(EpGroup& group, const EpHandle& handle, TensorView y, bool 
   const int64_t H = g.opt.hidden;
   const float* weights = weighted ? h.recv_probs.data_ptr<float>() : nullptr;
   cudaStream_t cs = g.streams.nccl;
-  const int64_t pb = H * 4, ysize = static_cast<int64_t>(dtype_size(y.dtype)), yb = H * ysize;
+  const bool bf16 = g.opt.combine_wire_dtype == DType::kBFloat16;
+  const int64_t ysize = static_cast<int64_t>(dtype_size(y.dtype)), yb = H * ysize;
+  const int64_t pb = H * (bf16 ? 2 : 4);  // a partial row on the wire
   uint8_t* partial_b = static_cast<uint8_t*>(g.buf.held_partials.data());
   uint8_t* back_b = static_cast<uint8_t*>(g.buf.home_partials.data());
-  uint8_t* partial_s = partial_b + l.held_partial_rows * pb;  // single rows sent
-  uint8_t* back_s = back_b + l.back_partial_rows * pb;        // single rows received
-  // The holder's sums of received rows [r0, r0 + n).
-  auto holder = [&](int64_t r0, int64_t n, int max_blocks) {
+  // bfloat16 wire: the peers' partials packed without the own ones (the
+  // rows of the peers after this rank move down by own_n), then the single
+  // rows, then the own float32 partials (16-byte aligned: hidden % 8 == 0).
+  const int64_t own_first = l.held_partial_offset[me];
+  const int64_t own_n = bf16 ? l.held_partial_piece[me * (C + 1) + C] : 0;
+  std::vector<int64_t> held_off = l.held_partial_offset;
+  for (int q = me + 1; q < W; ++q) held_off[q] -= own_n;
+  uint8_t* partial_s = partial_b + (l.held_partial_rows - own_n) * pb;  // single rows sent
+  uint8_t* own_b = bf16 ? partial_s + (l.received_rows - l.held_partial_rows) * yb : partial_b;
+  uint8_t* back_s = back_b + l.back_partial_rows * pb;  // single rows received
+  // The holder's sums of received rows [r0, r0 + n), from rank q.
+  auto holder = [&](int q, int64_t r0, int64_t n, int max_blocks) {
     if (n <= 0) return;
     HolderParams p;
     p.y = y.data;
@@ -83,7 +96,10 @@ void ep_nccl_combine(EpGroup& group, const EpHandle& handle, TensorView y, bool 
     p.n = n;
     p.recv_single = h.recv_single.data_ptr<int32_t>();
     p.recv_single_pos = h.recv_single_pos.data_ptr<int32_t>();
-    p.partial = reinterpret_cast<float*>(partial_b);
+    const bool own = q == me;
+    p.partial = own ? own_b : partial_b;
+    p.partial_bf16 = bf16 && !own;
+    p.partial_shift = !bf16 ? 0 : own ? own_first : q > me ? own_n : 0;
     p.single_rows = partial_s;
     launch_holder(p, y.dtype, max_blocks > 0 ? max_blocks : 4 * g.sm_count, stream);
   };
@@ -92,12 +108,12 @@ void ep_nccl_combine(EpGroup& group, const EpHandle& handle, TensorView y, bool 
     for (int q = 0; q < W; ++q) {
       if (q == me) continue;
       const int64_t b = l.recv_piece[q * (C + 1) + c], e = l.recv_piece[q * (C + 1) + c + 1];
-      holder(l.recv_offset[q] + b, e - b, c > 0 ? g.opt.overlap_blocks : 0);
+      holder(q, l.recv_offset[q] + b, e - b, c > 0 ? g.opt.overlap_blocks : 0);
     }
     g.mark("unperm" + std::to_string(c), stream);
     EpGroup::Impl::order(g.streams.ev_piece[c], stream, cs);
     MOEFLOW_NCCL_CHECK(ncclGroupStart());
-    exchange_piece(g, C, c, partial_b, pb, l.held_partial_offset, l.held_partial_piece, back_b, pb,
+    exchange_piece(g, C, c, partial_b, pb, held_off, l.held_partial_piece, back_b, pb,
                    l.back_partial_offset, l.back_partial_piece, cs);
     exchange_piece(g, C, c, partial_s, yb, l.held_single_offset, l.held_single_piece, back_s, yb,
                    l.back_single_offset, l.back_single_piece, cs);
@@ -105,16 +121,19 @@ void ep_nccl_combine(EpGroup& group, const EpHandle& handle, TensorView y, bool 
     MOEFLOW_CUDA_CHECK(cudaEventRecord(g.streams.ev_back[c], cs));
     g.mark("back" + std::to_string(c), cs);
   }
-  holder(l.recv_offset[me], l.recv_rows[me], g.opt.overlap_blocks);
+  holder(me, l.recv_offset[me], l.recv_rows[me], g.opt.overlap_blocks);
   g.mark("self", stream);
   const int64_t T = l.num_tokens;
   CombineSumParams p;
-  p.back = g.buf.home_partials.data_ptr<float>();
+  p.back = back_b;
+  p.back_bf16 = bf16;
   p.back_single = back_s;
-  p.partial = g.buf.held_partials.data_ptr<float>();
+  p.partial = reinterpret_cast<const float*>(own_b);
   p.rank = me;
   // own rows: partial index = recv row - single rows received before them
-  p.self_shift = l.recv_offset[me] - l.send_offset[me] - l.held_single_offset[me];
+  // (bfloat16 wire: counted from the first own partial)
+  p.self_shift = l.recv_offset[me] - l.send_offset[me] - l.held_single_offset[me] -
+                 (bf16 ? own_first : 0);
   p.hidden = H;
   p.num_tokens = T;
   p.world = W;

@@ -189,7 +189,8 @@ __global__ void ep_route_counts_kernel(const RouteCountsParams params) {
 // one warp per row. A single row (rsingle) sends its slot's row of y as is
 // (zeros when the slot was dropped) to single_rows[rspos[r]]; any other row
 // its float32 partial, the kept slots in ascending k, acc = fmaf(w, y, acc)
-// from 0 (unpermute's sum, bit for bit), to partial[r - rspos[r]].
+// from 0 (unpermute's sum, bit for bit), to partial[r - rspos[r] - shift]
+// (rounded to bfloat16 with partial_bf16).
 template <typename TY, int N>
 __global__ void ep_holder_kernel(const HolderParams params) {
   const TY* y = static_cast<const TY*>(params.y);
@@ -199,11 +200,15 @@ __global__ void ep_holder_kernel(const HolderParams params) {
                 *rspos = params.recv_single_pos;
   const float* weights = params.weights;
   const int K = params.topk;
-  float* partial = params.partial;
+  float* partial = static_cast<float*>(params.partial);
+  __nv_bfloat16* partial16 = static_cast<__nv_bfloat16*>(params.partial);
+  const bool bf16 = params.partial_bf16;
+  const int64_t shift = params.partial_shift;
   TY* single_rows = static_cast<TY*>(params.single_rows);
   constexpr int kU = 4;
   using P = cuda::Pack<TY, N>;
   using F = cuda::Pack<float, N>;
+  using B = cuda::Pack<__nv_bfloat16, N>;
   const int lane = threadIdx.x % cuda::kWarpSize;
   const int64_t warps = int64_t{gridDim.x} * blockDim.x / cuda::kWarpSize;
   const int64_t packs = H / N;
@@ -228,7 +233,9 @@ __global__ void ep_holder_kernel(const HolderParams params) {
       }
       continue;
     }
-    F* dst = reinterpret_cast<F*>(partial + (r - rspos[r]) * H);
+    const int64_t pi = r - rspos[r] - shift;
+    F* dst = reinterpret_cast<F*>(partial + pi * H);
+    B* dst16 = reinterpret_cast<B*>(partial16 + pi * H);
     for (int64_t p0 = 0; p0 < packs; p0 += kU * cuda::kWarpSize) {
       float acc[kU][N];
 #pragma unroll
@@ -255,10 +262,17 @@ __global__ void ep_holder_kernel(const HolderParams params) {
       for (int u = 0; u < kU; ++u) {
         const int64_t p = p0 + u * cuda::kWarpSize + lane;
         if (p >= packs) continue;
-        F o;
+        if (bf16) {
+          B o;
 #pragma unroll
-        for (int j = 0; j < N; ++j) o.v[j] = acc[u][j];
-        dst[p] = o;
+          for (int j = 0; j < N; ++j) o.v[j] = __float2bfloat16_rn(acc[u][j]);
+          dst16[p] = o;
+        } else {
+          F o;
+#pragma unroll
+          for (int j = 0; j < N; ++j) o.v[j] = acc[u][j];
+          dst[p] = o;
+        }
       }
     }
   }
@@ -374,10 +388,14 @@ __global__ void ep_pack_scales_kernel(const PackScalesParams params) {
 // The partial of peer q sits in back[pos[q,t] - spos[q,t]], or, when t has
 // one slot on q (single), q sent that slot's row of y: back_single[spos[q,t]],
 // weighted here as the holder would have (fmaf(w, y, 0)); this rank's own
-// partial is in partial[pos[self,t] + self_shift]. N elements per access.
+// partial is in partial[pos[self,t] + self_shift]. A peer's partial is
+// float32, or bfloat16 with back_bf16 (EpOptions::combine_wire_dtype); the
+// own one is always float32. N elements per access.
+constexpr int kSingle = 1, kHalf = 2;  // the kinds of a source row (0: float32 partial)
 template <typename TY, typename TOut, int N>
 __global__ void ep_combine_kernel(const CombineSumParams params) {
-  const float *back = params.back, *partial = params.partial, *send_probs = params.send_probs;
+  const float *partial = params.partial, *send_probs = params.send_probs;
+  const bool back16 = params.back_bf16;
   const TY* back_single = static_cast<const TY*>(params.back_single);
   const int self = params.rank, W = params.world, K = params.topk;
   const int64_t self_shift = params.self_shift, H = params.hidden, T = params.num_tokens,
@@ -391,7 +409,7 @@ __global__ void ep_combine_kernel(const CombineSumParams params) {
   const int64_t t = t0 + blockIdx.x;
   __shared__ const void* src[kMaxWorld];
   __shared__ float wsrc[kMaxWorld];  // weight of a single row
-  __shared__ bool one[kMaxWorld];    // a single row (else a float32 partial)
+  __shared__ int kind[kMaxWorld];    // kSingle: a single row, kHalf: a bf16 partial, else float32
   __shared__ int count;
   if (threadIdx.x == 0) {
     int n = 0;
@@ -399,7 +417,7 @@ __global__ void ep_combine_kernel(const CombineSumParams params) {
     for (int q = 0; q < W; ++q) {
       if (!flags[q * T + t]) continue;
       const int64_t row = pos[q * T + t];
-      one[n] = false;
+      kind[n] = 0;
       if (q == self) {
         src[n] = partial + (row + self_shift) * H;
       } else if (single[q * T + t]) {
@@ -408,9 +426,15 @@ __global__ void ep_combine_kernel(const CombineSumParams params) {
           if (send_ids[row * K + k] >= 0 && weighted) w = send_probs[row * K + k];
         src[n] = back_single + int64_t{spos_raw[q * T + t] - base} * H;
         wsrc[n] = w;
-        one[n] = true;
+        kind[n] = kSingle;
       } else {
-        src[n] = back + (row - (spos_raw[q * T + t] - base)) * H;
+        const int64_t i = (row - (spos_raw[q * T + t] - base)) * H;
+        if (back16) {
+          src[n] = static_cast<const __nv_bfloat16*>(params.back) + i;
+          kind[n] = kHalf;
+        } else {
+          src[n] = static_cast<const float*>(params.back) + i;
+        }
       }
       ++n;
     }
@@ -420,6 +444,7 @@ __global__ void ep_combine_kernel(const CombineSumParams params) {
   const int n = count;
   using In = cuda::Pack<float, N>;
   using InY = cuda::Pack<TY, N>;
+  using InB = cuda::Pack<__nv_bfloat16, N>;
   using Out = cuda::Pack<TOut, N>;
   for (int64_t v = threadIdx.x; v < H / N; v += blockDim.x) {
     In acc;
@@ -427,11 +452,15 @@ __global__ void ep_combine_kernel(const CombineSumParams params) {
     for (int j = 0; j < N; ++j) acc.v[j] = 0.0f;
     for (int i = 0; i < n; ++i) {
       In p;
-      if (one[i]) {
+      if (kind[i] == kSingle) {
         const float w = wsrc[i];
         const InY yv = reinterpret_cast<const InY*>(src[i])[v];
 #pragma unroll
         for (int j = 0; j < N; ++j) p.v[j] = fmaf(w, cuda::to_float(yv.v[j]), 0.0f);
+      } else if (kind[i] == kHalf) {
+        const InB bv = reinterpret_cast<const InB*>(src[i])[v];
+#pragma unroll
+        for (int j = 0; j < N; ++j) p.v[j] = __bfloat162float(bv.v[j]);
       } else {
         p = reinterpret_cast<const In*>(src[i])[v];
       }

@@ -24,7 +24,8 @@
 //      copied from the window into the dispatch's handle, so that later
 //      dispatches may rewrite the window while this one's combine waits.
 // combine: barrier; on the holder, one warp per peer token with kept slots
-// here: the float32 sum of its slots (k ascending, weighted) stored into the
+// here: the float32 sum of its slots (k ascending, weighted; rounded to
+// bfloat16 with EpOptions::combine_wire_dtype) stored into the
 // home rank's partial, or, when it holds one slot of the token, that slot's
 // row as is (y's type: half the bytes of a float32 partial for 16-bit y; the
 // home weights it exactly as the holder would have); one warp per home
@@ -378,6 +379,7 @@ void ep_nvlink_combine(EpGroup& group, const EpHandle& handle, TensorView y, boo
   p.y = y.data;
   p.y_stride = y.strides[0];
   p.weighted = weighted;
+  p.wire_bf16 = g.opt.combine_wire_dtype == DType::kBFloat16;
   p.out = out.data;
   p.out_stride = out.strides[0];
   nvl::launch_combine(p, y.dtype, out.dtype, grid(g), stream);

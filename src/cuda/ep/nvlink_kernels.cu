@@ -202,7 +202,8 @@ __global__ void __launch_bounds__(NW * 32) dispatch_kernel(const DispatchParams 
 // The combine (one kernel, two roles). Holder: for each peer token with kept
 // slots here, the float32 sum of its slots (k ascending, weighted by the
 // received probs when `weighted`) stored into the home rank's partial[me][t]
-// (a token with one slot here: that slot's row of y as is), then announced. Home: for each own
+// (rounded to bfloat16 with `wire_bf16`; a token with one slot here: that
+// slot's row of y as is), then announced. Home: for each own
 // token, ranks ascending: the own slots summed here (k ascending), the peers' partials once
 // announced: the reference's order. Rows are prefetched into L2 kAhead steps ahead.
 template <typename T, typename TOut, int N>
@@ -218,10 +219,11 @@ __global__ void __launch_bounds__(kSumWarps * 32) combine_kernel(const CombinePa
   const T* y = static_cast<const T*>(params.y);
   TOut* out = static_cast<TOut*>(params.out);
   const int64_t y_stride = params.y_stride, out_stride = params.out_stride;
-  const bool weighted = params.weighted;
+  const bool weighted = params.weighted, wire16 = params.wire_bf16;
   constexpr int U = sum_u<N>();
   using PO = cuda::Pack<TOut, N>;
   using PY = cuda::Pack<T, N>;
+  using PB = cuda::Pack<__nv_bfloat16, N>;
   __shared__ SlotList lists[kSumWarps];
   const int lane = threadIdx.x % 32;
   SlotList& l = lists[threadIdx.x / 32];
@@ -257,7 +259,7 @@ __global__ void __launch_bounds__(kSumWarps * 32) combine_kernel(const CombinePa
       for (int st = 0; st < kAhead; ++st)
         prefetch_slots<T, N>(y, y_stride, l, n, st, 32 * U, packs, lane);
       // lane p < W: the bytes per element of rank p's partial
-      const int64_t eb = ((single >> lane) & 1u) ? int64_t{sizeof(T)} : 4;
+      const int64_t eb = ((single >> lane) & 1u) ? int64_t{sizeof(T)} : wire16 ? 2 : 4;
       if (lane < W && lane != me && ((ranks >> lane) & 1u)) {  // lane p waits for rank p
         win.wait_flag(flag + size_t(lane) * tmax + t, epoch, lane);
         prefetch_span(partial + (size_t(lane) * tmax + t) * H, 0, kAhead * 32 * U * N * eb, H * eb);
@@ -285,6 +287,16 @@ __global__ void __launch_bounds__(kSumWarps * 32) combine_kernel(const CombinePa
               const PY v = load_pack_cg<T, N>(prow + p);
 #pragma unroll
               for (int j = 0; j < N; ++j) part[u][j] = fmaf(ws, cuda::to_float(v.v[j]), 0.0f);
+            }
+          } else if (wire16) {  // the peer's sum, rounded to bfloat16
+            const PB* prow = reinterpret_cast<const PB*>(partial + (size_t(r) * tmax + t) * H);
+#pragma unroll
+            for (int u = 0; u < U; ++u) {
+              const int64_t p = p0 + u * 32 + lane;
+              if (p >= packs) continue;
+              const PB v = load_pack_cg<__nv_bfloat16, N>(prow + p);
+#pragma unroll
+              for (int j = 0; j < N; ++j) part[u][j] = __bfloat162float(v.v[j]);
             }
           } else {
 #pragma unroll
@@ -351,6 +363,18 @@ __global__ void __launch_bounds__(kSumWarps * 32) combine_kernel(const CombinePa
       }
       float part[UH][N];
       slot_sum<T, N, UH>(y, y_stride, l, n, p0, packs, lane, part);
+      if (wire16) {  // EpOptions::combine_wire_dtype bfloat16: half the bytes
+#pragma unroll
+        for (int u = 0; u < UH; ++u) {
+          const int64_t p = p0 + u * 32 + lane;
+          if (p >= packs) continue;
+          PB v;
+#pragma unroll
+          for (int j = 0; j < N; ++j) v.v[j] = __float2bfloat16_rn(part[u][j]);
+          reinterpret_cast<PB*>(dst)[p] = v;
+        }
+        continue;
+      }
 #pragma unroll
       for (int u = 0; u < UH; ++u) {
         const int64_t p = p0 + u * 32 + lane;
