@@ -200,6 +200,12 @@ class MoELayer(ExpertCheckpointMixin, torch.nn.Module):
     gradients only; ``layer.backward_dw()`` then computes the experts'
     weight gradients (e.g. to overlap them with communication).
 
+    Precision (``precision``): "bf16" (default), or "fp8-blockwise" /
+    "fp8-tensorwise": the experts' forward and input gradients through the
+    FP8 grouped GEMM, their weight gradients in bf16 (``ops.grouped_mlp``'s
+    ``precision``; docs/fp8.md). FP8 needs hidden_size and ffn_hidden_size
+    multiples of 128, bf16 parameters and align a multiple of 16.
+
     Checkpoints, in Megatron-Core's two expert key layouts:
 
     - ``"grouped"`` (the default): the module's own keys, ``router_weight``,
@@ -262,7 +268,7 @@ class MoELayer(ExpertCheckpointMixin, torch.nn.Module):
                  shared_expert_ffn_hidden_size: int = 0, shared_expert_gate: bool = False,
                  shared_expert_overlap: bool = True, recompute_activation: bool = True,
                  delay_wgrad_compute: bool = False,
-                 gradient_accumulation_fusion: bool = False,
+                 gradient_accumulation_fusion: bool = False, precision: str = "bf16",
                  params_dtype: torch.dtype = torch.bfloat16,
                  device: Optional[Union[torch.device, str]] = None,
                  ep_group: Optional["_ep.Group"] = None):
@@ -345,6 +351,25 @@ class MoELayer(ExpertCheckpointMixin, torch.nn.Module):
         self.capacity_factor = None if capacity_factor is None else float(capacity_factor)
         self.token_drop_policy = token_drop_policy
         self.align = int(align)
+        from . import _fp8_mlp
+        if precision not in _fp8_mlp.RECIPES:
+            raise ValueError(f"precision must be one of {_fp8_mlp.RECIPES}, got {precision!r}")
+        if precision != "bf16":
+            for name, n in (("hidden_size", H), ("ffn_hidden_size", F)):
+                if n % 128:
+                    raise ValueError(f"precision={precision!r} needs {name} to be a multiple "
+                                     f"of 128, got {n}")
+            if params_dtype != torch.bfloat16:
+                raise ValueError(f"precision={precision!r} needs params_dtype=torch.bfloat16, "
+                                 f"got {params_dtype}")
+            align_used = self.align if ep_group is None else ep_group.align
+            if align_used % 16:
+                raise ValueError(f"precision={precision!r} needs align (with ep_group: the "
+                                 f"group's) to be a multiple of 16, got {align_used}")
+            if delay_wgrad_compute:
+                raise ValueError(f"precision={precision!r} does not support "
+                                 f"delay_wgrad_compute")
+        self.precision = precision
         self.gradient_accumulation_fusion = bool(gradient_accumulation_fusion)
         self.recompute_activation = bool(recompute_activation)
         self.delay_wgrad_compute = bool(delay_wgrad_compute)
@@ -530,7 +555,8 @@ class MoELayer(ExpertCheckpointMixin, torch.nn.Module):
                                offset=self.activation_offset,
                                accumulate_into_main_grad=self.gradient_accumulation_fusion,
                                recompute_activation=self.recompute_activation,
-                               wgrad_store=self._wgrad_store, **groups)
+                               wgrad_store=self._wgrad_store, precision=self.precision,
+                               **groups)
 
     def _experts_ep(self, xe: torch.Tensor, ids: torch.Tensor,
                     probs: torch.Tensor) -> torch.Tensor:
@@ -605,4 +631,6 @@ class MoELayer(ExpertCheckpointMixin, torch.nn.Module):
             s += ", delay_wgrad_compute=True"
         if not self.recompute_activation:
             s += ", recompute_activation=False"
+        if self.precision != "bf16":
+            s += f", precision={self.precision!r}"
         return s

@@ -780,7 +780,7 @@ def grouped_mlp(x: torch.Tensor, fc1: torch.Tensor, fc2: torch.Tensor, *,
                 limit: float = 7.0, offset: float = 1.0,
                 accumulate_into_main_grad: bool = False, recompute_activation: bool = True,
                 wgrad_store: Optional[WgradStore] = None, unpermute: bool = False,
-                _grad_params: Optional[Tuple] = None) -> torch.Tensor:
+                precision: str = "bf16", _grad_params: Optional[Tuple] = None) -> torch.Tensor:
     """The grouped expert MLP: for the rows of each expert e,
     h = x W1_e^T + b1_e, a = act(h) * p, y = a W2_e^T + b2_e.
 
@@ -803,7 +803,14 @@ def grouped_mlp(x: torch.Tensor, fc1: torch.Tensor, fc2: torch.Tensor, *,
     ``unpermute`` (needs ``plan``): returns ``unpermute(y, plan)`` [T, H]
     instead of y, in the same autograd node, so that backward frees the
     rows' gradient as soon as FC2's weight gradient has read it (a lower
-    peak than the two ops chained)."""
+    peak than the two ops chained).
+
+    ``precision``: "bf16" (the 16-bit GEMMs above), or "fp8-blockwise" /
+    "fp8-tensorwise": the forward and both input gradients through the FP8
+    grouped GEMM (e4m3; 1x128 activation and 128 x 128 weight scales, or one
+    scale per tensor), the weight gradients in 16 bits (docs/fp8.md,
+    "Precision recipes"). FP8 needs bfloat16 x and weights, H, N1 and F
+    multiples of 128, no biases and no wgrad_store."""
     if activation not in _ACTIVATIONS:
         raise ValueError(f"activation must be one of {_ACTIVATIONS}, got {activation!r}")
     if plan is not None:
@@ -824,6 +831,14 @@ def grouped_mlp(x: torch.Tensor, fc1: torch.Tensor, fc2: torch.Tensor, *,
         main = (fc1.main_grad, fc2.main_grad)
     if unpermute and plan is None:
         raise ValueError("unpermute=True needs plan= (the plan to unpermute the rows with)")
+    if precision != "bf16":
+        from . import _fp8_mlp
+        _fp8_mlp.check(x, fc1, fc2, bias1, bias2, precision, wgrad_store)
+        args = (offsets, real_rows, cfg, precision, main, plan if unpermute else None)
+        if not (_grad_enabled() and (x.requires_grad or fc1.requires_grad or fc2.requires_grad
+                                     or (probs is not None and probs.requires_grad))):
+            return _fp8_mlp.GroupedMlpFp8.forward(None, x, fc1, fc2, probs, args)
+        return _fp8_mlp.GroupedMlpFp8.apply(x, fc1, fc2, probs, args)
     if not (_grad_enabled() and (x.requires_grad or fc1.requires_grad or fc2.requires_grad
                                  or (bias1 is not None and bias1.requires_grad)
                                  or (bias2 is not None and bias2.requires_grad)

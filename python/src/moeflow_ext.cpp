@@ -608,6 +608,21 @@ NB_MODULE(_C, m) {
       nb::arg("activation"), nb::arg("glu_interleave"), nb::arg("alpha"), nb::arg("limit"),
       nb::arg("offset"), nb::arg("a"), nb::arg("stream") = 0);
   m.def(
+      "grouped_mlp_activation_backward",
+      [](const Array& h, const Array& offsets, const std::optional<Array>& real_rows,
+         const std::optional<Array>& probs, const std::string& act, int glu_interleave,
+         float alpha, float limit, float offset, const Array& d_h,
+         const std::optional<Array>& dprobs, uintptr_t s) {
+        grouped_mlp_activation_backward(view_of(h, "h"), layout(offsets, real_rows),
+                                        opt_view(probs, "probs"),
+                                        mlp_config(act, glu_interleave, alpha, limit, offset),
+                                        view_of(d_h, "d_h"), opt_view(dprobs, "dprobs"),
+                                        stream_of(s));
+      },
+      nb::arg("h"), nb::arg("offsets"), nb::arg("real_rows").none(), nb::arg("probs").none(),
+      nb::arg("activation"), nb::arg("glu_interleave"), nb::arg("alpha"), nb::arg("limit"),
+      nb::arg("offset"), nb::arg("d_h"), nb::arg("dprobs").none(), nb::arg("stream") = 0);
+  m.def(
       "grouped_mlp_activation_quantize",
       [](const Array& h, const Array& offsets, const std::optional<Array>& real_rows,
          const std::optional<Array>& probs, const std::string& act, int glu_interleave,

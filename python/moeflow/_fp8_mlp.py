@@ -1,0 +1,165 @@
+"""The grouped expert MLP with FP8 GEMMs: ``ops.grouped_mlp(...,
+precision="fp8-blockwise" | "fp8-tensorwise")`` (docs/fp8.md, "Precision
+recipes").
+
+Forward and both input gradients run through the FP8 grouped GEMM (e4m3
+codes, float32 scales promoted every 128 of K): FC1 on x's codes, FC2 on
+act(h) * p's codes (1x128 blocks: one pass over h), FC2's dgrad on dy's
+codes with W2 transposed, FC1's dgrad on d_h's codes with W1 transposed.
+The weights are quantized in every call (128 x 128 blocks, or one scale per
+tensor). The weight gradients are 16-bit GEMMs on the 16-bit activations
+(x, a recomputed from h, dy, d_h), as the bf16 MLP computes them.
+"""
+from typing import Optional, Tuple
+
+import torch
+
+from . import _C, ops
+from .ops import _stream
+
+RECIPES = ("bf16", "fp8-blockwise", "fp8-tensorwise")
+
+
+def _quantize(t: torch.Tensor, scaling: str) -> Tuple[torch.Tensor, torch.Tensor]:
+    return ops.quantize(t, "e4m3", scaling)
+
+
+def quantize_rows(t: torch.Tensor, recipe: str,
+                  offsets: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+    """A GEMM's A operand [rows, K]: e4m3 codes and [rows, K/128] scales (one
+    scale per tensor, repeated, for fp8-tensorwise: the amax of the rows of
+    the groups, [0, offsets[-1]); the rows past them are never read and may
+    hold anything)."""
+    if recipe == "fp8-blockwise":
+        return _quantize(t, "1x128")
+    used = torch.arange(t.shape[0], device=t.device) < offsets[-1]
+    q, s = _quantize(torch.where(used.unsqueeze(1), t, torch.zeros((), dtype=t.dtype,
+                                                                   device=t.device)),
+                     "tensorwise")
+    return q, s.expand(t.shape[0], t.shape[1] // 128).contiguous()
+
+
+def quantize_weight(w: torch.Tensor, recipe: str,
+                    transpose: bool = False) -> Tuple[torch.Tensor, torch.Tensor]:
+    """Expert weights [E, N, K] -> codes [E, N, K] and scales [E, N/128, K/128]
+    (128 x 128 blocks, or the tensor's scale repeated); ``transpose``: those
+    of W^T, [E, K, N] and [E, K/128, N/128] (the same blocks transposed)."""
+    E, N, K = w.shape
+    flat = w.detach().reshape(E * N, K)
+    if recipe == "fp8-blockwise":
+        q, s = _quantize(flat, "128x128")
+        s = s.view(E, N // 128, K // 128)
+    else:
+        q, s = _quantize(flat, "tensorwise")
+        s = s.expand(E, N // 128, K // 128)
+    q = q.view(E, N, K)
+    if transpose:
+        q, s = q.transpose(1, 2), s.transpose(1, 2)
+    return q.contiguous(), s.contiguous()
+
+
+def _gemm(a: torch.Tensor, w: torch.Tensor, recipe: str, offsets: torch.Tensor,
+          real_rows: Optional[torch.Tensor], transpose: bool) -> torch.Tensor:
+    """out[rows of e] = a @ W_e^T (transpose: a @ W_e), both operands in FP8."""
+    aq, a_s = quantize_rows(a, recipe, offsets)
+    wq, w_s = quantize_weight(w, recipe, transpose)
+    return ops.grouped_gemm_fp8_forward(aq, a_s, wq, w_s, offsets, real_rows)
+
+
+def check(x: torch.Tensor, fc1: torch.Tensor, fc2: torch.Tensor, bias1, bias2, recipe: str,
+          wgrad_store) -> None:
+    """The FP8 recipes' requirements, with the argument named."""
+    if recipe not in RECIPES:
+        raise ValueError(f"precision must be one of {RECIPES}, got {recipe!r}")
+    for name, t in (("x", x), ("fc1", fc1), ("fc2", fc2)):
+        if t.dtype != torch.bfloat16:
+            raise ValueError(f"precision={recipe!r} needs bfloat16 {name}, got {t.dtype}")
+    H, N1, F = fc1.shape[2], fc1.shape[1], fc2.shape[2]
+    for name, n in (("hidden size (fc1.shape[2])", H), ("FC1 width (fc1.shape[1])", N1),
+                    ("FFN size (fc2.shape[2])", F)):
+        if n % 128:
+            raise ValueError(f"precision={recipe!r} needs the {name} to be a multiple of 128, "
+                             f"got {n}")
+    if bias1 is not None or bias2 is not None:
+        raise ValueError(f"precision={recipe!r} takes no biases (the FP8 GEMM has no bias "
+                         f"epilogue)")
+    if wgrad_store is not None:
+        raise ValueError(f"precision={recipe!r} does not take a wgrad_store")
+
+
+class GroupedMlpFp8(torch.autograd.Function):
+    # args: (offsets, real_rows, cfg, recipe, main_grads or None, plan to
+    # unpermute with or None); ctx None: called without autograd.
+    @staticmethod
+    def forward(ctx, x, fc1, fc2, probs, args):
+        offsets, real_rows, cfg, recipe, main, plan = args
+        x = x.detach().contiguous()
+        h = _gemm(x, fc1, recipe, offsets, real_rows, False)  # bf16 [rows, N1]
+        p = None if probs is None else probs.detach().contiguous()
+        if recipe == "fp8-blockwise":  # a = act(h) * p quantized in one pass over h
+            aq, a_s = ops.activation_quantize(h, offsets=offsets, real_rows=real_rows, probs=p,
+                                              activation=cfg[0], glu_interleave=cfg[1],
+                                              alpha=cfg[2], limit=cfg[3], offset=cfg[4])
+        else:
+            a = h.new_empty(h.shape[0], fc2.shape[2])
+            _C.grouped_mlp_recompute_activation(h, offsets, real_rows, p, *cfg, a, _stream(h))
+            aq, a_s = quantize_rows(a, recipe, offsets)
+            del a
+        w2q, w2s = quantize_weight(fc2, recipe)
+        y = ops.grouped_gemm_fp8_forward(aq, a_s, w2q, w2s, offsets, real_rows)
+        if ctx is not None:
+            ctx.set_materialize_grads(False)
+            ctx.cfg, ctx.recipe, ctx.main, ctx.plan = cfg, recipe, main, plan
+            ctx.save_for_backward(x, fc1, fc2, p, offsets, real_rows, h)
+        if plan is None:
+            return y
+        out = y.new_empty(plan.num_tokens, y.shape[1])
+        _C.unpermute(y, plan._view, out, None, _stream(y))
+        return out
+
+    @staticmethod
+    def backward(ctx, dy):
+        if dy is None:
+            return (None,) * 5
+        x, fc1, fc2, probs, offsets, real_rows, h = ctx.saved_tensors
+        cfg, recipe, main, plan = ctx.cfg, ctx.recipe, ctx.main, ctx.plan
+        need = ctx.needs_input_grad
+        s = _stream(h)
+        if plan is not None:
+            dout = dy.contiguous()
+            dy = dout.new_empty(x.shape[0], fc2.shape[1])
+            _C.unpermute_backward(dout, plan._view, None, None, dy, None, s)
+            del dout
+        else:
+            dy = dy.contiguous()
+        F = fc2.shape[2]
+        da = _gemm(dy, fc2, recipe, offsets, real_rows, True)  # FC2 dgrad: [rows, F]
+        d_h = torch.empty_like(h)
+        d_h[:, d_h.shape[1] - F:] = da  # d(a) in the last F columns (all of them when plain)
+        del da
+        dprobs = None
+        if probs is not None and need[3]:
+            dprobs = torch.empty(x.shape[0], dtype=torch.float32, device=x.device)
+        _C.grouped_mlp_activation_backward(h, offsets, real_rows, probs, *cfg, d_h, dprobs, s)
+        acc = main is not None
+
+        def wgrad(fc):
+            if not need[fc]:
+                return None
+            w = fc2 if fc == 2 else fc1
+            g = main[fc - 1] if acc else torch.empty_like(w)
+            if fc == 2:
+                a = x.new_empty(x.shape[0], F)
+                _C.grouped_mlp_recompute_activation(h, offsets, real_rows, probs, *cfg, a, s)
+                _C.grouped_mlp_backward_wgrad(dy, None, offsets, real_rows, h, a, None, None, g,
+                                              None, None, acc, s)
+            else:
+                _C.grouped_mlp_backward_wgrad(None, x, offsets, real_rows, h, None, d_h, g, None,
+                                              None, None, acc, s)
+            return None if acc else g
+
+        g2 = wgrad(2)
+        del dy
+        dx = _gemm(d_h, fc1, recipe, offsets, real_rows, True) if need[0] else None
+        g1 = wgrad(1)
+        return dx, g1, g2, dprobs, None

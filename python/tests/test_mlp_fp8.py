@@ -1,0 +1,187 @@
+"""The grouped MLP's FP8 precision recipes (ops.grouped_mlp(...,
+precision=...), MoELayer(precision=...)):
+
+- the forward equals its emulation from the library's own quantize /
+  dequantize (x and W1 dequantized, h rounded to bf16, a quantized by
+  activation_quantize, W2 dequantized) to the GEMMs' float32 block sums;
+- forward and backward (y, dx, dW1, dW2, dprobs) against the bf16 MLP
+  within the stated bound: relative Frobenius error < 0.1 and DeepGEMM's
+  calc_diff (1 - 2<a,b> / (|a|^2 + |b|^2)) < 5e-3 (measured 0.053-0.068 and
+  1.4e-3-2.3e-3 on these Gaussian problems: e4m3 keeps 3 mantissa bits);
+- main_grad accumulation, the argument errors;
+- a tiny MoE model trained 200 steps with each FP8 recipe tracks bf16's
+  loss within 5 % of the initial loss.
+CPU always; CUDA on Hopper."""
+import pytest
+
+torch = pytest.importorskip("torch")
+import moeflow  # noqa: E402
+import moeflow.ops as mf  # noqa: E402
+
+DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
+    not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] != 9,
+    reason="the FP8 grouped GEMM runs on Hopper (sm_90) GPUs"))]
+RECIPES = ["fp8-blockwise", "fp8-tensorwise"]
+
+
+def problem(device, E=4, H=256, F=256, T=96, K=2, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(T, H, generator=g).bfloat16()
+    ids = torch.stack([torch.randperm(E, generator=g)[:K] for _ in range(T)]).int()
+    probs = torch.rand(T, K, generator=g)
+    fc1 = (torch.randn(E, 2 * F, H, generator=g) / H ** 0.5).bfloat16()
+    fc2 = (torch.randn(E, H, F, generator=g) / F ** 0.5).bfloat16()
+    dy = torch.randn(T, H, generator=g).bfloat16()
+    plan = mf.Plan(ids.to(device), E, 16)
+    rows, rp = mf.permute(x.to(device), plan, probs.to(device))
+    return plan, rows, rp, fc1.to(device), fc2.to(device), dy.to(device)
+
+
+def run(prob, precision, main_grad=False):
+    plan, rows, rp, fc1, fc2, dy = prob
+    r = rows.detach().clone().requires_grad_()
+    p = rp.detach().clone().requires_grad_()
+    w1 = fc1.detach().clone().requires_grad_()
+    w2 = fc2.detach().clone().requires_grad_()
+    if main_grad:
+        w1.main_grad = torch.ones(w1.shape, dtype=torch.float32, device=w1.device)
+        w2.main_grad = torch.ones(w2.shape, dtype=torch.float32, device=w2.device)
+    out = mf.grouped_mlp(r, w1, w2, plan=plan, probs=p, unpermute=True, precision=precision,
+                         accumulate_into_main_grad=main_grad)
+    out.backward(dy)
+    if main_grad:
+        return out, r.grad, w1.main_grad - 1, w2.main_grad - 1, p.grad, (w1.grad, w2.grad)
+    return out, r.grad, w1.grad, w2.grad, p.grad
+
+
+def used(plan, t):
+    return t[:int(plan.expert_row_offsets[-1])]
+
+
+def errors(got, want):
+    a, b = got.double().cpu(), want.double().cpu()
+    rel = ((a - b).norm() / b.norm()).item()
+    calc_diff = 1 - 2 * (a * b).sum().item() / ((a * a).sum() + (b * b).sum()).item()
+    return rel, calc_diff
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_forward_matches_its_emulation(device):
+    plan, rows, rp, fc1, fc2, _ = problem(device, seed=1)
+    y = mf.grouped_mlp(rows, fc1, fc2, plan=plan, probs=rp, precision="fp8-blockwise")
+    off = plan.expert_row_offsets.cpu()
+    E, N1, H = fc1.shape
+    F = fc2.shape[2]
+    qx, sx = mf.quantize(rows, "e4m3", "1x128")
+    xd = mf.dequantize(qx, sx, "1x128", dtype=torch.float32).double().cpu()
+    q1, s1 = mf.quantize(fc1.reshape(E * N1, H), "e4m3", "128x128")
+    w1d = mf.dequantize(q1, s1, "128x128", dtype=torch.float32).double().cpu().view(E, N1, H)
+    q2, s2 = mf.quantize(fc2.reshape(E * H, F), "e4m3", "128x128")
+    w2d = mf.dequantize(q2, s2, "128x128", dtype=torch.float32).double().cpu().view(E, H, F)
+    real = plan.tokens_per_expert.cpu()
+    h = torch.zeros(rows.shape[0], N1, dtype=torch.float64)
+    for e in range(E):
+        b = int(off[e])
+        h[b:b + int(real[e])] = xd[b:b + int(real[e])] @ w1d[e].T
+    h = h.bfloat16().to(device)
+    qa, sa = mf.activation_quantize(h, plan=plan, probs=rp)
+    ad = mf.dequantize(qa, sa, "1x128", dtype=torch.float32).double().cpu()
+    want = torch.zeros(rows.shape[0], H, dtype=torch.float64)
+    for e in range(E):
+        b = int(off[e])
+        want[b:b + int(real[e])] = ad[b:b + int(real[e])] @ w2d[e].T
+    rel, _ = errors(used(plan, y), used(plan, want))
+    assert rel < 1e-2, rel
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("precision", RECIPES)
+def test_forward_backward_against_bf16(device, precision):
+    prob = problem(device)
+    want = run(prob, "bf16")
+    got = run(prob, precision)
+    for name, a, b in zip(("out", "dx", "dW1", "dW2", "dprobs"), got, want):
+        if name in ("dx", "dprobs"):  # rows past the groups: not written
+            a, b = used(prob[0], a), used(prob[0], b)
+        assert torch.isfinite(a.float()).all(), name
+        rel, cd = errors(a, b)
+        assert rel < 0.1 and cd < 5e-3, (name, rel, cd)
+    plan, rows = prob[0], prob[1]
+    off = plan.expert_row_offsets.cpu()
+    real = plan.tokens_per_expert.cpu()
+    dx = got[1].cpu()
+    for e in range(len(real)):  # pad rows get no gradient
+        assert (dx[int(off[e]) + int(real[e]):int(off[e + 1])] == 0).all()
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_main_grad_accumulation(device):
+    prob = problem(device, seed=2)
+    plain = run(prob, "fp8-blockwise")
+    acc = run(prob, "fp8-blockwise", main_grad=True)
+    assert acc[5] == (None, None)  # the gradients went into main_grad
+    torch.testing.assert_close(acc[2].cpu(), plain[2].float().cpu(), rtol=1e-2, atol=1e-2)
+    torch.testing.assert_close(acc[3].cpu(), plain[3].float().cpu(), rtol=1e-2, atol=1e-2)
+
+
+def test_argument_errors():
+    plan, rows, rp, fc1, fc2, _ = problem("cpu")
+    with pytest.raises(ValueError, match="precision must be one of"):
+        mf.grouped_mlp(rows, fc1, fc2, plan=plan, precision="fp4")
+    with pytest.raises(ValueError, match="needs bfloat16 x"):
+        mf.grouped_mlp(rows.half(), fc1.half(), fc2.half(), plan=plan, precision="fp8-blockwise")
+    with pytest.raises(ValueError, match=r"FC1 width \(fc1.shape\[1\]\) to be a multiple"):
+        mf.grouped_mlp(rows, fc1[:, :192].contiguous(), fc2[:, :, :96].contiguous(), plan=plan,
+                       precision="fp8-blockwise")
+    with pytest.raises(ValueError, match="takes no biases"):
+        mf.grouped_mlp(rows, fc1, fc2, plan=plan, precision="fp8-tensorwise",
+                       bias1=torch.zeros(fc1.shape[:2], dtype=torch.bfloat16))
+    with pytest.raises(ValueError, match="does not take a wgrad_store"):
+        mf.grouped_mlp(rows, fc1, fc2, plan=plan, precision="fp8-blockwise",
+                       wgrad_store=mf.WgradStore())
+    with pytest.raises(ValueError, match="needs hidden_size to be a multiple of 128"):
+        moeflow.MoELayer(96, 128, 4, 2, precision="fp8-blockwise")
+    with pytest.raises(ValueError, match="needs align"):
+        moeflow.MoELayer(128, 128, 4, 2, precision="fp8-blockwise", align=1)
+    with pytest.raises(ValueError, match="precision must be one of"):
+        moeflow.MoELayer(128, 128, 4, 2, precision="fp8")
+
+
+def train(precision, device, steps=200):
+    """A tiny MoE layer fitted to a fixed random teacher (the same layer
+    shape, other weights): the loss of each step."""
+    torch.manual_seed(0)
+    kw = dict(score_function="softmax", aux_loss_coeff=1e-2, device=device)
+    teacher = moeflow.MoELayer(128, 128, 4, 2, **kw)
+    student = moeflow.MoELayer(128, 128, 4, 2, precision=precision, **kw)
+    g = torch.Generator().manual_seed(1)
+    data = [torch.randn(64, 128, generator=g).bfloat16().to(device) for _ in range(8)]
+    with torch.no_grad():
+        targets = [teacher(x) for x in data]
+    opt = torch.optim.Adam(student.parameters(), lr=3e-3)
+    losses = []
+    for i in range(steps):
+        x, t = data[i % len(data)], targets[i % len(data)]
+        loss = (student(x).float() - t.float()).pow(2).mean()
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    return losses
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_tiny_model_trains_in_fp8_like_bf16(device):
+    """The loss (means of 8 steps) tracks bf16's within 5 % of the initial
+    loss all along, and ends below 5 % of it. (Measured on the CPU: bf16
+    0.0111 -> 0.00017, both FP8 recipes 0.0111 -> 0.00028, within 3e-5 of
+    bf16 until both reach FP8's noise floor near 2.5 % of the start.)"""
+    def means(losses):
+        return [sum(losses[i:i + 8]) / 8 for i in range(0, len(losses), 8)]
+    ref = means(train("bf16", device))
+    assert ref[-1] < 0.05 * ref[0], ref  # the task is learnable
+    for precision in RECIPES:
+        got = means(train(precision, device))
+        assert got[-1] < 0.05 * got[0], (precision, got)
+        worst = max(abs(a - b) for a, b in zip(got, ref))
+        assert worst < 0.05 * ref[0], (precision, worst, got, ref)
