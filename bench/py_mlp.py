@@ -25,6 +25,8 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--json")
     ap.add_argument("--case", action="append")
+    ap.add_argument("--precision", action="append", choices=("fp8-blockwise", "fp8-tensorwise"),
+                    help="also time moeflow.ops.grouped_mlp with this FP8 recipe (.grad)")
     args = ap.parse_args()
     dev = torch.device("cuda")
     out = {"device": torch.cuda.get_device_name(0), "torch": torch.__version__, "cases": {}}
@@ -61,9 +63,15 @@ def main():
             mf.grouped_mlp(x, w1, w2, offsets=offsets, probs=probs,
                            accumulate_into_main_grad=True).backward(dy)
 
+        def fp8_step(recipe):
+            return lambda: mf.grouped_mlp(x, w1, w2, offsets=offsets, probs=probs,
+                                          precision=recipe).backward(dy)
+
         res = {}
-        for key, fn in (("torch", torch_step), ("moeflow", mf_step),
-                        ("torch_main_grad", torch_main_step), ("moeflow_main_grad", mf_main_step)):
+        steps = [("torch", torch_step), ("moeflow", mf_step),
+                 ("torch_main_grad", torch_main_step), ("moeflow_main_grad", mf_main_step)]
+        steps += [("moeflow_" + r, fp8_step(r)) for r in args.precision or []]
+        for key, fn in steps:
             if key.endswith("main_grad"):
                 w1.main_grad = torch.zeros(w1.shape, device=dev)
                 w2.main_grad = torch.zeros(w2.shape, device=dev)
@@ -88,6 +96,12 @@ def main():
                   f"moeflow.ops {m['fwd_bwd_ms']:7.2f} ms, {t['fwd_bwd_ms'] / m['fwd_bwd_ms']:.2f}x;"
                   f" peak extra {t['peak_extra_MiB']:.0f} / {m['peak_extra_MiB']:.0f} MiB",
                   flush=True)
+        for r in args.precision or []:
+            f8 = res["moeflow_" + r]
+            print(f"{name:10s} {r}: {f8['fwd_bwd_ms']:7.2f} ms, "
+                  f"{res['moeflow']['fwd_bwd_ms'] / f8['fwd_bwd_ms']:.2f}x moeflow bf16, "
+                  f"{res['torch']['fwd_bwd_ms'] / f8['fwd_bwd_ms']:.2f}x torch; peak extra "
+                  f"{f8['peak_extra_MiB']:.0f} MiB", flush=True)
         del x, w1, w2, dy
         torch.cuda.empty_cache()
     if args.json:
