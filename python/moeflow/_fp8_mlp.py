@@ -7,7 +7,7 @@ codes, float32 scales promoted every 128 of K): FC1 on x's codes, FC2 on
 act(h) * p's codes (1x128 blocks: one pass over h), FC2's dgrad on dy's
 codes with W2 transposed, FC1's dgrad on d_h's codes with W1 transposed.
 The weights are quantized in every call (128 x 128 blocks, or one scale per
-tensor). The weight gradients are 16-bit GEMMs on the 16-bit activations
+tensor), or once while they do not change (``fp8_weight_cache``). The weight gradients are 16-bit GEMMs on the 16-bit activations
 (x, a recomputed from h, dy, d_h), as the bf16 MLP computes them.
 """
 from typing import Optional, Tuple
@@ -58,11 +58,40 @@ def quantize_weight(w: torch.Tensor, recipe: str,
     return q.contiguous(), s.contiguous()
 
 
+_CACHE = "_moeflow_fp8_codes"  # the attribute of a weight that holds its cached codes
+
+
+def weight_codes(w: torch.Tensor, recipe: str, transpose: bool,
+                 cache: bool) -> Tuple[torch.Tensor, torch.Tensor]:
+    """quantize_weight(w, recipe, transpose), or with ``cache`` the codes kept
+    on the weight itself (attribute ``_moeflow_fp8_codes``) while the weight
+    is unchanged: same storage, shape and version counter (an optimizer's
+    in-place step, ``copy_`` or ``load_state_dict`` bumps the version). The
+    transposed codes are made from the cached ones (the same values as
+    quantizing W^T: the blocks only move). Costs 1 byte per weight element
+    per orientation."""
+    if not cache:
+        return quantize_weight(w, recipe, transpose)
+    key = (recipe, w.data_ptr(), tuple(w.shape), w._version)
+    held = getattr(w, _CACHE, None)
+    if held is None or held[0] != key:
+        held = (key, {})
+        setattr(w, _CACHE, held)
+    codes = held[1]
+    if transpose not in codes:
+        if transpose and False in codes:
+            q, s = codes[False]
+            codes[True] = (q.transpose(1, 2).contiguous(), s.transpose(1, 2).contiguous())
+        else:
+            codes[transpose] = quantize_weight(w, recipe, transpose)
+    return codes[transpose]
+
+
 def _gemm(a: torch.Tensor, w: torch.Tensor, recipe: str, offsets: torch.Tensor,
-          real_rows: Optional[torch.Tensor], transpose: bool) -> torch.Tensor:
+          real_rows: Optional[torch.Tensor], transpose: bool, cache: bool) -> torch.Tensor:
     """out[rows of e] = a @ W_e^T (transpose: a @ W_e), both operands in FP8."""
     aq, a_s = quantize_rows(a, recipe, offsets)
-    wq, w_s = quantize_weight(w, recipe, transpose)
+    wq, w_s = weight_codes(w, recipe, transpose, cache)
     return ops.grouped_gemm_fp8_forward(aq, a_s, wq, w_s, offsets, real_rows)
 
 
@@ -89,12 +118,13 @@ def check(x: torch.Tensor, fc1: torch.Tensor, fc2: torch.Tensor, bias1, bias2, r
 
 class GroupedMlpFp8(torch.autograd.Function):
     # args: (offsets, real_rows, cfg, recipe, main_grads or None, plan to
-    # unpermute with or None); ctx None: called without autograd.
+    # unpermute with or None, cache the weights' codes); ctx None: called
+    # without autograd.
     @staticmethod
     def forward(ctx, x, fc1, fc2, probs, args):
-        offsets, real_rows, cfg, recipe, main, plan = args
+        offsets, real_rows, cfg, recipe, main, plan, cache = args
         x = x.detach().contiguous()
-        h = _gemm(x, fc1, recipe, offsets, real_rows, False)  # bf16 [rows, N1]
+        h = _gemm(x, fc1, recipe, offsets, real_rows, False, cache)  # bf16 [rows, N1]
         p = None if probs is None else probs.detach().contiguous()
         if recipe == "fp8-blockwise":  # a = act(h) * p quantized in one pass over h
             aq, a_s = ops.activation_quantize(h, offsets=offsets, real_rows=real_rows, probs=p,
@@ -105,11 +135,11 @@ class GroupedMlpFp8(torch.autograd.Function):
             _C.grouped_mlp_recompute_activation(h, offsets, real_rows, p, *cfg, a, _stream(h))
             aq, a_s = quantize_rows(a, recipe, offsets)
             del a
-        w2q, w2s = quantize_weight(fc2, recipe)
+        w2q, w2s = weight_codes(fc2, recipe, False, cache)
         y = ops.grouped_gemm_fp8_forward(aq, a_s, w2q, w2s, offsets, real_rows)
         if ctx is not None:
             ctx.set_materialize_grads(False)
-            ctx.cfg, ctx.recipe, ctx.main, ctx.plan = cfg, recipe, main, plan
+            ctx.cfg, ctx.recipe, ctx.main, ctx.plan, ctx.cache = cfg, recipe, main, plan, cache
             ctx.save_for_backward(x, fc1, fc2, p, offsets, real_rows, h)
         if plan is None:
             return y
@@ -122,7 +152,7 @@ class GroupedMlpFp8(torch.autograd.Function):
         if dy is None:
             return (None,) * 5
         x, fc1, fc2, probs, offsets, real_rows, h = ctx.saved_tensors
-        cfg, recipe, main, plan = ctx.cfg, ctx.recipe, ctx.main, ctx.plan
+        cfg, recipe, main, plan, cache = ctx.cfg, ctx.recipe, ctx.main, ctx.plan, ctx.cache
         need = ctx.needs_input_grad
         s = _stream(h)
         if plan is not None:
@@ -133,7 +163,7 @@ class GroupedMlpFp8(torch.autograd.Function):
         else:
             dy = dy.contiguous()
         F = fc2.shape[2]
-        da = _gemm(dy, fc2, recipe, offsets, real_rows, True)  # FC2 dgrad: [rows, F]
+        da = _gemm(dy, fc2, recipe, offsets, real_rows, True, cache)  # FC2 dgrad: [rows, F]
         d_h = torch.empty_like(h)
         d_h[:, d_h.shape[1] - F:] = da  # d(a) in the last F columns (all of them when plain)
         del da
@@ -160,6 +190,6 @@ class GroupedMlpFp8(torch.autograd.Function):
 
         g2 = wgrad(2)
         del dy
-        dx = _gemm(d_h, fc1, recipe, offsets, real_rows, True) if need[0] else None
+        dx = _gemm(d_h, fc1, recipe, offsets, real_rows, True, cache) if need[0] else None
         g1 = wgrad(1)
         return dx, g1, g2, dprobs, None

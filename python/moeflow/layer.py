@@ -205,6 +205,8 @@ class MoELayer(ExpertCheckpointMixin, torch.nn.Module):
     FP8 grouped GEMM, their weight gradients in bf16 (``ops.grouped_mlp``'s
     ``precision``; docs/fp8.md). FP8 needs hidden_size and ffn_hidden_size
     multiples of 128, bf16 parameters and align a multiple of 16.
+    ``fp8_weight_cache`` (default on): the experts' weight codes are kept
+    while the weights do not change (2 bytes per expert weight element).
 
     Checkpoints, in Megatron-Core's two expert key layouts:
 
@@ -269,6 +271,7 @@ class MoELayer(ExpertCheckpointMixin, torch.nn.Module):
                  shared_expert_overlap: bool = True, recompute_activation: bool = True,
                  delay_wgrad_compute: bool = False,
                  gradient_accumulation_fusion: bool = False, precision: str = "bf16",
+                 fp8_weight_cache: bool = True,
                  params_dtype: torch.dtype = torch.bfloat16,
                  device: Optional[Union[torch.device, str]] = None,
                  ep_group: Optional["_ep.Group"] = None):
@@ -370,6 +373,7 @@ class MoELayer(ExpertCheckpointMixin, torch.nn.Module):
                 raise ValueError(f"precision={precision!r} does not support "
                                  f"delay_wgrad_compute")
         self.precision = precision
+        self.fp8_weight_cache = bool(fp8_weight_cache)
         self.gradient_accumulation_fusion = bool(gradient_accumulation_fusion)
         self.recompute_activation = bool(recompute_activation)
         self.delay_wgrad_compute = bool(delay_wgrad_compute)
@@ -556,7 +560,7 @@ class MoELayer(ExpertCheckpointMixin, torch.nn.Module):
                                accumulate_into_main_grad=self.gradient_accumulation_fusion,
                                recompute_activation=self.recompute_activation,
                                wgrad_store=self._wgrad_store, precision=self.precision,
-                               **groups)
+                               fp8_weight_cache=self.fp8_weight_cache, **groups)
 
     def _experts_ep(self, xe: torch.Tensor, ids: torch.Tensor,
                     probs: torch.Tensor) -> torch.Tensor:

@@ -780,7 +780,8 @@ def grouped_mlp(x: torch.Tensor, fc1: torch.Tensor, fc2: torch.Tensor, *,
                 limit: float = 7.0, offset: float = 1.0,
                 accumulate_into_main_grad: bool = False, recompute_activation: bool = True,
                 wgrad_store: Optional[WgradStore] = None, unpermute: bool = False,
-                precision: str = "bf16", _grad_params: Optional[Tuple] = None) -> torch.Tensor:
+                precision: str = "bf16", fp8_weight_cache: bool = False,
+                _grad_params: Optional[Tuple] = None) -> torch.Tensor:
     """The grouped expert MLP: for the rows of each expert e,
     h = x W1_e^T + b1_e, a = act(h) * p, y = a W2_e^T + b2_e.
 
@@ -810,7 +811,11 @@ def grouped_mlp(x: torch.Tensor, fc1: torch.Tensor, fc2: torch.Tensor, *,
     grouped GEMM (e4m3; 1x128 activation and 128 x 128 weight scales, or one
     scale per tensor), the weight gradients in 16 bits (docs/fp8.md,
     "Precision recipes"). FP8 needs bfloat16 x and weights, H, N1 and F
-    multiples of 128, no biases and no wgrad_store."""
+    multiples of 128, no biases and no wgrad_store. ``fp8_weight_cache``:
+    keep the weights' FP8 codes (both orientations, 2 bytes per weight
+    element) on the weights while they are unchanged (same storage and
+    version counter), so that micro-batches between optimizer steps, and the
+    backward after its forward, do not quantize them again."""
     if activation not in _ACTIVATIONS:
         raise ValueError(f"activation must be one of {_ACTIVATIONS}, got {activation!r}")
     if plan is not None:
@@ -834,7 +839,8 @@ def grouped_mlp(x: torch.Tensor, fc1: torch.Tensor, fc2: torch.Tensor, *,
     if precision != "bf16":
         from . import _fp8_mlp
         _fp8_mlp.check(x, fc1, fc2, bias1, bias2, precision, wgrad_store)
-        args = (offsets, real_rows, cfg, precision, main, plan if unpermute else None)
+        args = (offsets, real_rows, cfg, precision, main, plan if unpermute else None,
+                bool(fp8_weight_cache))
         if not (_grad_enabled() and (x.requires_grad or fc1.requires_grad or fc2.requires_grad
                                      or (probs is not None and probs.requires_grad))):
             return _fp8_mlp.GroupedMlpFp8.forward(None, x, fc1, fc2, probs, args)

@@ -8,7 +8,8 @@ precision=...), MoELayer(precision=...)):
   within the stated bound: relative Frobenius error < 0.1 and DeepGEMM's
   calc_diff (1 - 2<a,b> / (|a|^2 + |b|^2)) < 5e-3 (measured 0.053-0.068 and
   1.4e-3-2.3e-3 on these Gaussian problems: e4m3 keeps 3 mantissa bits);
-- main_grad accumulation, the argument errors;
+- the weights' code cache (bitwise the uncached results, refreshed after an
+  in-place update), main_grad accumulation, the argument errors;
 - a tiny MoE model trained 200 steps with each FP8 recipe tracks bf16's
   loss within 5 % of the initial loss.
 CPU always; CUDA on Hopper."""
@@ -122,6 +123,39 @@ def test_main_grad_accumulation(device):
     assert acc[5] == (None, None)  # the gradients went into main_grad
     torch.testing.assert_close(acc[2].cpu(), plain[2].float().cpu(), rtol=1e-2, atol=1e-2)
     torch.testing.assert_close(acc[3].cpu(), plain[3].float().cpu(), rtol=1e-2, atol=1e-2)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_weight_cache(device):
+    """fp8_weight_cache gives bitwise the uncached results, reuses the codes
+    while the weights are unchanged, and quantizes again after an in-place
+    update."""
+    plan, rows, rp, fc1, fc2, dy = problem(device, seed=3)
+    w1 = fc1.clone().requires_grad_()
+    w2 = fc2.clone().requires_grad_()
+
+    def step(cache):
+        r = rows.detach().clone().requires_grad_()
+        w1.grad = w2.grad = None
+        out = mf.grouped_mlp(r, w1, w2, plan=plan, probs=rp, unpermute=True,
+                             precision="fp8-blockwise", fp8_weight_cache=cache)
+        out.backward(dy)
+        return [t.detach().clone() for t in (out, used(plan, r.grad), w1.grad, w2.grad)]
+
+    plain = step(False)
+    assert getattr(w1, "_moeflow_fp8_codes", None) is None
+    for _ in range(2):
+        cached = step(True)
+        for a, b in zip(cached, plain):
+            assert torch.equal(a, b)
+    held = getattr(w1, "_moeflow_fp8_codes")
+    assert held[0][3] == w1._version and set(held[1]) <= {False, True}
+    codes = held[1][False][0]
+    with torch.no_grad():
+        w1.mul_(0.5)
+    after = step(True)
+    assert getattr(w1, "_moeflow_fp8_codes")[1][False][0] is not codes  # quantized again
+    assert torch.equal(after[0], step(False)[0])
 
 
 def test_argument_errors():
