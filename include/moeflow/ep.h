@@ -119,7 +119,9 @@ struct EpOptions {
   // (kBFloat16: half the bytes; bitwise ep_reference::combine with the same
   // wire dtype; needs hidden % 8 == 0). A token's only slot on a rank crosses
   // as its row of y either way, and the home rank's own slots and the sums
-  // of the ranks stay float32. Every rank must use the same value.
+  // of the ranks stay float32. Every rank must use the same value. With
+  // capacity drops the nccl backend counts routed slots, not kept ones
+  // (docs/ep.md, "The combine wire").
   DType combine_wire_dtype = DType::kFloat32;
 };
 

@@ -24,15 +24,19 @@ def _quantize(t: torch.Tensor, scaling: str) -> Tuple[torch.Tensor, torch.Tensor
     return ops.quantize(t, "e4m3", scaling)
 
 
-def quantize_rows(t: torch.Tensor, recipe: str,
-                  offsets: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+def quantize_rows(t: torch.Tensor, recipe: str, offsets: torch.Tensor,
+                  real_rows: Optional[torch.Tensor]) -> Tuple[torch.Tensor, torch.Tensor]:
     """A GEMM's A operand [rows, K]: e4m3 codes and [rows, K/128] scales (one
-    scale per tensor, repeated, for fp8-tensorwise: the amax of the rows of
-    the groups, [0, offsets[-1]); the rows past them are never read and may
-    hold anything)."""
+    scale per tensor, repeated, for fp8-tensorwise: the amax of the groups'
+    real rows only; pad rows and the rows past the groups are never read
+    and may hold anything)."""
     if recipe == "fp8-blockwise":
         return _quantize(t, "1x128")
-    used = torch.arange(t.shape[0], device=t.device) < offsets[-1]
+    row = torch.arange(t.shape[0], device=t.device)
+    used = row < offsets[-1]
+    if real_rows is not None:  # each row's group, on the device (no sync)
+        e = (torch.searchsorted(offsets, row, right=True) - 1).clamp_(0, offsets.numel() - 2)
+        used &= row < offsets[e] + real_rows.to(offsets.dtype)[e]
     q, s = _quantize(torch.where(used.unsqueeze(1), t, torch.zeros((), dtype=t.dtype,
                                                                    device=t.device)),
                      "tensorwise")
@@ -66,7 +70,9 @@ def weight_codes(w: torch.Tensor, recipe: str, transpose: bool,
     """quantize_weight(w, recipe, transpose), or with ``cache`` the codes kept
     on the weight itself (attribute ``_moeflow_fp8_codes``) while the weight
     is unchanged: same storage, shape and version counter (an optimizer's
-    in-place step, ``copy_`` or ``load_state_dict`` bumps the version). The
+    in-place step, ``copy_`` or ``load_state_dict`` bumps the version;
+    writes through ``w.data`` or into the storage by other means do not:
+    then call :func:`clear_weight_cache`). The
     transposed codes are made from the cached ones (the same values as
     quantizing W^T: the blocks only move). Costs 1 byte per weight element
     per orientation."""
@@ -87,19 +93,33 @@ def weight_codes(w: torch.Tensor, recipe: str, transpose: bool,
     return codes[transpose]
 
 
+def clear_weight_cache(*weights: torch.Tensor) -> None:
+    """Drops the cached FP8 codes of these weights (after updating them in a
+    way that does not bump their version counter, e.g. through ``.data``)."""
+    for w in weights:
+        if hasattr(w, _CACHE):
+            delattr(w, _CACHE)
+
+
 def _gemm(a: torch.Tensor, w: torch.Tensor, recipe: str, offsets: torch.Tensor,
           real_rows: Optional[torch.Tensor], transpose: bool, cache: bool) -> torch.Tensor:
     """out[rows of e] = a @ W_e^T (transpose: a @ W_e), both operands in FP8."""
-    aq, a_s = quantize_rows(a, recipe, offsets)
+    aq, a_s = quantize_rows(a, recipe, offsets, real_rows)
     wq, w_s = weight_codes(w, recipe, transpose, cache)
     return ops.grouped_gemm_fp8_forward(aq, a_s, wq, w_s, offsets, real_rows)
 
 
 def check(x: torch.Tensor, fc1: torch.Tensor, fc2: torch.Tensor, bias1, bias2, recipe: str,
-          wgrad_store) -> None:
+          wgrad_store, activation: str) -> None:
     """The FP8 recipes' requirements, with the argument named."""
     if recipe not in RECIPES:
         raise ValueError(f"precision must be one of {RECIPES}, got {recipe!r}")
+    if x.dim() != 2 or fc1.dim() != 3 or fc2.dim() != 3:
+        raise ValueError(f"x must be [rows, H], fc1 [E, N1, H] and fc2 [E, H, F], got "
+                         f"{list(x.shape)}, {list(fc1.shape)} and {list(fc2.shape)}")
+    if not (x.shape[1] == fc1.shape[2] == fc2.shape[1] and fc1.shape[0] == fc2.shape[0]):
+        raise ValueError(f"x [rows, H], fc1 [E, N1, H] and fc2 [E, H, F] disagree: "
+                         f"{list(x.shape)}, {list(fc1.shape)}, {list(fc2.shape)}")
     for name, t in (("x", x), ("fc1", fc1), ("fc2", fc2)):
         if t.dtype != torch.bfloat16:
             raise ValueError(f"precision={recipe!r} needs bfloat16 {name}, got {t.dtype}")
@@ -109,6 +129,10 @@ def check(x: torch.Tensor, fc1: torch.Tensor, fc2: torch.Tensor, bias1, bias2, r
         if n % 128:
             raise ValueError(f"precision={recipe!r} needs the {name} to be a multiple of 128, "
                              f"got {n}")
+    gated = activation in ("swiglu", "geglu", "clamped_quick_geglu")
+    if N1 != (2 * F if gated else F):
+        raise ValueError(f"fc1.shape[1] must be {'2 x ' if gated else ''}fc2.shape[2] = "
+                         f"{2 * F if gated else F} for activation {activation!r}, got {N1}")
     if bias1 is not None or bias2 is not None:
         raise ValueError(f"precision={recipe!r} takes no biases (the FP8 GEMM has no bias "
                          f"epilogue)")
@@ -133,7 +157,7 @@ class GroupedMlpFp8(torch.autograd.Function):
         else:
             a = h.new_empty(h.shape[0], fc2.shape[2])
             _C.grouped_mlp_recompute_activation(h, offsets, real_rows, p, *cfg, a, _stream(h))
-            aq, a_s = quantize_rows(a, recipe, offsets)
+            aq, a_s = quantize_rows(a, recipe, offsets, real_rows)
             del a
         w2q, w2s = weight_codes(fc2, recipe, False, cache)
         y = ops.grouped_gemm_fp8_forward(aq, a_s, w2q, w2s, offsets, real_rows)

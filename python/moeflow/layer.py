@@ -205,8 +205,12 @@ class MoELayer(ExpertCheckpointMixin, torch.nn.Module):
     FP8 grouped GEMM, their weight gradients in bf16 (``ops.grouped_mlp``'s
     ``precision``; docs/fp8.md). FP8 needs hidden_size and ffn_hidden_size
     multiples of 128, bf16 parameters and align a multiple of 16.
-    ``fp8_weight_cache`` (default on): the experts' weight codes are kept
-    while the weights do not change (2 bytes per expert weight element).
+    ``fp8_weight_cache`` (default off): the experts' weight codes are kept
+    while the weights' storage and version counter are unchanged (2 bytes
+    per expert weight element); an optimizer that writes the weights
+    without bumping their version (through ``.data``, e.g. Megatron's
+    distributed optimizer) must call ``moeflow.ops.clear_fp8_weight_cache``
+    after each step.
 
     Checkpoints, in Megatron-Core's two expert key layouts:
 
@@ -271,7 +275,7 @@ class MoELayer(ExpertCheckpointMixin, torch.nn.Module):
                  shared_expert_overlap: bool = True, recompute_activation: bool = True,
                  delay_wgrad_compute: bool = False,
                  gradient_accumulation_fusion: bool = False, precision: str = "bf16",
-                 fp8_weight_cache: bool = True,
+                 fp8_weight_cache: bool = False,
                  params_dtype: torch.dtype = torch.bfloat16,
                  device: Optional[Union[torch.device, str]] = None,
                  ep_group: Optional["_ep.Group"] = None):

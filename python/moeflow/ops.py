@@ -595,6 +595,14 @@ def unpermute(y: torch.Tensor, plan: Plan,
     return _Unpermute.forward(None, y, probs, plan)
 
 
+def clear_fp8_weight_cache(*weights: torch.Tensor) -> None:
+    """Drops the FP8 codes ``grouped_mlp(..., fp8_weight_cache=True)`` keeps
+    on these weights: needed after updating them without bumping their
+    version counter (through ``.data`` or by writing their storage)."""
+    from . import _fp8_mlp
+    _fp8_mlp.clear_weight_cache(*weights)
+
+
 class WgradStore:
     """Holds the weight-gradient GEMMs of grouped_mlp backward calls for
     later (delayed wgrad, as TransformerEngine's ``delay_wgrad_compute``):
@@ -815,7 +823,9 @@ def grouped_mlp(x: torch.Tensor, fc1: torch.Tensor, fc2: torch.Tensor, *,
     keep the weights' FP8 codes (both orientations, 2 bytes per weight
     element) on the weights while they are unchanged (same storage and
     version counter), so that micro-batches between optimizer steps, and the
-    backward after its forward, do not quantize them again."""
+    backward after its forward, do not quantize them again. Updates that do
+    not bump the version (writes through ``.data``, optimizers writing the
+    storage directly) must call ``moeflow.ops.clear_fp8_weight_cache(w)``."""
     if activation not in _ACTIVATIONS:
         raise ValueError(f"activation must be one of {_ACTIVATIONS}, got {activation!r}")
     if plan is not None:
@@ -838,7 +848,7 @@ def grouped_mlp(x: torch.Tensor, fc1: torch.Tensor, fc2: torch.Tensor, *,
         raise ValueError("unpermute=True needs plan= (the plan to unpermute the rows with)")
     if precision != "bf16":
         from . import _fp8_mlp
-        _fp8_mlp.check(x, fc1, fc2, bias1, bias2, precision, wgrad_store)
+        _fp8_mlp.check(x, fc1, fc2, bias1, bias2, precision, wgrad_store, activation)
         args = (offsets, real_rows, cfg, precision, main, plan if unpermute else None,
                 bool(fp8_weight_cache))
         if not (_grad_enabled() and (x.requires_grad or fc1.requires_grad or fc2.requires_grad

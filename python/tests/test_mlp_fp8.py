@@ -156,6 +156,39 @@ def test_weight_cache(device):
     after = step(True)
     assert getattr(w1, "_moeflow_fp8_codes")[1][False][0] is not codes  # quantized again
     assert torch.equal(after[0], step(False)[0])
+    # a write through .data does not bump the version: the cache must be cleared
+    step(True)
+    w1.data.mul_(-1)
+    mf.clear_fp8_weight_cache(w1, w2)
+    assert getattr(w1, "_moeflow_fp8_codes", None) is None
+    assert torch.equal(step(True)[0], step(False)[0])
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_tensorwise_scale_ignores_pad_rows(device):
+    """Pad rows of dy (inside the groups) and rows past the groups do not
+    enter the tensor's amax: huge values there change nothing."""
+    plan, rows, _, fc1, fc2, _ = problem(device, seed=4)
+    off, real = plan.expert_row_offsets, plan.tokens_per_expert
+    g = torch.Generator().manual_seed(5)
+    dy = torch.randn(rows.shape, generator=g).bfloat16().to(device)
+    pad = torch.zeros(rows.shape[0], dtype=torch.bool)
+    o, rr = off.cpu(), real.cpu()
+    for e in range(len(rr)):
+        pad[int(o[e]) + int(rr[e]):int(o[e + 1])] = True
+    pad[int(o[-1]):] = True
+    assert pad.any()
+
+    def dx(dy):
+        r = rows.detach().clone().requires_grad_()
+        mf.grouped_mlp(r, fc1, fc2, offsets=off, real_rows=real,
+                       precision="fp8-tensorwise").backward(dy)
+        return used(plan, r.grad)
+
+    clean = dx(dy)
+    noisy = dy.clone()
+    noisy[pad.to(device)] = 1e7
+    assert torch.equal(dx(noisy), clean)
 
 
 def test_argument_errors():
@@ -166,6 +199,14 @@ def test_argument_errors():
         mf.grouped_mlp(rows.half(), fc1.half(), fc2.half(), plan=plan, precision="fp8-blockwise")
     with pytest.raises(ValueError, match=r"FC1 width \(fc1.shape\[1\]\) to be a multiple"):
         mf.grouped_mlp(rows, fc1[:, :192].contiguous(), fc2[:, :, :96].contiguous(), plan=plan,
+                       precision="fp8-blockwise")
+    with pytest.raises(ValueError, match=r"x \[rows, H\], fc1 \[E, N1, H\] and fc2 \[E, H, F\] "
+                       r"disagree"):
+        mf.grouped_mlp(rows, fc1, torch.cat([fc2, fc2], 1), plan=plan, precision="fp8-blockwise")
+    with pytest.raises(ValueError, match="x must be"):
+        mf.grouped_mlp(rows, fc1[0], fc2, plan=plan, precision="fp8-blockwise")
+    with pytest.raises(ValueError, match=r"fc1.shape\[1\] must be 2 x fc2.shape\[2\]"):
+        mf.grouped_mlp(rows, fc1, fc2[:, :, :128].contiguous(), plan=plan,
                        precision="fp8-blockwise")
     with pytest.raises(ValueError, match="takes no biases"):
         mf.grouped_mlp(rows, fc1, fc2, plan=plan, precision="fp8-tensorwise",
