@@ -7,8 +7,9 @@ codes, float32 scales promoted every 128 of K): FC1 on x's codes, FC2 on
 act(h) * p's codes (1x128 blocks: one pass over h), FC2's dgrad on dy's
 codes with W2 transposed, FC1's dgrad on d_h's codes with W1 transposed.
 The weights are quantized in every call (128 x 128 blocks, or one scale per
-tensor), or once while they do not change (``fp8_weight_cache``). The weight gradients are 16-bit GEMMs on the 16-bit activations
-(x, a recomputed from h, dy, d_h), as the bf16 MLP computes them.
+tensor), or once while they do not change (``fp8_weight_cache``). The
+weight gradients are 16-bit GEMMs on the 16-bit activations (x, a
+recomputed from h, dy, d_h), as the bf16 MLP computes them.
 """
 from typing import Optional, Tuple
 
