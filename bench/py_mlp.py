@@ -7,7 +7,8 @@ returned as .grad (bf16; moeflow computes them in float32 and casts), and
 accumulated into float32 main_grad (moeflow: fused into its wgrad GEMM,
 Megatron's gradient-accumulation fusion; torch: .grad added to main_grad).
 
-    PYTHONPATH=build/python:bench python3 bench/py_mlp.py [--json FILE]
+    PYTHONPATH=build/python:bench python3 bench/py_mlp.py [--json FILE] [--case NAME]
+        [--precision fp8-blockwise|fp8-tensorwise [--fp8-weight-cache]] [--profile [--top N]]
 """
 import argparse
 import json
@@ -19,6 +20,7 @@ import moeflow.ops as mf
 from peer_timing import bench_ms
 from peer_timing import split
 from peers_mlp import CASES
+from py_layer import kernel_sum_ms
 
 
 def main():
@@ -27,6 +29,13 @@ def main():
     ap.add_argument("--case", action="append")
     ap.add_argument("--precision", action="append", choices=("fp8-blockwise", "fp8-tensorwise"),
                     help="also time moeflow.ops.grouped_mlp with this FP8 recipe (.grad)")
+    ap.add_argument("--fp8-weight-cache", action="store_true",
+                    help="FP8 recipes: also time them with fp8_weight_cache=True, the weights "
+                         "unchanged (steady: quantized once) and new in every step (cleared: "
+                         "quantized once a step, the transposed codes from those)")
+    ap.add_argument("--profile", action="store_true",
+                    help="print each moeflow step's kernel-time sum and its largest kernels")
+    ap.add_argument("--top", type=int, default=12)
     args = ap.parse_args()
     dev = torch.device("cuda")
     out = {"device": torch.cuda.get_device_name(0), "torch": torch.__version__, "cases": {}}
@@ -63,14 +72,22 @@ def main():
             mf.grouped_mlp(x, w1, w2, offsets=offsets, probs=probs,
                            accumulate_into_main_grad=True).backward(dy)
 
-        def fp8_step(recipe):
-            return lambda: mf.grouped_mlp(x, w1, w2, offsets=offsets, probs=probs,
-                                          precision=recipe).backward(dy)
+        def fp8_step(recipe, cache=False, clear=False):
+            def step():
+                if clear:  # a training step: the weights changed since the last one
+                    mf.clear_fp8_weight_cache(w1, w2)
+                mf.grouped_mlp(x, w1, w2, offsets=offsets, probs=probs, precision=recipe,
+                               fp8_weight_cache=cache).backward(dy)
+            return step
 
         res = {}
         steps = [("torch", torch_step), ("moeflow", mf_step),
                  ("torch_main_grad", torch_main_step), ("moeflow_main_grad", mf_main_step)]
         steps += [("moeflow_" + r, fp8_step(r)) for r in args.precision or []]
+        if args.fp8_weight_cache:
+            for r in args.precision or []:
+                steps += [("moeflow_" + r + "_cached", fp8_step(r, True)),
+                          ("moeflow_" + r + "_cached_new_weights", fp8_step(r, True, True))]
         for key, fn in steps:
             if key.endswith("main_grad"):
                 w1.main_grad = torch.zeros(w1.shape, device=dev)
@@ -86,6 +103,12 @@ def main():
             peak = (torch.cuda.max_memory_allocated() - base) / 2 ** 20
             ms = bench_ms(fn)
             res[key] = {"fwd_bwd_ms": ms, "TFLOPs": flops / ms / 1e9, "peak_extra_MiB": peak}
+            if args.profile and key.startswith("moeflow"):
+                total, by_name = kernel_sum_ms(fn)
+                res[key]["kernel_sum_ms"] = total
+                print(f"{name:10s} {key}: step {ms:.2f} ms, kernels {total:.2f} ms", flush=True)
+                for kn, t in sorted(by_name.items(), key=lambda kv: -kv[1])[:args.top]:
+                    print(f"    {t:8.3f} ms  {kn[:110]}", flush=True)
             if key.endswith("main_grad"):
                 del w1.main_grad, w2.main_grad
         out["cases"][name] = res
@@ -96,7 +119,9 @@ def main():
                   f"moeflow.ops {m['fwd_bwd_ms']:7.2f} ms, {t['fwd_bwd_ms'] / m['fwd_bwd_ms']:.2f}x;"
                   f" peak extra {t['peak_extra_MiB']:.0f} / {m['peak_extra_MiB']:.0f} MiB",
                   flush=True)
-        for r in args.precision or []:
+        for r in [p + c for p in args.precision or []
+                  for c in ([""] + (["_cached", "_cached_new_weights"]
+                                    if args.fp8_weight_cache else []))]:
             f8 = res["moeflow_" + r]
             print(f"{name:10s} {r}: {f8['fwd_bwd_ms']:7.2f} ms, "
                   f"{res['moeflow']['fwd_bwd_ms'] / f8['fwd_bwd_ms']:.2f}x moeflow bf16, "

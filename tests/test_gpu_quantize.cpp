@@ -4,7 +4,8 @@
 // fp8 formats, pow2 on/off, rowwise/columnwise, special values (NaN, inf,
 // zeros, tiny blocks with subnormal scales). Outputs are poisoned with 0xFF
 // first and the gaps of strided outputs must stay untouched. Also: graph
-// capture + replay of the two-kernel tensorwise path, device errors.
+// capture + replay of the two-kernel tensorwise path, device errors;
+// transpose_codes against the CPU reference.
 #include <cuda_runtime.h>
 
 #include "test_util.h"
@@ -74,7 +75,9 @@ struct Shape {
 TEST_F(GpuQuantize, MatchesCpuBitwise) {
   const std::vector<Shape> shapes = {{1, 1, 0, 0},     {3, 130, 5, 3},     {129, 257, 0, 16},
                                      {256, 384, 8, 0}, {300, 1000, 24, 1}, {1000, 129, 0, 7},
-                                     {0, 5, 0, 0},     {7, 0, 0, 0},       {2, 4096, 0, 0}};
+                                     {0, 5, 0, 0},     {7, 0, 0, 0},       {2, 4096, 0, 0},
+                                     // the vector kernels (16-byte rows) with partial blocks
+                                     {200, 272, 8, 16}, {130, 1024, 0, 0}};
   uint32_t seed = 1;
   for (const Shape& sh : shapes)
     for (DType dt : {DType::kFloat32, DType::kBFloat16, DType::kFloat16}) {
@@ -113,6 +116,32 @@ TEST_F(GpuQuantize, MatchesCpuBitwise) {
                     << "dequantize to " << dtype_name(od);
               }
             }
+    }
+}
+
+// transpose_codes against the CPU reference: stacked and single matrices,
+// 16-byte rows and odd sizes (partial tiles), q_t poisoned first.
+TEST_F(GpuQuantize, TransposeCodesMatchesCpu) {
+  const std::vector<std::vector<int64_t>> shapes = {
+      {1, 1, 1}, {3, 130, 70}, {2, 128, 256}, {1, 64, 48}, {5, 17, 200}, {2, 256, 7168 / 16}};
+  uint32_t seed = 5;
+  for (const auto& sh : shapes)
+    for (bool stacked : {true, false}) {
+      if (!stacked && sh[0] != 1) continue;
+      SCOPED_TRACE(std::to_string(sh[0]) + "x" + std::to_string(sh[1]) + "x" +
+                   std::to_string(sh[2]));
+      const std::vector<int64_t> shape = stacked ? sh : std::vector<int64_t>{sh[1], sh[2]};
+      std::vector<int64_t> shape_t = shape;
+      std::swap(shape_t[shape.size() - 2], shape_t[shape.size() - 1]);
+      Tensor q = make_tensor(shape, DType::kFloat8E4M3);
+      std::mt19937 rng(seed++);
+      for (int64_t i = 0; i < q.numel(); ++i) q.data_ptr<uint8_t>()[i] = rng() & 0xFF;
+      Tensor want = poisoned(shape_t, DType::kFloat8E4M3, Device::cpu());
+      transpose_codes(q, want);
+      Tensor got = poisoned(shape_t, DType::kFloat8E4M3, kGpu);
+      transpose_codes(q.to(kGpu), got);
+      MOEFLOW_CUDA_CHECK(cudaDeviceSynchronize());
+      ASSERT_TRUE(bytes_equal(got.to(Device::cpu()), want));
     }
 }
 

@@ -3,7 +3,9 @@
 // codes (ties to even, saturation, NaN/inf, zero blocks, pow2 and subnormal
 // scales), partial edge blocks against a naive formula, strided rows,
 // columnwise == rowwise of x^T, round-trip error bounds, exact round trips,
-// dequantize rounding once, bad input.
+// dequantize rounding once, bad input; transpose_codes against columnwise
+// quantization.
+#include <cstring>
 #include <map>
 
 #include "core/quantize_backend.h"
@@ -289,6 +291,49 @@ TEST(Quantize, ColumnwiseIsRowwiseOfTranspose) {
             ASSERT_EQ(fbits(at(da, m * K + k)), fbits(at(db, k * M + m))) << m << "," << k;
       }
   }
+}
+
+// The dgrad's weight codes: transpose_codes of each matrix's 128x128-block
+// codes equals the columnwise quantization of that matrix, and the scales
+// are the rowwise ones transposed.
+TEST(Quantize, TransposeCodesIsColumnwiseQuantize) {
+  const int64_t G = 3, R = 256, C = 200;
+  Tensor x = make_tensor({G * R, C}, DType::kBFloat16);
+  fill_random(x, 11, -3.0f, 3.0f);
+  const QuantizeConfig row{kE4, QuantScaling::kBlock128x128, false, false};
+  const QuantizeConfig col{kE4, QuantScaling::kBlock128x128, false, true};
+  Quantized a = run(x, row);  // [G*R, C]: R % 128 == 0, so no block spans two matrices
+  Tensor qt = poisoned({G, C, R}, kE4);
+  transpose_codes(TensorView(a.q.data(), kE4, Device::cpu(), {G, R, C}), qt);
+  const int64_t nbr = R / 128, nbc = (C + 127) / 128;
+  for (int64_t g = 0; g < G; ++g) {
+    TensorView xg(static_cast<uint8_t*>(x.data()) + g * R * C * 2, DType::kBFloat16,
+                  Device::cpu(), {R, C});
+    Quantized b = run(xg, col);  // [C, R]
+    ASSERT_EQ(std::memcmp(b.q.data(), qt.data_ptr<uint8_t>() + g * C * R, C * R), 0) << g;
+    for (int64_t i = 0; i < nbc; ++i)
+      for (int64_t j = 0; j < nbr; ++j)
+        ASSERT_EQ(fbits(b.scales.data_ptr<float>()[i * nbr + j]),
+                  fbits(a.scales.data_ptr<float>()[(g * nbr + j) * nbc + i]))
+            << g << "," << i << "," << j;
+  }
+  // [R, C] is one matrix; bad input names the argument.
+  Tensor q2 = make_tensor({5, 3}, kE5), q2t = poisoned({3, 5}, kE5);
+  for (int i = 0; i < 15; ++i) q2.data_ptr<uint8_t>()[i] = static_cast<uint8_t>(i);
+  transpose_codes(q2, q2t);
+  for (int r = 0; r < 5; ++r)
+    for (int c = 0; c < 3; ++c) ASSERT_EQ(q2t.data_ptr<uint8_t>()[c * 5 + r], r * 3 + c);
+  auto msg = [](auto fn) { return message_of(fn); };
+  EXPECT_NE(msg([&] { transpose_codes(q2, make_tensor({5, 3}, kE5)); })
+                .find("q_t must be float8_e5m2 [3,5]"),
+            std::string::npos);
+  EXPECT_NE(msg([&] { transpose_codes(q2, make_tensor({3, 5}, kE4)); }).find("q_t must be"),
+            std::string::npos);
+  EXPECT_NE(msg([&] { transpose_codes(make_tensor({5, 3}, DType::kBFloat16), q2t); })
+                .find("q must be float8_e4m3 or float8_e5m2, got bfloat16"),
+            std::string::npos);
+  EXPECT_NE(msg([&] { transpose_codes(make_tensor({15}, kE5), q2t); }).find("q must be [R,C]"),
+            std::string::npos);
 }
 
 TEST(Quantize, StridedRowsMatchContiguous) {

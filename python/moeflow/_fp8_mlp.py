@@ -59,8 +59,8 @@ def quantize_weight(w: torch.Tensor, recipe: str,
         s = s.expand(E, N // 128, K // 128)
     q = q.view(E, N, K)
     if transpose:
-        q, s = q.transpose(1, 2), s.transpose(1, 2)
-    return q.contiguous(), s.contiguous()
+        return ops.transpose_codes(q), s.transpose(1, 2).contiguous()
+    return q, s.contiguous()
 
 
 _CACHE = "_moeflow_fp8_codes"  # the attribute of a weight that holds its cached codes
@@ -88,7 +88,7 @@ def weight_codes(w: torch.Tensor, recipe: str, transpose: bool,
     if transpose not in codes:
         if transpose and False in codes:
             q, s = codes[False]
-            codes[True] = (q.transpose(1, 2).contiguous(), s.transpose(1, 2).contiguous())
+            codes[True] = (ops.transpose_codes(q), s.transpose(1, 2).contiguous())
         else:
             codes[transpose] = quantize_weight(w, recipe, transpose)
     return codes[transpose]

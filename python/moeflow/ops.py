@@ -33,7 +33,7 @@ from . import _C
 
 __all__ = [
     "RouterOutput", "router", "router_logits", "apply_capacity", "update_expert_bias",
-    "quantize", "dequantize", "Plan", "permute", "permute_quantize",
+    "quantize", "dequantize", "transpose_codes", "Plan", "permute", "permute_quantize",
     "unpermute", "unpermute_backward_quantize", "grouped_mlp", "activation_quantize",
     "WgradStore"
 ]
@@ -318,6 +318,20 @@ def quantize(x: torch.Tensor, fp8_format: str = "e4m3", scaling: str = "1x128",
     _C.quantize(x, fp8_format, scaling, bool(pow2_scales), bool(columnwise), q, scales, ws,
                 _stream(x))
     return q, scales
+
+
+def transpose_codes(q: torch.Tensor) -> torch.Tensor:
+    """FP8 codes [G, R, C] (or [R, C]) -> [G, C, R]: each matrix transposed,
+    the bytes as they are (moeflow/quantize.h). The 128x128 block scales of
+    the result are the input's transposed (``scales.transpose(-2, -1)``), so
+    the pair equals ``quantize(..., columnwise=True)`` of each matrix: the
+    dgrad's weight codes from the forward's. On the device, no sync."""
+    if q.dim() not in (2, 3):
+        raise _C.Error(f"q must be [R, C] or [G, R, C], got shape {tuple(q.shape)}")
+    q = q.contiguous()
+    out = torch.empty(q.shape[:-2] + (q.shape[-1], q.shape[-2]), dtype=q.dtype, device=q.device)
+    _C.transpose_codes(q, out, _stream(q))
+    return out
 
 
 def grouped_gemm_fp8_forward(a: torch.Tensor, a_scales: torch.Tensor, w: torch.Tensor,

@@ -404,6 +404,12 @@ NB_MODULE(_C, m) {
       },
       nb::arg("q"), nb::arg("scales"), nb::arg("fp8_format"), nb::arg("scaling"),
       nb::arg("pow2_scales"), nb::arg("columnwise"), nb::arg("out"), nb::arg("stream") = 0);
+  m.def(
+      "transpose_codes",
+      [](const Array& q, const Array& q_t, uintptr_t s) {
+        transpose_codes(view_of(q, "q"), view_of(q_t, "q_t"), stream_of(s));
+      },
+      nb::arg("q"), nb::arg("q_t"), nb::arg("stream") = 0);
 
   // Blockwise FP8 grouped GEMM forward (moeflow/grouped_gemm.h).
   m.def(

@@ -68,6 +68,23 @@ def test_columnwise_is_the_rowwise_of_the_transpose(device):
 
 
 @pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("shape", [(3, 256, 384), (2, 130, 70), (200, 136)])
+def test_transpose_codes_is_the_columnwise_quantization(device, shape):
+    x = torch.randn(*shape).to(device, torch.bfloat16)
+    R, C = shape[-2:]
+    mats = x.reshape(-1, R, C)
+    q, s = zip(*(mf.quantize(m, "e4m3", "128x128") for m in mats))
+    qt = mf.transpose_codes(torch.stack(q).reshape(shape))
+    assert qt.shape == shape[:-2] + (C, R) and qt.dtype == torch.float8_e4m3fn
+    for g, m in enumerate(mats):
+        want_q, want_s = mf.quantize(m, "e4m3", "128x128", columnwise=True)
+        assert torch.equal(qt.reshape(-1, C, R)[g].view(torch.uint8), want_q.view(torch.uint8))
+        assert torch.equal(s[g].t(), want_s)
+    with pytest.raises(mf._C.Error, match="q must be"):
+        mf.transpose_codes(x.reshape(-1, R, C))
+
+
+@pytest.mark.parametrize("device", DEVICES)
 def test_pow2_scales(device):
     x = torch.randn(4, 256).to(device)
     _, s = mf.quantize(x, "e4m3", "1x128", pow2_scales=True)

@@ -1,5 +1,8 @@
 // Public FP8 quantize / dequantize entry points: argument checks, then
 // dispatch to the CPU or CUDA backend by the device of the input.
+#include <utility>
+#include <vector>
+
 #include "core/internal.h"
 #include "core/quantize_backend.h"
 
@@ -103,6 +106,28 @@ void dequantize(TensorView q, TensorView scales, const QuantizeConfig& config, T
 #ifdef MOEFLOW_WITH_CUDA
   detail::cuda_set_device(dev.index);
   cuda::dequantize(q, scales, config, out, stream);
+#else
+  (void)stream;
+  MOEFLOW_CHECK(false, "this moeflow was built without CUDA");
+#endif
+}
+
+void transpose_codes(TensorView q, TensorView q_t, cudaStream_t stream) {
+  detail::expect_defined(q, "q");
+  MOEFLOW_CHECK(q.ndim == 2 || q.ndim == 3, "q must be [R,C] or [G,R,C], got ", q.str());
+  MOEFLOW_CHECK(q.dtype == DType::kFloat8E4M3 || q.dtype == DType::kFloat8E5M2,
+                "q must be float8_e4m3 or float8_e5m2, got ", dtype_name(q.dtype));
+  const Device dev = q.device;
+  const std::vector<int64_t> shape = q.sizes();
+  std::vector<int64_t> shape_t = shape;
+  std::swap(shape_t[q.ndim - 2], shape_t[q.ndim - 1]);
+  detail::expect(q, "q", Expect{{q.dtype}, shape, dev});
+  detail::expect(q_t, "q_t", Expect{{q.dtype}, shape_t, dev});
+  if (q.numel() == 0) return;
+  if (dev.is_cpu()) return cpu::transpose_codes(q, q_t);
+#ifdef MOEFLOW_WITH_CUDA
+  detail::cuda_set_device(dev.index);
+  cuda::transpose_codes(q, q_t, stream);
 #else
   (void)stream;
   MOEFLOW_CHECK(false, "this moeflow was built without CUDA");

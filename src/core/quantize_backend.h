@@ -125,6 +125,7 @@ MOEFLOW_QHD float round_to_odd_float(double d) {
 namespace cpu {
 void quantize(TensorView x, const QuantizeConfig& config, TensorView q, TensorView scales);
 void dequantize(TensorView q, TensorView scales, const QuantizeConfig& config, TensorView out);
+void transpose_codes(TensorView q, TensorView q_t);
 // float32 -> fp8 code (e4m3 or e5m2) by the policy: round to nearest even,
 // saturate to +-max (inf included), NaN -> 0x7F. Software; exposed for tests.
 uint8_t float_to_fp8(float v, bool e4m3);
@@ -136,6 +137,7 @@ void quantize(TensorView x, const QuantizeConfig& config, TensorView q, TensorVi
               TensorView workspace, cudaStream_t stream);
 void dequantize(TensorView q, TensorView scales, const QuantizeConfig& config, TensorView out,
                 cudaStream_t stream);
+void transpose_codes(TensorView q, TensorView q_t, cudaStream_t stream);
 }  // namespace cuda
 
 }  // namespace moeflow

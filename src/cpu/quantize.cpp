@@ -143,4 +143,14 @@ void dequantize(TensorView q, TensorView scales, const QuantizeConfig& config, T
     }
 }
 
+void transpose_codes(TensorView q, TensorView q_t) {
+  const int64_t G = q.ndim == 3 ? q.shape[0] : 1;
+  const int64_t R = q.shape[q.ndim - 2], C = q.shape[q.ndim - 1];
+  const auto* in = static_cast<const uint8_t*>(q.data);
+  auto* out = static_cast<uint8_t*>(q_t.data);
+  for (int64_t g = 0; g < G; ++g)
+    for (int64_t r = 0; r < R; ++r)
+      for (int64_t c = 0; c < C; ++c) out[(g * C + c) * R + r] = in[(g * R + r) * C + c];
+}
+
 }  // namespace moeflow::cpu

@@ -10,6 +10,7 @@
 #include <cstdint>
 
 #include "core/quantize_backend.h"
+#include "cuda/common.cuh"
 
 namespace moeflow::cuda {
 
@@ -43,6 +44,32 @@ __device__ __forceinline__ float quantize_chunk(const float (&v)[kFp8PerLane], b
   for (int j = 0; j < kFp8PerLane; ++j)
     w[j / 4] |= uint32_t{to_fp8<E4M3>(__fdiv_rn(v[j], scale))} << (8 * (j % 4));
   return scale;
+}
+
+// Lane l's 16 values at columns [cl, cl + 16) of `src` as floats, 0 past
+// `cols` (VEC: 16-byte loads; the row is 16-byte aligned and `cols` a
+// multiple of 16).
+template <typename T, bool VEC>
+__device__ __forceinline__ void load_chunk(const T* src, int64_t cl, int64_t cols,
+                                           float (&v)[kFp8PerLane]) {
+  if constexpr (VEC) {
+    constexpr int kVecs = kFp8PerLane * sizeof(T) / 16;
+    uint4 raw[kVecs];
+    if (cl < cols) {
+      const uint4* p = reinterpret_cast<const uint4*>(src + cl);
+#pragma unroll
+      for (int i = 0; i < kVecs; ++i) raw[i] = p[i];
+    } else {
+#pragma unroll
+      for (int i = 0; i < kVecs; ++i) raw[i] = make_uint4(0, 0, 0, 0);
+    }
+    const T* e = reinterpret_cast<const T*>(raw);
+#pragma unroll
+    for (int j = 0; j < kFp8PerLane; ++j) v[j] = to_float(e[j]);
+  } else {
+#pragma unroll
+    for (int j = 0; j < kFp8PerLane; ++j) v[j] = cl + j < cols ? to_float(src[cl + j]) : 0.0f;
+  }
 }
 
 // Stores lane l's 16 codes at columns [cl, cl + 16) of an fp8 row (VEC: as one

@@ -55,30 +55,6 @@ struct PadRows {
   }
 };
 
-// Lane l's 16 columns [cl, cl + 16) of row `src` as floats (0 past H).
-template <typename T, bool VEC>
-__device__ __forceinline__ void load_chunk(const T* src, int64_t cl, int64_t hidden,
-                                           float (&v)[kPerLane]) {
-  if constexpr (VEC) {
-    constexpr int kVecs = kPerLane * sizeof(T) / 16;
-    uint4 raw[kVecs];
-    if (cl < hidden) {
-      const uint4* p = reinterpret_cast<const uint4*>(src + cl);
-#pragma unroll
-      for (int i = 0; i < kVecs; ++i) raw[i] = p[i];
-    } else {
-#pragma unroll
-      for (int i = 0; i < kVecs; ++i) raw[i] = make_uint4(0, 0, 0, 0);
-    }
-    const T* e = reinterpret_cast<const T*>(raw);
-#pragma unroll
-    for (int j = 0; j < kPerLane; ++j) v[j] = to_float(e[j]);
-  } else {
-#pragma unroll
-    for (int j = 0; j < kPerLane; ++j) v[j] = cl + j < hidden ? to_float(src[cl + j]) : 0.0f;
-  }
-}
-
 // A pad row: codes 0 and `scale` for every block.
 template <bool VEC>
 __device__ __forceinline__ void write_pad_row(uint8_t* yrow, float* scales, int64_t nb,

@@ -1,5 +1,13 @@
-// CUDA FP8 quantize / dequantize (policy: moeflow/quantize.h; shared scalar
-// math: core/quantize_backend.h). Simple kernels, correct first:
+// CUDA FP8 quantize / dequantize / transpose_codes (policy:
+// moeflow/quantize.h; shared scalar math: core/quantize_backend.h).
+// Rowwise with 16-byte rows (x's and q's rows 16-byte aligned, C a multiple
+// of 16; the layout of activations and weights), the vector kernels:
+//   kBlock1x128:   one warp per 512-column chunk of a row, 16 columns a
+//                  lane (16-byte loads and stores), 8 lanes per block.
+//   kBlock128x128: one thread block per 128x128 block, the block's values
+//                  held in registers (8 rows x 8 columns a thread): one read
+//                  of x, amax over the block, then convert and store.
+// Otherwise (columnwise, strided or odd shapes), simple kernels:
 //   kBlock1x128:   one warp per 1x128 block of q (4 elements a lane), warp
 //                  shuffle amax, then convert and store.
 //   kBlock128x128: one thread block per 128x128 block of q: amax over the
@@ -9,6 +17,8 @@
 //                  workspace; kernel 2 reduces them (every block, in the same
 //                  way), writes the scale and converts. No atomics, no memset.
 //   dequantize:    one thread per element.
+//   transpose_codes: 64 x 64-byte tiles through shared memory, 16-byte
+//                  loads, byte gathers, 16-byte stores where aligned.
 // Everything works in q coordinates (columnwise reads x through swapped
 // strides). x / scale uses __fdiv_rn, the conversion cvt.rn.satfinite
 // (__nv_cvt_float_to_fp8), NaN is mapped to 0x7F explicitly. No host sync,
@@ -33,6 +43,10 @@ constexpr int64_t kElemsPerPartial = 2048;
 
 int64_t num_partials(int64_t n) {
   return std::min(kMaxPartials, std::max<int64_t>(1, ceil_div(n, kElemsPerPartial)));
+}
+
+bool aligned16(const void* p) {
+  return reinterpret_cast<uintptr_t>(p) % 16 == 0;
 }
 
 int grid_for(int64_t items, int64_t per_block) {
@@ -99,6 +113,79 @@ __global__ void __launch_bounds__(kThreads) quantize_1x128_kernel(Src<T> src, Ds
     for (int j = 0; j < kPerLane; ++j) {
       const int64_t c = c0 + j * kWarpSize + lane;
       if (c < dst.C) qrow[c] = to_fp8<E4M3>(__fdiv_rn(v[j], scale));
+    }
+  }
+}
+
+// kBlock1x128, rowwise, 16-byte rows: warp w handles the 512-column chunk
+// `item % chunks` of row `item / chunks` (fp8.cuh's lane layout).
+template <typename T, bool E4M3>
+__global__ void __launch_bounds__(kThreads)
+    quantize_1x128_vec_kernel(const T* x, int64_t x_stride, Dst dst, int64_t nb, int64_t chunks) {
+  constexpr int64_t kChunk = int64_t{kFp8PerLane} * kWarpSize;
+  const int lane = threadIdx.x % kWarpSize;
+  const int64_t items = dst.R * chunks;
+  for (int64_t item = static_cast<int64_t>(blockIdx.x) * kWarps + threadIdx.x / kWarpSize;
+       item < items; item += static_cast<int64_t>(gridDim.x) * kWarps) {
+    const int64_t r = item / chunks, cl = (item % chunks) * kChunk + int64_t{lane} * kFp8PerLane;
+    float v[kFp8PerLane];
+    load_chunk<T, true>(x + r * x_stride, cl, dst.C, v);  // 0 past C: the amax is unchanged
+    uint32_t w[kFp8PerLane / 4];
+    const float scale = quantize_chunk<E4M3>(v, dst.pow2, w);
+    store_codes<true>(dst.q + r * dst.q_stride, cl, dst.C, w);
+    if (cl < dst.C && lane % kFp8LanesPerBlock == 0) dst.scales[r * nb + cl / kBlock] = scale;
+  }
+}
+
+// 8 consecutive values of a 16-byte aligned row as floats.
+template <typename T>
+__device__ __forceinline__ void load8(const T* p, float (&v)[8]) {
+  constexpr int kVecs = 8 * sizeof(T) / 16;
+  uint4 raw[kVecs];
+#pragma unroll
+  for (int i = 0; i < kVecs; ++i) raw[i] = reinterpret_cast<const uint4*>(p)[i];
+  const T* e = reinterpret_cast<const T*>(raw);
+#pragma unroll
+  for (int j = 0; j < 8; ++j) v[j] = to_float(e[j]);
+}
+
+// kBlock128x128, rowwise, 16-byte rows: thread t holds columns [8 (t % 16),
+// +8) of rows t / 16 + 16 i (i < 8) of the block; out-of-matrix values are
+// 0 (they leave the amax as it is) and are not stored.
+template <typename T, bool E4M3>
+__global__ void __launch_bounds__(kThreads)
+    quantize_128x128_vec_kernel(const T* x, int64_t x_stride, Dst dst, int64_t nbr, int64_t nbc) {
+  static_assert(kThreads == 256 && kBlock == 128, "thread layout");
+  __shared__ float smem[kWarps];
+  const int cc = threadIdx.x % 16, rg = threadIdx.x / 16;
+  for (int64_t item = blockIdx.x; item < nbr * nbc; item += gridDim.x) {
+    const int64_t r0 = (item / nbc) * kBlock + rg, c = (item % nbc) * kBlock + 8 * cc;
+    const bool col_in = c < dst.C;
+    float v[8][8];
+    float m = 0.0f;
+#pragma unroll
+    for (int i = 0; i < 8; ++i) {
+      const int64_t r = r0 + 16 * i;
+      if (col_in && r < dst.R) {
+        load8(x + r * x_stride + c, v[i]);
+      } else {
+#pragma unroll
+        for (int j = 0; j < 8; ++j) v[i][j] = 0.0f;
+      }
+#pragma unroll
+      for (int j = 0; j < 8; ++j) m = quant::amax_join(m, quant::amax_term(v[i][j]));
+    }
+    const float scale = quant::scale_of(block_amax(m, smem), E4M3, dst.pow2);
+    if (threadIdx.x == 0) dst.scales[item] = scale;
+#pragma unroll
+    for (int i = 0; i < 8; ++i) {
+      const int64_t r = r0 + 16 * i;
+      if (!col_in || r >= dst.R) continue;
+      uint32_t w[2] = {0, 0};
+#pragma unroll
+      for (int j = 0; j < 8; ++j)
+        w[j / 4] |= uint32_t{to_fp8<E4M3>(__fdiv_rn(v[i][j], scale))} << (8 * (j % 4));
+      *reinterpret_cast<uint2*>(dst.q + r * dst.q_stride + c) = make_uint2(w[0], w[1]);
     }
   }
 }
@@ -190,6 +277,55 @@ __global__ void __launch_bounds__(kThreads)
   }
 }
 
+// transpose_codes: a 64 x 64 tile of q (rows r0.., columns c0.. of matrix
+// g) staged in shared memory, then written as 64 rows of q_t. Thread t moves
+// bytes [16 (t % 4), +16) of row t / 4, one 16-byte access when the rows
+// are 16-byte aligned (vec_in: q's, vec_out: q_t's) and the span is whole.
+constexpr int kTT = 64, kTTPad = 68;  // tile edge, shared-memory row stride (bytes)
+
+__global__ void __launch_bounds__(kThreads)
+    transpose_codes_kernel(const uint8_t* q, uint8_t* q_t, int64_t G, int64_t R, int64_t C,
+                           bool vec_in, bool vec_out) {
+  static_assert(kThreads == 4 * kTT, "one thread per 16 bytes of a tile row");
+  __shared__ __align__(16) uint8_t tile[kTT * kTTPad];
+  const int64_t tr = (R + kTT - 1) / kTT, tc = (C + kTT - 1) / kTT;
+  const int row = threadIdx.x / 4, seg = (threadIdx.x % 4) * 16;
+  for (int64_t item = blockIdx.x; item < G * tr * tc; item += gridDim.x) {
+    const int64_t g = item / (tr * tc), r0 = (item / tc) % tr * kTT, c0 = item % tc * kTT;
+    const uint8_t* in = q + g * R * C;
+    uint8_t* out = q_t + g * R * C;
+    __syncthreads();  // the previous tile is read out
+    {
+      const int64_t r = r0 + row, c = c0 + seg;
+      uint8_t* dst = tile + row * kTTPad + seg;
+      if (vec_in && r < R && c + 16 <= C) {
+        const uint4 v = *reinterpret_cast<const uint4*>(in + r * C + c);
+        reinterpret_cast<uint32_t*>(dst)[0] = v.x;
+        reinterpret_cast<uint32_t*>(dst)[1] = v.y;
+        reinterpret_cast<uint32_t*>(dst)[2] = v.z;
+        reinterpret_cast<uint32_t*>(dst)[3] = v.w;
+      } else {
+#pragma unroll
+        for (int j = 0; j < 16; ++j) dst[j] = r < R && c + j < C ? in[r * C + c + j] : 0;
+      }
+    }
+    __syncthreads();
+    // q_t row c0 + row, columns r0 + seg ..: tile column `row`, rows seg ..
+    const int64_t c = c0 + row, r = r0 + seg;
+    if (c >= C) continue;
+    uint32_t w[4] = {0, 0, 0, 0};
+#pragma unroll
+    for (int j = 0; j < 16; ++j) w[j / 4] |= uint32_t{tile[(seg + j) * kTTPad + row]} << (8 * (j % 4));
+    if (vec_out && r + 16 <= R) {
+      *reinterpret_cast<uint4*>(out + c * R + r) = make_uint4(w[0], w[1], w[2], w[3]);
+    } else {
+#pragma unroll
+      for (int j = 0; j < 16; ++j)
+        if (r + j < R) out[c * R + r + j] = static_cast<uint8_t>(w[j / 4] >> (8 * (j % 4)));
+    }
+  }
+}
+
 template <typename Fn>
 void with_format(bool e4m3, Fn fn) {
   if (e4m3)
@@ -215,6 +351,10 @@ void quantize(TensorView x, const QuantizeConfig& config, TensorView q, TensorVi
   with_float_type(x.dtype, [&](auto t) {
     using T = decltype(t);
     const Src<T> src{static_cast<const T*>(x.data), xr, xc};
+    // The vector kernels: rowwise, x's and q's rows 16-byte aligned.
+    const bool vec = !config.columnwise && aligned16(x.data) && aligned16(q.data) &&
+                     (x.strides[0] * static_cast<int64_t>(sizeof(T))) % 16 == 0 &&
+                     q.strides[0] % 16 == 0;
     with_format(config.out == DType::kFloat8E4M3, [&](auto fmt) {
       constexpr bool E4M3 = decltype(fmt)::value;
       switch (config.scaling) {
@@ -232,6 +372,13 @@ void quantize(TensorView x, const QuantizeConfig& config, TensorView q, TensorVi
         case QuantScaling::kBlock1x128: {
           const int64_t nb = scales.shape[1];
           if (R * nb == 0) return;
+          if (vec && C % 16 == 0) {
+            const int64_t chunks = ceil_div(C, int64_t{kFp8PerLane} * kWarpSize);
+            quantize_1x128_vec_kernel<T, E4M3><<<grid_for(R * chunks, kWarps), kThreads, 0,
+                                                 stream>>>(src.x, x.strides[0], dst, nb, chunks);
+            MOEFLOW_CUDA_LAUNCH_CHECK();
+            return;
+          }
           quantize_1x128_kernel<T, E4M3>
               <<<grid_for(R * nb, kWarps), kThreads, 0, stream>>>(src, dst, nb);
           MOEFLOW_CUDA_LAUNCH_CHECK();
@@ -240,6 +387,12 @@ void quantize(TensorView x, const QuantizeConfig& config, TensorView q, TensorVi
         case QuantScaling::kBlock128x128: {
           const int64_t nbr = scales.shape[0], nbc = scales.shape[1];
           if (nbr * nbc == 0) return;
+          if (vec && C % 8 == 0) {
+            quantize_128x128_vec_kernel<T, E4M3><<<grid_for(nbr * nbc, 1), kThreads, 0, stream>>>(
+                src.x, x.strides[0], dst, nbr, nbc);
+            MOEFLOW_CUDA_LAUNCH_CHECK();
+            return;
+          }
           quantize_128x128_kernel<T, E4M3>
               <<<grid_for(nbr * nbc, 1), kThreads, 0, stream>>>(src, dst, nbr, nbc);
           MOEFLOW_CUDA_LAUNCH_CHECK();
@@ -268,6 +421,16 @@ void dequantize(TensorView q, TensorView scales, const QuantizeConfig& config, T
       MOEFLOW_CUDA_LAUNCH_CHECK();
     });
   });
+}
+
+void transpose_codes(TensorView q, TensorView q_t, cudaStream_t stream) {
+  const int64_t G = q.ndim == 3 ? q.shape[0] : 1;
+  const int64_t R = q.shape[q.ndim - 2], C = q.shape[q.ndim - 1];
+  const int64_t tiles = G * ceil_div(R, int64_t{kTT}) * ceil_div(C, int64_t{kTT});
+  transpose_codes_kernel<<<grid_for(tiles, 1), kThreads, 0, stream>>>(
+      static_cast<const uint8_t*>(q.data), static_cast<uint8_t*>(q_t.data), G, R, C,
+      C % 16 == 0 && aligned16(q.data), R % 16 == 0 && aligned16(q_t.data));
+  MOEFLOW_CUDA_LAUNCH_CHECK();
 }
 
 }  // namespace moeflow::cuda
