@@ -121,21 +121,21 @@ __global__ void __launch_bounds__(kThreads, 1)
   if (wg == 0) {
     setmaxnreg_dec<40>();
     if (threadIdx.x != 0) return;
-    uint32_t it = 0;
+    int s = 0;  // the stage cursor: stage and phase, stepped once per slice
+    uint32_t parity = 0;
     int group = 0;
     for (int32_t tile = blockIdx.x; tile < num_tiles; tile += gridDim.x) {
       const TileGeom t = geom(tile, group);
       group = t.group;
       const int kt_n = k_tiles_of(t);
       const int w_row = static_cast<int>(int64_t{t.group} * p.n_out + t.n0);
-      for (int kt = 0; kt < kt_n; ++kt, ++it) {
-        const int s = static_cast<int>(it % static_cast<uint32_t>(stages));
-        const uint32_t parity = (it / static_cast<uint32_t>(stages)) & 1u;
+      for (int kt = 0; kt < kt_n; ++kt) {
         bulk::mbar_wait(&empty[s], parity ^ 1u);
         uint8_t* stage = smem + s * kStageBytes;
         bulk::mbar_expect_tx(&full[s], kStageBytes);
         tma_load_2d(stage, &map_a, &full[s], kt * kTileK, static_cast<int>(t.m0));
         tma_load_2d(stage + kStageBytesA, &map_w, &full[s], kt * kTileK, w_row);
+        if (++s == stages) s = 0, parity ^= 1u;
       }
     }
     return;
@@ -146,7 +146,12 @@ __global__ void __launch_bounds__(kThreads, 1)
   const int c = wg - 1;
   const int tid = threadIdx.x % 128, lane = tid % 32, warp = tid / 32;
   const int rl0 = warp * 16 + lane / 4;  // the thread's first row in the warpgroup's 64
-  uint32_t it = 0;
+  // Stage 0's operand descriptors; a stage or a 32-byte K step moves only the
+  // start address field (address / 16; every offset stays inside its 14 bits).
+  const uint64_t desc_a0 = sm90::smem_desc(smem + c * 64 * kTileK);
+  const uint64_t desc_b0 = sm90::smem_desc(smem + kStageBytesA);
+  int s = 0;  // the stage cursor, stepped once per slice as the producer's
+  uint32_t parity = 0;
   int group = 0;
   for (int32_t tile = blockIdx.x; tile < num_tiles; tile += gridDim.x) {
     const TileGeom t = geom(tile, group);
@@ -164,28 +169,25 @@ __global__ void __launch_bounds__(kThreads, 1)
     for (int i = 0; i < 64; ++i) acc[i] = 0.0f;
     float na0 = kt_n > 0 ? __ldg(sa0) : 0.0f, na1 = kt_n > 0 ? __ldg(sa1) : 0.0f;
     float nw = kt_n > 0 ? __ldg(sw) : 0.0f;
-    for (int kt = 0; kt < kt_n; ++kt, ++it) {
-      const int s = static_cast<int>(it % static_cast<uint32_t>(stages));
-      const uint32_t parity = (it / static_cast<uint32_t>(stages)) & 1u;
+    for (int kt = 0; kt < kt_n; ++kt) {
       const float s0 = na0 * nw, s1 = na1 * nw;
       if (kt + 1 < kt_n) {  // the next slice's scales, in flight under this one
-        na0 = __ldg(sa0 + kt + 1);
-        na1 = __ldg(sa1 + kt + 1);
-        nw = __ldg(sw + kt + 1);
+        na0 = __ldg(++sa0);
+        na1 = __ldg(++sa1);
+        nw = __ldg(++sw);
       }
       bulk::mbar_wait(&full[s], parity);
-      const uint8_t* a = smem + s * kStageBytes + c * 64 * kTileK;
-      const uint8_t* b = smem + s * kStageBytes + kStageBytesA;
+      const uint64_t off = static_cast<uint64_t>(s) * (kStageBytes >> 4);
       sm90::wgmma_fence();
       sm90::fence_operands(part);
 #pragma unroll
       for (int ks = 0; ks < kTileK / 32; ++ks)
-        wgmma_e4m3_n128(part, sm90::smem_desc(a + ks * 32), sm90::smem_desc(b + ks * 32),
-                        ks > 0 ? 1 : 0);
+        wgmma_e4m3_n128(part, desc_a0 + off + 2 * ks, desc_b0 + off + 2 * ks, ks > 0 ? 1 : 0);
       sm90::wgmma_commit();
       sm90::wgmma_wait<0>();
       sm90::fence_operands(part);
       if (tid == 0) bulk::mbar_arrive(&empty[s]);
+      if (++s == stages) s = 0, parity ^= 1u;
       // Promotion: the fragment's rows rl0 (i % 4 < 2) and rl0 + 8.
 #pragma unroll
       for (int i = 0; i < 64; ++i) acc[i] = fmaf(part[i], (i % 4) < 2 ? s0 : s1, acc[i]);
