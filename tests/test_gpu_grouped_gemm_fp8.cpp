@@ -164,6 +164,42 @@ TEST(GpuGemmFp8, ExactSumsAreBitwise) {
   }
 }
 
+// c as columns of a wider buffer (rows strided, as the MLP's dgrad writes
+// d(a) into d_h): the same bytes as a contiguous c, both on the GPU and in
+// the reference, and the other columns untouched.
+TEST(GpuGemmFp8, StridedOutputRows) {
+  const Fp8Problem& p = kFp8Problems[2];
+  std::mt19937 rng(11);
+  std::normal_distribution<float> nd(0.0f, 1.0f);
+  std::vector<float> xs(1 << 12);
+  for (float& v : xs) v = nd(rng);
+  const Fp8Inputs d =
+      make_inputs(p, [&](int which, int64_t i) { return xs[(i * 5 + which * 17) & 0xFFF]; });
+  const int64_t N = p.n, ld = N + 48, col = 16;
+  for (Device dev : {Device::cpu(), kGpu}) {
+    if (dev.is_cuda() && !is_hopper()) continue;
+    SCOPED_TRACE(dev.is_cpu() ? "cpu" : "cuda");
+    Tensor qa = d.qa.to(dev), sa = d.sa.to(dev), qw = d.qw.to(dev), sw = d.sw.to(dev);
+    Tensor off = d.offsets.to(dev), real = d.real.to(dev);
+    Tensor c = poisoned({d.rows, N}, DType::kBFloat16, dev);
+    Tensor wide = poisoned({d.rows, ld}, DType::kBFloat16, dev);
+    grouped_gemm_fp8_forward(qa, sa, qw, sw, layout(off, real), c);
+    grouped_gemm_fp8_forward(
+        qa, sa, qw, sw, layout(off, real),
+        TensorView::strided(static_cast<uint16_t*>(wide.data()) + col, DType::kBFloat16, dev,
+                            {d.rows, N}, {ld, 1}));
+    if (dev.is_cuda()) MOEFLOW_CUDA_CHECK(cudaDeviceSynchronize());
+    Tensor cc = c.to(Device::cpu()), wc = wide.to(Device::cpu());
+    const auto* a = static_cast<const uint16_t*>(cc.data());
+    const auto* b = static_cast<const uint16_t*>(wc.data());
+    for (int64_t r = 0; r < d.rows; ++r)
+      for (int64_t j = 0; j < ld; ++j) {
+        const uint16_t want = j >= col && j < col + N ? a[r * N + j - col] : 0xFFFF;
+        ASSERT_EQ(b[r * ld + j], want) << "row " << r << " column " << j;
+      }
+  }
+}
+
 // One captured launch replayed with new offsets on the device: each replay
 // bitwise equal to an eager call on the same layout.
 TEST(GpuGemmFp8, GraphReplayWithNewOffsets) {

@@ -95,7 +95,9 @@ void grouped_gemm_wgrad(TensorView dc, TensorView a, const GroupLayout& groups,
 // K. a [rows, K] float8_e4m3 with a_scales [rows, K/128] float32 (quantize's
 // kBlock1x128 rowwise layout); w [E, N, K] float8_e4m3 with w_scales
 // [E, N/128, K/128] float32 (kBlock128x128 of w as [E*N, K]); c [rows, N]
-// bf16. K and N positive multiples of 128; a and w 16-byte aligned. Pad rows
+// bf16, rows may be strided (stride(1) == 1, stride(0) even: e.g. columns
+// of a wider buffer). K and N positive multiples of 128; a and w 16-byte
+// aligned. Pad rows
 // and rows past offsets[E] as in grouped_gemm_forward. CUDA: Hopper only,
 // one launch, graph-safe; CPU: the reference (dequantized products summed in
 // float64, rounded to float32, then to bf16).

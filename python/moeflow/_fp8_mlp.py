@@ -103,11 +103,13 @@ def clear_weight_cache(*weights: torch.Tensor) -> None:
 
 
 def _gemm(a: torch.Tensor, w: torch.Tensor, recipe: str, offsets: torch.Tensor,
-          real_rows: Optional[torch.Tensor], transpose: bool, cache: bool) -> torch.Tensor:
-    """out[rows of e] = a @ W_e^T (transpose: a @ W_e), both operands in FP8."""
+          real_rows: Optional[torch.Tensor], transpose: bool, cache: bool,
+          out: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """out[rows of e] = a @ W_e^T (transpose: a @ W_e), both operands in FP8
+    (out: optional, rows may be strided)."""
     aq, a_s = quantize_rows(a, recipe, offsets, real_rows)
     wq, w_s = weight_codes(w, recipe, transpose, cache)
-    return ops.grouped_gemm_fp8_forward(aq, a_s, wq, w_s, offsets, real_rows)
+    return ops.grouped_gemm_fp8_forward(aq, a_s, wq, w_s, offsets, real_rows, out=out)
 
 
 def check(x: torch.Tensor, fc1: torch.Tensor, fc2: torch.Tensor, bias1, bias2, recipe: str,
@@ -188,10 +190,9 @@ class GroupedMlpFp8(torch.autograd.Function):
         else:
             dy = dy.contiguous()
         F = fc2.shape[2]
-        da = _gemm(dy, fc2, recipe, offsets, real_rows, True, cache)  # FC2 dgrad: [rows, F]
         d_h = torch.empty_like(h)
-        d_h[:, d_h.shape[1] - F:] = da  # d(a) in the last F columns (all of them when plain)
-        del da
+        # FC2's dgrad writes d(a) straight into d_h's last F columns (all of them when plain)
+        _gemm(dy, fc2, recipe, offsets, real_rows, True, cache, out=d_h[:, d_h.shape[1] - F:])
         dprobs = None
         if probs is not None and need[3]:
             dprobs = torch.empty(x.shape[0], dtype=torch.float32, device=x.device)

@@ -344,8 +344,9 @@ def grouped_gemm_fp8_forward(a: torch.Tensor, a_scales: torch.Tensor, w: torch.T
     w [E, N, K] float8_e4m3fn with w_scales [E, N/128, K/128] (``quantize`` of
     w as [E*N, K] with "128x128"); offsets int64 [E+1]; real_rows int32 [E]
     (optional: rows past them are pad rows, written as zeros). K and N
-    multiples of 128. CUDA: Hopper, one launch, no sync; CPU: the reference.
-    Not differentiable."""
+    multiples of 128. ``out``: bf16 [rows, N], its rows may be strided (e.g.
+    columns of a wider buffer; even row stride). CUDA: Hopper, one launch, no
+    sync; CPU: the reference. Not differentiable."""
     if out is None:
         out = torch.empty(a.shape[0], w.shape[1], dtype=torch.bfloat16, device=a.device)
     _C.grouped_gemm_fp8_forward(a, a_scales, w, w_scales, offsets, real_rows, out, _stream(a))

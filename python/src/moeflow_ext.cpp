@@ -418,7 +418,7 @@ NB_MODULE(_C, m) {
          const Array& offsets, const std::optional<Array>& real_rows, const Array& c, uintptr_t s) {
         grouped_gemm_fp8_forward(view_of(a, "a"), view_of(a_scales, "a_scales"), view_of(w, "w"),
                                  view_of(w_scales, "w_scales"), layout(offsets, real_rows),
-                                 view_of(c, "c"), stream_of(s));
+                                 rows_of(c, "c"), stream_of(s));
       },
       nb::arg("a"), nb::arg("a_scales"), nb::arg("w"), nb::arg("w_scales"), nb::arg("offsets"),
       nb::arg("real_rows").none(), nb::arg("c"), nb::arg("stream") = 0);

@@ -62,6 +62,18 @@ def test_fp8_forward_matches_dequantized_product(device, seg, real, K, N):
 
 
 @pytest.mark.parametrize("device", DEVICES)
+def test_fp8_forward_into_strided_rows(device):
+    qa, sa, qw, sw, offsets, real_t = problem([64, 48, 32], [64, 40, 17], 256, 128, seed=9)
+    args = [t.to(device) for t in (qa, sa, qw, sw, offsets, real_t)]
+    want = mf.grouped_gemm_fp8_forward(*args[:5], real_rows=args[5])
+    wide = torch.full((qa.shape[0], 128 + 64), 7.0, dtype=torch.bfloat16, device=device)
+    mf.grouped_gemm_fp8_forward(*args[:5], real_rows=args[5], out=wide[:, 32:160])
+    end = int(offsets[-1])
+    assert torch.equal(wide[:end, 32:160], want[:end])
+    assert (wide[:, :32] == 7).all() and (wide[:, 160:] == 7).all()
+
+
+@pytest.mark.parametrize("device", DEVICES)
 def test_fp8_dgrad_through_the_forward_with_transposed_codes(device):
     """dX = dY W per expert: the forward op with dY's rows (1x128 blocks over
     N) and W's codes and 128x128 scales transposed per expert ([E, K, N]):

@@ -132,7 +132,7 @@ void grouped_gemm_fp8_forward(const Fp8GemmCall& c) {
         double s = 0.0;
         if (data)
           for (int64_t k = 0; k < K; ++k) s += af[k] * wf[n * K + k];
-        store_float(c.c.data, DType::kBFloat16, r * N + n, static_cast<float>(s));
+        store_float(c.c.data, DType::kBFloat16, r * c.c.strides[0] + n, static_cast<float>(s));
       }
     }
   }

@@ -572,7 +572,7 @@ void grouped_gemm_fp8_forward(const Fp8GemmCall& c, cudaStream_t stream) {
   p.b_group_stride = N * K;
   p.ldb = K;
   p.c = c.c.data;
-  p.ldc = N;
+  p.ldc = c.c.strides[0];
   p.n_out = N;
   p.k_red = K;
   f::Fp8Params q{c.a_scales.data_ptr<float>(), c.w_scales.data_ptr<float>(), K / f::kBlock,
