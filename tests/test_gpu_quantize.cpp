@@ -133,15 +133,18 @@ TEST_F(GpuQuantize, TransposeCodesMatchesCpu) {
       const std::vector<int64_t> shape = stacked ? sh : std::vector<int64_t>{sh[1], sh[2]};
       std::vector<int64_t> shape_t = shape;
       std::swap(shape_t[shape.size() - 2], shape_t[shape.size() - 1]);
-      Tensor q = make_tensor(shape, DType::kFloat8E4M3);
-      std::mt19937 rng(seed++);
-      for (int64_t i = 0; i < q.numel(); ++i) q.data_ptr<uint8_t>()[i] = rng() & 0xFF;
-      Tensor want = poisoned(shape_t, DType::kFloat8E4M3, Device::cpu());
-      transpose_codes(q, want);
-      Tensor got = poisoned(shape_t, DType::kFloat8E4M3, kGpu);
-      transpose_codes(q.to(kGpu), got);
-      MOEFLOW_CUDA_CHECK(cudaDeviceSynchronize());
-      ASSERT_TRUE(bytes_equal(got.to(Device::cpu()), want));
+      for (DType dt : {DType::kFloat8E4M3, DType::kFloat32}) {  // codes, scale grids
+        Tensor q = make_tensor(shape, dt);
+        std::mt19937 rng(seed++);
+        auto* qb = static_cast<uint8_t*>(q.data());
+        for (size_t i = 0; i < q.nbytes(); ++i) qb[i] = rng() & 0xFF;
+        Tensor want = poisoned(shape_t, dt, Device::cpu());
+        transpose_codes(q, want);
+        Tensor got = poisoned(shape_t, dt, kGpu);
+        transpose_codes(q.to(kGpu), got);
+        MOEFLOW_CUDA_CHECK(cudaDeviceSynchronize());
+        ASSERT_TRUE(bytes_equal(got.to(Device::cpu()), want)) << dtype_name(dt);
+      }
     }
 }
 

@@ -330,8 +330,16 @@ TEST(Quantize, TransposeCodesIsColumnwiseQuantize) {
   EXPECT_NE(msg([&] { transpose_codes(q2, make_tensor({3, 5}, kE4)); }).find("q_t must be"),
             std::string::npos);
   EXPECT_NE(msg([&] { transpose_codes(make_tensor({5, 3}, DType::kBFloat16), q2t); })
-                .find("q must be float8_e4m3 or float8_e5m2, got bfloat16"),
+                .find("q must be float8_e4m3, float8_e5m2 or float32 (scales), got bfloat16"),
             std::string::npos);
+  // The scale grids: W^T's scales are W's transposed.
+  Tensor st = poisoned({G, nbc, nbr}, DType::kFloat32);
+  transpose_codes(TensorView(a.scales.data(), DType::kFloat32, Device::cpu(), {G, nbr, nbc}), st);
+  for (int64_t g = 0; g < G; ++g)
+    for (int64_t i = 0; i < nbc; ++i)
+      for (int64_t j = 0; j < nbr; ++j)
+        ASSERT_EQ(fbits(st.data_ptr<float>()[(g * nbc + i) * nbr + j]),
+                  fbits(a.scales.data_ptr<float>()[(g * nbr + j) * nbc + i]));
   EXPECT_NE(msg([&] { transpose_codes(make_tensor({15}, kE5), q2t); }).find("q must be [R,C]"),
             std::string::npos);
 }

@@ -8,6 +8,7 @@
 #include "moeflow/error.h"
 #include "moeflow/grouped_gemm.h"
 #include "moeflow/grouped_mlp.h"
+#include "moeflow/grouped_mlp_fp8.h"
 #include "moeflow/permute.h"
 #include "moeflow/plan.h"
 #include "moeflow/quantize.h"

@@ -68,13 +68,14 @@ size_t quantize_workspace_bytes(int64_t rows, int64_t cols, const QuantizeConfig
 void dequantize(TensorView q, TensorView scales, const QuantizeConfig& config, TensorView out,
                 cudaStream_t stream = nullptr);
 
-// Per-matrix transpose of FP8 codes: q [G, R, C] -> q_t [G, C, R],
-// q_t[g][c][r] = q[g][r][c], the bytes as they are. What the dgrad needs from
-// the weights' codes (an FP8 GEMM reads both operands K-major): the 128x128
-// block scales of q_t are q's transposed (scales.transpose(-2, -1)), so the
-// codes equal quantize(columnwise) of each matrix. q and q_t contiguous, the
-// same fp8 dtype, any R and C; [R, C] is read as G = 1. CUDA: one kernel, no
-// sync, graph-capturable.
+// Per-matrix transpose of FP8 codes, or of their float32 block scales: q
+// [G, R, C] -> q_t [G, C, R], q_t[g][c][r] = q[g][r][c], the values as they
+// are. What the dgrad needs from the weights' codes (an FP8 GEMM reads both
+// operands K-major): W^T's codes are W's transposed and its 128x128 block
+// scales W's scale grid transposed, together exactly quantize(columnwise) of
+// each matrix. q and q_t contiguous, the same dtype (float8_e4m3 /
+// float8_e5m2 / float32), any R and C; [R, C] is read as G = 1. CUDA: one
+// kernel, no sync, graph-capturable.
 void transpose_codes(TensorView q, TensorView q_t, cudaStream_t stream = nullptr);
 
 }  // namespace moeflow

@@ -322,8 +322,8 @@ def quantize(x: torch.Tensor, fp8_format: str = "e4m3", scaling: str = "1x128",
 
 def transpose_codes(q: torch.Tensor) -> torch.Tensor:
     """FP8 codes [G, R, C] (or [R, C]) -> [G, C, R]: each matrix transposed,
-    the bytes as they are (moeflow/quantize.h). The 128x128 block scales of
-    the result are the input's transposed (``scales.transpose(-2, -1)``), so
+    the values as they are (moeflow/quantize.h); also float32 scale grids.
+    The 128x128 block scales of the result are the input's transposed, so
     the pair equals ``quantize(..., columnwise=True)`` of each matrix: the
     dgrad's weight codes from the forward's. On the device, no sync."""
     if q.dim() not in (2, 3):

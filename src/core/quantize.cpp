@@ -115,8 +115,10 @@ void dequantize(TensorView q, TensorView scales, const QuantizeConfig& config, T
 void transpose_codes(TensorView q, TensorView q_t, cudaStream_t stream) {
   detail::expect_defined(q, "q");
   MOEFLOW_CHECK(q.ndim == 2 || q.ndim == 3, "q must be [R,C] or [G,R,C], got ", q.str());
-  MOEFLOW_CHECK(q.dtype == DType::kFloat8E4M3 || q.dtype == DType::kFloat8E5M2,
-                "q must be float8_e4m3 or float8_e5m2, got ", dtype_name(q.dtype));
+  MOEFLOW_CHECK(q.dtype == DType::kFloat8E4M3 || q.dtype == DType::kFloat8E5M2 ||
+                    q.dtype == DType::kFloat32,
+                "q must be float8_e4m3, float8_e5m2 or float32 (scales), got ",
+                dtype_name(q.dtype));
   const Device dev = q.device;
   const std::vector<int64_t> shape = q.sizes();
   std::vector<int64_t> shape_t = shape;

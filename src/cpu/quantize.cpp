@@ -4,6 +4,7 @@
 // matches cvt.rn.satfinite (and cuda_fp8.h's host conversion) bit for bit.
 #include <algorithm>
 #include <cmath>
+#include <cstring>
 
 #include "core/internal.h"
 #include "core/quantize_backend.h"
@@ -146,11 +147,13 @@ void dequantize(TensorView q, TensorView scales, const QuantizeConfig& config, T
 void transpose_codes(TensorView q, TensorView q_t) {
   const int64_t G = q.ndim == 3 ? q.shape[0] : 1;
   const int64_t R = q.shape[q.ndim - 2], C = q.shape[q.ndim - 1];
+  const size_t es = dtype_size(q.dtype);
   const auto* in = static_cast<const uint8_t*>(q.data);
   auto* out = static_cast<uint8_t*>(q_t.data);
   for (int64_t g = 0; g < G; ++g)
     for (int64_t r = 0; r < R; ++r)
-      for (int64_t c = 0; c < C; ++c) out[(g * C + c) * R + r] = in[(g * R + r) * C + c];
+      for (int64_t c = 0; c < C; ++c)
+        std::memcpy(out + ((g * C + c) * R + r) * es, in + ((g * R + r) * C + c) * es, es);
 }
 
 }  // namespace moeflow::cpu

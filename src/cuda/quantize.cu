@@ -326,6 +326,16 @@ __global__ void __launch_bounds__(kThreads)
   }
 }
 
+// transpose_codes of float32 scale grids (small): one thread per element.
+__global__ void __launch_bounds__(kThreads)
+    transpose_f32_kernel(const float* q, float* q_t, int64_t G, int64_t R, int64_t C) {
+  for (int64_t i = static_cast<int64_t>(blockIdx.x) * kThreads + threadIdx.x; i < G * R * C;
+       i += static_cast<int64_t>(gridDim.x) * kThreads) {
+    const int64_t g = i / (R * C), r = i / C % R, c = i % C;
+    q_t[(g * C + c) * R + r] = q[i];
+  }
+}
+
 template <typename Fn>
 void with_format(bool e4m3, Fn fn) {
   if (e4m3)
@@ -426,6 +436,12 @@ void dequantize(TensorView q, TensorView scales, const QuantizeConfig& config, T
 void transpose_codes(TensorView q, TensorView q_t, cudaStream_t stream) {
   const int64_t G = q.ndim == 3 ? q.shape[0] : 1;
   const int64_t R = q.shape[q.ndim - 2], C = q.shape[q.ndim - 1];
+  if (q.dtype == DType::kFloat32) {
+    transpose_f32_kernel<<<grid_for(G * R * C, kThreads), kThreads, 0, stream>>>(
+        static_cast<const float*>(q.data), static_cast<float*>(q_t.data), G, R, C);
+    MOEFLOW_CUDA_LAUNCH_CHECK();
+    return;
+  }
   const int64_t tiles = G * ceil_div(R, int64_t{kTT}) * ceil_div(C, int64_t{kTT});
   transpose_codes_kernel<<<grid_for(tiles, 1), kThreads, 0, stream>>>(
       static_cast<const uint8_t*>(q.data), static_cast<uint8_t*>(q_t.data), G, R, C,

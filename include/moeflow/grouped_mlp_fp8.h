@@ -1,0 +1,61 @@
+// The grouped expert MLP with the blockwise FP8 recipe (DeepSeek-V3's;
+// docs/fp8.md, "Precision recipes"): FC1, FC2 and both input gradients run
+// through grouped_gemm_fp8_forward on e4m3 codes, activations in 1x128
+// blocks, weights in 128x128 blocks, float32 scales promoted every 128 of
+// K. The weight gradients stay 16-bit GEMMs: grouped_mlp_backward_wgrad on
+// x, a (grouped_mlp_recompute_activation from h), dy and d_h, exactly as in
+// the bf16 MLP. The same formulas as moeflow/grouped_mlp.h; no biases.
+//
+// Shapes: x [rows, H], h [rows, N1] (N1 = 2F gated, F plain), y [rows, H];
+// bf16 data, H, N1 and F multiples of 128, the weights stacked. Each
+// expert's rows padded to a multiple of 16 (the plan's align) keep the FP8
+// GEMM's tiles whole. Pad rows produce zeros and get no gradient.
+// Deterministic; GPU calls (Hopper) enqueue on `stream` only, allocate
+// nothing and synchronise with nothing (CUDA-graph safe); the CPU runs the
+// references of the same ops.
+#pragma once
+
+#include "moeflow/grouped_mlp.h"
+
+namespace moeflow {
+
+// The weights' e4m3 codes and 128x128 block scales, both orientations
+// (caller-owned; grouped_mlp_fp8_weights writes them once per weight update).
+struct GroupedMlpFp8Weights {
+  TensorView fc1, fc1_scales;      // [E, N1, H] e4m3, [E, N1/128, H/128] float32
+  TensorView fc2, fc2_scales;      // [E, H, F], [E, H/128, F/128]
+  TensorView fc1_t, fc1_t_scales;  // W1^T for FC1's dgrad: [E, H, N1], [E, H/128, N1/128]
+  TensorView fc2_t, fc2_t_scales;  // W2^T for FC2's dgrad: [E, F, H], [E, F/128, H/128]
+};
+
+// One activation operand's codes at a time (caller-owned scratch): codes
+// uint8 or e4m3 of >= rows * max(H, N1) bytes, scales float32 of >= rows *
+// max(H, N1) / 128 elements, both contiguous.
+struct GroupedMlpFp8Scratch {
+  TensorView codes;
+  TensorView scales;
+};
+
+// Quantizes w.fc1 / w.fc2 (stacked bf16 [E, N1, H] / [E, H, F]) into q: one
+// read of each weight, then transpose_codes for W^T's codes and scales.
+void grouped_mlp_fp8_weights(const GroupedMlpWeights& w, const GroupedMlpFp8Weights& q,
+                             cudaStream_t stream = nullptr);
+
+// y = FC2(act(FC1(x)) * p) on FP8 codes; h [rows, N1] bf16 is written (the
+// pre-activation backward reads). probs optional [rows] float32.
+void grouped_mlp_fp8_forward(TensorView x, const GroupedMlpFp8Weights& q,
+                             const GroupLayout& groups, TensorView probs,
+                             const GroupedMlpConfig& config, TensorView y, TensorView h,
+                             const GroupedMlpFp8Scratch& scratch, cudaStream_t stream = nullptr);
+
+// The input gradients: d_h [rows, N1] (d(h), kept for the wgrad), dx [rows,
+// H] (optional: left undefined, only d_h and dprobs), dprobs optional
+// [rows] float32 (with probs). Reads h, dy and the transposed codes.
+void grouped_mlp_fp8_backward_dgrad(TensorView dy, const GroupedMlpFp8Weights& q,
+                                    const GroupLayout& groups, TensorView probs,
+                                    const GroupedMlpConfig& config, TensorView h, TensorView dx,
+                                    TensorView d_h, TensorView dprobs,
+                                    const GroupedMlpFp8Scratch& scratch,
+                                    cudaStream_t stream = nullptr);
+
+}  // namespace moeflow

@@ -1,0 +1,193 @@
+// The grouped expert MLP with the blockwise FP8 recipe
+// (moeflow/grouped_mlp_fp8.h): argument checks, then the composition of
+// public ops (quantize, grouped_gemm_fp8_forward, the activation's quantize
+// and backward, transpose_codes), on the backend of x's device.
+#include "moeflow/grouped_mlp_fp8.h"
+
+#include <algorithm>
+#include <utility>
+#include <vector>
+
+#include "core/activations.h"
+#include "core/internal.h"
+
+namespace moeflow {
+
+using detail::Expect;
+
+namespace {
+
+constexpr int64_t kB = 128;
+
+struct Fp8Dims {
+  int64_t rows, hidden, ffn, n1, experts;
+  Device dev;
+};
+
+Expect rows_expect(DType dt, int64_t rows, int64_t cols, Device dev) {
+  Expect e{{dt}, {rows, cols}, dev};
+  e.contiguous = false;
+  e.inner_unit = true;
+  return e;
+}
+
+// E, H, F, N1 from the codes; checks every view of q against them (c null:
+// N1 may be F or 2F).
+Fp8Dims check_codes(const GroupedMlpFp8Weights& q, const GroupedMlpConfig* c, int64_t rows,
+                    Device dev) {
+  MOEFLOW_CHECK(q.fc1.defined() && q.fc1.ndim == 3, "q.fc1 must be [E,N1,H], got ", q.fc1.str());
+  MOEFLOW_CHECK(q.fc2.defined() && q.fc2.ndim == 3, "q.fc2 must be [E,H,F], got ", q.fc2.str());
+  Fp8Dims d{rows, q.fc1.shape[2], q.fc2.shape[2], q.fc1.shape[1], q.fc1.shape[0], dev};
+  if (c) {
+    const bool gated = is_gated(c->activation);
+    MOEFLOW_CHECK(d.n1 == (gated ? 2 * d.ffn : d.ffn), "q.fc1.shape[1] must be ",
+                  gated ? "2 x " : "", "F = ", gated ? 2 * d.ffn : d.ffn,
+                  " for this activation, got ", d.n1);
+  } else {
+    MOEFLOW_CHECK(d.n1 == d.ffn || d.n1 == 2 * d.ffn, "q.fc1.shape[1] must be F or 2 x F = ",
+                  2 * d.ffn, ", got ", d.n1);
+  }
+  MOEFLOW_CHECK(d.hidden % kB == 0 && d.ffn % kB == 0 && d.hidden > 0 && d.ffn > 0,
+                "the FP8 recipe needs H and F to be positive multiples of 128, got H=", d.hidden,
+                " F=", d.ffn);
+  const DType e4 = DType::kFloat8E4M3, f32 = DType::kFloat32;
+  const int64_t E = d.experts, H = d.hidden, F = d.ffn, N1 = d.n1;
+  const auto w = [&](TensorView v, const char* name, std::vector<int64_t> shape, DType dt) {
+    if (v.defined()) detail::expect(v, name, Expect{{dt}, std::move(shape), dev});
+  };
+  detail::expect(q.fc1, "q.fc1", Expect{{e4}, {E, N1, H}, dev});
+  detail::expect(q.fc2, "q.fc2", Expect{{e4}, {E, H, F}, dev});
+  detail::expect(q.fc1_scales, "q.fc1_scales", Expect{{f32}, {E, N1 / kB, H / kB}, dev});
+  detail::expect(q.fc2_scales, "q.fc2_scales", Expect{{f32}, {E, H / kB, F / kB}, dev});
+  w(q.fc1_t, "q.fc1_t", {E, H, N1}, e4);
+  w(q.fc2_t, "q.fc2_t", {E, F, H}, e4);
+  w(q.fc1_t_scales, "q.fc1_t_scales", {E, H / kB, N1 / kB}, f32);
+  w(q.fc2_t_scales, "q.fc2_t_scales", {E, F / kB, H / kB}, f32);
+  return d;
+}
+
+// The first rows x cols codes and rows x cols/128 scales of the scratch, as
+// contiguous views (cols a multiple of 128).
+struct Operand {
+  TensorView codes, scales;
+};
+Operand scratch_for(const GroupedMlpFp8Scratch& s, const Fp8Dims& d, int64_t cols) {
+  const int64_t widest = std::max(d.hidden, d.n1);
+  MOEFLOW_CHECK(s.codes.defined() && s.codes.is_contiguous() && s.scales.defined() &&
+                    s.scales.is_contiguous(),
+                "scratch.codes and scratch.scales must be given, contiguous");
+  MOEFLOW_CHECK(s.codes.device == d.dev && s.scales.device == d.dev,
+                "scratch.codes and scratch.scales must be on ", d.dev.str());
+  MOEFLOW_CHECK(
+      (s.codes.dtype == DType::kUInt8 || s.codes.dtype == DType::kFloat8E4M3) &&
+          s.codes.numel() >= d.rows * widest,
+      "scratch.codes must be uint8 or float8_e4m3 with >= rows x max(H, N1) = ", d.rows * widest,
+      " elements, got ", s.codes.str());
+  MOEFLOW_CHECK(s.scales.dtype == DType::kFloat32 && s.scales.numel() >= d.rows * widest / kB,
+                "scratch.scales must be float32 with >= rows x max(H, N1) / 128 = ",
+                d.rows * widest / kB, " elements, got ", s.scales.str());
+  return {TensorView(s.codes.data, DType::kFloat8E4M3, d.dev, {d.rows, cols}),
+          TensorView(s.scales.data, DType::kFloat32, d.dev, {d.rows, cols / kB})};
+}
+
+QuantizeConfig rows_1x128() {
+  return QuantizeConfig{DType::kFloat8E4M3, QuantScaling::kBlock1x128, false, false};
+}
+
+// src [rows, cols] (rows may be strided) -> its 1x128 codes in the scratch.
+Operand quantize_rows(TensorView src, const GroupedMlpFp8Scratch& s, const Fp8Dims& d,
+                      cudaStream_t stream) {
+  const Operand o = scratch_for(s, d, src.shape[1]);
+  quantize(src, rows_1x128(), o.codes, o.scales, {}, stream);
+  return o;
+}
+
+void check_common(const Fp8Dims& d, const GroupLayout& groups, TensorView probs,
+                  const GroupedMlpConfig& c, TensorView h) {
+  detail::expect(groups.offsets, "groups.offsets", Expect{{DType::kInt64}, {d.experts + 1}, d.dev});
+  detail::expect(h, "h", Expect{{DType::kBFloat16}, {d.rows, d.n1}, d.dev});
+  if (probs.defined()) detail::expect(probs, "probs", Expect{{DType::kFloat32}, {d.rows}, d.dev});
+  if (is_gated(c.activation) && c.glu_interleave != 0)
+    MOEFLOW_CHECK(c.glu_interleave > 0 && d.ffn % c.glu_interleave == 0,
+                  "config.glu_interleave must divide F=", d.ffn, ", got ", c.glu_interleave);
+}
+
+}  // namespace
+
+void grouped_mlp_fp8_weights(const GroupedMlpWeights& w, const GroupedMlpFp8Weights& q,
+                             cudaStream_t stream) {
+  MOEFLOW_CHECK(w.fc1.defined() && w.fc2.defined(),
+                "grouped_mlp_fp8_weights needs the stacked weights w.fc1 and w.fc2");
+  MOEFLOW_CHECK(q.fc1_t.defined() && q.fc2_t.defined() && q.fc1_t_scales.defined() &&
+                    q.fc2_t_scales.defined(),
+                "grouped_mlp_fp8_weights writes both orientations: give q.fc1_t, q.fc2_t and "
+                "their scales");
+  const Device dev = w.fc1.device;
+  const Fp8Dims d = check_codes(q, nullptr, 0, dev);
+  const int64_t E = d.experts, H = d.hidden, F = d.ffn, N1 = d.n1;
+  detail::expect(w.fc1, "w.fc1", Expect{{DType::kBFloat16}, {E, N1, H}, dev});
+  detail::expect(w.fc2, "w.fc2", Expect{{DType::kBFloat16}, {E, H, F}, dev});
+  const QuantizeConfig blocks{DType::kFloat8E4M3, QuantScaling::kBlock128x128, false, false};
+  const auto flat = [&](TensorView v, DType dt, int64_t r, int64_t c) {
+    return TensorView(v.data, dt, dev, {r, c});
+  };
+  // [E*N, K] blocks never straddle two experts (N % 128 == 0).
+  quantize(flat(w.fc1, DType::kBFloat16, E * N1, H), blocks, flat(q.fc1, DType::kFloat8E4M3, E * N1, H),
+           flat(q.fc1_scales, DType::kFloat32, E * N1 / kB, H / kB), {}, stream);
+  quantize(flat(w.fc2, DType::kBFloat16, E * H, F), blocks, flat(q.fc2, DType::kFloat8E4M3, E * H, F),
+           flat(q.fc2_scales, DType::kFloat32, E * H / kB, F / kB), {}, stream);
+  transpose_codes(q.fc1, q.fc1_t, stream);
+  transpose_codes(q.fc1_scales, q.fc1_t_scales, stream);
+  transpose_codes(q.fc2, q.fc2_t, stream);
+  transpose_codes(q.fc2_scales, q.fc2_t_scales, stream);
+}
+
+void grouped_mlp_fp8_forward(TensorView x, const GroupedMlpFp8Weights& q,
+                             const GroupLayout& groups, TensorView probs,
+                             const GroupedMlpConfig& c, TensorView y, TensorView h,
+                             const GroupedMlpFp8Scratch& scratch, cudaStream_t stream) {
+  MOEFLOW_CHECK(x.defined() && x.ndim == 2, "x must be [rows,H], got ", x.str());
+  const Fp8Dims d = check_codes(q, &c, x.shape[0], x.device);
+  detail::expect(x, "x", rows_expect(DType::kBFloat16, d.rows, d.hidden, d.dev));
+  detail::expect(y, "y", rows_expect(DType::kBFloat16, d.rows, d.hidden, d.dev));
+  check_common(d, groups, probs, c, h);
+  const Operand xq = quantize_rows(x, scratch, d, stream);
+  grouped_gemm_fp8_forward(xq.codes, xq.scales, q.fc1, q.fc1_scales, groups, h, stream);
+  const Operand aq = scratch_for(scratch, d, d.ffn);
+  grouped_mlp_activation_quantize(h, groups, probs, c, rows_1x128(), aq.codes, aq.scales, stream);
+  grouped_gemm_fp8_forward(aq.codes, aq.scales, q.fc2, q.fc2_scales, groups, y, stream);
+}
+
+void grouped_mlp_fp8_backward_dgrad(TensorView dy, const GroupedMlpFp8Weights& q,
+                                    const GroupLayout& groups, TensorView probs,
+                                    const GroupedMlpConfig& c, TensorView h, TensorView dx,
+                                    TensorView d_h, TensorView dprobs,
+                                    const GroupedMlpFp8Scratch& scratch, cudaStream_t stream) {
+  MOEFLOW_CHECK(dy.defined() && dy.ndim == 2, "dy must be [rows,H], got ", dy.str());
+  const Fp8Dims d = check_codes(q, &c, dy.shape[0], dy.device);
+  MOEFLOW_CHECK(q.fc2_t.defined() && q.fc2_t_scales.defined() &&
+                    (!dx.defined() || (q.fc1_t.defined() && q.fc1_t_scales.defined())),
+                "the FP8 dgrad reads q.fc2_t (and q.fc1_t for dx) with their scales "
+                "(grouped_mlp_fp8_weights writes them)");
+  detail::expect(dy, "dy", rows_expect(DType::kBFloat16, d.rows, d.hidden, d.dev));
+  check_common(d, groups, probs, c, h);
+  detail::expect(d_h, "d_h", Expect{{DType::kBFloat16}, {d.rows, d.n1}, d.dev});
+  if (dx.defined()) detail::expect(dx, "dx", rows_expect(DType::kBFloat16, d.rows, d.hidden, d.dev));
+  if (dprobs.defined()) {
+    MOEFLOW_CHECK(probs.defined(), "dprobs needs probs (the weighted forward)");
+    detail::expect(dprobs, "dprobs", Expect{{DType::kFloat32}, {d.rows}, d.dev});
+  }
+  // d(a) = dy W2 straight into d_h's last F columns; the activation's
+  // backward turns d_h into d(h) in place.
+  const Operand dyq = quantize_rows(dy, scratch, d, stream);
+  const TensorView d_a = TensorView::strided(
+      static_cast<uint8_t*>(d_h.data) + (d.n1 - d.ffn) * 2, DType::kBFloat16, d.dev,
+      {d.rows, d.ffn}, {d.n1, 1});
+  grouped_gemm_fp8_forward(dyq.codes, dyq.scales, q.fc2_t, q.fc2_t_scales, groups, d_a, stream);
+  grouped_mlp_activation_backward(h, groups, probs, c, d_h, dprobs, stream);
+  if (!dx.defined()) return;
+  const Operand dhq = quantize_rows(d_h, scratch, d, stream);
+  grouped_gemm_fp8_forward(dhq.codes, dhq.scales, q.fc1_t, q.fc1_t_scales, groups, dx, stream);
+}
+
+}  // namespace moeflow

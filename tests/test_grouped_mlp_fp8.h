@@ -1,0 +1,104 @@
+// Shared body of the grouped MLP's FP8 recipe tests (moeflow/grouped_mlp_fp8.h):
+// one problem (an empty expert, pad rows, rows past the groups) run through
+// grouped_mlp_fp8_weights / _forward / _backward_dgrad on a device, with the
+// bf16 MLP beside it on the same device. Outputs are poisoned first.
+#pragma once
+
+#include <cmath>
+#include <random>
+
+#include "moeflow/grouped_mlp_fp8.h"
+#include "test_util.h"
+
+namespace moeflow::test {
+
+struct Fp8MlpResult {
+  Tensor y, h, d_h, dx, dprobs;  // the FP8 recipe (CPU copies)
+  Tensor y16, dx16, dprobs16;    // the bf16 MLP
+  int64_t used = 0;              // rows inside the groups
+  std::vector<int64_t> offsets, real;
+};
+
+inline Fp8MlpResult run_fp8_mlp(Device dev, uint32_t seed) {
+  const int64_t E = 3, H = 256, F = 128, N1 = 2 * F, rows = 192;
+  Fp8MlpResult r;
+  r.offsets = {0, 48, 48, 176};
+  r.real = {40, 0, 120};
+  r.used = r.offsets.back();
+  std::mt19937 rng(seed);
+  std::normal_distribution<float> nd(0.0f, 1.0f);
+  auto randn = [&](std::vector<int64_t> shape, DType dt, float scale) {
+    Tensor t = make_tensor(shape, dt);
+    for (int64_t i = 0; i < t.numel(); ++i) detail::store_float(t.data(), dt, i, nd(rng) * scale);
+    return t;
+  };
+  const DType bf = DType::kBFloat16, f32 = DType::kFloat32, e4 = DType::kFloat8E4M3;
+  Tensor x = randn({rows, H}, bf, 1.0f), dy = randn({rows, H}, bf, 1.0f);
+  Tensor w1 = randn({E, N1, H}, bf, 1.0f / 16), w2 = randn({E, H, F}, bf, 1.0f / std::sqrt(128.f));
+  Tensor probs = make_tensor({rows}, f32);
+  for (int64_t i = 0; i < rows; ++i) probs.data_ptr<float>()[i] = 0.25f + 0.5f * (i % 7) / 7.0f;
+  Tensor offs = make_tensor({E + 1}, DType::kInt64), real = make_tensor({E}, DType::kInt32);
+  for (int64_t e = 0; e <= E; ++e) offs.data_ptr<int64_t>()[e] = r.offsets[e];
+  for (int64_t e = 0; e < E; ++e) real.data_ptr<int32_t>()[e] = static_cast<int32_t>(r.real[e]);
+  // Pad rows of x and dy hold zeros, as permute and unpermute_backward write them.
+  for (int64_t e = 0; e < E; ++e)
+    for (int64_t row = r.offsets[e] + r.real[e]; row < r.offsets[e + 1]; ++row)
+      for (int64_t k = 0; k < H; ++k) {
+        detail::store_float(x.data(), bf, row * H + k, 0.0f);
+        detail::store_float(dy.data(), bf, row * H + k, 0.0f);
+      }
+  Tensor xd = x.to(dev), dyd = dy.to(dev), w1d = w1.to(dev), w2d = w2.to(dev), pd = probs.to(dev);
+  Tensor offs_d = offs.to(dev), real_d = real.to(dev);  // the layout's storage
+  GroupLayout g;
+  g.offsets = offs_d;
+  g.real_rows = real_d;
+  GroupedMlpWeights w;
+  w.fc1 = w1d;
+  w.fc2 = w2d;
+  GroupedMlpConfig cfg;  // SwiGLU, halves
+  GroupedMlpFp8Weights q;
+  Tensor q1 = poisoned({E, N1, H}, e4, dev), s1 = poisoned({E, N1 / 128, H / 128}, f32, dev);
+  Tensor q2 = poisoned({E, H, F}, e4, dev), s2 = poisoned({E, H / 128, F / 128}, f32, dev);
+  Tensor q1t = poisoned({E, H, N1}, e4, dev), s1t = poisoned({E, H / 128, N1 / 128}, f32, dev);
+  Tensor q2t = poisoned({E, F, H}, e4, dev), s2t = poisoned({E, F / 128, H / 128}, f32, dev);
+  q.fc1 = q1, q.fc1_scales = s1, q.fc2 = q2, q.fc2_scales = s2;
+  q.fc1_t = q1t, q.fc1_t_scales = s1t, q.fc2_t = q2t, q.fc2_t_scales = s2t;
+  GroupedMlpFp8Scratch scratch;
+  Tensor codes = poisoned({rows * std::max(H, N1)}, DType::kUInt8, dev);
+  Tensor scales = poisoned({rows * std::max(H, N1) / 128}, f32, dev);
+  scratch.codes = codes;
+  scratch.scales = scales;
+
+  grouped_mlp_fp8_weights(w, q);
+  Tensor y = poisoned({rows, H}, bf, dev), h = poisoned({rows, N1}, bf, dev);
+  grouped_mlp_fp8_forward(xd, q, g, pd, cfg, y, h, scratch);
+  Tensor d_h = poisoned({rows, N1}, bf, dev), dx = poisoned({rows, H}, bf, dev);
+  Tensor dprobs = poisoned({rows}, f32, dev);
+  grouped_mlp_fp8_backward_dgrad(dyd, q, g, pd, cfg, h, dx, d_h, dprobs, scratch);
+
+  Tensor y16 = poisoned({rows, H}, bf, dev), h16 = poisoned({rows, N1}, bf, dev);
+  Tensor a16 = poisoned({rows, F}, bf, dev), dh16 = poisoned({rows, N1}, bf, dev);
+  Tensor dx16 = poisoned({rows, H}, bf, dev), dp16 = poisoned({rows}, f32, dev);
+  grouped_mlp_forward(xd, w, g, pd, cfg, y16, GroupedMlpSaved{h16, a16});
+  grouped_mlp_backward_dgrad(dyd, w, g, pd, cfg, GroupedMlpSaved{h16, {}}, dx16, dh16, dp16);
+  const Device cpu = Device::cpu();
+  r.y = y.to(cpu), r.h = h.to(cpu), r.d_h = d_h.to(cpu), r.dx = dx.to(cpu);
+  r.dprobs = dprobs.to(cpu), r.y16 = y16.to(cpu), r.dx16 = dx16.to(cpu), r.dprobs16 = dp16.to(cpu);
+  return r;
+}
+
+// Relative Frobenius error and DeepGEMM's calc_diff over the first n values.
+inline std::pair<double, double> fp8_errors(const Tensor& got, const Tensor& want, int64_t n) {
+  double num = 0, den = 0, dot = 0, gg = 0;
+  for (int64_t i = 0; i < n; ++i) {
+    const double a = at(got, i), b = at(want, i);
+    if (std::isnan(a)) return {INFINITY, INFINITY};
+    num += (a - b) * (a - b);
+    den += b * b;
+    dot += a * b;
+    gg += a * a;
+  }
+  return {std::sqrt(num / std::max(den, 1e-30)), 1.0 - 2.0 * dot / std::max(gg + den, 1e-30)};
+}
+
+}  // namespace moeflow::test
