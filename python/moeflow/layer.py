@@ -210,7 +210,9 @@ class MoELayer(ExpertCheckpointMixin, torch.nn.Module):
     per expert weight element); an optimizer that writes the weights
     without bumping their version (through ``.data``, e.g. Megatron's
     distributed optimizer) must call ``moeflow.ops.clear_fp8_weight_cache``
-    after each step.
+    after each step. Leave it off for a step captured in a CUDA graph: the
+    cache is looked up on the host, at capture, so replays would keep the
+    codes of that time.
 
     Checkpoints, in Megatron-Core's two expert key layouts:
 

@@ -840,7 +840,9 @@ def grouped_mlp(x: torch.Tensor, fc1: torch.Tensor, fc2: torch.Tensor, *,
     version counter), so that micro-batches between optimizer steps, and the
     backward after its forward, do not quantize them again. Updates that do
     not bump the version (writes through ``.data``, optimizers writing the
-    storage directly) must call ``moeflow.ops.clear_fp8_weight_cache(w)``."""
+    storage directly) must call ``moeflow.ops.clear_fp8_weight_cache(w)``.
+    Leave it off under CUDA-graph capture (the lookup runs on the host, so a
+    replay keeps the codes of capture time)."""
     if activation not in _ACTIVATIONS:
         raise ValueError(f"activation must be one of {_ACTIVATIONS}, got {activation!r}")
     if plan is not None:
