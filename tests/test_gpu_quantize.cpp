@@ -77,7 +77,7 @@ TEST_F(GpuQuantize, MatchesCpuBitwise) {
                                      {256, 384, 8, 0}, {300, 1000, 24, 1}, {1000, 129, 0, 7},
                                      {0, 5, 0, 0},     {7, 0, 0, 0},       {2, 4096, 0, 0},
                                      // the vector kernels (16-byte rows) with partial blocks
-                                     {200, 272, 8, 16}, {130, 1024, 0, 0}};
+                                     {200, 272, 8, 16}, {130, 1024, 0, 0}, {150, 136, 0, 8}};
   uint32_t seed = 1;
   for (const Shape& sh : shapes)
     for (DType dt : {DType::kFloat32, DType::kBFloat16, DType::kFloat16}) {
@@ -123,7 +123,8 @@ TEST_F(GpuQuantize, MatchesCpuBitwise) {
 // 16-byte rows and odd sizes (partial tiles), q_t poisoned first.
 TEST_F(GpuQuantize, TransposeCodesMatchesCpu) {
   const std::vector<std::vector<int64_t>> shapes = {
-      {1, 1, 1}, {3, 130, 70}, {2, 128, 256}, {1, 64, 48}, {5, 17, 200}, {2, 256, 7168 / 16}};
+      {1, 1, 1}, {3, 130, 70}, {2, 128, 256}, {1, 64, 48}, {5, 17, 200}, {2, 256, 7168 / 16},
+      {2, 40, 64}, {2, 64, 40}};  // 16-byte rows on one side only
   uint32_t seed = 5;
   for (const auto& sh : shapes)
     for (bool stacked : {true, false}) {

@@ -46,17 +46,23 @@ TEST(GroupedMlpFp8, WeightsBothOrientations) {
   GroupedMlpFp8Weights q{q1, s1, q2, s2, q1t, s1t, q2t, s2t};
   grouped_mlp_fp8_weights(w, q);
   const QuantizeConfig col{e4, QuantScaling::kBlock128x128, false, true};
-  for (int64_t e = 0; e < E; ++e) {
-    TensorView we(static_cast<uint16_t*>(w1.data()) + e * N * K, DType::kBFloat16, Device::cpu(),
-                  {N, K});
-    Tensor cq = poisoned({K, N}, e4), cs = poisoned({K / 128, N / 128}, f32);
-    quantize(we, col, cq, cs);
-    ASSERT_EQ(std::memcmp(cq.data(), q1t.data_ptr<uint8_t>() + e * K * N, K * N), 0) << e;
-    ASSERT_EQ(std::memcmp(cs.data(), s1t.data_ptr<float>() + e * (K / 128) * (N / 128),
-                          cs.nbytes()),
-              0)
-        << e;
-  }
+  // Each W^T's codes and scales are the columnwise quantization of W_e.
+  const auto check = [&](const Tensor& wt, const Tensor& qt, const Tensor& st, int64_t R,
+                         int64_t C) {
+    for (int64_t e = 0; e < E; ++e) {
+      TensorView we(static_cast<uint16_t*>(wt.data()) + e * R * C, DType::kBFloat16,
+                    Device::cpu(), {R, C});
+      Tensor cq = poisoned({C, R}, e4), cs = poisoned({C / 128, R / 128}, f32);
+      quantize(we, col, cq, cs);
+      ASSERT_EQ(std::memcmp(cq.data(), qt.data_ptr<uint8_t>() + e * C * R, C * R), 0) << e;
+      ASSERT_EQ(std::memcmp(cs.data(), st.data_ptr<float>() + e * (C / 128) * (R / 128),
+                            cs.nbytes()),
+                0)
+          << e;
+    }
+  };
+  check(w1, q1t, s1t, N, K);
+  check(w2, q2t, s2t, K, N / 2);
 }
 
 TEST(GroupedMlpFp8, BadInputNamesTheArgument) {

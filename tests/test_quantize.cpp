@@ -342,6 +342,8 @@ TEST(Quantize, TransposeCodesIsColumnwiseQuantize) {
                   fbits(a.scales.data_ptr<float>()[(g * nbr + j) * nbc + i]));
   EXPECT_NE(msg([&] { transpose_codes(make_tensor({15}, kE5), q2t); }).find("q must be [R,C]"),
             std::string::npos);
+  Tensor sq = make_tensor({4, 4}, kE4);
+  EXPECT_NE(msg([&] { transpose_codes(sq, sq); }).find("must not overlap"), std::string::npos);
 }
 
 TEST(Quantize, StridedRowsMatchContiguous) {

@@ -7,7 +7,10 @@
 // the bf16 MLP. The same formulas as moeflow/grouped_mlp.h; no biases.
 //
 // Shapes: x [rows, H], h [rows, N1] (N1 = 2F gated, F plain), y [rows, H];
-// bf16 data, H, N1 and F multiples of 128, the weights stacked. Each
+// bf16 data, H, N1 and F multiples of 128, the weights stacked. x, y, dy
+// and dx may have strided rows (y and dx: even row strides); h and d_h are
+// contiguous and distinct (FC2's dgrad writes d_h before the activation's
+// backward reads h). Each
 // expert's rows padded to a multiple of 16 (the plan's align) keep the FP8
 // GEMM's tiles whole. Pad rows produce zeros and get no gradient.
 // Deterministic; GPU calls (Hopper) enqueue on `stream` only, allocate
@@ -29,8 +32,9 @@ struct GroupedMlpFp8Weights {
 };
 
 // One activation operand's codes at a time (caller-owned scratch): codes
-// uint8 or e4m3 of >= rows * max(H, N1) bytes, scales float32 of >= rows *
-// max(H, N1) / 128 elements, both contiguous.
+// uint8 or e4m3 of >= rows * max(H, N1) bytes, 16-byte aligned, scales
+// float32 of >= rows * max(H, N1) / 128 elements, both contiguous; required
+// even when rows = 0.
 struct GroupedMlpFp8Scratch {
   TensorView codes;
   TensorView scales;

@@ -73,9 +73,9 @@ void dequantize(TensorView q, TensorView scales, const QuantizeConfig& config, T
 // are. What the dgrad needs from the weights' codes (an FP8 GEMM reads both
 // operands K-major): W^T's codes are W's transposed and its 128x128 block
 // scales W's scale grid transposed, together exactly quantize(columnwise) of
-// each matrix. q and q_t contiguous, the same dtype (float8_e4m3 /
-// float8_e5m2 / float32), any R and C; [R, C] is read as G = 1. CUDA: one
-// kernel, no sync, graph-capturable.
+// each matrix. q and q_t contiguous, not overlapping, the same dtype
+// (float8_e4m3 / float8_e5m2 / float32), any R and C; [R, C] is read as G =
+// 1. CUDA: one kernel, no sync, graph-capturable.
 void transpose_codes(TensorView q, TensorView q_t, cudaStream_t stream = nullptr);
 
 }  // namespace moeflow

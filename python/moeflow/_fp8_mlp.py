@@ -73,11 +73,14 @@ def weight_codes(w: torch.Tensor, recipe: str, transpose: bool,
     is unchanged: same storage, shape and version counter (an optimizer's
     in-place step, ``copy_`` or ``load_state_dict`` bumps the version;
     writes through ``w.data`` or into the storage by other means do not:
-    then call :func:`clear_weight_cache`). The
+    then call :func:`clear_weight_cache`); not while a CUDA graph is being
+    captured (the graph quantizes, so replays follow the weights). The
     transposed codes are made from the cached ones (the same values as
     quantizing W^T: the blocks only move). Costs 1 byte per weight element
     per orientation."""
-    if not cache:
+    if not cache or (w.is_cuda and torch.cuda.is_current_stream_capturing()):
+        # Under CUDA-graph capture the lookup would run once, on the host:
+        # the graph quantizes instead, so that every replay sees the weights.
         return quantize_weight(w, recipe, transpose)
     key = (recipe, w.data_ptr(), tuple(w.shape), w._version)
     held = getattr(w, _CACHE, None)

@@ -210,9 +210,8 @@ class MoELayer(ExpertCheckpointMixin, torch.nn.Module):
     per expert weight element); an optimizer that writes the weights
     without bumping their version (through ``.data``, e.g. Megatron's
     distributed optimizer) must call ``moeflow.ops.clear_fp8_weight_cache``
-    after each step. Leave it off for a step captured in a CUDA graph: the
-    cache is looked up on the host, at capture, so replays would keep the
-    codes of that time.
+    after each step. A step captured in a CUDA graph does not use the cache
+    (it quantizes inside the graph, so that replays follow the weights).
 
     Checkpoints, in Megatron-Core's two expert key layouts:
 

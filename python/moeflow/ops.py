@@ -841,8 +841,8 @@ def grouped_mlp(x: torch.Tensor, fc1: torch.Tensor, fc2: torch.Tensor, *,
     backward after its forward, do not quantize them again. Updates that do
     not bump the version (writes through ``.data``, optimizers writing the
     storage directly) must call ``moeflow.ops.clear_fp8_weight_cache(w)``.
-    Leave it off under CUDA-graph capture (the lookup runs on the host, so a
-    replay keeps the codes of capture time)."""
+    Ignored while a CUDA graph is captured (the graph quantizes, so that
+    replays follow the weights)."""
     if activation not in _ACTIVATIONS:
         raise ValueError(f"activation must be one of {_ACTIVATIONS}, got {activation!r}")
     if plan is not None:

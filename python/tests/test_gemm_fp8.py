@@ -71,6 +71,7 @@ def test_fp8_forward_into_strided_rows(device):
     end = int(offsets[-1])
     assert torch.equal(wide[:end, 32:160], want[:end])
     assert (wide[:, :32] == 7).all() and (wide[:, 160:] == 7).all()
+    assert (wide[end:] == 7).all()  # rows past offsets[E] untouched
 
 
 @pytest.mark.parametrize("device", DEVICES)

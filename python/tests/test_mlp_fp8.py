@@ -119,12 +119,15 @@ def test_forward_backward_against_bf16(device, precision):
 
 @pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] != 9,
                     reason="the FP8 grouped GEMM runs on Hopper (sm_90) GPUs")
-@pytest.mark.parametrize("precision", RECIPES)
-def test_cuda_graph_training_step(precision):
+@pytest.mark.parametrize("precision,cache", [(r, False) for r in RECIPES] +
+                         [("fp8-blockwise", True)])
+def test_cuda_graph_training_step(precision, cache):
+    """With fp8_weight_cache the capture bypasses the cache: replays after a
+    weight update must follow the new weights (checked below)."""
     dev = "cuda"
     torch.manual_seed(0)
     layer = moeflow.MoELayer(128, 128, 4, 2, precision=precision, params_dtype=torch.bfloat16,
-                             device=dev)
+                             device=dev, fp8_weight_cache=cache)
     T = 96
     static_x = torch.randn(T, 128, device=dev, dtype=torch.bfloat16)
     static_dout = torch.randn(T, 128, device=dev, dtype=torch.bfloat16)
@@ -155,6 +158,8 @@ def test_cuda_graph_training_step(precision):
     for seed in (1, 2):
         g = torch.Generator(device=dev).manual_seed(seed)
         static_x.copy_(torch.randn(T, 128, device=dev, generator=g).to(torch.bfloat16))
+        with torch.no_grad():  # a weight update between replays (an optimizer step)
+            layer.fc1_weight.mul_(1.0 + 0.25 * seed)
         graph.replay()
         torch.cuda.synchronize()
         got = [static_out.clone()] + [t.clone() for t in static_grads.values()]

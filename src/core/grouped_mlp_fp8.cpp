@@ -86,6 +86,8 @@ Operand scratch_for(const GroupedMlpFp8Scratch& s, const Fp8Dims& d, int64_t col
   MOEFLOW_CHECK(s.scales.dtype == DType::kFloat32 && s.scales.numel() >= d.rows * widest / kB,
                 "scratch.scales must be float32 with >= rows x max(H, N1) / 128 = ",
                 d.rows * widest / kB, " elements, got ", s.scales.str());
+  MOEFLOW_CHECK(reinterpret_cast<uintptr_t>(s.codes.data) % 16 == 0,
+                "scratch.codes must be 16-byte aligned");
   return {TensorView(s.codes.data, DType::kFloat8E4M3, d.dev, {d.rows, cols}),
           TensorView(s.scales.data, DType::kFloat32, d.dev, {d.rows, cols / kB})};
 }
@@ -172,6 +174,9 @@ void grouped_mlp_fp8_backward_dgrad(TensorView dy, const GroupedMlpFp8Weights& q
   detail::expect(dy, "dy", rows_expect(DType::kBFloat16, d.rows, d.hidden, d.dev));
   check_common(d, groups, probs, c, h);
   detail::expect(d_h, "d_h", Expect{{DType::kBFloat16}, {d.rows, d.n1}, d.dev});
+  MOEFLOW_CHECK(d.rows == 0 || d_h.data != h.data,
+                "d_h must not be h (FC2's dgrad writes d_h before the activation's backward reads "
+                "h)");
   if (dx.defined()) detail::expect(dx, "dx", rows_expect(DType::kBFloat16, d.rows, d.hidden, d.dev));
   if (dprobs.defined()) {
     MOEFLOW_CHECK(probs.defined(), "dprobs needs probs (the weighted forward)");

@@ -126,6 +126,9 @@ void transpose_codes(TensorView q, TensorView q_t, cudaStream_t stream) {
   detail::expect(q, "q", Expect{{q.dtype}, shape, dev});
   detail::expect(q_t, "q_t", Expect{{q.dtype}, shape_t, dev});
   if (q.numel() == 0) return;
+  const auto lo = [](const TensorView& v) { return reinterpret_cast<uintptr_t>(v.data); };
+  MOEFLOW_CHECK(lo(q) + q.nbytes() <= lo(q_t) || lo(q_t) + q_t.nbytes() <= lo(q),
+                "transpose_codes: q and q_t must not overlap (no in-place transpose)");
   if (dev.is_cpu()) return cpu::transpose_codes(q, q_t);
 #ifdef MOEFLOW_WITH_CUDA
   detail::cuda_set_device(dev.index);
