@@ -18,7 +18,8 @@
 //                  way), writes the scale and converts. No atomics, no memset.
 //   dequantize:    one thread per element.
 //   transpose_codes: 64 x 64-byte tiles through shared memory, 16-byte
-//                  loads, byte gathers, 16-byte stores where aligned.
+//                  loads, byte gathers, 16-byte stores where aligned;
+//                  float32 scale grids (small): one thread per element.
 // Everything works in q coordinates (columnwise reads x through swapped
 // strides). x / scale uses __fdiv_rn, the conversion cvt.rn.satfinite
 // (__nv_cvt_float_to_fp8), NaN is mapped to 0x7F explicitly. No host sync,
