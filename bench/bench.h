@@ -33,6 +33,7 @@ struct GemmBenchOptions {
   bool sweep = false;              // rows per expert 64..4096, uniform and skewed
   bool tune = false;               // also time the shared-memory splits of the TMA kernel
   std::vector<int> tune_hold;      // fused FC1 held-stage windows to time, paired with FC1 alone
+  bool fp8_tiles = false;          // also time each FP8 forward tile shape against the default
   int sweep_experts = 32;
   std::vector<int64_t> sweep_rows;  // rows per expert in the sweep; empty: 64..4096
   int64_t sweep_k = 2048, sweep_n = 1536;

@@ -100,9 +100,11 @@ void run_gemm_bench(const GemmBenchOptions& opt) {
   }
   fmt::print("moeflow bench gemm on {}, bf16 in, fp32 accumulation\n", device_name(dev));
   int cc_major = 0;  // the FP8 forward runs on Hopper (sm_90) only
-  MOEFLOW_CUDA_CHECK(cudaDeviceGetAttribute(&cc_major, cudaDevAttrComputeCapabilityMajor, dev.index));
+  MOEFLOW_CUDA_CHECK(
+      cudaDeviceGetAttribute(&cc_major, cudaDevAttrComputeCapabilityMajor, dev.index));
   const bool hopper = cc_major == 9;
-  if (!hopper) fmt::print("  (forward_fp8 rows not run: the FP8 grouped GEMM needs a Hopper GPU)\n");
+  if (!hopper)
+    fmt::print("  (forward_fp8 rows not run: the FP8 grouped GEMM needs a Hopper GPU)\n");
   std::vector<Row> rows_out;
   int index = 0;
   for (const GemmCase& c : cases) {
@@ -223,6 +225,23 @@ void run_gemm_bench(const GemmBenchOptions& opt) {
       rows_out.push_back(r);
       fmt::print("    forward fp8 (blockwise) {:7.1f} TFLOP/s, bf16 forward {:7.1f}: {:.2f}x\n", f8,
                  bf, f8 / bf);
+      if (opt.fp8_tiles) {
+        const std::pair<Fp8Tile, const char*> tiles[] = {{Fp8Tile::k128x128, "128x128"},
+                                                         {Fp8Tile::k128x192, "128x192"},
+                                                         {Fp8Tile::k192x128, "192x128"}};
+        for (const auto& [tile, name] : tiles) {
+          GemmOptions o;
+          o.fp8_tile = tile;
+          const auto [ft, fd] =
+              paired([&] { grouped_gemm_fp8_forward(qa, sa, qw, sw, layout, out, o, stream); },
+                     [&] { grouped_gemm_fp8_forward(qa, sa, qw, sw, layout, out, stream); });
+          Row rt{c.name, std::string("forward_fp8_") + name, flops / ft / 1e6, 0, 0, 0};
+          rt.extra = {{"TFLOPs", ft}, {"default_TFLOPs", fd}, {"ratio_to_default", ft / fd}};
+          rows_out.push_back(rt);
+          fmt::print("      tile {}: {:7.1f} TFLOP/s, default {:7.1f}: {:.3f}x\n", name, ft, fd,
+                     ft / fd);
+        }
+      }
     }
     if (c.name.size() > 4 && c.name.substr(c.name.size() - 4) == "-fc1" && K % 8 == 0) {
       // Gathered A rows (what a token-major dispatch would feed FC1): every

@@ -3,7 +3,9 @@
 // 128x128 weights); random values within a stated relative-norm bound, and
 // values whose every sum is exact in float32 bitwise; output poisoned first;
 // pad rows zero; rows past the groups untouched; a captured launch replayed
-// with new offsets.
+// with new offsets. Every tile shape (GemmOptions::fp8_tile) runs the value
+// checks; the 192-wide tile's two weight-scale blocks (split at its column
+// 128 or 64) and its columns past N are covered by N = 128, 256, 384, 1024.
 #include <cuda_runtime.h>
 
 #include <tuple>
@@ -52,7 +54,8 @@ Fp8Inputs make_inputs(const Fp8Problem& p, Draw draw, bool pow2_scales = false) 
   const int64_t E = p.seg.size(), K = p.k, N = p.n;
   std::tie(d.offsets, d.real) = layout_of(p.seg, p.real);
   d.rows = d.offsets.data_ptr<int64_t>()[E] + p.tail;
-  Tensor x = make_tensor({d.rows, K}, DType::kFloat32), w = make_tensor({E * N, K}, DType::kFloat32);
+  Tensor x = make_tensor({d.rows, K}, DType::kFloat32),
+         w = make_tensor({E * N, K}, DType::kFloat32);
   for (int64_t i = 0; i < x.numel(); ++i) x.data_ptr<float>()[i] = draw(0, i);
   for (int64_t i = 0; i < w.numel(); ++i) w.data_ptr<float>()[i] = draw(1, i);
   QuantizeConfig ca, cw;
@@ -79,7 +82,8 @@ GroupLayout layout(const Tensor& offsets, const Tensor& real) {
 
 // Runs the CPU reference and the GPU op; returns {cpu, gpu} outputs (CPU
 // tensors) and checks the rows the op must not touch.
-std::pair<Tensor, Tensor> run_both(const Fp8Problem& p, const Fp8Inputs& d) {
+std::pair<Tensor, Tensor> run_both(const Fp8Problem& p, const Fp8Inputs& d,
+                                   const GemmOptions& o = {}) {
   const int64_t N = p.n;
   Tensor want = make_tensor({d.rows, N}, DType::kBFloat16);
   std::memset(want.data(), 0, want.nbytes());
@@ -87,7 +91,7 @@ std::pair<Tensor, Tensor> run_both(const Fp8Problem& p, const Fp8Inputs& d) {
   Tensor qa = d.qa.to(kGpu), sa = d.sa.to(kGpu), qw = d.qw.to(kGpu), sw = d.sw.to(kGpu);
   Tensor off = d.offsets.to(kGpu), real = d.real.to(kGpu);
   Tensor c = poisoned({d.rows, N}, DType::kBFloat16, kGpu);
-  grouped_gemm_fp8_forward(qa, sa, qw, sw, layout(off, real), c);
+  grouped_gemm_fp8_forward(qa, sa, qw, sw, layout(off, real), c, o);
   EXPECT_EQ(cudaDeviceSynchronize(), cudaSuccess);
   Tensor got = c.to(Device::cpu());
   // Rows past offsets[E] keep the poison.
@@ -97,7 +101,7 @@ std::pair<Tensor, Tensor> run_both(const Fp8Problem& p, const Fp8Inputs& d) {
 }
 
 const std::vector<Fp8Problem> kFp8Problems = {
-    {{128}, {128}, 128, 128},                    // one tile
+    {{128}, {128}, 128, 128},                       // one tile
     {{16, 0, 144, 32}, {1, 0, 130, 32}, 256, 128},  // empty group, pad rows, a tile's edge
     {{256, 16, 400}, {200, 16, 389}, 384, 256},
     {{64, 512, 128, 48, 32}, {64, 500, 0, 40, 17}, 1024, 384},  // a pad-only group
@@ -105,6 +109,14 @@ const std::vector<Fp8Problem> kFp8Problems = {
     // (the pipeline's phases and the group search carried across tiles)
     {{1024, 640, 0, 1536, 896, 16, 256}, {1000, 640, 0, 1500, 3, 16, 200}, 256, 1024},
 };
+
+const Fp8Tile kTiles[] = {Fp8Tile::kAuto, Fp8Tile::k128x128, Fp8Tile::k128x192, Fp8Tile::k192x128};
+
+GemmOptions with_tile(Fp8Tile t) {
+  GemmOptions o;
+  o.fp8_tile = t;
+  return o;
+}
 
 TEST(GpuGemmFp8, ForwardMatchesCpuWithinBound) {
   if (!is_hopper()) GTEST_SKIP() << "the FP8 grouped GEMM runs on Hopper only";
@@ -116,26 +128,29 @@ TEST(GpuGemmFp8, ForwardMatchesCpuWithinBound) {
     for (float& v : xs) v = nd(rng);
     const Fp8Inputs d =
         make_inputs(p, [&](int which, int64_t i) { return xs[(i * 7 + which * 31) & 0xFFFF]; });
-    const auto [want, got] = run_both(p, d);
-    // Bound: the reference sums exact products in float64 and rounds once to
-    // bf16; the GPU sums each 128-wide K block in float32 (tensor cores) and
-    // scales it, then rounds to bf16: relative norm error < 3e-3 (bf16's
-    // half ulp is 2^-9 = 2e-3 of a value; float32 sums add ~1e-6).
-    double num = 0, den = 0;
-    const int64_t end = d.offsets.data_ptr<int64_t>()[p.seg.size()];
-    for (int64_t i = 0; i < end * p.n; ++i) {
-      const double g = at(got, i), w = at(want, i);
-      ASSERT_FALSE(std::isnan(g)) << "element " << i;
-      num += (g - w) * (g - w);
-      den += w * w;
+    for (const Fp8Tile tile : kTiles) {
+      SCOPED_TRACE("tile " + std::to_string(static_cast<int>(tile)));
+      const auto [want, got] = run_both(p, d, with_tile(tile));
+      // Bound: the reference sums exact products in float64 and rounds once to
+      // bf16; the GPU sums each 128-wide K block in float32 (tensor cores) and
+      // scales it, then rounds to bf16: relative norm error < 3e-3 (bf16's
+      // half ulp is 2^-9 = 2e-3 of a value; float32 sums add ~1e-6).
+      double num = 0, den = 0;
+      const int64_t end = d.offsets.data_ptr<int64_t>()[p.seg.size()];
+      for (int64_t i = 0; i < end * p.n; ++i) {
+        const double g = at(got, i), w = at(want, i);
+        ASSERT_FALSE(std::isnan(g)) << "element " << i;
+        num += (g - w) * (g - w);
+        den += w * w;
+      }
+      EXPECT_LT(std::sqrt(num / std::max(den, 1e-30)), 3e-3) << "K=" << p.k << " N=" << p.n;
+      // Pad rows are zeros.
+      for (size_t e = 0; e < p.seg.size(); ++e)
+        for (int64_t r = p.real[e]; r < p.seg[e]; ++r)
+          for (int64_t j = 0; j < p.n; ++j)
+            ASSERT_EQ(at(got, (d.offsets.data_ptr<int64_t>()[e] + r) * p.n + j), 0.0f)
+                << "group " << e << " pad row " << r;
     }
-    EXPECT_LT(std::sqrt(num / std::max(den, 1e-30)), 3e-3) << "K=" << p.k << " N=" << p.n;
-    // Pad rows are zeros.
-    for (size_t e = 0; e < p.seg.size(); ++e)
-      for (int64_t r = p.real[e]; r < p.seg[e]; ++r)
-        for (int64_t j = 0; j < p.n; ++j)
-          ASSERT_EQ(at(got, (d.offsets.data_ptr<int64_t>()[e] + r) * p.n + j), 0.0f)
-              << "group " << e << " pad row " << r;
   }
 }
 
@@ -152,15 +167,17 @@ TEST(GpuGemmFp8, ExactSumsAreBitwise) {
           return static_cast<float>((i * (which ? 5 : 3) + which) % 17 - 8);
         },
         true);
-    const auto [want, got] = run_both(p, d);
-    const int64_t end = d.offsets.data_ptr<int64_t>()[p.seg.size()];
-    const auto* g = static_cast<const uint16_t*>(got.data());
-    const auto* w = static_cast<const uint16_t*>(want.data());
-    int64_t bad = 0, first = -1;
-    for (int64_t i = 0; i < end * p.n; ++i)
-      if (g[i] != w[i] && bad++ == 0) first = i;
-    EXPECT_EQ(bad, 0) << "first difference at element " << first << ": " << at(got, first)
-                      << " vs " << at(want, first);
+    for (const Fp8Tile tile : kTiles) {
+      const auto [want, got] = run_both(p, d, with_tile(tile));
+      const int64_t end = d.offsets.data_ptr<int64_t>()[p.seg.size()];
+      const auto* g = static_cast<const uint16_t*>(got.data());
+      const auto* w = static_cast<const uint16_t*>(want.data());
+      int64_t bad = 0, first = -1;
+      for (int64_t i = 0; i < end * p.n; ++i)
+        if (g[i] != w[i] && bad++ == 0) first = i;
+      EXPECT_EQ(bad, 0) << "tile " << static_cast<int>(tile) << ": first difference at element "
+                        << first << ": " << at(got, first) << " vs " << at(want, first);
+    }
   }
 }
 
@@ -184,10 +201,9 @@ TEST(GpuGemmFp8, StridedOutputRows) {
     Tensor c = poisoned({d.rows, N}, DType::kBFloat16, dev);
     Tensor wide = poisoned({d.rows, ld}, DType::kBFloat16, dev);
     grouped_gemm_fp8_forward(qa, sa, qw, sw, layout(off, real), c);
-    grouped_gemm_fp8_forward(
-        qa, sa, qw, sw, layout(off, real),
-        TensorView::strided(static_cast<uint16_t*>(wide.data()) + col, DType::kBFloat16, dev,
-                            {d.rows, N}, {ld, 1}));
+    grouped_gemm_fp8_forward(qa, sa, qw, sw, layout(off, real),
+                             TensorView::strided(static_cast<uint16_t*>(wide.data()) + col,
+                                                 DType::kBFloat16, dev, {d.rows, N}, {ld, 1}));
     if (dev.is_cuda()) MOEFLOW_CUDA_CHECK(cudaDeviceSynchronize());
     Tensor cc = c.to(Device::cpu()), wc = wide.to(Device::cpu());
     const auto* a = static_cast<const uint16_t*>(cc.data());
@@ -227,11 +243,13 @@ TEST(GpuGemmFp8, GraphReplayWithNewOffsets) {
   ASSERT_EQ(cudaGraphInstantiate(&exec, graph, 0), cudaSuccess);
   // New layouts over the same rows: other segment sizes, real rows and an
   // empty last group.
-  const std::vector<std::vector<int64_t>> segs = {{256, 512, 768, 0}, {1536, 0, 0, 0}, {0, 128, 1024, 384}};
+  const std::vector<std::vector<int64_t>> segs = {
+      {256, 512, 768, 0}, {1536, 0, 0, 0}, {0, 128, 1024, 384}};
   for (size_t replay = 0; replay < segs.size(); ++replay) {
     std::vector<int32_t> real_rows(E);
     for (int64_t e = 0; e < E; ++e)  // odd groups end in 16 pad rows
-      real_rows[e] = static_cast<int32_t>(segs[replay][e] - (e % 2 && segs[replay][e] > 0 ? 16 : 0));
+      real_rows[e] =
+          static_cast<int32_t>(segs[replay][e] - (e % 2 && segs[replay][e] > 0 ? 16 : 0));
     const auto [offsets, reals] = layout_of(segs[replay], real_rows);
     ASSERT_LE(offsets.data_ptr<int64_t>()[E], d.rows);
     copy(offsets, off, s);

@@ -90,9 +90,14 @@ int main(int argc, char** argv) {
                    "fused FC1: K slices the pipeline skips the stage the helpers hold, each "
                    "value timed in alternation with FC1 alone")
       ->check(CLI::Range(0, 1 << 20));
+  bgemm->add_flag("--fp8-tiles", gopt.fp8_tiles,
+                  "also time each tile shape of the FP8 forward (128x128, 128x192, 192x128), each "
+                  "in alternation with the default");
   bgemm->add_option("--sweep-experts", gopt.sweep_experts, "experts in the sweep")
       ->capture_default_str();
-  bgemm->add_option("--sweep-rows", gopt.sweep_rows, "rows per expert in the sweep (default: 64..4096)")
+  bgemm
+      ->add_option("--sweep-rows", gopt.sweep_rows,
+                   "rows per expert in the sweep (default: 64..4096)")
       ->check(CLI::Range(int64_t{1}, int64_t{1} << 24));
   bgemm->add_option("--sweep-k", gopt.sweep_k, "K in the sweep")->capture_default_str();
   bgemm->add_option("--sweep-n", gopt.sweep_n, "N in the sweep")->capture_default_str();

@@ -104,5 +104,9 @@ void grouped_gemm_wgrad(TensorView dc, TensorView a, const GroupLayout& groups,
 void grouped_gemm_fp8_forward(TensorView a, TensorView a_scales, TensorView w, TensorView w_scales,
                               const GroupLayout& groups, TensorView c,
                               cudaStream_t stream = nullptr);
+// The same with tuning options (raster, fp8_tile; moeflow/tuning.h).
+void grouped_gemm_fp8_forward(TensorView a, TensorView a_scales, TensorView w, TensorView w_scales,
+                              const GroupLayout& groups, TensorView c, const GemmOptions& options,
+                              cudaStream_t stream = nullptr);
 
 }  // namespace moeflow

@@ -16,6 +16,14 @@ enum class GemmKernel {
   kTmaDirectStore,  // the TMA kernel, outputs by masked stores instead of TMA stores
 };
 
+// Tile of the blockwise FP8 forward (rows x columns of the output per block).
+enum class Fp8Tile {
+  kAuto,     // the measured best for the shape (docs/tuning.md)
+  k128x128,  // two consumer warpgroups, m64n128 each
+  k128x192,  // two consumer warpgroups, m64n192 each (a quarter fewer L2 bytes per FLOP)
+  k192x128,  // three consumer warpgroups, m64n128 each (the same saving on the A side)
+};
+
 struct GemmOptions {
   GemmKernel kernel = GemmKernel::kAuto;
   // TMA kernel pipeline stages, 2-4; 0: 4 (fewer when shared memory is short).
@@ -33,6 +41,8 @@ struct GemmOptions {
   int hold = -1;
   // Grouped MLP dgrad: the dGLU fused into the FC2 dgrad epilogue (Hopper).
   bool fused_dglu = false;
+  // Blockwise FP8 forward: the tile shape.
+  Fp8Tile fp8_tile = Fp8Tile::kAuto;
 };
 
 }  // namespace moeflow

@@ -71,6 +71,7 @@ struct GroupedGemmCall {
 struct Fp8GemmCall {
   TensorView a, a_scales, w, w_scales, c;
   GroupLayout groups;
+  GemmOptions options;  // raster and fp8_tile (moeflow/tuning.h)
 };
 
 namespace cpu {

@@ -265,6 +265,12 @@ void grouped_gemm_wgrad(TensorView dc, TensorView a, const GroupLayout& groups,
 
 void grouped_gemm_fp8_forward(TensorView a, TensorView a_scales, TensorView w, TensorView w_scales,
                               const GroupLayout& groups, TensorView c, cudaStream_t stream) {
+  grouped_gemm_fp8_forward(a, a_scales, w, w_scales, groups, c, GemmOptions{}, stream);
+}
+
+void grouped_gemm_fp8_forward(TensorView a, TensorView a_scales, TensorView w, TensorView w_scales,
+                              const GroupLayout& groups, TensorView c, const GemmOptions& options,
+                              cudaStream_t stream) {
   detail::expect_defined(a, "a");
   detail::expect_defined(w, "w");
   MOEFLOW_CHECK(a.ndim == 2, "a must be [rows,K], got ", a.str());
@@ -273,8 +279,8 @@ void grouped_gemm_fp8_forward(TensorView a, TensorView a_scales, TensorView w, T
   const int64_t rows = a.shape[0], K = a.shape[1], E = w.shape[0], N = w.shape[1];
   MOEFLOW_CHECK(E > 0, "w must hold >= 1 expert, got ", w.str());
   MOEFLOW_CHECK(K > 0 && N > 0 && K % 128 == 0 && N % 128 == 0,
-                "grouped_gemm_fp8_forward needs K and N to be positive multiples of 128, got K=",
-                K, " N=", N);
+                "grouped_gemm_fp8_forward needs K and N to be positive multiples of 128, got K=", K,
+                " N=", N);
   detail::expect(a, "a", Expect{{DType::kFloat8E4M3}, {rows, K}, dev});
   detail::expect(a_scales, "a_scales", Expect{{DType::kFloat32}, {rows, K / 128}, dev});
   detail::expect(w, "w", Expect{{DType::kFloat8E4M3}, {E, N, K}, dev});
@@ -290,7 +296,7 @@ void grouped_gemm_fp8_forward(TensorView a, TensorView a_scales, TensorView w, T
   MOEFLOW_CHECK(addr(c) % 4 == 0 && (rows <= 1 || (c.strides[0] % 2 == 0 && c.strides[0] >= N)),
                 "grouped_gemm_fp8_forward: c must be 4-byte aligned with an even row stride >= N=",
                 N, ", got stride ", c.strides[0]);
-  Fp8GemmCall call{a, a_scales, w, w_scales, c, groups};
+  Fp8GemmCall call{a, a_scales, w, w_scales, c, groups, options};
   if (dev.is_cpu()) return cpu::grouped_gemm_fp8_forward(call);
 #ifdef MOEFLOW_WITH_CUDA
   detail::cuda_set_device(dev.index);

@@ -551,6 +551,33 @@ void mlp_fc2_dgrad_dglu(const MlpDgluCall& c, cudaStream_t stream) {
     go(__half{});
 }
 
+namespace {
+// One FP8 forward launch with tile T: tensor maps in T's boxes, the deepest
+// pipeline the shared memory holds.
+template <typename T>
+void launch_fp8(const Fp8GemmCall& c, const Params& p, const gemm::fp8::Fp8Params& q,
+                cudaStream_t stream) {
+  namespace f = gemm::fp8;
+  const int64_t rows = c.a.shape[0], K = c.a.shape[1], E = c.w.shape[0], N = c.w.shape[1];
+  // A [rows, K] and W as [E*N, K], bytes, in 128 x TM and 128 x TN boxes.
+  const CUtensorMap map_a =
+      tensor_map<2>(c.a.data, CU_TENSOR_MAP_DATA_TYPE_UINT8, {K, rows}, {K}, {f::kTileK, T::kM});
+  const CUtensorMap map_w =
+      tensor_map<2>(c.w.data, CU_TENSOR_MAP_DATA_TYPE_UINT8, {K, E * N}, {K}, {f::kTileK, T::kN});
+  const auto kernel = f::grouped_gemm_fp8_kernel<T>;
+  const size_t limit = max_dynamic_smem(kernel);
+  int stages = f::kMaxStages;
+  while (stages > 2 && f::Smem<T>::bytes(stages, p.num_groups) > limit) --stages;
+  const size_t smem = f::Smem<T>::bytes(stages, p.num_groups);
+  MOEFLOW_CHECK(smem <= limit, "grouped_gemm_fp8_forward: ", E,
+                " groups leave no shared memory for the pipeline");
+  MOEFLOW_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                          static_cast<int>(smem)));
+  kernel<<<sm_count(), T::kThreads, smem, stream>>>(p, q, map_a, map_w, stages);
+  MOEFLOW_CUDA_LAUNCH_CHECK();
+}
+}  // namespace
+
 void grouped_gemm_fp8_forward(const Fp8GemmCall& c, cudaStream_t stream) {
   namespace f = gemm::fp8;
   MOEFLOW_CHECK(use_sm90({}), "grouped_gemm_fp8_forward needs a Hopper GPU (sm_90a build)");
@@ -561,6 +588,7 @@ void grouped_gemm_fp8_forward(const Fp8GemmCall& c, cudaStream_t stream) {
                 E * N);
   if (rows == 0) return;
   Params p{};
+  if (const int rb = c.options.raster; rb > 0) p.raster = std::min(rb, 1 << 12);
   p.num_groups = static_cast<int>(E);
   p.offsets = c.groups.offsets.data_ptr<int64_t>();
   p.real_rows = c.groups.real_rows.defined() ? c.groups.real_rows.data_ptr<int32_t>() : nullptr;
@@ -575,25 +603,23 @@ void grouped_gemm_fp8_forward(const Fp8GemmCall& c, cudaStream_t stream) {
   p.ldc = c.c.strides[0];
   p.n_out = N;
   p.k_red = K;
-  f::Fp8Params q{c.a_scales.data_ptr<float>(), c.w_scales.data_ptr<float>(), K / f::kBlock,
-                 N / f::kBlock};
+  const f::Fp8Params q{c.a_scales.data_ptr<float>(), c.w_scales.data_ptr<float>(), K / f::kBlock,
+                       N / f::kBlock};
   ensure_current_context();
-  // A [rows, K] and W as [E*N, K], bytes, in 128 x 128 boxes.
-  const CUtensorMap map_a =
-      tensor_map<2>(c.a.data, CU_TENSOR_MAP_DATA_TYPE_UINT8, {K, rows}, {K}, {f::kTileK, f::kTileM});
-  const CUtensorMap map_w = tensor_map<2>(c.w.data, CU_TENSOR_MAP_DATA_TYPE_UINT8, {K, E * N}, {K},
-                                          {f::kTileK, f::kTileN});
-  const auto kernel = f::grouped_gemm_fp8_kernel;
-  const size_t limit = max_dynamic_smem(kernel);
-  int stages = f::kMaxStages;
-  while (stages > 2 && f::Smem::bytes(stages, p.num_groups) > limit) --stages;
-  const size_t smem = f::Smem::bytes(stages, p.num_groups);
-  MOEFLOW_CHECK(smem <= limit, "grouped_gemm_fp8_forward: ", E,
-                " groups leave no shared memory for the pipeline");
-  MOEFLOW_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                          static_cast<int>(smem)));
-  kernel<<<sm_count(), f::kThreads, smem, stream>>>(p, q, map_a, map_w, stages);
-  MOEFLOW_CUDA_LAUNCH_CHECK();
+  // Auto: three consumer warpgroups (192 x 128) unless the groups average
+  // under 384 rows, where 192-row tiles would compute more pad rows
+  // (docs/tuning.md).
+  Fp8Tile tile = c.options.fp8_tile;
+  if (tile == Fp8Tile::kAuto) tile = rows >= 384 * E ? Fp8Tile::k192x128 : Fp8Tile::k128x128;
+  switch (tile) {
+    case Fp8Tile::k128x192:
+      return launch_fp8<f::Tile128x192>(c, p, q, stream);
+    case Fp8Tile::k192x128:
+      return launch_fp8<f::Tile192x128>(c, p, q, stream);
+    case Fp8Tile::k128x128:
+    case Fp8Tile::kAuto:
+      return launch_fp8<f::Tile128x128>(c, p, q, stream);
+  }
 }
 
 }  // namespace moeflow::cuda
