@@ -82,8 +82,7 @@ struct Smem {
 // this thread's earlier cp.async completed (not counted in advance: the
 // barrier's expected count includes it).
 __device__ __forceinline__ void cp_async4(void* smem, const void* gmem) {
-  asm volatile("cp.async.ca.shared.global [%0], [%1], 4;\n" ::"r"(bulk::smem_u32(smem)),
-               "l"(gmem)
+  asm volatile("cp.async.ca.shared.global [%0], [%1], 4;\n" ::"r"(bulk::smem_u32(smem)), "l"(gmem)
                : "memory");
 }
 __device__ __forceinline__ void cp_async_arrive(uint64_t* bar) {
