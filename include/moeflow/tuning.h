@@ -18,11 +18,10 @@ enum class GemmKernel {
 
 // Tile of the blockwise FP8 forward (rows x columns of the output per block).
 enum class Fp8Tile {
-  kAuto,         // the measured best for the shape (docs/tuning.md)
-  k128x128,      // two consumer warpgroups, m64n128 each
-  k128x192,      // two consumer warpgroups, m64n192 each (a quarter fewer L2 bytes per FLOP)
-  k192x128,      // three consumer warpgroups, m64n128 each (the same saving on the A side)
-  k192x128Pair,  // clusters of two 192 x 128 blocks sharing A rows by TMA multicast
+  kAuto,     // the measured best for the shape (docs/tuning.md)
+  k128x128,  // two consumer warpgroups, m64n128 each
+  k128x192,  // two consumer warpgroups, m64n192 each (a quarter fewer L2 bytes per FLOP)
+  k192x128,  // three consumer warpgroups, m64n128 each (the same saving on the A side)
 };
 
 struct GemmOptions {

@@ -560,8 +560,8 @@ void launch_fp8(const Fp8GemmCall& c, const Params& p, const gemm::fp8::Fp8Param
   namespace f = gemm::fp8;
   const int64_t rows = c.a.shape[0], K = c.a.shape[1], E = c.w.shape[0], N = c.w.shape[1];
   // A [rows, K] and W as [E*N, K], bytes, in 128 x TM and 128 x TN boxes.
-  const CUtensorMap map_a = tensor_map<2>(c.a.data, CU_TENSOR_MAP_DATA_TYPE_UINT8, {K, rows}, {K},
-                                          {f::kTileK, T::kM / T::kCluster});
+  const CUtensorMap map_a =
+      tensor_map<2>(c.a.data, CU_TENSOR_MAP_DATA_TYPE_UINT8, {K, rows}, {K}, {f::kTileK, T::kM});
   const CUtensorMap map_w =
       tensor_map<2>(c.w.data, CU_TENSOR_MAP_DATA_TYPE_UINT8, {K, E * N}, {K}, {f::kTileK, T::kN});
   const auto kernel = f::grouped_gemm_fp8_kernel<T>;
@@ -573,26 +573,7 @@ void launch_fp8(const Fp8GemmCall& c, const Params& p, const gemm::fp8::Fp8Param
                 " groups leave no shared memory for the pipeline");
   MOEFLOW_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                           static_cast<int>(smem)));
-  if constexpr (T::kCluster == 1) {
-    kernel<<<sm_count(), T::kThreads, smem, stream>>>(p, q, map_a, map_w, stages);
-  } else {
-    cudaLaunchConfig_t cfg{};
-    cudaLaunchAttribute attr{};
-    attr.id = cudaLaunchAttributeClusterDimension;
-    attr.val.clusterDim.x = T::kCluster;
-    attr.val.clusterDim.y = attr.val.clusterDim.z = 1;
-    cfg.blockDim = dim3(T::kThreads);
-    cfg.dynamicSmemBytes = smem;
-    cfg.stream = stream;
-    cfg.attrs = &attr;
-    cfg.numAttrs = 1;
-    const int most = sm_count() / T::kCluster * T::kCluster;
-    cfg.gridDim = dim3(most);
-    int clusters = 0;
-    MOEFLOW_CUDA_CHECK(cudaOccupancyMaxActiveClusters(&clusters, kernel, &cfg));
-    cfg.gridDim = dim3(std::min(clusters * T::kCluster, most));
-    MOEFLOW_CUDA_CHECK(cudaLaunchKernelEx(&cfg, kernel, p, q, map_a, map_w, stages));
-  }
+  kernel<<<sm_count(), T::kThreads, smem, stream>>>(p, q, map_a, map_w, stages);
   MOEFLOW_CUDA_LAUNCH_CHECK();
 }
 }  // namespace
@@ -635,8 +616,6 @@ void grouped_gemm_fp8_forward(const Fp8GemmCall& c, cudaStream_t stream) {
       return launch_fp8<f::Tile128x192>(c, p, q, stream);
     case Fp8Tile::k192x128:
       return launch_fp8<f::Tile192x128>(c, p, q, stream);
-    case Fp8Tile::k192x128Pair:
-      return launch_fp8<f::Tile192x128Pair>(c, p, q, stream);
     case Fp8Tile::k128x128:
     case Fp8Tile::kAuto:
       return launch_fp8<f::Tile128x128>(c, p, q, stream);
