@@ -24,6 +24,7 @@
 #include "bench/bench.h"
 #include "bench/presets.h"
 #include "moeflow/ep.h"
+#include "moeflow/quantize.h"
 
 namespace moeflow::bench {
 
@@ -102,6 +103,7 @@ void run_dispatch_bench(const DispatchBenchOptions& opt) {
     struct Result {
       double dispatch_ms = 0, combine_ms = 0, a2a_ms = 0, a2a_f32_ms = 0, a2a_back_ms = 0;
       double combine_bf16_ms = -1;  // EpOptions::combine_wire_dtype bfloat16 (-1: not run)
+      double quant_dispatch_ms = -1;  // --fp8: quantize (1x128) of bf16 tokens + the dispatch
       double out_bytes = 0, back_bytes = 0, link_bytes = 0, wire_back_bytes = 0;
       double wire_back_bytes_bf16 = 0;
       std::vector<double> sweep_dispatch_ms, sweep_combine_ms;  // per configs
@@ -122,10 +124,12 @@ void run_dispatch_bench(const DispatchBenchOptions& opt) {
       auto next = [&]() -> const Routing& { return routings[call++ % routings.size()]; };
       Tensor x = Tensor::empty({T, p.hidden}, eo.dtype, dev);
       fill_bytes(x, 0x3C, stream);
-      Tensor sc;
+      Tensor sc, xb;
       if (opt.fp8) {
         sc = Tensor::empty({T, eo.scale_cols}, DType::kFloat32, dev);
         fill_bytes(sc, 0x3C, stream);
+        xb = Tensor::empty({T, p.hidden}, DType::kBFloat16, dev);  // the bf16 tokens
+        fill_bytes(xb, 0x3C, stream);
       }
       EpDispatchResult d = ep_dispatch(g, x, routing.ids, routing.probs, sc, stream);
       EpHandle last = d.handle;  // the latest timed dispatch's (combine's routes)
@@ -168,6 +172,14 @@ void run_dispatch_bench(const DispatchBenchOptions& opt) {
           stream, opt.timing.warmup, opt.timing.iters);
       rr.combine_ms = median_ms([&] { ep_combine(g, last, y, true, out, stream); }, stream,
                                 opt.timing.warmup, opt.timing.iters);
+      if (opt.fp8)  // from bf16 tokens: their 1x128 quantization, then the FP8 dispatch
+        rr.quant_dispatch_ms = median_ms(
+            [&] {
+              const Routing& rt = next();
+              quantize(xb, QuantizeConfig{}, x, sc, {}, stream);
+              last = ep_dispatch(g, x, rt.ids, rt.probs, sc, stream).handle;
+            },
+            stream, opt.timing.warmup, opt.timing.iters);
       if (p.hidden % 8 == 0) {  // the same combine with the bfloat16 wire
         g.set_combine_wire_dtype(DType::kBFloat16);
         rr.combine_bf16_ms = median_ms([&] { ep_combine(g, last, y, true, out, stream); },
@@ -274,6 +286,11 @@ void run_dispatch_bench(const DispatchBenchOptions& opt) {
             r, format_time(rr.dispatch_ms * 1e3), d_gbs, a_gbs, d_gbs / a_gbs,
             format_time(rr.combine_ms * 1e3), c_gbs, af_gbs, c_gbs / af_gbs,
             format_time(rr.a2a_back_ms * 1e3), rr.a2a_back_ms / rr.combine_ms);
+      if (rr.quant_dispatch_ms > 0)
+        fmt::print("          from bf16 tokens (quantize 1x128, then this dispatch): {:>10}, {:.2f} "
+                   "M tokens/s\n",
+                   format_time(rr.quant_dispatch_ms * 1e3), T / rr.quant_dispatch_ms / 1e3);
+      fmt::print("          dispatch: {:.2f} M tokens/s per rank\n", T / rr.dispatch_ms / 1e3);
       std::string sweep;
       for (size_t i = 0; i < configs.size(); ++i)
         sweep += fmt::format(" {}x{}: {}/{}", configs[i].first, configs[i].second,
@@ -307,6 +324,7 @@ void run_dispatch_bench(const DispatchBenchOptions& opt) {
                      {"rank", r},
                      {"tokens", T},
                      {"dispatch_us", rr.dispatch_ms * 1e3},
+                     {"quantize_dispatch_us", rr.quant_dispatch_ms * 1e3},
                      {"combine_us", rr.combine_ms * 1e3},
                      {"dispatch_GBps", d_gbs},
                      {"combine_GBps", c_gbs},

@@ -225,6 +225,86 @@ void run_gemm_bench(const GemmBenchOptions& opt) {
       rows_out.push_back(r);
       fmt::print("    forward fp8 (blockwise) {:7.1f} TFLOP/s, bf16 forward {:7.1f}: {:.2f}x\n", f8,
                  bf, f8 / bf);
+      // The FP8 wgrad: each expert's rows padded to 128 (a plan with align
+      // 128; the pad rows are not read), dC and A quantized columnwise, against
+      // the bf16 wgrad on the unpadded rows, both into a bf16 dW and both
+      // accumulating into a float32 dW; FLOPs of the real rows.
+      {
+        Tensor offs_p = Tensor::empty({E + 1}, DType::kInt64),
+               real_p = Tensor::empty({E}, DType::kInt32);
+        int64_t mp = 0;
+        for (int64_t e = 0; e < E; ++e) {
+          offs_p.data_ptr<int64_t>()[e] = mp;
+          real_p.data_ptr<int32_t>()[e] = static_cast<int32_t>(c.sizes[e]);
+          mp += (c.sizes[e] + 127) / 128 * 128;
+        }
+        offs_p.data_ptr<int64_t>()[E] = mp;
+        const int64_t nb = mp / 128;
+        Tensor offs_pg = offs_p.to(dev), real_pg = real_p.to(dev);
+        GroupLayout lp;
+        lp.offsets = offs_pg;
+        lp.real_rows = real_pg;
+        QuantizeConfig col_cfg;
+        col_cfg.columnwise = true;
+        Tensor dct = Tensor::empty({N, mp}, DType::kFloat8E4M3, dev),
+               dcs = Tensor::empty({N, nb}, DType::kFloat32, dev),
+               at = Tensor::empty({K, mp}, DType::kFloat8E4M3, dev),
+               as = Tensor::empty({K, nb}, DType::kFloat32, dev);
+        {
+          Tensor dcp = Tensor::empty({mp, N}, DType::kBFloat16, dev),
+                 ap = Tensor::empty({mp, K}, DType::kBFloat16, dev);
+          fill_uniform(dcp, 5, -1.0f, 1.0f, stream);
+          fill_uniform(ap, 6, -1.0f, 1.0f, stream);
+          quantize(dcp, col_cfg, dct, dcs, {}, stream);
+          quantize(ap, col_cfg, at, as, {}, stream);
+          MOEFLOW_CUDA_CHECK(cudaStreamSynchronize(stream));
+        }
+        // Slice-major scales ([nb, N] read through a transposed view).
+        Tensor dcs_t = Tensor::empty({nb, N}, DType::kFloat32, dev),
+               as_t = Tensor::empty({nb, K}, DType::kFloat32, dev);
+        transpose_codes(dcs, dcs_t, stream);
+        transpose_codes(as, as_t, stream);
+        const TensorView dcs_v = TensorView::strided(dcs_t.data(), DType::kFloat32, dev, {N, nb},
+                                                     {1, N}),
+                         as_v = TensorView::strided(as_t.data(), DType::kFloat32, dev, {K, nb},
+                                                    {1, K});
+        auto fp8_wgrad = [&](bool slice_major, bool f32, const GemmOptions& o) {
+          grouped_gemm_fp8_wgrad(dct, slice_major ? dcs_v : TensorView(dcs), at,
+                                 slice_major ? as_v : TensorView(as), lp,
+                                 GroupedWeights::from_stacked(f32 ? dw : dw_bf16), f32, o, stream);
+        };
+        auto bf16_wgrad = [&](bool f32) {
+          grouped_gemm_wgrad(dc, a, layout, GroupedWeights::from_stacked(f32 ? dw : dw_bf16), f32,
+                             stream);
+        };
+        for (const bool f32 : {false, true}) {
+          const auto [w8, wb] = paired([&] { fp8_wgrad(true, f32, {}); }, [&] { bf16_wgrad(f32); });
+          const auto [w8r, w8s] = paired([&] { fp8_wgrad(false, f32, {}); },
+                                         [&] { fp8_wgrad(true, f32, {}); });
+          const std::string op = f32 ? "wgrad_fp8_accumulate_f32" : "wgrad_fp8";
+          Row r{c.name, op, flops / w8 / 1e6, 0, 0, 0};
+          r.extra = {{"TFLOPs", w8},
+                     {"bf16_wgrad_TFLOPs", wb},
+                     {"ratio_to_bf16", w8 / wb},
+                     {"row_major_scales_TFLOPs", w8r},
+                     {"padded_rows", mp}};
+          rows_out.push_back(r);
+          fmt::print(
+              "    wgrad fp8 ({} dW) {:7.1f} TFLOP/s, bf16 wgrad {:7.1f}: {:.2f}x "
+              "(scales as quantize writes them: {:7.1f} vs slice-major {:7.1f})\n",
+              f32 ? "float32 accumulated" : "bf16", w8, wb, w8 / wb, w8r, w8s);
+          if (opt.fp8_tiles)
+            for (const auto& [tile, name] : {std::pair{Fp8Tile::k128x128, "128x128"},
+                                             std::pair{Fp8Tile::k128x192, "128x192"}}) {
+              GemmOptions o;
+              o.fp8_tile = tile;
+              const auto [ft, fd] = paired([&] { fp8_wgrad(true, f32, o); },
+                                           [&] { fp8_wgrad(true, f32, {}); });
+              fmt::print("      tile {}: {:7.1f} TFLOP/s, default {:7.1f}: {:.3f}x\n", name, ft,
+                         fd, ft / fd);
+            }
+        }
+      }
       if (opt.fp8_tiles) {
         const std::pair<Fp8Tile, const char*> tiles[] = {{Fp8Tile::k128x128, "128x128"},
                                                          {Fp8Tile::k128x192, "128x192"},

@@ -3,6 +3,8 @@
 // Bytes are counted by hand as in docs/performance.md:
 //   permute / unpermute / permute_backward: (T + T*K) * H * bytes(dtype)
 //   unpermute_backward (dy + dprobs):       (T + 2*T*K) * H * bytes(dtype)
+//   permute+quantize (fp8):                 T*H*bytes(dtype) + T*K*(H + 4*ceil(H/128))
+//   unpermute_backward+quantize (fp8):      the same (dout read once, codes + scales written)
 // (pad-row zeros are not counted: they are work we must do but not data).
 #include <fmt/format.h>
 
@@ -14,6 +16,7 @@
 
 #include "bench/bench.h"
 #include "bench/presets.h"
+#include "moeflow/quantize.h"
 
 namespace moeflow::bench {
 
@@ -109,7 +112,14 @@ void run_permute_bench(const PermuteBenchOptions& opt) {
 
     const double moved = static_cast<double>(T + T * K) * H * esize;
     const double moved_bwd = static_cast<double>(T + 2 * T * K) * H * esize;
-    constexpr size_t kOps = 6;
+    // The fused FP8 ops (e4m3, 1x128 scales): the tokens read once, codes and
+    // scales written per slot.
+    const int64_t nb = (H + 127) / 128;
+    const double moved_fp8 = static_cast<double>(T) * H * esize + static_cast<double>(T * K) * (H + 4 * nb);
+    Tensor q = Tensor::empty({plan.capacity_rows, H}, DType::kFloat8E4M3, dev);
+    Tensor qs = Tensor::empty({plan.capacity_rows, nb}, DType::kFloat32, dev);
+    const bool fp8 = dev.is_cuda() && opt.dtype != DType::kFloat32;
+    constexpr size_t kOps = 8;
     size_t timed = 0;
     auto add = [&](const std::string& op, double bytes, const std::function<void()>& fn) {
       print_progress(p.name, timed++, kOps);
@@ -133,6 +143,14 @@ void run_permute_bench(const PermuteBenchOptions& opt) {
     add("permute_backward", moved, [&] { permute_backward(y, plan, out, {}, {}, stream); });
     add("unpermute_backward+dprobs", moved_bwd,
         [&] { unpermute_backward(out, plan, y, routing.probs, dy, dprobs, stream); });
+    if (fp8) {
+      const PermuteExtras probs_only{routing.probs, pp, {}, {}};
+      add("permute+quantize (fp8)", moved_fp8,
+          [&] { permute_quantize(x, plan, q, qs, QuantizeConfig{}, probs_only, stream); });
+      add("unpermute_backward+quantize (fp8)", moved_fp8, [&] {
+        unpermute_backward_quantize(out, plan, routing.probs, q, qs, QuantizeConfig{}, stream);
+      });
+    }
     print_progress(p.name, kOps, kOps);
     const PlanStatus s = check_plan(plan, stream);
     rows.back().extra["total_rows"] = s.total_rows;

@@ -385,5 +385,60 @@ TEST(GroupedGemmFp8, ReferenceHandWorked) {
             std::string::npos);
 }
 
+// The FP8 wgrad's reference on a hand-worked case: dC^T codes 1.0 (0x38) with
+// scale 0.5, A^T codes 2.0 (0x40) with scale 0.25: each real row adds 0.25,
+// so group 0 (3 real rows) gives 0.75 everywhere, group 1 (none) zeros, and
+// accumulate adds to what dW holds.
+TEST(GroupedGemmFp8, WgradReferenceHandWorked) {
+  const int64_t N = 128, K = 128, rows = 256;
+  Tensor dct = make_tensor({N, rows}, DType::kFloat8E4M3), dcs = make_tensor({N, 2}, DType::kFloat32);
+  Tensor at_ = make_tensor({K, rows}, DType::kFloat8E4M3), as = make_tensor({K, 2}, DType::kFloat32);
+  std::memset(dct.data(), 0x38, dct.nbytes());
+  std::memset(at_.data(), 0x40, at_.nbytes());
+  for (int64_t i = 0; i < N * 2; ++i) dcs.data_ptr<float>()[i] = 0.5f;
+  for (int64_t i = 0; i < K * 2; ++i) as.data_ptr<float>()[i] = 0.25f;
+  Tensor offs = make_tensor({3}, DType::kInt64), real = make_tensor({2}, DType::kInt32);
+  int64_t* o = offs.data_ptr<int64_t>();
+  o[0] = 0, o[1] = 128, o[2] = 256;
+  real.data_ptr<int32_t>()[0] = 3;
+  real.data_ptr<int32_t>()[1] = 0;
+  GroupLayout g;
+  g.offsets = offs;
+  g.real_rows = real;
+  Tensor dw = poisoned({2, N, K}, DType::kFloat32);
+  grouped_gemm_fp8_wgrad(dct, dcs, at_, as, g, GroupedWeights::from_stacked(dw), false);
+  for (int64_t i = 0; i < N * K; ++i) {
+    ASSERT_EQ(at(dw, i), 0.75f);
+    ASSERT_EQ(at(dw, N * K + i), 0.0f);
+  }
+  grouped_gemm_fp8_wgrad(dct, dcs, at_, as, g, GroupedWeights::from_stacked(dw), true);
+  EXPECT_EQ(at(dw, 0), 1.5f);
+  EXPECT_EQ(at(dw, N * K), 0.0f);
+  // Bad input names the argument; a group off a scale block names the group.
+  Tensor bf = make_tensor({N, rows}, DType::kBFloat16);
+  EXPECT_NE(message_of([&] {
+              grouped_gemm_fp8_wgrad(bf, dcs, at_, as, g, GroupedWeights::from_stacked(dw), false);
+            }).find("dc_t must be"),
+            std::string::npos);
+  Tensor as_bad = make_tensor({K, 1}, DType::kFloat32);
+  EXPECT_NE(message_of([&] {
+              grouped_gemm_fp8_wgrad(dct, dcs, at_, as_bad, g, GroupedWeights::from_stacked(dw),
+                                     false);
+            }).find("a_t_scales must be"),
+            std::string::npos);
+  Tensor dct96 = make_tensor({96, rows}, DType::kFloat8E4M3);
+  EXPECT_NE(message_of([&] {
+              grouped_gemm_fp8_wgrad(dct96, dcs, at_, as, g, GroupedWeights::from_stacked(dw),
+                                     false);
+            }).find("multiples of 128"),
+            std::string::npos);
+  o[1] = 64;
+  real.data_ptr<int32_t>()[1] = 5;
+  EXPECT_NE(message_of([&] {
+              grouped_gemm_fp8_wgrad(dct, dcs, at_, as, g, GroupedWeights::from_stacked(dw), false);
+            }).find("group 1 starts at row 64"),
+            std::string::npos);
+}
+
 }  // namespace
 }  // namespace moeflow::test

@@ -16,7 +16,8 @@ enum class GemmKernel {
   kTmaDirectStore,  // the TMA kernel, outputs by masked stores instead of TMA stores
 };
 
-// Tile of the blockwise FP8 forward (rows x columns of the output per block).
+// Tile of the blockwise FP8 forward and wgrad (rows x columns of the output
+// per block).
 enum class Fp8Tile {
   kAuto,     // the measured best for the shape (docs/tuning.md)
   k128x128,  // two consumer warpgroups, m64n128 each
@@ -41,7 +42,7 @@ struct GemmOptions {
   int hold = -1;
   // Grouped MLP dgrad: the dGLU fused into the FC2 dgrad epilogue (Hopper).
   bool fused_dglu = false;
-  // Blockwise FP8 forward: the tile shape.
+  // Blockwise FP8 forward and wgrad: the tile shape.
   Fp8Tile fp8_tile = Fp8Tile::kAuto;
 };
 

@@ -353,6 +353,32 @@ def grouped_gemm_fp8_forward(a: torch.Tensor, a_scales: torch.Tensor, w: torch.T
     return out
 
 
+def grouped_gemm_fp8_wgrad(dc_t: torch.Tensor, dc_t_scales: torch.Tensor, a_t: torch.Tensor,
+                           a_t_scales: torch.Tensor, offsets: torch.Tensor,
+                           real_rows: Optional[torch.Tensor] = None,
+                           out: Optional[torch.Tensor] = None, accumulate: bool = False,
+                           num_experts: Optional[int] = None) -> torch.Tensor:
+    """Blockwise FP8 grouped GEMM wgrad (variable K): out[e] (+)= dequant(dC
+    of expert e's rows)^T @ dequant(A of those rows), [E, N, K]. The operands
+    come transposed, as ``quantize(dc, "e4m3", "1x128", columnwise=True)``
+    writes them: dc_t [N, rows] float8_e4m3fn with dc_t_scales [N, rows/128]
+    float32, a_t [K, rows] with a_t_scales [K, rows/128] (the scales may be
+    any strided view, e.g. the transpose of a contiguous [rows/128, N]: read
+    fastest). offsets int64 [E+1], each expert with real rows starting at a
+    multiple of 128 (align 128); real_rows int32 [E] (optional: rows past
+    them are not read). ``out``: float32 or bf16 [E, N, K] (new bf16 if
+    None; ``num_experts`` then gives E, default len(offsets) - 1);
+    ``accumulate`` adds to it (bf16: rounded once). N and K multiples of 128.
+    CUDA: Hopper, one launch, no sync; CPU: the reference. Not
+    differentiable."""
+    if out is None:
+        E = int(num_experts) if num_experts is not None else int(offsets.shape[0]) - 1
+        out = torch.empty(E, dc_t.shape[0], a_t.shape[0], dtype=torch.bfloat16, device=dc_t.device)
+    _C.grouped_gemm_fp8_wgrad(dc_t, dc_t_scales, a_t, a_t_scales, offsets, real_rows, out,
+                              bool(accumulate), _stream(dc_t))
+    return out
+
+
 def dequantize(q: torch.Tensor, scales: torch.Tensor, scaling: str = "1x128",
                columnwise: bool = False, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
     """The inverse of :func:`quantize`: out [M, K] in ``dtype`` (x's layout,

@@ -422,6 +422,21 @@ NB_MODULE(_C, m) {
       },
       nb::arg("a"), nb::arg("a_scales"), nb::arg("w"), nb::arg("w_scales"), nb::arg("offsets"),
       nb::arg("real_rows").none(), nb::arg("c"), nb::arg("stream") = 0);
+  // Blockwise FP8 grouped GEMM wgrad (variable K; the scales may be strided).
+  m.def(
+      "grouped_gemm_fp8_wgrad",
+      [](const Array& dc_t, const Array& dc_t_scales, const Array& a_t, const Array& a_t_scales,
+         const Array& offsets, const std::optional<Array>& real_rows, const Array& dw,
+         bool accumulate, uintptr_t s) {
+        grouped_gemm_fp8_wgrad(rows_of(dc_t, "dc_t"), rows_of(dc_t_scales, "dc_t_scales"),
+                               rows_of(a_t, "a_t"), rows_of(a_t_scales, "a_t_scales"),
+                               layout(offsets, real_rows),
+                               GroupedWeights::from_stacked(view_of(dw, "dw")), accumulate,
+                               stream_of(s));
+      },
+      nb::arg("dc_t"), nb::arg("dc_t_scales"), nb::arg("a_t"), nb::arg("a_t_scales"),
+      nb::arg("offsets"), nb::arg("real_rows").none(), nb::arg("dw"), nb::arg("accumulate"),
+      nb::arg("stream") = 0);
 
   m.def(
       "plan_capacity_rows",

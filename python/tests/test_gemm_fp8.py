@@ -1,4 +1,4 @@
-"""moeflow.ops.grouped_gemm_fp8_forward against torch: inputs quantized by
+"""moeflow.ops.grouped_gemm_fp8_forward and _wgrad against torch: inputs quantized by
 moeflow.ops.quantize, the reference multiplies the dequantized operands per
 expert in float64 (the CPU backend does the same and must match it to bf16
 rounding; the GPU sums each 128-wide K block in float32, bound 3e-3 relative
@@ -108,3 +108,63 @@ def test_fp8_forward_bad_input_names_the_argument():
         mf.grouped_gemm_fp8_forward(qa[:, :64].contiguous(), sa, qw, sw, offsets)
     with pytest.raises(Exception, match="a must be"):
         mf.grouped_gemm_fp8_forward(qa.to(torch.bfloat16), sa, qw, sw, offsets)
+
+
+def wgrad_problem(seg, real, N, K, seed):
+    """dC [rows, N] and A [rows, K] quantized columnwise (1x128 blocks along
+    rows); rows past the real ones hold NaN (never read)."""
+    g = torch.Generator().manual_seed(seed)
+    rows = sum(seg) + 16
+    dc = torch.randn(rows, N, generator=g)
+    x = torch.randn(rows, K, generator=g)
+    offsets = torch.tensor([0] + list(torch.tensor(seg).cumsum(0)), dtype=torch.int64)
+    for e in range(len(seg)):
+        dc[int(offsets[e]) + real[e]:int(offsets[e + 1])] = float("nan")
+        x[int(offsets[e]) + real[e]:int(offsets[e + 1])] = float("nan")
+    dc[sum(seg):] = float("nan")
+    x[sum(seg):] = float("nan")
+    qd, sd = mf.quantize(dc, "e4m3", "1x128", columnwise=True)
+    qx, sx = mf.quantize(x, "e4m3", "1x128", columnwise=True)
+    return qd, sd, qx, sx, offsets, torch.tensor(real, dtype=torch.int32)
+
+
+def wgrad_reference(qd, sd, qx, sx, offsets, real):
+    """float64 products of the dequantized operands over each expert's real rows."""
+    rows = qd.shape[1]
+    d = qd.double() * sd.double().repeat_interleave(128, 1)[:, :rows]
+    a = qx.double() * sx.double().repeat_interleave(128, 1)[:, :rows]
+    E = len(real)
+    out = torch.zeros(E, qd.shape[0], qx.shape[0], dtype=torch.float64)
+    for e in range(E):
+        b, r = int(offsets[e]), int(real[e])
+        out[e] = d[:, b:b + r] @ a[:, b:b + r].T
+    return out
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("seg,real,N,K", [([128], [128], 128, 128),
+                                          ([256, 0, 384, 128], [200, 0, 257, 0], 256, 128),
+                                          ([128, 512], [1, 500], 128, 384)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fp8_wgrad_matches_dequantized_product(device, seg, real, N, K, dtype):
+    qd, sd, qx, sx, offsets, real_t = wgrad_problem(seg, real, N, K, seed=len(seg) + N)
+    want = wgrad_reference(qd, sd, qx, sx, offsets, real_t)
+    qd, sd, qx, sx, offsets, real_t = [t.to(device) for t in (qd, sd, qx, sx, offsets, real_t)]
+    out = torch.full((len(seg), N, K), float("nan"), dtype=dtype, device=device)
+    got = mf.grouped_gemm_fp8_wgrad(qd, sd, qx, sx, offsets, real_t, out=out).cpu().double()
+    bound = 3e-4 if dtype == torch.float32 else 3e-3
+    assert ((got - want).norm() / want.norm()).item() < bound
+    # Slice-major scales (the transpose of a contiguous [rows/128, N]) and accumulate.
+    got2 = mf.grouped_gemm_fp8_wgrad(qd, sd.t().contiguous().t(), qx, sx.t().contiguous().t(),
+                                     offsets, real_t, out=out, accumulate=True).cpu().double()
+    assert ((got2 - 2 * want).norm() / (2 * want).norm()).item() < bound
+
+
+def test_fp8_wgrad_bad_input_names_the_argument():
+    qd, sd, qx, sx, offsets, real = wgrad_problem([128], [128], 128, 128, seed=1)
+    with pytest.raises(Exception, match="a_t_scales"):
+        mf.grouped_gemm_fp8_wgrad(qd, sd, qx, sx[:, :0], offsets)
+    with pytest.raises(Exception, match="multiples of 128"):
+        mf.grouped_gemm_fp8_wgrad(qd[:64], sd[:64], qx, sx, offsets)
+    with pytest.raises(Exception, match="group 0 starts at row 64"):
+        mf.grouped_gemm_fp8_wgrad(qd, sd, qx, sx, torch.tensor([64, 128], dtype=torch.int64))

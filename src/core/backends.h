@@ -74,9 +74,19 @@ struct Fp8GemmCall {
   GemmOptions options;  // raster and fp8_tile (moeflow/tuning.h)
 };
 
+// The blockwise FP8 wgrad (grouped_gemm_fp8_wgrad): arguments checked.
+struct Fp8WgradCall {
+  TensorView dc_t, dc_t_scales, a_t, a_t_scales;  // [N, rows], [N, rows/128]; [K, rows], [K, rows/128]
+  GroupedWeights dw;                              // [E, N, K] float32 / bf16
+  GroupLayout groups;
+  bool accumulate = false;
+  GemmOptions options;
+};
+
 namespace cpu {
 void grouped_gemm(const GroupedGemmCall& call);
 void grouped_gemm_fp8_forward(const Fp8GemmCall& call);
+void grouped_gemm_fp8_wgrad(const Fp8WgradCall& call);
 void build_plan(const RoutingInput& in, RoutingPlan& plan);
 void permute(TensorView x, const RoutingPlan& plan, TensorView y, const PermuteExtras& extras);
 // out[t] = sum_k w[t,k] * y[dest(t,k)]; and, when row_vals is given,
@@ -90,6 +100,7 @@ void unpermute_backward(TensorView dout, const RoutingPlan& plan, TensorView y_f
 namespace cuda {
 void grouped_gemm(const GroupedGemmCall& call, cudaStream_t stream);
 void grouped_gemm_fp8_forward(const Fp8GemmCall& call, cudaStream_t stream);
+void grouped_gemm_fp8_wgrad(const Fp8WgradCall& call, cudaStream_t stream);
 size_t plan_workspace_bytes(int64_t num_tokens, int topk, const PlanConfig& config);
 void build_plan(const RoutingInput& in, RoutingPlan& plan, TensorView workspace,
                 cudaStream_t stream);

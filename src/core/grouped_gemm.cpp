@@ -307,4 +307,54 @@ void grouped_gemm_fp8_forward(TensorView a, TensorView a_scales, TensorView w, T
 #endif
 }
 
+void grouped_gemm_fp8_wgrad(TensorView dc_t, TensorView dc_t_scales, TensorView a_t,
+                            TensorView a_t_scales, const GroupLayout& groups,
+                            const GroupedWeights& dw, bool accumulate, cudaStream_t stream) {
+  grouped_gemm_fp8_wgrad(dc_t, dc_t_scales, a_t, a_t_scales, groups, dw, accumulate, GemmOptions{},
+                         stream);
+}
+
+void grouped_gemm_fp8_wgrad(TensorView dc_t, TensorView dc_t_scales, TensorView a_t,
+                            TensorView a_t_scales, const GroupLayout& groups,
+                            const GroupedWeights& dw, bool accumulate, const GemmOptions& options,
+                            cudaStream_t stream) {
+  detail::expect_defined(dc_t, "dc_t");
+  detail::expect_defined(a_t, "a_t");
+  MOEFLOW_CHECK(dc_t.ndim == 2 && a_t.ndim == 2,
+                "dc_t must be [N,rows] and a_t [K,rows] (the transposed operands), got ",
+                dc_t.str(), " and ", a_t.str());
+  const Device dev = dc_t.device;
+  const int64_t N = dc_t.shape[0], rows = dc_t.shape[1], K = a_t.shape[0];
+  const int64_t E = dw.num_groups();
+  MOEFLOW_CHECK(E > 0, "dw must hold >= 1 expert ([E,N,K] or [E] pointers)");
+  MOEFLOW_CHECK(K > 0 && N > 0 && K % 128 == 0 && N % 128 == 0,
+                "grouped_gemm_fp8_wgrad needs N and K to be positive multiples of 128, got N=", N,
+                " K=", K);
+  const int64_t nb = (rows + 127) / 128;
+  detail::expect(dc_t, "dc_t", rows_of({DType::kFloat8E4M3}, N, rows, dev));
+  detail::expect(a_t, "a_t", rows_of({DType::kFloat8E4M3}, K, rows, dev));
+  Expect scales{{DType::kFloat32}, {N, nb}, dev};
+  scales.contiguous = false;
+  detail::expect(dc_t_scales, "dc_t_scales", scales);
+  scales.shape = {K, nb};
+  detail::expect(a_t_scales, "a_t_scales", scales);
+  check_weights(dw, "dw", {DType::kFloat32, DType::kBFloat16}, E, N, K, dev);
+  check_layout(groups, E, dev);
+  auto addr = [](const TensorView& v) { return reinterpret_cast<uintptr_t>(v.data); };
+  MOEFLOW_CHECK(addr(dc_t) % 16 == 0 && addr(a_t) % 16 == 0 &&
+                    (rows == 0 || (dc_t.strides[0] % 16 == 0 && a_t.strides[0] % 16 == 0)),
+                "grouped_gemm_fp8_wgrad: dc_t and a_t must be 16-byte aligned with row strides "
+                "a multiple of 16, got strides ",
+                dc_t.strides[0], " and ", a_t.strides[0]);
+  Fp8WgradCall call{dc_t, dc_t_scales, a_t, a_t_scales, dw, groups, accumulate, options};
+  if (dev.is_cpu()) return cpu::grouped_gemm_fp8_wgrad(call);
+#ifdef MOEFLOW_WITH_CUDA
+  detail::cuda_set_device(dev.index);
+  cuda::grouped_gemm_fp8_wgrad(call, stream);
+#else
+  (void)stream;
+  MOEFLOW_CHECK(false, "this moeflow was built without CUDA");
+#endif
+}
+
 }  // namespace moeflow

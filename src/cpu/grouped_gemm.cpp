@@ -26,6 +26,18 @@ const void* weight(const GroupedWeights& w, int64_t e, int64_t n, int64_t k) {
   return reinterpret_cast<const void*>(w.pointers.data_ptr<int64_t>()[e]);
 }
 
+// The FP8 references' layout checks (the CUDA kernels flag bad offsets instead).
+void check_groups(const int64_t* offsets, const int32_t* real, int64_t E, int64_t rows) {
+  for (int64_t e = 0; e < E; ++e) {
+    MOEFLOW_CHECK(offsets[e] >= 0 && offsets[e] <= offsets[e + 1] && offsets[e + 1] <= rows,
+                  "groups.offsets must be monotone within [0, rows=", rows, "], got offsets[", e,
+                  "]=", offsets[e], ", offsets[", e + 1, "]=", offsets[e + 1]);
+    if (real)
+      MOEFLOW_CHECK(real[e] >= 0 && real[e] <= offsets[e + 1] - offsets[e], "groups.real_rows[", e,
+                    "]=", real[e], " must be within [0, ", offsets[e + 1] - offsets[e], "]");
+  }
+}
+
 }  // namespace
 
 void grouped_gemm(const GroupedGemmCall& c) {
@@ -103,14 +115,7 @@ void grouped_gemm_fp8_forward(const Fp8GemmCall& c) {
   const auto* offsets = c.groups.offsets.data_ptr<int64_t>();
   const int32_t* real =
       c.groups.real_rows.defined() ? c.groups.real_rows.data_ptr<int32_t>() : nullptr;
-  for (int64_t e = 0; e < E; ++e) {
-    MOEFLOW_CHECK(offsets[e] >= 0 && offsets[e] <= offsets[e + 1] && offsets[e + 1] <= rows,
-                  "groups.offsets must be monotone within [0, rows=", rows, "], got offsets[", e,
-                  "]=", offsets[e], ", offsets[", e + 1, "]=", offsets[e + 1]);
-    if (real)
-      MOEFLOW_CHECK(real[e] >= 0 && real[e] <= offsets[e + 1] - offsets[e], "groups.real_rows[", e,
-                    "]=", real[e], " must be within [0, ", offsets[e + 1] - offsets[e], "]");
-  }
+  check_groups(offsets, real, E, rows);
   const auto* qa = static_cast<const uint8_t*>(c.a.data);
   const auto* qw = static_cast<const uint8_t*>(c.w.data);
   const float* sa = c.a_scales.data_ptr<float>();
@@ -135,6 +140,56 @@ void grouped_gemm_fp8_forward(const Fp8GemmCall& c) {
         store_float(c.c.data, DType::kBFloat16, r * c.c.strides[0] + n, static_cast<float>(s));
       }
     }
+  }
+}
+
+// The blockwise FP8 wgrad: dW[e][n][k] (+)= the sum over group e's real rows
+// r of dequant(dc_t[n][r]) x dequant(a_t[k][r]), products exact, summed in
+// float64 (the old value added with accumulate), rounded to float32, then to
+// dW's dtype.
+void grouped_gemm_fp8_wgrad(const Fp8WgradCall& c) {
+  const int64_t N = c.dc_t.shape[0], rows = c.dc_t.shape[1], K = c.a_t.shape[0];
+  const int64_t E = c.dw.num_groups();
+  const auto* offsets = c.groups.offsets.data_ptr<int64_t>();
+  const int32_t* real =
+      c.groups.real_rows.defined() ? c.groups.real_rows.data_ptr<int32_t>() : nullptr;
+  check_groups(offsets, real, E, rows);
+  for (int64_t e = 0; e < E; ++e) {
+    const int64_t n_real = real ? real[e] : offsets[e + 1] - offsets[e];
+    MOEFLOW_CHECK(n_real == 0 || offsets[e] % 128 == 0, "grouped_gemm_fp8_wgrad: group ", e,
+                  " starts at row ", offsets[e],
+                  ", not a multiple of 128 (its rows must be whole scale blocks: align 128)");
+  }
+  const DType wdt = c.dw.stacked.defined() ? c.dw.stacked.dtype : c.dw.dtype;
+  const auto* qd = static_cast<const uint8_t*>(c.dc_t.data);
+  const auto* qa = static_cast<const uint8_t*>(c.a_t.data);
+  const float* sd = c.dc_t_scales.data_ptr<float>();
+  const float* sa = c.a_t_scales.data_ptr<float>();
+  const int64_t ld = c.dc_t.strides[0], la = c.a_t.strides[0];
+  const int64_t* sds = c.dc_t_scales.strides;
+  const int64_t* sas = c.a_t_scales.strides;
+  std::vector<double> df, af;
+  for (int64_t e = 0; e < E; ++e) {
+    const int64_t lo = offsets[e];
+    const int64_t n_rows = real ? real[e] : offsets[e + 1] - lo;
+    // The group's rows of both operands, dequantized: [N][n_rows], [K][n_rows].
+    df.assign(N * n_rows, 0.0);
+    af.assign(K * n_rows, 0.0);
+    for (int64_t n = 0; n < N; ++n)
+      for (int64_t r = 0; r < n_rows; ++r)
+        df[n * n_rows + r] = static_cast<double>(quant::fp8_value(qd[n * ld + lo + r], true)) *
+                             sd[n * sds[0] + (lo + r) / 128 * sds[1]];
+    for (int64_t k = 0; k < K; ++k)
+      for (int64_t r = 0; r < n_rows; ++r)
+        af[k * n_rows + r] = static_cast<double>(quant::fp8_value(qa[k * la + lo + r], true)) *
+                             sa[k * sas[0] + (lo + r) / 128 * sas[1]];
+    void* dw = const_cast<void*>(weight(c.dw, e, N, K));
+    for (int64_t n = 0; n < N; ++n)
+      for (int64_t k = 0; k < K; ++k) {
+        double s = c.accumulate ? static_cast<double>(load_float(dw, wdt, n * K + k)) : 0.0;
+        for (int64_t r = 0; r < n_rows; ++r) s += df[n * n_rows + r] * af[k * n_rows + r];
+        store_float(dw, wdt, n * K + k, static_cast<float>(s));
+      }
   }
 }
 

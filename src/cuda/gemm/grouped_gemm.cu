@@ -1,6 +1,6 @@
 // Host side of the CUDA grouped GEMM: maps forward / dgrad / wgrad (and the
 // grouped MLP's fused FC1 and dGLU) onto the kernels of portable.cuh,
-// sm90_cpasync.cuh, tma/kernel.cuh and fp8/kernel.cuh, picks the kernel from the call's
+// sm90_cpasync.cuh and tma/kernel.cuh (the FP8 GEMMs: grouped_gemm_fp8.cu), picks the kernel from the call's
 // GemmOptions, builds the TMA tensor maps, sizes the persistent grid from the
 // occupancy of the GPU and launches.
 #include <cudaTypedefs.h>
@@ -10,7 +10,7 @@
 
 #include "core/backends.h"
 #include "core/mlp_call.h"
-#include "cuda/gemm/fp8/kernel.cuh"
+#include "cuda/gemm/host.cuh"
 #include "cuda/gemm/portable.cuh"
 #include "cuda/gemm/sm90_cpasync.cuh"
 #include "cuda/gemm/tma/kernel.cuh"
@@ -20,6 +20,7 @@ namespace moeflow::cuda {
 namespace {
 
 using gemm::Params;
+using namespace gemm::host;
 
 // The tuned defaults of GemmOptions (moeflow/tuning.h; figures in
 // docs/performance.md). K slices by which consumer warpgroup 1 of the TMA
@@ -39,114 +40,6 @@ int default_hold(int64_t k_red) {
   const int64_t slices = (k_red + 63) / 64;
   return static_cast<int>(
       std::min<int64_t>(kDefaultHold, std::max<int64_t>(0, slices - kDefaultHoldTail)));
-}
-
-// The wgmma path needs a Hopper GPU and sm_90a code in this build.
-bool use_sm90(const GemmOptions& o) {
-#ifdef MOEFLOW_HAS_SM90A
-  if (o.kernel == GemmKernel::kPortable) return false;
-  int dev = 0, major = 0;
-  MOEFLOW_CUDA_CHECK(cudaGetDevice(&dev));
-  MOEFLOW_CUDA_CHECK(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev));
-  return major == 9;
-#else
-  (void)o;
-  return false;
-#endif
-}
-
-// cuTensorMapEncodeTiled from the driver (no link-time dependency on libcuda).
-PFN_cuTensorMapEncodeTiled_v12000 tensor_map_encoder() {
-  static PFN_cuTensorMapEncodeTiled_v12000 fn = [] {
-    void* f = nullptr;
-    cudaDriverEntryPointQueryResult status{};
-    MOEFLOW_CUDA_CHECK(cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &f, 12000,
-                                                        cudaEnableDefault, &status));
-    MOEFLOW_CHECK(f != nullptr && status == cudaDriverEntryPointSuccess,
-                  "cuTensorMapEncodeTiled is not available from the driver");
-    return reinterpret_cast<PFN_cuTensorMapEncodeTiled_v12000>(f);
-  }();
-  return fn;
-}
-
-// Encoding a tensor map needs a current driver context. A thread that has
-// made no CUDA runtime call yet (the autograd engine's device thread running
-// a backward, say) has none: bind the current device's primary context, as
-// the runtime does on its first call.
-void ensure_current_context() {
-  static const PFN_cuCtxGetCurrent_v4000 get_current = [] {
-    void* f = nullptr;
-    cudaDriverEntryPointQueryResult status{};
-    MOEFLOW_CUDA_CHECK(
-        cudaGetDriverEntryPointByVersion("cuCtxGetCurrent", &f, 4000, cudaEnableDefault, &status));
-    MOEFLOW_CHECK(f != nullptr && status == cudaDriverEntryPointSuccess,
-                  "cuCtxGetCurrent is not available from the driver");
-    return reinterpret_cast<PFN_cuCtxGetCurrent_v4000>(f);
-  }();
-  CUcontext ctx = nullptr;
-  if (get_current(&ctx) == CUDA_SUCCESS && ctx != nullptr) return;
-  int dev = 0;
-  MOEFLOW_CUDA_CHECK(cudaGetDevice(&dev));
-  MOEFLOW_CUDA_CHECK(cudaSetDevice(dev));  // binds the primary context to this thread
-  ctx = nullptr;
-  MOEFLOW_CHECK(get_current(&ctx) == CUDA_SUCCESS && ctx != nullptr,
-                "no CUDA context is current on this thread (device ", dev, ")");
-}
-
-int64_t addr_of(const void* p) {
-  return static_cast<int64_t>(reinterpret_cast<uintptr_t>(p));
-}
-
-// A TMA map of a row-major tensor: dims[0] innermost (elements), byte
-// strides of the outer dims, box in elements, 128-byte swizzle (out of
-// bounds: loads read zeros, stores are clipped).
-template <int RANK>
-CUtensorMap tensor_map(const void* base, CUtensorMapDataType dtype, const int64_t (&dims)[RANK],
-                       const int64_t (&byte_strides)[RANK - 1], const int (&box)[RANK]) {
-  CUtensorMap map;
-  cuuint64_t d[RANK], st[RANK > 1 ? RANK - 1 : 1];
-  cuuint32_t b[RANK], es[RANK];
-  for (int i = 0; i < RANK; ++i) {
-    d[i] = static_cast<cuuint64_t>(dims[i]);
-    b[i] = static_cast<cuuint32_t>(box[i]);
-    es[i] = 1;
-    if (i + 1 < RANK) st[i] = static_cast<cuuint64_t>(byte_strides[i]);
-  }
-  const CUresult r =
-      tensor_map_encoder()(&map, dtype, RANK, const_cast<void*>(base), d, st, b, es,
-                           CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B,
-                           CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
-  MOEFLOW_CHECK(r == CUDA_SUCCESS, "cuTensorMapEncodeTiled failed (", int(r), ") for a ", RANK,
-                "-d tensor with inner dimension ", dims[0]);
-  return map;
-}
-
-// A 2D row-major [rows, cols] 16-bit matrix in boxes of box_rows x 64 columns.
-CUtensorMap tensor_map_2d(const void* base, int64_t rows, int64_t cols, int64_t row_stride_elems,
-                          int box_rows) {
-  return tensor_map<2>(base, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, {cols, rows}, {row_stride_elems * 2},
-                       {64, box_rows});
-}
-
-template <typename T>
-CUtensorMapDataType tma_dtype() {
-  if constexpr (std::is_same_v<T, float>)
-    return CU_TENSOR_MAP_DATA_TYPE_FLOAT32;
-  else if constexpr (std::is_same_v<T, __half>)
-    return CU_TENSOR_MAP_DATA_TYPE_FLOAT16;
-  else
-    return CU_TENSOR_MAP_DATA_TYPE_BFLOAT16;
-}
-
-// Largest dynamic shared memory a block of `kernel` may use on this device.
-template <typename Kernel>
-size_t max_dynamic_smem(Kernel kernel) {
-  int dev = 0, optin = 0;
-  MOEFLOW_CUDA_CHECK(cudaGetDevice(&dev));
-  MOEFLOW_CUDA_CHECK(cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, dev));
-  cudaFuncAttributes attr{};
-  MOEFLOW_CUDA_CHECK(cudaFuncGetAttributes(&attr, kernel));
-  return static_cast<size_t>(optin) - attr.sharedSizeBytes;
 }
 
 // The TMA path (MODE as in tma/kernel.cuh): the B matrix one
@@ -549,77 +442,6 @@ void mlp_fc2_dgrad_dglu(const MlpDgluCall& c, cudaStream_t stream) {
     go(__nv_bfloat16{});
   else
     go(__half{});
-}
-
-namespace {
-// One FP8 forward launch with tile T: tensor maps in T's boxes, the deepest
-// pipeline the shared memory holds.
-template <typename T>
-void launch_fp8(const Fp8GemmCall& c, const Params& p, const gemm::fp8::Fp8Params& q,
-                cudaStream_t stream) {
-  namespace f = gemm::fp8;
-  const int64_t rows = c.a.shape[0], K = c.a.shape[1], E = c.w.shape[0], N = c.w.shape[1];
-  // A [rows, K] and W as [E*N, K], bytes, in 128 x TM and 128 x TN boxes.
-  const CUtensorMap map_a =
-      tensor_map<2>(c.a.data, CU_TENSOR_MAP_DATA_TYPE_UINT8, {K, rows}, {K}, {f::kTileK, T::kM});
-  const CUtensorMap map_w =
-      tensor_map<2>(c.w.data, CU_TENSOR_MAP_DATA_TYPE_UINT8, {K, E * N}, {K}, {f::kTileK, T::kN});
-  const auto kernel = f::grouped_gemm_fp8_kernel<T>;
-  const size_t limit = max_dynamic_smem(kernel);
-  int stages = f::kMaxStages;
-  while (stages > 2 && f::Smem<T>::bytes(stages, p.num_groups) > limit) --stages;
-  const size_t smem = f::Smem<T>::bytes(stages, p.num_groups);
-  MOEFLOW_CHECK(smem <= limit, "grouped_gemm_fp8_forward: ", E,
-                " groups leave no shared memory for the pipeline");
-  MOEFLOW_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                          static_cast<int>(smem)));
-  kernel<<<sm_count(), T::kThreads, smem, stream>>>(p, q, map_a, map_w, stages);
-  MOEFLOW_CUDA_LAUNCH_CHECK();
-}
-}  // namespace
-
-void grouped_gemm_fp8_forward(const Fp8GemmCall& c, cudaStream_t stream) {
-  namespace f = gemm::fp8;
-  MOEFLOW_CHECK(use_sm90({}), "grouped_gemm_fp8_forward needs a Hopper GPU (sm_90a build)");
-  const int64_t rows = c.a.shape[0], K = c.a.shape[1], E = c.w.shape[0], N = c.w.shape[1];
-  MOEFLOW_CHECK(E <= 8192, "grouped_gemm_fp8_forward takes at most 8192 groups, got ", E);
-  MOEFLOW_CHECK(rows < (int64_t{1} << 31) && E * N < (int64_t{1} << 31),
-                "grouped_gemm_fp8_forward: rows and E*N must be below 2^31, got ", rows, " and ",
-                E * N);
-  if (rows == 0) return;
-  Params p{};
-  if (const int rb = c.options.raster; rb > 0) p.raster = std::min(rb, 1 << 12);
-  p.num_groups = static_cast<int>(E);
-  p.offsets = c.groups.offsets.data_ptr<int64_t>();
-  p.real_rows = c.groups.real_rows.defined() ? c.groups.real_rows.data_ptr<int32_t>() : nullptr;
-  p.error = c.groups.error.defined() ? c.groups.error.data_ptr<int32_t>() : nullptr;
-  p.rows = rows;
-  p.a = c.a.data;
-  p.lda = K;
-  p.b = c.w.data;
-  p.b_group_stride = N * K;
-  p.ldb = K;
-  p.c = c.c.data;
-  p.ldc = c.c.strides[0];
-  p.n_out = N;
-  p.k_red = K;
-  const f::Fp8Params q{c.a_scales.data_ptr<float>(), c.w_scales.data_ptr<float>(), K / f::kBlock,
-                       N / f::kBlock};
-  ensure_current_context();
-  // Auto: three consumer warpgroups (192 x 128) unless the groups average
-  // under 384 rows, where 192-row tiles would compute more pad rows
-  // (docs/tuning.md).
-  Fp8Tile tile = c.options.fp8_tile;
-  if (tile == Fp8Tile::kAuto) tile = rows >= 384 * E ? Fp8Tile::k192x128 : Fp8Tile::k128x128;
-  switch (tile) {
-    case Fp8Tile::k128x192:
-      return launch_fp8<f::Tile128x192>(c, p, q, stream);
-    case Fp8Tile::k192x128:
-      return launch_fp8<f::Tile192x128>(c, p, q, stream);
-    case Fp8Tile::k128x128:
-    case Fp8Tile::kAuto:
-      return launch_fp8<f::Tile128x128>(c, p, q, stream);
-  }
 }
 
 }  // namespace moeflow::cuda

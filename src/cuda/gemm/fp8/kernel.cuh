@@ -109,12 +109,37 @@ __device__ __forceinline__ void promote(float (&acc)[N], const float (&part)[N],
   }
 }
 
+// The start of both FP8 kernels: the stages' barriers (full: the TMA's
+// expect_tx and each producer lane's scales; empty: `consumer_arrivals`
+// arrives), then every group's tile count and their prefix in tile_start
+// (the scan borrows the first stage: no load is issued yet). Ends with a
+// block barrier; returns the number of tiles.
+template <typename T>
+__device__ __forceinline__ int32_t start_pipeline(const Params& p, uint8_t* smem, uint64_t* full,
+                                                  uint64_t* empty, int32_t* tile_start, int stages,
+                                                  int consumer_arrivals) {
+  if (threadIdx.x == 0) {
+    for (int s = 0; s < stages; ++s) {
+      bulk::mbar_init(&full[s], 1 + 32);
+      bulk::mbar_init(&empty[s], consumer_arrivals);
+    }
+    asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+  }
+  static_assert(sizeof(ScanScratch<T::kThreads>) <= T::kStageBytes,
+                "scan scratch must fit a stage");
+  build_tile_prefix_in<T::kM, T::kN, T::kThreads>(
+      p, tile_start, *reinterpret_cast<ScanScratch<T::kThreads>*>(smem));
+  sm90::fence_proxy_async();
+  __syncthreads();
+  return tile_start[p.num_groups];
+}
+
 template <typename T>
 __global__ void __launch_bounds__(T::kThreads, 1)
     grouped_gemm_fp8_kernel(Params p, Fp8Params q, const __grid_constant__ CUtensorMap map_a,
                             const __grid_constant__ CUtensorMap map_w, int stages) {
 #if defined(__CUDA_ARCH__) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
-  constexpr int TM = T::kM, TN = T::kN, kThreads = T::kThreads;
+  constexpr int TM = T::kM, TN = T::kN;
   extern __shared__ __align__(1024) uint8_t smem_raw[];
   uint8_t* smem =
       reinterpret_cast<uint8_t*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t{1023});
@@ -123,20 +148,8 @@ __global__ void __launch_bounds__(T::kThreads, 1)
   uint64_t* full = reinterpret_cast<uint64_t*>(slots + stages * kSlot);
   uint64_t* empty = full + kMaxStages;
   int32_t* tile_start = reinterpret_cast<int32_t*>(empty + kMaxStages);
-  if (threadIdx.x == 0) {
-    for (int s = 0; s < stages; ++s) {
-      bulk::mbar_init(&full[s], 1 + 32);  // the TMA's expect_tx + each producer lane's scales
-      bulk::mbar_init(&empty[s], T::kConsumers);  // one arrive per consumer warpgroup
-    }
-    asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
-  }
-  // The scan borrows the first stage (no load is issued yet); ends with a barrier.
-  static_assert(sizeof(ScanScratch<kThreads>) <= T::kStageBytes, "scan scratch must fit a stage");
-  build_tile_prefix_in<TM, TN, kThreads>(p, tile_start,
-                                         *reinterpret_cast<ScanScratch<kThreads>*>(smem));
-  sm90::fence_proxy_async();
-  __syncthreads();
-  const int32_t num_tiles = tile_start[p.num_groups];
+  const int32_t num_tiles =
+      start_pipeline<T>(p, smem, full, empty, tile_start, stages, T::kConsumers);
   const int wg = threadIdx.x / 128;
   auto geom = [&](int32_t tile, int hint) {
     return tile_geometry<TM, TN, uint8_t>(p, tile_start, tile, hint);
