@@ -49,23 +49,39 @@ __device__ __forceinline__ float quantize_chunk(const float (&v)[kFp8PerLane], b
 // Lane l's 16 values at columns [cl, cl + 16) of `src` as floats, 0 past
 // `cols` (VEC: 16-byte loads; the row is 16-byte aligned and `cols` a
 // multiple of 16).
+// The VEC form in two steps, so that a chunk's loads can be issued before
+// the previous chunk is quantized: the 16-byte pieces (zeros past `cols`),
+// then their values as floats.
+template <typename T>
+struct RawChunk {
+  static constexpr int kVecs = kFp8PerLane * static_cast<int>(sizeof(T)) / 16;
+  uint4 r[kVecs];
+};
+template <typename T>
+__device__ __forceinline__ void load_raw(const T* src, int64_t cl, int64_t cols, RawChunk<T>& raw) {
+  if (cl < cols) {
+    const uint4* p = reinterpret_cast<const uint4*>(src + cl);
+#pragma unroll
+    for (int i = 0; i < RawChunk<T>::kVecs; ++i) raw.r[i] = p[i];
+  } else {
+#pragma unroll
+    for (int i = 0; i < RawChunk<T>::kVecs; ++i) raw.r[i] = make_uint4(0, 0, 0, 0);
+  }
+}
+template <typename T>
+__device__ __forceinline__ void unpack_raw(const RawChunk<T>& raw, float (&v)[kFp8PerLane]) {
+  const T* e = reinterpret_cast<const T*>(raw.r);
+#pragma unroll
+  for (int j = 0; j < kFp8PerLane; ++j) v[j] = to_float(e[j]);
+}
+
 template <typename T, bool VEC>
 __device__ __forceinline__ void load_chunk(const T* src, int64_t cl, int64_t cols,
                                            float (&v)[kFp8PerLane]) {
   if constexpr (VEC) {
-    constexpr int kVecs = kFp8PerLane * sizeof(T) / 16;
-    uint4 raw[kVecs];
-    if (cl < cols) {
-      const uint4* p = reinterpret_cast<const uint4*>(src + cl);
-#pragma unroll
-      for (int i = 0; i < kVecs; ++i) raw[i] = p[i];
-    } else {
-#pragma unroll
-      for (int i = 0; i < kVecs; ++i) raw[i] = make_uint4(0, 0, 0, 0);
-    }
-    const T* e = reinterpret_cast<const T*>(raw);
-#pragma unroll
-    for (int j = 0; j < kFp8PerLane; ++j) v[j] = to_float(e[j]);
+    RawChunk<T> raw;
+    load_raw(src, cl, cols, raw);
+    unpack_raw(raw, v);
   } else {
 #pragma unroll
     for (int j = 0; j < kFp8PerLane; ++j) v[j] = cl + j < cols ? to_float(src[cl + j]) : 0.0f;

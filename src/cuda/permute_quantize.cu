@@ -2,7 +2,8 @@
 // (policy: moeflow/quantize.h; shared scalar math: core/quantize_backend.h).
 //
 // One warp per work item: first the T tokens, then the pad items (expert, r)
-// as in permute. A token's warp walks its row in chunks of 512 columns; lane l
+// as in permute. A token's warp walks its row in chunks of 512 columns (the
+// next chunk's loads issued before the current one is quantized); lane l
 // holds columns [16 l, 16 l + 16) of the chunk, so the 8 lanes 8g..8g+7 hold
 // one 1x128 block. Per chunk: load (x is read once), amax over the block
 // (3 xor shuffles within the 8 lanes), quant::scale_of, codes by __fdiv_rn and
@@ -114,11 +115,21 @@ __global__ void __launch_bounds__(kThreads) permute_quantize_kernel(Args a) {
   if (routed0 == 0 && a.topk <= kWarpSize) return;  // nothing to write (warp-uniform)
 
   const T* xrow = reinterpret_cast<const T*>(a.x + t * a.x_stride);
+  // VEC: the next chunk's loads are issued before this chunk is quantized and
+  // stored (two chunks in flight per warp).
+  RawChunk<T> next;
+  if constexpr (VEC) load_raw(xrow, int64_t{lane} * kPerLane, a.hidden, next);
   for (int64_t c0 = 0; c0 < a.hidden; c0 += kChunk) {
     const int64_t cl = c0 + int64_t{lane} * kPerLane;  // this lane's first column
     float v[kPerLane];
     // Columns past H read as 0: they leave the amax (a max of |finite| >= 0) as it is.
-    load_chunk<T, VEC>(xrow, cl, a.hidden, v);
+    if constexpr (VEC) {
+      const RawChunk<T> cur = next;
+      if (c0 + kChunk < a.hidden) load_raw(xrow, cl + kChunk, a.hidden, next);
+      unpack_raw(cur, v);
+    } else {
+      load_chunk<T, VEC>(xrow, cl, a.hidden, v);
+    }
     uint32_t w[kPerLane / 4];
     const float scale = quantize_chunk<E4M3>(v, a.pow2, w);
     const bool lead = cl < a.hidden && lane % kLanesPerBlock == 0;  // writes the block's scale
@@ -180,10 +191,18 @@ __global__ void __launch_bounds__(kThreads) unpermute_bwd_quantize_kernel(BwdArg
   if (routed0 == 0 && a.topk <= kWarpSize) return;  // nothing to write (warp-uniform)
 
   const T* grow = reinterpret_cast<const T*>(a.dout + t * a.dout_stride);
+  RawChunk<T> next;  // VEC: the next chunk's loads in flight, as in permute_quantize_kernel
+  if constexpr (VEC) load_raw(grow, int64_t{lane} * kPerLane, a.hidden, next);
   for (int64_t c0 = 0; c0 < a.hidden; c0 += kChunk) {
     const int64_t cl = c0 + int64_t{lane} * kPerLane;
     float v[kPerLane];
-    load_chunk<T, VEC>(grow, cl, a.hidden, v);
+    if constexpr (VEC) {
+      const RawChunk<T> cur = next;
+      if (c0 + kChunk < a.hidden) load_raw(grow, cl + kChunk, a.hidden, next);
+      unpack_raw(cur, v);
+    } else {
+      load_chunk<T, VEC>(grow, cl, a.hidden, v);
+    }
     const bool lead = cl < a.hidden && lane % kLanesPerBlock == 0;
     const int64_t blk = cl / kBlock;
     uint32_t w[kPerLane / 4];
