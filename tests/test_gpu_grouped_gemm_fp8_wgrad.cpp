@@ -169,15 +169,20 @@ TEST(GpuGemmFp8Wgrad, MatchesCpuWithinBound) {
             for (int64_t i = 0; i < p.n * p.k; ++i)
               ASSERT_EQ(at(got, e * p.n * p.k + i), 0.0f) << "group " << e;
       }
-      // Accumulate into values already there.
+      // Accumulate into values already there (float32: the TMA reduce-add;
+      // bf16: the old values added in registers), every tile.
       Tensor init = make_tensor({E, p.n, p.k}, out);
       fill_random(init, 77);
-      const auto [want, got] = run_both(p, d, init, true);
-      EXPECT_LT(rel_norm(got, want), out == DType::kFloat32 ? 3e-4 : 3e-3) << "accumulate";
-      for (int64_t e = 0; e < E; ++e)  // empty groups keep their values
-        if (p.real[e] == 0)
-          for (int64_t i = 0; i < p.n * p.k; ++i)
-            ASSERT_EQ(at(got, e * p.n * p.k + i), at(init, e * p.n * p.k + i)) << "group " << e;
+      for (const Fp8Tile tile : kTiles) {
+        SCOPED_TRACE(std::string("accumulate ") + dtype_name(out) + " tile " +
+                     std::to_string(static_cast<int>(tile)));
+        const auto [want, got] = run_both(p, d, init, true, with_tile(tile));
+        EXPECT_LT(rel_norm(got, want), out == DType::kFloat32 ? 3e-4 : 3e-3);
+        for (int64_t e = 0; e < E; ++e)  // empty groups keep their values
+          if (p.real[e] == 0)
+            for (int64_t i = 0; i < p.n * p.k; ++i)
+              ASSERT_EQ(at(got, e * p.n * p.k + i), at(init, e * p.n * p.k + i)) << "group " << e;
+      }
     }
   }
 }
@@ -204,33 +209,46 @@ TEST(GpuGemmFp8Wgrad, ExactSumsAreBitwise) {
   }
 }
 
-// dW as E separate tensors (the pointer table): the same bytes as stacked.
+// dW as E separate tensors (the pointer table: stores straight from the
+// accumulators): within the bound of the reference, bf16 and float32,
+// written and accumulated.
 TEST(GpuGemmFp8Wgrad, PointerWeights) {
   if (!is_hopper()) GTEST_SKIP() << "the FP8 grouped GEMM runs on Hopper only";
   const WgradProblem& p = kProblems[1];
   const std::vector<float> xs = normal_table(21);
   const WgradInputs d = make_inputs(
       p, [&](int which, int64_t r, int64_t c) { return xs[(r * 97 + c * 3 + which) & 0xFFFF]; });
-  const int64_t E = p.seg.size();
-  const auto [want, stacked] =
-      run_both(p, d, poisoned({E, p.n, p.k}, DType::kBFloat16), false);
-  std::vector<Tensor> experts;
-  std::vector<TensorView> views;
-  for (int64_t e = 0; e < E; ++e) {
-    experts.push_back(poisoned({p.n, p.k}, DType::kBFloat16, kGpu));
-    views.push_back(experts.back());
-  }
-  const ExpertTable table = make_expert_table(views);
-  grouped_gemm_fp8_wgrad(d.dct.to(kGpu), d.dcs.to(kGpu), d.at_.to(kGpu), d.as_.to(kGpu),
-                         layout(d.offsets.to(kGpu), d.real.to(kGpu)), table.weights, false);
-  ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
-  for (int64_t e = 0; e < E; ++e) {
-    Tensor got = experts[e].to(Device::cpu());
-    EXPECT_EQ(std::memcmp(got.data(), static_cast<const uint8_t*>(stacked.data()) + e * got.nbytes(),
-                          got.nbytes()),
-              0)
-        << "expert " << e;
-  }
+  const int64_t E = p.seg.size(), m = p.n * p.k;
+  for (const DType out : {DType::kBFloat16, DType::kFloat32})
+    for (const bool accumulate : {false, true}) {
+      SCOPED_TRACE(std::string(dtype_name(out)) + (accumulate ? " accumulate" : ""));
+      Tensor init = make_tensor({E, p.n, p.k}, out);
+      fill_random(init, 5);
+      Tensor want = init.to(Device::cpu());
+      grouped_gemm_fp8_wgrad(d.dct, d.dcs, d.at_, d.as_, layout(d.offsets, d.real),
+                             GroupedWeights::from_stacked(want), accumulate);
+      std::vector<Tensor> experts;
+      std::vector<TensorView> views;
+      for (int64_t e = 0; e < E; ++e) {
+        Tensor x = make_tensor({p.n, p.k}, out);
+        std::memcpy(x.data(), static_cast<const uint8_t*>(init.data()) + e * x.nbytes(),
+                    x.nbytes());
+        experts.push_back(x.to(kGpu));
+        views.push_back(experts.back());
+      }
+      const ExpertTable table = make_expert_table(views);
+      grouped_gemm_fp8_wgrad(d.dct.to(kGpu), d.dcs.to(kGpu), d.at_.to(kGpu), d.as_.to(kGpu),
+                             layout(d.offsets.to(kGpu), d.real.to(kGpu)), table.weights,
+                             accumulate);
+      ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+      Tensor got = make_tensor({E, p.n, p.k}, out);
+      for (int64_t e = 0; e < E; ++e) {
+        Tensor g = experts[e].to(Device::cpu());
+        std::memcpy(static_cast<uint8_t*>(got.data()) + e * g.nbytes(), g.data(), g.nbytes());
+      }
+      EXPECT_LT(rel_norm(got, want), out == DType::kFloat32 ? 3e-4 : 3e-3);
+      for (int64_t i = 0; i < E * m; ++i) ASSERT_FALSE(std::isnan(at(got, i))) << i;
+    }
 }
 
 // A group with real rows that does not start at a multiple of 128: the error

@@ -111,16 +111,17 @@ void grouped_gemm_fp8_forward(TensorView a, TensorView a_scales, TensorView w, T
 
 // Blockwise FP8 wgrad (variable K): dW_e (+)= dequant(dC_e)^T ·
 // dequant(A_e), group e's rows [offsets[e], offsets[e] + real_rows[e]) being
-// the reduction, summed in float32 per 128 rows and scaled per element by the
-// two operands' block scales. The operands come transposed, as quantize
+// the reduction: each 128 rows' products summed by the tensor cores (FP8
+// accumulation: fewer bits than float32), scaled per element by the two
+// operands' block scales and added in float32. The operands come transposed, as quantize
 // writes them with columnwise = true and kBlock1x128: dc_t [N, rows] e4m3
 // with dc_t_scales [N, ceil(rows/128)] float32, a_t [K, rows] e4m3 with
 // a_t_scales [K, ceil(rows/128)] float32 (any strides: a transposed view of
 // a [rows/128, N] slice-major layout is read fastest). dw as in
-// grouped_gemm_wgrad (float32 or bf16; accumulate rounds float(dW) + result
-// once; experts with no real rows get zeros, or stay as they are with
-// accumulate). N and K positive multiples of 128; dc_t and a_t 16-byte
-// aligned with row strides a multiple of 16. Every group with real rows
+// grouped_gemm_wgrad (float32 or bf16, stacked dW 16-byte aligned;
+// accumulate rounds float(dW) + result once; experts with no real rows get
+// zeros, or stay as they are with accumulate). N and K positive multiples of
+// 128; dc_t and a_t 16-byte aligned with row strides a multiple of 16. Every group with real rows
 // must start at a multiple of 128 (a plan with align 128): the CUDA kernel
 // sets groups.error and writes nothing of a group that does not (the CPU
 // backend throws). Pad rows are never read. CUDA: Hopper only, one launch,

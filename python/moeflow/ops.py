@@ -357,7 +357,8 @@ def grouped_gemm_fp8_wgrad(dc_t: torch.Tensor, dc_t_scales: torch.Tensor, a_t: t
                            a_t_scales: torch.Tensor, offsets: torch.Tensor,
                            real_rows: Optional[torch.Tensor] = None,
                            out: Optional[torch.Tensor] = None, accumulate: bool = False,
-                           num_experts: Optional[int] = None) -> torch.Tensor:
+                           num_experts: Optional[int] = None,
+                           error: Optional[torch.Tensor] = None) -> torch.Tensor:
     """Blockwise FP8 grouped GEMM wgrad (variable K): out[e] (+)= dequant(dC
     of expert e's rows)^T @ dequant(A of those rows), [E, N, K]. The operands
     come transposed, as ``quantize(dc, "e4m3", "1x128", columnwise=True)``
@@ -369,13 +370,15 @@ def grouped_gemm_fp8_wgrad(dc_t: torch.Tensor, dc_t_scales: torch.Tensor, a_t: t
     them are not read). ``out``: float32 or bf16 [E, N, K] (new bf16 if
     None; ``num_experts`` then gives E, default len(offsets) - 1);
     ``accumulate`` adds to it (bf16: rounded once). N and K multiples of 128.
-    CUDA: Hopper, one launch, no sync; CPU: the reference. Not
-    differentiable."""
+    An expert whose real rows start off a multiple of 128: the CPU raises;
+    CUDA (no sync) leaves its ``out`` as it was and sets ``error`` (optional
+    int32 [1] on the device, set to 1; never cleared). CUDA: Hopper, one
+    launch, no sync; CPU: the reference. Not differentiable."""
     if out is None:
         E = int(num_experts) if num_experts is not None else int(offsets.shape[0]) - 1
         out = torch.empty(E, dc_t.shape[0], a_t.shape[0], dtype=torch.bfloat16, device=dc_t.device)
     _C.grouped_gemm_fp8_wgrad(dc_t, dc_t_scales, a_t, a_t_scales, offsets, real_rows, out,
-                              bool(accumulate), _stream(dc_t))
+                              bool(accumulate), error, _stream(dc_t))
     return out
 
 

@@ -427,16 +427,17 @@ NB_MODULE(_C, m) {
       "grouped_gemm_fp8_wgrad",
       [](const Array& dc_t, const Array& dc_t_scales, const Array& a_t, const Array& a_t_scales,
          const Array& offsets, const std::optional<Array>& real_rows, const Array& dw,
-         bool accumulate, uintptr_t s) {
+         bool accumulate, const std::optional<Array>& error, uintptr_t s) {
+        GroupLayout g = layout(offsets, real_rows);
+        g.error = opt_view(error, "error");
         grouped_gemm_fp8_wgrad(rows_of(dc_t, "dc_t"), rows_of(dc_t_scales, "dc_t_scales"),
-                               rows_of(a_t, "a_t"), rows_of(a_t_scales, "a_t_scales"),
-                               layout(offsets, real_rows),
+                               rows_of(a_t, "a_t"), rows_of(a_t_scales, "a_t_scales"), g,
                                GroupedWeights::from_stacked(view_of(dw, "dw")), accumulate,
                                stream_of(s));
       },
       nb::arg("dc_t"), nb::arg("dc_t_scales"), nb::arg("a_t"), nb::arg("a_t_scales"),
       nb::arg("offsets"), nb::arg("real_rows").none(), nb::arg("dw"), nb::arg("accumulate"),
-      nb::arg("stream") = 0);
+      nb::arg("error").none(), nb::arg("stream") = 0);
 
   m.def(
       "plan_capacity_rows",

@@ -168,3 +168,17 @@ def test_fp8_wgrad_bad_input_names_the_argument():
         mf.grouped_gemm_fp8_wgrad(qd[:64], sd[:64], qx, sx, offsets)
     with pytest.raises(Exception, match="group 0 starts at row 64"):
         mf.grouped_gemm_fp8_wgrad(qd, sd, qx, sx, torch.tensor([64, 128], dtype=torch.int64))
+
+
+@pytest.mark.parametrize("device", DEVICES[1:])
+def test_fp8_wgrad_misaligned_group_sets_the_error_flag(device):
+    """CUDA does not sync: an expert off a 128-row block is flagged, not written."""
+    qd, sd, qx, sx, _, _ = wgrad_problem([256], [256], 128, 128, seed=3)
+    offsets = torch.tensor([0, 64, 256], dtype=torch.int64, device=device)
+    error = torch.zeros(1, dtype=torch.int32, device=device)
+    out = torch.full((2, 128, 128), float("nan"), dtype=torch.float32, device=device)
+    mf.grouped_gemm_fp8_wgrad(qd.to(device), sd.to(device), qx.to(device), sx.to(device),
+                              offsets, out=out, error=error)
+    assert int(error.item()) == 1
+    assert torch.isnan(out[1]).all()
+    assert not torch.isnan(out[0]).any()

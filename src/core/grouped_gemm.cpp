@@ -346,6 +346,8 @@ void grouped_gemm_fp8_wgrad(TensorView dc_t, TensorView dc_t_scales, TensorView 
                 "grouped_gemm_fp8_wgrad: dc_t and a_t must be 16-byte aligned with row strides "
                 "a multiple of 16, got strides ",
                 dc_t.strides[0], " and ", a_t.strides[0]);
+  MOEFLOW_CHECK(!dw.stacked.defined() || addr(dw.stacked) % 16 == 0,
+                "grouped_gemm_fp8_wgrad: dw must be 16-byte aligned (stored by TMA)");
   Fp8WgradCall call{dc_t, dc_t_scales, a_t, a_t_scales, dw, groups, accumulate, options};
   if (dev.is_cpu()) return cpu::grouped_gemm_fp8_wgrad(call);
 #ifdef MOEFLOW_WITH_CUDA

@@ -145,8 +145,8 @@ void grouped_gemm_fp8_forward(const Fp8GemmCall& c) {
 
 // The blockwise FP8 wgrad: dW[e][n][k] (+)= the sum over group e's real rows
 // r of dequant(dc_t[n][r]) x dequant(a_t[k][r]), products exact, summed in
-// float64 (the old value added with accumulate), rounded to float32, then to
-// dW's dtype.
+// float64 and rounded to float32; with accumulate the old value is added in
+// float32 (as the CUDA epilogue does); then rounded to dW's dtype.
 void grouped_gemm_fp8_wgrad(const Fp8WgradCall& c) {
   const int64_t N = c.dc_t.shape[0], rows = c.dc_t.shape[1], K = c.a_t.shape[0];
   const int64_t E = c.dw.num_groups();
@@ -186,9 +186,11 @@ void grouped_gemm_fp8_wgrad(const Fp8WgradCall& c) {
     void* dw = const_cast<void*>(weight(c.dw, e, N, K));
     for (int64_t n = 0; n < N; ++n)
       for (int64_t k = 0; k < K; ++k) {
-        double s = c.accumulate ? static_cast<double>(load_float(dw, wdt, n * K + k)) : 0.0;
+        double s = 0.0;
         for (int64_t r = 0; r < n_rows; ++r) s += df[n * n_rows + r] * af[k * n_rows + r];
-        store_float(dw, wdt, n * K + k, static_cast<float>(s));
+        float v = static_cast<float>(s);
+        if (c.accumulate) v += load_float(dw, wdt, n * K + k);  // float32, then dW's dtype
+        store_float(dw, wdt, n * K + k, v);
       }
   }
 }

@@ -16,7 +16,8 @@
 // promotion: acc += slice_acc * a_scale(row, slice) * w_scale(n block,
 // slice), in float32, every 128 of K (DeepSeek-V3's recipe). A 192-wide
 // tile straddles two 128-column scale blocks (at its column 128 or 64). A
-// slice's stage is released once its wgmma completed. With three consumer
+// slice's stage is released once its wgmma completed (an arrive per consumer
+// warp, after that warp's reads of the slot). With three consumer
 // warpgroups one promotes while the others' wgmma run; with two the tensor
 // pipe idles during each promotion (docs/performance.md has the figures).
 // Epilogue: rows past the group's real rows are written as zeros, rows past
@@ -149,7 +150,7 @@ __global__ void __launch_bounds__(T::kThreads, 1)
   uint64_t* empty = full + kMaxStages;
   int32_t* tile_start = reinterpret_cast<int32_t*>(empty + kMaxStages);
   const int32_t num_tiles =
-      start_pipeline<T>(p, smem, full, empty, tile_start, stages, T::kConsumers);
+      start_pipeline<T>(p, smem, full, empty, tile_start, stages, T::kConsumers * 4);
   const int wg = threadIdx.x / 128;
   auto geom = [&](int32_t tile, int hint) {
     return tile_geometry<TM, TN, uint8_t>(p, tile_start, tile, hint);
@@ -238,7 +239,8 @@ __global__ void __launch_bounds__(T::kThreads, 1)
       const float s0 = a0 * w0, s1 = a1 * w0, h0 = a0 * w1, h1 = a1 * w1;
       sm90::wgmma_wait<0>();
       sm90::fence_operands(part);
-      if (tid == 0) bulk::mbar_arrive(&empty[s]);
+      __syncwarp();  // every lane's reads of the slot before lane 0's arrive
+      if (lane == 0) bulk::mbar_arrive(&empty[s]);  // one per consumer warp
       if (++s == stages) s = 0, parity ^= 1u;
       // Promotion: the fragment's rows rl0 (i % 4 < 2) and rl0 + 8.
       if (TN > 128 && split64)

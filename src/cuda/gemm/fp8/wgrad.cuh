@@ -324,7 +324,9 @@ __global__ void __launch_bounds__(T::kThreads, 1)
         acc[4 * j + 2] = fmaf(part[4 * j + 2], a1 * b.x, acc[4 * j + 2]);
         acc[4 * j + 3] = fmaf(part[4 * j + 3], a1 * b.y, acc[4 * j + 3]);
       }
-      // This warp is done with the stage and its slot.
+      // This warp is done with the stage and its slot (every lane's reads
+      // ordered before lane 0's arrive).
+      __syncwarp();
       if (lane == 0) bulk::mbar_arrive(&empty[s]);
       if (++s == stages) s = 0, parity ^= 1u;
     }
