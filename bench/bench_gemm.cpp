@@ -308,8 +308,7 @@ void run_gemm_bench(const GemmBenchOptions& opt) {
       if (opt.fp8_tiles) {
         const std::pair<Fp8Tile, const char*> tiles[] = {{Fp8Tile::k128x128, "128x128"},
                                                          {Fp8Tile::k128x192, "128x192"},
-                                                         {Fp8Tile::k192x128, "192x128"},
-                                                         {Fp8Tile::k192x128Pair, "192x128pair"}};
+                                                         {Fp8Tile::k192x128, "192x128"}};
         for (const auto& [tile, name] : tiles) {
           GemmOptions o;
           o.fp8_tile = tile;

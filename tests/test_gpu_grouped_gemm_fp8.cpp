@@ -110,8 +110,7 @@ const std::vector<Fp8Problem> kFp8Problems = {
     {{1024, 640, 0, 1536, 896, 16, 256}, {1000, 640, 0, 1500, 3, 16, 200}, 256, 1024},
 };
 
-const Fp8Tile kTiles[] = {Fp8Tile::kAuto, Fp8Tile::k128x128, Fp8Tile::k128x192,
-                          Fp8Tile::k192x128, Fp8Tile::k192x128Pair};
+const Fp8Tile kTiles[] = {Fp8Tile::kAuto, Fp8Tile::k128x128, Fp8Tile::k128x192, Fp8Tile::k192x128};
 
 GemmOptions with_tile(Fp8Tile t) {
   GemmOptions o;

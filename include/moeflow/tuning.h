@@ -23,7 +23,6 @@ enum class Fp8Tile {
   k128x128,  // two consumer warpgroups, m64n128 each
   k128x192,  // two consumer warpgroups, m64n192 each (a quarter fewer L2 bytes per FLOP)
   k192x128,  // three consumer warpgroups, m64n128 each (the same saving on the A side)
-  k192x128Pair,  // 192 x 128 blocks in clusters of two sharing A rows (TMA multicast; forward)
 };
 
 struct GemmOptions {

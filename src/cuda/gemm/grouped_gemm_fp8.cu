@@ -38,9 +38,8 @@ void launch_fp8(const Fp8GemmCall& c, const Params& p, const f::Fp8Params& q,
                 cudaStream_t stream) {
   const int64_t rows = c.a.shape[0], K = c.a.shape[1], E = c.w.shape[0], N = c.w.shape[1];
   // A [rows, K] and W as [E*N, K], bytes, in 128 x TM and 128 x TN boxes.
-  // (A in boxes of a block's share of the rows when clusters multicast them)
-  const CUtensorMap map_a = tensor_map<2>(c.a.data, CU_TENSOR_MAP_DATA_TYPE_UINT8, {K, rows}, {K},
-                                          {f::kTileK, T::kM / T::kCluster});
+  const CUtensorMap map_a =
+      tensor_map<2>(c.a.data, CU_TENSOR_MAP_DATA_TYPE_UINT8, {K, rows}, {K}, {f::kTileK, T::kM});
   const CUtensorMap map_w =
       tensor_map<2>(c.w.data, CU_TENSOR_MAP_DATA_TYPE_UINT8, {K, E * N}, {K}, {f::kTileK, T::kN});
   const auto kernel = f::grouped_gemm_fp8_kernel<T>;
@@ -52,29 +51,7 @@ void launch_fp8(const Fp8GemmCall& c, const Params& p, const f::Fp8Params& q,
                 " groups leave no shared memory for the pipeline");
   MOEFLOW_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                           static_cast<int>(smem)));
-  if constexpr (T::kCluster == 1) {
-    kernel<<<sm_count(), T::kThreads, smem, stream>>>(p, q, map_a, map_w, stages);
-  } else {
-    // As many clusters as run at once (a persistent grid of whole clusters).
-    cudaLaunchAttribute attr{};
-    attr.id = cudaLaunchAttributeClusterDimension;
-    attr.val.clusterDim.x = T::kCluster;
-    attr.val.clusterDim.y = attr.val.clusterDim.z = 1;
-    cudaLaunchConfig_t cfg{};
-    cfg.blockDim = dim3(T::kThreads);
-    cfg.dynamicSmemBytes = smem;
-    cfg.stream = stream;
-    cfg.attrs = &attr;
-    cfg.numAttrs = 1;
-    const int most = sm_count() / T::kCluster * T::kCluster;
-    cfg.gridDim = dim3(most);
-    int clusters = 0;
-    MOEFLOW_CUDA_CHECK(cudaOccupancyMaxActiveClusters(&clusters, kernel, &cfg));
-    MOEFLOW_CHECK(clusters > 0, "grouped_gemm_fp8_forward: no cluster of ", T::kCluster,
-                  " blocks fits this GPU");
-    cfg.gridDim = dim3(std::min(clusters * T::kCluster, most));
-    MOEFLOW_CUDA_CHECK(cudaLaunchKernelEx(&cfg, kernel, p, q, map_a, map_w, stages));
-  }
+  kernel<<<sm_count(), T::kThreads, smem, stream>>>(p, q, map_a, map_w, stages);
   MOEFLOW_CUDA_LAUNCH_CHECK();
 }
 
@@ -154,8 +131,6 @@ void grouped_gemm_fp8_forward(const Fp8GemmCall& c, cudaStream_t stream) {
       return launch_fp8<f::Tile128x192>(c, p, q, stream);
     case Fp8Tile::k192x128:
       return launch_fp8<f::Tile192x128>(c, p, q, stream);
-    case Fp8Tile::k192x128Pair:
-      return launch_fp8<f::Tile192x128Pair>(c, p, q, stream);
     case Fp8Tile::k128x128:
     case Fp8Tile::kAuto:
       return launch_fp8<f::Tile128x128>(c, p, q, stream);
@@ -194,7 +169,6 @@ void grouped_gemm_fp8_wgrad(const Fp8WgradCall& c, cudaStream_t stream) {
     case Fp8Tile::k128x128:
       return launch_fp8_wgrad_out<f::Tile128x128>(c, p, q, stream);
     case Fp8Tile::k192x128:
-    case Fp8Tile::k192x128Pair:  // (forward only: the wgrad's 192 x 128)
     case Fp8Tile::kAuto:
       return launch_fp8_wgrad_out<f::Tile192x128>(c, p, q, stream);
   }

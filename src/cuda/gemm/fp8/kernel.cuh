@@ -23,11 +23,6 @@
 // Epilogue: rows past the group's real rows are written as zeros, rows past
 // the group's segment and columns past N not at all; 4-byte stores straight
 // from the accumulators.
-// Clusters (Tile's CL = 2): two blocks take the two TN-wide halves of one TM x
-// 2 TN tile; each loads TM / 2 of the A rows and multicasts them into both
-// blocks' stage, so the pair reads A from L2 once. A stage is free once the
-// consumer warps of both blocks released it: each warp arrives on its own
-// block's empty barrier and on the peer's (lanes 0 and 1, in parallel).
 #pragma once
 
 #include <cuda_bf16.h>
@@ -44,14 +39,11 @@ constexpr int kTileK = 128;  // K in e4m3 elements (bytes)
 constexpr int kMaxStages = 6;
 constexpr int kBlock = 128;  // scale block
 
-// A tile shape: TM rows (TM / 64 consumer warpgroups) by TN columns, in
-// clusters of CL blocks side by side in N that share their A rows.
-template <int TM, int TN, int CL = 1>
+// A tile shape: TM rows (TM / 64 consumer warpgroups) by TN columns.
+template <int TM, int TN>
 struct Tile {
   static_assert(TM % 64 == 0 && (TN == 128 || TN == 192), "FP8 tile: TM = 64 c, TN 128 or 192");
-  // A block's share of the A rows starts on a 1 KB swizzle atom (8 rows).
-  static_assert(CL == 1 || (CL == 2 && TM % 16 == 0), "FP8 tile: clusters of 1 or 2 blocks");
-  static constexpr int kM = TM, kN = TN, kCluster = CL;
+  static constexpr int kM = TM, kN = TN;
   static constexpr int kConsumers = TM / 64;
   static constexpr int kThreads = 128 * (kConsumers + 1);
   static constexpr int kStageBytesA = TM * kTileK;
@@ -66,7 +58,6 @@ struct Tile {
 using Tile128x128 = Tile<128, 128>;
 using Tile128x192 = Tile<128, 192>;
 using Tile192x128 = Tile<192, 128>;
-using Tile192x128Pair = Tile<192, 128, 2>;
 
 // Scales and output beside the bf16 kernel's Params (a, b, c, offsets...).
 struct Fp8Params {
@@ -94,36 +85,6 @@ struct Smem {
 __device__ __forceinline__ void cp_async4(void* smem, const void* gmem) {
   asm volatile("cp.async.ca.shared.global [%0], [%1], 4;\n" ::"r"(bulk::smem_u32(smem)), "l"(gmem)
                : "memory");
-}
-__device__ __forceinline__ uint32_t cluster_rank() {
-  uint32_t r;
-  asm volatile("mov.u32 %0, %%cluster_ctarank;\n" : "=r"(r));
-  return r;
-}
-__device__ __forceinline__ void cluster_sync() {
-  asm volatile("barrier.cluster.arrive.aligned;\nbarrier.cluster.wait.aligned;\n" ::: "memory");
-}
-// The TMA load of a box into the same shared-memory offset of every block in
-// `mask` (bit r: the cluster's block r), each block's `bar` (same offset)
-// counting its bytes.
-__device__ __forceinline__ void tma_load_2d_multicast(void* dst, const CUtensorMap* map,
-                                                      uint64_t* bar, int c0, int c1,
-                                                      uint16_t mask) {
-  asm volatile(
-      "cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes"
-      ".multicast::cluster [%0], [%1, {%3, %4}], [%2], %5;\n" ::"r"(bulk::smem_u32(dst)),
-      "l"(reinterpret_cast<uint64_t>(map)), "r"(bulk::smem_u32(bar)), "r"(c0), "r"(c1), "h"(mask)
-      : "memory");
-}
-// An arrival on the barrier at `bar`'s offset in the cluster's block `rank`
-// (release at CTA scope, as a local arrive: it orders this thread's reads).
-__device__ __forceinline__ void mbar_arrive_in(uint64_t* bar, uint32_t rank) {
-  asm volatile(
-      "{\n.reg .b32 remote;\n"
-      "mapa.shared::cluster.u32 remote, %0, %1;\n"
-      "mbarrier.arrive.shared::cluster.b64 _, [remote];\n}\n" ::"r"(bulk::smem_u32(bar)),
-      "r"(rank)
-      : "memory");
 }
 __device__ __forceinline__ void cp_async_arrive(uint64_t* bar) {
   asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];\n" ::"r"(bulk::smem_u32(bar))
@@ -167,7 +128,7 @@ __device__ __forceinline__ int32_t start_pipeline(const Params& p, uint8_t* smem
   }
   static_assert(sizeof(ScanScratch<T::kThreads>) <= T::kStageBytes,
                 "scan scratch must fit a stage");
-  build_tile_prefix_in<T::kM, T::kN * T::kCluster, T::kThreads>(
+  build_tile_prefix_in<T::kM, T::kN, T::kThreads>(
       p, tile_start, *reinterpret_cast<ScanScratch<T::kThreads>*>(smem));
   sm90::fence_proxy_async();
   __syncthreads();
@@ -179,7 +140,7 @@ __global__ void __launch_bounds__(T::kThreads, 1)
     grouped_gemm_fp8_kernel(Params p, Fp8Params q, const __grid_constant__ CUtensorMap map_a,
                             const __grid_constant__ CUtensorMap map_w, int stages) {
 #if defined(__CUDA_ARCH__) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
-  constexpr int TM = T::kM, TN = T::kN, CL = T::kCluster;
+  constexpr int TM = T::kM, TN = T::kN;
   extern __shared__ __align__(1024) uint8_t smem_raw[];
   uint8_t* smem =
       reinterpret_cast<uint8_t*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t{1023});
@@ -189,18 +150,10 @@ __global__ void __launch_bounds__(T::kThreads, 1)
   uint64_t* empty = full + kMaxStages;
   int32_t* tile_start = reinterpret_cast<int32_t*>(empty + kMaxStages);
   const int32_t num_tiles =
-      start_pipeline<T>(p, smem, full, empty, tile_start, stages, T::kConsumers * 4 * CL);
-  // A cluster walks the (TM x CL TN) tiles; its block `rank` takes columns
-  // [rank TN, (rank + 1) TN) of each. The peer's barriers are initialised
-  // before anything reaches them.
-  if constexpr (CL > 1) cluster_sync();
-  const int rank = CL > 1 ? static_cast<int>(cluster_rank()) : 0;
-  const int32_t first_tile = blockIdx.x / CL, tile_step = gridDim.x / CL;
+      start_pipeline<T>(p, smem, full, empty, tile_start, stages, T::kConsumers * 4);
   const int wg = threadIdx.x / 128;
   auto geom = [&](int32_t tile, int hint) {
-    TileGeom t = tile_geometry<TM, TN * CL, uint8_t>(p, tile_start, tile, hint);
-    t.n0 += rank * TN;
-    return t;
+    return tile_geometry<TM, TN, uint8_t>(p, tile_start, tile, hint);
   };
   auto k_tiles_of = [&](const TileGeom& t) {
     return t.m0 >= t.m_lim ? 0 : static_cast<int>(ceil_div_dev(p.k_red, kTileK));
@@ -208,15 +161,12 @@ __global__ void __launch_bounds__(T::kThreads, 1)
 
   if (wg == 0) {
     setmaxnreg_dec<T::kProducerRegs>();
-    if (threadIdx.x >= 32) {
-      if constexpr (CL > 1) cluster_sync();
-      return;
-    }
+    if (threadIdx.x >= 32) return;
     const int lane = threadIdx.x;
     int s = 0;  // the stage cursor: stage and phase, stepped once per slice
     uint32_t parity = 0;
     int group = 0;
-    for (int32_t tile = first_tile; tile < num_tiles; tile += tile_step) {
+    for (int32_t tile = blockIdx.x; tile < num_tiles; tile += gridDim.x) {
       const TileGeom t = geom(tile, group);
       group = t.group;
       const int kt_n = k_tiles_of(t);
@@ -242,20 +192,12 @@ __global__ void __launch_bounds__(T::kThreads, 1)
         if (lane == 0) {
           uint8_t* stage = smem + s * T::kStageBytes;
           bulk::mbar_expect_tx(&full[s], T::kStageBytes);
-          if constexpr (CL > 1)
-            tma_load_2d_multicast(stage + rank * (TM / CL) * kTileK, &map_a, &full[s], kt * kTileK,
-                                  static_cast<int>(t.m0) + rank * (TM / CL),
-                                  static_cast<uint16_t>((1u << CL) - 1));
-          else
-            tma_load_2d(stage, &map_a, &full[s], kt * kTileK, static_cast<int>(t.m0));
+          tma_load_2d(stage, &map_a, &full[s], kt * kTileK, static_cast<int>(t.m0));
           tma_load_2d(stage + T::kStageBytesA, &map_w, &full[s], kt * kTileK, w_row);
         }
         if (++s == stages) s = 0, parity ^= 1u;
       }
     }
-    // No block leaves while its peer may still multicast into it or arrive
-    // on its barriers.
-    if constexpr (CL > 1) cluster_sync();
     return;
   }
 
@@ -271,7 +213,7 @@ __global__ void __launch_bounds__(T::kThreads, 1)
   int s = 0;  // the stage cursor, stepped once per slice as the producer's
   uint32_t parity = 0;
   int group = 0;
-  for (int32_t tile = first_tile; tile < num_tiles; tile += tile_step) {
+  for (int32_t tile = blockIdx.x; tile < num_tiles; tile += gridDim.x) {
     const TileGeom t = geom(tile, group);
     group = t.group;
     const int kt_n = k_tiles_of(t);
@@ -298,11 +240,7 @@ __global__ void __launch_bounds__(T::kThreads, 1)
       sm90::wgmma_wait<0>();
       sm90::fence_operands(part);
       __syncwarp();  // every lane's reads of the slot before lane 0's arrive
-      if constexpr (CL > 1) {
-        if (lane < CL) mbar_arrive_in(&empty[s], lane);  // one per consumer warp and block
-      } else if (lane == 0) {
-        bulk::mbar_arrive(&empty[s]);  // one per consumer warp
-      }
+      if (lane == 0) bulk::mbar_arrive(&empty[s]);  // one per consumer warp
       if (++s == stages) s = 0, parity ^= 1u;
       // Promotion: the fragment's rows rl0 (i % 4 < 2) and rl0 + 8.
       if (TN > 128 && split64)
@@ -323,14 +261,13 @@ __global__ void __launch_bounds__(T::kThreads, 1)
       __nv_bfloat16* dst = out + row * p.ldc + t.n0 + 2 * (lane % 4);
 #pragma unroll
       for (int j = 0; j < TN / 8; ++j) {
-        if ((TN > 128 || CL > 1) && 8 * j >= cols) break;
+        if (TN > 128 && 8 * j >= cols) break;
         const float x = data ? acc[4 * j + 2 * half] : 0.0f;
         const float y = data ? acc[4 * j + 2 * half + 1] : 0.0f;
         *reinterpret_cast<__nv_bfloat162*>(dst + 8 * j) = __floats2bfloat162_rn(x, y);
       }
     }
   }
-  if constexpr (CL > 1) cluster_sync();
 #endif
 }
 
