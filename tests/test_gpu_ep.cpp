@@ -556,10 +556,12 @@ void graph_replay(int W, bool simulated) {
 // Two dispatches in flight (two layers): dispatch A, dispatch B, combine B,
 // combine A, then the backward functions in the same reversed order, each
 // with its own handle: bitwise the results of A and B run one after the other.
-void two_in_flight(int W, EpBackend backend, bool simulated) {
+void two_in_flight(int W, EpBackend backend, bool simulated, int regions = 3) {
+  SCOPED_TRACE("nvlink_recv_regions " + std::to_string(regions));
   const int E = 8 * W, K = 4;
   const int64_t H = 96, T = 160;
   EpOptions opt;
+  opt.nvlink_recv_regions = regions;
   opt.num_experts = E;
   opt.topk = K;
   opt.hidden = H;
@@ -584,8 +586,9 @@ void two_in_flight(int W, EpBackend backend, bool simulated) {
       douts[i].push_back(make_tensor({T - 7 * i * r, H}, DType::kBFloat16));
       fill_random(douts[i][r], seed++);
     }
-  // per mode (0: one after the other, 1: in flight), layer, rank: out, grad_y, dprobs, grad_x
-  std::vector<Tensor> got[2][2][4];
+  // per mode (0: one after the other, 1: in flight), layer, rank: out, grad_y,
+  // dprobs, grad_x, the received rows (those the plan uses)
+  std::vector<Tensor> got[2][2][5];
   for (auto& m : got)
     for (auto& l : m)
       for (auto& v : l) v.resize(W);
@@ -612,10 +615,23 @@ void two_in_flight(int W, EpBackend backend, bool simulated) {
       if (simulated) ready.arrive_and_wait();
       f();
     };
+    EpDispatchResult res[2];
     auto forward = [&](int i, EpHandle& h) {
-      op([&] { h = ep_dispatch(g, x[i], id[i], pr[i], st).handle; });
+      op([&] {
+        res[i] = ep_dispatch(g, x[i], id[i], pr[i], st);
+        h = res[i].handle;
+      });
     };
     auto finish = [&](int mode, int i, const EpHandle& h) {
+      // The received rows first: the other dispatch in flight must not have
+      // touched them.
+      MOEFLOW_CUDA_CHECK(cudaStreamSynchronize(st));
+      int64_t used = 0;
+      MOEFLOW_CUDA_CHECK(cudaMemcpy(&used, res[i].plan->total_rows.data(), sizeof(used),
+                                    cudaMemcpyDeviceToHost));
+      Tensor rows = Tensor::empty({used, H}, DType::kBFloat16, Device::cpu());
+      MOEFLOW_CUDA_CHECK(cudaMemcpy(rows.data(), res[i].x.data, rows.nbytes(), cudaMemcpyDeviceToHost));
+      got[mode][i][4][r] = rows;
       for (Tensor* t : {&out[i], &gx[i], &gy[i], &dp[i]}) fill_bytes(*t, 0xFF, st);
       op([&] { ep_combine(g, h, y[i], true, out[i], st); });
       op([&] { ep_combine_backward(g, h, dout[i], y[i], true, gy[i], dp[i], st); });
@@ -638,7 +654,7 @@ void two_in_flight(int W, EpBackend backend, bool simulated) {
     if (simulated) ready.arrive_and_wait();
   });
   for (int i = 0; i < 2; ++i)
-    for (int v = 0; v < 4; ++v)
+    for (int v = 0; v < 5; ++v)
       for (int r = 0; r < W; ++r) {
         SCOPED_TRACE("layer " + std::to_string(i) + " value " + std::to_string(v) + " rank " +
                      std::to_string(r));
@@ -649,14 +665,16 @@ void two_in_flight(int W, EpBackend backend, bool simulated) {
       }
 }
 
+// nvlink: with 3 receive regions both dispatches keep theirs, with 2 the
+// second is copied out of the window, with 1 both are.
 TEST(GpuEpNvlinkSimulated, TwoDispatchesInFlight) {
-  two_in_flight(2, EpBackend::kNvlink, true);
+  for (const int regions : {3, 2, 1}) two_in_flight(2, EpBackend::kNvlink, true, regions);
 }
 
 TEST(MultiGpuEpNvlink, TwoDispatchesInFlight) {
   const int W = cuda_device_count();
   if (W < 2) GTEST_SKIP() << "needs 2+ GPUs (label multigpu)";
-  two_in_flight(W, EpBackend::kNvlink, false);
+  for (const int regions : {3, 2, 1}) two_in_flight(W, EpBackend::kNvlink, false, regions);
 }
 
 TEST(MultiGpuEpNccl, TwoDispatchesInFlight) {

@@ -94,6 +94,14 @@ struct EpOptions {
   // Backend nvlink: thread blocks of its fused kernels (one per SM, at least
   // 2, at most the SMs); the rest of the GPU stays free for compute.
   int nvlink_blocks = 32;
+  // Backend nvlink: regions of received rows in the window ([capacity, H] of
+  // the token dtype each, 1..16). A dispatch receives into a free region,
+  // which its handle then holds until its last copy goes: up to
+  // nvlink_recv_regions - 1 dispatches in flight need no copy of their rows.
+  // A dispatch finding none free receives into the last region and copies
+  // the rows into its handle (as every dispatch does with 1). Every rank must
+  // use the same value.
+  int nvlink_recv_regions = 3;
   // Backend nvlink: dispatch moves token rows with TMA bulk copies through
   // shared memory instead of 16-byte stores (pays off with many SMs).
   // MOEFLOW_NVL_TMA overrides it.

@@ -208,11 +208,14 @@ void launch_dprobs(const DprobsParams& p, cudaStream_t stream);
 // --- Backend nvlink ----------------------------------------------------------
 namespace nvl {
 
+constexpr int kMaxRanks = 8;  // ranks of an nvlink group at most
+
 // Step 2 of dispatch (one block): counts exchanged, slot ranges and this
 // rank's receive plan.
 struct CountsParams {
   Window win;
-  size_t off_counts, off_ntok;
+  size_t off_counts, off_ntok, off_xregion;
+  int32_t my_xregion;  // the region of x this rank receives this dispatch in
   const int32_t* my_counts;  // [E] this rank's slots per global expert
   int32_t my_T;
   int E, W, me;

@@ -54,7 +54,7 @@ SimStreams& sim_streams(int device) {
 // The options and their environment overrides, read here only (at group
 // creation): MOEFLOW_EP_EAGER, MOEFLOW_EP_EAGER_PARTS, MOEFLOW_EP_REGISTER,
 // MOEFLOW_EP_DEBUG_RANGES, MOEFLOW_EP_TRACE, MOEFLOW_NVL_BATCH,
-// MOEFLOW_NVL_HOME, MOEFLOW_NVL_CHOME, MOEFLOW_NVL_TMA.
+// MOEFLOW_NVL_HOME, MOEFLOW_NVL_CHOME, MOEFLOW_NVL_TMA, MOEFLOW_NVL_REGIONS.
 EpTuning resolve_tuning(const EpOptions& o, int world, int rank, int64_t row_bytes) {
   EpTuning t;
   t.eager_share = o.eager_share;
@@ -86,6 +86,8 @@ EpTuning resolve_tuning(const EpOptions& o, int world, int rank, int64_t row_byt
     t.nvl_home_percent = std::clamp(std::atoi(v), 1, 99);
   t.nvl_bulk_copies = o.nvlink_bulk_copies;
   if (const char* v = std::getenv("MOEFLOW_NVL_TMA")) t.nvl_bulk_copies = std::atoi(v) != 0;
+  t.nvl_recv_regions = o.nvlink_recv_regions;
+  if (const char* v = std::getenv("MOEFLOW_NVL_REGIONS")) t.nvl_recv_regions = std::atoi(v);
   if (const char* v = std::getenv("MOEFLOW_NVL_CHOME"))
     t.nvl_combine_home_percent = std::clamp(std::atoi(v), 1, 99);
   return t;
@@ -340,7 +342,7 @@ std::unique_ptr<EpHandle::State> EpGroup::Impl::make_handle_state() const {
     st->ntok = Tensor::empty({world}, DType::kInt32, dev);
     st->plan = allocate_plan(1, opt.topk, pc, dev);
   }
-  st->out_x = Tensor::empty({cap, H}, opt.dtype, dev);
+  if (opt.backend == EpBackend::kNccl) st->out_x = Tensor::empty({cap, H}, opt.dtype, dev);
   st->out_probs = Tensor::empty({cap}, DType::kFloat32, dev);
   st->out_scales = Tensor::empty({cap, opt.scale_cols}, opt.scale_dtype, dev);
   return st;
@@ -364,6 +366,7 @@ std::shared_ptr<EpHandle::State> EpHandlePool::acquire(const std::shared_ptr<EpH
   // is ordered before the next dispatch that takes it (the group's
   // operations run in one order on every rank, on the caller's stream).
   return std::shared_ptr<EpHandle::State>(st.release(), [pool](EpHandle::State* p) {
+    p->region.reset();  // (its window region is free for the next dispatch)
     std::lock_guard<std::mutex> lock(pool->mutex);
     pool->free.emplace_back(p);
   });

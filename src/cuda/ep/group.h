@@ -48,6 +48,7 @@ struct EpTuning {
   int nvl_home_percent = 60;          // the home role's share of nvlink_blocks (MOEFLOW_NVL_HOME)
   int nvl_combine_home_percent = 50;  // the same in combine, by K / W (MOEFLOW_NVL_CHOME)
   bool nvl_bulk_copies = false;       // nvlink_bulk_copies or MOEFLOW_NVL_TMA
+  int nvl_recv_regions = 3;           // nvlink_recv_regions or MOEFLOW_NVL_REGIONS
 };
 constexpr int kMaxEagerParts = 4;  // parts of the eager piece at most
 
@@ -141,6 +142,16 @@ struct EpTrace {
   void print(const char* op, int rank);
 };
 
+// Which regions of received rows in the nvlink window are held by a
+// handle (the last one is never held: it receives when none is free).
+// Shared with the handles' tokens, which may outlive the group.
+struct RecvRegions {
+  std::mutex mutex;
+  std::vector<char> held;  // [regions - 1]
+  // A free region, held until the returned token goes; null when none is.
+  static std::shared_ptr<void> take(const std::shared_ptr<RecvRegions>& r, int* region);
+};
+
 // The nvlink backend's window and the buffers of its device-side layout.
 struct NvlinkState {
   void* base = nullptr;  // the symmetric allocation (ncclMemAlloc; cudaMalloc when plain)
@@ -154,6 +165,8 @@ struct NvlinkState {
   RoutingPlan local;  // over the E global experts, align 1, nothing dropped
   Tensor local_ws;
   Tensor first_row, fit;       // [E] int64
+  int regions = 1;             // regions of received rows (EpOptions::nvlink_recv_regions)
+  std::shared_ptr<RecvRegions> held;
 
   // Simulated ranks (EpGroup::create_simulated): the barrier words shared by
   // the group's ranks and every rank's window.
@@ -190,8 +203,12 @@ struct EpHandle::State {
   Tensor dest_rank, dest_row;  // [tmax, K]
   Tensor home_probs;           // [tmax, K] float32: the slots' probs (combine weights at home)
   Tensor inv, ntok;            // [W, tmax, K] / [W] int32: the window's inv and ntok
-  // Both: the result rows (nvlink: probs are also the holder's weights).
+  // Both: the result rows (nvlink: probs are also the holder's weights; x
+  // only where the dispatch's rows were copied out of the window, made then).
   Tensor out_x, out_probs, out_scales;
+  // Backend nvlink: the window region holding this dispatch's rows, when it
+  // received into one it holds (released when the state goes back).
+  std::shared_ptr<void> region;
 
   int32_t* single(int world, int64_t T) { return token_flags.data_ptr<int32_t>() + world * T + 1; }
   int32_t* single_pos_raw(int world, int64_t T) {

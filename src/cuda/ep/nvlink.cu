@@ -61,6 +61,20 @@ nvl::Window NvlinkState::view() const {
   return w;
 }
 
+std::shared_ptr<void> RecvRegions::take(const std::shared_ptr<RecvRegions>& r, int* region) {
+  std::lock_guard<std::mutex> lock(r->mutex);
+  for (size_t i = 0; i < r->held.size(); ++i) {
+    if (r->held[i]) continue;
+    r->held[i] = 1;
+    *region = static_cast<int>(i);
+    return std::shared_ptr<void>(r.get(), [r, i](void*) {
+      std::lock_guard<std::mutex> lock(r->mutex);
+      r->held[i] = 0;
+    });
+  }
+  return nullptr;
+}
+
 void NvlinkState::release(ncclComm_t comm) {
   if (have_dc) ncclDevCommDestroy(comm, &dc);
   if (have_win) ncclCommWindowDeregister(comm, win);
@@ -79,7 +93,11 @@ void EpGroup::Impl::init_nvlink() {
                 " x ", esz, " bytes");
   MOEFLOW_CHECK(E <= 2048, "the nvlink backend takes at most 2048 experts, got ", E);
   MOEFLOW_CHECK(K <= 32, "the nvlink backend takes topk <= 32, got ", K);
-  MOEFLOW_CHECK(world <= 8, "the nvlink backend takes at most 8 ranks, got ", world);
+  MOEFLOW_CHECK(world <= nvl::kMaxRanks, "the nvlink backend takes at most ", nvl::kMaxRanks,
+                " ranks, got ", world);
+  MOEFLOW_CHECK(tuning.nvl_recv_regions >= 1 && tuning.nvl_recv_regions <= 16,
+                "nvlink_recv_regions (MOEFLOW_NVL_REGIONS) must be in [1, 16], got ",
+                tuning.nvl_recv_regions);
   MOEFLOW_CHECK(opt.nvlink_blocks >= 2 && opt.nvlink_blocks <= max_nvlink_blocks(),
                 "nvlink_blocks must be in [2, ", max_nvlink_blocks(), "] (the SMs",
                 simulated ? " / the simulated ranks" : "",
@@ -94,7 +112,12 @@ void EpGroup::Impl::init_nvlink() {
     at += nvl::round_up(bytes);
     return here;
   };
-  o.x = take(size_t(capacity) * row_bytes);
+  s.regions = tuning.nvl_recv_regions;
+  s.held = std::make_shared<RecvRegions>();
+  s.held->held.assign(size_t(s.regions - 1), 0);
+  o.x_region = nvl::round_up(size_t(capacity) * row_bytes);
+  o.x = take(o.x_region * size_t(s.regions));
+  o.xregion = take(size_t(world) * 4);
   o.probs = take(size_t(capacity) * 4);
   o.row_src = take(size_t(capacity) * 4);
   o.row_k = take(size_t(capacity) * 4);
@@ -276,11 +299,18 @@ EpDispatchResult ep_nvlink_dispatch(EpGroup& group, TensorView x, TensorView ids
   }
   g.mark("plan", stream);
   uint8_t* base = static_cast<uint8_t*>(s.base);
+  // The region of x the rows land in: a free one the handle holds, else the
+  // last one, copied into the handle at the end.
+  int region = s.regions - 1;
+  h.region = RecvRegions::take(s.held, &region);
+  uint8_t* x_rows = base + o.x + size_t(region) * o.x_region;
   // 2. counts exchanged, slot ranges, this rank's receive plan, its pad rows
   nvl::CountsParams cp;
   cp.win = s.view();
   cp.off_counts = o.counts;
   cp.off_ntok = o.ntok;
+  cp.off_xregion = o.xregion;
+  cp.my_xregion = region;
   cp.my_counts = s.local.tokens_per_expert.data_ptr<int32_t>();
   cp.my_T = static_cast<int32_t>(T);
   cp.E = E;
@@ -304,7 +334,7 @@ EpDispatchResult ep_nvlink_dispatch(EpGroup& group, TensorView x, TensorView ids
   // the fused kernel leaves free; the caller's stream waits at the end.
   MOEFLOW_CUDA_CHECK(cudaEventRecord(g.streams.ev_fork, stream));
   MOEFLOW_CUDA_CHECK(cudaStreamWaitEvent(g.streams.side, g.streams.ev_fork, 0));
-  zero_pads(g, recv, base + o.x, g.size.row_bytes, g.size.row_bytes,
+  zero_pads(g, recv, x_rows, g.size.row_bytes, g.size.row_bytes,
             reinterpret_cast<float*>(base + o.probs), reinterpret_cast<int32_t*>(base + o.row_src),
             g.streams.side, scales.defined() ? base + o.scales : nullptr);
   MOEFLOW_CUDA_CHECK(cudaEventRecord(g.streams.ev_join, g.streams.side));
@@ -339,11 +369,20 @@ EpDispatchResult ep_nvlink_dispatch(EpGroup& group, TensorView x, TensorView ids
   nvl::launch_dispatch(dp, g.tuning.nvl_bulk_copies, grid(g), stream);
   MOEFLOW_CUDA_CHECK(cudaStreamWaitEvent(stream, g.streams.ev_join, 0));
   g.mark("rows", stream);
-  // 4. the result and the holder's way back move out of the window into the
-  // handle (the next dispatch rewrites the window): the used rows only.
+  // 4. the holder's way back and the probs move out of the window into the
+  // handle (the next dispatch rewrites them), and the rows unless the handle
+  // holds their region: the used rows only.
   const int64_t capacity = g.size.capacity;
-  nvl::launch_copy_rows(base + o.x, static_cast<uint8_t*>(h.out_x.data()), g.size.row_bytes,
-                        recv.total_rows.data_ptr<int64_t>(), capacity, stream);
+  TensorView out_x;
+  if (h.region) {
+    out_x = TensorView(x_rows, g.opt.dtype, Device::cuda(g.device), {capacity, g.opt.hidden});
+  } else {
+    if (!h.out_x.defined())  // (once per state: like the state, when more are in flight)
+      h.out_x = Tensor::empty({capacity, g.opt.hidden}, g.opt.dtype, Device::cuda(g.device));
+    nvl::launch_copy_rows(x_rows, static_cast<uint8_t*>(h.out_x.data()), g.size.row_bytes,
+                          recv.total_rows.data_ptr<int64_t>(), capacity, stream);
+    out_x = h.out_x;
+  }
   MOEFLOW_CUDA_CHECK(cudaMemcpyAsync(h.out_probs.data(), base + o.probs, capacity * 4,
                                      cudaMemcpyDeviceToDevice, stream));
   MOEFLOW_CUDA_CHECK(cudaMemcpyAsync(h.inv.data(), base + o.inv, h.inv.nbytes(),
@@ -356,7 +395,7 @@ EpDispatchResult ep_nvlink_dispatch(EpGroup& group, TensorView x, TensorView ids
                           stream);
   g.mark("out", stream);
   g.trace.print("nvlink dispatch", g.rank);
-  return EpDispatchResult{h.out_x,
+  return EpDispatchResult{out_x,
                           h.out_probs,
                           scales.defined() ? h.out_scales.view() : TensorView{},
                           &recv,

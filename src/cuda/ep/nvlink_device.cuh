@@ -183,8 +183,9 @@ __device__ __forceinline__ void place_scales(const Window& win, const Offsets& o
 // inv entry. Lists where x[t] goes in my[]: the own kept slots' rows (k
 // ascending), then for each peer holding kept slots the row of its only one
 // there, or its stage when it holds several; returns how many.
-__device__ __forceinline__ int place_token(const Window& win, const Offsets& o, const HomeArgs& a,
-                                           int64_t t, int lane, uint8_t** my) {
+__device__ __forceinline__ int place_token(const Window& win, const Offsets& o,
+                                           const size_t* x_at, const HomeArgs& a, int64_t t,
+                                           int lane, uint8_t** my) {
   const int K = a.K, W = a.W, me = a.me;
   int q = -1;
   int64_t row = -1;
@@ -216,7 +217,7 @@ __device__ __forceinline__ int place_token(const Window& win, const Offsets& o, 
   if (a.scales) place_scales(win, o, a, t, q, row, lane);
   const unsigned own = __ballot_sync(kFull, row >= 0 && q == me);
   if ((own >> lane) & 1u)
-    my[__popc(own & ((1u << lane) - 1u))] = win.local + o.x + row * a.row_bytes;
+    my[__popc(own & ((1u << lane) - 1u))] = win.local + x_at[me] + row * a.row_bytes;
   int nd = __popc(own);
   for (int p = 0; p < W; ++p) {
     const unsigned on = __ballot_sync(kFull, row >= 0 && q == p);
@@ -225,7 +226,7 @@ __device__ __forceinline__ int place_token(const Window& win, const Offsets& o, 
     const int64_t r1 = __shfl_sync(kFull, row, __ffs(on) - 1);
     if (lane == 0)
       my[nd] = static_cast<uint8_t*>(
-          __popc(on) == 1 ? win.at(o.x + r1 * a.row_bytes, p)
+          __popc(on) == 1 ? win.at(x_at[p] + r1 * a.row_bytes, p)
                           : win.at(o.stage + (size_t(me) * a.tmax + t) * a.row_bytes, p));
     ++nd;
   }

@@ -65,8 +65,11 @@ __global__ void counts_kernel(const CountsParams params) {
         static_cast<int32_t*>(win.at(off_counts + (size_t(me) * E + g) * sizeof(int32_t), p));
     *dst = my_counts[g];
   }
-  for (int p = threadIdx.x; p < W; p += blockDim.x)
+  for (int p = threadIdx.x; p < W; p += blockDim.x) {
     *static_cast<int32_t*>(win.at(off_ntok + size_t(me) * sizeof(int32_t), p)) = my_T;
+    *static_cast<int32_t*>(win.at(params.off_xregion + size_t(me) * sizeof(int32_t), p)) =
+        params.my_xregion;
+  }
   win.barrier();  // every row of the matrix is in
   // The layout of every expert from the matrix (core/ep_layout.h), the
   // prefix sums per rank in shared memory.
@@ -165,11 +168,18 @@ __global__ void __launch_bounds__(NW * 32) dispatch_kernel(const DispatchParams 
   const int K = a.K, W = a.W, me = a.me;
   const int64_t tmax = a.tmax, row_bytes = a.row_bytes;
   const int32_t epoch = *reinterpret_cast<const int32_t*>(win.local + o.epoch);
+  // Where each rank receives this dispatch's rows (its region of x).
+  __shared__ size_t x_at[kMaxRanks];
+  if (threadIdx.x < W)
+    x_at[threadIdx.x] =
+        o.x + size_t(reinterpret_cast<const int32_t*>(win.local + o.xregion)[threadIdx.x]) *
+                  o.x_region;
+  __syncthreads();
   if (ro.home) {
     Pending pend;
     const unsigned peers = ((1u << W) - 1u) & ~(1u << me);
     for (int64_t t = ro.warp; t < T; t += ro.warps) {
-      const int nd = place_token(win, o, a, t, lane, my);
+      const int nd = place_token(win, o, x_at, a, t, lane, my);
       __syncwarp();
       mover.template copy<false>(x + t * x_stride_bytes, my, nd, row_bytes, lane);
       __syncwarp();  // the list is rewritten for the next token
@@ -191,7 +201,7 @@ __global__ void __launch_bounds__(NW * 32) dispatch_kernel(const DispatchParams 
     const size_t st = size_t(s) * tmax + t;
     warp_wait_flag(win, flag + st, epoch, s, lane);
     const int64_t row = lane < K ? __ldcg(inv + st * K + lane) : -1;
-    const int n = list_rows(my, row, win.local + o.x, row_bytes, lane);
+    const int n = list_rows(my, row, win.local + x_at[me], row_bytes, lane);
     if (n <= 1) return;  // an only slot here was stored by the home rank
     mover.template copy<true>(stage + st * row_bytes, my, n, row_bytes, lane);
     __syncwarp();

@@ -5,7 +5,11 @@
 // Memory: one NCCL symmetric window per rank (ncclMemAlloc +
 // ncclCommWindowRegister); LSA pointers reach the peers' windows. Offsets
 // says where each region starts:
-//   x [capacity, H], probs [capacity]    the received rows (the result)
+//   x [regions][capacity, H]             the received rows (the result), in
+//                                        EpOptions::nvlink_recv_regions regions
+//   xregion [W] int32                    the region each rank receives the
+//                                        current dispatch's rows in
+//   probs [capacity]                     the received rows' probs
 //   row_src, row_k [capacity] int32      per row: source rank * tmax + token, k
 //                                        (-1: pad row)
 //   counts [W][E], ntok [W] int32        the count matrix, the ranks' T
@@ -174,6 +178,8 @@ struct Window {
 
 // Where each part of the window starts (bytes).
 struct Offsets {
+  size_t x_region = 0;  // bytes of one region of x
+  size_t xregion = 0;   // [W] int32: each rank's region of this dispatch
   size_t x, probs, row_src, row_k, counts, ntok, inv, stage, partial, dp, flag, epoch;
   size_t scales = 0;  // [capacity][scale bytes] (EpOptions::scale_cols)
   size_t arrive = 0, round = 0, abort = 0;  // the timed barrier and the abort word
