@@ -99,9 +99,11 @@ struct EpOptions {
   // which its handle then holds until its last copy goes: up to
   // nvlink_recv_regions - 1 dispatches in flight need no copy of their rows.
   // A dispatch finding none free receives into the last region and copies
-  // the rows into its handle (as every dispatch does with 1). Every rank must
-  // use the same value.
-  int nvlink_recv_regions = 3;
+  // the rows into its handle (as every dispatch does with 1). n + 1 regions
+  // for n dispatches in flight take the memory of one region plus n copies.
+  // Rows held in the window live as long as the group. Every rank must use
+  // the same value. MOEFLOW_NVL_REGIONS overrides it.
+  int nvlink_recv_regions = 2;
   // Backend nvlink: dispatch moves token rows with TMA bulk copies through
   // shared memory instead of 16-byte stores (pays off with many SMs).
   // MOEFLOW_NVL_TMA overrides it.

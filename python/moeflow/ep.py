@@ -121,6 +121,10 @@ class Group:
     ``options``: further ``EpOptions`` fields of the device backends (e.g.
     ``pipeline_chunks``, ``nvlink_blocks``; docs/tuning.md), passed to
     ``moeflow._C.EpGroup`` by name; none for the reference backend.
+    ``nvlink_recv_regions`` (nvlink, default 2): with n + 1, n dispatches in
+    flight (layers between their forward and backward) keep their received
+    rows where they landed in the group's window instead of copying them;
+    such rows live as long as the group, so keep the group while using them.
 
     The device backends need the current CUDA device set to the rank's GPU
     (torch.cuda.set_device) before the group is made; every rank makes its

@@ -48,7 +48,7 @@ struct EpTuning {
   int nvl_home_percent = 60;          // the home role's share of nvlink_blocks (MOEFLOW_NVL_HOME)
   int nvl_combine_home_percent = 50;  // the same in combine, by K / W (MOEFLOW_NVL_CHOME)
   bool nvl_bulk_copies = false;       // nvlink_bulk_copies or MOEFLOW_NVL_TMA
-  int nvl_recv_regions = 3;           // nvlink_recv_regions or MOEFLOW_NVL_REGIONS
+  int nvl_recv_regions = 2;           // nvlink_recv_regions or MOEFLOW_NVL_REGIONS
 };
 constexpr int kMaxEagerParts = 4;  // parts of the eager piece at most
 
