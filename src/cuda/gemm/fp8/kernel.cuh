@@ -142,16 +142,21 @@ __global__ void __launch_bounds__(T::kThreads, 1)
 #if defined(__CUDA_ARCH__) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
   constexpr int TM = T::kM, TN = T::kN;
   extern __shared__ __align__(1024) uint8_t smem_raw[];
-  uint8_t* smem =
-      reinterpret_cast<uint8_t*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t{1023});
+  // (offset from the array itself, not through an integer address: the
+  // compiler then knows the slots below are shared memory and reads them so)
+  uint8_t* smem = smem_raw + ((1024u - (bulk::smem_u32(smem_raw) & 1023u)) & 1023u);
   float* slots = reinterpret_cast<float*>(smem + stages * T::kStageBytes);
   constexpr int kSlot = Smem<T>::kSlotFloats;
   uint64_t* full = reinterpret_cast<uint64_t*>(slots + stages * kSlot);
   uint64_t* empty = full + kMaxStages;
   int32_t* tile_start = reinterpret_cast<int32_t*>(empty + kMaxStages);
-  const int32_t num_tiles =
-      start_pipeline<T>(p, smem, full, empty, tile_start, stages, T::kConsumers * 4);
-  const int wg = threadIdx.x / 128;
+  // Warp-uniform values broadcast from lane 0, so that the compiler keeps
+  // what follows from them (the loop trip counts, the stage cursor, the
+  // operand descriptors) in uniform registers.
+  const int32_t num_tiles = __shfl_sync(
+      0xffffffffu, start_pipeline<T>(p, smem, full, empty, tile_start, stages, T::kConsumers * 4),
+      0);
+  const int wg = __shfl_sync(0xffffffffu, static_cast<int>(threadIdx.x / 128), 0);
   auto geom = [&](int32_t tile, int hint) {
     return tile_geometry<TM, TN, uint8_t>(p, tile_start, tile, hint);
   };
@@ -207,16 +212,18 @@ __global__ void __launch_bounds__(T::kThreads, 1)
   const int tid = threadIdx.x % 128, lane = tid % 32, warp = tid / 32;
   const int rl0 = warp * 16 + lane / 4;  // the thread's first row in the warpgroup's 64
   // Stage 0's operand descriptors; a stage or a 32-byte K step moves only the
-  // start address field (address / 16; every offset stays inside its 14 bits).
-  const uint64_t desc_a0 = sm90::smem_desc(smem + c * 64 * kTileK);
-  const uint64_t desc_b0 = sm90::smem_desc(smem + T::kStageBytesA);
+  // start address field (address / 16, the low word; every offset stays
+  // inside its 14 bits), the high word is the same constant for both.
+  const uint32_t desc_a0 = static_cast<uint32_t>(sm90::smem_desc(smem + c * 64 * kTileK));
+  const uint32_t desc_b0 = static_cast<uint32_t>(sm90::smem_desc(smem + T::kStageBytesA));
+  constexpr uint64_t kDescHi = (uint64_t{1024 >> 4} << 32) | (uint64_t{1} << 62);
   int s = 0;  // the stage cursor, stepped once per slice as the producer's
   uint32_t parity = 0;
   int group = 0;
   for (int32_t tile = blockIdx.x; tile < num_tiles; tile += gridDim.x) {
     const TileGeom t = geom(tile, group);
     group = t.group;
-    const int kt_n = k_tiles_of(t);
+    const int kt_n = __shfl_sync(0xffffffffu, k_tiles_of(t), 0);
     const int64_t row0 = t.m0 + c * 64 + rl0;
     const int ra = c * 64 + rl0;  // the thread's rows' places in a scale slot (and + 8)
     const bool split64 = TN > 128 && t.n0 % kBlock != 0;
@@ -225,12 +232,13 @@ __global__ void __launch_bounds__(T::kThreads, 1)
     for (int i = 0; i < T::kAcc; ++i) acc[i] = 0.0f;
     for (int kt = 0; kt < kt_n; ++kt) {
       bulk::mbar_wait(&full[s], parity);
-      const uint64_t off = static_cast<uint64_t>(s) * (T::kStageBytes >> 4);
+      const uint32_t off = static_cast<uint32_t>(s) * (T::kStageBytes >> 4);
       sm90::wgmma_fence();
       sm90::fence_operands(part);
 #pragma unroll
       for (int ks = 0; ks < kTileK / 32; ++ks)
-        Wgmma8<TN>::mma(part, desc_a0 + off + 2 * ks, desc_b0 + off + 2 * ks, ks > 0 ? 1 : 0);
+        Wgmma8<TN>::mma(part, kDescHi | (desc_a0 + off + 2 * ks), kDescHi | (desc_b0 + off + 2 * ks),
+                        ks > 0 ? 1 : 0);
       sm90::wgmma_commit();
       // The slice's scales, read while its wgmma run.
       const float* slot = slots + s * kSlot;
