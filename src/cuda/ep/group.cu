@@ -366,7 +366,8 @@ std::shared_ptr<EpHandle::State> EpHandlePool::acquire(const std::shared_ptr<EpH
   // is ordered before the next dispatch that takes it (the group's
   // operations run in one order on every rank, on the caller's stream).
   return std::shared_ptr<EpHandle::State>(st.release(), [pool](EpHandle::State* p) {
-    p->region.reset();  // (its window region is free for the next dispatch)
+    p->region.reset();  // (its window region or copy buffer is free for the next dispatch)
+    p->copy.reset();
     std::lock_guard<std::mutex> lock(pool->mutex);
     pool->free.emplace_back(p);
   });

@@ -152,6 +152,20 @@ struct RecvRegions {
   static std::shared_ptr<void> take(const std::shared_ptr<RecvRegions>& r, int* region);
 };
 
+// Rows a dispatch copied out of the window (no region was free), in
+// buffers of [capacity, H] reused across dispatches: one is made only when
+// more dispatches than ever before hold a copy at once, so a CUDA graph
+// capture after a warm-up with the same dispatches in flight makes none.
+// Shared with the handles' tokens, which may outlive the group.
+struct CopyBuffers {
+  std::mutex mutex;
+  std::vector<Tensor> free;
+  std::vector<int64_t> shape;
+  DType dtype = DType::kBFloat16;
+  Device device{};
+  static std::shared_ptr<Tensor> take(const std::shared_ptr<CopyBuffers>& b);
+};
+
 // The nvlink backend's window and the buffers of its device-side layout.
 struct NvlinkState {
   void* base = nullptr;  // the symmetric allocation (ncclMemAlloc; cudaMalloc when plain)
@@ -167,6 +181,7 @@ struct NvlinkState {
   Tensor first_row, fit;       // [E] int64
   int regions = 1;             // regions of received rows (EpOptions::nvlink_recv_regions)
   std::shared_ptr<RecvRegions> held;
+  std::shared_ptr<CopyBuffers> copies;
 
   // Simulated ranks (EpGroup::create_simulated): the barrier words shared by
   // the group's ranks and every rank's window.
@@ -203,12 +218,14 @@ struct EpHandle::State {
   Tensor dest_rank, dest_row;  // [tmax, K]
   Tensor home_probs;           // [tmax, K] float32: the slots' probs (combine weights at home)
   Tensor inv, ntok;            // [W, tmax, K] / [W] int32: the window's inv and ntok
-  // Both: the result rows (nvlink: probs are also the holder's weights; x
-  // only where the dispatch's rows were copied out of the window, made then).
+  // Both: the result rows (nvlink: probs are also the holder's weights; no
+  // x, which is the region below or the copy).
   Tensor out_x, out_probs, out_scales;
   // Backend nvlink: the window region holding this dispatch's rows, when it
-  // received into one it holds (released when the state goes back).
+  // received into one it holds, else the buffer its rows were copied into
+  // (both given back when the state goes back).
   std::shared_ptr<void> region;
+  std::shared_ptr<Tensor> copy;
 
   int32_t* single(int world, int64_t T) { return token_flags.data_ptr<int32_t>() + world * T + 1; }
   int32_t* single_pos_raw(int world, int64_t T) {

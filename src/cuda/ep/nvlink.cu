@@ -75,6 +75,23 @@ std::shared_ptr<void> RecvRegions::take(const std::shared_ptr<RecvRegions>& r, i
   return nullptr;
 }
 
+std::shared_ptr<Tensor> CopyBuffers::take(const std::shared_ptr<CopyBuffers>& b) {
+  Tensor t;
+  {
+    std::lock_guard<std::mutex> lock(b->mutex);
+    if (!b->free.empty()) {
+      t = std::move(b->free.back());
+      b->free.pop_back();
+    }
+  }
+  if (!t.defined()) t = Tensor::empty(b->shape, b->dtype, b->device);
+  return std::shared_ptr<Tensor>(new Tensor(std::move(t)), [b](Tensor* p) {
+    std::lock_guard<std::mutex> lock(b->mutex);
+    b->free.push_back(std::move(*p));
+    delete p;
+  });
+}
+
 void NvlinkState::release(ncclComm_t comm) {
   if (have_dc) ncclDevCommDestroy(comm, &dc);
   if (have_win) ncclCommWindowDeregister(comm, win);
@@ -115,6 +132,10 @@ void EpGroup::Impl::init_nvlink() {
   s.regions = tuning.nvl_recv_regions;
   s.held = std::make_shared<RecvRegions>();
   s.held->held.assign(size_t(s.regions - 1), 0);
+  s.copies = std::make_shared<CopyBuffers>();
+  s.copies->shape = {capacity, H};
+  s.copies->dtype = opt.dtype;
+  s.copies->device = Device::cuda(device);
   o.x_region = nvl::round_up(size_t(capacity) * row_bytes);
   o.x = take(o.x_region * size_t(s.regions));
   o.xregion = take(size_t(world) * 4);
@@ -377,11 +398,10 @@ EpDispatchResult ep_nvlink_dispatch(EpGroup& group, TensorView x, TensorView ids
   if (h.region) {
     out_x = TensorView(x_rows, g.opt.dtype, Device::cuda(g.device), {capacity, g.opt.hidden});
   } else {
-    if (!h.out_x.defined())  // (once per state: like the state, when more are in flight)
-      h.out_x = Tensor::empty({capacity, g.opt.hidden}, g.opt.dtype, Device::cuda(g.device));
-    nvl::launch_copy_rows(x_rows, static_cast<uint8_t*>(h.out_x.data()), g.size.row_bytes,
+    h.copy = CopyBuffers::take(s.copies);
+    nvl::launch_copy_rows(x_rows, static_cast<uint8_t*>(h.copy->data()), g.size.row_bytes,
                           recv.total_rows.data_ptr<int64_t>(), capacity, stream);
-    out_x = h.out_x;
+    out_x = *h.copy;
   }
   MOEFLOW_CUDA_CHECK(cudaMemcpyAsync(h.out_probs.data(), base + o.probs, capacity * 4,
                                      cudaMemcpyDeviceToDevice, stream));
