@@ -202,8 +202,8 @@ __global__ void __launch_bounds__(T::kThreads, 1)
 #if defined(__CUDA_ARCH__) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
   constexpr int TM = T::kM, TN = T::kN;
   extern __shared__ __align__(1024) uint8_t smem_raw[];
-  uint8_t* smem =
-      reinterpret_cast<uint8_t*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t{1023});
+  // (offset from the array itself: the slots below are read as shared memory)
+  uint8_t* smem = smem_raw + ((1024u - (bulk::smem_u32(smem_raw) & 1023u)) & 1023u);
   uint8_t* staging = smem + stages * T::kStageBytes;
   float* slots = reinterpret_cast<float*>(staging + WgradSmem<T>::kStagingBytes);
   constexpr int kSlot = WgradSmem<T>::kSlotFloats;
@@ -211,9 +211,11 @@ __global__ void __launch_bounds__(T::kThreads, 1)
   uint64_t* empty = full + kMaxStages;
   int32_t* tile_start = reinterpret_cast<int32_t*>(empty + kMaxStages);
   // (one empty-barrier arrive per consumer warp, after its reads of the slot)
-  const int32_t num_tiles =
-      start_pipeline<T>(p, smem, full, empty, tile_start, stages, T::kConsumers * 4);
-  const int wg = threadIdx.x / 128;
+  // Warp-uniform values broadcast from lane 0 (the forward kernel's reason).
+  const int32_t num_tiles = __shfl_sync(
+      0xffffffffu, start_pipeline<T>(p, smem, full, empty, tile_start, stages, T::kConsumers * 4),
+      0);
+  const int wg = __shfl_sync(0xffffffffu, static_cast<int>(threadIdx.x / 128), 0);
   auto geom = [&](int32_t tile, int hint) {
     return tile_geometry<TM, TN, uint8_t>(p, tile_start, tile, hint);
   };
@@ -273,8 +275,9 @@ __global__ void __launch_bounds__(T::kThreads, 1)
   const int tid = threadIdx.x % 128, lane = tid % 32, warp = tid / 32;
   const int ctid = threadIdx.x - 128;  // among all consumer threads
   const int rl0 = warp * 16 + lane / 4;
-  const uint64_t desc_a0 = sm90::smem_desc(smem + c * 64 * kTileK);
-  const uint64_t desc_b0 = sm90::smem_desc(smem + T::kStageBytesA);
+  const uint32_t desc_a0 = static_cast<uint32_t>(sm90::smem_desc(smem + c * 64 * kTileK));
+  const uint32_t desc_b0 = static_cast<uint32_t>(sm90::smem_desc(smem + T::kStageBytesA));
+  constexpr uint64_t kDescHi = (uint64_t{1024 >> 4} << 32) | (uint64_t{1} << 62);
   int s = 0;
   uint32_t parity = 0;
   int group = 0;
@@ -287,7 +290,7 @@ __global__ void __launch_bounds__(T::kThreads, 1)
       if (ctid == 0 && p.error) *p.error = 1;
       continue;
     }
-    const int kt_n = k_tiles_of(t);
+    const int kt_n = __shfl_sync(0xffffffffu, k_tiles_of(t), 0);
     const int last_rows = kt_n > 0 ? static_cast<int>(t.k_lim - t.kr0) - (kt_n - 1) * kTileK : 0;
     const int ra = c * 64 + rl0;
     float acc[T::kAcc], part[T::kAcc];
@@ -302,12 +305,13 @@ __global__ void __launch_bounds__(T::kThreads, 1)
         sm90::fence_proxy_async();
         sm90tma::named_barrier(kBarZeroTail, T::kConsumers * 128);
       }
-      const uint64_t off = static_cast<uint64_t>(s) * (T::kStageBytes >> 4);
+      const uint32_t off = static_cast<uint32_t>(s) * (T::kStageBytes >> 4);
       sm90::wgmma_fence();
       sm90::fence_operands(part);
 #pragma unroll
       for (int ks = 0; ks < kTileK / 32; ++ks)
-        Wgmma8<TN>::mma(part, desc_a0 + off + 2 * ks, desc_b0 + off + 2 * ks, ks > 0 ? 1 : 0);
+        Wgmma8<TN>::mma(part, kDescHi | (desc_a0 + off + 2 * ks), kDescHi | (desc_b0 + off + 2 * ks),
+                        ks > 0 ? 1 : 0);
       sm90::wgmma_commit();
       const float* slot = slots + s * kSlot;
       const float a0 = slot[ra], a1 = slot[ra + 8];

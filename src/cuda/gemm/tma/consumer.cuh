@@ -126,20 +126,25 @@ __device__ __forceinline__ void consumer_mainloop(const Params& p, const CUtenso
       const TIn* sa = reinterpret_cast<const TIn*>(smem + s * kStageBytes) +
                       (MODE == 2 ? c * 64 * 64 : c * 64 * kTileK);
       const TIn* sb = reinterpret_cast<const TIn*>(smem + s * kStageBytes + kStageBytesA);
+      // The slice's descriptors once; a K step moves only the start address
+      // field (address / 16: 16 K-major elements, or 16 MN-major rows of 64;
+      // shared addresses stay below the field's 256 KB).
+      const uint64_t da = MODE == 2 ? smem_desc_mn(sa) : sm90::smem_desc(sa);
+      const uint64_t db = MODE == 0 ? sm90::smem_desc(sb) : smem_desc_mn(sb);
+      constexpr uint64_t kKMajor = 16 * sizeof(TIn) / 16, kMnMajor = 16 * 64 * sizeof(TIn) / 16;
+      constexpr uint64_t kStepA = MODE == 2 ? kMnMajor : kKMajor;
+      constexpr uint64_t kStepB = MODE == 0 ? kKMajor : kMnMajor;
       sm90::wgmma_fence();
       sm90::fence_operands(acc);
 #pragma unroll
       for (int ks = 0; ks < kTileK / 16; ++ks) {
         using Mma = sm90::Wgmma<TIn, kTileN>;
         if constexpr (MODE == 2)  // both MN-major: 16 K rows of 128 bytes per step
-          Mma::template mma<1, 1>(acc, smem_desc_mn(sa + ks * 16 * 64),
-                                  smem_desc_mn(sb + ks * 16 * 64));
+          Mma::template mma<1, 1>(acc, da + kStepA * ks, db + kStepB * ks);
         else if constexpr (MODE == 1)
-          Mma::template mma<0, 1>(acc, sm90::smem_desc(sa + ks * 16),
-                                  smem_desc_mn(sb + ks * 16 * 64));
+          Mma::template mma<0, 1>(acc, da + kStepA * ks, db + kStepB * ks);
         else
-          Mma::template mma<0, 0>(acc, sm90::smem_desc(sa + ks * 16),
-                                  sm90::smem_desc(sb + ks * 16));
+          Mma::template mma<0, 0>(acc, da + kStepA * ks, db + kStepB * ks);
       }
       sm90::wgmma_commit();
       if (kt == 0 && next < num_tiles) {

@@ -88,8 +88,11 @@ __global__ void __launch_bounds__(kThreads, 1)
       p, sm.tile_start, *reinterpret_cast<ScanScratch<kThreads>*>(sm.smem));
   sm90::fence_proxy_async();  // the scan's generic writes, before TMA writes the stage
   __syncthreads();
-  const int32_t num_tiles = sm.tile_start[p.num_groups];
-  const int wg = threadIdx.x / 128;
+  // Warp-uniform values broadcast from lane 0, so that the compiler keeps
+  // what follows from them (trip counts, stage cursors, descriptors) in
+  // uniform registers.
+  const int32_t num_tiles = __shfl_sync(0xffffffffu, sm.tile_start[p.num_groups], 0);
+  const int wg = __shfl_sync(0xffffffffu, static_cast<int>(threadIdx.x / 128), 0);
 
   if (wg == 0) {
     // Producer: one thread walks the same tiles and K slices as the consumers

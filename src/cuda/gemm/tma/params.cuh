@@ -109,8 +109,10 @@ template <typename Epi>
 __device__ __forceinline__ SmemPtrs carve_smem(int stages, int bufs) {
   extern __shared__ uint8_t smem_raw[];
   SmemPtrs sm;
-  uint8_t* smem = sm.smem =
-      reinterpret_cast<uint8_t*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t{1023});
+  // (offset from the array itself, not through an integer address: the
+  // compiler then reads the carved buffers as shared memory)
+  const uint32_t base = static_cast<uint32_t>(__cvta_generic_to_shared(smem_raw));
+  uint8_t* smem = sm.smem = smem_raw + ((1024u - (base & 1023u)) & 1023u);
   uint8_t* staging = sm.staging = smem + stages * kStageBytes;  // 1024-aligned
   // (helper mode: the rows' probabilities for the helpers instead)
   const int chunks = staging_chunks<Epi>(bufs);
