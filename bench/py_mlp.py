@@ -8,7 +8,8 @@ accumulated into float32 main_grad (moeflow: fused into its wgrad GEMM,
 Megatron's gradient-accumulation fusion; torch: .grad added to main_grad).
 
     PYTHONPATH=build/python:bench python3 bench/py_mlp.py [--json FILE] [--case NAME]
-        [--precision fp8-blockwise|fp8-tensorwise [--fp8-weight-cache]] [--profile [--top N]]
+        [--precision fp8-blockwise|fp8-tensorwise [--fp8-weight-cache]] [--fp8-wgrad]
+        [--profile [--top N]]
 """
 import argparse
 import json
@@ -33,6 +34,10 @@ def main():
                     help="FP8 recipes: also time them with fp8_weight_cache=True, the weights "
                          "unchanged (steady: quantized once) and new in every step (cleared: "
                          "quantized once a step, the transposed codes from those)")
+    ap.add_argument("--fp8-wgrad", action="store_true",
+                    help="fp8-blockwise: also time fp8_wgrad=True (weight gradients in FP8), on "
+                         "the same rows with each expert padded to 128, beside the recipe "
+                         "without it on that layout")
     ap.add_argument("--profile", action="store_true",
                     help="print each moeflow step's kernel-time sum and its largest kernels")
     ap.add_argument("--top", type=int, default=12)
@@ -80,6 +85,32 @@ def main():
                                fp8_weight_cache=cache).backward(dy)
             return step
 
+        if args.fp8_wgrad:  # the same rows, each expert's starting at a multiple of 128
+            padded = (counts + 127) // 128 * 128
+            offsets128 = torch.cat([torch.zeros(1, dtype=torch.int64),
+                                    torch.cumsum(padded, 0)]).to(dev)
+            real128 = counts.to(torch.int32).to(dev)
+            idx = torch.cat([int(o) + torch.arange(int(c))
+                             for o, c in zip(offsets128[:-1].cpu(), counts)]).to(dev)
+            M128 = int(padded.sum())
+            x128 = torch.zeros(M128, H, device=dev, dtype=torch.bfloat16)
+            x128[idx] = x.detach()
+            x128.requires_grad_()
+            p128 = torch.zeros(M128, device=dev)
+            p128[idx] = probs
+            dy128 = torch.zeros(M128, H, device=dev, dtype=torch.bfloat16)
+            dy128[idx] = dy
+
+        def fp8_128_step(wgrad8, cache=False, clear=False):
+            def step():
+                if clear:
+                    mf.clear_fp8_weight_cache(w1, w2)
+                x128.grad = None
+                mf.grouped_mlp(x128, w1, w2, offsets=offsets128, real_rows=real128, probs=p128,
+                               precision="fp8-blockwise", fp8_weight_cache=cache,
+                               fp8_wgrad=wgrad8, align=128).backward(dy128)
+            return step
+
         res = {}
         steps = [("torch", torch_step), ("moeflow", mf_step),
                  ("torch_main_grad", torch_main_step), ("moeflow_main_grad", mf_main_step)]
@@ -88,6 +119,13 @@ def main():
             for r in args.precision or []:
                 steps += [("moeflow_" + r + "_cached", fp8_step(r, True)),
                           ("moeflow_" + r + "_cached_new_weights", fp8_step(r, True, True))]
+        if args.fp8_wgrad:
+            for c, (cache, clear) in (("", (False, False)), ("_cached", (True, False)),
+                                      ("_cached_new_weights", (True, True))):
+                if c and not args.fp8_weight_cache:
+                    continue
+                steps += [("moeflow_fp8-blockwise_align128" + c, fp8_128_step(False, cache, clear)),
+                          ("moeflow_fp8-blockwise_wgrad" + c, fp8_128_step(True, cache, clear))]
         for key, fn in steps:
             if key.endswith("main_grad"):
                 w1.main_grad = torch.zeros(w1.shape, device=dev)
@@ -119,7 +157,10 @@ def main():
                   f"moeflow.ops {m['fwd_bwd_ms']:7.2f} ms, {t['fwd_bwd_ms'] / m['fwd_bwd_ms']:.2f}x;"
                   f" peak extra {t['peak_extra_MiB']:.0f} / {m['peak_extra_MiB']:.0f} MiB",
                   flush=True)
-        for r in [p + c for p in args.precision or []
+        variants = list(args.precision or [])
+        if args.fp8_wgrad:
+            variants += ["fp8-blockwise_align128", "fp8-blockwise_wgrad"]
+        for r in [p + c for p in variants
                   for c in ([""] + (["_cached", "_cached_new_weights"]
                                     if args.fp8_weight_cache else []))]:
             f8 = res["moeflow_" + r]
@@ -128,6 +169,8 @@ def main():
                   f"{res['torch']['fwd_bwd_ms'] / f8['fwd_bwd_ms']:.2f}x torch; peak extra "
                   f"{f8['peak_extra_MiB']:.0f} MiB", flush=True)
         del x, w1, w2, dy
+        if args.fp8_wgrad:
+            del x128, dy128
         torch.cuda.empty_cache()
     if args.json:
         with open(args.json, "w") as f:

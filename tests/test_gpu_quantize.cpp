@@ -5,7 +5,7 @@
 // zeros, tiny blocks with subnormal scales). Outputs are poisoned with 0xFF
 // first and the gaps of strided outputs must stay untouched. Also: graph
 // capture + replay of the two-kernel tensorwise path, device errors;
-// transpose_codes against the CPU reference.
+// transpose_codes against the CPU reference; quantize_rowwise_columnwise.
 #include <cuda_runtime.h>
 
 #include "test_util.h"
@@ -77,7 +77,10 @@ TEST_F(GpuQuantize, MatchesCpuBitwise) {
                                      {256, 384, 8, 0}, {300, 1000, 24, 1}, {1000, 129, 0, 7},
                                      {0, 5, 0, 0},     {7, 0, 0, 0},       {2, 4096, 0, 0},
                                      // the vector kernels (16-byte rows) with partial blocks
-                                     {200, 272, 8, 16}, {130, 1024, 0, 0}, {150, 136, 0, 8}};
+                                     {200, 272, 8, 16}, {130, 1024, 0, 0}, {150, 136, 0, 8},
+                                     // the columnwise tile kernel (16-bit x, K % 8 == 0,
+                                     // 16-byte rows of x and q) with partial tiles
+                                     {144, 264, 8, 0}, {384, 256, 0, 16}, {16, 8, 0, 0}};
   uint32_t seed = 1;
   for (const Shape& sh : shapes)
     for (DType dt : {DType::kFloat32, DType::kBFloat16, DType::kFloat16}) {
@@ -117,6 +120,104 @@ TEST_F(GpuQuantize, MatchesCpuBitwise) {
               }
             }
     }
+}
+
+// quantize_rowwise_columnwise against the CPU reference, bitwise: the tile
+// kernel (16-bit x, 16-byte rows, partial tiles in M and K) and the
+// fallback (float32 x, odd shapes), with and without the rowwise output,
+// scales_t contiguous and as the transpose of a [nb(M), K] buffer (the
+// wgrad's layout). Outputs poisoned; the gaps of strided rows stay as they are.
+TEST_F(GpuQuantize, RowwiseColumnwiseMatchesCpuBitwise) {
+  const std::vector<Shape> shapes = {{256, 384, 8, 0}, {144, 264, 0, 16}, {300, 136, 8, 4},
+                                     {16, 8, 0, 0},    {1, 128, 0, 0},    {129, 130, 3, 1},
+                                     {512, 1024, 0, 0}};
+  uint32_t seed = 300;
+  for (const Shape& sh : shapes)
+    for (DType dt : {DType::kBFloat16, DType::kFloat16, DType::kFloat32}) {
+      const int64_t M = sh.M, K = sh.K, ldx = K + sh.x_pad, nbm = (M + 127) / 128;
+      Tensor x_host = make_input(M, K, ldx, dt, seed++);
+      Tensor x_dev = x_host.to(kGpu);
+      for (DType out : {DType::kFloat8E4M3, DType::kFloat8E5M2})
+        for (bool pow2 : {false, true})
+          for (bool rowwise : {true, false})
+            for (bool slice_major : {false, true}) {
+              SCOPED_TRACE(std::to_string(M) + "x" + std::to_string(K) + " " + dtype_name(dt) +
+                           " " + dtype_name(out) + " pow2 " + std::to_string(pow2) + " rowwise " +
+                           std::to_string(rowwise) + " slice-major " +
+                           std::to_string(slice_major));
+              const QuantizeConfig cfg{out, QuantScaling::kBlock1x128, pow2, false};
+              const int64_t ldq = K + sh.q_pad, ldt = M + sh.q_pad;
+              // the references: quantize, rowwise and columnwise
+              Tensor q_c = poisoned({M, ldq}, out, Device::cpu());
+              Tensor s_c = poisoned({M, (K + 127) / 128}, DType::kFloat32, Device::cpu());
+              quantize(rows_view(x_host, M, K), cfg, rows_view(q_c, M, K), s_c);
+              QuantizeConfig col = cfg;
+              col.columnwise = true;
+              Tensor qt_c = poisoned({K, ldt}, out, Device::cpu());
+              Tensor st_c = poisoned({K, nbm}, DType::kFloat32, Device::cpu());
+              quantize(rows_view(x_host, M, K), col, rows_view(qt_c, K, M), st_c);
+
+              for (const Device dev : {Device::cpu(), kGpu}) {
+                SCOPED_TRACE(dev.is_cpu() ? "cpu" : "cuda");
+                const Tensor& xs = dev.is_cpu() ? x_host : x_dev;
+                Tensor q = poisoned({M, ldq}, out, dev);
+                Tensor s = poisoned({M, (K + 127) / 128}, DType::kFloat32, dev);
+                Tensor qt = poisoned({K, ldt}, out, dev);
+                Tensor st_buf = slice_major ? poisoned({nbm, K}, DType::kFloat32, dev)
+                                            : poisoned({K, nbm}, DType::kFloat32, dev);
+                TensorView st = slice_major ? TensorView::strided(st_buf.data(), DType::kFloat32,
+                                                                  dev, {K, nbm}, {1, K})
+                                            : TensorView(st_buf);
+                quantize_rowwise_columnwise(rows_view(xs, M, K), cfg,
+                                            rowwise ? rows_view(q, M, K) : TensorView{},
+                                            rowwise ? TensorView(s) : TensorView{},
+                                            rows_view(qt, K, M), st);
+                MOEFLOW_CUDA_CHECK(cudaDeviceSynchronize());
+                if (rowwise) {
+                  ASSERT_TRUE(bytes_equal(s.to(Device::cpu()), s_c));
+                  ASSERT_TRUE(same_rows(q.to(Device::cpu()), q_c, M, K));
+                } else {
+                  ASSERT_TRUE(bytes_equal(q.to(Device::cpu()), poisoned({M, ldq}, out,
+                                                                        Device::cpu())));
+                }
+                ASSERT_TRUE(same_rows(qt.to(Device::cpu()), qt_c, K, M));
+                Tensor st_host = st_buf.to(Device::cpu());
+                for (int64_t c = 0; c < K; ++c)
+                  for (int64_t b = 0; b < nbm; ++b) {
+                    const float got = at(st_host, slice_major ? b * K + c : c * nbm + b);
+                    const float want = at(st_c, c * nbm + b);
+                    ASSERT_EQ(std::memcmp(&got, &want, 4), 0) << "scales_t[" << c << "," << b
+                                                              << "]";
+                  }
+              }
+            }
+    }
+}
+
+TEST_F(GpuQuantize, RowwiseColumnwiseBadInput) {
+  Tensor x = Tensor::empty({256, 256}, DType::kBFloat16, kGpu);
+  Tensor q = Tensor::empty({256, 256}, DType::kFloat8E4M3, kGpu);
+  Tensor s = Tensor::empty({256, 2}, DType::kFloat32, kGpu);
+  Tensor qt = Tensor::empty({256, 256}, DType::kFloat8E4M3, kGpu);
+  Tensor st = Tensor::empty({256, 2}, DType::kFloat32, kGpu);
+  const QuantizeConfig cfg{};
+  QuantizeConfig bad = cfg;
+  bad.scaling = QuantScaling::kBlock128x128;
+  EXPECT_NE(message_of([&] { quantize_rowwise_columnwise(x, bad, q, s, qt, st); })
+                .find("config.scaling must be kBlock1x128"),
+            std::string::npos);
+  bad = cfg;
+  bad.columnwise = true;
+  EXPECT_NE(message_of([&] { quantize_rowwise_columnwise(x, bad, q, s, qt, st); })
+                .find("config.columnwise must be false"),
+            std::string::npos);
+  EXPECT_NE(message_of([&] { quantize_rowwise_columnwise(x, cfg, q, TensorView{}, qt, st); })
+                .find("give both q and scales"),
+            std::string::npos);
+  Tensor st_bad = Tensor::empty({2, 256}, DType::kFloat32, kGpu);
+  EXPECT_NE(message_of([&] { quantize_rowwise_columnwise(x, cfg, q, s, qt, st_bad); })
+                .find("scales_t ([K, ceil(M/128)]) must be float32 [256,2]"),
+            std::string::npos);
 }
 
 // transpose_codes against the CPU reference: stacked and single matrices,

@@ -293,6 +293,42 @@ TEST(Quantize, ColumnwiseIsRowwiseOfTranspose) {
   }
 }
 
+// quantize_rowwise_columnwise writes exactly quantize's two orientations;
+// scales_t may be a strided view (the transpose of a [nb(M), K] buffer).
+TEST(Quantize, RowwiseColumnwiseIsBothQuantizes) {
+  const int64_t M = 260, K = 136, nbm = 3;
+  Tensor x = make_tensor({M, K}, DType::kBFloat16);
+  fill_random(x, 11, -3.0f, 3.0f);
+  const QuantizeConfig cfg{kE4, QuantScaling::kBlock1x128, false, false};
+  Quantized row = run(x, cfg);
+  Quantized col = run(x, QuantizeConfig{kE4, QuantScaling::kBlock1x128, false, true});
+  Tensor q = poisoned({M, K}, kE4), s = poisoned({M, 2}, DType::kFloat32);
+  Tensor qt = poisoned({K, M}, kE4), st = poisoned({nbm, K}, DType::kFloat32);
+  quantize_rowwise_columnwise(
+      x, cfg, q, s, qt,
+      TensorView::strided(st.data(), DType::kFloat32, Device::cpu(), {K, nbm}, {1, K}));
+  EXPECT_TRUE(bytes_equal(q, row.q));
+  EXPECT_TRUE(bytes_equal(s, row.scales));
+  EXPECT_TRUE(bytes_equal(qt, col.q));
+  for (int64_t c = 0; c < K; ++c)
+    for (int64_t b = 0; b < nbm; ++b)
+      ASSERT_EQ(fbits(at(st, b * K + c)), fbits(at(col.scales, c * nbm + b))) << c << "," << b;
+  // columnwise only
+  Tensor qt2 = poisoned({K, M}, kE4), st2 = poisoned({K, nbm}, DType::kFloat32);
+  quantize_rowwise_columnwise(x, cfg, TensorView{}, TensorView{}, qt2, st2);
+  EXPECT_TRUE(bytes_equal(qt2, col.q));
+  EXPECT_TRUE(bytes_equal(st2, col.scales));
+  // bad input names the argument
+  QuantizeConfig bad = cfg;
+  bad.scaling = QuantScaling::kTensorwise;
+  EXPECT_NE(message_of([&] { quantize_rowwise_columnwise(x, bad, q, s, qt, st2); })
+                .find("config.scaling must be kBlock1x128"),
+            std::string::npos);
+  EXPECT_NE(message_of([&] { quantize_rowwise_columnwise(x, cfg, q, s, qt, st); })
+                .find("scales_t ([K, ceil(M/128)]) must be float32 [136,3]"),
+            std::string::npos);
+}
+
 // The dgrad's weight codes: transpose_codes of each matrix's 128x128-block
 // codes equals the columnwise quantization of that matrix, and the scales
 // are the rowwise ones transposed.

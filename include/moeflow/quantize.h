@@ -57,6 +57,19 @@ struct QuantizeConfig {
 void quantize(TensorView x, const QuantizeConfig& config, TensorView q, TensorView scales,
               TensorView workspace = {}, cudaStream_t stream = nullptr);
 
+// Both orientations of kBlock1x128 in one read of x: q / scales exactly as
+// quantize(x, config) writes them (rowwise) and q_t / scales_t as
+// quantize(x, config with columnwise = true) writes them: q_t [K,M] (rows
+// may be strided), scales_t [K, nb(M)] float32 with any strides (e.g. the
+// transpose of a contiguous [nb(M), K]: the layout grouped_gemm_fp8_wgrad
+// reads fastest). q and scales may both be undefined (columnwise only).
+// config.scaling must be kBlock1x128 and config.columnwise false. CUDA: one
+// kernel for 16-bit x with K % 8 == 0 and 16-byte aligned rows (x, q, q_t),
+// else quantize's kernels; no sync, graph-capturable.
+void quantize_rowwise_columnwise(TensorView x, const QuantizeConfig& config, TensorView q,
+                                 TensorView scales, TensorView q_t, TensorView scales_t,
+                                 cudaStream_t stream = nullptr);
+
 // Workspace bytes quantize needs on CUDA for this shape and config (0 unless
 // kTensorwise; at most 4 KiB; 0 in a build without CUDA).
 size_t quantize_workspace_bytes(int64_t rows, int64_t cols, const QuantizeConfig& config);

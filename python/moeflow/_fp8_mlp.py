@@ -148,13 +148,21 @@ def check(x: torch.Tensor, fc1: torch.Tensor, fc2: torch.Tensor, bias1, bias2, r
 
 class GroupedMlpFp8(torch.autograd.Function):
     # args: (offsets, real_rows, cfg, recipe, main_grads or None, plan to
-    # unpermute with or None, cache the weights' codes); ctx None: called
-    # without autograd.
+    # unpermute with or None, cache the weights' codes, FP8 wgrad); ctx None:
+    # called without autograd.
     @staticmethod
     def forward(ctx, x, fc1, fc2, probs, args):
-        offsets, real_rows, cfg, recipe, main, plan, cache = args
+        offsets, real_rows, cfg, recipe, main, plan, cache, wgrad8 = args
         x = x.detach().contiguous()
-        h = _gemm(x, fc1, recipe, offsets, real_rows, False, cache)  # bf16 [rows, N1]
+        x_t = None  # x's columnwise codes and scales (FC1's FP8 wgrad), instead of x
+        if wgrad8 and ctx is not None and fc1.requires_grad:
+            xq, xs, xq_t, xs_t = ops.quantize_rowwise_columnwise(x)
+            w1q, w1s = weight_codes(fc1, recipe, False, cache)
+            h = ops.grouped_gemm_fp8_forward(xq, xs, w1q, w1s, offsets, real_rows)
+            del xq, xs
+            x_t = (xq_t, xs_t)
+        else:
+            h = _gemm(x, fc1, recipe, offsets, real_rows, False, cache)  # bf16 [rows, N1]
         p = None if probs is None else probs.detach().contiguous()
         if recipe == "fp8-blockwise":  # a = act(h) * p quantized in one pass over h
             aq, a_s = ops.activation_quantize(h, offsets=offsets, real_rows=real_rows, probs=p,
@@ -170,7 +178,10 @@ class GroupedMlpFp8(torch.autograd.Function):
         if ctx is not None:
             ctx.set_materialize_grads(False)
             ctx.cfg, ctx.recipe, ctx.main, ctx.plan, ctx.cache = cfg, recipe, main, plan, cache
-            ctx.save_for_backward(x, fc1, fc2, p, offsets, real_rows, h)
+            ctx.wgrad8 = wgrad8
+            saved_x = None if x_t is not None else x
+            x_t = x_t if x_t is not None else (None, None)
+            ctx.save_for_backward(saved_x, fc1, fc2, p, offsets, real_rows, h, *x_t)
         if plan is None:
             return y
         out = y.new_empty(plan.num_tokens, y.shape[1])
@@ -181,13 +192,15 @@ class GroupedMlpFp8(torch.autograd.Function):
     def backward(ctx, dy):
         if dy is None:
             return (None,) * 5
-        x, fc1, fc2, probs, offsets, real_rows, h = ctx.saved_tensors
+        x, fc1, fc2, probs, offsets, real_rows, h, xq_t, xs_t = ctx.saved_tensors
         cfg, recipe, main, plan, cache = ctx.cfg, ctx.recipe, ctx.main, ctx.plan, ctx.cache
         need = ctx.needs_input_grad
+        wgrad8 = ctx.wgrad8
         s = _stream(h)
+        rows = h.shape[0]
         if plan is not None:
             dout = dy.contiguous()
-            dy = dout.new_empty(x.shape[0], fc2.shape[1])
+            dy = dout.new_empty(rows, fc2.shape[1])
             _C.unpermute_backward(dout, plan._view, None, None, dy, None, s)
             del dout
         else:
@@ -195,12 +208,26 @@ class GroupedMlpFp8(torch.autograd.Function):
         F = fc2.shape[2]
         d_h = torch.empty_like(h)
         # FC2's dgrad writes d(a) straight into d_h's last F columns (all of them when plain)
-        _gemm(dy, fc2, recipe, offsets, real_rows, True, cache, out=d_h[:, d_h.shape[1] - F:])
+        dy_t = None  # dY's columnwise codes and scales (FC2's FP8 wgrad)
+        if wgrad8 and need[2]:
+            dyq, dys, dyq_t, dys_t = ops.quantize_rowwise_columnwise(dy)
+            w2q, w2s = weight_codes(fc2, recipe, True, cache)
+            ops.grouped_gemm_fp8_forward(dyq, dys, w2q, w2s, offsets, real_rows,
+                                         out=d_h[:, d_h.shape[1] - F:])
+            del dyq, dys, dy
+            dy, dy_t = None, (dyq_t, dys_t)
+        else:
+            _gemm(dy, fc2, recipe, offsets, real_rows, True, cache, out=d_h[:, d_h.shape[1] - F:])
         dprobs = None
         if probs is not None and need[3]:
-            dprobs = torch.empty(x.shape[0], dtype=torch.float32, device=x.device)
+            dprobs = torch.empty(rows, dtype=torch.float32, device=h.device)
         _C.grouped_mlp_activation_backward(h, offsets, real_rows, probs, *cfg, d_h, dprobs, s)
         acc = main is not None
+        dh_q = None  # d_h's codes both ways (FC1's dgrad and FP8 wgrad)
+        if wgrad8 and need[1]:
+            dh_q = ops.quantize_rowwise_columnwise(d_h)
+            del d_h
+            d_h = None
 
         def wgrad(fc):
             if not need[fc]:
@@ -208,17 +235,32 @@ class GroupedMlpFp8(torch.autograd.Function):
             w = fc2 if fc == 2 else fc1
             g = main[fc - 1] if acc else torch.empty_like(w)
             if fc == 2:
-                a = x.new_empty(x.shape[0], F)
+                a = h.new_empty(rows, F)
                 _C.grouped_mlp_recompute_activation(h, offsets, real_rows, probs, *cfg, a, s)
-                _C.grouped_mlp_backward_wgrad(dy, None, offsets, real_rows, h, a, None, None, g,
-                                              None, None, acc, s)
+                if dy_t is not None:
+                    _, _, aq_t, as_t = ops.quantize_rowwise_columnwise(a, rowwise=False)
+                    del a
+                    ops.grouped_gemm_fp8_wgrad(dy_t[0], dy_t[1], aq_t, as_t, offsets, real_rows,
+                                               out=g, accumulate=acc)
+                else:
+                    _C.grouped_mlp_backward_wgrad(dy, None, offsets, real_rows, h, a, None, None,
+                                                  g, None, None, acc, s)
+            elif dh_q is not None:
+                ops.grouped_gemm_fp8_wgrad(dh_q[2], dh_q[3], xq_t, xs_t, offsets, real_rows,
+                                           out=g, accumulate=acc)
             else:
                 _C.grouped_mlp_backward_wgrad(None, x, offsets, real_rows, h, None, d_h, g, None,
                                               None, None, acc, s)
             return None if acc else g
 
         g2 = wgrad(2)
-        del dy
-        dx = _gemm(d_h, fc1, recipe, offsets, real_rows, True, cache) if need[0] else None
+        del dy, dy_t
+        dx = None
+        if need[0]:
+            if dh_q is not None:
+                w1q, w1s = weight_codes(fc1, recipe, True, cache)
+                dx = ops.grouped_gemm_fp8_forward(dh_q[0], dh_q[1], w1q, w1s, offsets, real_rows)
+            else:
+                dx = _gemm(d_h, fc1, recipe, offsets, real_rows, True, cache)
         g1 = wgrad(1)
         return dx, g1, g2, dprobs, None

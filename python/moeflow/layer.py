@@ -212,6 +212,9 @@ class MoELayer(ExpertCheckpointMixin, torch.nn.Module):
     distributed optimizer) must call ``moeflow.ops.clear_fp8_weight_cache``
     after each step. A step captured in a CUDA graph does not use the cache
     (it quantizes inside the graph, so that replays follow the weights).
+    ``fp8_wgrad`` (fp8-blockwise only, default off): the weight gradients in
+    FP8 too (``ops.grouped_mlp``'s ``fp8_wgrad``); needs align (with
+    ep_group: the group's) a multiple of 128.
 
     Checkpoints, in Megatron-Core's two expert key layouts:
 
@@ -276,7 +279,7 @@ class MoELayer(ExpertCheckpointMixin, torch.nn.Module):
                  shared_expert_overlap: bool = True, recompute_activation: bool = True,
                  delay_wgrad_compute: bool = False,
                  gradient_accumulation_fusion: bool = False, precision: str = "bf16",
-                 fp8_weight_cache: bool = False,
+                 fp8_weight_cache: bool = False, fp8_wgrad: bool = False,
                  params_dtype: torch.dtype = torch.bfloat16,
                  device: Optional[Union[torch.device, str]] = None,
                  ep_group: Optional["_ep.Group"] = None):
@@ -377,6 +380,16 @@ class MoELayer(ExpertCheckpointMixin, torch.nn.Module):
             if delay_wgrad_compute:
                 raise ValueError(f"precision={precision!r} does not support "
                                  f"delay_wgrad_compute")
+        if fp8_wgrad:
+            if precision != "fp8-blockwise":
+                raise ValueError(f"fp8_wgrad=True needs precision='fp8-blockwise', got "
+                                 f"{precision!r}")
+            align_used = self.align if ep_group is None else ep_group.align
+            if align_used % 128:
+                raise ValueError(f"fp8_wgrad=True needs align (with ep_group: the group's) to be "
+                                 f"a multiple of 128, got {align_used}")
+        self.fp8_wgrad = bool(fp8_wgrad)
+        self._groups_align = self.align if ep_group is None else ep_group.align
         self.precision = precision
         self.fp8_weight_cache = bool(fp8_weight_cache)
         self.gradient_accumulation_fusion = bool(gradient_accumulation_fusion)
@@ -565,7 +578,9 @@ class MoELayer(ExpertCheckpointMixin, torch.nn.Module):
                                accumulate_into_main_grad=self.gradient_accumulation_fusion,
                                recompute_activation=self.recompute_activation,
                                wgrad_store=self._wgrad_store, precision=self.precision,
-                               fp8_weight_cache=self.fp8_weight_cache, **groups)
+                               fp8_weight_cache=self.fp8_weight_cache,
+                               fp8_wgrad=self.fp8_wgrad,
+                               align=None if "plan" in groups else self._groups_align, **groups)
 
     def _experts_ep(self, xe: torch.Tensor, ids: torch.Tensor,
                     probs: torch.Tensor) -> torch.Tensor:
@@ -642,4 +657,6 @@ class MoELayer(ExpertCheckpointMixin, torch.nn.Module):
             s += ", recompute_activation=False"
         if self.precision != "bf16":
             s += f", precision={self.precision!r}"
+        if self.fp8_wgrad:
+            s += ", fp8_wgrad=True"
         return s

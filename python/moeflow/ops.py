@@ -33,9 +33,9 @@ from . import _C
 
 __all__ = [
     "RouterOutput", "router", "router_logits", "apply_capacity", "update_expert_bias",
-    "quantize", "dequantize", "transpose_codes", "Plan", "permute", "permute_quantize",
-    "unpermute", "unpermute_backward_quantize", "grouped_mlp", "activation_quantize",
-    "WgradStore"
+    "quantize", "quantize_rowwise_columnwise", "dequantize", "transpose_codes", "Plan",
+    "permute", "permute_quantize", "unpermute", "unpermute_backward_quantize", "grouped_mlp",
+    "activation_quantize", "WgradStore"
 ]
 
 
@@ -318,6 +318,34 @@ def quantize(x: torch.Tensor, fp8_format: str = "e4m3", scaling: str = "1x128",
     _C.quantize(x, fp8_format, scaling, bool(pow2_scales), bool(columnwise), q, scales, ws,
                 _stream(x))
     return q, scales
+
+
+def quantize_rowwise_columnwise(x: torch.Tensor, fp8_format: str = "e4m3",
+                                pow2_scales: bool = False, rowwise: bool = True
+                                ) -> Tuple[Optional[torch.Tensor], Optional[torch.Tensor],
+                                           torch.Tensor, torch.Tensor]:
+    """Both 1x128 orientations of x [M, K] (16-bit or float32) from one read:
+    (q, scales) exactly as ``quantize(x, fp8_format, "1x128")`` and (q_t,
+    scales_t) as ``quantize(x, fp8_format, "1x128", columnwise=True)``, except
+    that scales_t [K, ceil(M/128)] is the transposed view of a contiguous
+    [ceil(M/128), K] buffer: the layout ``grouped_gemm_fp8_wgrad`` reads
+    fastest (``.contiguous()`` gives quantize's layout). ``rowwise=False``:
+    only the columnwise pair (q and scales are None). On the device, one
+    kernel, no sync; not differentiable."""
+    if x.dim() != 2:
+        raise _C.Error(f"x must be [M, K], got shape {tuple(x.shape)}")
+    x = _rows(x.detach())
+    M, K = x.shape
+    dt = _FP8.get(fp8_format, torch.float8_e4m3fn)
+    q = scales = None
+    if rowwise:
+        q = torch.empty((M, K), dtype=dt, device=x.device)
+        scales = torch.empty(_scale_shape(M, K, "1x128"), dtype=torch.float32, device=x.device)
+    q_t = torch.empty((K, M), dtype=dt, device=x.device)
+    scales_t = torch.empty(((M + 127) // 128, K), dtype=torch.float32, device=x.device).t()
+    _C.quantize_rowwise_columnwise(x, fp8_format, bool(pow2_scales), q, scales, q_t, scales_t,
+                                   _stream(x))
+    return q, scales, q_t, scales_t
 
 
 def transpose_codes(q: torch.Tensor) -> torch.Tensor:
@@ -833,6 +861,7 @@ def grouped_mlp(x: torch.Tensor, fc1: torch.Tensor, fc2: torch.Tensor, *,
                 accumulate_into_main_grad: bool = False, recompute_activation: bool = True,
                 wgrad_store: Optional[WgradStore] = None, unpermute: bool = False,
                 precision: str = "bf16", fp8_weight_cache: bool = False,
+                fp8_wgrad: bool = False, align: Optional[int] = None,
                 _grad_params: Optional[Tuple] = None) -> torch.Tensor:
     """The grouped expert MLP: for the rows of each expert e,
     h = x W1_e^T + b1_e, a = act(h) * p, y = a W2_e^T + b2_e.
@@ -862,7 +891,13 @@ def grouped_mlp(x: torch.Tensor, fc1: torch.Tensor, fc2: torch.Tensor, *,
     "fp8-tensorwise": the forward and both input gradients through the FP8
     grouped GEMM (e4m3; 1x128 activation and 128 x 128 weight scales, or one
     scale per tensor), the weight gradients in 16 bits (docs/fp8.md,
-    "Precision recipes"). FP8 needs bfloat16 x and weights, H, N1 and F
+    "Precision recipes"); ``fp8_wgrad`` (fp8-blockwise only): the weight
+    gradients too, through ``grouped_gemm_fp8_wgrad`` on x, dY, a and d(h)
+    quantized along the rows (1x128 blocks of 128 rows), which needs each
+    expert's rows to start at a multiple of 128: a plan with ``align`` a
+    multiple of 128, or with ``offsets=`` the ``align`` they were made with.
+    The columnwise codes replace x in the saved tensors; pad rows should be
+    zero, as permute and dispatch write them (their values enter the scales). FP8 needs bfloat16 x and weights, H, N1 and F
     multiples of 128, no biases and no wgrad_store. ``fp8_weight_cache``:
     keep the weights' FP8 codes (both orientations, 2 bytes per weight
     element) on the weights while they are unchanged (same storage and
@@ -892,11 +927,20 @@ def grouped_mlp(x: torch.Tensor, fc1: torch.Tensor, fc2: torch.Tensor, *,
         main = (fc1.main_grad, fc2.main_grad)
     if unpermute and plan is None:
         raise ValueError("unpermute=True needs plan= (the plan to unpermute the rows with)")
+    if fp8_wgrad:
+        if precision != "fp8-blockwise":
+            raise ValueError(f"fp8_wgrad=True needs precision='fp8-blockwise', got {precision!r}")
+        got = plan.align if plan is not None else align
+        if got is None or int(got) % 128:
+            raise ValueError("fp8_wgrad=True needs each expert's rows to start at a multiple of "
+                             "128: " + (f"a plan with align a multiple of 128, got align {got}"
+                                        if plan is not None else
+                                        f"with offsets=, align= a multiple of 128, got {got}"))
     if precision != "bf16":
         from . import _fp8_mlp
         _fp8_mlp.check(x, fc1, fc2, bias1, bias2, precision, wgrad_store, activation)
         args = (offsets, real_rows, cfg, precision, main, plan if unpermute else None,
-                bool(fp8_weight_cache))
+                bool(fp8_weight_cache), bool(fp8_wgrad))
         if not (_grad_enabled() and (x.requires_grad or fc1.requires_grad or fc2.requires_grad
                                      or (probs is not None and probs.requires_grad))):
             return _fp8_mlp.GroupedMlpFp8.forward(None, x, fc1, fc2, probs, args)

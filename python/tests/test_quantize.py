@@ -68,6 +68,24 @@ def test_columnwise_is_the_rowwise_of_the_transpose(device):
 
 
 @pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("shape", [(256, 384), (144, 264), (130, 260), (16, 8)])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_rowwise_columnwise_is_both_quantizes(device, shape, dtype):
+    x = torch.randn(*shape).to(device, dtype)
+    for fmt in ("e4m3", "e5m2"):
+        q, s, q_t, s_t = mf.quantize_rowwise_columnwise(x, fmt)
+        qr, sr = mf.quantize(x, fmt, "1x128")
+        qc, sc = mf.quantize(x, fmt, "1x128", columnwise=True)
+        assert torch.equal(q.view(torch.uint8), qr.view(torch.uint8)) and torch.equal(s, sr)
+        assert torch.equal(q_t.view(torch.uint8), qc.view(torch.uint8))
+        assert s_t.shape == sc.shape and s_t.stride() == (1, shape[1])  # slice-major storage
+        assert torch.equal(s_t, sc)
+        none, none2, q_t2, s_t2 = mf.quantize_rowwise_columnwise(x, fmt, rowwise=False)
+        assert none is None and none2 is None
+        assert torch.equal(q_t2.view(torch.uint8), qc.view(torch.uint8)) and torch.equal(s_t2, sc)
+
+
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("shape", [(3, 256, 384), (2, 130, 70), (200, 136)])
 def test_transpose_codes_is_the_columnwise_quantization(device, shape):
     x = torch.randn(*shape).to(device, torch.bfloat16)

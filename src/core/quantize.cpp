@@ -89,6 +89,43 @@ void quantize(TensorView x, const QuantizeConfig& config, TensorView q, TensorVi
 #endif
 }
 
+void quantize_rowwise_columnwise(TensorView x, const QuantizeConfig& config, TensorView q,
+                                 TensorView scales, TensorView q_t, TensorView scales_t,
+                                 cudaStream_t stream) {
+  check_config(config);
+  MOEFLOW_CHECK(config.scaling == QuantScaling::kBlock1x128,
+                "quantize_rowwise_columnwise: config.scaling must be kBlock1x128, got ",
+                static_cast<int>(config.scaling));
+  MOEFLOW_CHECK(!config.columnwise,
+                "quantize_rowwise_columnwise: config.columnwise must be false (both "
+                "orientations are written), got true");
+  detail::expect_defined(x, "x");
+  MOEFLOW_CHECK(x.ndim == 2, "x must be [M,K], got ", x.str());
+  const Device dev = x.device;
+  const int64_t M = x.shape[0], K = x.shape[1];
+  detail::expect(x, "x", rows_of(kArithFloats, M, K, dev));
+  MOEFLOW_CHECK(q.defined() == scales.defined(),
+                "quantize_rowwise_columnwise: give both q and scales, or neither (columnwise "
+                "only), got q ", q.defined() ? "defined" : "undefined", " and scales ",
+                scales.defined() ? "defined" : "undefined");
+  if (q.defined()) {
+    detail::expect(q, "q", rows_of({config.out}, M, K, dev));
+    detail::expect(scales, "scales", Expect{{DType::kFloat32}, {M, nblocks(K)}, dev});
+  }
+  detail::expect(q_t, "q_t ([K,M])", rows_of({config.out}, K, M, dev));
+  Expect st{{DType::kFloat32}, {K, nblocks(M)}, dev};
+  st.contiguous = false;
+  detail::expect(scales_t, "scales_t ([K, ceil(M/128)])", st);
+  if (dev.is_cpu()) return cpu::quantize_rowwise_columnwise(x, config, q, scales, q_t, scales_t);
+#ifdef MOEFLOW_WITH_CUDA
+  detail::cuda_set_device(dev.index);
+  cuda::quantize_rowwise_columnwise(x, config, q, scales, q_t, scales_t, stream);
+#else
+  (void)stream;
+  MOEFLOW_CHECK(false, "this moeflow was built without CUDA");
+#endif
+}
+
 void dequantize(TensorView q, TensorView scales, const QuantizeConfig& config, TensorView out,
                 cudaStream_t stream) {
   check_config(config);

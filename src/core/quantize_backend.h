@@ -124,6 +124,8 @@ MOEFLOW_QHD float round_to_odd_float(double d) {
 
 namespace cpu {
 void quantize(TensorView x, const QuantizeConfig& config, TensorView q, TensorView scales);
+void quantize_rowwise_columnwise(TensorView x, const QuantizeConfig& config, TensorView q,
+                                 TensorView scales, TensorView q_t, TensorView scales_t);
 void dequantize(TensorView q, TensorView scales, const QuantizeConfig& config, TensorView out);
 void transpose_codes(TensorView q, TensorView q_t);
 // float32 -> fp8 code (e4m3 or e5m2) by the policy: round to nearest even,
@@ -135,6 +137,9 @@ namespace cuda {
 size_t quantize_workspace_bytes(int64_t rows, int64_t cols, const QuantizeConfig& config);
 void quantize(TensorView x, const QuantizeConfig& config, TensorView q, TensorView scales,
               TensorView workspace, cudaStream_t stream);
+void quantize_rowwise_columnwise(TensorView x, const QuantizeConfig& config, TensorView q,
+                                 TensorView scales, TensorView q_t, TensorView scales_t,
+                                 cudaStream_t stream);
 void dequantize(TensorView q, TensorView scales, const QuantizeConfig& config, TensorView out,
                 cudaStream_t stream);
 void transpose_codes(TensorView q, TensorView q_t, cudaStream_t stream);

@@ -5,6 +5,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <vector>
 
 #include "core/internal.h"
 #include "core/quantize_backend.h"
@@ -104,6 +105,20 @@ void quantize(TensorView x, const QuantizeConfig& config, TensorView q, TensorVi
       return;
     }
   }
+}
+
+void quantize_rowwise_columnwise(TensorView x, const QuantizeConfig& config, TensorView q,
+                                 TensorView scales, TensorView q_t, TensorView scales_t) {
+  if (q.defined()) cpu::quantize(x, config, q, scales);
+  QuantizeConfig col = config;
+  col.columnwise = true;
+  const int64_t K = scales_t.shape[0], nb = scales_t.shape[1];
+  std::vector<float> s(static_cast<size_t>(K * nb));
+  cpu::quantize(x, col, q_t, TensorView(s.data(), DType::kFloat32, Device::cpu(), {K, nb}));
+  auto* out = static_cast<float*>(scales_t.data);
+  for (int64_t c = 0; c < K; ++c)
+    for (int64_t b = 0; b < nb; ++b)
+      out[c * scales_t.strides[0] + b * scales_t.strides[1]] = s[c * nb + b];
 }
 
 void dequantize(TensorView q, TensorView scales, const QuantizeConfig& config, TensorView out) {

@@ -92,7 +92,8 @@ __device__ __forceinline__ float block_amax(float m, float* smem) {
 }
 
 template <typename T, bool E4M3>
-__global__ void __launch_bounds__(kThreads) quantize_1x128_kernel(Src<T> src, Dst dst, int64_t nb) {
+__global__ void __launch_bounds__(kThreads)
+    quantize_1x128_kernel(Src<T> src, Dst dst, int64_t nb, int64_t ss0, int64_t ss1) {
   constexpr int kPerLane = kBlock / kWarpSize;
   const int lane = threadIdx.x % kWarpSize;
   const int64_t items = dst.R * nb;
@@ -108,7 +109,7 @@ __global__ void __launch_bounds__(kThreads) quantize_1x128_kernel(Src<T> src, Ds
       m = quant::amax_join(m, quant::amax_term(v[j]));
     }
     const float scale = quant::scale_of(warp_amax(m), E4M3, dst.pow2);
-    if (lane == 0) dst.scales[item] = scale;
+    if (lane == 0) dst.scales[r * ss0 + (item % nb) * ss1] = scale;
     uint8_t* qrow = dst.q + r * dst.q_stride;
 #pragma unroll
     for (int j = 0; j < kPerLane; ++j) {
@@ -210,6 +211,131 @@ __global__ void __launch_bounds__(kThreads)
       const int64_t r = r0 + i / kBlock, c = i % kBlock;
       if (c < cols)
         dst.q[r * dst.q_stride + c0 + c] = to_fp8<E4M3>(__fdiv_rn(src.at(r, c0 + c), scale));
+    }
+  }
+}
+
+// kBlock1x128 of 16-bit x, rowwise and/or columnwise, through a 128 x 128
+// tile of x in shared memory (x read once for both outputs). Tile loads:
+// 16-byte pieces, zeros outside x. Rowwise (row.q set): thread t reads row
+// t / 2, 8-column pieces 2 s + t % 2 (s < 8), twice (amax, then codes), the
+// pair's amax joined by a shuffle; 8-byte stores. Columnwise: thread t reads
+// column t / 2 at rows t % 2 + 2 j (j < 64), twice; the pair swaps half of
+// its codes so that each thread holds 64 consecutive rows of q_t's row
+// (16-byte stores). The tile's row pitch (kTilePitch) puts consecutive rows
+// 8 banks apart: both read patterns are free of bank conflicts.
+constexpr int kTile = 128;
+constexpr int kTilePitch = kTile + 16;
+
+struct DstCol {  // the columnwise output: q_t [C, R] and scales_t[c * s0 + block * s1]
+  uint8_t* q;
+  int64_t q_stride;
+  float* scales;
+  int64_t s0, s1;
+};
+
+template <typename T, bool E4M3>
+__global__ void __launch_bounds__(kThreads)
+    quantize_1x128_tile_kernel(const T* x, int64_t x_stride, int64_t M, int64_t K, Dst row,
+                               DstCol col) {
+  static_assert(sizeof(T) == 2 && kThreads == 2 * kTile, "thread layout");
+  constexpr int kVec = 8;  // elements per 16-byte piece
+  __shared__ __align__(16) T tile[kTile * kTilePitch];
+  const int t = threadIdx.x, half = t % 2, tr = t / 2;
+  const int64_t tiles_k = (K + kTile - 1) / kTile;
+  const int64_t tiles = (M + kTile - 1) / kTile * tiles_k;
+  const int64_t nbk = tiles_k;
+  for (int64_t item = blockIdx.x; item < tiles; item += gridDim.x) {
+    const int64_t m0 = (item / tiles_k) * kTile, k0 = (item % tiles_k) * kTile;
+    __syncthreads();  // the previous tile is read
+    for (int p = t; p < kTile * kTile / kVec; p += kThreads) {
+      const int r = p / (kTile / kVec), c = (p % (kTile / kVec)) * kVec;
+      uint4 v = make_uint4(0, 0, 0, 0);
+      if (m0 + r < M && k0 + c < K)
+        v = *reinterpret_cast<const uint4*>(x + (m0 + r) * x_stride + k0 + c);
+      *reinterpret_cast<uint4*>(tile + r * kTilePitch + c) = v;
+    }
+    __syncthreads();
+    if (row.q != nullptr) {  // row tr, pieces 2 s + half
+      const T* src = tile + tr * kTilePitch + half * kVec;
+      float m = 0.0f;
+#pragma unroll
+      for (int s = 0; s < 8; ++s) {
+        float v[8];
+        load8(src + 2 * s * kVec, v);
+#pragma unroll
+        for (int j = 0; j < 8; ++j) m = quant::amax_join(m, quant::amax_term(v[j]));
+      }
+      m = quant::amax_join(m, __shfl_xor_sync(0xFFFFFFFFu, m, 1));
+      const float scale = quant::scale_of(m, E4M3, row.pow2);
+      const int64_t r = m0 + tr;
+      if (r < M) {
+        if (half == 0) row.scales[r * nbk + k0 / kTile] = scale;
+        uint8_t* qrow = row.q + r * row.q_stride + k0 + half * kVec;
+#pragma unroll
+        for (int s = 0; s < 8; ++s) {
+          if (k0 + (2 * s + half) * kVec >= K) break;
+          float v[8];
+          load8(src + 2 * s * kVec, v);
+          uint32_t w[2] = {0, 0};
+#pragma unroll
+          for (int j = 0; j < 8; ++j)
+            w[j / 4] |= uint32_t{to_fp8<E4M3>(__fdiv_rn(v[j], scale))} << (8 * (j % 4));
+          *reinterpret_cast<uint2*>(qrow + 2 * s * kVec) = make_uint2(w[0], w[1]);
+        }
+      }
+    }
+    {  // column tr, rows half + 2 j
+      const T* src = tile + half * kTilePitch + tr;
+      float m = 0.0f;
+#pragma unroll 16
+      for (int j = 0; j < kTile / 2; ++j)
+        m = quant::amax_join(m, quant::amax_term(to_float(src[2 * j * kTilePitch])));
+      m = quant::amax_join(m, __shfl_xor_sync(0xFFFFFFFFu, m, 1));
+      const float scale = quant::scale_of(m, E4M3, row.pow2);
+      uint32_t w[16];  // codes of rows half + 2 j, four per word
+#pragma unroll
+      for (int i = 0; i < 16; ++i) {
+        w[i] = 0;
+#pragma unroll
+        for (int j = 0; j < 4; ++j)
+          w[i] |= uint32_t{to_fp8<E4M3>(__fdiv_rn(to_float(src[2 * (4 * i + j) * kTilePitch]),
+                                                   scale))}
+                  << (8 * j);
+      }
+      // Thread half 0 keeps rows 0..63 (its even rows w[0..7], the partner's
+      // odd rows), half 1 rows 64..127 (the partner's w[8..15], its own).
+#pragma unroll
+      for (int i = 0; i < 8; ++i) {
+        const uint32_t give = half == 0 ? w[8 + i] : w[i];
+        const uint32_t got = __shfl_xor_sync(0xFFFFFFFFu, give, 1);
+        if (half == 0)
+          w[8 + i] = got;  // odd rows 8 i + 1, +3, +5, +7
+        else
+          w[i] = got;  // even rows 64 + 8 i, ...
+      }
+      uint32_t out[16];  // rows half * 64 + 4 k .. +3 in out[k]
+#pragma unroll
+      for (int i = 0; i < 8; ++i) {
+        // w[i]: rows 8 i + 2 j (j < 4) of this thread's half, w[8 + i]: the odd rows after them
+        out[2 * i] = __byte_perm(w[i], w[8 + i], 0x5140);
+        out[2 * i + 1] = __byte_perm(w[i], w[8 + i], 0x7362);
+      }
+      const int64_t c = k0 + tr, r = m0 + half * (kTile / 2);
+      if (c < K) {
+        if (half == 0) col.scales[c * col.s0 + (m0 / kTile) * col.s1] = scale;
+        uint8_t* dst = col.q + c * col.q_stride + r;
+        if (r + kTile / 2 <= M) {
+#pragma unroll
+          for (int k = 0; k < 4; ++k)
+            reinterpret_cast<uint4*>(dst)[k] =
+                make_uint4(out[4 * k], out[4 * k + 1], out[4 * k + 2], out[4 * k + 3]);
+        } else {
+#pragma unroll
+          for (int k = 0; k < kTile / 2; ++k)
+            if (r + k < M) dst[k] = static_cast<uint8_t>(out[k / 4] >> (8 * (k % 4)));
+        }
+      }
     }
   }
 }
@@ -337,6 +463,26 @@ __global__ void __launch_bounds__(kThreads)
   }
 }
 
+// The tile kernel's conditions (16-bit x is the caller's): K % 8 == 0, the
+// rows of x and of both outputs 16-byte aligned (q: optional).
+bool tile_ok(const TensorView& x, const TensorView& q, const TensorView& q_t) {
+  const int64_t K = x.shape[1];
+  bool ok = K % 8 == 0 && aligned16(x.data) && (x.strides[0] * 2) % 16 == 0 &&
+            aligned16(q_t.data) && q_t.strides[0] % 16 == 0;
+  if (q.data != nullptr) ok = ok && aligned16(q.data) && q.strides[0] % 16 == 0;
+  return ok;
+}
+
+template <typename T, bool E4M3>
+void launch_tile(const TensorView& x, const Dst& row, const DstCol& col, cudaStream_t stream) {
+  const int64_t M = x.shape[0], K = x.shape[1];
+  const int64_t tiles = ceil_div(M, int64_t{kTile}) * ceil_div(K, int64_t{kTile});
+  if (tiles == 0) return;
+  quantize_1x128_tile_kernel<T, E4M3><<<grid_for(tiles, 1), kThreads, 0, stream>>>(
+      static_cast<const T*>(x.data), x.strides[0], M, K, row, col);
+  MOEFLOW_CUDA_LAUNCH_CHECK();
+}
+
 template <typename Fn>
 void with_format(bool e4m3, Fn fn) {
   if (e4m3)
@@ -390,8 +536,16 @@ void quantize(TensorView x, const QuantizeConfig& config, TensorView q, TensorVi
             MOEFLOW_CUDA_LAUNCH_CHECK();
             return;
           }
+          if constexpr (sizeof(T) == 2) {
+            if (config.columnwise && tile_ok(x, TensorView{}, q)) {
+              const DstCol col{dst.q, dst.q_stride, dst.scales, nb, 1};
+              launch_tile<T, E4M3>(x, Dst{nullptr, 0, 0, 0, nullptr, config.pow2_scales}, col,
+                                   stream);
+              return;
+            }
+          }
           quantize_1x128_kernel<T, E4M3>
-              <<<grid_for(R * nb, kWarps), kThreads, 0, stream>>>(src, dst, nb);
+              <<<grid_for(R * nb, kWarps), kThreads, 0, stream>>>(src, dst, nb, nb, 1);
           MOEFLOW_CUDA_LAUNCH_CHECK();
           return;
         }
@@ -410,6 +564,36 @@ void quantize(TensorView x, const QuantizeConfig& config, TensorView q, TensorVi
           return;
         }
       }
+    });
+  });
+}
+
+void quantize_rowwise_columnwise(TensorView x, const QuantizeConfig& config, TensorView q,
+                                 TensorView scales, TensorView q_t, TensorView scales_t,
+                                 cudaStream_t stream) {
+  const int64_t M = x.shape[0], K = x.shape[1];
+  if (M * K == 0) return;
+  const DstCol col{static_cast<uint8_t*>(q_t.data), q_t.strides[0],
+                   static_cast<float*>(scales_t.data), scales_t.strides[0], scales_t.strides[1]};
+  with_float_type(x.dtype, [&](auto t) {
+    using T = decltype(t);
+    with_format(config.out == DType::kFloat8E4M3, [&](auto fmt) {
+      constexpr bool E4M3 = decltype(fmt)::value;
+      if constexpr (sizeof(T) == 2) {
+        if (tile_ok(x, q, q_t)) {
+          const Dst row{static_cast<uint8_t*>(q.data), q.data ? q.strides[0] : 0, M, K,
+                        static_cast<float*>(scales.data), config.pow2_scales};
+          launch_tile<T, E4M3>(x, row, col, stream);
+          return;
+        }
+      }
+      if (q.data != nullptr) cuda::quantize(x, config, q, scales, TensorView{}, stream);
+      const Src<T> src{static_cast<const T*>(x.data), 1, x.strides[0]};
+      const Dst dst{col.q, col.q_stride, K, M, col.scales, config.pow2_scales};
+      const int64_t nb = ceil_div(M, int64_t{kBlock});
+      quantize_1x128_kernel<T, E4M3><<<grid_for(K * nb, kWarps), kThreads, 0, stream>>>(
+          src, dst, nb, col.s0, col.s1);
+      MOEFLOW_CUDA_LAUNCH_CHECK();
     });
   });
 }

@@ -1,0 +1,54 @@
+"""FP8 1x128 quantization of activation-shaped bf16 tensors through
+moeflow.ops: rowwise (``quantize``), columnwise (``quantize(...,
+columnwise=True)``, the wgrad's operand layout) and both from one read
+(``quantize_rowwise_columnwise``), in GB/s of the bytes each moves (x read
+once, codes and float32 scales written), against a device copy
+(``torch.Tensor.copy_``) timed in the same process.
+
+    PYTHONPATH=build/python:bench python3 bench/py_quantize.py [--json FILE]
+"""
+import argparse
+import json
+
+import torch
+
+import moeflow.ops as mf
+from peer_timing import bench_ms
+
+# (name, rows, cols): the MLP's x / dY (H) and d(h) (2F) of the dsv3 and mixtral cases
+SHAPES = [("dsv3-x", 65536, 7168), ("dsv3-dh", 65536, 4096), ("mixtral-x", 32768, 4096),
+          ("mixtral-dh", 32768, 28672)]
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--json")
+    args = ap.parse_args()
+    dev = torch.device("cuda")
+    out = {"device": torch.cuda.get_device_name(0), "torch": torch.__version__, "shapes": {}}
+    for name, M, K in SHAPES:
+        x = torch.randn(M, K, device=dev, dtype=torch.bfloat16)
+        dst = torch.empty_like(x)
+        one = M * K * 2 + M * K + M * K // 128 * 4  # read x, write one orientation
+        ops = [("copy", lambda: dst.copy_(x), 2 * M * K * 2),
+               ("rowwise", lambda: mf.quantize(x, "e4m3", "1x128"), one),
+               ("columnwise", lambda: mf.quantize(x, "e4m3", "1x128", columnwise=True), one),
+               ("both", lambda: mf.quantize_rowwise_columnwise(x), one + M * K + M * K // 128 * 4)]
+        res = {}
+        for op, fn, nbytes in ops:
+            ms = bench_ms(fn)
+            res[op] = {"ms": ms, "GBps": nbytes / ms / 1e6}
+        copy = res["copy"]["GBps"]
+        print(f"{name:11s} [{M}, {K}]: " + ", ".join(
+            f"{op} {r['ms']:.3f} ms {r['GBps']:.0f} GB/s ({r['GBps'] / copy:.0%} of copy)"
+            for op, r in res.items()), flush=True)
+        out["shapes"][name] = res
+        del x, dst
+        torch.cuda.empty_cache()
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(out, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
