@@ -2,7 +2,8 @@
 // y, dx and dprobs against the bf16 MLP within the FP8 bound of
 // docs/fp8.md (relative Frobenius error < 0.1, calc_diff < 5e-3), pad rows
 // zero, rows past the groups untouched, W^T's codes equal to the columnwise
-// quantization of each expert, argument errors.
+// quantization of each expert, argument errors; the FP8 weight gradients
+// against the 16-bit ones within the same bound.
 #include "test_grouped_mlp_fp8.h"
 
 namespace moeflow::test {
@@ -27,6 +28,64 @@ TEST(GroupedMlpFp8, AgainstBf16WithinBound) {
       }
   const auto* yb = static_cast<const uint16_t*>(r.y.data());
   for (int64_t i = used * H; i < r.y.numel(); ++i) ASSERT_EQ(yb[i], 0xFFFF) << "past the groups";
+}
+
+TEST(GroupedMlpFp8, Fp8WgradAgainstBf16WithinBound) {
+  for (DType dwt : {DType::kBFloat16, DType::kFloat32})
+    for (bool acc : {false, true}) {
+      SCOPED_TRACE(std::string(dtype_name(dwt)) + (acc ? " accumulate" : ""));
+      const Fp8WgradResult r = run_fp8_wgrad(Device::cpu(), 5, dwt, acc);
+      for (auto [name, got, want] :
+           {std::tuple{"dw1", &r.dw1, &r.dw1_16}, std::tuple{"dw2", &r.dw2, &r.dw2_16}}) {
+        const auto [rel, cd] = fp8_errors(*got, *want, got->numel());
+        EXPECT_LT(rel, 0.1) << name;
+        EXPECT_LT(cd, 5e-3) << name;
+      }
+      // expert 1 has no rows: zero gradient (or the start value, accumulated)
+      for (const Tensor* t : {&r.dw1, &r.dw2}) {
+        const int64_t per = t->numel() / 3;
+        for (int64_t i = per; i < 2 * per; ++i) ASSERT_EQ(at(*t, i), 0.0f) << i;
+      }
+    }
+}
+
+TEST(GroupedMlpFp8, Fp8WgradNeedsAlignedGroups) {
+  const DType bf = DType::kBFloat16, f32 = DType::kFloat32;
+  const int64_t rows = 256, H = 128, F = 128;
+  Tensor x = make_tensor({rows, H}, bf), dy = make_tensor({rows, H}, bf);
+  Tensor h = make_tensor({rows, 2 * F}, bf), d_h = make_tensor({rows, 2 * F}, bf);
+  fill_random(x, 1);
+  fill_random(dy, 2);
+  fill_random(h, 3);
+  fill_random(d_h, 4);
+  Tensor offs = make_tensor({3}, DType::kInt64);
+  offs.data_ptr<int64_t>()[0] = 0;
+  offs.data_ptr<int64_t>()[1] = 48;  // the second expert starts off a multiple of 128
+  offs.data_ptr<int64_t>()[2] = 256;
+  GroupLayout g;
+  g.offsets = offs;
+  Tensor dw1 = make_tensor({2, 2 * F, H}, f32), dw2 = make_tensor({2, H, F}, f32);
+  Tensor wc = make_tensor({rows * (H + 2 * F)}, DType::kUInt8);
+  Tensor ws = make_tensor({(H + 2 * F) * 2}, f32), wa = make_tensor({rows * F}, bf);
+  const GroupedMlpFp8WgradScratch s{wc, ws, wa};
+  EXPECT_NE(message_of([&] {
+              grouped_mlp_fp8_backward_wgrad(x, dy, g, {}, {}, h, d_h, dw1, dw2, false, s);
+            }).find("not a multiple of 128"),
+            std::string::npos);
+  const GroupedMlpFp8WgradScratch small{wc, make_tensor({10}, f32), wa};
+  EXPECT_NE(message_of([&] {
+              grouped_mlp_fp8_backward_wgrad(x, dy, g, {}, {}, h, d_h, dw1, dw2, false, small);
+            }).find("scratch.scales must be float32 with >= (H + N1) x ceil(rows/128) = 768"),
+            std::string::npos);
+  EXPECT_NE(message_of([&] {
+              grouped_mlp_fp8_backward_wgrad(x, dy, g, {}, {}, h, d_h, {}, {}, false, s);
+            }).find("needs dw1, dw2 or both"),
+            std::string::npos);
+  Tensor bad_dw2 = make_tensor({2, H, 2 * F}, f32);
+  EXPECT_NE(message_of([&] {
+              grouped_mlp_fp8_backward_wgrad(x, dy, g, {}, {}, h, d_h, {}, bad_dw2, false, s);
+            }).find("dw2 must be"),
+            std::string::npos);
 }
 
 TEST(GroupedMlpFp8, WeightsBothOrientations) {

@@ -87,6 +87,97 @@ inline Fp8MlpResult run_fp8_mlp(Device dev, uint32_t seed) {
   return r;
 }
 
+// The FP8 weight gradients (grouped_mlp_fp8_backward_wgrad) on a problem
+// with each expert's rows starting at a multiple of 128 (an empty expert,
+// pad rows, rows past the groups), h and d_h from the FP8 forward and
+// dgrad, beside the 16-bit wgrad on the same h, a and d_h. dw dtype `dwt`;
+// with `accumulate`, dw starts at 1 everywhere.
+struct Fp8WgradResult {
+  Tensor dw1, dw2, dw1_16, dw2_16;  // CPU copies, float32
+};
+
+inline Fp8WgradResult run_fp8_wgrad(Device dev, uint32_t seed, DType dwt, bool accumulate) {
+  const int64_t E = 3, H = 256, F = 128, N1 = 2 * F, rows = 512;
+  const std::vector<int64_t> offsets = {0, 128, 128, 384}, real = {40, 0, 200};
+  std::mt19937 rng(seed);
+  std::normal_distribution<float> nd(0.0f, 1.0f);
+  auto randn = [&](std::vector<int64_t> shape, DType dt, float scale) {
+    Tensor t = make_tensor(shape, dt);
+    for (int64_t i = 0; i < t.numel(); ++i) detail::store_float(t.data(), dt, i, nd(rng) * scale);
+    return t;
+  };
+  const DType bf = DType::kBFloat16, f32 = DType::kFloat32, e4 = DType::kFloat8E4M3;
+  Tensor x = randn({rows, H}, bf, 1.0f), dy = randn({rows, H}, bf, 1.0f);
+  Tensor w1 = randn({E, N1, H}, bf, 1.0f / 16), w2 = randn({E, H, F}, bf, 1.0f / std::sqrt(128.f));
+  Tensor probs = make_tensor({rows}, f32);
+  for (int64_t i = 0; i < rows; ++i) probs.data_ptr<float>()[i] = 0.25f + 0.5f * (i % 7) / 7.0f;
+  Tensor offs = make_tensor({E + 1}, DType::kInt64), rr = make_tensor({E}, DType::kInt32);
+  for (int64_t e = 0; e <= E; ++e) offs.data_ptr<int64_t>()[e] = offsets[e];
+  for (int64_t e = 0; e < E; ++e) rr.data_ptr<int32_t>()[e] = static_cast<int32_t>(real[e]);
+  for (int64_t e = 0; e < E; ++e)  // pad rows: zeros, as permute writes them
+    for (int64_t row = offsets[e] + real[e]; row < offsets[e + 1]; ++row)
+      for (int64_t k = 0; k < H; ++k) {
+        detail::store_float(x.data(), bf, row * H + k, 0.0f);
+        detail::store_float(dy.data(), bf, row * H + k, 0.0f);
+      }
+  Tensor xd = x.to(dev), dyd = dy.to(dev), pd = probs.to(dev), offs_d = offs.to(dev),
+         real_d = rr.to(dev), w1d = w1.to(dev), w2d = w2.to(dev);
+  GroupLayout g;
+  g.offsets = offs_d;
+  g.real_rows = real_d;
+  GroupedMlpWeights w;
+  w.fc1 = w1d;
+  w.fc2 = w2d;
+  GroupedMlpConfig cfg;
+  Tensor q1 = poisoned({E, N1, H}, e4, dev), s1 = poisoned({E, N1 / 128, H / 128}, f32, dev);
+  Tensor q2 = poisoned({E, H, F}, e4, dev), s2 = poisoned({E, H / 128, F / 128}, f32, dev);
+  Tensor q1t = poisoned({E, H, N1}, e4, dev), s1t = poisoned({E, H / 128, N1 / 128}, f32, dev);
+  Tensor q2t = poisoned({E, F, H}, e4, dev), s2t = poisoned({E, F / 128, H / 128}, f32, dev);
+  GroupedMlpFp8Weights q{q1, s1, q2, s2, q1t, s1t, q2t, s2t};
+  Tensor codes = poisoned({rows * std::max(H, N1)}, DType::kUInt8, dev);
+  Tensor scales = poisoned({rows * std::max(H, N1) / 128}, f32, dev);
+  GroupedMlpFp8Scratch scratch{codes, scales};
+  grouped_mlp_fp8_weights(w, q);
+  Tensor y = poisoned({rows, H}, bf, dev), h = poisoned({rows, N1}, bf, dev);
+  grouped_mlp_fp8_forward(xd, q, g, pd, cfg, y, h, scratch);
+  Tensor d_h = poisoned({rows, N1}, bf, dev);
+  grouped_mlp_fp8_backward_dgrad(dyd, q, g, pd, cfg, h, {}, d_h, {}, scratch);
+  // rows past the groups: finite garbage (their own 128-row blocks, never read)
+  for (Tensor* t : {&h, &d_h}) {
+    Tensor c = t->to(Device::cpu());
+    for (int64_t i = offsets[E] * N1; i < rows * N1; ++i)
+      detail::store_float(c.data(), bf, i, 3.0f);
+    *t = c.to(dev);
+  }
+
+  auto start = [&](std::vector<int64_t> shape, DType dt) {
+    Tensor t = make_tensor(shape, dt);
+    for (int64_t i = 0; i < t.numel(); ++i) detail::store_float(t.data(), dt, i, 1.0f);
+    return accumulate ? t.to(dev) : poisoned(shape, dt, dev);
+  };
+  Tensor dw1 = start({E, N1, H}, dwt), dw2 = start({E, H, F}, dwt);
+  Tensor wc = poisoned({rows * (H + N1)}, DType::kUInt8, dev);
+  Tensor ws = poisoned({(H + N1) * (rows / 128)}, f32, dev);
+  Tensor wa = poisoned({rows * F}, bf, dev);
+  grouped_mlp_fp8_backward_wgrad(xd, dyd, g, pd, cfg, h, d_h, dw1, dw2, accumulate,
+                                 GroupedMlpFp8WgradScratch{wc, ws, wa});
+  Tensor a16 = poisoned({rows, F}, bf, dev);
+  grouped_mlp_recompute_activation(h, g, pd, cfg, a16);
+  Tensor r1 = start({E, N1, H}, dwt), r2 = start({E, H, F}, dwt);
+  GroupedMlpGrads grads;
+  grads.dw1 = r1;
+  grads.dw2 = r2;
+  grads.accumulate = accumulate;
+  grouped_mlp_backward_wgrad(dyd, xd, g, GroupedMlpSaved{h, a16}, d_h, grads);
+  const auto f = [&](const Tensor& t) {
+    Tensor c = t.to(Device::cpu()), o = make_tensor(c.sizes(), f32);
+    for (int64_t i = 0; i < c.numel(); ++i)
+      o.data_ptr<float>()[i] = at(c, i) - (accumulate ? 1.0f : 0.0f);
+    return o;
+  };
+  return {f(dw1), f(dw2), f(r1), f(r2)};
+}
+
 // Relative Frobenius error and DeepGEMM's calc_diff over the first n values.
 inline std::pair<double, double> fp8_errors(const Tensor& got, const Tensor& want, int64_t n) {
   double num = 0, den = 0, dot = 0, gg = 0;

@@ -2,9 +2,10 @@
 // docs/fp8.md, "Precision recipes"): FC1, FC2 and both input gradients run
 // through grouped_gemm_fp8_forward on e4m3 codes, activations in 1x128
 // blocks, weights in 128x128 blocks, float32 scales promoted every 128 of
-// K. The weight gradients stay 16-bit GEMMs: grouped_mlp_backward_wgrad on
-// x, a (grouped_mlp_recompute_activation from h), dy and d_h, exactly as in
-// the bf16 MLP. The same formulas as moeflow/grouped_mlp.h; no biases.
+// K. The weight gradients: 16-bit GEMMs (grouped_mlp_backward_wgrad on x,
+// a recomputed from h, dy and d_h, exactly as in the bf16 MLP), or FP8
+// (grouped_mlp_fp8_backward_wgrad below; each expert's rows starting at a
+// multiple of 128). The same formulas as moeflow/grouped_mlp.h; no biases.
 //
 // Shapes: x [rows, H], h [rows, N1] (N1 = 2F gated, F plain), y [rows, H];
 // bf16 data, H, N1 and F multiples of 128, the weights stacked. x, y, dy
@@ -60,6 +61,34 @@ void grouped_mlp_fp8_backward_dgrad(TensorView dy, const GroupedMlpFp8Weights& q
                                     const GroupedMlpConfig& config, TensorView h, TensorView dx,
                                     TensorView d_h, TensorView dprobs,
                                     const GroupedMlpFp8Scratch& scratch,
+                                    cudaStream_t stream = nullptr);
+
+// The FP8 weight gradients' scratch (caller-owned): codes uint8 or e4m3 of
+// >= rows * (H + N1) bytes, 16-byte aligned; scales float32 of >= (H + N1) *
+// ceil(rows / 128) elements; a bf16 of >= rows * F elements (a recomputed
+// from h; only with dw2). All contiguous.
+struct GroupedMlpFp8WgradScratch {
+  TensorView codes;
+  TensorView scales;
+  TensorView a;
+};
+
+// The weight gradients in FP8: dw2[e] (+)= dy_e^T a_e and dw1[e] (+)=
+// d_h_e^T x_e through grouped_gemm_fp8_wgrad, the operands quantized along
+// the rows (quantize_rowwise_columnwise's columnwise codes: 1x128 blocks of
+// 128 rows, scales slice-major), a recomputed from h and probs
+// (grouped_mlp_recompute_activation). dw2 [E, H, F] needs dy [rows, H];
+// dw1 [E, N1, H] needs x [rows, H] and d_h [rows, N1] (the dgrad's d(h));
+// either may be left undefined. dw float32 or bf16, stacked; accumulate as
+// in grouped_gemm_fp8_wgrad. rows a multiple of 16; every group with real
+// rows must start at a multiple of 128 (a plan with align 128): CUDA sets
+// groups.error and leaves that expert's gradient as it was, the CPU throws.
+// Pad rows enter the columnwise scales: they should be zero (as permute,
+// dispatch and backward_dgrad write them).
+void grouped_mlp_fp8_backward_wgrad(TensorView x, TensorView dy, const GroupLayout& groups,
+                                    TensorView probs, const GroupedMlpConfig& config,
+                                    TensorView h, TensorView d_h, TensorView dw1, TensorView dw2,
+                                    bool accumulate, const GroupedMlpFp8WgradScratch& scratch,
                                     cudaStream_t stream = nullptr);
 
 }  // namespace moeflow

@@ -1,7 +1,9 @@
 // The grouped expert MLP with the blockwise FP8 recipe
 // (moeflow/grouped_mlp_fp8.h): argument checks, then the composition of
 // public ops (quantize, grouped_gemm_fp8_forward, the activation's quantize
-// and backward, transpose_codes), on the backend of x's device.
+// and backward, transpose_codes; for the FP8 weight gradients
+// quantize_rowwise_columnwise and grouped_gemm_fp8_wgrad), on the backend of
+// x's device.
 #include "moeflow/grouped_mlp_fp8.h"
 
 #include <algorithm>
@@ -114,6 +116,19 @@ void check_common(const Fp8Dims& d, const GroupLayout& groups, TensorView probs,
                   "config.glu_interleave must divide F=", d.ffn, ", got ", c.glu_interleave);
 }
 
+// Operand `slot` (0 or 1) of the wgrad scratch: the columnwise codes [cols,
+// rows] after `before` columns' worth, and their scales as the transpose of
+// a contiguous [ceil(rows/128), cols] block (the layout the wgrad reads
+// fastest).
+Operand wgrad_operand(const GroupedMlpFp8WgradScratch& s, int64_t rows, int64_t before,
+                      int64_t cols, Device dev) {
+  const int64_t nb = (rows + kB - 1) / kB;
+  auto* codes = static_cast<uint8_t*>(s.codes.data) + before * rows;
+  auto* scales = static_cast<float*>(s.scales.data) + before * nb;
+  return {TensorView(codes, DType::kFloat8E4M3, dev, {cols, rows}),
+          TensorView::strided(scales, DType::kFloat32, dev, {cols, nb}, {1, cols})};
+}
+
 }  // namespace
 
 void grouped_mlp_fp8_weights(const GroupedMlpWeights& w, const GroupedMlpFp8Weights& q,
@@ -193,6 +208,78 @@ void grouped_mlp_fp8_backward_dgrad(TensorView dy, const GroupedMlpFp8Weights& q
   if (!dx.defined()) return;
   const Operand dhq = quantize_rows(d_h, scratch, d, stream);
   grouped_gemm_fp8_forward(dhq.codes, dhq.scales, q.fc1_t, q.fc1_t_scales, groups, dx, stream);
+}
+
+void grouped_mlp_fp8_backward_wgrad(TensorView x, TensorView dy, const GroupLayout& groups,
+                                    TensorView probs, const GroupedMlpConfig& c, TensorView h,
+                                    TensorView d_h, TensorView dw1, TensorView dw2,
+                                    bool accumulate, const GroupedMlpFp8WgradScratch& scratch,
+                                    cudaStream_t stream) {
+  MOEFLOW_CHECK(dw1.defined() || dw2.defined(),
+                "grouped_mlp_fp8_backward_wgrad needs dw1, dw2 or both");
+  MOEFLOW_CHECK(h.defined() && h.ndim == 2, "h must be [rows,N1], got ", h.str());
+  MOEFLOW_CHECK(groups.offsets.defined() && groups.offsets.ndim == 1 &&
+                    groups.offsets.shape[0] >= 2,
+                "groups.offsets must be [E+1] with E >= 1, got ", groups.offsets.str());
+  const TensorView& xh = dw1.defined() ? x : dy;  // a [rows, H] operand names H
+  MOEFLOW_CHECK(xh.defined() && xh.ndim == 2, dw1.defined() ? "x" : "dy",
+                " must be [rows,H], got ", xh.str());
+  const bool gated = is_gated(c.activation);
+  Fp8Dims d{h.shape[0], xh.shape[1], gated ? h.shape[1] / 2 : h.shape[1], h.shape[1],
+            groups.offsets.shape[0] - 1, h.device};
+  MOEFLOW_CHECK(d.hidden % kB == 0 && d.ffn % kB == 0 && d.hidden > 0 && d.ffn > 0 &&
+                    (!gated || d.n1 == 2 * d.ffn),
+                "the FP8 wgrad needs H and F positive multiples of 128 (h [rows, N1], N1 = ",
+                gated ? "2 x " : "", "F), got H=", d.hidden, " N1=", d.n1);
+  MOEFLOW_CHECK(d.rows % 16 == 0, "the FP8 wgrad needs rows to be a multiple of 16 (16-byte rows "
+                "of the transposed codes), got ", d.rows);
+  check_common(d, groups, probs, c, h);
+  const int64_t E = d.experts, H = d.hidden, F = d.ffn, N1 = d.n1, rows = d.rows;
+  const int64_t nb = (rows + kB - 1) / kB;
+  MOEFLOW_CHECK(scratch.codes.defined() && scratch.codes.is_contiguous() &&
+                    scratch.scales.defined() && scratch.scales.is_contiguous(),
+                "scratch.codes and scratch.scales must be given, contiguous");
+  MOEFLOW_CHECK(scratch.codes.device == d.dev && scratch.scales.device == d.dev,
+                "scratch.codes and scratch.scales must be on ", d.dev.str());
+  MOEFLOW_CHECK((scratch.codes.dtype == DType::kUInt8 ||
+                 scratch.codes.dtype == DType::kFloat8E4M3) &&
+                    scratch.codes.numel() >= rows * (H + N1),
+                "scratch.codes must be uint8 or float8_e4m3 with >= rows x (H + N1) = ",
+                rows * (H + N1), " elements, got ", scratch.codes.str());
+  MOEFLOW_CHECK(reinterpret_cast<uintptr_t>(scratch.codes.data) % 16 == 0,
+                "scratch.codes must be 16-byte aligned");
+  MOEFLOW_CHECK(scratch.scales.dtype == DType::kFloat32 && scratch.scales.numel() >= (H + N1) * nb,
+                "scratch.scales must be float32 with >= (H + N1) x ceil(rows/128) = ",
+                (H + N1) * nb, " elements, got ", scratch.scales.str());
+  const QuantizeConfig cfg = rows_1x128();
+  if (dw2.defined()) {
+    detail::expect(dy, "dy", rows_expect(DType::kBFloat16, rows, H, d.dev));
+    detail::expect(dw2, "dw2", Expect{{DType::kFloat32, DType::kBFloat16}, {E, H, F}, d.dev});
+    MOEFLOW_CHECK(scratch.a.defined() && scratch.a.is_contiguous() &&
+                      scratch.a.dtype == DType::kBFloat16 && scratch.a.device == d.dev &&
+                      scratch.a.numel() >= rows * F,
+                  "scratch.a must be bfloat16 on ", d.dev.str(), ", contiguous, with >= rows x F = ",
+                  rows * F, " elements (dw2 recomputes a), got ", scratch.a.str());
+    const TensorView a(scratch.a.data, DType::kBFloat16, d.dev, {rows, F});
+    grouped_mlp_recompute_activation(h, groups, probs, c, a, stream);
+    const Operand dyt = wgrad_operand(scratch, rows, 0, H, d.dev);
+    const Operand at = wgrad_operand(scratch, rows, H, F, d.dev);
+    quantize_rowwise_columnwise(dy, cfg, {}, {}, dyt.codes, dyt.scales, stream);
+    quantize_rowwise_columnwise(a, cfg, {}, {}, at.codes, at.scales, stream);
+    grouped_gemm_fp8_wgrad(dyt.codes, dyt.scales, at.codes, at.scales, groups,
+                           GroupedWeights::from_stacked(dw2), accumulate, stream);
+  }
+  if (dw1.defined()) {
+    detail::expect(x, "x", rows_expect(DType::kBFloat16, rows, H, d.dev));
+    detail::expect(d_h, "d_h", rows_expect(DType::kBFloat16, rows, N1, d.dev));
+    detail::expect(dw1, "dw1", Expect{{DType::kFloat32, DType::kBFloat16}, {E, N1, H}, d.dev});
+    const Operand dht = wgrad_operand(scratch, rows, 0, N1, d.dev);
+    const Operand xt = wgrad_operand(scratch, rows, N1, H, d.dev);
+    quantize_rowwise_columnwise(d_h, cfg, {}, {}, dht.codes, dht.scales, stream);
+    quantize_rowwise_columnwise(x, cfg, {}, {}, xt.codes, xt.scales, stream);
+    grouped_gemm_fp8_wgrad(dht.codes, dht.scales, xt.codes, xt.scales, groups,
+                           GroupedWeights::from_stacked(dw1), accumulate, stream);
+  }
 }
 
 }  // namespace moeflow
