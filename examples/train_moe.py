@@ -10,6 +10,7 @@ at the end that it fell (exit status 1 if not).
 
     PYTHONPATH=build/python .venv/bin/python examples/train_moe.py            # tiny, CPU
     PYTHONPATH=build/python python3 examples/train_moe.py --config gpu        # larger, CUDA
+    ... --config tiny-fp8 --precision fp8-blockwise [--fp8-wgrad]             # FP8 experts
 
 On the CPU the experts run through moeflow's CPU reference backend (bf16
 experts, float32 elsewhere; bf16 throughout on CUDA); everything else is
@@ -48,13 +49,16 @@ CONFIGS = {
     # vocab, d_model, heads, blocks, experts, top-k, expert FFN, seq, batch, steps, lr
     "tiny": dict(vocab=64, d=64, heads=4, blocks=1, experts=8, topk=2, ffn=64, seq=32,
                  batch=8, steps=200, lr=3e-3),
+    # the smallest shape the FP8 recipes take (hidden and FFN sizes multiples of 128)
+    "tiny-fp8": dict(vocab=64, d=128, heads=4, blocks=1, experts=8, topk=2, ffn=128, seq=32,
+                     batch=8, steps=200, lr=3e-3),
     "gpu": dict(vocab=4096, d=1024, heads=16, blocks=2, experts=32, topk=4, ffn=512, seq=512,
                 batch=16, steps=300, lr=1e-3),
 }
 
 
 class Block(torch.nn.Module):
-    def __init__(self, c, dtype, expert_dtype, device, ep_group=None):
+    def __init__(self, c, dtype, expert_dtype, device, ep_group=None, precision=None):
         super().__init__()
         d = c["d"]
         self.heads = c["heads"]
@@ -65,7 +69,7 @@ class Block(torch.nn.Module):
         self.moe = moeflow.MoELayer(d, c["ffn"], c["experts"], c["topk"],
                                     score_function="softmax", aux_loss_coeff=1e-2,
                                     z_loss_coeff=1e-3, params_dtype=expert_dtype,
-                                    device=device, ep_group=ep_group)
+                                    device=device, ep_group=ep_group, **(precision or {}))
 
     def forward(self, x):
         B, S, d = x.shape
@@ -77,11 +81,11 @@ class Block(torch.nn.Module):
 
 
 class MoETransformer(torch.nn.Module):
-    def __init__(self, c, dtype, expert_dtype, device, ep_group=None):
+    def __init__(self, c, dtype, expert_dtype, device, ep_group=None, precision=None):
         super().__init__()
         self.embed = torch.nn.Embedding(c["vocab"], c["d"], device=device, dtype=dtype)
-        self.blocks = torch.nn.ModuleList(Block(c, dtype, expert_dtype, device, ep_group)
-                                          for _ in range(c["blocks"]))
+        self.blocks = torch.nn.ModuleList(Block(c, dtype, expert_dtype, device, ep_group,
+                                                precision) for _ in range(c["blocks"]))
         self.norm = torch.nn.RMSNorm(c["d"], device=device, dtype=dtype)
         torch.nn.init.normal_(self.embed.weight, std=c["d"] ** -0.5)  # logits of order 1
 
@@ -188,9 +192,21 @@ def main():
                     help="moeflow.ep backend (default: nvlink on CUDA, reference on the CPU)")
     ap.add_argument("--uneven-tokens", action="store_true",
                     help="rank r trains on batch - r sequences a step (at least 1)")
+    ap.add_argument("--precision", choices=("bf16", "fp8-blockwise", "fp8-tensorwise"),
+                    default="bf16", help="the experts' GEMMs (MoELayer(precision=...); FP8 "
+                    "needs --config tiny-fp8 or gpu on the CPU or a Hopper GPU)")
+    ap.add_argument("--fp8-wgrad", action="store_true",
+                    help="fp8-blockwise: the weight gradients in FP8 too (rows aligned to 128)")
     args = ap.parse_args()
     if not args.expert_parallel and (args.ep_backend or args.uneven_tokens):
         ap.error("--ep-backend and --uneven-tokens need --expert-parallel")
+    if args.fp8_wgrad and args.precision != "fp8-blockwise":
+        ap.error("--fp8-wgrad needs --precision fp8-blockwise")
+    if args.precision != "bf16" and args.config == "tiny":
+        ap.error(f"--precision {args.precision} needs hidden and FFN sizes that are multiples "
+                 f"of 128: --config tiny-fp8 or gpu")
+    align = 128 if args.fp8_wgrad else 16
+    precision = dict(precision=args.precision, fp8_wgrad=args.fp8_wgrad, align=align)
     c = dict(CONFIGS[args.config])
     if args.steps:
         c["steps"] = args.steps
@@ -211,7 +227,7 @@ def main():
         rank, world, device = init_distributed(device)
         # One group for every MoE layer (each dispatch keeps its own handle).
         group = moeflow.ep.Group(num_experts=c["experts"], topk=c["topk"], hidden_size=c["d"],
-                                 dtype=expert_dtype, backend=backend,
+                                 dtype=expert_dtype, backend=backend, align=align,
                                  max_tokens_per_rank=c["batch"] * c["seq"])
         batches = [max(1, c["batch"] - r) if args.uneven_tokens else c["batch"]
                    for r in range(world)]  # sequences a step, per rank
@@ -219,7 +235,7 @@ def main():
     torch.manual_seed(args.seed + rank)  # with expert parallelism each rank's experts differ
     gen = torch.Generator().manual_seed(args.seed)
 
-    model = MoETransformer(c, dtype, expert_dtype, device, group)
+    model = MoETransformer(c, dtype, expert_dtype, device, group, precision)
     experts, replicated = model.expert_parameters(), model.replicated_parameters()
     if group is not None:
         broadcast_parameters(replicated)
@@ -233,8 +249,9 @@ def main():
     n_params = sum(p.numel() for p in replicated) + world * sum(p.numel() for p in experts)
     if rank == 0:
         print(f"train_moe: config {args.config}, {n_params / 1e6:.2f} M parameters, "
-              f"{c['blocks']} block(s) of {c['experts']} experts top-{c['topk']}, device "
-              f"{device}; loss starts near log(vocab) = {math.log(c['vocab']):.3f}, the data's "
+              f"{c['blocks']} block(s) of {c['experts']} experts top-{c['topk']}, experts in "
+              f"{args.precision}{' with FP8 weight gradients' if args.fp8_wgrad else ''}, "
+              f"device {device}; loss starts near log(vocab) = {math.log(c['vocab']):.3f}, the data's "
               f"entropy is {entropy:.3f}", flush=True)
         if group is not None:
             print(f"train_moe: expert parallel over {world} ranks ({group.backend} backend), "
