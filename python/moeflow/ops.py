@@ -897,8 +897,9 @@ def grouped_mlp(x: torch.Tensor, fc1: torch.Tensor, fc2: torch.Tensor, *,
     expert's rows to start at a multiple of 128: a plan with ``align`` a
     multiple of 128, or with ``offsets=`` the ``align`` they were made with.
     The columnwise codes replace x in the saved tensors; pad rows should be
-    zero, as permute and dispatch write them (their values enter the scales). FP8 needs bfloat16 x and weights, H, N1 and F
-    multiples of 128, no biases and no wgrad_store. ``fp8_weight_cache``:
+    zero, as permute and dispatch write them (their values enter the scales).
+    FP8 needs bfloat16 x and weights, H, N1 and F multiples of 128, no biases
+    and no wgrad_store. ``fp8_weight_cache``:
     keep the weights' FP8 codes (both orientations, 2 bytes per weight
     element) on the weights while they are unchanged (same storage and
     version counter), so that micro-batches between optimizer steps, and the
