@@ -73,14 +73,24 @@ struct Shape {
 };
 
 TEST_F(GpuQuantize, MatchesCpuBitwise) {
-  const std::vector<Shape> shapes = {{1, 1, 0, 0},     {3, 130, 5, 3},     {129, 257, 0, 16},
-                                     {256, 384, 8, 0}, {300, 1000, 24, 1}, {1000, 129, 0, 7},
-                                     {0, 5, 0, 0},     {7, 0, 0, 0},       {2, 4096, 0, 0},
+  const std::vector<Shape> shapes = {{1, 1, 0, 0},
+                                     {3, 130, 5, 3},
+                                     {129, 257, 0, 16},
+                                     {256, 384, 8, 0},
+                                     {300, 1000, 24, 1},
+                                     {1000, 129, 0, 7},
+                                     {0, 5, 0, 0},
+                                     {7, 0, 0, 0},
+                                     {2, 4096, 0, 0},
                                      // the vector kernels (16-byte rows) with partial blocks
-                                     {200, 272, 8, 16}, {130, 1024, 0, 0}, {150, 136, 0, 8},
+                                     {200, 272, 8, 16},
+                                     {130, 1024, 0, 0},
+                                     {150, 136, 0, 8},
                                      // the columnwise tile kernel (16-bit x, K % 8 == 0,
                                      // 16-byte rows of x and q) with partial tiles
-                                     {144, 264, 8, 0}, {384, 256, 0, 16}, {16, 8, 0, 0}};
+                                     {144, 264, 8, 0},
+                                     {384, 256, 0, 16},
+                                     {16, 8, 0, 0}};
   uint32_t seed = 1;
   for (const Shape& sh : shapes)
     for (DType dt : {DType::kFloat32, DType::kBFloat16, DType::kFloat16}) {
@@ -143,8 +153,7 @@ TEST_F(GpuQuantize, RowwiseColumnwiseMatchesCpuBitwise) {
             for (bool slice_major : {false, true}) {
               SCOPED_TRACE(std::to_string(M) + "x" + std::to_string(K) + " " + dtype_name(dt) +
                            " " + dtype_name(out) + " pow2 " + std::to_string(pow2) + " rowwise " +
-                           std::to_string(rowwise) + " slice-major " +
-                           std::to_string(slice_major));
+                           std::to_string(rowwise) + " slice-major " + std::to_string(slice_major));
               const QuantizeConfig cfg{out, QuantScaling::kBlock1x128, pow2, false};
               const int64_t ldq = K + sh.q_pad, ldt = M + sh.q_pad;
               // the references: quantize, rowwise and columnwise
@@ -168,17 +177,16 @@ TEST_F(GpuQuantize, RowwiseColumnwiseMatchesCpuBitwise) {
                 TensorView st = slice_major ? TensorView::strided(st_buf.data(), DType::kFloat32,
                                                                   dev, {K, nbm}, {1, K})
                                             : TensorView(st_buf);
-                quantize_rowwise_columnwise(rows_view(xs, M, K), cfg,
-                                            rowwise ? rows_view(q, M, K) : TensorView{},
-                                            rowwise ? TensorView(s) : TensorView{},
-                                            rows_view(qt, K, M), st);
+                quantize_rowwise_columnwise(
+                    rows_view(xs, M, K), cfg, rowwise ? rows_view(q, M, K) : TensorView{},
+                    rowwise ? TensorView(s) : TensorView{}, rows_view(qt, K, M), st);
                 MOEFLOW_CUDA_CHECK(cudaDeviceSynchronize());
                 if (rowwise) {
                   ASSERT_TRUE(bytes_equal(s.to(Device::cpu()), s_c));
                   ASSERT_TRUE(same_rows(q.to(Device::cpu()), q_c, M, K));
                 } else {
-                  ASSERT_TRUE(bytes_equal(q.to(Device::cpu()), poisoned({M, ldq}, out,
-                                                                        Device::cpu())));
+                  ASSERT_TRUE(
+                      bytes_equal(q.to(Device::cpu()), poisoned({M, ldq}, out, Device::cpu())));
                 }
                 ASSERT_TRUE(same_rows(qt.to(Device::cpu()), qt_c, K, M));
                 Tensor st_host = st_buf.to(Device::cpu());
@@ -186,8 +194,8 @@ TEST_F(GpuQuantize, RowwiseColumnwiseMatchesCpuBitwise) {
                   for (int64_t b = 0; b < nbm; ++b) {
                     const float got = at(st_host, slice_major ? b * K + c : c * nbm + b);
                     const float want = at(st_c, c * nbm + b);
-                    ASSERT_EQ(std::memcmp(&got, &want, 4), 0) << "scales_t[" << c << "," << b
-                                                              << "]";
+                    ASSERT_EQ(std::memcmp(&got, &want, 4), 0)
+                        << "scales_t[" << c << "," << b << "]";
                   }
               }
             }
@@ -203,20 +211,24 @@ TEST_F(GpuQuantize, RowwiseColumnwiseBadInput) {
   const QuantizeConfig cfg{};
   QuantizeConfig bad = cfg;
   bad.scaling = QuantScaling::kBlock128x128;
-  EXPECT_NE(message_of([&] { quantize_rowwise_columnwise(x, bad, q, s, qt, st); })
-                .find("config.scaling must be kBlock1x128"),
+  EXPECT_NE(message_of([&] {
+              quantize_rowwise_columnwise(x, bad, q, s, qt, st);
+            }).find("config.scaling must be kBlock1x128"),
             std::string::npos);
   bad = cfg;
   bad.columnwise = true;
-  EXPECT_NE(message_of([&] { quantize_rowwise_columnwise(x, bad, q, s, qt, st); })
-                .find("config.columnwise must be false"),
+  EXPECT_NE(message_of([&] {
+              quantize_rowwise_columnwise(x, bad, q, s, qt, st);
+            }).find("config.columnwise must be false"),
             std::string::npos);
-  EXPECT_NE(message_of([&] { quantize_rowwise_columnwise(x, cfg, q, TensorView{}, qt, st); })
-                .find("give both q and scales"),
+  EXPECT_NE(message_of([&] {
+              quantize_rowwise_columnwise(x, cfg, q, TensorView{}, qt, st);
+            }).find("give both q and scales"),
             std::string::npos);
   Tensor st_bad = Tensor::empty({2, 256}, DType::kFloat32, kGpu);
-  EXPECT_NE(message_of([&] { quantize_rowwise_columnwise(x, cfg, q, s, qt, st_bad); })
-                .find("scales_t ([K, ceil(M/128)]) must be float32 [256,2]"),
+  EXPECT_NE(message_of([&] {
+              quantize_rowwise_columnwise(x, cfg, q, s, qt, st_bad);
+            }).find("scales_t ([K, ceil(M/128)]) must be float32 [256,2]"),
             std::string::npos);
 }
 

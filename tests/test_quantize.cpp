@@ -321,11 +321,13 @@ TEST(Quantize, RowwiseColumnwiseIsBothQuantizes) {
   // bad input names the argument
   QuantizeConfig bad = cfg;
   bad.scaling = QuantScaling::kTensorwise;
-  EXPECT_NE(message_of([&] { quantize_rowwise_columnwise(x, bad, q, s, qt, st2); })
-                .find("config.scaling must be kBlock1x128"),
+  EXPECT_NE(message_of([&] {
+              quantize_rowwise_columnwise(x, bad, q, s, qt, st2);
+            }).find("config.scaling must be kBlock1x128"),
             std::string::npos);
-  EXPECT_NE(message_of([&] { quantize_rowwise_columnwise(x, cfg, q, s, qt, st); })
-                .find("scales_t ([K, ceil(M/128)]) must be float32 [136,3]"),
+  EXPECT_NE(message_of([&] {
+              quantize_rowwise_columnwise(x, cfg, q, s, qt, st);
+            }).find("scales_t ([K, ceil(M/128)]) must be float32 [136,3]"),
             std::string::npos);
 }
 

@@ -86,9 +86,9 @@ struct GroupedMlpFp8WgradScratch {
 // Pad rows enter the columnwise scales: they should be zero (as permute,
 // dispatch and backward_dgrad write them).
 void grouped_mlp_fp8_backward_wgrad(TensorView x, TensorView dy, const GroupLayout& groups,
-                                    TensorView probs, const GroupedMlpConfig& config,
-                                    TensorView h, TensorView d_h, TensorView dw1, TensorView dw2,
-                                    bool accumulate, const GroupedMlpFp8WgradScratch& scratch,
+                                    TensorView probs, const GroupedMlpConfig& config, TensorView h,
+                                    TensorView d_h, TensorView dw1, TensorView dw2, bool accumulate,
+                                    const GroupedMlpFp8WgradScratch& scratch,
                                     cudaStream_t stream = nullptr);
 
 }  // namespace moeflow

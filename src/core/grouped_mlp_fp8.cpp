@@ -212,27 +212,32 @@ void grouped_mlp_fp8_backward_dgrad(TensorView dy, const GroupedMlpFp8Weights& q
 
 void grouped_mlp_fp8_backward_wgrad(TensorView x, TensorView dy, const GroupLayout& groups,
                                     TensorView probs, const GroupedMlpConfig& c, TensorView h,
-                                    TensorView d_h, TensorView dw1, TensorView dw2,
-                                    bool accumulate, const GroupedMlpFp8WgradScratch& scratch,
-                                    cudaStream_t stream) {
+                                    TensorView d_h, TensorView dw1, TensorView dw2, bool accumulate,
+                                    const GroupedMlpFp8WgradScratch& scratch, cudaStream_t stream) {
   MOEFLOW_CHECK(dw1.defined() || dw2.defined(),
                 "grouped_mlp_fp8_backward_wgrad needs dw1, dw2 or both");
   MOEFLOW_CHECK(h.defined() && h.ndim == 2, "h must be [rows,N1], got ", h.str());
-  MOEFLOW_CHECK(groups.offsets.defined() && groups.offsets.ndim == 1 &&
-                    groups.offsets.shape[0] >= 2,
-                "groups.offsets must be [E+1] with E >= 1, got ", groups.offsets.str());
+  MOEFLOW_CHECK(
+      groups.offsets.defined() && groups.offsets.ndim == 1 && groups.offsets.shape[0] >= 2,
+      "groups.offsets must be [E+1] with E >= 1, got ", groups.offsets.str());
   const TensorView& xh = dw1.defined() ? x : dy;  // a [rows, H] operand names H
-  MOEFLOW_CHECK(xh.defined() && xh.ndim == 2, dw1.defined() ? "x" : "dy",
-                " must be [rows,H], got ", xh.str());
+  MOEFLOW_CHECK(xh.defined() && xh.ndim == 2, dw1.defined() ? "x" : "dy", " must be [rows,H], got ",
+                xh.str());
   const bool gated = is_gated(c.activation);
-  Fp8Dims d{h.shape[0], xh.shape[1], gated ? h.shape[1] / 2 : h.shape[1], h.shape[1],
-            groups.offsets.shape[0] - 1, h.device};
+  Fp8Dims d{h.shape[0],
+            xh.shape[1],
+            gated ? h.shape[1] / 2 : h.shape[1],
+            h.shape[1],
+            groups.offsets.shape[0] - 1,
+            h.device};
   MOEFLOW_CHECK(d.hidden % kB == 0 && d.ffn % kB == 0 && d.hidden > 0 && d.ffn > 0 &&
                     (!gated || d.n1 == 2 * d.ffn),
                 "the FP8 wgrad needs H and F positive multiples of 128 (h [rows, N1], N1 = ",
                 gated ? "2 x " : "", "F), got H=", d.hidden, " N1=", d.n1);
-  MOEFLOW_CHECK(d.rows % 16 == 0, "the FP8 wgrad needs rows to be a multiple of 16 (16-byte rows "
-                "of the transposed codes), got ", d.rows);
+  MOEFLOW_CHECK(d.rows % 16 == 0,
+                "the FP8 wgrad needs rows to be a multiple of 16 (16-byte rows "
+                "of the transposed codes), got ",
+                d.rows);
   check_common(d, groups, probs, c, h);
   const int64_t E = d.experts, H = d.hidden, F = d.ffn, N1 = d.n1, rows = d.rows;
   const int64_t nb = (rows + kB - 1) / kB;
@@ -241,11 +246,11 @@ void grouped_mlp_fp8_backward_wgrad(TensorView x, TensorView dy, const GroupLayo
                 "scratch.codes and scratch.scales must be given, contiguous");
   MOEFLOW_CHECK(scratch.codes.device == d.dev && scratch.scales.device == d.dev,
                 "scratch.codes and scratch.scales must be on ", d.dev.str());
-  MOEFLOW_CHECK((scratch.codes.dtype == DType::kUInt8 ||
-                 scratch.codes.dtype == DType::kFloat8E4M3) &&
-                    scratch.codes.numel() >= rows * (H + N1),
-                "scratch.codes must be uint8 or float8_e4m3 with >= rows x (H + N1) = ",
-                rows * (H + N1), " elements, got ", scratch.codes.str());
+  MOEFLOW_CHECK(
+      (scratch.codes.dtype == DType::kUInt8 || scratch.codes.dtype == DType::kFloat8E4M3) &&
+          scratch.codes.numel() >= rows * (H + N1),
+      "scratch.codes must be uint8 or float8_e4m3 with >= rows x (H + N1) = ", rows * (H + N1),
+      " elements, got ", scratch.codes.str());
   MOEFLOW_CHECK(reinterpret_cast<uintptr_t>(scratch.codes.data) % 16 == 0,
                 "scratch.codes must be 16-byte aligned");
   MOEFLOW_CHECK(scratch.scales.dtype == DType::kFloat32 && scratch.scales.numel() >= (H + N1) * nb,
@@ -258,8 +263,9 @@ void grouped_mlp_fp8_backward_wgrad(TensorView x, TensorView dy, const GroupLayo
     MOEFLOW_CHECK(scratch.a.defined() && scratch.a.is_contiguous() &&
                       scratch.a.dtype == DType::kBFloat16 && scratch.a.device == d.dev &&
                       scratch.a.numel() >= rows * F,
-                  "scratch.a must be bfloat16 on ", d.dev.str(), ", contiguous, with >= rows x F = ",
-                  rows * F, " elements (dw2 recomputes a), got ", scratch.a.str());
+                  "scratch.a must be bfloat16 on ", d.dev.str(),
+                  ", contiguous, with >= rows x F = ", rows * F,
+                  " elements (dw2 recomputes a), got ", scratch.a.str());
     const TensorView a(scratch.a.data, DType::kBFloat16, d.dev, {rows, F});
     grouped_mlp_recompute_activation(h, groups, probs, c, a, stream);
     const Operand dyt = wgrad_operand(scratch, rows, 0, H, d.dev);

@@ -106,7 +106,8 @@ void quantize_rowwise_columnwise(TensorView x, const QuantizeConfig& config, Ten
   detail::expect(x, "x", rows_of(kArithFloats, M, K, dev));
   MOEFLOW_CHECK(q.defined() == scales.defined(),
                 "quantize_rowwise_columnwise: give both q and scales, or neither (columnwise "
-                "only), got q ", q.defined() ? "defined" : "undefined", " and scales ",
+                "only), got q ",
+                q.defined() ? "defined" : "undefined", " and scales ",
                 scales.defined() ? "defined" : "undefined");
   if (q.defined()) {
     detail::expect(q, "q", rows_of({config.out}, M, K, dev));

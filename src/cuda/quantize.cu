@@ -299,9 +299,9 @@ __global__ void __launch_bounds__(kThreads)
         w[i] = 0;
 #pragma unroll
         for (int j = 0; j < 4; ++j)
-          w[i] |= uint32_t{to_fp8<E4M3>(__fdiv_rn(to_float(src[2 * (4 * i + j) * kTilePitch]),
-                                                   scale))}
-                  << (8 * j);
+          w[i] |=
+              uint32_t{to_fp8<E4M3>(__fdiv_rn(to_float(src[2 * (4 * i + j) * kTilePitch]), scale))}
+              << (8 * j);
       }
       // Thread half 0 keeps rows 0..63 (its even rows w[0..7], the partner's
       // odd rows), half 1 rows 64..127 (the partner's w[8..15], its own).
@@ -581,7 +581,7 @@ void quantize_rowwise_columnwise(TensorView x, const QuantizeConfig& config, Ten
       constexpr bool E4M3 = decltype(fmt)::value;
       if constexpr (sizeof(T) == 2) {
         if (tile_ok(x, q, q_t)) {
-          const Dst row{static_cast<uint8_t*>(q.data), q.data ? q.strides[0] : 0, M, K,
+          const Dst row{static_cast<uint8_t*>(q.data),    q.data ? q.strides[0] : 0, M, K,
                         static_cast<float*>(scales.data), config.pow2_scales};
           launch_tile<T, E4M3>(x, row, col, stream);
           return;
@@ -591,8 +591,8 @@ void quantize_rowwise_columnwise(TensorView x, const QuantizeConfig& config, Ten
       const Src<T> src{static_cast<const T*>(x.data), 1, x.strides[0]};
       const Dst dst{col.q, col.q_stride, K, M, col.scales, config.pow2_scales};
       const int64_t nb = ceil_div(M, int64_t{kBlock});
-      quantize_1x128_kernel<T, E4M3><<<grid_for(K * nb, kWarps), kThreads, 0, stream>>>(
-          src, dst, nb, col.s0, col.s1);
+      quantize_1x128_kernel<T, E4M3>
+          <<<grid_for(K * nb, kWarps), kThreads, 0, stream>>>(src, dst, nb, col.s0, col.s1);
       MOEFLOW_CUDA_LAUNCH_CHECK();
     });
   });
