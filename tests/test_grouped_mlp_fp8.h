@@ -19,12 +19,16 @@ struct Fp8MlpResult {
   std::vector<int64_t> offsets, real;
 };
 
-inline Fp8MlpResult run_fp8_mlp(Device dev, uint32_t seed) {
-  const int64_t E = 3, H = 256, F = 128, N1 = 2 * F, rows = 192;
-  Fp8MlpResult r;
-  r.offsets = {0, 48, 48, 176};
-  r.real = {40, 0, 120};
-  r.used = r.offsets.back();
+// The host inputs of one problem: x and dy [rows, 256] bf16 (pad rows zero,
+// as permute and unpermute_backward write them), W1 [3, 256, 256] and W2
+// [3, 256, 128] bf16, probs [rows], the groups' offsets and real rows.
+struct Fp8Inputs {
+  Tensor x, dy, w1, w2, probs, offs, real;
+};
+
+inline Fp8Inputs fp8_inputs(uint32_t seed, int64_t rows, const std::vector<int64_t>& offsets,
+                            const std::vector<int64_t>& real) {
+  const int64_t E = 3, H = 256, F = 128, N1 = 2 * F;
   std::mt19937 rng(seed);
   std::normal_distribution<float> nd(0.0f, 1.0f);
   auto randn = [&](std::vector<int64_t> shape, DType dt, float scale) {
@@ -32,21 +36,37 @@ inline Fp8MlpResult run_fp8_mlp(Device dev, uint32_t seed) {
     for (int64_t i = 0; i < t.numel(); ++i) detail::store_float(t.data(), dt, i, nd(rng) * scale);
     return t;
   };
-  const DType bf = DType::kBFloat16, f32 = DType::kFloat32, e4 = DType::kFloat8E4M3;
-  Tensor x = randn({rows, H}, bf, 1.0f), dy = randn({rows, H}, bf, 1.0f);
-  Tensor w1 = randn({E, N1, H}, bf, 1.0f / 16), w2 = randn({E, H, F}, bf, 1.0f / std::sqrt(128.f));
-  Tensor probs = make_tensor({rows}, f32);
-  for (int64_t i = 0; i < rows; ++i) probs.data_ptr<float>()[i] = 0.25f + 0.5f * (i % 7) / 7.0f;
-  Tensor offs = make_tensor({E + 1}, DType::kInt64), real = make_tensor({E}, DType::kInt32);
-  for (int64_t e = 0; e <= E; ++e) offs.data_ptr<int64_t>()[e] = r.offsets[e];
-  for (int64_t e = 0; e < E; ++e) real.data_ptr<int32_t>()[e] = static_cast<int32_t>(r.real[e]);
-  // Pad rows of x and dy hold zeros, as permute and unpermute_backward write them.
+  const DType bf = DType::kBFloat16, f32 = DType::kFloat32;
+  Fp8Inputs in;
+  in.x = randn({rows, H}, bf, 1.0f);
+  in.dy = randn({rows, H}, bf, 1.0f);
+  in.w1 = randn({E, N1, H}, bf, 1.0f / 16);
+  in.w2 = randn({E, H, F}, bf, 1.0f / std::sqrt(128.f));
+  in.probs = make_tensor({rows}, f32);
+  for (int64_t i = 0; i < rows; ++i) in.probs.data_ptr<float>()[i] = 0.25f + 0.5f * (i % 7) / 7.0f;
+  in.offs = make_tensor({E + 1}, DType::kInt64);
+  in.real = make_tensor({E}, DType::kInt32);
+  for (int64_t e = 0; e <= E; ++e) in.offs.data_ptr<int64_t>()[e] = offsets[e];
+  for (int64_t e = 0; e < E; ++e) in.real.data_ptr<int32_t>()[e] = static_cast<int32_t>(real[e]);
   for (int64_t e = 0; e < E; ++e)
-    for (int64_t row = r.offsets[e] + r.real[e]; row < r.offsets[e + 1]; ++row)
+    for (int64_t row = offsets[e] + real[e]; row < offsets[e + 1]; ++row)
       for (int64_t k = 0; k < H; ++k) {
-        detail::store_float(x.data(), bf, row * H + k, 0.0f);
-        detail::store_float(dy.data(), bf, row * H + k, 0.0f);
+        detail::store_float(in.x.data(), bf, row * H + k, 0.0f);
+        detail::store_float(in.dy.data(), bf, row * H + k, 0.0f);
       }
+  return in;
+}
+
+inline Fp8MlpResult run_fp8_mlp(Device dev, uint32_t seed) {
+  const int64_t E = 3, H = 256, F = 128, N1 = 2 * F, rows = 192;
+  Fp8MlpResult r;
+  r.offsets = {0, 48, 48, 176};
+  r.real = {40, 0, 120};
+  r.used = r.offsets.back();
+  const DType bf = DType::kBFloat16, f32 = DType::kFloat32, e4 = DType::kFloat8E4M3;
+  const Fp8Inputs in = fp8_inputs(seed, rows, r.offsets, r.real);
+  const Tensor &x = in.x, &dy = in.dy, &w1 = in.w1, &w2 = in.w2, &probs = in.probs,
+               &offs = in.offs, &real = in.real;
   Tensor xd = x.to(dev), dyd = dy.to(dev), w1d = w1.to(dev), w2d = w2.to(dev), pd = probs.to(dev);
   Tensor offs_d = offs.to(dev), real_d = real.to(dev);  // the layout's storage
   GroupLayout g;
@@ -99,27 +119,10 @@ struct Fp8WgradResult {
 inline Fp8WgradResult run_fp8_wgrad(Device dev, uint32_t seed, DType dwt, bool accumulate) {
   const int64_t E = 3, H = 256, F = 128, N1 = 2 * F, rows = 512;
   const std::vector<int64_t> offsets = {0, 128, 128, 384}, real = {40, 0, 200};
-  std::mt19937 rng(seed);
-  std::normal_distribution<float> nd(0.0f, 1.0f);
-  auto randn = [&](std::vector<int64_t> shape, DType dt, float scale) {
-    Tensor t = make_tensor(shape, dt);
-    for (int64_t i = 0; i < t.numel(); ++i) detail::store_float(t.data(), dt, i, nd(rng) * scale);
-    return t;
-  };
   const DType bf = DType::kBFloat16, f32 = DType::kFloat32, e4 = DType::kFloat8E4M3;
-  Tensor x = randn({rows, H}, bf, 1.0f), dy = randn({rows, H}, bf, 1.0f);
-  Tensor w1 = randn({E, N1, H}, bf, 1.0f / 16), w2 = randn({E, H, F}, bf, 1.0f / std::sqrt(128.f));
-  Tensor probs = make_tensor({rows}, f32);
-  for (int64_t i = 0; i < rows; ++i) probs.data_ptr<float>()[i] = 0.25f + 0.5f * (i % 7) / 7.0f;
-  Tensor offs = make_tensor({E + 1}, DType::kInt64), rr = make_tensor({E}, DType::kInt32);
-  for (int64_t e = 0; e <= E; ++e) offs.data_ptr<int64_t>()[e] = offsets[e];
-  for (int64_t e = 0; e < E; ++e) rr.data_ptr<int32_t>()[e] = static_cast<int32_t>(real[e]);
-  for (int64_t e = 0; e < E; ++e)  // pad rows: zeros, as permute writes them
-    for (int64_t row = offsets[e] + real[e]; row < offsets[e + 1]; ++row)
-      for (int64_t k = 0; k < H; ++k) {
-        detail::store_float(x.data(), bf, row * H + k, 0.0f);
-        detail::store_float(dy.data(), bf, row * H + k, 0.0f);
-      }
+  const Fp8Inputs in = fp8_inputs(seed, rows, offsets, real);
+  const Tensor &x = in.x, &dy = in.dy, &w1 = in.w1, &w2 = in.w2, &probs = in.probs,
+               &offs = in.offs, &rr = in.real;
   Tensor xd = x.to(dev), dyd = dy.to(dev), pd = probs.to(dev), offs_d = offs.to(dev),
          real_d = rr.to(dev), w1d = w1.to(dev), w2d = w2.to(dev);
   GroupLayout g;
