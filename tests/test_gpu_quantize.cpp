@@ -5,7 +5,8 @@
 // zeros, tiny blocks with subnormal scales). Outputs are poisoned with 0xFF
 // first and the gaps of strided outputs must stay untouched. Also: graph
 // capture + replay of the two-kernel tensorwise path, device errors;
-// transpose_codes against the CPU reference; quantize_rowwise_columnwise.
+// transpose_codes against the CPU reference; quantize_rowwise_columnwise;
+// quotients on and next to the fp8 rounding boundaries.
 #include <cuda_runtime.h>
 
 #include "test_util.h"
@@ -198,6 +199,92 @@ TEST_F(GpuQuantize, RowwiseColumnwiseMatchesCpuBitwise) {
                         << "scales_t[" << c << "," << b << "]";
                   }
               }
+            }
+    }
+}
+
+// Values whose quotients x / scale sit on or a few float32 ulps from the
+// rounding boundaries of the fp8 grids (ties and near-ties of e4m3 and e5m2,
+// for the scale each block gets with or without pow2), with the block's amax
+// in its first column, amaxes from 2^-20 to 2^20 and around 448 * 2^-80 (the
+// smallest scale of the kernels' reciprocal division), zeros, -0 and tiny
+// values. Every kernel must still give __fdiv_rn's quotient's code.
+Tensor make_boundary_input(int64_t M, int64_t K, DType dt, uint32_t seed) {
+  Tensor x = make_tensor({M, K}, dt);
+  std::mt19937 rng(seed);
+  std::uniform_int_distribution<int> grid(0, 15), step(-3, 3), pick(0, 99);
+  for (int64_t m = 0; m < M; ++m)
+    for (int64_t b = 0; b * 128 < K; ++b) {
+      const bool e4m3 = (m + b) % 2 == 0, pow2 = (m / 2 + b) % 2 == 0;
+      int e = dt == DType::kFloat16 ? static_cast<int>(rng() % 21) - 10
+                                    : static_cast<int>(rng() % 41) - 20;
+      if (dt != DType::kFloat16 && (m + 3 * b) % 5 == 0) e = -80 + static_cast<int>(rng() % 5) - 2;
+      const float amax = std::ldexp(1.0f + static_cast<float>(rng() % 1000) / 1000.0f, e);
+      float s = amax / (e4m3 ? 448.0f : 57344.0f);
+      if (pow2) {
+        int ex;
+        const float f = std::frexp(s, &ex);
+        s = f == 0.5f ? s : std::ldexp(1.0f, ex);
+      }
+      for (int64_t k = b * 128; k < std::min(K, b * 128 + 128); ++k) {
+        // a value of the grid or a midpoint, at most 248 (e4m3) or 30720 (e5m2): below the amax
+        const int mbits = e4m3 ? 3 : 2;
+        const int n = (1 << mbits) + grid(rng) % (1 << mbits);
+        const int ex = e4m3 ? static_cast<int>(rng() % 17) - 9 : static_cast<int>(rng() % 32) - 16;
+        const double q = std::ldexp(n + (pick(rng) < 60 ? 0.5 : 0.0), ex - mbits);
+        double v = q * s * (1.0 + step(rng) * 0x1p-23);
+        const int p = pick(rng);
+        if (p == 0) v = 0.0;
+        if (p == 1) v = -0.0;
+        if (p == 2) v *= 0x1p-30;
+        if (rng() % 2) v = -v;
+        if (k == b * 128) v = (rng() % 2) ? amax : -amax;
+        detail::store_float(x.data(), dt, m * K + k, static_cast<float>(v));
+      }
+    }
+  return x;
+}
+
+TEST_F(GpuQuantize, QuotientsAtRoundingBoundariesMatchCpu) {
+  uint32_t seed = 900;
+  for (const auto& [M, K] : std::vector<std::pair<int64_t, int64_t>>{{256, 1024}, {384, 640}})
+    for (DType dt : {DType::kFloat32, DType::kBFloat16, DType::kFloat16}) {
+      Tensor x_host = make_boundary_input(M, K, dt, seed++);
+      Tensor x_dev = x_host.to(kGpu);
+      for (QuantScaling sc : {QuantScaling::kBlock1x128, QuantScaling::kBlock128x128})
+        for (DType out : {DType::kFloat8E4M3, DType::kFloat8E5M2})
+          for (bool pow2 : {false, true})
+            for (bool colw : {false, true}) {
+              SCOPED_TRACE(std::to_string(M) + "x" + std::to_string(K) + " " + dtype_name(dt) +
+                           " scaling " + std::to_string(int(sc)) + " " + dtype_name(out) +
+                           " pow2 " + std::to_string(pow2) + " col " + std::to_string(colw));
+              const QuantizeConfig cfg{out, sc, pow2, colw};
+              const int64_t R = colw ? K : M, C = colw ? M : K;
+              Tensor q_cpu = poisoned({R, C}, out, Device::cpu());
+              Tensor s_cpu = poisoned(scales_shape(R, C, sc), DType::kFloat32, Device::cpu());
+              quantize(x_host, cfg, q_cpu, s_cpu);
+              Tensor q_dev = poisoned({R, C}, out, kGpu);
+              Tensor s_dev = poisoned(scales_shape(R, C, sc), DType::kFloat32, kGpu);
+              quantize(x_dev, cfg, q_dev, s_dev);
+              MOEFLOW_CUDA_CHECK(cudaDeviceSynchronize());
+              ASSERT_TRUE(bytes_equal(s_dev.to(Device::cpu()), s_cpu));
+              ASSERT_TRUE(bytes_equal(q_dev.to(Device::cpu()), q_cpu));
+              if (sc != QuantScaling::kBlock1x128 || colw || dt == DType::kFloat32) continue;
+              // both orientations from one read (the tile kernel)
+              QuantizeConfig col = cfg;
+              col.columnwise = true;
+              Tensor qt_cpu = poisoned({K, M}, out, Device::cpu());
+              Tensor st_cpu = poisoned(scales_shape(K, M, sc), DType::kFloat32, Device::cpu());
+              quantize(x_host, col, qt_cpu, st_cpu);
+              Tensor q2 = poisoned({M, K}, out, kGpu), qt2 = poisoned({K, M}, out, kGpu);
+              Tensor s2 = poisoned(scales_shape(M, K, sc), DType::kFloat32, kGpu);
+              Tensor st2 = poisoned(scales_shape(K, M, sc), DType::kFloat32, kGpu);
+              quantize_rowwise_columnwise(x_dev, cfg, q2, s2, qt2, st2);
+              MOEFLOW_CUDA_CHECK(cudaDeviceSynchronize());
+              ASSERT_TRUE(bytes_equal(q2.to(Device::cpu()), q_cpu));
+              ASSERT_TRUE(bytes_equal(s2.to(Device::cpu()), s_cpu));
+              ASSERT_TRUE(bytes_equal(qt2.to(Device::cpu()), qt_cpu));
+              ASSERT_TRUE(bytes_equal(st2.to(Device::cpu()), st_cpu));
             }
     }
 }

@@ -4,9 +4,11 @@
 // scales), partial edge blocks against a naive formula, strided rows,
 // columnwise == rowwise of x^T, round-trip error bounds, exact round trips,
 // dequantize rounding once, bad input; transpose_codes against columnwise
-// quantization.
+// quantization; the CUDA kernels' division by the scale's reciprocal.
+#include <cmath>
 #include <cstring>
 #include <map>
+#include <random>
 
 #include "core/quantize_backend.h"
 #include "test_util.h"
@@ -123,6 +125,50 @@ TEST(Quantize, Fp8ConversionMatchesCudaHostConversion) {
       if (!check((hi << 20) | (lo << 12) | 0x0800u) || !check((hi << 20) | (lo << 12))) return;
 }
 #endif
+
+// quant::div_by_reciprocal (the CUDA kernels' division) against IEEE
+// division: bit for bit where it promises (quotients >= 2^-18, scales from
+// 2^-80 up), the same fp8 codes below; divisors with hard significands
+// (all ones, one ulp off a power of two) and random ones; signed zeros.
+TEST(Quantize, ReciprocalDivisionIsCorrectlyRounded) {
+  std::mt19937_64 rng(11);
+  std::uniform_int_distribution<uint32_t> man(0, (1u << 23) - 1);
+  int64_t checked = 0, tiny = 0;
+  auto check = [&](float x, float s) {
+    const float got = quant::div_by_reciprocal(x, s, 1.0f / s), want = x / s;
+    if (std::fabs(want) >= 0x1p-18f) {
+      ASSERT_EQ(fbits(got), fbits(want)) << std::hexfloat << x << " / " << s;
+      ++checked;
+    } else {
+      for (bool e4m3 : {true, false})
+        ASSERT_EQ(cpu::float_to_fp8(got, e4m3), cpu::float_to_fp8(want, e4m3))
+            << std::hexfloat << x << " / " << s;
+      ++tiny;
+    }
+  };
+  const uint32_t hard[] = {0x7FFFFF, 0x7FFFFE, 0x000001, 0x000000, 0x400001, 0x3FFFFF, 0x555555};
+  for (uint32_t hs : hard)
+    for (int i = 0; i < 40000; ++i) {
+      const int es = static_cast<int>(rng() % 190) - 80;  // s in [2^-80, 2^110)
+      const float s = quant::float_of(static_cast<uint32_t>(es + 127) << 23 | hs);
+      const int eq = static_cast<int>(rng() % 32) - 22;  // x / s around [2^-22, 2^10)
+      const float x = std::ldexp(1.0f + static_cast<float>(man(rng)) * 0x1p-23f, es + eq);
+      check(rng() % 2 ? x : -x, s);
+    }
+  for (int i = 0; i < 1000000; ++i) {
+    const int es = static_cast<int>(rng() % 190) - 80;
+    const float s = quant::float_of(static_cast<uint32_t>(es + 127) << 23 | man(rng));
+    const int eq = static_cast<int>(rng() % 32) - 22;
+    const float x = std::ldexp(1.0f + static_cast<float>(man(rng)) * 0x1p-23f, es + eq);
+    check(rng() % 2 ? x : -x, s);
+  }
+  EXPECT_GT(checked, 900000);
+  EXPECT_GT(tiny, 50000);
+  for (float s : {1.0f, 0x1p-80f, 3.5f, 0x1.fffffep119f}) {
+    EXPECT_EQ(fbits(quant::div_by_reciprocal(0.0f, s, 1.0f / s)), 0u);
+    EXPECT_EQ(fbits(quant::div_by_reciprocal(-0.0f, s, 1.0f / s)), 0x80000000u);
+  }
+}
 
 TEST(Quantize, Block1x128HandWorked) {
   // Row 0: amax 896 -> scale 2; row 1: zeros -> scale 1; row 2: only NaN/inf

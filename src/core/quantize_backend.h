@@ -7,6 +7,7 @@
 // xc = x.stride(0)). Arguments arrive validated.
 #pragma once
 
+#include <cmath>
 #include <cstdint>
 #include <cstring>
 
@@ -50,6 +51,24 @@ MOEFLOW_QHD float div_rn(float a, float b) {
   return __fdiv_rn(a, b);
 #else
   return a / b;
+#endif
+}
+
+// x / s from y = RN(1 / s), bit for bit div_rn(x, s) when x is finite,
+// s >= kMinReciprocalScale and |x / s| >= 2^-18 (below that the quotient can
+// be off, but it still rounds to the fp8 code of div_rn's): q0 = RN(|x| y)
+// is within an ulp, the remainder |x| - s q0 is exact (one fma), and
+// RN(q0 + r y) is the correctly rounded quotient (Markstein's theorem); the
+// sign comes from x, so -0 stays -0. The CUDA quantize kernels divide this
+// way (docs/fp8.md, "Division").
+constexpr float kMinReciprocalScale = 0x1p-80f;
+MOEFLOW_QHD float div_by_reciprocal(float x, float s, float y) {
+#if defined(__CUDA_ARCH__)
+  const float a = fabsf(x), q0 = __fmul_rn(a, y);
+  return copysignf(__fmaf_rn(__fmaf_rn(-s, q0, a), y, q0), x);
+#else
+  const float a = std::fabs(x), q0 = a * y;
+  return std::copysign(std::fma(std::fma(-s, q0, a), y, q0), x);
 #endif
 }
 

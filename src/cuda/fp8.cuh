@@ -1,8 +1,10 @@
 // The float -> fp8 code conversion of the quantization policy
 // (moeflow/quantize.h), shared by the CUDA kernels that write fp8: round to
-// nearest even with saturation (+-inf too), NaN -> quant::kFp8NaN; and the
-// 1x128 block quantization of a warp's 512-column chunk of a row (lane l:
-// columns [16 l, 16 l + 16), so 8 lanes share one block).
+// nearest even with saturation (+-inf too), NaN -> quant::kFp8NaN; the
+// division by a block's scale (its reciprocal and one correction, bit for bit
+// __fdiv_rn, for blocks of finite values); and the 1x128 block quantization
+// of a warp's 512-column chunk of a row (lane l: columns [16 l, 16 l + 16),
+// so 8 lanes share one block).
 #pragma once
 
 #include <cuda_fp8.h>
@@ -21,6 +23,74 @@ __device__ __forceinline__ uint8_t to_fp8(float v) {
       __nv_cvt_float_to_fp8(v, __NV_SATFINITE, E4M3 ? __NV_E4M3 : __NV_E5M2));
 }
 
+// |v|'s bits. Their max over a block orders the finite values as floats (its
+// float is the block's amax) and puts inf and NaN at kFp8NonFinite or above.
+__device__ __forceinline__ uint32_t abs_bits(float v) {
+  return __float_as_uint(v) & 0x7FFFFFFFu;
+}
+constexpr uint32_t kFp8NonFinite = 0x7F800000u;
+
+// |v| when finite, else 0 (quant::amax_term in float operations, so that the
+// rare path of a block with inf or NaN keeps no integer copies alive).
+__device__ __forceinline__ float finite_abs(float v) {
+  const float a = fabsf(v);
+  return a < INFINITY ? a : 0.0f;
+}
+
+// x / scale for the codes of one block, bit for bit __fdiv_rn (the policy),
+// in three instructions a value instead of a dozen: the scale's reciprocal
+// once per block, then quant::div_by_reciprocal. `fast` needs every value of
+// the block finite and s >= quant::kMinReciprocalScale; other blocks divide
+// with __fdiv_rn and map NaN as to_fp8 does.
+struct Fp8Divider {
+  float s, y;
+  bool fast;
+  __device__ __forceinline__ Fp8Divider(float scale, bool finite)
+      : s(scale), y(0.0f), fast(finite && scale >= quant::kMinReciprocalScale) {
+    if (fast) y = __frcp_rn(scale);
+  }
+  __device__ __forceinline__ float divided(float x) const {
+    return quant::div_by_reciprocal(x, s, y);
+  }
+};
+
+// Four finite quotients as four codes (two paired conversions), value 0 in the low byte.
+template <bool E4M3>
+__device__ __forceinline__ uint32_t fp8x4(float a, float b, float c, float d) {
+  constexpr __nv_fp8_interpretation_t kFmt = E4M3 ? __NV_E4M3 : __NV_E5M2;
+  const uint32_t lo = __nv_cvt_float2_to_fp8x2(make_float2(a, b), __NV_SATFINITE, kFmt);
+  const uint32_t hi = __nv_cvt_float2_to_fp8x2(make_float2(c, d), __NV_SATFINITE, kFmt);
+  return lo | (hi << 16);
+}
+
+// The same by __fdiv_rn and to_fp8 (any values): the path of the blocks that
+// Fp8Divider cannot take, kept out of line so that it costs the fast path no
+// registers.
+template <bool E4M3>
+__device__ __noinline__ uint32_t fp8x4_exact(float a, float b, float c, float d, float s) {
+  return uint32_t{to_fp8<E4M3>(__fdiv_rn(a, s))} | uint32_t{to_fp8<E4M3>(__fdiv_rn(b, s))} << 8 |
+         uint32_t{to_fp8<E4M3>(__fdiv_rn(c, s))} << 16 |
+         uint32_t{to_fp8<E4M3>(__fdiv_rn(d, s))} << 24;
+}
+
+// The codes of N values of one block, four per word (value j in byte j % 4
+// of word j / 4).
+template <bool E4M3, int N>
+__device__ __forceinline__ void fp8_codes(const float (&v)[N], const Fp8Divider& d,
+                                          uint32_t (&w)[N / 4]) {
+  static_assert(N % 4 == 0, "whole words");
+  if (d.fast) {
+#pragma unroll
+    for (int i = 0; i < N / 4; ++i)
+      w[i] = fp8x4<E4M3>(d.divided(v[4 * i]), d.divided(v[4 * i + 1]), d.divided(v[4 * i + 2]),
+                         d.divided(v[4 * i + 3]));
+  } else {
+#pragma unroll
+    for (int i = 0; i < N / 4; ++i)
+      w[i] = fp8x4_exact<E4M3>(v[4 * i], v[4 * i + 1], v[4 * i + 2], v[4 * i + 3], d.s);
+  }
+}
+
 constexpr int kFp8PerLane = 16;                                 // contiguous columns per lane
 constexpr int kFp8LanesPerBlock = quant::kBlock / kFp8PerLane;  // lanes sharing a 1x128 block
 static_assert(quant::kBlock % kFp8PerLane == 0 && kFp8LanesPerBlock <= 32, "lane layout");
@@ -31,18 +101,25 @@ static_assert(quant::kBlock % kFp8PerLane == 0 && kFp8LanesPerBlock <= 32, "lane
 template <bool E4M3>
 __device__ __forceinline__ float quantize_chunk(const float (&v)[kFp8PerLane], bool pow2,
                                                 uint32_t (&w)[kFp8PerLane / 4]) {
-  float m = 0.0f;
+  uint32_t mb = 0;
 #pragma unroll
-  for (int j = 0; j < kFp8PerLane; ++j) m = quant::amax_join(m, quant::amax_term(v[j]));
+  for (int j = 0; j < kFp8PerLane; ++j) mb = max(mb, abs_bits(v[j]));
 #pragma unroll
   for (int o = kFp8LanesPerBlock / 2; o > 0; o >>= 1)
-    m = quant::amax_join(m, __shfl_xor_sync(0xffffffffu, m, o));
-  const float scale = quant::scale_of(m, E4M3, pow2);
+    mb = max(mb, __shfl_xor_sync(0xffffffffu, mb, o));
+  const bool finite = mb < kFp8NonFinite;
+  float amax = __uint_as_float(mb);
+  if (!__all_sync(0xffffffffu, finite)) {  // inf or NaN in the chunk: the amax of the finite values
+    float m = 0.0f;
 #pragma unroll
-  for (int j = 0; j < kFp8PerLane / 4; ++j) w[j] = 0;
+    for (int j = 0; j < kFp8PerLane; ++j) m = fmaxf(m, finite_abs(v[j]));
 #pragma unroll
-  for (int j = 0; j < kFp8PerLane; ++j)
-    w[j / 4] |= uint32_t{to_fp8<E4M3>(__fdiv_rn(v[j], scale))} << (8 * (j % 4));
+    for (int o = kFp8LanesPerBlock / 2; o > 0; o >>= 1)
+      m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, o));
+    amax = m;
+  }
+  const float scale = quant::scale_of(amax, E4M3, pow2);
+  fp8_codes<E4M3>(v, Fp8Divider(scale, finite), w);
   return scale;
 }
 

@@ -6,8 +6,9 @@
 // next chunk's loads issued before the current one is quantized); lane l
 // holds columns [16 l, 16 l + 16) of the chunk, so the 8 lanes 8g..8g+7 hold
 // one 1x128 block. Per chunk: load (x is read once), amax over the block
-// (3 xor shuffles within the 8 lanes), quant::scale_of, codes by __fdiv_rn and
-// cvt.rn.satfinite (NaN -> 0x7F, as quantize.cu), then every routed slot
+// (3 xor shuffles within the 8 lanes), quant::scale_of, codes by Fp8Divider
+// (__fdiv_rn's quotients) and paired cvt.rn.satfinite (NaN -> 0x7F, as
+// quantize.cu; fp8.cuh's quantize_chunk), then every routed slot
 // (lowest k first) gets the 16 codes as one 16-byte store per lane and the
 // block's scale from the block's first lane. Pad items write code 0, scale 0
 // and prob 0. Dropped / unrouted slots write nothing. Rows that are not
@@ -89,7 +90,7 @@ struct Args {
 
 // VEC: 16-byte aligned rows and H % 16 == 0 (a lane's 16 columns are all in or all out).
 template <typename T, bool E4M3, bool VEC>
-__global__ void __launch_bounds__(kThreads) permute_quantize_kernel(Args a) {
+__global__ void __launch_bounds__(kThreads, 4) permute_quantize_kernel(Args a) {
   const int lane = threadIdx.x % kWarpSize;
   const int64_t item = int64_t{blockIdx.x} * kWarps + threadIdx.x / kWarpSize;
   if (item >= a.num_tokens + a.num_pad_items) return;
@@ -170,7 +171,7 @@ struct BwdArgs {
 };
 
 template <typename T, bool E4M3, bool VEC>
-__global__ void __launch_bounds__(kThreads) unpermute_bwd_quantize_kernel(BwdArgs a) {
+__global__ void __launch_bounds__(kThreads, 3) unpermute_bwd_quantize_kernel(BwdArgs a) {
   const int lane = threadIdx.x % kWarpSize;
   const int64_t item = int64_t{blockIdx.x} * kWarps + threadIdx.x / kWarpSize;
   if (item >= a.num_tokens + a.num_pad_items) return;

@@ -21,16 +21,17 @@
 //                  loads, byte gathers, 16-byte stores where aligned;
 //                  float32 scale grids (small): one thread per element.
 // Everything works in q coordinates (columnwise reads x through swapped
-// strides). x / scale uses __fdiv_rn, the conversion cvt.rn.satfinite
-// (__nv_cvt_float_to_fp8), NaN is mapped to 0x7F explicitly. No host sync,
-// no allocation; graph-capturable.
+// strides). x / scale is __fdiv_rn's quotient (the vector and tile kernels
+// get it from Fp8Divider, fp8.cuh), the conversion cvt.rn.satfinite, NaN is
+// mapped to 0x7F explicitly. No host sync, no allocation; graph-capturable.
 #include <cuda_fp8.h>
 
 #include <algorithm>
+#include <type_traits>
 
 #include "core/quantize_backend.h"
-#include "cuda/fp8.cuh"
 #include "cuda/common.cuh"
+#include "cuda/fp8.cuh"
 
 namespace moeflow::cuda {
 namespace {
@@ -91,6 +92,20 @@ __device__ __forceinline__ float block_amax(float m, float* smem) {
   return warp_amax(m);
 }
 
+// The max of `m` over the block's threads; every thread gets it. Reuses `smem`.
+__device__ __forceinline__ uint32_t block_max_bits(uint32_t m, float* smem) {
+  const int lane = threadIdx.x % kWarpSize, warp = threadIdx.x / kWarpSize;
+#pragma unroll
+  for (int o = kWarpSize / 2; o > 0; o >>= 1) m = max(m, __shfl_xor_sync(0xFFFFFFFFu, m, o));
+  __syncthreads();  // smem free from a previous use
+  if (lane == 0) smem[warp] = __uint_as_float(m);
+  __syncthreads();
+  m = lane < kWarps ? __float_as_uint(smem[lane]) : 0u;
+#pragma unroll
+  for (int o = kWarpSize / 2; o > 0; o >>= 1) m = max(m, __shfl_xor_sync(0xFFFFFFFFu, m, o));
+  return m;
+}
+
 template <typename T, bool E4M3>
 __global__ void __launch_bounds__(kThreads)
     quantize_1x128_kernel(Src<T> src, Dst dst, int64_t nb, int64_t ss0, int64_t ss1) {
@@ -122,7 +137,7 @@ __global__ void __launch_bounds__(kThreads)
 // kBlock1x128, rowwise, 16-byte rows: warp w handles the 512-column chunk
 // `item % chunks` of row `item / chunks` (fp8.cuh's lane layout).
 template <typename T, bool E4M3>
-__global__ void __launch_bounds__(kThreads)
+__global__ void __launch_bounds__(kThreads, 6)
     quantize_1x128_vec_kernel(const T* x, int64_t x_stride, Dst dst, int64_t nb, int64_t chunks) {
   constexpr int64_t kChunk = int64_t{kFp8PerLane} * kWarpSize;
   const int lane = threadIdx.x % kWarpSize;
@@ -155,7 +170,7 @@ __device__ __forceinline__ void load8(const T* p, float (&v)[8]) {
 // +8) of rows t / 16 + 16 i (i < 8) of the block; out-of-matrix values are
 // 0 (they leave the amax as it is) and are not stored.
 template <typename T, bool E4M3>
-__global__ void __launch_bounds__(kThreads)
+__global__ void __launch_bounds__(kThreads, 2)
     quantize_128x128_vec_kernel(const T* x, int64_t x_stride, Dst dst, int64_t nbr, int64_t nbc) {
   static_assert(kThreads == 256 && kBlock == 128, "thread layout");
   __shared__ float smem[kWarps];
@@ -164,7 +179,7 @@ __global__ void __launch_bounds__(kThreads)
     const int64_t r0 = (item / nbc) * kBlock + rg, c = (item % nbc) * kBlock + 8 * cc;
     const bool col_in = c < dst.C;
     float v[8][8];
-    float m = 0.0f;
+    uint32_t mb = 0;
 #pragma unroll
     for (int i = 0; i < 8; ++i) {
       const int64_t r = r0 + 16 * i;
@@ -175,18 +190,28 @@ __global__ void __launch_bounds__(kThreads)
         for (int j = 0; j < 8; ++j) v[i][j] = 0.0f;
       }
 #pragma unroll
-      for (int j = 0; j < 8; ++j) m = quant::amax_join(m, quant::amax_term(v[i][j]));
+      for (int j = 0; j < 8; ++j) mb = max(mb, abs_bits(v[i][j]));
     }
-    const float scale = quant::scale_of(block_amax(m, smem), E4M3, dst.pow2);
+    mb = block_max_bits(mb, smem);  // the same in every thread
+    const bool finite = mb < kFp8NonFinite;
+    float m = __uint_as_float(mb);
+    if (!finite) {  // the amax of the finite values (block-uniform branch)
+      m = 0.0f;
+#pragma unroll
+      for (int i = 0; i < 8; ++i)
+#pragma unroll
+        for (int j = 0; j < 8; ++j) m = fmaxf(m, finite_abs(v[i][j]));
+      m = block_amax(m, smem);
+    }
+    const float scale = quant::scale_of(m, E4M3, dst.pow2);
+    const Fp8Divider div(scale, finite);
     if (threadIdx.x == 0) dst.scales[item] = scale;
 #pragma unroll
     for (int i = 0; i < 8; ++i) {
       const int64_t r = r0 + 16 * i;
       if (!col_in || r >= dst.R) continue;
-      uint32_t w[2] = {0, 0};
-#pragma unroll
-      for (int j = 0; j < 8; ++j)
-        w[j / 4] |= uint32_t{to_fp8<E4M3>(__fdiv_rn(v[i][j], scale))} << (8 * (j % 4));
+      uint32_t w[2];
+      fp8_codes<E4M3>(v[i], div, w);
       *reinterpret_cast<uint2*>(dst.q + r * dst.q_stride + c) = make_uint2(w[0], w[1]);
     }
   }
@@ -215,6 +240,29 @@ __global__ void __launch_bounds__(kThreads)
   }
 }
 
+// 16-bit values by their bits: |v|'s bits order the finite values and put
+// inf / NaN at kNonFinite16<T> or above; the float of the max is the amax.
+template <typename T>
+constexpr uint32_t kNonFinite16 = std::is_same<T, __half>::value ? 0x7C00u : 0x7F80u;
+template <typename T>
+__device__ __forceinline__ float float_of_bits16(uint32_t b) {
+  if constexpr (std::is_same<T, __half>::value)
+    return __half2float(__ushort_as_half(static_cast<unsigned short>(b)));
+  else
+    return __bfloat162float(__ushort_as_bfloat16(static_cast<unsigned short>(b)));
+}
+// The max of |v|'s bits over 8 values of the tile (a volatile 16-byte load:
+// the code pass reads the tile again rather than keep 64 values alive).
+__device__ __forceinline__ uint32_t max_abs_bits8(const void* p) {
+  uint4 r;
+  asm volatile("ld.volatile.shared.v4.u32 {%0, %1, %2, %3}, [%4];"
+               : "=r"(r.x), "=r"(r.y), "=r"(r.z), "=r"(r.w)
+               : "r"(static_cast<uint32_t>(__cvta_generic_to_shared(p))));
+  const uint32_t m = __vmaxu2(__vmaxu2(r.x & 0x7FFF7FFFu, r.y & 0x7FFF7FFFu),
+                              __vmaxu2(r.z & 0x7FFF7FFFu, r.w & 0x7FFF7FFFu));
+  return max(m & 0xFFFFu, m >> 16);
+}
+
 // kBlock1x128 of 16-bit x, rowwise and/or columnwise, through a 128 x 128
 // tile of x in shared memory (x read once for both outputs). Tile loads:
 // 16-byte pieces, zeros outside x. Rowwise (row.q set): thread t reads row
@@ -235,7 +283,7 @@ struct DstCol {  // the columnwise output: q_t [C, R] and scales_t[c * s0 + bloc
 };
 
 template <typename T, bool E4M3>
-__global__ void __launch_bounds__(kThreads)
+__global__ void __launch_bounds__(kThreads, 4)
     quantize_1x128_tile_kernel(const T* x, int64_t x_stride, int64_t M, int64_t K, Dst row,
                                DstCol col) {
   static_assert(sizeof(T) == 2 && kThreads == 2 * kTile, "thread layout");
@@ -258,16 +306,25 @@ __global__ void __launch_bounds__(kThreads)
     __syncthreads();
     if (row.q != nullptr) {  // row tr, pieces 2 s + half
       const T* src = tile + tr * kTilePitch + half * kVec;
-      float m = 0.0f;
+      uint32_t mb = 0;
 #pragma unroll
-      for (int s = 0; s < 8; ++s) {
-        float v[8];
-        load8(src + 2 * s * kVec, v);
+      for (int s = 0; s < 8; ++s) mb = max(mb, max_abs_bits8(src + 2 * s * kVec));
+      mb = max(mb, __shfl_xor_sync(0xFFFFFFFFu, mb, 1));
+      const bool finite = mb < kNonFinite16<T>;
+      float m = float_of_bits16<T>(mb);
+      if (!__all_sync(0xFFFFFFFFu, finite)) {  // the amax of the finite values
+        m = 0.0f;
 #pragma unroll
-        for (int j = 0; j < 8; ++j) m = quant::amax_join(m, quant::amax_term(v[j]));
+        for (int s = 0; s < 8; ++s) {
+          float v[8];
+          load8(src + 2 * s * kVec, v);
+#pragma unroll
+          for (int j = 0; j < 8; ++j) m = fmaxf(m, finite_abs(v[j]));
+        }
+        m = fmaxf(m, __shfl_xor_sync(0xFFFFFFFFu, m, 1));
       }
-      m = quant::amax_join(m, __shfl_xor_sync(0xFFFFFFFFu, m, 1));
       const float scale = quant::scale_of(m, E4M3, row.pow2);
+      const Fp8Divider div(scale, finite);
       const int64_t r = m0 + tr;
       if (r < M) {
         if (half == 0) row.scales[r * nbk + k0 / kTile] = scale;
@@ -277,31 +334,39 @@ __global__ void __launch_bounds__(kThreads)
           if (k0 + (2 * s + half) * kVec >= K) break;
           float v[8];
           load8(src + 2 * s * kVec, v);
-          uint32_t w[2] = {0, 0};
-#pragma unroll
-          for (int j = 0; j < 8; ++j)
-            w[j / 4] |= uint32_t{to_fp8<E4M3>(__fdiv_rn(v[j], scale))} << (8 * (j % 4));
+          uint32_t w[2];
+          fp8_codes<E4M3>(v, div, w);
           *reinterpret_cast<uint2*>(qrow + 2 * s * kVec) = make_uint2(w[0], w[1]);
         }
       }
     }
     {  // column tr, rows half + 2 j
       const T* src = tile + half * kTilePitch + tr;
-      float m = 0.0f;
+      const volatile uint16_t* bits = reinterpret_cast<const volatile uint16_t*>(src);
+      uint32_t mb = 0;
 #pragma unroll 16
-      for (int j = 0; j < kTile / 2; ++j)
-        m = quant::amax_join(m, quant::amax_term(to_float(src[2 * j * kTilePitch])));
-      m = quant::amax_join(m, __shfl_xor_sync(0xFFFFFFFFu, m, 1));
+      for (int j = 0; j < kTile / 2; ++j) mb = max(mb, bits[2 * j * kTilePitch] & 0x7FFFu);
+      mb = max(mb, __shfl_xor_sync(0xFFFFFFFFu, mb, 1));
+      const bool finite = mb < kNonFinite16<T>;
+      float m = float_of_bits16<T>(mb);
+      if (!__all_sync(0xFFFFFFFFu, finite)) {  // the amax of the finite values
+        m = 0.0f;
+#pragma unroll 16
+        for (int j = 0; j < kTile / 2; ++j)
+          m = fmaxf(m, finite_abs(to_float(src[2 * j * kTilePitch])));
+        m = fmaxf(m, __shfl_xor_sync(0xFFFFFFFFu, m, 1));
+      }
       const float scale = quant::scale_of(m, E4M3, row.pow2);
+      const Fp8Divider div(scale, finite);
       uint32_t w[16];  // codes of rows half + 2 j, four per word
 #pragma unroll
       for (int i = 0; i < 16; ++i) {
-        w[i] = 0;
+        float v[4];
 #pragma unroll
-        for (int j = 0; j < 4; ++j)
-          w[i] |=
-              uint32_t{to_fp8<E4M3>(__fdiv_rn(to_float(src[2 * (4 * i + j) * kTilePitch]), scale))}
-              << (8 * j);
+        for (int j = 0; j < 4; ++j) v[j] = to_float(src[2 * (4 * i + j) * kTilePitch]);
+        uint32_t wi[1];
+        fp8_codes<E4M3>(v, div, wi);
+        w[i] = wi[0];
       }
       // Thread half 0 keeps rows 0..63 (its even rows w[0..7], the partner's
       // odd rows), half 1 rows 64..127 (the partner's w[8..15], its own).
