@@ -267,11 +267,14 @@ __device__ __forceinline__ uint32_t max_abs_bits8(const void* p) {
 // tile of x in shared memory (x read once for both outputs). Tile loads:
 // 16-byte pieces, zeros outside x. Rowwise (row.q set): thread t reads row
 // t / 2, 8-column pieces 2 s + t % 2 (s < 8), twice (amax, then codes), the
-// pair's amax joined by a shuffle; 8-byte stores. Columnwise: thread t reads
-// column t / 2 at rows t % 2 + 2 j (j < 64), twice; the pair swaps half of
-// its codes so that each thread holds 64 consecutive rows of q_t's row
-// (16-byte stores). The tile's row pitch (kTilePitch) puts consecutive rows
-// 8 banks apart: both read patterns are free of bank conflicts.
+// pair's amax joined by a shuffle; after each two pieces the pair swaps one
+// piece's codes so that each thread stores 16 consecutive codes (the pair
+// one whole 32-byte sector). Columnwise: thread t reads column t / 2 at rows
+// t % 2 + 2 j (j < 64), twice; the pair swaps half of its codes so that
+// thread h holds rows 32 m + 16 h .. + 15 (m < 4) of q_t's row: again a
+// 32-byte sector per pair and store. The tile's row pitch (kTilePitch) puts
+// consecutive rows 8 banks apart: both read patterns are free of bank
+// conflicts.
 constexpr int kTile = 128;
 constexpr int kTilePitch = kTile + 16;
 
@@ -326,17 +329,27 @@ __global__ void __launch_bounds__(kThreads, 4)
       const float scale = quant::scale_of(m, E4M3, row.pow2);
       const Fp8Divider div(scale, finite);
       const int64_t r = m0 + tr;
-      if (r < M) {
-        if (half == 0) row.scales[r * nbk + k0 / kTile] = scale;
-        uint8_t* qrow = row.q + r * row.q_stride + k0 + half * kVec;
+      if (half == 0 && r < M) row.scales[r * nbk + k0 / kTile] = scale;
+      uint8_t* qrow = row.q + r * row.q_stride + k0;
 #pragma unroll
-        for (int s = 0; s < 8; ++s) {
-          if (k0 + (2 * s + half) * kVec >= K) break;
-          float v[8];
-          load8(src + 2 * s * kVec, v);
-          uint32_t w[2];
-          fp8_codes<E4M3>(v, div, w);
-          *reinterpret_cast<uint2*>(qrow + 2 * s * kVec) = make_uint2(w[0], w[1]);
+      for (int s = 0; s < 8; s += 2) {  // pieces 2 s + half and 2 s + 2 + half
+        float v[8];
+        uint32_t a[2], b[2];
+        load8(src + 2 * s * kVec, v);
+        fp8_codes<E4M3>(v, div, a);
+        load8(src + 2 * (s + 1) * kVec, v);
+        fp8_codes<E4M3>(v, div, b);
+        // thread 0 keeps pieces 2 s, 2 s + 1; thread 1 pieces 2 s + 2, 2 s + 3
+        const uint32_t g0 = __shfl_xor_sync(0xFFFFFFFFu, half == 0 ? b[0] : a[0], 1);
+        const uint32_t g1 = __shfl_xor_sync(0xFFFFFFFFu, half == 0 ? b[1] : a[1], 1);
+        const uint4 codes =
+            half == 0 ? make_uint4(a[0], a[1], g0, g1) : make_uint4(g0, g1, b[0], b[1]);
+        const int64_t c = (2 * s + 2 * half) * kVec;  // the first of the 16 columns
+        if (r < M && k0 + c < K) {
+          if (k0 + c + 2 * kVec <= K)
+            *reinterpret_cast<uint4*>(qrow + c) = codes;
+          else  // K % 8 == 0: the first piece is in, the second is not
+            *reinterpret_cast<uint2*>(qrow + c) = make_uint2(codes.x, codes.y);
         }
       }
     }
@@ -368,37 +381,43 @@ __global__ void __launch_bounds__(kThreads, 4)
         fp8_codes<E4M3>(v, div, wi);
         w[i] = wi[0];
       }
-      // Thread half 0 keeps rows 0..63 (its even rows w[0..7], the partner's
-      // odd rows), half 1 rows 64..127 (the partner's w[8..15], its own).
+      // w[i]: rows 8 i + half + {0, 2, 4, 6}. Thread h keeps the 8-row
+      // slots 4 m + 2 h, 4 m + 2 h + 1 (m < 4): rows 32 m + 16 h .. + 15. It
+      // gives its rows of the partner's slots and takes the partner's of its
+      // own, so that after the swap w[lo(n)] holds a slot's even rows and
+      // w[hi(n)] its odd rows, for both threads.
 #pragma unroll
-      for (int i = 0; i < 8; ++i) {
-        const uint32_t give = half == 0 ? w[8 + i] : w[i];
-        const uint32_t got = __shfl_xor_sync(0xFFFFFFFFu, give, 1);
+      for (int n = 0; n < 8; ++n) {
+        const int lo = (n / 2) * 4 + n % 2, hi = lo + 2;  // thread 0's slot, thread 1's
+        const uint32_t got = __shfl_xor_sync(0xFFFFFFFFu, half == 0 ? w[hi] : w[lo], 1);
         if (half == 0)
-          w[8 + i] = got;  // odd rows 8 i + 1, +3, +5, +7
+          w[hi] = got;  // the odd rows of slot lo
         else
-          w[i] = got;  // even rows 64 + 8 i, ...
+          w[lo] = got;  // the even rows of slot hi
       }
-      uint32_t out[16];  // rows half * 64 + 4 k .. +3 in out[k]
+      uint32_t out[16];  // rows 32 m + 16 h + 4 k' .. + 3 in out[4 m + k']
 #pragma unroll
-      for (int i = 0; i < 8; ++i) {
-        // w[i]: rows 8 i + 2 j (j < 4) of this thread's half, w[8 + i]: the odd rows after them
-        out[2 * i] = __byte_perm(w[i], w[8 + i], 0x5140);
-        out[2 * i + 1] = __byte_perm(w[i], w[8 + i], 0x7362);
+      for (int n = 0; n < 8; ++n) {
+        const int lo = (n / 2) * 4 + n % 2, hi = lo + 2;
+        out[2 * n] = __byte_perm(w[lo], w[hi], 0x5140);
+        out[2 * n + 1] = __byte_perm(w[lo], w[hi], 0x7362);
       }
-      const int64_t c = k0 + tr, r = m0 + half * (kTile / 2);
+      const int64_t c = k0 + tr;
       if (c < K) {
         if (half == 0) col.scales[c * col.s0 + (m0 / kTile) * col.s1] = scale;
-        uint8_t* dst = col.q + c * col.q_stride + r;
-        if (r + kTile / 2 <= M) {
+        uint8_t* dst = col.q + c * col.q_stride + m0;
 #pragma unroll
-          for (int k = 0; k < 4; ++k)
-            reinterpret_cast<uint4*>(dst)[k] =
-                make_uint4(out[4 * k], out[4 * k + 1], out[4 * k + 2], out[4 * k + 3]);
-        } else {
+        for (int m = 0; m < 4; ++m) {
+          const int64_t rr = 32 * m + 16 * half;
+          if (m0 + rr + 16 <= M) {
+            *reinterpret_cast<uint4*>(dst + rr) =
+                make_uint4(out[4 * m], out[4 * m + 1], out[4 * m + 2], out[4 * m + 3]);
+          } else {
 #pragma unroll
-          for (int k = 0; k < kTile / 2; ++k)
-            if (r + k < M) dst[k] = static_cast<uint8_t>(out[k / 4] >> (8 * (k % 4)));
+            for (int k = 0; k < 16; ++k)
+              if (m0 + rr + k < M)
+                dst[rr + k] = static_cast<uint8_t>(out[4 * m + k / 4] >> (8 * (k % 4)));
+          }
         }
       }
     }
