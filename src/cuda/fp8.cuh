@@ -10,6 +10,7 @@
 #include <cuda_fp8.h>
 
 #include <cstdint>
+#include <type_traits>
 
 #include "core/quantize_backend.h"
 #include "cuda/common.cuh"
@@ -61,6 +62,30 @@ __device__ __forceinline__ uint32_t fp8x4(float a, float b, float c, float d) {
   const uint32_t lo = __nv_cvt_float2_to_fp8x2(make_float2(a, b), __NV_SATFINITE, kFmt);
   const uint32_t hi = __nv_cvt_float2_to_fp8x2(make_float2(c, d), __NV_SATFINITE, kFmt);
   return lo | (hi << 16);
+}
+
+// 16-bit values by their bits: |v|'s bits order the finite values and put
+// inf / NaN at kNonFinite16<T> or above; the float of the max is the amax.
+template <typename T>
+constexpr uint32_t kNonFinite16 = std::is_same<T, __half>::value ? 0x7C00u : 0x7F80u;
+template <typename T>
+__device__ __forceinline__ float float_of_bits16(uint32_t b) {
+  if constexpr (std::is_same<T, __half>::value)
+    return __half2float(__ushort_as_half(static_cast<unsigned short>(b)));
+  else
+    return __bfloat162float(__ushort_as_bfloat16(static_cast<unsigned short>(b)));
+}
+// The max of |v|'s bits over 8 16-bit values in shared memory (a volatile
+// 16-byte load: a later pass reads them again rather than the compiler
+// keeping them alive in registers).
+__device__ __forceinline__ uint32_t max_abs_bits8(const void* p) {
+  uint4 r;
+  asm volatile("ld.volatile.shared.v4.u32 {%0, %1, %2, %3}, [%4];"
+               : "=r"(r.x), "=r"(r.y), "=r"(r.z), "=r"(r.w)
+               : "r"(static_cast<uint32_t>(__cvta_generic_to_shared(p))));
+  const uint32_t m = __vmaxu2(__vmaxu2(r.x & 0x7FFF7FFFu, r.y & 0x7FFF7FFFu),
+                              __vmaxu2(r.z & 0x7FFF7FFFu, r.w & 0x7FFF7FFFu));
+  return max(m & 0xFFFFu, m >> 16);
 }
 
 // The same by __fdiv_rn and to_fp8 (any values): the path of the blocks that

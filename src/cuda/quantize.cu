@@ -27,7 +27,6 @@
 #include <cuda_fp8.h>
 
 #include <algorithm>
-#include <type_traits>
 
 #include "core/quantize_backend.h"
 #include "cuda/common.cuh"
@@ -238,29 +237,6 @@ __global__ void __launch_bounds__(kThreads)
         dst.q[r * dst.q_stride + c0 + c] = to_fp8<E4M3>(__fdiv_rn(src.at(r, c0 + c), scale));
     }
   }
-}
-
-// 16-bit values by their bits: |v|'s bits order the finite values and put
-// inf / NaN at kNonFinite16<T> or above; the float of the max is the amax.
-template <typename T>
-constexpr uint32_t kNonFinite16 = std::is_same<T, __half>::value ? 0x7C00u : 0x7F80u;
-template <typename T>
-__device__ __forceinline__ float float_of_bits16(uint32_t b) {
-  if constexpr (std::is_same<T, __half>::value)
-    return __half2float(__ushort_as_half(static_cast<unsigned short>(b)));
-  else
-    return __bfloat162float(__ushort_as_bfloat16(static_cast<unsigned short>(b)));
-}
-// The max of |v|'s bits over 8 values of the tile (a volatile 16-byte load:
-// the code pass reads the tile again rather than keep 64 values alive).
-__device__ __forceinline__ uint32_t max_abs_bits8(const void* p) {
-  uint4 r;
-  asm volatile("ld.volatile.shared.v4.u32 {%0, %1, %2, %3}, [%4];"
-               : "=r"(r.x), "=r"(r.y), "=r"(r.z), "=r"(r.w)
-               : "r"(static_cast<uint32_t>(__cvta_generic_to_shared(p))));
-  const uint32_t m = __vmaxu2(__vmaxu2(r.x & 0x7FFF7FFFu, r.y & 0x7FFF7FFFu),
-                              __vmaxu2(r.z & 0x7FFF7FFFu, r.w & 0x7FFF7FFFu));
-  return max(m & 0xFFFFu, m >> 16);
 }
 
 // kBlock1x128 of 16-bit x, rowwise and/or columnwise, through a 128 x 128
