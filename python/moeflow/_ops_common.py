@@ -1,0 +1,49 @@
+"""Helpers shared by moeflow.ops and its op modules: the current stream's
+address, the torch names of the hot paths as module globals, memoised shape
+queries to the C++ side."""
+from __future__ import annotations
+
+import functools
+
+import torch
+
+from . import _C
+
+_raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None)
+
+
+def _stream(t: torch.Tensor) -> int:
+    """The address of torch's current stream on t's device (0 on the CPU)."""
+    if not t.is_cuda:
+        return 0
+    if _raw_stream is not None:  # no Stream object made: the op's hot path
+        return _raw_stream(t.get_device())
+    return torch.cuda.current_stream(t.device).cuda_stream
+
+
+# The hot paths' torch names as module globals. An op whose inputs need no
+# gradient (grad mode off, or none requiring grad) calls its Function's
+# forward with ctx None: the same outputs without the autograd node, whose
+# apply() is most of an op's host time.
+_grad_enabled = torch.is_grad_enabled
+_empty = torch.empty
+_int32, _int64, _float32, _uint8 = torch.int32, torch.int64, torch.float32, torch.uint8
+_tuple_new = tuple.__new__
+
+
+# Shape-only queries to the C++ side (pure functions of their arguments),
+# memoised so that an op's hot path makes no extra C++ call.
+_router_ws_bytes = functools.lru_cache(maxsize=256)(lambda *a: _C.router_workspace_bytes(*a))
+_plan_sizes = functools.lru_cache(maxsize=256)(
+    lambda *a: (_C.plan_capacity_rows(*a), _C.plan_workspace_bytes(*a)))
+
+
+def _rows(t: torch.Tensor) -> torch.Tensor:
+    """The tensor itself when its rows have unit-stride elements, else a copy
+    (an empty one: a fresh tensor, since torch calls an empty tensor
+    contiguous whatever its strides, e.g. the [0, 0] of an expanded grad)."""
+    if t.dim() and t.stride(-1) == 1:
+        return t
+    if t.numel() == 0:
+        return t.new_empty(t.shape)
+    return t if t.is_contiguous() else t.contiguous()
