@@ -14,10 +14,12 @@ peak memory the step allocates beyond its inputs and parameters, and with
 ``--profile`` the sum of the step's kernel times (torch.profiler) against
 the step's time. ``--router`` times the router alone at DeepSeek-V3's
 shape (T 8192, E 256, top-8, 8 groups / top-4, sigmoid + expert bias),
-forward and backward, against the torch router.
+forward and backward, against the torch router, and the router GEMM
+(``ops.router_logits``) against ``linear(x.float(), w)`` at four shapes.
 
     PYTHONPATH=build/python:bench python3 bench/py_layer.py [--json FILE] [--profile [--trace FILE]]
         [--router] [--case NAME] [--top N] [--memory-snapshot FILE] [--align N]
+        [--ablate-router-gemm]
 """
 import argparse
 import json
@@ -27,6 +29,7 @@ import torch.nn.functional as F
 
 import moeflow
 import moeflow.ops as mf
+from moeflow._router_ops import _router_logits_float32
 from peer_timing import bench_ms, step_stats
 
 # name, tokens, H, F, experts, top-k, router options
@@ -97,6 +100,11 @@ def kernel_sum_ms(fn, trace=None):
     """(the sum of one step's kernel times, {kernel name: its total}), in ms
     (torch.profiler); with ``trace``, the step's timeline (host and device)
     as a Chrome trace."""
+    return kernel_profile(fn, trace)[:2]
+
+
+def kernel_profile(fn, trace=None):
+    """kernel_sum_ms's two results and the step's idle_gaps."""
     from torch.profiler import ProfilerActivity, profile
     fn()
     torch.cuda.synchronize()
@@ -112,7 +120,23 @@ def kernel_sum_ms(fn, trace=None):
         t = (getattr(e, "device_time", None) or getattr(e, "cuda_time", 0.0)) / 1e3
         name = short_name(e.name)
         by_name[name] = by_name.get(name, 0.0) + t
-    return sum(by_name.values()), by_name
+    return sum(by_name.values()), by_name, idle_gaps(evs)
+
+
+def idle_gaps(evs, top=6):
+    """The GPU's idle time inside the profiled step: (span ms, idle ms, the
+    largest gaps as (us, kernel before, kernel after))."""
+    iv = sorted((e.time_range.start, e.time_range.end, short_name(e.name)) for e in evs)
+    if not iv:
+        return 0.0, 0.0, []
+    gaps, end, prev = [], iv[0][1], iv[0][2]
+    for s, e, n in iv[1:]:
+        if s > end:
+            gaps.append((s - end, prev[:60], n[:60]))
+        if e > end:
+            end, prev = e, n
+    span = (end - iv[0][0]) / 1e3
+    return span, sum(g[0] for g in gaps) / 1e3, sorted(gaps, reverse=True)[:top]
 
 
 def gemm_rates(by_name, rows, H, Fd):
@@ -235,11 +259,59 @@ def bench_router(out, profile=False):
           f"torch fwd {res['torch_fwd_us']:.1f} us, bwd {res['torch_bwd_us']:.1f} us", flush=True)
 
 
+def graph_us(step, n=10):
+    """GPU time per call of step (forward + backward), n calls replayed in
+    one CUDA graph."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(3):
+            step()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(n):
+            step()
+    us = 1e3 * bench_ms(graph.replay, iters=10) / n
+    del graph
+    return us
+
+
+def bench_router_gemm(out):
+    """The router GEMM (logits in float32) forward + backward, both gradients:
+    ops.router_logits against linear(x.float(), w) in torch, in CUDA graphs."""
+    dev = torch.device("cuda")
+    res = {}
+    for T, H, E in ((8192, 7168, 256), (4096, 7168, 256), (8192, 7168, 32), (16384, 4096, 8)):
+        x = torch.randn(T, H, device=dev, dtype=torch.bfloat16)
+        w = torch.randn(E, H, device=dev) * H ** -0.5
+        dl = torch.randn(T, E, device=dev)
+
+        def step(f):
+            xl = x.detach().requires_grad_(True)
+            wl = w.detach().requires_grad_(True)
+            torch.autograd.grad([f(xl, wl)], [xl, wl], [dl])
+
+        fns = {"moeflow": lambda: step(mf.router_logits),
+               "torch": lambda: step(lambda a, b: F.linear(a.float(), b))}
+        r = {k + "_us": graph_us(f) for k, f in fns.items()}
+        # Eagerly, one call then a synchronisation: the host's time included.
+        r.update({k + "_eager_us": 1e3 * bench_ms(f, iters=20) for k, f in fns.items()})
+        res[f"T{T}_H{H}_E{E}"] = r
+        print(f"router GEMM T {T} H {H} E {E}, fwd+bwd in a graph: moeflow "
+              f"{r['moeflow_us']:.1f} us, torch linear(x.float(), w) {r['torch_us']:.1f} us, "
+              f"{r['torch_us'] / r['moeflow_us']:.2f}x; eager {r['moeflow_eager_us']:.1f} / "
+              f"{r['torch_eager_us']:.1f} us", flush=True)
+    out["router_gemm"] = res
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--json")
     ap.add_argument("--case", action="append")
     ap.add_argument("--profile", action="store_true")
+    ap.add_argument("--ablate-router-gemm", action="store_true",
+                    help="also time moeflow's step with the router GEMM through float32 GEMMs")
     ap.add_argument("--router", action="store_true")
     ap.add_argument("--top", type=int, default=10, help="with --profile: kernels listed per step")
     ap.add_argument("--align", type=int, default=16,
@@ -255,6 +327,7 @@ def main():
            "moeflow": moeflow.__version__, "align": args.align, "cases": {}}
     if args.router:
         bench_router(out, args.profile)
+        bench_router_gemm(out)
     for name, T, H, Fd, E, K, opts in CASES:
         if args.case and name not in args.case:
             continue
@@ -282,17 +355,31 @@ def main():
             o, aux = torch_layer(layer, x, K, topts)
             torch.autograd.backward([o, aux], [dy, torch.ones((), device=dev)])
 
+        def mf_f32_router_step():  # the router GEMM through float32 GEMMs (ablation)
+            keep = mf.router_logits
+            mf.router_logits = _router_logits_float32
+            try:
+                mf_step()
+            finally:
+                mf.router_logits = keep
+
         res = {}
-        for key, fn in (("torch", torch_step), ("moeflow", mf_step)):
+        steps = [("torch", torch_step), ("moeflow", mf_step)]
+        if args.ablate_router_gemm:  # A B B A against the default (drift cancels)
+            steps += [("moeflow_float32_router_gemm", mf_f32_router_step), ("moeflow_1", mf_step),
+                      ("moeflow_2", mf_step), ("moeflow_float32_router_gemm_2", mf_f32_router_step)]
+        for key, fn in steps:
             ms, peak = step_stats(fn, params)
             res[key] = {"fwd_bwd_ms": ms, "peak_extra_MiB": peak}
-            if args.profile:
+            if args.profile and key in ("torch", "moeflow"):
                 trace = None
                 if args.trace and key == "moeflow":
                     stem, dot, ext = args.trace.rpartition(".")
                     trace = f"{stem}-{name}.{ext}" if dot else f"{args.trace}-{name}"
-                total, by_name = kernel_sum_ms(fn, trace)
+                total, by_name, (span, idle, gaps) = kernel_profile(fn, trace)
                 res[key]["kernel_sum_ms"] = total
+                res[key]["profiled_span_ms"], res[key]["idle_ms"] = span, idle
+                res[key]["largest_gaps_us"] = [[round(g, 1), a, b] for g, a, b in gaps]
                 if key == "moeflow":
                     res[key]["gemm_tflops"] = gemm_rates(by_name, T * K, H, Fd)
                 top = sorted(by_name.items(), key=lambda kv: -kv[1])[:args.top]
@@ -314,6 +401,11 @@ def main():
         line = (f"{name:10s} layer fwd+bwd: torch {t['fwd_bwd_ms']:7.2f} ms, moeflow "
                 f"{m['fwd_bwd_ms']:7.2f} ms, {t['fwd_bwd_ms'] / m['fwd_bwd_ms']:.2f}x; peak extra "
                 f"{t['peak_extra_MiB']:.0f} / {m['peak_extra_MiB']:.0f} MiB")
+        if "moeflow_float32_router_gemm" in res:
+            ab = [(res["moeflow_float32_router_gemm" + i]["fwd_bwd_ms"],
+                   res["moeflow" + (i or "_1")]["fwd_bwd_ms"]) for i in ("", "_2")]
+            line += "; router GEMM float32 / split (A B B A): " + ", ".join(
+                f"{a:.2f} / {b:.2f} ms" for a, b in ab)
         if args.profile:
             line += (f"; kernels {t['kernel_sum_ms']:.2f} / {m['kernel_sum_ms']:.2f} ms "
                      f"(step / kernels {m['fwd_bwd_ms'] / m['kernel_sum_ms']:.3f})")
@@ -324,6 +416,11 @@ def main():
                 f"{k} {v:.0f}" for k, v in rates.items()), flush=True)
             for n, t in res["moeflow"]["top_kernels_ms"].items():
                 print(f"    {t:8.3f} ms  {n[:150]}", flush=True)
+            m = res["moeflow"]
+            print(f"    profiled step: span {m['profiled_span_ms']:.2f} ms, GPU idle "
+                  f"{m['idle_ms']:.2f} ms; largest gaps:", flush=True)
+            for g, a, b in m["largest_gaps_us"]:
+                print(f"      {g:8.1f} us after {a} / before {b}", flush=True)
         del layer, x, dy, params
         torch.cuda.empty_cache()
     if args.json:

@@ -177,30 +177,89 @@ def apply_capacity(topk_ids: torch.Tensor, probs: Optional[torch.Tensor], num_ex
     return kept, dropped
 
 
+def _split_bf16(t: torch.Tensor, parts: int = 3):
+    """float32 t -> ``parts`` bf16 tensors whose float32 sum is t: each the
+    rounding of what the previous ones left (exact subtractions), so three
+    hold all 24 bits of t's significand (t normal, finite)."""
+    out, r = [], t
+    for i in range(parts):
+        p = r.to(torch.bfloat16)
+        out.append(p)
+        if i + 1 < parts:
+            r = r - p
+    return out
+
+
+def _mm_f32(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """a @ b of bf16 matrices into float32 (cuBLAS accumulates in float32 on
+    the GPU; the CPU computes the same products in float32)."""
+    if a.is_cuda:
+        return torch.mm(a, b, out_dtype=torch.float32)
+    return torch.mm(a.float(), b.float())
+
+
+def _sum3(p: torch.Tensor, n: int, dim: int) -> torch.Tensor:
+    """The three blocks of n along dim (0 or 1) of a 2-D p summed (one
+    reduction kernel)."""
+    if dim == 1:
+        return p.view(p.shape[0], 3, n).sum(1)
+    return p.view(3, n, p.shape[1]).sum(0)
+
+
 class _RouterLogits(torch.autograd.Function):
+    """bf16 tokens: the float32 GEMMs as bf16 tensor-core GEMMs on the
+    weight split into three bf16 parts (docs/python.md, "The router GEMM");
+    other dtypes: float32 GEMMs on a float32 copy of x."""
+
     @staticmethod
-    def forward(ctx, x, weight):
+    def forward(ctx, x, weight, split=True):
         ctx.save_for_backward(x, weight)  # x in its own dtype: no float32 copy kept
-        return torch.nn.functional.linear(x.float(), weight)
+        ctx.split = split = split and x.dtype == torch.bfloat16 and weight.dtype == torch.float32
+        if not split:
+            return torch.nn.functional.linear(x.float(), weight)
+        # The split is made again in backward (E x H, small) rather than kept.
+        return _sum3(_mm_f32(x, torch.cat(_split_bf16(weight)).t()), weight.shape[0], 1)
 
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, dlogits):
         x, weight = ctx.saved_tensors
         dx = dw = None
+        if not ctx.split:
+            if ctx.needs_input_grad[0]:
+                dx = (dlogits @ weight).to(x.dtype)
+            if ctx.needs_input_grad[1]:
+                dw = dlogits.t() @ x.float()
+            return dx, dw, None
+        E = weight.shape[0]
+        d0, d1, d2 = _split_bf16(dlogits.contiguous())
         if ctx.needs_input_grad[0]:
-            dx = (dlogits @ weight).to(x.dtype)
+            # dx = d0 (w0 + w1 + w2) + d1 w0 in one bf16 GEMM over K = 4E,
+            # float32 accumulation, rounded once to bf16 (what is left out,
+            # d1 (w1 + w2) + d2 w, is below 2^-16 of the terms).
+            w0, w1, w2 = _split_bf16(weight)
+            w4 = torch.cat((w0, w1, w2, w0))
+            a = torch.cat((d0, d0, d0, d1), 1)
+            dx = _mm_f32(a, w4).to(x.dtype) if not a.is_cuda else torch.mm(a, w4)
         if ctx.needs_input_grad[1]:
-            dw = dlogits.t() @ x.float()
-        return dx, dw
+            dw = _sum3(_mm_f32(torch.cat((d0, d1, d2), 1).t(), x), E, 0)
+        return dx, dw, None
 
 
 def router_logits(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """The gating GEMM in float32: x [T, H] (any float dtype) @ weight [E, H]
     float32 -> logits [T, E] float32, as ``linear(x.float(), weight)``, but
-    keeping x in its own dtype for backward (the float32 copy of x lives
-    only inside forward and backward, not between them)."""
+    keeping x in its own dtype for backward (no float32 copy of x is made).
+    bf16 x runs on bf16 tensor cores with the weight (and in backward the
+    logits' gradient) split into three exact bf16 parts: float32's accuracy
+    (docs/python.md, "The router GEMM")."""
     return _RouterLogits.apply(x, weight)
+
+
+def _router_logits_float32(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """router_logits through float32 GEMMs on a float32 copy of x whatever
+    x's dtype (the path of float16 / float32 tokens; benchmarks compare)."""
+    return _RouterLogits.apply(x, weight, False)
 
 
 def update_expert_bias(tokens_per_expert: torch.Tensor, expert_bias: torch.Tensor,
