@@ -330,12 +330,24 @@ class _GroupedMlp(torch.autograd.Function):
     # argument (apply() costs per input). cfg: (activation, glu_interleave,
     # alpha, limit, offset); opts: (main_grads or None, recompute_activation,
     # wgrad_store or None, the parameters a delayed wgrad adds its gradients
-    # into, the Plan to unpermute the output with or None).
+    # into, the Plan or None, unpermute: the output unpermuted by the plan,
+    # permute: x and probs are the tokens [T, H] and their slots' probs
+    # [T, K], permuted by the plan here).
     # ctx None: called without autograd (grouped_mlp's fast path).
     @staticmethod
     def forward(ctx, x, fc1, fc2, bias1, bias2, probs, args):
         offsets, real_rows, cfg, opts = args
+        plan = opts[4]
         x = _rows(x)
+        if opts[6]:  # the tokens' rows in expert order, and each row's prob
+            tokens, cap = x, plan.capacity_rows
+            x = tokens.new_empty(cap, tokens.shape[1])
+            row_probs = None if probs is None else _empty(cap, dtype=_float32, device=x.device)
+            _C.permute(tokens, plan._view, x, None if probs is None else probs.contiguous(),
+                       row_probs, None, None, _stream(x))
+            probs = row_probs
+            if ctx is not None:
+                ctx.tokens_meta = (tokens.shape, tokens.dtype)
         rows = x.shape[0]
         y = x.new_empty(rows, fc2.shape[1])
         h = x.new_empty(rows, fc1.shape[1])
@@ -350,8 +362,7 @@ class _GroupedMlp(torch.autograd.Function):
             # weight gradients, so it does not live from forward to backward.
             ctx.save_for_backward(x, fc1, fc2, bias1, bias2, probs, offsets, real_rows, h,
                                   None if opts[1] else a)
-        plan = opts[4]
-        if plan is None:
+        if not opts[5]:
             return y
         del a
         out = y.new_empty(plan.num_tokens, y.shape[1])
@@ -363,10 +374,10 @@ class _GroupedMlp(torch.autograd.Function):
         if dy is None:
             return (None,) * 7
         x, fc1, fc2, bias1, bias2, probs, offsets, real_rows, h, a = ctx.saved_tensors
-        main, _, store, params, plan = ctx.opts
+        main, _, store, params, plan, unpermute, permute = ctx.opts
         cfg, need = ctx.cfg, ctx.needs_input_grad
         s = _stream(dy)
-        if plan is not None:  # the rows' gradient: local, freed once FC2's wgrad has read it
+        if unpermute:  # the rows' gradient: local, freed once FC2's wgrad has read it
             dout = _rows(dy)
             dy = dout.new_empty(x.shape[0], fc2.shape[1])
             _C.unpermute_backward(dout, plan._view, None, None, dy, None, s)
@@ -411,22 +422,33 @@ class _GroupedMlp(torch.autograd.Function):
             return (None if acc else g), (None if db is None else db.to(b.dtype))
 
         def fc1_dgrad():
-            if not need[0]:
-                return None
+            """(dx, dprobs) of the node's inputs x and probs: the rows', or
+            with permute the tokens' (the rows' gradient freed on return)."""
+            if not (need[0] or (permute and dprobs is not None)):
+                return None, dprobs
             dx = torch.empty_like(x)
             _C.grouped_mlp_backward_fc1_dgrad(d_h, fc1, fc2, offsets, real_rows, *cfg, dx, s)
-            return dx
+            if not permute:
+                return dx, dprobs
+            shape, dtype = ctx.tokens_meta
+            dt = dx.new_empty(shape, dtype=dtype)
+            dtp = None
+            if dprobs is not None:
+                dtp = torch.empty((plan.num_tokens, plan.topk), dtype=torch.float32,
+                                  device=dx.device)
+            _C.permute_backward(dx, plan._view, dt, dprobs, dtp, s)
+            return (dt if need[0] else None), dtp
 
         if store is None:
             # FC2's weight gradient first: then dy and a are free before dx
             # and FC1's weight gradient are allocated (the step's peak).
             g2, gb2 = wgrad(dy, a, 2)
             del dy, a
-            dx = fc1_dgrad()
+            dx, dprobs = fc1_dgrad()
             g1, gb1 = wgrad(None, None, 1)
             return dx, g1, g2, gb1, gb2, dprobs, None
 
-        dx = fc1_dgrad()
+        dx, dprobs = fc1_dgrad()
 
         def delayed():
             g2, gb2 = wgrad(dy, a, 2)
@@ -482,7 +504,7 @@ def grouped_mlp(x: torch.Tensor, fc1: torch.Tensor, fc2: torch.Tensor, *,
                 limit: float = 7.0, offset: float = 1.0,
                 accumulate_into_main_grad: bool = False, recompute_activation: bool = True,
                 wgrad_store: Optional[WgradStore] = None, unpermute: bool = False,
-                precision: str = "bf16", fp8_weight_cache: bool = False,
+                permute: bool = False, precision: str = "bf16", fp8_weight_cache: bool = False,
                 fp8_wgrad: bool = False, align: Optional[int] = None,
                 _grad_params: Optional[Tuple] = None) -> torch.Tensor:
     """The grouped expert MLP: for the rows of each expert e,
@@ -507,7 +529,12 @@ def grouped_mlp(x: torch.Tensor, fc1: torch.Tensor, fc2: torch.Tensor, *,
     ``unpermute`` (needs ``plan``): returns ``unpermute(y, plan)`` [T, H]
     instead of y, in the same autograd node, so that backward frees the
     rows' gradient as soon as FC2's weight gradient has read it (a lower
-    peak than the two ops chained).
+    peak than the two ops chained). ``permute`` (needs ``plan``; bf16
+    precision): x is the tokens [T, H] and probs their slots' [T, K] probs,
+    permuted by the plan in the same node (``permute(x, plan, probs)``
+    first), so that backward frees the rows' input gradient once the tokens'
+    exists, before FC1's weight gradient is allocated; x's and probs'
+    gradients are the tokens' and the [T, K] probs'.
 
     ``precision``: "bf16" (the 16-bit GEMMs above), or "fp8-blockwise" /
     "fp8-tensorwise": the forward and both input gradients through the FP8
@@ -550,6 +577,18 @@ def grouped_mlp(x: torch.Tensor, fc1: torch.Tensor, fc2: torch.Tensor, *,
         main = (fc1.main_grad, fc2.main_grad)
     if unpermute and plan is None:
         raise ValueError("unpermute=True needs plan= (the plan to unpermute the rows with)")
+    if permute:
+        if plan is None:
+            raise ValueError("permute=True needs plan= (the plan to permute the tokens with)")
+        if precision != "bf16":
+            raise ValueError(f"permute=True needs precision='bf16', got {precision!r} "
+                             "(FP8: ops.permute_quantize, then grouped_mlp)")
+        if x.dim() != 2 or x.shape[0] != plan.num_tokens:
+            raise ValueError(f"permute=True: x must be the plan's tokens [{plan.num_tokens}, H], "
+                             f"got shape {tuple(x.shape)}")
+        if probs is not None and tuple(probs.shape) != (plan.num_tokens, plan.topk):
+            raise ValueError(f"permute=True: probs must be [{plan.num_tokens}, {plan.topk}] "
+                             f"(the slots' probs), got shape {tuple(probs.shape)}")
     if fp8_wgrad:
         if precision != "fp8-blockwise":
             raise ValueError(f"fp8_wgrad=True needs precision='fp8-blockwise', got {precision!r}")
@@ -573,7 +612,8 @@ def grouped_mlp(x: torch.Tensor, fc1: torch.Tensor, fc2: torch.Tensor, *,
                                  or (bias2 is not None and bias2.requires_grad)
                                  or (probs is not None and probs.requires_grad))):
         return _GroupedMlp.forward(None, x, fc1, fc2, bias1, bias2, probs, (
-            offsets, real_rows, cfg, (None, True, None, None, plan if unpermute else None)))
+            offsets, real_rows, cfg, (None, True, None, None, plan, unpermute, permute)))
     params = _grad_params if _grad_params is not None else (fc1, fc2, bias1, bias2)
-    opts = (main, bool(recompute_activation), wgrad_store, params, plan if unpermute else None)
+    opts = (main, bool(recompute_activation), wgrad_store, params, plan, bool(unpermute),
+            bool(permute))
     return _GroupedMlp.apply(x, fc1, fc2, bias1, bias2, probs, (offsets, real_rows, cfg, opts))

@@ -262,9 +262,11 @@ def test_bias_gradients_with_main_grad_match_plain(device):
 
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("mode", ["grad", "main_grad", "delayed", "bias"])
-def test_grouped_mlp_unpermute_is_bitwise_the_two_ops(device, mode):
+@pytest.mark.parametrize("fuse_permute", [False, True], ids=["unpermute", "permute+unpermute"])
+def test_grouped_mlp_unpermute_is_bitwise_the_two_ops(device, mode, fuse_permute):
     """grouped_mlp(..., unpermute=True) gives the output and every gradient
-    of unpermute(grouped_mlp(...)) bit for bit (it only reorders backward)."""
+    of unpermute(grouped_mlp(...)) bit for bit (it only reorders backward);
+    with permute=True too, those of the three ops chained."""
     dt = torch.bfloat16 if device == "cuda" else torch.float16
     T, K, E, H, F = 37, 3, 5, 64, 32
     ids, probs = routing(T, K, E, device, seed=11)
@@ -284,12 +286,15 @@ def test_grouped_mlp_unpermute_is_bitwise_the_two_ops(device, mode):
             for w in ws[:2]:
                 w.main_grad = torch.full(w.shape, 0.5, device=device)
         store = mf.WgradStore() if mode == "delayed" else None
-        rows, rp = mf.permute(x, plan, p)
-        kw = dict(plan=plan, probs=rp, bias1=b1, bias2=b2, wgrad_store=store,
+        kw = dict(plan=plan, bias1=b1, bias2=b2, wgrad_store=store,
                   accumulate_into_main_grad=mode == "main_grad")
-        if fused:
+        if fused and fuse_permute:
+            out = mf.grouped_mlp(x, ws[0], ws[1], probs=p, permute=True, unpermute=True, **kw)
+        rows, rp = mf.permute(x, plan, p)
+        kw["probs"] = rp
+        if fused and not fuse_permute:
             out = mf.grouped_mlp(rows, ws[0], ws[1], unpermute=True, **kw)
-        else:
+        elif not fused:
             out = mf.unpermute(mf.grouped_mlp(rows, ws[0], ws[1], **kw), plan)
         out.backward(dout)
         if store is not None:
@@ -312,6 +317,14 @@ def test_grouped_mlp_unpermute_needs_plan():
     w1, w2 = torch.zeros(1, 8, 8, dtype=torch.float16), torch.zeros(1, 8, 4, dtype=torch.float16)
     with pytest.raises(ValueError, match="unpermute=True needs plan"):
         mf.grouped_mlp(x, w1, w2, offsets=torch.tensor([0, 4]), unpermute=True)
+    with pytest.raises(ValueError, match="permute=True needs plan"):
+        mf.grouped_mlp(x, w1, w2, offsets=torch.tensor([0, 4]), permute=True)
+    ids, probs = routing(4, 2, 2, "cpu")
+    plan = mf.Plan(ids, 2, 16)
+    with pytest.raises(ValueError, match=r"x must be the plan's tokens \[4, H\]"):
+        mf.grouped_mlp(torch.zeros(5, 8, dtype=torch.float16), w1, w2, plan=plan, permute=True)
+    with pytest.raises(ValueError, match=r"probs must be \[4, 2\]"):
+        mf.grouped_mlp(x, w1, w2, plan=plan, probs=probs[:, :1], permute=True)
 
 
 _FRESH_THREAD_SCRIPT = r"""
