@@ -507,67 +507,80 @@ class _Dispatch(torch.autograd.Function):
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, grad_rows, _tpe=None, _offsets=None):
-        h = ctx.handle
-        g = h.group
-        grad_rows = grad_rows.to(g.dtype)
-        if g.backend == "reference":  # a combine without weights
-            return _ref_sum(h, _ref_slots(h, _ref_home(h, grad_rows)), None, h.x_dtype), None
-        grad_x = torch.empty((h.num_tokens, g.hidden_size), dtype=h.x_dtype, device=h.device)
-        g._g.dispatch_backward(h._h, grad_rows.contiguous(), grad_x, _stream(grad_rows))
-        return grad_x, None
+        return _dispatch_backward(ctx.handle, grad_rows), None
+
+
+def _dispatch_backward(h: EpHandle, grad_rows: torch.Tensor) -> torch.Tensor:
+    """The tokens' gradient [T, H] of a dispatch from its rows' gradient."""
+    g = h.group
+    grad_rows = grad_rows.to(g.dtype)
+    if g.backend == "reference":  # a combine without weights
+        return _ref_sum(h, _ref_slots(h, _ref_home(h, grad_rows)), None, h.x_dtype)
+    grad_x = torch.empty((h.num_tokens, g.hidden_size), dtype=h.x_dtype, device=h.device)
+    g._g.dispatch_backward(h._h, grad_rows.contiguous(), grad_x, _stream(grad_rows))
+    return grad_x
+
+
+def _combine_forward(y: torch.Tensor, probs: Optional[torch.Tensor], h: EpHandle):
+    """(out [T, H], what the combine's backward reads of y or None)."""
+    g = h.group
+    if g.backend == "reference":
+        y_home = _ref_slots(h, _ref_home(h, y))  # [T, K, H] float64
+        return _ref_sum(h, y_home, probs, y.dtype), (y_home if probs is not None else None)
+    y = y.contiguous()
+    out = torch.empty((h.num_tokens, g.hidden_size), dtype=y.dtype, device=y.device)
+    g._g.combine(h._h, y, probs is not None, out, _stream(y))
+    # y for the probs' gradient (the nvlink backend reads it always)
+    return out, (y if probs is not None or g.backend == "nvlink" else None)
 
 
 class _Combine(torch.autograd.Function):
     @staticmethod
     def forward(ctx, y, probs, h):  # ctx None: called without autograd
-        g = h.group
-        y_home = None
-        if g.backend == "reference":
-            y_home = _ref_slots(h, _ref_home(h, y))  # [T, K, H] float64
-            out = _ref_sum(h, y_home, probs, y.dtype)
-        else:
-            y = y.contiguous()
-            out = torch.empty((h.num_tokens, g.hidden_size), dtype=y.dtype, device=y.device)
-            g._g.combine(h._h, y, probs is not None, out, _stream(y))
+        out, kept = _combine_forward(y, probs, h)
         if ctx is not None:
             ctx.set_materialize_grads(False)
             ctx.handle, ctx.y_dtype = h, y.dtype
-            if g.backend == "reference":
-                ctx.save_for_backward(probs, y_home if probs is not None else None)
-            else:  # y for the probs' gradient (the nvlink backend reads it always)
-                ctx.save_for_backward(probs, y if probs is not None or g.backend == "nvlink"
-                                      else None)
+            ctx.save_for_backward(probs, kept)
         return out
 
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, dout):
-        h = ctx.handle
-        g = h.group
-        dtype, dev, T, K = ctx.y_dtype, h.device, h.num_tokens, g.topk
-        if dout is None:  # every rank takes part: a zero gradient
-            dout = torch.zeros((T, g.hidden_size), dtype=dtype, device=dev)
         probs, y = ctx.saved_tensors
-        if g.backend == "reference":
-            st = h._ref
-            d = dout.float()[st.send_slots // K]
-            if probs is not None:
-                d = probs.detach().reshape(-1)[st.send_slots].unsqueeze(1) * d
-            grad_y = _ref_away(h, d.to(dtype))
-            dprobs = None
-            if probs is not None:
-                dot = (dout.double().unsqueeze(1) * y).sum(-1)
-                dprobs = torch.where(st.dest_row >= 0, dot, torch.zeros_like(dot)).float()
-            return grad_y, dprobs, None
-        weighted = probs is not None
-        shape = (g.capacity_rows, g.hidden_size)
-        if y is None:  # not read (unweighted): any rows of the shape
-            y = torch.empty(shape, dtype=dtype, device=dev)
-        grad_y = torch.empty(shape, dtype=dtype, device=dev)
-        dprobs = torch.empty((T, K), dtype=torch.float32, device=dev) if weighted else None
-        g._g.combine_backward(h._h, dout.to(g.backward_dtype).contiguous(), y, weighted, grad_y,
-                              dprobs, _stream(dout))
+        grad_y, dprobs = _combine_backward(ctx.handle, probs, y, ctx.y_dtype, dout)
         return grad_y, dprobs, None
+
+
+def _combine_backward(h: EpHandle, probs: Optional[torch.Tensor], y: Optional[torch.Tensor],
+                      dtype: torch.dtype, dout: Optional[torch.Tensor]):
+    """(grad_y [capacity, H], dprobs [T, K] or None) of a combine from its
+    output's gradient (None: zero; every rank takes part); y: what
+    _combine_forward kept."""
+    g = h.group
+    dev, T, K = h.device, h.num_tokens, g.topk
+    if dout is None:  # every rank takes part: a zero gradient
+        dout = torch.zeros((T, g.hidden_size), dtype=dtype, device=dev)
+    if g.backend == "reference":
+        st = h._ref
+        d = dout.float()[st.send_slots // K]
+        if probs is not None:
+            d = probs.detach().reshape(-1)[st.send_slots].unsqueeze(1) * d
+        grad_y = _ref_away(h, d.to(dtype))
+        dprobs = None
+        if probs is not None:
+            dot = (dout.double().unsqueeze(1) * y).sum(-1)
+            dprobs = torch.where(st.dest_row >= 0, dot, torch.zeros_like(dot)).float()
+        return grad_y, dprobs
+    weighted = probs is not None
+    shape = (g.capacity_rows, g.hidden_size)
+    if y is None:  # not read (unweighted): any rows of the shape
+        y = torch.empty(shape, dtype=dtype, device=dev)
+    grad_y = torch.empty(shape, dtype=dtype, device=dev)
+    dprobs = torch.empty((T, K), dtype=torch.float32, device=dev) if weighted else None
+    g._g.combine_backward(h._h, dout.to(g.backward_dtype).contiguous(), y, weighted, grad_y,
+                          dprobs, _stream(dout))
+    return grad_y, dprobs
 
 
 def _check_same_device(name: str, t: torch.Tensor, dev: torch.device) -> None:
@@ -608,6 +621,17 @@ def dispatch(x: torch.Tensor, topk_ids: torch.Tensor, probs: Optional[torch.Tens
     backends then raise on that rank once the dispatch completed (no rank
     waits), the nvlink backend counts it on the device (moeflow/ep.h).
     """
+    xin, args = _prepare_dispatch(x, topk_ids, probs, group, scales)
+    if torch.is_grad_enabled() and x.requires_grad:
+        rows, tpe, offs = _Dispatch.apply(xin, args)
+    else:
+        rows, tpe, offs = _Dispatch.forward(None, xin.detach(), args)
+    return rows, tpe, offs, args[3]
+
+
+def _prepare_dispatch(x, topk_ids, probs, group, scales):
+    """dispatch's argument checks; (x as the dispatch reads it, (ids, probs,
+    scales, handle)) with a new handle."""
     if not isinstance(group, Group):
         raise TypeError(f"group must be a moeflow.ep.Group, got {type(group).__name__}")
     g = group
@@ -659,12 +683,7 @@ def dispatch(x: torch.Tensor, topk_ids: torch.Tensor, probs: Optional[torch.Tens
     p = None if probs is None else probs.detach().contiguous()
     sc = None if scales is None else scales.detach().contiguous()
     xin = x if g.backend == "reference" else x.contiguous()
-    args = (ids, p, sc, h)
-    if torch.is_grad_enabled() and x.requires_grad:
-        rows, tpe, offs = _Dispatch.apply(xin, args)
-    else:
-        rows, tpe, offs = _Dispatch.forward(None, xin.detach(), args)
-    return rows, tpe, offs, h
+    return xin, (ids, p, sc, h)
 
 
 def combine(y: torch.Tensor, handle: EpHandle, probs: Optional[torch.Tensor] = None

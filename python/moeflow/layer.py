@@ -586,6 +586,13 @@ class MoELayer(ExpertCheckpointMixin, torch.nn.Module):
                     probs: torch.Tensor) -> torch.Tensor:
         """The routed experts across the ranks: dispatch, the local experts'
         MLP, combine weighted by probs. [T, H] -> [T, H]."""
+        if self.precision == "bf16":
+            # Dispatch, MLP and combine in one autograd node: its backward
+            # frees each rows' gradient as soon as it is read.
+            xin, args = _ep._prepare_dispatch(xe, ids, probs, self.ep_group, None)
+            out = self._mlp(xin, probs=probs, _ep=args)
+            self.last_ep_overflow = args[3].overflow.clone()
+            return out
         rows, tpe, offsets, handle = _ep.dispatch(xe, ids, probs, self.ep_group)
         self.last_ep_overflow = handle.overflow.clone()
         y = self._mlp(rows, offsets=offsets, real_rows=tpe)

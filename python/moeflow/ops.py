@@ -28,7 +28,7 @@ from typing import Optional, Tuple
 
 import torch
 
-from . import _C
+from . import _C, _mlp_io
 from ._fp8_ops import (_FP8, dequantize, grouped_gemm_fp8_forward,  # noqa: F401
                        grouped_gemm_fp8_wgrad, quantize, quantize_rowwise_columnwise,
                        transpose_codes)
@@ -330,62 +330,59 @@ class _GroupedMlp(torch.autograd.Function):
     # argument (apply() costs per input). cfg: (activation, glu_interleave,
     # alpha, limit, offset); opts: (main_grads or None, recompute_activation,
     # wgrad_store or None, the parameters a delayed wgrad adds its gradients
-    # into, the Plan or None, unpermute: the output unpermuted by the plan,
-    # permute: x and probs are the tokens [T, H] and their slots' probs
-    # [T, K], permuted by the plan here).
+    # into, the rows' source or None, the output's sink or None: _mlp_io;
+    # with a source, x and probs are its inputs, and offsets None means the
+    # source's groups).
     # ctx None: called without autograd (grouped_mlp's fast path).
     @staticmethod
     def forward(ctx, x, fc1, fc2, bias1, bias2, probs, args):
         offsets, real_rows, cfg, opts = args
-        plan = opts[4]
+        source, sink = opts[4], opts[5]
         x = _rows(x)
-        if opts[6]:  # the tokens' rows in expert order, and each row's prob
-            tokens, cap = x, plan.capacity_rows
-            x = tokens.new_empty(cap, tokens.shape[1])
-            row_probs = None if probs is None else _empty(cap, dtype=_float32, device=x.device)
-            _C.permute(tokens, plan._view, x, None if probs is None else probs.contiguous(),
-                       row_probs, None, None, _stream(x))
-            probs = row_probs
-            if ctx is not None:
-                ctx.tokens_meta = (tokens.shape, tokens.dtype)
+        row_probs = probs
+        if source is not None:  # the experts' rows (and each row's prob)
+            x, row_probs = source.forward(x, probs)
+            if offsets is None:
+                offsets, real_rows = source.groups()
         rows = x.shape[0]
         y = x.new_empty(rows, fc2.shape[1])
         h = x.new_empty(rows, fc1.shape[1])
         a = x.new_empty(rows, fc2.shape[2])
         s = _stream(x)
-        _C.grouped_mlp_forward(x, fc1, fc2, bias1, bias2, offsets, real_rows, probs, *cfg, y, h,
-                               a, s)
+        _C.grouped_mlp_forward(x, fc1, fc2, bias1, bias2, offsets, real_rows, row_probs, *cfg,
+                               y, h, a, s)
+        out, kept = y, None
+        if sink is not None:
+            out, kept = sink.forward(y, probs)
         if ctx is not None:
             ctx.set_materialize_grads(False)
             ctx.cfg, ctx.opts = cfg, opts
             # Keeping only h (recompute_activation): a is recomputed before the
             # weight gradients, so it does not live from forward to backward.
-            ctx.save_for_backward(x, fc1, fc2, bias1, bias2, probs, offsets, real_rows, h,
-                                  None if opts[1] else a)
-        if not opts[5]:
-            return y
-        del a
-        out = y.new_empty(plan.num_tokens, y.shape[1])
-        _C.unpermute(y, plan._view, out, None, s)
+            # probs: the sink's weights (the rows' own are row_probs).
+            ctx.save_for_backward(x, fc1, fc2, bias1, bias2, row_probs, offsets, real_rows, h,
+                                  None if opts[1] else a,
+                                  probs if sink is not None and sink.weighted else None, kept)
         return out
 
     @staticmethod
     def backward(ctx, dy):
-        if dy is None:
-            return (None,) * 7
-        x, fc1, fc2, bias1, bias2, probs, offsets, real_rows, h, a = ctx.saved_tensors
-        main, _, store, params, plan, unpermute, permute = ctx.opts
+        main, _, store, params, source, sink = ctx.opts
+        if dy is None and not (sink is not None and sink.collective):
+            return (None,) * 7  # (a collective sink's backward runs on every rank)
+        x, fc1, fc2, bias1, bias2, probs, offsets, real_rows, h, a, sink_probs, kept = \
+            ctx.saved_tensors
         cfg, need = ctx.cfg, ctx.needs_input_grad
-        s = _stream(dy)
-        if unpermute:  # the rows' gradient: local, freed once FC2's wgrad has read it
-            dout = _rows(dy)
-            dy = dout.new_empty(x.shape[0], fc2.shape[1])
-            _C.unpermute_backward(dout, plan._view, None, None, dy, None, s)
-            del dout
+        s = _stream(h)
+        node_dprobs = None  # the gradient of the node's probs from the sink
+        if sink is not None:  # the rows' gradient: local, freed once FC2's wgrad has read it
+            dy, node_dprobs = sink.backward(None if dy is None else _rows(dy), sink_probs, kept,
+                                            (x.shape[0], fc2.shape[1]))
+            del kept
         else:
             dy = _rows(dy)
         d_h = torch.empty_like(h)
-        dprobs = None
+        dprobs = None  # the rows' probs' gradient
         if probs is not None and need[5]:
             dprobs = torch.empty(x.shape[0], dtype=torch.float32, device=x.device)
         # FC2 dgrad + the activation's backward: d_h (dx comes after FC2's wgrad).
@@ -423,21 +420,18 @@ class _GroupedMlp(torch.autograd.Function):
 
         def fc1_dgrad():
             """(dx, dprobs) of the node's inputs x and probs: the rows', or
-            with permute the tokens' (the rows' gradient freed on return)."""
-            if not (need[0] or (permute and dprobs is not None)):
-                return None, dprobs
+            with a source its inputs' (the rows' gradient freed on return)."""
+            if source is None:
+                if not need[0]:
+                    return None, dprobs
+            elif not need[0] and (source.collective or dprobs is None):
+                return None, node_dprobs
             dx = torch.empty_like(x)
             _C.grouped_mlp_backward_fc1_dgrad(d_h, fc1, fc2, offsets, real_rows, *cfg, dx, s)
-            if not permute:
+            if source is None:
                 return dx, dprobs
-            shape, dtype = ctx.tokens_meta
-            dt = dx.new_empty(shape, dtype=dtype)
-            dtp = None
-            if dprobs is not None:
-                dtp = torch.empty((plan.num_tokens, plan.topk), dtype=torch.float32,
-                                  device=dx.device)
-            _C.permute_backward(dx, plan._view, dt, dprobs, dtp, s)
-            return (dt if need[0] else None), dtp
+            dx, dp = source.backward(dx, dprobs, need[0])
+            return dx, (dp if node_dprobs is None else node_dprobs)
 
         if store is None:
             # FC2's weight gradient first: then dy and a are free before dx
@@ -506,7 +500,7 @@ def grouped_mlp(x: torch.Tensor, fc1: torch.Tensor, fc2: torch.Tensor, *,
                 wgrad_store: Optional[WgradStore] = None, unpermute: bool = False,
                 permute: bool = False, precision: str = "bf16", fp8_weight_cache: bool = False,
                 fp8_wgrad: bool = False, align: Optional[int] = None,
-                _grad_params: Optional[Tuple] = None) -> torch.Tensor:
+                _grad_params: Optional[Tuple] = None, _ep=None) -> torch.Tensor:
     """The grouped expert MLP: for the rows of each expert e,
     h = x W1_e^T + b1_e, a = act(h) * p, y = a W2_e^T + b2_e.
 
@@ -557,13 +551,18 @@ def grouped_mlp(x: torch.Tensor, fc1: torch.Tensor, fc2: torch.Tensor, *,
     storage directly) must call ``moeflow.ops.clear_fp8_weight_cache(w)``.
     Ignored while a CUDA graph is captured (the graph quantizes, so that
     replays follow the weights)."""
+    # _ep (moeflow.MoELayer with an ep_group, bf16): dispatch's checked
+    # arguments (ids, probs, scales, handle); x is this rank's tokens, probs
+    # the dispatch's [T, K] probs, and the node dispatches, runs the MLP on
+    # the received rows and combines them home (one node, as permute=True,
+    # unpermute=True).
     if activation not in _ACTIVATIONS:
         raise ValueError(f"activation must be one of {_ACTIVATIONS}, got {activation!r}")
     if plan is not None:
         if offsets is not None or real_rows is not None:
             raise ValueError("give plan or offsets (+ real_rows), not both")
         offsets, real_rows = plan.expert_row_offsets, plan.tokens_per_expert
-    if offsets is None:
+    if offsets is None and _ep is None:
         raise ValueError("grouped_mlp needs plan= or offsets=")
     cfg = (activation, int(glu_interleave), float(alpha), float(limit), float(offset))
     main = None
@@ -612,8 +611,17 @@ def grouped_mlp(x: torch.Tensor, fc1: torch.Tensor, fc2: torch.Tensor, *,
                                  or (bias2 is not None and bias2.requires_grad)
                                  or (probs is not None and probs.requires_grad))):
         return _GroupedMlp.forward(None, x, fc1, fc2, bias1, bias2, probs, (
-            offsets, real_rows, cfg, (None, True, None, None, plan, unpermute, permute)))
+            offsets, real_rows, cfg, (None, True, None, None) + _io(plan, permute, unpermute,
+                                                                     _ep)))
     params = _grad_params if _grad_params is not None else (fc1, fc2, bias1, bias2)
-    opts = (main, bool(recompute_activation), wgrad_store, params, plan, bool(unpermute),
-            bool(permute))
+    opts = (main, bool(recompute_activation), wgrad_store, params) + _io(plan, permute, unpermute,
+                                                                        _ep)
     return _GroupedMlp.apply(x, fc1, fc2, bias1, bias2, probs, (offsets, real_rows, cfg, opts))
+
+
+def _io(plan, permute, unpermute, ep):
+    """(the rows' source, the output's sink) of a grouped_mlp node."""
+    if ep is not None:
+        return _mlp_io.DispatchSource(ep), _mlp_io.CombineSink(ep[3])
+    return (_mlp_io.PermuteSource(plan) if permute else None,
+            _mlp_io.UnpermuteSink(plan) if unpermute else None)

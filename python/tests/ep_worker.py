@@ -454,6 +454,37 @@ def raises(exc, match, fn):
     raise AssertionError(f"no {exc.__name__} matching {match!r} raised")
 
 
+def check_mlp_node_is_the_chained_ops(ctx, H=32, F=16):
+    """grouped_mlp's expert-parallel node (dispatch, MLP, combine in one
+    autograd node, as MoELayer runs them) against dispatch -> grouped_mlp ->
+    combine chained: output and every gradient bit for bit."""
+    W, r, dev = ctx.world, ctx.rank, ctx.device
+    E, K, dt = 2 * W, 2, torch.bfloat16
+    T_list = tokens(W, 9, 0, 5)
+    g = ctx.group(num_experts=E, topk=K, hidden_size=H, dtype=dt,
+                  max_tokens_per_rank=max(T_list))
+    mine = make_inputs(T_list, E, K, H, dt, "random", 12)[r]
+    gen = torch.Generator().manual_seed(13 + r)
+    w0 = [(torch.randn(*sh, generator=gen) * 0.2).to(dt).to(dev)
+          for sh in ((g.local_experts, 2 * F, H), (g.local_experts, H, F))]
+    grads = []
+    for fused in (True, False):
+        x = mine["x"].to(dev).clone().requires_grad_()
+        p = mine["probs"].to(dev).clone().requires_grad_()
+        w1, w2 = (w.clone().requires_grad_() for w in w0)
+        ids = mine["ids"].to(dev)
+        if fused:
+            xin, args = ep._prepare_dispatch(x, ids, p, g, None)
+            out = ops.grouped_mlp(xin, w1, w2, probs=p, _ep=args)
+        else:
+            rows, tpe, offs, h = ep.dispatch(x, ids, p, g)
+            out = ep.combine(ops.grouped_mlp(rows, w1, w2, offsets=offs, real_rows=tpe), h, p)
+        out.backward(mine["dout"].to(dev))
+        grads.append([out, x.grad, p.grad, w1.grad, w2.grad])
+    for name, a, b in zip(("out", "x.grad", "probs.grad", "fc1.grad", "fc2.grad"), *grads):
+        eq(f"node vs chained: {name}", a, b.detach().cpu())
+
+
 def check_layer_fp8(ctx):
     # precision="fp8-blockwise": a row's codes and an expert's weight blocks
     # do not depend on where they are, but the one-process layer weights FC2's
@@ -541,7 +572,7 @@ def check_errors(ctx):
 CHECKS = {f.__name__[len("check_"):]: f for f in (
     check_uneven_bf16, check_float32_align1_int64_ids, check_all_to_one_rank, check_dropped_slots,
     check_sparse_top1, check_bf16_combine_wire, check_two_in_flight, check_w1_matches_ops, check_activation_recomputation,
-    check_layer, check_layer_fp8, check_errors)}
+    check_layer, check_mlp_node_is_the_chained_ops, check_layer_fp8, check_errors)}
 
 
 # ---------------------------------------------------------------------------

@@ -1,0 +1,111 @@
+"""Where the grouped MLP's autograd node gets its rows and where it sends
+its output (ops.grouped_mlp's permute= / unpermute=, and the
+expert-parallel MoELayer's dispatch and combine): run inside the node, so
+that its backward frees each rows' gradient as soon as it is read.
+
+A source turns the node's input x (and its probs) into the experts' rows
+and back: ``forward(x, probs) -> (rows, row_probs)``, ``backward(d_rows,
+d_row_probs, want_dx) -> (dx, dprobs)``. A sink turns the MLP's output rows
+into the node's output and back: ``forward(y, probs) -> (out, kept)``,
+``backward(dout, probs, kept) -> (d_rows, dprobs)``; ``kept`` is saved with
+the node's tensors. One object per call (a source keeps x's shape)."""
+from __future__ import annotations
+
+import torch
+
+from . import _C
+from ._ops_common import _empty, _float32, _stream
+
+
+class PermuteSource:
+    """x: the tokens [T, H]; probs: their slots' [T, K] (the rows carry them)."""
+    collective = False
+
+    def __init__(self, plan):
+        self.plan = plan
+
+    def groups(self):
+        return self.plan.expert_row_offsets, self.plan.tokens_per_expert
+
+    def forward(self, x, probs):
+        plan, cap = self.plan, self.plan.capacity_rows
+        self.x_meta = (x.shape, x.dtype)
+        rows = x.new_empty(cap, x.shape[1])
+        row_probs = None if probs is None else _empty(cap, dtype=_float32, device=x.device)
+        _C.permute(x, plan._view, rows, None if probs is None else probs.contiguous(), row_probs,
+                   None, None, _stream(x))
+        return rows, row_probs
+
+    def backward(self, d_rows, d_row_probs, want_dx):
+        plan = self.plan
+        shape, dtype = self.x_meta
+        dx = d_rows.new_empty(shape, dtype=dtype)
+        dprobs = None
+        if d_row_probs is not None:
+            dprobs = torch.empty((plan.num_tokens, plan.topk), dtype=torch.float32,
+                                 device=d_rows.device)
+        _C.permute_backward(d_rows, plan._view, dx, d_row_probs, dprobs, _stream(d_rows))
+        return (dx if want_dx else None), dprobs
+
+
+class UnpermuteSink:
+    """out: the rows summed back into token order [T, H] (no weights)."""
+    collective = False
+    weighted = False
+
+    def __init__(self, plan):
+        self.plan = plan
+
+    def forward(self, y, probs):
+        out = y.new_empty(self.plan.num_tokens, y.shape[1])
+        _C.unpermute(y, self.plan._view, out, None, _stream(y))
+        return out, None
+
+    def backward(self, dout, probs, kept, rows_shape):
+        dy = dout.new_empty(rows_shape)
+        _C.unpermute_backward(dout, self.plan._view, None, None, dy, None, _stream(dout))
+        return dy, None
+
+
+class DispatchSource:
+    """x: this rank's tokens; the rows are those the experts of this rank
+    receive (moeflow.ep.dispatch, its arguments already checked). The MLP's
+    rows carry no probs: the combine applies them."""
+    collective = True
+
+    def __init__(self, dispatch_args):
+        self.args = dispatch_args  # (ids, probs, scales, handle)
+
+    def groups(self):
+        h = self.args[3]
+        return h.expert_row_offsets, h.tokens_per_expert
+
+    def forward(self, x, probs):
+        from .ep import _dispatch_forward
+        return _dispatch_forward(x, *self.args), None
+
+    def backward(self, d_rows, d_row_probs, want_dx):
+        from .ep import _dispatch_backward
+        return _dispatch_backward(self.args[3], d_rows), None
+
+
+class CombineSink:
+    """out: the rows brought home, weighted by the node's probs (the
+    dispatch's [T, K] probs) when given (moeflow.ep.combine)."""
+    collective = True
+
+    def __init__(self, handle):
+        self.handle = handle
+
+    @property
+    def weighted(self):
+        return self.handle.weighted
+
+    def forward(self, y, probs):
+        from .ep import _combine_forward
+        self.dtype = y.dtype
+        return _combine_forward(y, probs, self.handle)
+
+    def backward(self, dout, probs, kept, rows_shape):
+        from .ep import _combine_backward
+        return _combine_backward(self.handle, probs, kept, self.dtype, dout)
