@@ -353,6 +353,8 @@ class _GroupedMlp(torch.autograd.Function):
                                y, h, a, s)
         out, kept = y, None
         if sink is not None:
+            if opts[1]:
+                a = None  # not kept (recompute_activation): freed before the sink's output
             out, kept = sink.forward(y, probs)
         if ctx is not None:
             ctx.set_materialize_grads(False)
