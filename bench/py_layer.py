@@ -171,6 +171,24 @@ def short_name(name):
     return name[:160]
 
 
+def graph_us(step, n=10, iters=10):
+    """GPU time per call of step, n calls replayed in one CUDA graph (after
+    three on a side stream), the median of ``iters`` replays."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(3):
+            step()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(n):
+            step()
+    us = 1e3 * bench_ms(graph.replay, iters=iters) / n
+    del graph
+    return us
+
+
 def bench_router(out, profile=False):
     dev = torch.device("cuda")
     T, E, K = 8192, 256, 8
@@ -196,19 +214,9 @@ def bench_router(out, profile=False):
     # The kernels alone: 20 forwards (no autograd) replayed in one CUDA
     # graph, time per forward (kernels and the gaps between them).
     with torch.no_grad():
-        fwd = lambda: mf.router(logits.detach(), K, expert_bias=bias,  # noqa: E731
-                                aux_loss_coeff=AUX, **opts)
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            fwd()
-        torch.cuda.current_stream().wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            for _ in range(20):
-                fwd()
-        res["moeflow_graph_fwd_us"] = 1e3 * bench_ms(graph.replay, iters=20) / 20
-        del graph
+        res["moeflow_graph_fwd_us"] = graph_us(
+            lambda: mf.router(logits.detach(), K, expert_bias=bias, aux_loss_coeff=AUX, **opts),
+            n=20, iters=20)
     # The same for 20 forward + backward steps (autograd captured, the
     # gradient returned; the backward's time is the difference).
     def mf_grad():  # a fresh leaf: its gradient's stream is the capturing one
@@ -216,19 +224,8 @@ def bench_router(out, profile=False):
         r = mf.router(lg, K, expert_bias=bias, aux_loss_coeff=AUX, **opts)
         torch.autograd.grad([r.probs, r.aux_loss], [lg], [dprobs, one])
 
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for _ in range(3):
-            mf_grad()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(20):
-            mf_grad()
-    res["moeflow_graph_fwd_bwd_us"] = 1e3 * bench_ms(graph.replay, iters=20) / 20
+    res["moeflow_graph_fwd_bwd_us"] = graph_us(mf_grad, n=20, iters=20)
     res["moeflow_graph_bwd_us"] = res["moeflow_graph_fwd_bwd_us"] - res["moeflow_graph_fwd_us"]
-    del graph
     logits.grad = None
 
     def t_fwd():
@@ -257,24 +254,6 @@ def bench_router(out, profile=False):
           f"moeflow fwd {res['moeflow_fwd_us']:.1f} us (in a graph {res['moeflow_graph_fwd_us']:.1f}),"
           f" bwd {res['moeflow_bwd_us']:.1f} us (in a graph {res['moeflow_graph_bwd_us']:.1f}); "
           f"torch fwd {res['torch_fwd_us']:.1f} us, bwd {res['torch_bwd_us']:.1f} us", flush=True)
-
-
-def graph_us(step, n=10):
-    """GPU time per call of step (forward + backward), n calls replayed in
-    one CUDA graph."""
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for _ in range(3):
-            step()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(n):
-            step()
-    us = 1e3 * bench_ms(graph.replay, iters=10) / n
-    del graph
-    return us
 
 
 def bench_router_gemm(out):
