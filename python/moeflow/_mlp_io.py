@@ -7,8 +7,10 @@ A source turns the node's input x (and its probs) into the experts' rows
 and back: ``forward(x, probs) -> (rows, row_probs)``, ``backward(d_rows,
 d_row_probs, want_dx) -> (dx, dprobs)``. A sink turns the MLP's output rows
 into the node's output and back: ``forward(y, probs) -> (out, kept)``,
-``backward(dout, probs, kept) -> (d_rows, dprobs)``; ``kept`` is saved with
-the node's tensors. One object per call (a source keeps x's shape)."""
+``backward(dout, probs, kept, rows_shape) -> (d_rows, dprobs)``; ``kept``
+is saved with the node's tensors. ``collective``: its backward must run on
+every rank (the node's backward then runs even without an output
+gradient). One object per call (a source keeps x's shape)."""
 from __future__ import annotations
 
 import torch
