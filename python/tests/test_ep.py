@@ -4,7 +4,7 @@ forward and backward against a single-process oracle built from moeflow.ops
 flight, activation recomputation, the expert-parallel MoELayer against the
 single-device one, FP8 dispatch with per-token scales (rows and scales bit
 for bit, the bf16 gradient path), and argument errors. The checks live in
-ep_worker.py and ep_worker_fp8.py.
+ep_worker.py, ep_worker_layer.py and ep_worker_fp8.py.
 
 CPU: world sizes 2 and 3, gloo, backend "reference" (all checks of a world
 size run in one set of processes). GPU, world sizes 2, 3 and 4 (each skipped
@@ -23,12 +23,11 @@ torch = pytest.importorskip("torch")
 dist = pytest.importorskip("torch.distributed")
 
 import ep_worker  # noqa: E402
-import ep_worker_fp8  # noqa: E402
 from moeflow import _C  # noqa: E402
 
 pytestmark = pytest.mark.skipif(not dist.is_available(), reason="torch.distributed unavailable")
 
-CHECKS = list(ep_worker.CHECKS) + list(ep_worker_fp8.CHECKS)
+CHECKS = list(ep_worker.cpu_checks())
 GPU_WORLDS = [2, 3, 4]
 GPUS = torch.cuda.device_count() if torch.cuda.is_available() else 0
 # GPU backend ids: (moeflow.ep backend, environment of the rank processes)
