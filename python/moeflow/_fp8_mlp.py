@@ -148,12 +148,15 @@ def check(x: torch.Tensor, fc1: torch.Tensor, fc2: torch.Tensor, bias1, bias2, r
 
 class GroupedMlpFp8(torch.autograd.Function):
     # args: (offsets, real_rows, cfg, recipe, main_grads or None, plan to
-    # unpermute with or None, cache the weights' codes, FP8 wgrad); ctx None:
-    # called without autograd.
+    # unpermute with or None, cache the weights' codes, FP8 wgrad, the rows'
+    # source or None: _mlp_io.PermuteSource, x and probs then the tokens and
+    # their slots' probs); ctx None: called without autograd.
     @staticmethod
     def forward(ctx, x, fc1, fc2, probs, args):
-        offsets, real_rows, cfg, recipe, main, plan, cache, wgrad8 = args
+        offsets, real_rows, cfg, recipe, main, plan, cache, wgrad8, source = args
         x = x.detach().contiguous()
+        if source is not None:  # the experts' rows and each row's prob
+            x, probs = source.forward(x, None if probs is None else probs.detach())
         x_t = None  # x's columnwise codes and scales (FC1's FP8 wgrad), instead of x
         if wgrad8 and ctx is not None and fc1.requires_grad:
             xq, xs, xq_t, xs_t = ops.quantize_rowwise_columnwise(x)
@@ -178,7 +181,7 @@ class GroupedMlpFp8(torch.autograd.Function):
         if ctx is not None:
             ctx.set_materialize_grads(False)
             ctx.cfg, ctx.recipe, ctx.main, ctx.plan, ctx.cache = cfg, recipe, main, plan, cache
-            ctx.wgrad8 = wgrad8
+            ctx.wgrad8, ctx.source = wgrad8, source
             saved_x = None if x_t is not None else x
             x_t = x_t if x_t is not None else (None, None)
             ctx.save_for_backward(saved_x, fc1, fc2, p, offsets, real_rows, h, *x_t)
@@ -256,11 +259,14 @@ class GroupedMlpFp8(torch.autograd.Function):
         g2 = wgrad(2)
         del dy, dy_t
         dx = None
-        if need[0]:
+        source = ctx.source
+        if need[0] or (source is not None and dprobs is not None):
             if dh_q is not None:
                 w1q, w1s = weight_codes(fc1, recipe, True, cache)
                 dx = ops.grouped_gemm_fp8_forward(dh_q[0], dh_q[1], w1q, w1s, offsets, real_rows)
             else:
                 dx = _gemm(d_h, fc1, recipe, offsets, real_rows, True, cache)
+            if source is not None:  # the tokens' gradients; the rows' freed here
+                dx, dprobs = source.backward(dx, dprobs, need[0])
         g1 = wgrad(1)
         return dx, g1, g2, dprobs, None

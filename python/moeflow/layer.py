@@ -601,12 +601,9 @@ class MoELayer(ExpertCheckpointMixin, torch.nn.Module):
     def _experts(self, xe: torch.Tensor, ids: torch.Tensor, probs: torch.Tensor) -> torch.Tensor:
         """The routed experts on this device: permute, MLP, unpermute."""
         plan = ops.Plan(ids, self.num_experts, self.align)
-        if self.precision == "bf16":
-            # Permute, MLP and unpermute in one autograd node: its backward
-            # frees each rows' gradient as soon as it is read.
-            return self._mlp(xe, plan=plan, probs=probs, permute=True, unpermute=True)
-        rows, row_probs = ops.permute(xe, plan, probs)
-        return self._mlp(rows, plan=plan, probs=row_probs, unpermute=True)
+        # Permute, MLP and unpermute in one autograd node: its backward frees
+        # each rows' gradient as soon as it is read.
+        return self._mlp(xe, plan=plan, probs=probs, permute=True, unpermute=True)
 
     @torch.no_grad()
     def update_expert_bias(self, tokens_per_expert: Optional[torch.Tensor] = None) -> None:

@@ -525,8 +525,8 @@ def grouped_mlp(x: torch.Tensor, fc1: torch.Tensor, fc2: torch.Tensor, *,
     ``unpermute`` (needs ``plan``): returns ``unpermute(y, plan)`` [T, H]
     instead of y, in the same autograd node, so that backward frees the
     rows' gradient as soon as FC2's weight gradient has read it (a lower
-    peak than the two ops chained). ``permute`` (needs ``plan``; bf16
-    precision): x is the tokens [T, H] and probs their slots' [T, K] probs,
+    peak than the two ops chained). ``permute`` (needs ``plan``): x is the
+    tokens [T, H] and probs their slots' [T, K] probs,
     permuted by the plan in the same node (``permute(x, plan, probs)``
     first), so that backward frees the rows' input gradient once the tokens'
     exists, before FC1's weight gradient is allocated; x's and probs'
@@ -581,9 +581,6 @@ def grouped_mlp(x: torch.Tensor, fc1: torch.Tensor, fc2: torch.Tensor, *,
     if permute:
         if plan is None:
             raise ValueError("permute=True needs plan= (the plan to permute the tokens with)")
-        if precision != "bf16":
-            raise ValueError(f"permute=True needs precision='bf16', got {precision!r} "
-                             "(FP8: ops.permute_quantize, then grouped_mlp)")
         if x.dim() != 2 or x.shape[0] != plan.num_tokens:
             raise ValueError(f"permute=True: x must be the plan's tokens [{plan.num_tokens}, H], "
                              f"got shape {tuple(x.shape)}")
@@ -603,7 +600,8 @@ def grouped_mlp(x: torch.Tensor, fc1: torch.Tensor, fc2: torch.Tensor, *,
         from . import _fp8_mlp
         _fp8_mlp.check(x, fc1, fc2, bias1, bias2, precision, wgrad_store, activation)
         args = (offsets, real_rows, cfg, precision, main, plan if unpermute else None,
-                bool(fp8_weight_cache), bool(fp8_wgrad))
+                bool(fp8_weight_cache), bool(fp8_wgrad),
+                _mlp_io.PermuteSource(plan) if permute else None)
         if not (_grad_enabled() and (x.requires_grad or fc1.requires_grad or fc2.requires_grad
                                      or (probs is not None and probs.requires_grad))):
             return _fp8_mlp.GroupedMlpFp8.forward(None, x, fc1, fc2, probs, args)

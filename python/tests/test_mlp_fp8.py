@@ -155,6 +155,38 @@ def test_fp8_wgrad(device, main_grad):
     assert w1.grad[:2].abs().sum() > 0 and w2.grad[:2].abs().sum() > 0
 
 
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("precision,wgrad8", [(r, False) for r in RECIPES] +
+                         [("fp8-blockwise", True)])
+def test_permute_in_the_node_is_the_chained_ops(device, precision, wgrad8):
+    """grouped_mlp(..., permute=True, unpermute=True) on the tokens gives the
+    output and every gradient (tokens, probs, weights) of permute then
+    grouped_mlp(..., unpermute=True), bit for bit."""
+    g = torch.Generator().manual_seed(7)
+    E, H, F, T, K = 4, 256, 256, 150, 2
+    x0 = torch.randn(T, H, generator=g).bfloat16().to(device)
+    ids = torch.stack([torch.randperm(E, generator=g)[:K] for _ in range(T)]).int().to(device)
+    p0 = torch.rand(T, K, generator=g).to(device)
+    w0 = [(torch.randn(E, 2 * F, H, generator=g) / H ** 0.5).bfloat16().to(device),
+          (torch.randn(E, H, F, generator=g) / F ** 0.5).bfloat16().to(device)]
+    dy = torch.randn(T, H, generator=g).bfloat16().to(device)
+    plan = mf.Plan(ids, E, 128 if wgrad8 else 16)
+    res = []
+    for fused in (True, False):
+        x, p = x0.clone().requires_grad_(), p0.clone().requires_grad_()
+        w1, w2 = (w.clone().requires_grad_() for w in w0)
+        kw = dict(plan=plan, unpermute=True, precision=precision, fp8_wgrad=wgrad8)
+        if fused:
+            out = mf.grouped_mlp(x, w1, w2, probs=p, permute=True, **kw)
+        else:
+            rows, rp = mf.permute(x, plan, p)
+            out = mf.grouped_mlp(rows, w1, w2, probs=rp, **kw)
+        out.backward(dy)
+        res.append((out, x.grad, p.grad, w1.grad, w2.grad))
+    for name, a, b in zip(("out", "dx", "dprobs", "dW1", "dW2"), *res):
+        assert a is not None and torch.equal(a, b), name
+
+
 @pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] != 9,
                     reason="the FP8 grouped GEMM runs on Hopper (sm_90) GPUs")
 @pytest.mark.parametrize("precision,cache,wgrad8", [(r, False, False) for r in RECIPES] +
