@@ -9,15 +9,16 @@
 The path, all on x's device and without host synchronisation (a step can be
 captured in a CUDA graph):
 
-    logits = x.float() @ router_weight^T                [T, E] float32
+    logits = ops.router_logits(x, router_weight)        [T, E] float32
     topk_ids, probs, ... = ops.router(logits, ...)       Megatron-Core's router
     plan = ops.Plan(topk_ids, E, align)
-    rows, row_probs = ops.permute(x, plan, probs)
-    out = ops.grouped_mlp(rows, fc1, fc2, plan=plan, probs=row_probs,
-                          unpermute=True)             = ops.unpermute(y, plan), one node
+    out = ops.grouped_mlp(x, fc1, fc2, plan=plan, probs=probs, permute=True,
+                          unpermute=True)
+        = ops.unpermute(grouped_mlp(ops.permute(x, plan, probs) ...), plan), one node
 
 With ``ep_group`` (a :class:`moeflow.ep.Group`, expert parallelism) the layer
-holds only its rank's L = E / W experts and the path is
+holds only its rank's L = E / W experts and the path is, in one autograd
+node for bf16 (the FP8 recipes chain the three ops)
 
     rows, tpe, offsets, handle = ep.dispatch(x, topk_ids, probs, ep_group)
     y = ops.grouped_mlp(rows, fc1, fc2, offsets=offsets, real_rows=tpe)
