@@ -125,12 +125,12 @@ for s in "${steps[@]}"; do
       ;;
     pyep)
       if [ "$ngpu" -ge 2 ]; then
-        PYTHONPATH=build/python timeout 400 python3 -m pytest -q -rs python/tests/test_ep.py \
-          python/tests/test_megatron.py -k "gpu or megatron" > "$OUT/pytest_ep.log" 2>&1 || fail "python ep"
-        tail -5 "$OUT/pytest_ep.log"
         mcore=/tmp/moeflow-mcore
         ls .wheels/megatron_core-*.whl > /dev/null 2>&1 &&
           python3 -m pip install -q --no-deps --no-index --target "$mcore" .wheels/megatron_core-*.whl
+        MCORE_PATH="$mcore" PYTHONPATH=build/python timeout 400 python3 -m pytest -q -rs python/tests/test_ep.py \
+          python/tests/test_megatron.py -k "gpu or megatron" > "$OUT/pytest_ep.log" 2>&1 || fail "python ep"
+        tail -5 "$OUT/pytest_ep.log"
         # the peer once; ours also with a receive budget of 1.25 T K rows (memory)
         for run in "nvlink both" "nvlink ours 1.25" "nccl ours"; do
           set -- $run
