@@ -271,6 +271,8 @@ using OutArray = nb::ndarray<nb::array_api>;
 using OutArray = nb::ndarray<nb::numpy>;
 #endif
 
+// The router bindings (router_bindings.cpp).
+void bind_router(nb::module_& m);
 // The checkpoint bindings (checkpoint_bindings.cpp).
 void bind_checkpoint(nb::module_& m);
 // The expert-parallel bindings (ep_bindings.cpp).
