@@ -15,7 +15,8 @@ first large kernel counts; and "back to back": ten steps between two events,
 as a training loop that does not synchronise every step runs them), the
 peak memory the step allocates beyond its inputs and parameters, and with
 ``--profile`` the sum of the step's kernel times (torch.profiler) against
-the step's time. ``--router`` times the router alone at DeepSeek-V3's
+the step's time, for one step after a synchronisation and per step of
+three run back to back (the steady clock). ``--router`` times the router alone at DeepSeek-V3's
 shape (T 8192, E 256, top-8, 8 groups / top-4, sigmoid + expert bias),
 forward and backward, against the torch router, and the router GEMM
 (``ops.router_logits``) against ``linear(x.float(), w)`` at four shapes.
@@ -106,14 +107,17 @@ def kernel_sum_ms(fn, trace=None):
     return kernel_profile(fn, trace)[:2]
 
 
-def kernel_profile(fn, trace=None):
-    """kernel_sum_ms's two results and the step's idle_gaps."""
+def kernel_profile(fn, trace=None, steps=1):
+    """kernel_sum_ms's two results and the step's idle_gaps; with ``steps``
+    > 1, that many steps run back to back (no synchronisation between them,
+    so the GPU runs at its steady clock) and every figure is per step."""
     from torch.profiler import ProfilerActivity, profile
     fn()
     torch.cuda.synchronize()
     acts = [ProfilerActivity.CUDA] + ([ProfilerActivity.CPU] if trace else [])
     with profile(activities=acts) as prof:
-        fn()
+        for _ in range(steps):
+            fn()
         torch.cuda.synchronize()
     if trace:
         prof.export_chrome_trace(trace)
@@ -122,8 +126,9 @@ def kernel_profile(fn, trace=None):
     for e in evs:
         t = (getattr(e, "device_time", None) or getattr(e, "cuda_time", 0.0)) / 1e3
         name = short_name(e.name)
-        by_name[name] = by_name.get(name, 0.0) + t
-    return sum(by_name.values()), by_name, idle_gaps(evs)
+        by_name[name] = by_name.get(name, 0.0) + t / steps
+    span, idle, gaps = idle_gaps(evs)
+    return sum(by_name.values()), by_name, (span / steps, idle / steps, gaps)
 
 
 def idle_gaps(evs, top=6):
@@ -383,6 +388,10 @@ def main():
                     trace = f"{stem}-{name}.{ext}" if dot else f"{args.trace}-{name}"
                 total, by_name, (span, idle, gaps) = kernel_profile(fn, trace)
                 res[key]["kernel_sum_ms"] = total
+                # the same, per step of three run back to back (steady clocks)
+                b2b, _, (_, b2b_idle, _) = kernel_profile(fn, steps=3)
+                res[key]["back_to_back_kernel_sum_ms"] = b2b
+                res[key]["back_to_back_idle_ms"] = b2b_idle
                 res[key]["profiled_span_ms"], res[key]["idle_ms"] = span, idle
                 res[key]["largest_gaps_us"] = [[round(g, 1), a, b] for g, a, b in gaps]
                 if key == "moeflow":
@@ -415,8 +424,11 @@ def main():
                 f"{a:.2f} / {b:.2f} ms" for a, b in ab)
         if args.profile:
             line += (f"; kernels {t['kernel_sum_ms']:.2f} / {m['kernel_sum_ms']:.2f} ms "
-                     f"(step / kernels {m['fwd_bwd_ms'] / m['kernel_sum_ms']:.3f}, back to back "
-                     f"{mb / m['kernel_sum_ms']:.3f})")
+                     f"(step / kernels {m['fwd_bwd_ms'] / m['kernel_sum_ms']:.3f}); back to back "
+                     f"kernels {t['back_to_back_kernel_sum_ms']:.2f} / "
+                     f"{m['back_to_back_kernel_sum_ms']:.2f} ms, GPU idle "
+                     f"{m['back_to_back_idle_ms']:.2f} ms per step (step / kernels "
+                     f"{mb / m['back_to_back_kernel_sum_ms']:.3f})")
         print(line, flush=True)
         if args.profile:
             rates = res["moeflow"]["gemm_tflops"]
