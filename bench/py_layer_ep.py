@@ -17,7 +17,10 @@ combine; the auxiliary loss's gradient included) with plain ``.grad``
 weight gradients, cleared before every step (a step after
 zero_grad(set_to_none=True)). Timed with CUDA events after warm-up steps,
 every step started together (torch.cuda.synchronize + barrier): the median
-per rank of the step and of its forward part, then the slowest rank's. Peak
+per rank of the step and of its forward part, then the slowest rank's; and
+"back to back": the same number of steps between two events with no
+barrier or synchronisation between them, as a training loop runs them (the
+slowest rank's time per step). Peak
 memory: torch.cuda.max_memory_allocated over one step, absolute and less
 what was allocated before it (parameters, inputs, persistent buffers), the
 largest over the ranks. Both count torch's allocator only: moeflow's EP
@@ -172,8 +175,11 @@ def case_inputs(d, name, seed):
 
 def measure(d, fwd, params, x, dy, warmup, iters):
     """Times fwd(x).backward(dy) as a training step: (per-rank [step ms,
-    forward ms, peak extra MiB, peak MiB] of this rank). The gradients of
-    ``params`` (and x) are cleared before each step."""
+    forward ms, peak extra MiB, peak MiB, back-to-back step ms] of this
+    rank). The gradients of ``params`` (and x) are cleared before each step.
+    Step and forward: medians of steps that start together on every rank
+    (a barrier and a synchronisation before each); back to back: ``iters``
+    steps between two events with neither, as a training loop runs them."""
     grads = list(params) + [x]
 
     def clear():
@@ -206,7 +212,17 @@ def measure(d, fwd, params, x, dy, warmup, iters):
         steps.append(e0.elapsed_time(e2))
         fwds.append(e0.elapsed_time(e1))
     clear()
-    return [statistics.median(steps), statistics.median(fwds), (peak - base) / MiB, peak / MiB]
+    d.sync()
+    b0, b1 = (torch.cuda.Event(enable_timing=True) for _ in range(2))
+    b0.record()
+    for _ in range(iters):
+        clear()
+        fwd(x).backward(dy)
+    b1.record()
+    torch.cuda.synchronize()
+    clear()
+    return [statistics.median(steps), statistics.median(fwds), (peak - base) / MiB, peak / MiB,
+            b0.elapsed_time(b1) / iters]
 
 
 def profile_step(d, args, label, fwd, params, x, dy):
@@ -244,10 +260,12 @@ def profile_step(d, args, label, fwd, params, x, dy):
 
 
 def summarise(per_rank):
-    """The row's numbers from every rank's [step, fwd, extra, peak]: the
-    slowest rank's medians, the largest peaks, and the per-rank lists."""
+    """The row's numbers from every rank's [step, fwd, extra, peak,
+    back-to-back step]: the slowest rank's times, the largest peaks, and
+    the per-rank lists."""
     cols = list(zip(*per_rank))
     return {"step_ms": max(cols[0]), "fwd_ms": max(cols[1]),
+            "back_to_back_ms": max(cols[4]),
             "bwd_ms": max(s - f for s, f in zip(cols[0], cols[1])),
             "peak_extra_MiB": max(cols[2]), "peak_MiB": max(cols[3]),
             "per_rank": {"step_ms": list(cols[0]), "fwd_ms": list(cols[1]),
@@ -387,6 +405,16 @@ def table(rows, world):
                 else f"{'-':>10s}"
             lines.append(f"{case:11s} {world:2d} {o_s} {label:10s} {p['step_ms']:10.2f} "
                          f"{p['fwd_ms']:7.2f} {ratio}  {o_m:>25s} {fmt_mem(p):>11s}")
+    b2b = []
+    for case, rs in by_case.items():
+        ours = next((r for r in rs if r["impl"] == "moeflow" and "back_to_back_ms" in r), None)
+        for p in rs:
+            if p["impl"] != "moeflow" and "back_to_back_ms" in p and ours:
+                b2b.append(f"{case} {ours['back_to_back_ms']:.2f} / {p['back_to_back_ms']:.2f} "
+                           f"({p['back_to_back_ms'] / ours['back_to_back_ms']:.2f}x)")
+    if b2b:
+        lines.append("steps back to back (no barrier between them), ms, ours / mcore: "
+                     + ", ".join(b2b))
     groups = [f"{r['case']} {r['ep_buffers_MiB'] / 1024:.2f}" for r in rows
               if r["impl"] == "moeflow" and "ep_buffers_MiB" in r]
     dropped = [f"{r['case']} {r['ep_overflow']:.0f}" for r in rows
@@ -442,14 +470,15 @@ def main():
                 os._exit(1)  # torchrun then stops the other ranks
             per_rank = d.gather(res)
             r = dict(case=name, W=d.world, impl="moeflow", backend=args.backend,
-                     tokens_per_rank=CASES[name][0], **summarise([v[:4] for v in per_rank]))
-            r["ep_overflow"] = max(v[4] for v in per_rank)
-            r["ep_buffers_MiB"] = max(v[5] for v in per_rank)
+                     tokens_per_rank=CASES[name][0], **summarise([v[:5] for v in per_rank]))
+            r["ep_overflow"] = max(v[5] for v in per_rank)
+            r["ep_buffers_MiB"] = max(v[6] for v in per_rank)
             r["capacity_factor"] = args.capacity_factor
             r["params_per_rank"] = n
             rows.append(r)
             write_json(d, args, meta, rows)
             log(d, f"  moeflow: step {r['step_ms']:.2f} ms, fwd {r['fwd_ms']:.2f} ms, "
+                   f"back to back {r['back_to_back_ms']:.2f} ms, "
                    f"peak {fmt_mem(r)} GiB (extra/abs), outside torch "
                    f"{r['ep_buffers_MiB'] / 1024:.2f} GiB"
                    + (f"; {r['ep_overflow']:.0f} slots dropped (receive capacity)"
@@ -492,7 +521,9 @@ def main():
                         r.update(summarise(d.gather(res)))
                         r["params_per_rank"] = n
                         log(d, f"  megatron ({v}): step {r['step_ms']:.2f} ms, fwd "
-                               f"{r['fwd_ms']:.2f} ms, peak {fmt_mem(r)} GiB (extra/abs)")
+                               f"{r['fwd_ms']:.2f} ms, back to back "
+                               f"{r['back_to_back_ms']:.2f} ms, peak {fmt_mem(r)} GiB "
+                               f"(extra/abs)")
                     rows.append(r)
                     write_json(d, args, meta, rows)
                     free(d)
