@@ -1,5 +1,6 @@
-"""Shared by the PyTorch peer scripts: median of CUDA-event times, and the
-mildly uneven rows per expert of the grouped-GEMM / MLP cases."""
+"""Shared by the PyTorch peer scripts: median of CUDA-event times (steps
+synchronised one by one, or back to back), and the mildly uneven rows per
+expert of the grouped-GEMM / MLP cases."""
 import torch
 
 
@@ -12,6 +13,27 @@ def bench_ms(fn, iters=10, warm=3):
         a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         a.record(); fn(); b.record(); torch.cuda.synchronize()
         ts.append(a.elapsed_time(b))
+    ts.sort()
+    return ts[len(ts) // 2]
+
+
+def steady_ms(fn, n=10, reps=5):
+    """A step's time when steps run back to back as in a training loop that
+    does not synchronise each step (the host enqueues the next forward while
+    the GPU runs the previous backward): n steps between two events, the
+    median over ``reps`` of the time per step."""
+    for _ in range(2):
+        fn()
+    ts = []
+    for _ in range(reps):
+        torch.cuda.synchronize()
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        for _ in range(n):
+            fn()
+        b.record()
+        torch.cuda.synchronize()
+        ts.append(a.elapsed_time(b) / n)
     ts.sort()
     return ts[len(ts) // 2]
 

@@ -16,10 +16,11 @@ as a training loop that does not synchronise every step runs them), the
 peak memory the step allocates beyond its inputs and parameters, and with
 ``--profile`` the sum of the step's kernel times (torch.profiler) against
 the step's time, for one step after a synchronisation and per step of
-three run back to back (the steady clock). ``--router`` times the router alone at DeepSeek-V3's
-shape (T 8192, E 256, top-8, 8 groups / top-4, sigmoid + expert bias),
-forward and backward, against the torch router, and the router GEMM
-(``ops.router_logits``) against ``linear(x.float(), w)`` at four shapes.
+three run back to back (the steady clock). ``--router`` times the router
+alone at DeepSeek-V3's shape (T 8192, E 256, top-8, 8 groups / top-4,
+sigmoid + expert bias), forward and backward, against the torch router,
+and the router GEMM (``ops.router_logits``) against ``linear(x.float(),
+w)`` at four shapes.
 
     PYTHONPATH=build/python:bench python3 bench/py_layer.py [--json FILE] [--profile [--trace FILE]]
         [--router] [--case NAME] [--top N] [--memory-snapshot FILE] [--align N]
@@ -34,7 +35,7 @@ import torch.nn.functional as F
 import moeflow
 import moeflow.ops as mf
 from moeflow._router_ops import _router_logits_float32
-from peer_timing import bench_ms, step_stats
+from peer_timing import bench_ms, steady_ms, step_stats
 
 # name, tokens, H, F, experts, top-k, router options
 CASES = [
@@ -177,27 +178,6 @@ def short_name(name):
                 name = name[:i]
                 break
     return name[:160]
-
-
-def steady_ms(fn, n=10, reps=5):
-    """A step's time when steps run back to back as in a training loop that
-    does not synchronise each step (the host enqueues the next forward while
-    the GPU runs the previous backward): n steps between two events, the
-    median over ``reps`` of the time per step."""
-    for _ in range(2):
-        fn()
-    ts = []
-    for _ in range(reps):
-        torch.cuda.synchronize()
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        for _ in range(n):
-            fn()
-        b.record()
-        torch.cuda.synchronize()
-        ts.append(a.elapsed_time(b) / n)
-    ts.sort()
-    return ts[len(ts) // 2]
 
 
 def graph_us(step, n=10, iters=10):
