@@ -225,6 +225,44 @@ void run_gemm_bench(const GemmBenchOptions& opt) {
       rows_out.push_back(r);
       fmt::print("    forward fp8 (blockwise) {:7.1f} TFLOP/s, bf16 forward {:7.1f}: {:.2f}x\n", f8,
                  bf, f8 / bf);
+      {
+        // Tensorwise FP8 (one scale per operand), promoted every 4 slices
+        // (the default) and once (fast accumulation), each against the
+        // blockwise forward in alternation.
+        QuantizeConfig tw_cfg;
+        tw_cfg.scaling = QuantScaling::kTensorwise;
+        Tensor ta = Tensor::empty({M, K}, DType::kFloat8E4M3, dev),
+               tsa = Tensor::empty({1}, DType::kFloat32, dev),
+               tw = Tensor::empty({E, N, K}, DType::kFloat8E4M3, dev),
+               tsw = Tensor::empty({1}, DType::kFloat32, dev);
+        const size_t ws_bytes = std::max(quantize_workspace_bytes(M, K, tw_cfg),
+                                         quantize_workspace_bytes(E * N, K, tw_cfg));
+        Tensor ws = Tensor::empty({static_cast<int64_t>(std::max<size_t>(1, ws_bytes))},
+                                  DType::kUInt8, dev);
+        quantize(a, tw_cfg, ta, tsa, ws, stream);
+        quantize(TensorView(w.data(), DType::kBFloat16, dev, {E * N, K}), tw_cfg,
+                 TensorView(tw.data(), DType::kFloat8E4M3, dev, {E * N, K}), tsw, ws, stream);
+        for (const int promote : {4, 0}) {
+          GemmOptions o;
+          o.fp8_promote = promote;
+          const auto [ft, fb] =
+              paired([&] { grouped_gemm_fp8_forward(ta, tsa, tw, tsw, layout, out, o, stream); },
+                     [&] { grouped_gemm_fp8_forward(qa, sa, qw, sw, layout, out, stream); });
+          const std::string op =
+              promote ? "forward_fp8_tensorwise" : "forward_fp8_tensorwise_fast_accum";
+          Row rt{c.name, op, flops / ft / 1e6, 0, 0, 0};
+          rt.extra = {{"TFLOPs", ft},
+                      {"blockwise_TFLOPs", fb},
+                      {"ratio_to_blockwise", ft / fb},
+                      {"ratio_to_bf16", ft / bf},
+                      {"promote_slices", promote}};
+          rows_out.push_back(rt);
+          fmt::print(
+              "    forward fp8 (tensorwise, promoted {}) {:7.1f} TFLOP/s, blockwise {:7.1f}: "
+              "{:.2f}x ({:.2f}x bf16)\n",
+              promote ? "every 4 slices" : "once", ft, fb, ft / fb, ft / bf);
+        }
+      }
       // The FP8 wgrad: each expert's rows padded to 128 (a plan with align
       // 128; the pad rows are not read), dC and A quantized columnwise, against
       // the bf16 wgrad on the unpadded rows, both into a bf16 dW and both

@@ -4,10 +4,11 @@
 // values whose every sum is exact in float32 bitwise; output poisoned first;
 // pad rows zero; rows past the groups untouched; a captured launch replayed
 // with new offsets. Every tile shape (GemmOptions::fp8_tile) runs the value
-// checks; the 192-wide tile's two weight-scale blocks (split at its column
-// 128 or 64) and its columns past N are covered by N = 128, 256, 384, 1024.
+// checks, with blockwise and with tensorwise scales; the 192-wide tile's two weight-scale blocks
+// (split at its column 128 or 64) and its columns past N are covered by N = 128, 256, 384, 1024.
 #include <cuda_runtime.h>
 
+#include <cstdio>
 #include <tuple>
 
 #include "gpu_util.h"
@@ -49,7 +50,8 @@ std::pair<Tensor, Tensor> layout_of(const std::vector<int64_t>& seg,
 // Quantized inputs: x and w drawn by `draw` (element index -> float), then
 // quantized with moeflow's CPU quantize.
 template <typename Draw>
-Fp8Inputs make_inputs(const Fp8Problem& p, Draw draw, bool pow2_scales = false) {
+Fp8Inputs make_inputs(const Fp8Problem& p, Draw draw, bool pow2_scales = false,
+                      bool tensorwise = false) {
   Fp8Inputs d;
   const int64_t E = p.seg.size(), K = p.k, N = p.n;
   std::tie(d.offsets, d.real) = layout_of(p.seg, p.real);
@@ -59,17 +61,21 @@ Fp8Inputs make_inputs(const Fp8Problem& p, Draw draw, bool pow2_scales = false) 
   for (int64_t i = 0; i < x.numel(); ++i) x.data_ptr<float>()[i] = draw(0, i);
   for (int64_t i = 0; i < w.numel(); ++i) w.data_ptr<float>()[i] = draw(1, i);
   QuantizeConfig ca, cw;
-  ca.scaling = QuantScaling::kBlock1x128;
-  cw.scaling = QuantScaling::kBlock128x128;
+  ca.scaling = tensorwise ? QuantScaling::kTensorwise : QuantScaling::kBlock1x128;
+  cw.scaling = tensorwise ? QuantScaling::kTensorwise : QuantScaling::kBlock128x128;
   ca.pow2_scales = cw.pow2_scales = pow2_scales;
   d.qa = make_tensor({d.rows, K}, DType::kFloat8E4M3);
-  d.sa = make_tensor({d.rows, K / 128}, DType::kFloat32);
+  d.sa = tensorwise ? make_tensor({1}, DType::kFloat32)
+                    : make_tensor({d.rows, K / 128}, DType::kFloat32);
   d.qw = make_tensor({E, N, K}, DType::kFloat8E4M3);
-  d.sw = make_tensor({E, N / 128, K / 128}, DType::kFloat32);
+  d.sw = tensorwise ? make_tensor({1}, DType::kFloat32)
+                    : make_tensor({E, N / 128, K / 128}, DType::kFloat32);
   quantize(x, ca, d.qa, d.sa);
   // w as [E*N, K]: its 128 x 128 blocks never straddle two experts (N % 128 == 0)
   quantize(w, cw, TensorView(d.qw.data(), DType::kFloat8E4M3, Device::cpu(), {E * N, K}),
-           TensorView(d.sw.data(), DType::kFloat32, Device::cpu(), {E * N / 128, K / 128}));
+           tensorwise
+               ? TensorView(d.sw)
+               : TensorView(d.sw.data(), DType::kFloat32, Device::cpu(), {E * N / 128, K / 128}));
   return d;
 }
 
@@ -169,6 +175,79 @@ TEST(GpuGemmFp8, ExactSumsAreBitwise) {
         true);
     for (const Fp8Tile tile : kTiles) {
       const auto [want, got] = run_both(p, d, with_tile(tile));
+      const int64_t end = d.offsets.data_ptr<int64_t>()[p.seg.size()];
+      const auto* g = static_cast<const uint16_t*>(got.data());
+      const auto* w = static_cast<const uint16_t*>(want.data());
+      int64_t bad = 0, first = -1;
+      for (int64_t i = 0; i < end * p.n; ++i)
+        if (g[i] != w[i] && bad++ == 0) first = i;
+      EXPECT_EQ(bad, 0) << "tile " << static_cast<int>(tile) << ": first difference at element "
+                        << first << ": " << at(got, first) << " vs " << at(want, first);
+    }
+  }
+}
+
+// Tensorwise scales (a_scales and w_scales [1]): every tile, promoted every
+// slice, every 4 (the default) and once (fast accumulation), within a
+// relative-norm bound of the reference; pad rows zero.
+TEST(GpuGemmFp8, TensorwiseMatchesCpuWithinBound) {
+  if (!is_hopper()) GTEST_SKIP() << "the FP8 grouped GEMM runs on Hopper only";
+  uint32_t seed = 21;
+  for (const Fp8Problem& p : kFp8Problems) {
+    std::mt19937 rng(seed++);
+    std::normal_distribution<float> nd(0.0f, 1.0f);
+    std::vector<float> xs(1 << 16);
+    for (float& v : xs) v = nd(rng);
+    const Fp8Inputs d = make_inputs(
+        p, [&](int which, int64_t i) { return xs[(i * 7 + which * 31) & 0xFFFF]; }, false, true);
+    for (const Fp8Tile tile : kTiles)
+      for (const int promote : {1, -1, 0}) {
+        SCOPED_TRACE("tile " + std::to_string(static_cast<int>(tile)) + " promote " +
+                     std::to_string(promote));
+        GemmOptions o = with_tile(tile);
+        o.fp8_promote = promote;
+        const auto [want, got] = run_both(p, d, o);
+        // Bound: as the blockwise test (3e-3), with the tensor cores' own
+        // accumulation over 4 slices (512 of K) or all of K (fast
+        // accumulation: fewer bits than float32) inside it: 1e-2.
+        double num = 0, den = 0;
+        const int64_t end = d.offsets.data_ptr<int64_t>()[p.seg.size()];
+        for (int64_t i = 0; i < end * p.n; ++i) {
+          const double g = at(got, i), w = at(want, i);
+          ASSERT_FALSE(std::isnan(g)) << "element " << i;
+          num += (g - w) * (g - w);
+          den += w * w;
+        }
+        const double err = std::sqrt(num / std::max(den, 1e-30));
+        EXPECT_LT(err, promote == 1 ? 3e-3 : 1e-2) << "K=" << p.k << " N=" << p.n;
+        if (tile == Fp8Tile::kAuto)
+          std::printf("tensorwise K=%lld N=%lld promote %d: relative error %.2e\n",
+                      static_cast<long long>(p.k), static_cast<long long>(p.n), promote, err);
+        for (size_t e = 0; e < p.seg.size(); ++e)
+          for (int64_t r = p.real[e]; r < p.seg[e]; ++r)
+            for (int64_t j = 0; j < p.n; ++j)
+              ASSERT_EQ(at(got, (d.offsets.data_ptr<int64_t>()[e] + r) * p.n + j), 0.0f)
+                  << "group " << e << " pad row " << r;
+      }
+  }
+}
+
+// Tensorwise, promoted every slice, on values whose slice sums are exact in
+// float32 (as ExactSumsAreBitwise): bitwise the reference on every tile.
+TEST(GpuGemmFp8, TensorwiseExactSumsAreBitwise) {
+  if (!is_hopper()) GTEST_SKIP() << "the FP8 grouped GEMM runs on Hopper only";
+  for (const Fp8Problem& p : {kFp8Problems[1], kFp8Problems[3]}) {
+    const Fp8Inputs d = make_inputs(
+        p,
+        [](int which, int64_t i) {
+          if (i % 128 == 5) return 8.0f;
+          return static_cast<float>((i * (which ? 5 : 3) + which) % 17 - 8);
+        },
+        true, true);
+    for (const Fp8Tile tile : kTiles) {
+      GemmOptions o = with_tile(tile);
+      o.fp8_promote = 1;
+      const auto [want, got] = run_both(p, d, o);
       const int64_t end = d.offsets.data_ptr<int64_t>()[p.seg.size()];
       const auto* g = static_cast<const uint16_t*>(got.data());
       const auto* w = static_cast<const uint16_t*>(want.data());

@@ -6,9 +6,10 @@
 // first and the gaps of strided outputs must stay untouched. Also: graph
 // capture + replay of the two-kernel tensorwise path, device errors;
 // transpose_codes against the CPU reference; quantize_rowwise_columnwise;
-// quotients on and next to the fp8 rounding boundaries.
+// quotients on and next to the fp8 rounding boundaries; quantize_group_rows.
 #include <cuda_runtime.h>
 
+#include "moeflow/grouped_mlp_fp8.h"
 #include "test_util.h"
 
 namespace moeflow::test {
@@ -441,6 +442,78 @@ TEST_F(GpuQuantize, BadInput) {
 }
 
 // fill_uniform (moeflow/tensor.h): the CUDA fill is bitwise the CPU's.
+// quantize_group_rows (the tensorwise recipe's operands) against the CPU
+// reference, bitwise (codes and scale): groups with pad rows, an empty
+// group, rows past the groups; without groups; strided rows and odd widths
+// (the scalar path); every input dtype, both formats, pow2; the gap
+// columns (30000) and the non-data rows must not enter the amax. Also a
+// captured call replayed on new values.
+TEST_F(GpuQuantize, GroupRowsMatchCpuBitwise) {
+  const std::vector<int64_t> offs = {0, 37, 37, 100};
+  const std::vector<int32_t> real = {30, 0, 50};
+  Tensor o = make_tensor({4}, DType::kInt64), r = make_tensor({3}, DType::kInt32);
+  std::copy(offs.begin(), offs.end(), o.data_ptr<int64_t>());
+  std::copy(real.begin(), real.end(), r.data_ptr<int32_t>());
+  Tensor og = o.to(kGpu), rg = r.to(kGpu);
+  uint32_t seed = 500;
+  for (const DType dt : {DType::kBFloat16, DType::kFloat16, DType::kFloat32})
+    for (const auto& [K, ld] : {std::pair<int64_t, int64_t>{256, 256}, {512, 520}, {100, 104}})
+      for (const bool groups : {true, false})
+        for (const DType out : {DType::kFloat8E4M3, DType::kFloat8E5M2}) {
+          const int64_t M = 107;
+          Tensor x = make_input(M, K, ld, dt, seed++);
+          // Non-data rows hold the largest values: reading them changes the scale.
+          for (int64_t m = 0; m < M; ++m) {
+            const bool data = (m < 30) || (m >= 37 && m < 87);
+            if (groups && !data)
+              for (int64_t k = 0; k < K; ++k) detail::store_float(x.data(), dt, m * ld + k, 9e3f);
+          }
+          const QuantizeConfig cfg{out, QuantScaling::kTensorwise, out == DType::kFloat8E5M2,
+                                   false};
+          SCOPED_TRACE(std::string(dtype_name(dt)) + " K=" + std::to_string(K) +
+                       (groups ? " groups " : " no groups ") + dtype_name(out));
+          GroupLayout gc, gg;
+          if (groups) gc.offsets = o, gc.real_rows = r, gg.offsets = og, gg.real_rows = rg;
+          Tensor qc = poisoned({M, ld}, out), sc = poisoned({1}, DType::kFloat32);
+          quantize_group_rows(rows_view(x, M, K), gc, cfg, rows_view(qc, M, K), sc);
+          Tensor xg = x.to(kGpu);
+          Tensor qg = poisoned({M, ld}, out, kGpu), sg = poisoned({1}, DType::kFloat32, kGpu);
+          quantize_group_rows(rows_view(xg, M, K), gg, cfg, rows_view(qg, M, K), sg);
+          ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+          EXPECT_TRUE(bytes_equal(sg.to(Device::cpu()), sc)) << at(sc, 0);
+          EXPECT_TRUE(bytes_equal(qg.to(Device::cpu()), qc));
+        }
+  // Graph capture: one captured call replayed after the input changed.
+  const int64_t M = 100, K = 256;
+  Tensor x = make_input(M, K, K, DType::kBFloat16, 77),
+         x2 = make_input(M, K, K, DType::kBFloat16, 78);
+  Tensor xg = x.to(kGpu), q = poisoned({M, K}, DType::kFloat8E4M3, kGpu),
+         sc = poisoned({1}, DType::kFloat32, kGpu);
+  GroupLayout gg;
+  gg.offsets = og, gg.real_rows = rg;
+  const QuantizeConfig cfg{DType::kFloat8E4M3, QuantScaling::kTensorwise, false, false};
+  cudaStream_t s;
+  ASSERT_EQ(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking), cudaSuccess);
+  cudaGraph_t graph;
+  cudaGraphExec_t exec;
+  ASSERT_EQ(cudaStreamBeginCapture(s, cudaStreamCaptureModeGlobal), cudaSuccess);
+  quantize_group_rows(xg, gg, cfg, q, sc, s);
+  ASSERT_EQ(cudaStreamEndCapture(s, &graph), cudaSuccess);
+  ASSERT_EQ(cudaGraphInstantiate(&exec, graph, 0), cudaSuccess);
+  copy(x2, xg, s);
+  ASSERT_EQ(cudaGraphLaunch(exec, s), cudaSuccess);
+  ASSERT_EQ(cudaStreamSynchronize(s), cudaSuccess);
+  GroupLayout gc;
+  gc.offsets = o, gc.real_rows = r;
+  Tensor qc = poisoned({M, K}, DType::kFloat8E4M3), scc = poisoned({1}, DType::kFloat32);
+  quantize_group_rows(x2, gc, cfg, qc, scc);
+  EXPECT_TRUE(bytes_equal(q.to(Device::cpu()), qc));
+  EXPECT_TRUE(bytes_equal(sc.to(Device::cpu()), scc));
+  cudaGraphExecDestroy(exec);
+  cudaGraphDestroy(graph);
+  cudaStreamDestroy(s);
+}
+
 TEST(GpuFillUniform, MatchesCpuBitwise) {
   ASSERT_GT(cuda_device_count(), 0) << "GPU tests need a CUDA device";
   for (DType dt : {DType::kFloat32, DType::kFloat16, DType::kBFloat16}) {

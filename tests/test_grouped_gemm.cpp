@@ -385,6 +385,45 @@ TEST(GroupedGemmFp8, ReferenceHandWorked) {
             std::string::npos);
 }
 
+// Tensorwise scales ([1] each): the same hand-worked codes with a_scales
+// 0.5 and w_scales 0.25 give 32 in every data row (both groups share the
+// weight scale); a blockwise w_scales beside a tensorwise a_scales names
+// w_scales.
+TEST(GroupedGemmFp8, TensorwiseReferenceHandWorked) {
+  const int64_t K = 256, N = 128;
+  Tensor qa = make_tensor({3, K}, DType::kFloat8E4M3), sa = make_tensor({1}, DType::kFloat32);
+  Tensor qw = make_tensor({2, N, K}, DType::kFloat8E4M3), sw = make_tensor({1}, DType::kFloat32);
+  std::memset(qa.data(), 0x38, qa.nbytes());
+  std::memset(qw.data(), 0x40, qw.nbytes());
+  sa.data_ptr<float>()[0] = 0.5f;
+  sw.data_ptr<float>()[0] = 0.25f;
+  Tensor offs = make_tensor({3}, DType::kInt64), real = make_tensor({2}, DType::kInt32);
+  int64_t* o = offs.data_ptr<int64_t>();
+  o[0] = 0, o[1] = 1, o[2] = 3;
+  real.data_ptr<int32_t>()[0] = 1;
+  real.data_ptr<int32_t>()[1] = 1;
+  GroupLayout g;
+  g.offsets = offs;
+  g.real_rows = real;
+  Tensor c = poisoned({3, N}, DType::kBFloat16);
+  grouped_gemm_fp8_forward(qa, sa, qw, sw, g, c);
+  for (int64_t j = 0; j < N; ++j) {
+    EXPECT_EQ(at(c, j), 64.0f);
+    EXPECT_EQ(at(c, N + j), 64.0f);
+    EXPECT_EQ(at(c, 2 * N + j), 0.0f);
+  }
+  Tensor sw_blocks = make_tensor({2, 1, 2}, DType::kFloat32);
+  EXPECT_NE(message_of([&] {
+              grouped_gemm_fp8_forward(qa, sa, qw, sw_blocks, g, c);
+            }).find("w_scales must be"),
+            std::string::npos);
+  GemmOptions bad;
+  bad.fp8_promote = -2;
+  EXPECT_NE(
+      message_of([&] { grouped_gemm_fp8_forward(qa, sa, qw, sw, g, c, bad); }).find("fp8_promote"),
+      std::string::npos);
+}
+
 // The FP8 wgrad's reference on a hand-worked case: dC^T codes 1.0 (0x38) with
 // scale 0.5, A^T codes 2.0 (0x40) with scale 0.25: each real row adds 0.25,
 // so group 0 (3 real rows) gives 0.75 everywhere, group 1 (none) zeros, and

@@ -284,9 +284,16 @@ TEST(GroupedMlpApi, ActivationQuantizeBadInput) {
   const GroupedMlpConfig cfg;
   EXPECT_EQ(message_of([&] { grouped_mlp_activation_quantize(h, g, {}, cfg, QuantizeConfig{}, aq, as); }),
             "no error");
+  const QuantizeConfig blocks{DType::kFloat8E4M3, QuantScaling::kBlock128x128, false, false};
+  EXPECT_NE(message_of([&] {
+              grouped_mlp_activation_quantize(h, g, {}, cfg, blocks, aq, as);
+            }).find("QuantizeConfig must be kBlock1x128 or kTensorwise, rowwise"),
+            std::string::npos);
+  // Tensorwise: one scale.
   const QuantizeConfig tw{DType::kFloat8E4M3, QuantScaling::kTensorwise, false, false};
-  EXPECT_NE(message_of([&] { grouped_mlp_activation_quantize(h, g, {}, cfg, tw, aq, as); })
-                .find("QuantizeConfig must be kBlock1x128 rowwise"),
+  EXPECT_NE(message_of([&] {
+              grouped_mlp_activation_quantize(h, g, {}, cfg, tw, aq, as);
+            }).find("a_scales must be float32 [1] on cpu"),
             std::string::npos);
   Tensor as2 = make_tensor({4, 2}, DType::kFloat32);
   EXPECT_NE(message_of([&] { grouped_mlp_activation_quantize(h, g, {}, cfg, QuantizeConfig{}, aq, as2); })

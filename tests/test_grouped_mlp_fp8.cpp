@@ -1,16 +1,17 @@
-// The grouped MLP's blockwise FP8 recipe on the CPU (moeflow/grouped_mlp_fp8.h):
-// y, dx and dprobs against the bf16 MLP within the FP8 bound of
-// docs/fp8.md (relative Frobenius error < 0.1, calc_diff < 5e-3), pad rows
-// zero, rows past the groups untouched, W^T's codes equal to the columnwise
-// quantization of each expert, argument errors; the FP8 weight gradients
-// against the 16-bit ones within the same bound.
+// The grouped MLP's FP8 recipes on the CPU (moeflow/grouped_mlp_fp8.h):
+// y, dx and dprobs of the blockwise and the tensorwise recipe against the bf16 MLP within the FP8
+// bound of docs/fp8.md (relative Frobenius error < 0.1, calc_diff < 5e-3), pad rows zero, rows past
+// the groups untouched, W^T's codes equal to the columnwise quantization of each expert, argument
+// errors; the FP8 weight gradients against the 16-bit ones within the same bound.
 #include "test_grouped_mlp_fp8.h"
 
 namespace moeflow::test {
 namespace {
 
-TEST(GroupedMlpFp8, AgainstBf16WithinBound) {
-  const Fp8MlpResult r = run_fp8_mlp(Device::cpu(), 1);
+class GroupedMlpFp8Recipes : public ::testing::TestWithParam<Fp8Recipe> {};
+
+TEST_P(GroupedMlpFp8Recipes, AgainstBf16WithinBound) {
+  const Fp8MlpResult r = run_fp8_mlp(Device::cpu(), 1, GetParam());
   const int64_t H = 256, used = r.used;
   for (auto [name, got, want, n] :
        {std::tuple{"y", &r.y, &r.y16, used * H}, std::tuple{"dx", &r.dx, &r.dx16, used * H},
@@ -29,6 +30,12 @@ TEST(GroupedMlpFp8, AgainstBf16WithinBound) {
   const auto* yb = static_cast<const uint16_t*>(r.y.data());
   for (int64_t i = used * H; i < r.y.numel(); ++i) ASSERT_EQ(yb[i], 0xFFFF) << "past the groups";
 }
+
+INSTANTIATE_TEST_SUITE_P(Recipes, GroupedMlpFp8Recipes,
+                         ::testing::Values(Fp8Recipe::kBlockwise, Fp8Recipe::kTensorwise),
+                         [](const auto& info) {
+                           return info.param == Fp8Recipe::kBlockwise ? "blockwise" : "tensorwise";
+                         });
 
 TEST(GroupedMlpFp8, Fp8WgradAgainstBf16WithinBound) {
   for (DType dwt : {DType::kBFloat16, DType::kFloat32})

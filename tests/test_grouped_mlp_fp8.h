@@ -57,7 +57,8 @@ inline Fp8Inputs fp8_inputs(uint32_t seed, int64_t rows, const std::vector<int64
   return in;
 }
 
-inline Fp8MlpResult run_fp8_mlp(Device dev, uint32_t seed) {
+inline Fp8MlpResult run_fp8_mlp(Device dev, uint32_t seed,
+                                Fp8Recipe recipe = Fp8Recipe::kBlockwise) {
   const int64_t E = 3, H = 256, F = 128, N1 = 2 * F, rows = 192;
   Fp8MlpResult r;
   r.offsets = {0, 48, 48, 176};
@@ -77,15 +78,20 @@ inline Fp8MlpResult run_fp8_mlp(Device dev, uint32_t seed) {
   w.fc2 = w2d;
   GroupedMlpConfig cfg;  // SwiGLU, halves
   GroupedMlpFp8Weights q;
-  Tensor q1 = poisoned({E, N1, H}, e4, dev), s1 = poisoned({E, N1 / 128, H / 128}, f32, dev);
-  Tensor q2 = poisoned({E, H, F}, e4, dev), s2 = poisoned({E, H / 128, F / 128}, f32, dev);
-  Tensor q1t = poisoned({E, H, N1}, e4, dev), s1t = poisoned({E, H / 128, N1 / 128}, f32, dev);
-  Tensor q2t = poisoned({E, F, H}, e4, dev), s2t = poisoned({E, F / 128, H / 128}, f32, dev);
+  q.recipe = recipe;
+  const bool tw = recipe == Fp8Recipe::kTensorwise;  // every scale [1]
+  const auto sc = [&](std::vector<int64_t> blocks) {
+    return poisoned(tw ? std::vector<int64_t>{1} : blocks, f32, dev);
+  };
+  Tensor q1 = poisoned({E, N1, H}, e4, dev), s1 = sc({E, N1 / 128, H / 128});
+  Tensor q2 = poisoned({E, H, F}, e4, dev), s2 = sc({E, H / 128, F / 128});
+  Tensor q1t = poisoned({E, H, N1}, e4, dev), s1t = sc({E, H / 128, N1 / 128});
+  Tensor q2t = poisoned({E, F, H}, e4, dev), s2t = sc({E, F / 128, H / 128});
   q.fc1 = q1, q.fc1_scales = s1, q.fc2 = q2, q.fc2_scales = s2;
   q.fc1_t = q1t, q.fc1_t_scales = s1t, q.fc2_t = q2t, q.fc2_t_scales = s2t;
   GroupedMlpFp8Scratch scratch;
   Tensor codes = poisoned({rows * std::max(H, N1)}, DType::kUInt8, dev);
-  Tensor scales = poisoned({rows * std::max(H, N1) / 128}, f32, dev);
+  Tensor scales = poisoned({tw ? 1 : rows * std::max(H, N1) / 128}, f32, dev);
   scratch.codes = codes;
   scratch.scales = scales;
 

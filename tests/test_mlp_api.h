@@ -7,6 +7,7 @@
 
 #include "cpu/grouped_mlp.h"
 #include "moeflow/grouped_mlp.h"
+#include "moeflow/grouped_mlp_fp8.h"
 #include "test_util.h"
 
 namespace moeflow::test {
@@ -318,6 +319,18 @@ inline void expect_activation_quantize_is_composition(Device dev) {
           for (int64_t b = 0; b < nb; ++b) ASSERT_EQ(as_c.data_ptr<float>()[r * nb + b], 1.0f) << r;
         }
       }
+      // Tensorwise: the same bits as recompute_activation then
+      // quantize_group_rows; pad rows and rows past the groups code 0.
+      const QuantizeConfig tc{out, QuantScaling::kTensorwise, pow2, false};
+      Tensor tq = poisoned({rows, q.f}, out, dev), ts = poisoned({1}, DType::kFloat32, dev);
+      grouped_mlp_activation_quantize(h_d, g, pv, cfg, tc, tq, ts);
+      Tensor cq = poisoned({rows, q.f}, out, dev), cs = poisoned({1}, DType::kFloat32, dev);
+      quantize_group_rows(a, g, tc, cq, cs);
+      Tensor tq_c = tq.to(Device::cpu());
+      EXPECT_TRUE(bytes_equal(tq_c, cq.to(Device::cpu())));
+      EXPECT_TRUE(bytes_equal(ts.to(Device::cpu()), cs.to(Device::cpu())));
+      for (int64_t r = 0; r < rows; ++r)
+        if ((r >= 20 && r < 32) || r >= 93) ASSERT_TRUE(row_is(tq_c, r, 0)) << "row " << r;
     }
   }
 }

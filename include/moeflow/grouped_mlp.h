@@ -106,7 +106,10 @@ void grouped_mlp_recompute_activation(TensorView h, const GroupLayout& groups, T
 // stride(1) == 1) and a_scales [rows, ceil(F/128)] float32, bit for bit the
 // composition on the same backend; h is read once. Pad rows: code 0, scale
 // 1 (a zero block); rows past the groups are untouched. quant: kBlock1x128,
-// rowwise. No host sync, no allocation; graph-capturable.
+// rowwise; or kTensorwise (a_scales [1]): one scale from the amax of a over
+// the groups' real rows, every other row code 0 (quantize_group_rows of a;
+// h read twice: the amax, then the codes). No host sync, no allocation;
+// graph-capturable.
 void grouped_mlp_activation_quantize(TensorView h, const GroupLayout& groups, TensorView probs,
                                      const GroupedMlpConfig& config, const QuantizeConfig& quant,
                                      TensorView a_q, TensorView a_scales,

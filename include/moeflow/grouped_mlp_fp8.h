@@ -1,11 +1,13 @@
-// The grouped expert MLP with the blockwise FP8 recipe (DeepSeek-V3's;
-// docs/fp8.md, "Precision recipes"): FC1, FC2 and both input gradients run
-// through grouped_gemm_fp8_forward on e4m3 codes, activations in 1x128
+// The grouped expert MLP with FP8 GEMMs (docs/fp8.md, "Precision recipes"):
+// FC1, FC2 and both input gradients run through grouped_gemm_fp8_forward on
+// e4m3 codes. Blockwise recipe (DeepSeek-V3's): activations in 1x128
 // blocks, weights in 128x128 blocks, float32 scales promoted every 128 of
-// K. The weight gradients: 16-bit GEMMs (grouped_mlp_backward_wgrad on x,
-// a recomputed from h, dy and d_h, exactly as in the bf16 MLP), or FP8
-// (grouped_mlp_fp8_backward_wgrad below; each expert's rows starting at a
-// multiple of 128). The same formulas as moeflow/grouped_mlp.h; no biases.
+// K. Tensorwise recipe: one scale per tensor from its amax (current
+// scaling; an activation's over the groups' real rows only), the GEMMs'
+// promotion as GroupedMlpConfig::gemm.fp8_promote says. The weight gradients: 16-bit GEMMs
+// (grouped_mlp_backward_wgrad on x, a recomputed from h, dy and d_h, exactly as in the bf16 MLP),
+// or FP8 (grouped_mlp_fp8_backward_wgrad below; each expert's rows starting at a multiple of 128).
+// The same formulas as moeflow/grouped_mlp.h; no biases.
 //
 // Shapes: x [rows, H], h [rows, N1] (N1 = 2F gated, F plain), y [rows, H];
 // bf16 data, H, N1 and F multiples of 128, the weights stacked. x, y, dy
@@ -23,31 +25,55 @@
 
 namespace moeflow {
 
-// The weights' e4m3 codes and 128x128 block scales, both orientations
-// (caller-owned; grouped_mlp_fp8_weights writes them once per weight update).
+enum class Fp8Recipe : uint8_t {
+  kBlockwise,   // 1x128 activation blocks, 128x128 weight blocks
+  kTensorwise,  // one scale per tensor (every *_scales below is [1])
+};
+
+// The weights' e4m3 codes and scales, both orientations (caller-owned;
+// grouped_mlp_fp8_weights writes them once per weight update). Scales:
+// blockwise as commented, tensorwise [1] float32 each (fc1_t's the same
+// value as fc1's).
 struct GroupedMlpFp8Weights {
   TensorView fc1, fc1_scales;      // [E, N1, H] e4m3, [E, N1/128, H/128] float32
   TensorView fc2, fc2_scales;      // [E, H, F], [E, H/128, F/128]
   TensorView fc1_t, fc1_t_scales;  // W1^T for FC1's dgrad: [E, H, N1], [E, H/128, N1/128]
   TensorView fc2_t, fc2_t_scales;  // W2^T for FC2's dgrad: [E, F, H], [E, F/128, H/128]
+  Fp8Recipe recipe = Fp8Recipe::kBlockwise;
 };
 
 // One activation operand's codes at a time (caller-owned scratch): codes
 // uint8 or e4m3 of >= rows * max(H, N1) bytes, 16-byte aligned, scales
-// float32 of >= rows * max(H, N1) / 128 elements, both contiguous; required
-// even when rows = 0.
+// float32 of >= rows * max(H, N1) / 128 elements (tensorwise: >= 1), both
+// contiguous; required even when rows = 0.
 struct GroupedMlpFp8Scratch {
   TensorView codes;
   TensorView scales;
 };
 
-// Quantizes w.fc1 / w.fc2 (stacked bf16 [E, N1, H] / [E, H, F]) into q: one
-// read of each weight, then transpose_codes for W^T's codes and scales.
+// Tensorwise FP8 codes of the rows of a grouped layout (the tensorwise
+// recipe's operands): scale[0] from the amax of the groups' real rows only
+// (rows r with offsets[e] <= r < offsets[e] + real_rows[e]; the whole
+// segments without real_rows; every row of x when groups.offsets is
+// undefined) by quantize.h's policy, those rows quantized with it, every
+// other row of q written as code 0 (its x is not read). x [rows, K]
+// float32/float16/bfloat16, q [rows, K] config.out, both with unit column
+// stride (rows may be strided); scale [1] float32. config.scaling must be
+// kTensorwise, rowwise. CUDA: four launches (the scale word zeroed, the
+// amax, the codes, the scale), no workspace, no sync, graph-safe; bitwise
+// the CPU reference.
+void quantize_group_rows(TensorView x, const GroupLayout& groups, const QuantizeConfig& config,
+                         TensorView q, TensorView scale, cudaStream_t stream = nullptr);
+
+// Quantizes w.fc1 / w.fc2 (stacked bf16 [E, N1, H] / [E, H, F]) into q by
+// q.recipe: one read of each weight (tensorwise: two, the amax first), then
+// transpose_codes for W^T's codes and scales.
 void grouped_mlp_fp8_weights(const GroupedMlpWeights& w, const GroupedMlpFp8Weights& q,
                              cudaStream_t stream = nullptr);
 
 // y = FC2(act(FC1(x)) * p) on FP8 codes; h [rows, N1] bf16 is written (the
-// pre-activation backward reads). probs optional [rows] float32.
+// pre-activation backward reads). probs optional [rows] float32. The GEMMs
+// take config.gemm's options (fp8_tile, fp8_promote).
 void grouped_mlp_fp8_forward(TensorView x, const GroupedMlpFp8Weights& q,
                              const GroupLayout& groups, TensorView probs,
                              const GroupedMlpConfig& config, TensorView y, TensorView h,

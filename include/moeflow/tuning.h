@@ -2,7 +2,8 @@
 // (grouped_gemm.h, GroupedMlpConfig::gemm): no process-wide state. The
 // defaults are the tuned ones; a field left at its default ("0" or "-1")
 // keeps it. The options change speed only, never results, except `kernel`,
-// which picks a kernel with its own (deterministic) order of additions.
+// which picks a kernel with its own (deterministic) order of additions, and
+// `fp8_promote`.
 #pragma once
 
 namespace moeflow {
@@ -44,6 +45,10 @@ struct GemmOptions {
   bool fused_dglu = false;
   // Blockwise FP8 forward and wgrad: the tile shape.
   Fp8Tile fp8_tile = Fp8Tile::kAuto;
+  // Tensorwise FP8 forward (one scale per operand): 128-wide K slices the
+  // tensor cores sum before each float32 promotion; 0: all of K (fast
+  // accumulation); -1: 4. Changes the rounding of the result (as `kernel`).
+  int fp8_promote = -1;
 };
 
 }  // namespace moeflow

@@ -27,36 +27,29 @@ def _quantize(t: torch.Tensor, scaling: str) -> Tuple[torch.Tensor, torch.Tensor
 
 def quantize_rows(t: torch.Tensor, recipe: str, offsets: torch.Tensor,
                   real_rows: Optional[torch.Tensor]) -> Tuple[torch.Tensor, torch.Tensor]:
-    """A GEMM's A operand [rows, K]: e4m3 codes and [rows, K/128] scales (one
-    scale per tensor, repeated, for fp8-tensorwise: the amax of the groups'
-    real rows only; pad rows and the rows past the groups are never read
-    and may hold anything)."""
+    """A GEMM's A operand [rows, K]: e4m3 codes and [rows, K/128] scales, or
+    for fp8-tensorwise one scale [1]: the amax of the groups' real rows only
+    (pad rows and the rows past the groups are never read and may hold
+    anything; their codes are 0)."""
     if recipe == "fp8-blockwise":
         return _quantize(t, "1x128")
-    row = torch.arange(t.shape[0], device=t.device)
-    used = row < offsets[-1]
-    if real_rows is not None:  # each row's group, on the device (no sync)
-        e = (torch.searchsorted(offsets, row, right=True) - 1).clamp_(0, offsets.numel() - 2)
-        used &= row < offsets[e] + real_rows.to(offsets.dtype)[e]
-    q, s = _quantize(torch.where(used.unsqueeze(1), t, torch.zeros((), dtype=t.dtype,
-                                                                   device=t.device)),
-                     "tensorwise")
-    return q, s.expand(t.shape[0], t.shape[1] // 128).contiguous()
+    return ops.quantize_group_rows(t, offsets, real_rows)
 
 
 def quantize_weight(w: torch.Tensor, recipe: str,
                     transpose: bool = False) -> Tuple[torch.Tensor, torch.Tensor]:
     """Expert weights [E, N, K] -> codes [E, N, K] and scales [E, N/128, K/128]
-    (128 x 128 blocks, or the tensor's scale repeated); ``transpose``: those
-    of W^T, [E, K, N] and [E, K/128, N/128] (the same blocks transposed)."""
+    (128 x 128 blocks), or one scale [1] for the whole tensor (tensorwise);
+    ``transpose``: those of W^T, [E, K, N] and [E, K/128, N/128] (the same
+    blocks transposed; the same scale)."""
     E, N, K = w.shape
     flat = w.detach().reshape(E * N, K)
-    if recipe == "fp8-blockwise":
-        q, s = _quantize(flat, "128x128")
-        s = s.view(E, N // 128, K // 128)
-    else:
-        q, s = _quantize(flat, "tensorwise")
-        s = s.expand(E, N // 128, K // 128)
+    if recipe != "fp8-blockwise":
+        q, s = ops.quantize_group_rows(flat)
+        q = q.view(E, N, K)
+        return (ops.transpose_codes(q) if transpose else q), s
+    q, s = _quantize(flat, "128x128")
+    s = s.view(E, N // 128, K // 128)
     q = q.view(E, N, K)
     if transpose:
         return ops.transpose_codes(q), s.transpose(1, 2).contiguous()
@@ -91,7 +84,8 @@ def weight_codes(w: torch.Tensor, recipe: str, transpose: bool,
     if transpose not in codes:
         if transpose and False in codes:
             q, s = codes[False]
-            codes[True] = (ops.transpose_codes(q), s.transpose(1, 2).contiguous())
+            codes[True] = (ops.transpose_codes(q),
+                           s if s.dim() == 1 else s.transpose(1, 2).contiguous())
         else:
             codes[transpose] = quantize_weight(w, recipe, transpose)
     return codes[transpose]
@@ -167,15 +161,12 @@ class GroupedMlpFp8(torch.autograd.Function):
         else:
             h = _gemm(x, fc1, recipe, offsets, real_rows, False, cache)  # bf16 [rows, N1]
         p = None if probs is None else probs.detach().contiguous()
-        if recipe == "fp8-blockwise":  # a = act(h) * p quantized in one pass over h
-            aq, a_s = ops.activation_quantize(h, offsets=offsets, real_rows=real_rows, probs=p,
-                                              activation=cfg[0], glu_interleave=cfg[1],
-                                              alpha=cfg[2], limit=cfg[3], offset=cfg[4])
-        else:
-            a = h.new_empty(h.shape[0], fc2.shape[2])
-            _C.grouped_mlp_recompute_activation(h, offsets, real_rows, p, *cfg, a, _stream(h))
-            aq, a_s = quantize_rows(a, recipe, offsets, real_rows)
-            del a
+        # a = act(h) * p quantized from h, a not stored (tensorwise: h read twice)
+        aq, a_s = ops.activation_quantize(h, offsets=offsets, real_rows=real_rows, probs=p,
+                                          activation=cfg[0], glu_interleave=cfg[1],
+                                          alpha=cfg[2], limit=cfg[3], offset=cfg[4],
+                                          scaling="1x128" if recipe == "fp8-blockwise"
+                                          else "tensorwise")
         w2q, w2s = weight_codes(fc2, recipe, False, cache)
         y = ops.grouped_gemm_fp8_forward(aq, a_s, w2q, w2s, offsets, real_rows)
         if ctx is not None:

@@ -1,6 +1,6 @@
 """The FP8 quantization and FP8 GEMM ops of moeflow.ops (re-exported there):
-quantize, quantize_rowwise_columnwise, transpose_codes, dequantize,
-grouped_gemm_fp8_forward / _wgrad."""
+quantize, quantize_group_rows, quantize_rowwise_columnwise, transpose_codes,
+dequantize, grouped_gemm_fp8_forward / _wgrad."""
 from __future__ import annotations
 
 from typing import Optional, Tuple
@@ -44,6 +44,26 @@ def quantize(x: torch.Tensor, fp8_format: str = "e4m3", scaling: str = "1x128",
     _C.quantize(x, fp8_format, scaling, bool(pow2_scales), bool(columnwise), q, scales, ws,
                 _stream(x))
     return q, scales
+
+
+def quantize_group_rows(x: torch.Tensor, offsets: Optional[torch.Tensor] = None,
+                        real_rows: Optional[torch.Tensor] = None, fp8_format: str = "e4m3",
+                        pow2_scales: bool = False) -> Tuple[torch.Tensor, torch.Tensor]:
+    """Tensorwise FP8 codes of the rows of expert groups (the fp8-tensorwise
+    recipe's operands): x [rows, K] -> (q [rows, K], scale [1]), the scale
+    from the amax of the groups' real rows only (offsets int64 [E+1],
+    real_rows int32 [E] optional; offsets None: every row), those rows
+    quantized with it, every other row code 0 (never read: pad rows and rows
+    past the groups may hold anything). The policy of :func:`quantize`. On
+    the device, no sync, no workspace; not differentiable."""
+    if x.dim() != 2:
+        raise _C.Error(f"x must be [rows, K], got shape {tuple(x.shape)}")
+    x = _rows(x.detach())
+    q = torch.empty(x.shape, dtype=_FP8.get(fp8_format, torch.float8_e4m3fn), device=x.device)
+    scale = torch.empty(1, dtype=torch.float32, device=x.device)
+    _C.quantize_group_rows(x, offsets, real_rows, fp8_format, bool(pow2_scales), q, scale,
+                           _stream(x))
+    return q, scale
 
 
 def quantize_rowwise_columnwise(x: torch.Tensor, fp8_format: str = "e4m3",
@@ -91,19 +111,24 @@ def transpose_codes(q: torch.Tensor) -> torch.Tensor:
 def grouped_gemm_fp8_forward(a: torch.Tensor, a_scales: torch.Tensor, w: torch.Tensor,
                              w_scales: torch.Tensor, offsets: torch.Tensor,
                              real_rows: Optional[torch.Tensor] = None,
-                             out: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """Blockwise FP8 grouped GEMM forward (DeepSeek-V3's recipe): out[rows of
-    expert e] = dequant(a) @ dequant(w[e])^T, bf16 [rows, N]. a [rows, K]
-    float8_e4m3fn with a_scales [rows, K/128] (``quantize(x, "e4m3", "1x128")``);
-    w [E, N, K] float8_e4m3fn with w_scales [E, N/128, K/128] (``quantize`` of
-    w as [E*N, K] with "128x128"); offsets int64 [E+1]; real_rows int32 [E]
-    (optional: rows past them are pad rows, written as zeros). K and N
-    multiples of 128. ``out``: bf16 [rows, N], its rows may be strided (e.g.
-    columns of a wider buffer; even row stride). CUDA: Hopper, one launch, no
-    sync; CPU: the reference. Not differentiable."""
+                             out: Optional[torch.Tensor] = None,
+                             fp8_promote: int = -1) -> torch.Tensor:
+    """FP8 grouped GEMM forward: out[rows of expert e] = dequant(a) @
+    dequant(w[e])^T, bf16 [rows, N]. Blockwise (DeepSeek-V3's recipe): a
+    [rows, K] float8_e4m3fn with a_scales [rows, K/128] (``quantize(x, "e4m3",
+    "1x128")``), w [E, N, K] float8_e4m3fn with w_scales [E, N/128, K/128]
+    (``quantize`` of w as [E*N, K] with "128x128"), promoted in float32 every
+    128 of K. Tensorwise: a_scales and w_scales [1] (one scale per operand),
+    the tensor cores' sums promoted every ``fp8_promote`` 128-wide K slices
+    (-1: 4; 0: once, fast accumulation). offsets int64 [E+1]; real_rows
+    int32 [E] (optional: rows past them are pad rows, written as zeros). K
+    and N multiples of 128. ``out``: bf16 [rows, N], its rows may be strided
+    (e.g. columns of a wider buffer; even row stride). CUDA: Hopper, one
+    launch, no sync; CPU: the reference. Not differentiable."""
     if out is None:
         out = torch.empty(a.shape[0], w.shape[1], dtype=torch.bfloat16, device=a.device)
-    _C.grouped_gemm_fp8_forward(a, a_scales, w, w_scales, offsets, real_rows, out, _stream(a))
+    _C.grouped_gemm_fp8_forward(a, a_scales, w, w_scales, offsets, real_rows, out, _stream(a),
+                                int(fp8_promote))
     return out
 
 

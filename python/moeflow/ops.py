@@ -30,8 +30,8 @@ import torch
 
 from . import _C, _mlp_io
 from ._fp8_ops import (_FP8, dequantize, grouped_gemm_fp8_forward,  # noqa: F401
-                       grouped_gemm_fp8_wgrad, quantize, quantize_rowwise_columnwise,
-                       transpose_codes)
+                       grouped_gemm_fp8_wgrad, quantize, quantize_group_rows,
+                       quantize_rowwise_columnwise, transpose_codes)
 from ._ops_common import (_empty, _float32, _grad_enabled, _int32, _int64,  # noqa: F401
                           _plan_sizes, _rows, _stream, _uint8)
 from ._router_ops import (RouterOutput, apply_capacity, router, router_logits,  # noqa: F401
@@ -462,13 +462,18 @@ def activation_quantize(h: torch.Tensor, *, plan: Optional[Plan] = None,
                         probs: Optional[torch.Tensor] = None, activation: str = "swiglu",
                         glu_interleave: int = 0, alpha: float = 1.702, limit: float = 7.0,
                         offset: float = 1.0, fp8_format: str = "e4m3",
-                        pow2_scales: bool = False) -> Tuple[torch.Tensor, torch.Tensor]:
+                        pow2_scales: bool = False,
+                        scaling: str = "1x128") -> Tuple[torch.Tensor, torch.Tensor]:
     """FC2's input of the grouped MLP as FP8: a = act(h) * p in h's dtype (as
     :func:`grouped_mlp` computes it from FC1's output h [rows, N1]), quantized
     1x128 rowwise, with h read once. Returns (a_q [rows, F] fp8, a_scales
     [rows, ceil(F/128)] float32); pad rows: code 0, scale 1; rows past the
-    groups are left as allocated. Groups and activation options as
+    groups are left as allocated. ``scaling="tensorwise"``: one scale
+    (a_scales [1]) from the amax of a over the groups' real rows, every other
+    row code 0 (h read twice). Groups and activation options as
     :func:`grouped_mlp`. Not differentiable."""
+    if scaling not in ("1x128", "tensorwise"):
+        raise ValueError(f"scaling must be '1x128' or 'tensorwise', got {scaling!r}")
     if activation not in _ACTIVATIONS:
         raise ValueError(f"activation must be one of {_ACTIVATIONS}, got {activation!r}")
     if plan is not None:
@@ -480,12 +485,13 @@ def activation_quantize(h: torch.Tensor, *, plan: Optional[Plan] = None,
     F = h.shape[1] // 2 if gated else h.shape[1]
     a_q = torch.empty((h.shape[0], F), dtype=_FP8.get(fp8_format, torch.float8_e4m3fn),
                       device=h.device)
-    a_scales = torch.empty((h.shape[0], -(-F // 128)), dtype=torch.float32, device=h.device)
+    a_scales = torch.empty((h.shape[0], -(-F // 128)) if scaling == "1x128" else (1,),
+                           dtype=torch.float32, device=h.device)
     _C.grouped_mlp_activation_quantize(h, offsets, real_rows,
                                        None if probs is None else probs.detach().contiguous(),
                                        activation, int(glu_interleave), float(alpha),
                                        float(limit), float(offset), fp8_format,
-                                       bool(pow2_scales), a_q, a_scales, _stream(h))
+                                       bool(pow2_scales), a_q, a_scales, _stream(h), scaling)
     return a_q, a_scales
 
 

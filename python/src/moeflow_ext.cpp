@@ -288,13 +288,30 @@ NB_MODULE(_C, m) {
   m.def(
       "grouped_gemm_fp8_forward",
       [](const Array& a, const Array& a_scales, const Array& w, const Array& w_scales,
-         const Array& offsets, const std::optional<Array>& real_rows, const Array& c, uintptr_t s) {
+         const Array& offsets, const std::optional<Array>& real_rows, const Array& c, uintptr_t s,
+         int promote) {
+        GemmOptions o;
+        o.fp8_promote = promote;
         grouped_gemm_fp8_forward(view_of(a, "a"), view_of(a_scales, "a_scales"), view_of(w, "w"),
                                  view_of(w_scales, "w_scales"), layout(offsets, real_rows),
-                                 rows_of(c, "c"), stream_of(s));
+                                 rows_of(c, "c"), o, stream_of(s));
       },
       nb::arg("a"), nb::arg("a_scales"), nb::arg("w"), nb::arg("w_scales"), nb::arg("offsets"),
-      nb::arg("real_rows").none(), nb::arg("c"), nb::arg("stream") = 0);
+      nb::arg("real_rows").none(), nb::arg("c"), nb::arg("stream") = 0,
+      nb::arg("fp8_promote") = -1);
+  // Tensorwise codes of the groups' real rows (offsets None: every row).
+  m.def(
+      "quantize_group_rows",
+      [](const Array& x, const std::optional<Array>& offsets, const std::optional<Array>& real_rows,
+         const std::string& fmt, bool pow2, const Array& q, const Array& scale, uintptr_t s) {
+        quantize_group_rows(
+            rows_of(x, "x"),
+            offsets && offsets->is_valid() ? layout(*offsets, real_rows) : GroupLayout{},
+            quantize_config(fmt, "tensorwise", pow2, false), rows_of(q, "q"),
+            view_of(scale, "scale"), stream_of(s));
+      },
+      nb::arg("x"), nb::arg("offsets").none(), nb::arg("real_rows").none(), nb::arg("fp8_format"),
+      nb::arg("pow2_scales"), nb::arg("q"), nb::arg("scale"), nb::arg("stream") = 0);
   // Blockwise FP8 grouped GEMM wgrad (variable K; the scales may be strided).
   m.def(
       "grouped_gemm_fp8_wgrad",
@@ -520,20 +537,19 @@ NB_MODULE(_C, m) {
   m.def(
       "grouped_mlp_activation_quantize",
       [](const Array& h, const Array& offsets, const std::optional<Array>& real_rows,
-         const std::optional<Array>& probs, const std::string& act, int glu_interleave,
-         float alpha, float limit, float offset, const std::string& fmt, bool pow2,
-         const AnyArray& a_q, const Array& a_scales, uintptr_t s) {
-        grouped_mlp_activation_quantize(view_of(h, "h"), layout(offsets, real_rows),
-                                        opt_view(probs, "probs"),
-                                        mlp_config(act, glu_interleave, alpha, limit, offset),
-                                        quantize_config(fmt, "1x128", pow2, false),
-                                        rows_of(a_q, "a_q"), view_of(a_scales, "a_scales"),
-                                        stream_of(s));
+         const std::optional<Array>& probs, const std::string& act, int glu_interleave, float alpha,
+         float limit, float offset, const std::string& fmt, bool pow2, const AnyArray& a_q,
+         const Array& a_scales, uintptr_t s, const std::string& scaling) {
+        grouped_mlp_activation_quantize(
+            view_of(h, "h"), layout(offsets, real_rows), opt_view(probs, "probs"),
+            mlp_config(act, glu_interleave, alpha, limit, offset),
+            quantize_config(fmt, scaling, pow2, false), rows_of(a_q, "a_q"),
+            view_of(a_scales, "a_scales"), stream_of(s));
       },
       nb::arg("h"), nb::arg("offsets"), nb::arg("real_rows").none(), nb::arg("probs").none(),
       nb::arg("activation"), nb::arg("glu_interleave"), nb::arg("alpha"), nb::arg("limit"),
       nb::arg("offset"), nb::arg("fp8_format"), nb::arg("pow2_scales"), nb::arg("a_q"),
-      nb::arg("a_scales"), nb::arg("stream") = 0);
+      nb::arg("a_scales"), nb::arg("stream") = 0, nb::arg("scaling") = "1x128");
   m.def(
       "grouped_mlp_backward_wgrad",
       [](const std::optional<AnyArray>& dy, const std::optional<AnyArray>& x,

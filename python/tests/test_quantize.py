@@ -191,3 +191,41 @@ def test_activation_quantize_is_the_activation_quantized(device, activation):
     same = (a_q.view(torch.uint8) == q.view(torch.uint8)).float().mean().item()
     assert same > 0.995, same
     torch.testing.assert_close(a_s, s, rtol=1e-2, atol=0)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("fmt", ["e4m3", "e5m2"])
+def test_quantize_group_rows_is_the_real_rows_quantized(device, fmt):
+    """quantize_group_rows: the tensorwise policy over the groups' real rows
+    only (pad rows and rows past the groups hold large values that must not
+    enter the amax), those rows' codes as quantize's, the others code 0."""
+    offsets = torch.tensor([0, 40, 40, 96], dtype=torch.int64)
+    real = torch.tensor([33, 0, 50], dtype=torch.int32)
+    rows, K = 100, 256
+    g = torch.Generator().manual_seed(8)
+    x = torch.randn(rows, K, generator=g).to(torch.bfloat16)
+    data = torch.zeros(rows, dtype=torch.bool)
+    data[:33] = True
+    data[40:90] = True
+    x[~data] = 1e4
+    q, s = mf.quantize_group_rows(x.to(device), offsets.to(device), real.to(device), fmt)
+    want_q, want_s = ref_quantize(torch.where(data[:, None], x, torch.zeros(())), fmt,
+                                  "tensorwise")
+    assert s.shape == (1,) and torch.equal(s.cpu(), want_s)
+    assert torch.equal(q.cpu().view(torch.uint8), want_q.view(torch.uint8))
+    # No groups: quantize's tensorwise scaling of the whole tensor.
+    q2, s2 = mf.quantize_group_rows(x.to(device), fp8_format=fmt)
+    q3, s3 = mf.quantize(x.to(device), fmt, "tensorwise")
+    assert torch.equal(s2, s3) and torch.equal(q2.view(torch.uint8), q3.view(torch.uint8))
+    # The activation's tensorwise form: a quantized over the real rows.
+    h = (torch.randn(rows, 2 * K, generator=g) * 2).to(device, torch.bfloat16)
+    a_q, a_s = mf.activation_quantize(h, offsets=offsets.to(device), real_rows=real.to(device),
+                                      fp8_format=fmt, scaling="tensorwise")
+    hf = h.float()
+    a = (torch.nn.functional.silu(hf[:, :K]) * hf[:, K:]).to(torch.bfloat16)
+    wq, ws = mf.quantize_group_rows(a, offsets.to(device), real.to(device), fmt)
+    assert a_s.shape == (1,)
+    torch.testing.assert_close(a_s, ws, rtol=1e-2, atol=0)
+    same = (a_q.view(torch.uint8) == wq.view(torch.uint8)).float().mean().item()
+    assert same > 0.995, same
+    assert (a_q.view(torch.uint8)[~data.to(device)] == 0).all()

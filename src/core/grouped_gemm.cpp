@@ -4,6 +4,7 @@
 #include "moeflow/grouped_gemm.h"
 
 #include <cstring>
+#include <vector>
 
 #include "core/backends.h"
 #include "core/internal.h"
@@ -282,9 +283,20 @@ void grouped_gemm_fp8_forward(TensorView a, TensorView a_scales, TensorView w, T
                 "grouped_gemm_fp8_forward needs K and N to be positive multiples of 128, got K=", K,
                 " N=", N);
   detail::expect(a, "a", Expect{{DType::kFloat8E4M3}, {rows, K}, dev});
-  detail::expect(a_scales, "a_scales", Expect{{DType::kFloat32}, {rows, K / 128}, dev});
+  // Tensorwise: both scales [1]; blockwise: [rows, K/128] and [E, N/128, K/128].
+  const bool tensorwise = a_scales.defined() && a_scales.ndim == 1;
+  detail::expect(a_scales, "a_scales",
+                 Expect{{DType::kFloat32},
+                        tensorwise ? std::vector<int64_t>{1} : std::vector<int64_t>{rows, K / 128},
+                        dev});
   detail::expect(w, "w", Expect{{DType::kFloat8E4M3}, {E, N, K}, dev});
-  detail::expect(w_scales, "w_scales", Expect{{DType::kFloat32}, {E, N / 128, K / 128}, dev});
+  detail::expect(
+      w_scales, "w_scales",
+      Expect{{DType::kFloat32},
+             tensorwise ? std::vector<int64_t>{1} : std::vector<int64_t>{E, N / 128, K / 128},
+             dev});
+  MOEFLOW_CHECK(options.fp8_promote >= -1, "options.fp8_promote must be >= -1, got ",
+                options.fp8_promote);
   check_layout(groups, E, dev);
   Expect c_rows{{DType::kBFloat16}, {rows, N}, dev};
   c_rows.contiguous = false;

@@ -319,8 +319,9 @@ void grouped_mlp_activation_quantize(TensorView h, const GroupLayout& groups, Te
   MOEFLOW_CHECK(quant.out == DType::kFloat8E4M3 || quant.out == DType::kFloat8E5M2,
                 "activation_quantize: QuantizeConfig.out must be float8_e4m3 or float8_e5m2, got ",
                 dtype_name(quant.out));
-  MOEFLOW_CHECK(quant.scaling == QuantScaling::kBlock1x128 && !quant.columnwise,
-                "activation_quantize: QuantizeConfig must be kBlock1x128 rowwise");
+  const bool tw = quant.scaling == QuantScaling::kTensorwise;
+  MOEFLOW_CHECK((tw || quant.scaling == QuantScaling::kBlock1x128) && !quant.columnwise,
+                "activation_quantize: QuantizeConfig must be kBlock1x128 or kTensorwise, rowwise");
   MOEFLOW_CHECK(h.defined() && h.ndim == 2, "h must be [rows,N1], got ", h.str());
   MOEFLOW_CHECK(a_q.defined() && a_q.ndim == 2, "a_q must be [rows,F], got ", a_q.str());
   const int64_t rows = h.shape[0], f = a_q.shape[1];
@@ -332,7 +333,10 @@ void grouped_mlp_activation_quantize(TensorView h, const GroupLayout& groups, Te
   qe.inner_unit = true;
   detail::expect(a_q, "a_q", qe);
   const int64_t nb = (f + quant::kBlock - 1) / quant::kBlock;
-  detail::expect(a_scales, "a_scales", Expect{{DType::kFloat32}, {rows, nb}, h.device});
+  detail::expect(a_scales, "a_scales",
+                 Expect{{DType::kFloat32},
+                        tw ? std::vector<int64_t>{1} : std::vector<int64_t>{rows, nb},
+                        h.device});
   if (probs.defined()) detail::expect(probs, "probs", Expect{{DType::kFloat32}, {rows}, h.device});
   if (gated && c.glu_interleave != 0)
     MOEFLOW_CHECK(c.glu_interleave > 0 && f % c.glu_interleave == 0,
@@ -341,6 +345,7 @@ void grouped_mlp_activation_quantize(TensorView h, const GroupLayout& groups, Te
   if (h.device.is_cpu()) {  // the composition: the activation, then quantize of the group rows
     Tensor a = Tensor::empty({rows, f}, h.dtype, Device::cpu());
     cpu::mlp_fc1_epilogue(r, h, {}, probs, c.activation, c.params, c.glu_interleave, a);
+    if (tw) return cpu::quantize_group_rows(groups, r.num_groups, a, quant, a_q, a_scales);
     const int64_t* off = groups.offsets.data_ptr<int64_t>();
     const int64_t r0 = std::max<int64_t>(off[0], 0), r1 = std::min<int64_t>(off[r.num_groups], rows);
     if (r1 <= r0) return;
@@ -356,9 +361,14 @@ void grouped_mlp_activation_quantize(TensorView h, const GroupLayout& groups, Te
   }
 #ifdef MOEFLOW_WITH_CUDA
   detail::cuda_set_device(h.device.index);
-  cuda::mlp_activation_quantize(r, h, probs, c.activation, c.params, c.glu_interleave,
-                                quant.out == DType::kFloat8E4M3, quant.pow2_scales, a_q, a_scales,
-                                stream);
+  if (tw)
+    cuda::mlp_activation_quantize_tensorwise(r, h, probs, c.activation, c.params, c.glu_interleave,
+                                             quant.out == DType::kFloat8E4M3, quant.pow2_scales,
+                                             a_q, a_scales, stream);
+  else
+    cuda::mlp_activation_quantize(r, h, probs, c.activation, c.params, c.glu_interleave,
+                                  quant.out == DType::kFloat8E4M3, quant.pow2_scales, a_q, a_scales,
+                                  stream);
 #else
   (void)stream;
 #endif

@@ -12,6 +12,7 @@
 
 #include "core/activations.h"
 #include "core/internal.h"
+#include "core/mlp_call.h"
 
 namespace moeflow {
 
@@ -59,12 +60,20 @@ Fp8Dims check_codes(const GroupedMlpFp8Weights& q, const GroupedMlpConfig* c, in
   };
   detail::expect(q.fc1, "q.fc1", Expect{{e4}, {E, N1, H}, dev});
   detail::expect(q.fc2, "q.fc2", Expect{{e4}, {E, H, F}, dev});
-  detail::expect(q.fc1_scales, "q.fc1_scales", Expect{{f32}, {E, N1 / kB, H / kB}, dev});
-  detail::expect(q.fc2_scales, "q.fc2_scales", Expect{{f32}, {E, H / kB, F / kB}, dev});
+  // Tensorwise: every scale [1].
+  const bool tw = q.recipe == Fp8Recipe::kTensorwise;
+  MOEFLOW_CHECK(tw || q.recipe == Fp8Recipe::kBlockwise,
+                "q.recipe must be kBlockwise or "
+                "kTensorwise, got ",
+                static_cast<int>(q.recipe));
+  using Shape = std::vector<int64_t>;
+  const auto sc = [&](Shape blocks) { return tw ? Shape{1} : blocks; };
+  detail::expect(q.fc1_scales, "q.fc1_scales", Expect{{f32}, sc({E, N1 / kB, H / kB}), dev});
+  detail::expect(q.fc2_scales, "q.fc2_scales", Expect{{f32}, sc({E, H / kB, F / kB}), dev});
   w(q.fc1_t, "q.fc1_t", {E, H, N1}, e4);
   w(q.fc2_t, "q.fc2_t", {E, F, H}, e4);
-  w(q.fc1_t_scales, "q.fc1_t_scales", {E, H / kB, N1 / kB}, f32);
-  w(q.fc2_t_scales, "q.fc2_t_scales", {E, F / kB, H / kB}, f32);
+  w(q.fc1_t_scales, "q.fc1_t_scales", sc({E, H / kB, N1 / kB}), f32);
+  w(q.fc2_t_scales, "q.fc2_t_scales", sc({E, F / kB, H / kB}), f32);
   return d;
 }
 
@@ -73,7 +82,8 @@ Fp8Dims check_codes(const GroupedMlpFp8Weights& q, const GroupedMlpConfig* c, in
 struct Operand {
   TensorView codes, scales;
 };
-Operand scratch_for(const GroupedMlpFp8Scratch& s, const Fp8Dims& d, int64_t cols) {
+Operand scratch_for(const GroupedMlpFp8Scratch& s, const Fp8Dims& d, int64_t cols,
+                    Fp8Recipe recipe) {
   const int64_t widest = std::max(d.hidden, d.n1);
   MOEFLOW_CHECK(s.codes.defined() && s.codes.is_contiguous() && s.scales.defined() &&
                     s.scales.is_contiguous(),
@@ -85,24 +95,39 @@ Operand scratch_for(const GroupedMlpFp8Scratch& s, const Fp8Dims& d, int64_t col
           s.codes.numel() >= d.rows * widest,
       "scratch.codes must be uint8 or float8_e4m3 with >= rows x max(H, N1) = ", d.rows * widest,
       " elements, got ", s.codes.str());
-  MOEFLOW_CHECK(s.scales.dtype == DType::kFloat32 && s.scales.numel() >= d.rows * widest / kB,
-                "scratch.scales must be float32 with >= rows x max(H, N1) / 128 = ",
-                d.rows * widest / kB, " elements, got ", s.scales.str());
+  const bool tw = recipe == Fp8Recipe::kTensorwise;
+  const int64_t need = tw ? 1 : d.rows * widest / kB;
+  MOEFLOW_CHECK(s.scales.dtype == DType::kFloat32 && s.scales.numel() >= need,
+                "scratch.scales must be float32 with >= ", need,
+                tw ? " element (tensorwise)" : " elements (rows x max(H, N1) / 128)", ", got ",
+                s.scales.str());
   MOEFLOW_CHECK(reinterpret_cast<uintptr_t>(s.codes.data) % 16 == 0,
                 "scratch.codes must be 16-byte aligned");
   return {TensorView(s.codes.data, DType::kFloat8E4M3, d.dev, {d.rows, cols}),
-          TensorView(s.scales.data, DType::kFloat32, d.dev, {d.rows, cols / kB})};
+          tw ? TensorView(s.scales.data, DType::kFloat32, d.dev, {1})
+             : TensorView(s.scales.data, DType::kFloat32, d.dev, {d.rows, cols / kB})};
 }
 
 QuantizeConfig rows_1x128() {
   return QuantizeConfig{DType::kFloat8E4M3, QuantScaling::kBlock1x128, false, false};
 }
 
-// src [rows, cols] (rows may be strided) -> its 1x128 codes in the scratch.
+QuantizeConfig rows_of(Fp8Recipe recipe) {
+  return QuantizeConfig{
+      DType::kFloat8E4M3,
+      recipe == Fp8Recipe::kTensorwise ? QuantScaling::kTensorwise : QuantScaling::kBlock1x128,
+      false, false};
+}
+
+// src [rows, cols] (rows may be strided) -> its codes in the scratch: 1x128
+// blocks, or one scale over the groups' real rows (tensorwise).
 Operand quantize_rows(TensorView src, const GroupedMlpFp8Scratch& s, const Fp8Dims& d,
-                      cudaStream_t stream) {
-  const Operand o = scratch_for(s, d, src.shape[1]);
-  quantize(src, rows_1x128(), o.codes, o.scales, {}, stream);
+                      const GroupLayout& groups, Fp8Recipe recipe, cudaStream_t stream) {
+  const Operand o = scratch_for(s, d, src.shape[1], recipe);
+  if (recipe == Fp8Recipe::kTensorwise)
+    quantize_group_rows(src, groups, rows_of(recipe), o.codes, o.scales, stream);
+  else
+    quantize(src, rows_1x128(), o.codes, o.scales, {}, stream);
   return o;
 }
 
@@ -131,6 +156,42 @@ Operand wgrad_operand(const GroupedMlpFp8WgradScratch& s, int64_t rows, int64_t 
 
 }  // namespace
 
+void quantize_group_rows(TensorView x, const GroupLayout& groups, const QuantizeConfig& config,
+                         TensorView q, TensorView scale, cudaStream_t stream) {
+  MOEFLOW_CHECK(config.scaling == QuantScaling::kTensorwise && !config.columnwise,
+                "quantize_group_rows: config must be kTensorwise, rowwise");
+  MOEFLOW_CHECK(config.out == DType::kFloat8E4M3 || config.out == DType::kFloat8E5M2,
+                "quantize_group_rows: config.out must be float8_e4m3 or float8_e5m2, got ",
+                dtype_name(config.out));
+  MOEFLOW_CHECK(x.defined() && x.ndim == 2, "x must be [rows,K], got ", x.str());
+  const Device dev = x.device;
+  const int64_t rows = x.shape[0], cols = x.shape[1];
+  detail::expect(x, "x", [&] {
+    Expect e = rows_expect(DType::kFloat32, rows, cols, dev);
+    e.dtypes = {DType::kFloat32, DType::kFloat16, DType::kBFloat16};
+    return e;
+  }());
+  detail::expect(q, "q", rows_expect(config.out, rows, cols, dev));
+  detail::expect(scale, "scale", Expect{{DType::kFloat32}, {1}, dev});
+  int64_t E = 0;
+  if (groups.offsets.defined()) {
+    MOEFLOW_CHECK(groups.offsets.ndim == 1 && groups.offsets.shape[0] >= 2,
+                  "groups.offsets must be [E+1] with E >= 1, got ", groups.offsets.str());
+    E = groups.offsets.shape[0] - 1;
+    detail::expect(groups.offsets, "groups.offsets", Expect{{DType::kInt64}, {E + 1}, dev});
+    if (groups.real_rows.defined())
+      detail::expect(groups.real_rows, "groups.real_rows", Expect{{DType::kInt32}, {E}, dev});
+  }
+  if (dev.is_cpu()) return cpu::quantize_group_rows(groups, E, x, config, q, scale);
+#ifdef MOEFLOW_WITH_CUDA
+  detail::cuda_set_device(dev.index);
+  cuda::quantize_group_rows(groups, E, x, config, q, scale, stream);
+#else
+  (void)stream;
+  MOEFLOW_CHECK(false, "this moeflow was built without CUDA");
+#endif
+}
+
 void grouped_mlp_fp8_weights(const GroupedMlpWeights& w, const GroupedMlpFp8Weights& q,
                              cudaStream_t stream) {
   MOEFLOW_CHECK(w.fc1.defined() && w.fc2.defined(),
@@ -144,10 +205,25 @@ void grouped_mlp_fp8_weights(const GroupedMlpWeights& w, const GroupedMlpFp8Weig
   const int64_t E = d.experts, H = d.hidden, F = d.ffn, N1 = d.n1;
   detail::expect(w.fc1, "w.fc1", Expect{{DType::kBFloat16}, {E, N1, H}, dev});
   detail::expect(w.fc2, "w.fc2", Expect{{DType::kBFloat16}, {E, H, F}, dev});
-  const QuantizeConfig blocks{DType::kFloat8E4M3, QuantScaling::kBlock128x128, false, false};
   const auto flat = [&](TensorView v, DType dt, int64_t r, int64_t c) {
     return TensorView(v.data, dt, dev, {r, c});
   };
+  if (q.recipe == Fp8Recipe::kTensorwise) {
+    // One scale per weight: the amax of all its experts.
+    const QuantizeConfig tw = rows_of(q.recipe);
+    quantize_group_rows(flat(w.fc1, DType::kBFloat16, E * N1, H), {}, tw,
+                        flat(q.fc1, DType::kFloat8E4M3, E * N1, H), q.fc1_scales, stream);
+    quantize_group_rows(flat(w.fc2, DType::kBFloat16, E * H, F), {}, tw,
+                        flat(q.fc2, DType::kFloat8E4M3, E * H, F), q.fc2_scales, stream);
+    transpose_codes(q.fc1, q.fc1_t, stream);
+    transpose_codes(flat(q.fc1_scales, DType::kFloat32, 1, 1),
+                    flat(q.fc1_t_scales, DType::kFloat32, 1, 1), stream);
+    transpose_codes(q.fc2, q.fc2_t, stream);
+    transpose_codes(flat(q.fc2_scales, DType::kFloat32, 1, 1),
+                    flat(q.fc2_t_scales, DType::kFloat32, 1, 1), stream);
+    return;
+  }
+  const QuantizeConfig blocks{DType::kFloat8E4M3, QuantScaling::kBlock128x128, false, false};
   // [E*N, K] blocks never straddle two experts (N % 128 == 0).
   quantize(flat(w.fc1, DType::kBFloat16, E * N1, H), blocks, flat(q.fc1, DType::kFloat8E4M3, E * N1, H),
            flat(q.fc1_scales, DType::kFloat32, E * N1 / kB, H / kB), {}, stream);
@@ -168,11 +244,12 @@ void grouped_mlp_fp8_forward(TensorView x, const GroupedMlpFp8Weights& q,
   detail::expect(x, "x", rows_expect(DType::kBFloat16, d.rows, d.hidden, d.dev));
   detail::expect(y, "y", rows_expect(DType::kBFloat16, d.rows, d.hidden, d.dev));
   check_common(d, groups, probs, c, h);
-  const Operand xq = quantize_rows(x, scratch, d, stream);
-  grouped_gemm_fp8_forward(xq.codes, xq.scales, q.fc1, q.fc1_scales, groups, h, stream);
-  const Operand aq = scratch_for(scratch, d, d.ffn);
-  grouped_mlp_activation_quantize(h, groups, probs, c, rows_1x128(), aq.codes, aq.scales, stream);
-  grouped_gemm_fp8_forward(aq.codes, aq.scales, q.fc2, q.fc2_scales, groups, y, stream);
+  const Operand xq = quantize_rows(x, scratch, d, groups, q.recipe, stream);
+  grouped_gemm_fp8_forward(xq.codes, xq.scales, q.fc1, q.fc1_scales, groups, h, c.gemm, stream);
+  const Operand aq = scratch_for(scratch, d, d.ffn, q.recipe);
+  grouped_mlp_activation_quantize(h, groups, probs, c, rows_of(q.recipe), aq.codes, aq.scales,
+                                  stream);
+  grouped_gemm_fp8_forward(aq.codes, aq.scales, q.fc2, q.fc2_scales, groups, y, c.gemm, stream);
 }
 
 void grouped_mlp_fp8_backward_dgrad(TensorView dy, const GroupedMlpFp8Weights& q,
@@ -199,15 +276,17 @@ void grouped_mlp_fp8_backward_dgrad(TensorView dy, const GroupedMlpFp8Weights& q
   }
   // d(a) = dy W2 straight into d_h's last F columns; the activation's
   // backward turns d_h into d(h) in place.
-  const Operand dyq = quantize_rows(dy, scratch, d, stream);
+  const Operand dyq = quantize_rows(dy, scratch, d, groups, q.recipe, stream);
   const TensorView d_a = TensorView::strided(
       static_cast<uint8_t*>(d_h.data) + (d.n1 - d.ffn) * 2, DType::kBFloat16, d.dev,
       {d.rows, d.ffn}, {d.n1, 1});
-  grouped_gemm_fp8_forward(dyq.codes, dyq.scales, q.fc2_t, q.fc2_t_scales, groups, d_a, stream);
+  grouped_gemm_fp8_forward(dyq.codes, dyq.scales, q.fc2_t, q.fc2_t_scales, groups, d_a, c.gemm,
+                           stream);
   grouped_mlp_activation_backward(h, groups, probs, c, d_h, dprobs, stream);
   if (!dx.defined()) return;
-  const Operand dhq = quantize_rows(d_h, scratch, d, stream);
-  grouped_gemm_fp8_forward(dhq.codes, dhq.scales, q.fc1_t, q.fc1_t_scales, groups, dx, stream);
+  const Operand dhq = quantize_rows(d_h, scratch, d, groups, q.recipe, stream);
+  grouped_gemm_fp8_forward(dhq.codes, dhq.scales, q.fc1_t, q.fc1_t_scales, groups, dx, c.gemm,
+                           stream);
 }
 
 void grouped_mlp_fp8_backward_wgrad(TensorView x, TensorView dy, const GroupLayout& groups,

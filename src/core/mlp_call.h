@@ -5,6 +5,7 @@
 
 #include "core/activations.h"
 #include "core/backends.h"
+#include "moeflow/quantize.h"
 
 namespace moeflow {
 
@@ -63,6 +64,10 @@ void mlp_bias_add(const MlpRows& r, TensorView y, TensorView bias);
 void mlp_dglu(const MlpRows& r, TensorView h, TensorView d_h, TensorView probs, Activation act,
               const ActivationParams& ap, int interleave, int64_t ffn, TensorView dprobs);
 void mlp_segment_colsum(const MlpRows& r, TensorView src, TensorView dst, bool accumulate);
+// quantize_group_rows (moeflow/grouped_mlp_fp8.h), arguments validated;
+// groups.offsets undefined: every row holds data.
+void quantize_group_rows(const GroupLayout& groups, int64_t num_groups, TensorView x,
+                         const QuantizeConfig& config, TensorView q, TensorView scale);
 }  // namespace cpu
 
 namespace cuda {
@@ -78,6 +83,15 @@ void mlp_fc1_epilogue(const MlpRows& r, TensorView h, TensorView bias1, TensorVi
 void mlp_activation_quantize(const MlpRows& r, TensorView h, TensorView probs, Activation act,
                              const ActivationParams& ap, int interleave, bool e4m3, bool pow2,
                              TensorView a_q, TensorView a_scales, cudaStream_t stream);
+// The same with one scale for the groups' data rows (kTensorwise; a_scale
+// [1]): the amax of a over them, then the codes; other rows code 0.
+void mlp_activation_quantize_tensorwise(const MlpRows& r, TensorView h, TensorView probs,
+                                        Activation act, const ActivationParams& ap, int interleave,
+                                        bool e4m3, bool pow2, TensorView a_q, TensorView a_scale,
+                                        cudaStream_t stream);
+void quantize_group_rows(const GroupLayout& groups, int64_t num_groups, TensorView x,
+                         const QuantizeConfig& config, TensorView q, TensorView scale,
+                         cudaStream_t stream);
 void mlp_bias_add(const MlpRows& r, TensorView y, TensorView bias, cudaStream_t stream);
 void mlp_dglu(const MlpRows& r, TensorView h, TensorView d_h, TensorView probs, Activation act,
               const ActivationParams& ap, int interleave, int64_t ffn, TensorView dprobs,

@@ -120,6 +120,9 @@ void grouped_gemm_fp8_forward(const Fp8GemmCall& c) {
   const auto* qw = static_cast<const uint8_t*>(c.w.data);
   const float* sa = c.a_scales.data_ptr<float>();
   const float* sw = c.w_scales.data_ptr<float>();
+  // Tensorwise: one scale per operand (the scales [1]); else blockwise.
+  const bool tw = c.a_scales.ndim == 1;
+  const int64_t ka = tw ? 0 : kb;  // a scale's row stride, in blocks
   std::vector<double> wf(N * K), af(K);
   for (int64_t e = 0; e < E; ++e) {
     const int64_t begin = offsets[e], end = offsets[e + 1];
@@ -127,12 +130,13 @@ void grouped_gemm_fp8_forward(const Fp8GemmCall& c) {
     for (int64_t n = 0; n < N; ++n)
       for (int64_t k = 0; k < K; ++k)
         wf[n * K + k] = static_cast<double>(quant::fp8_value(qw[(e * N + n) * K + k], true)) *
-                        sw[(e * nb + n / 128) * kb + k / 128];
+                        sw[tw ? 0 : (e * nb + n / 128) * kb + k / 128];
     for (int64_t r = begin; r < end; ++r) {
       const bool data = r < real_end;
       if (data)
         for (int64_t k = 0; k < K; ++k)
-          af[k] = static_cast<double>(quant::fp8_value(qa[r * K + k], true)) * sa[r * kb + k / 128];
+          af[k] = static_cast<double>(quant::fp8_value(qa[r * K + k], true)) *
+                  sa[tw ? 0 : r * ka + k / 128];
       for (int64_t n = 0; n < N; ++n) {
         double s = 0.0;
         if (data)

@@ -8,33 +8,11 @@
 #include "core/mlp_call.h"
 #include "cuda/common.cuh"
 #include "cuda/fp8.cuh"
+#include "cuda/mlp_rows.cuh"
 
 namespace moeflow::cuda {
 
 namespace {
-
-struct RowMap {
-  const int64_t* offsets;
-  const int32_t* real;  // or null
-  int E;
-  // Expert of `row` (-1 past the groups) and whether the row holds data.
-  __device__ int expert_of(int64_t row, bool& data) const {
-    data = false;
-    if (row >= offsets[E] || row < offsets[0]) return -1;
-    int lo = 0, hi = E - 1;
-    while (lo < hi) {
-      const int mid = (lo + hi + 1) / 2;
-      if (offsets[mid] <= row)
-        lo = mid;
-      else
-        hi = mid - 1;
-    }
-    const int64_t seg = offsets[lo + 1] - offsets[lo];
-    const int64_t n = real ? max(int64_t{0}, min(int64_t{real[lo]}, seg)) : seg;
-    data = row - offsets[lo] < n;
-    return lo;
-  }
-};
 
 RowMap row_map(const MlpRows& r) {
   return RowMap{r.groups.offsets.data_ptr<int64_t>(),
@@ -150,25 +128,6 @@ __global__ void __launch_bounds__(THREADS)
     __shared__ typename Reduce::TempStorage tmp;
     const float s = Reduce(tmp).Sum(dp);
     if (threadIdx.x == 0) dprobs[row] = s;
-  }
-}
-
-// Calls f(std::integral_constant<Activation, A>{}) for the runtime activation.
-template <typename F>
-void with_activation(Activation act, F&& f) {
-  switch (act) {
-    case Activation::kSwiGLU:
-      return f(std::integral_constant<Activation, Activation::kSwiGLU>{});
-    case Activation::kGeGLU:
-      return f(std::integral_constant<Activation, Activation::kGeGLU>{});
-    case Activation::kClampedQuickGeGLU:
-      return f(std::integral_constant<Activation, Activation::kClampedQuickGeGLU>{});
-    case Activation::kGelu:
-      return f(std::integral_constant<Activation, Activation::kGelu>{});
-    case Activation::kRelu:
-      return f(std::integral_constant<Activation, Activation::kRelu>{});
-    default:
-      return f(std::integral_constant<Activation, Activation::kSquaredRelu>{});
   }
 }
 

@@ -2,6 +2,7 @@
 // fp8/wgrad.cuh: wgrad): the tile choice, the TMA tensor maps in the tile's
 // boxes, the deepest pipeline the shared memory holds, the persistent grid.
 #include <algorithm>
+#include <type_traits>
 
 #include "core/backends.h"
 #include "cuda/common.cuh"
@@ -33,16 +34,15 @@ Params group_params(const GroupLayout& g, const GemmOptions& o, int64_t E, int64
   return p;
 }
 
-template <typename T>
-void launch_fp8(const Fp8GemmCall& c, const Params& p, const f::Fp8Params& q,
-                cudaStream_t stream) {
+template <typename T, bool TW>
+void launch_fp8(const Fp8GemmCall& c, const Params& p, const f::Fp8Params& q, cudaStream_t stream) {
   const int64_t rows = c.a.shape[0], K = c.a.shape[1], E = c.w.shape[0], N = c.w.shape[1];
   // A [rows, K] and W as [E*N, K], bytes, in 128 x TM and 128 x TN boxes.
   const CUtensorMap map_a =
       tensor_map<2>(c.a.data, CU_TENSOR_MAP_DATA_TYPE_UINT8, {K, rows}, {K}, {f::kTileK, T::kM});
   const CUtensorMap map_w =
       tensor_map<2>(c.w.data, CU_TENSOR_MAP_DATA_TYPE_UINT8, {K, E * N}, {K}, {f::kTileK, T::kN});
-  const auto kernel = f::grouped_gemm_fp8_kernel<T>;
+  const auto kernel = f::grouped_gemm_fp8_kernel<T, TW>;
   const size_t limit = max_dynamic_smem(kernel);
   int stages = f::kMaxStages;
   while (stages > 2 && f::Smem<T>::bytes(stages, p.num_groups) > limit) --stages;
@@ -118,23 +118,30 @@ void grouped_gemm_fp8_forward(const Fp8GemmCall& c, cudaStream_t stream) {
   p.ldc = c.c.strides[0];
   p.n_out = N;
   p.k_red = K;
+  const bool tw = c.a_scales.ndim == 1;  // tensorwise: one scale per operand
+  const int promote = c.options.fp8_promote < 0 ? 4 : c.options.fp8_promote;
   const f::Fp8Params q{c.a_scales.data_ptr<float>(), c.w_scales.data_ptr<float>(), K / f::kBlock,
-                       N / f::kBlock};
+                       N / f::kBlock, promote};
   ensure_current_context();
   // Auto: three consumer warpgroups (192 x 128) unless the groups average
   // under 384 rows, where 192-row tiles would compute more pad rows
   // (docs/tuning.md).
   Fp8Tile tile = c.options.fp8_tile;
   if (tile == Fp8Tile::kAuto) tile = rows >= 384 * E ? Fp8Tile::k192x128 : Fp8Tile::k128x128;
-  switch (tile) {
-    case Fp8Tile::k128x192:
-      return launch_fp8<f::Tile128x192>(c, p, q, stream);
-    case Fp8Tile::k192x128:
-      return launch_fp8<f::Tile192x128>(c, p, q, stream);
-    case Fp8Tile::k128x128:
-    case Fp8Tile::kAuto:
-      return launch_fp8<f::Tile128x128>(c, p, q, stream);
-  }
+  const auto launch = [&](auto tw_tag) {
+    constexpr bool TW = decltype(tw_tag)::value;
+    switch (tile) {
+      case Fp8Tile::k128x192:
+        return launch_fp8<f::Tile128x192, TW>(c, p, q, stream);
+      case Fp8Tile::k192x128:
+        return launch_fp8<f::Tile192x128, TW>(c, p, q, stream);
+      case Fp8Tile::k128x128:
+      case Fp8Tile::kAuto:
+        return launch_fp8<f::Tile128x128, TW>(c, p, q, stream);
+    }
+  };
+  if (tw) return launch(std::true_type{});
+  launch(std::false_type{});
 }
 
 void grouped_gemm_fp8_wgrad(const Fp8WgradCall& c, cudaStream_t stream) {

@@ -23,6 +23,13 @@
 // Epilogue: rows past the group's real rows are written as zeros, rows past
 // the group's segment and columns past N not at all; 4-byte stores straight
 // from the accumulators.
+//
+// Tensorwise (TW: one scale per operand, a_scales[0] and w_scales[0]): no
+// scale slots; the slices' wgmma accumulate into the slice accumulator one
+// after another (each slice's stage released once the next slice's wgmma
+// were issued and it completed), promoted into the float32 accumulator by a
+// plain add every `promote` slices (0: once, after the last: fast
+// accumulation), and the product of the two scales applied in the epilogue.
 #pragma once
 
 #include <cuda_bf16.h>
@@ -61,10 +68,11 @@ using Tile192x128 = Tile<192, 128>;
 
 // Scales and output beside the bf16 kernel's Params (a, b, c, offsets...).
 struct Fp8Params {
-  const float* a_scales;  // [rows, K / 128]
-  const float* w_scales;  // [E, N / 128, K / 128]
+  const float* a_scales;  // [rows, K / 128]; tensorwise [1]
+  const float* w_scales;  // [E, N / 128, K / 128]; tensorwise [1]
   int64_t k_blocks;       // K / 128
   int64_t n_blocks;       // N / 128
+  int promote = 0;        // tensorwise: slices per promotion (0: all of K)
 };
 
 // Shared memory: 1 KB alignment slack, the stages, the scale slots (one per
@@ -135,7 +143,7 @@ __device__ __forceinline__ int32_t start_pipeline(const Params& p, uint8_t* smem
   return tile_start[p.num_groups];
 }
 
-template <typename T>
+template <typename T, bool TW>
 __global__ void __launch_bounds__(T::kThreads, 1)
     grouped_gemm_fp8_kernel(Params p, Fp8Params q, const __grid_constant__ CUtensorMap map_a,
                             const __grid_constant__ CUtensorMap map_w, int stages) {
@@ -186,14 +194,16 @@ __global__ void __launch_bounds__(T::kThreads, 1)
       const int w_blk = t.group * static_cast<int>(q.n_blocks) + nb;
       for (int kt = 0; kt < kt_n; ++kt) {
         bulk::mbar_wait(&empty[s], parity ^ 1u);
-        float* slot = slots + s * kSlot;
+        if constexpr (!TW) {
+          float* slot = slots + s * kSlot;
 #pragma unroll
-        for (int j = 0; j < (TM + 31) / 32; ++j)
-          if (lane + 32 * j < TM)
-            cp_async4(slot + lane + 32 * j,
-                      q.a_scales + int64_t{min(r0 + 32 * j, r_max)} * kb + kt);
-        if (lane < 2) cp_async4(slot + TM + lane, q.w_scales + int64_t{w_blk} * kb + kt);
-        cp_async_arrive(&full[s]);
+          for (int j = 0; j < (TM + 31) / 32; ++j)
+            if (lane + 32 * j < TM)
+              cp_async4(slot + lane + 32 * j,
+                        q.a_scales + int64_t{min(r0 + 32 * j, r_max)} * kb + kt);
+          if (lane < 2) cp_async4(slot + TM + lane, q.w_scales + int64_t{w_blk} * kb + kt);
+        }
+        cp_async_arrive(&full[s]);  // (tensorwise: no copies, arrives at once)
         if (lane == 0) {
           uint8_t* stage = smem + s * T::kStageBytes;
           bulk::mbar_expect_tx(&full[s], T::kStageBytes);
@@ -230,7 +240,43 @@ __global__ void __launch_bounds__(T::kThreads, 1)
     float acc[T::kAcc], part[T::kAcc];
 #pragma unroll
     for (int i = 0; i < T::kAcc; ++i) acc[i] = 0.0f;
-    for (int kt = 0; kt < kt_n; ++kt) {
+    if constexpr (TW) {
+      // Runs of `promote` slices chained into part; within a run a slice's
+      // stage is released once the next slice's wgmma were issued and it
+      // completed (wait<1>), the run's last at the promotion (wait<0>).
+      const int run_len = q.promote > 0 ? q.promote : kt_n;
+      for (int kt0 = 0; kt0 < kt_n; kt0 += run_len) {
+        const int n = min(run_len, kt_n - kt0);
+        int held = -1;  // the stage of the last slice not yet released
+        for (int j = 0; j < n; ++j) {
+          bulk::mbar_wait(&full[s], parity);
+          const uint32_t off = static_cast<uint32_t>(s) * (T::kStageBytes >> 4);
+          sm90::wgmma_fence();
+          sm90::fence_operands(part);
+#pragma unroll
+          for (int ks = 0; ks < kTileK / 32; ++ks)
+            Wgmma8<TN>::mma(part, kDescHi | (desc_a0 + off + 2 * ks),
+                            kDescHi | (desc_b0 + off + 2 * ks), (j > 0 || ks > 0) ? 1 : 0);
+          sm90::wgmma_commit();
+          sm90::wgmma_wait<1>();
+          sm90::fence_operands(part);
+          __syncwarp();
+          if (lane == 0 && held >= 0) bulk::mbar_arrive(&empty[held]);
+          held = s;
+          if (++s == stages) s = 0, parity ^= 1u;
+        }
+        sm90::wgmma_wait<0>();
+        sm90::fence_operands(part);
+        __syncwarp();
+        if (lane == 0) bulk::mbar_arrive(&empty[held]);
+#pragma unroll
+        for (int i = 0; i < T::kAcc; ++i) acc[i] += part[i];
+      }
+      const float ts = q.a_scales[0] * q.w_scales[0];
+#pragma unroll
+      for (int i = 0; i < T::kAcc; ++i) acc[i] *= ts;
+    }
+    for (int kt = 0; kt < (TW ? 0 : kt_n); ++kt) {
       bulk::mbar_wait(&full[s], parity);
       const uint32_t off = static_cast<uint32_t>(s) * (T::kStageBytes >> 4);
       sm90::wgmma_fence();
