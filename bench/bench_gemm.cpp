@@ -331,6 +331,37 @@ void run_gemm_bench(const GemmBenchOptions& opt) {
               "    wgrad fp8 ({} dW) {:7.1f} TFLOP/s, bf16 wgrad {:7.1f}: {:.2f}x "
               "(scales as quantize writes them: {:7.1f} vs slice-major {:7.1f})\n",
               f32 ? "float32 accumulated" : "bf16", w8, wb, w8 / wb, w8r, w8s);
+          {
+            // Tensorwise: the transposed operands with one scale each, on the
+            // unpadded rows (no 128-row blocks to respect), against the bf16
+            // wgrad on the same rows.
+            QuantizeConfig tcol;
+            tcol.scaling = QuantScaling::kTensorwise;
+            tcol.columnwise = true;
+            Tensor tdc = Tensor::empty({N, M}, DType::kFloat8E4M3, dev),
+                   ta = Tensor::empty({K, M}, DType::kFloat8E4M3, dev),
+                   tdcs = Tensor::empty({1}, DType::kFloat32, dev),
+                   tas = Tensor::empty({1}, DType::kFloat32, dev);
+            const size_t wsb = std::max(quantize_workspace_bytes(M, N, tcol),
+                                        quantize_workspace_bytes(M, K, tcol));
+            Tensor ws =
+                Tensor::empty({static_cast<int64_t>(std::max<size_t>(1, wsb))}, DType::kUInt8, dev);
+            quantize(dc, tcol, tdc, tdcs, ws, stream);
+            quantize(a, tcol, ta, tas, ws, stream);
+            const auto [tw8, twb] = paired(
+                [&] {
+                  grouped_gemm_fp8_wgrad(tdc, tdcs, ta, tas, layout,
+                                         GroupedWeights::from_stacked(f32 ? dw : dw_bf16), f32,
+                                         stream);
+                },
+                [&] { bf16_wgrad(f32); });
+            Row rt{c.name, op + "_tensorwise", flops / tw8 / 1e6, 0, 0, 0};
+            rt.extra = {{"TFLOPs", tw8}, {"bf16_wgrad_TFLOPs", twb}, {"ratio_to_bf16", tw8 / twb}};
+            rows_out.push_back(rt);
+            fmt::print(
+                "    wgrad fp8 tensorwise ({} dW) {:7.1f} TFLOP/s, bf16 wgrad {:7.1f}: {:.2f}x\n",
+                f32 ? "float32 accumulated" : "bf16", tw8, twb, tw8 / twb);
+          }
           if (opt.fp8_tiles)
             for (const auto& [tile, name] : {std::pair{Fp8Tile::k128x128, "128x128"},
                                              std::pair{Fp8Tile::k128x192, "128x192"}}) {

@@ -35,9 +35,9 @@ def main():
                          "unchanged (steady: quantized once) and new in every step (cleared: "
                          "quantized once a step, the transposed codes from those)")
     ap.add_argument("--fp8-wgrad", action="store_true",
-                    help="fp8-blockwise: also time fp8_wgrad=True (weight gradients in FP8), on "
+                    help="also time fp8_wgrad=True (weight gradients in FP8): fp8-blockwise on "
                          "the same rows with each expert padded to 128, beside the recipe "
-                         "without it on that layout")
+                         "without it on that layout; fp8-tensorwise on the same rows")
     ap.add_argument("--profile", action="store_true",
                     help="print each moeflow step's kernel-time sum and its largest kernels")
     ap.add_argument("--top", type=int, default=12)
@@ -77,15 +77,19 @@ def main():
             mf.grouped_mlp(x, w1, w2, offsets=offsets, probs=probs,
                            accumulate_into_main_grad=True).backward(dy)
 
-        def fp8_step(recipe, cache=False, clear=False):
+        def fp8_step(recipe, cache=False, clear=False, wgrad8=False):
             def step():
                 if clear:  # a training step: the weights changed since the last one
                     mf.clear_fp8_weight_cache(w1, w2)
                 mf.grouped_mlp(x, w1, w2, offsets=offsets, probs=probs, precision=recipe,
-                               fp8_weight_cache=cache).backward(dy)
+                               fp8_weight_cache=cache, fp8_wgrad=wgrad8,
+                               align=16).backward(dy)  # split(): multiples of 16
             return step
 
-        if args.fp8_wgrad:  # the same rows, each expert's starting at a multiple of 128
+        recipes = args.precision or []
+        blockwise_wgrad = args.fp8_wgrad and "fp8-blockwise" in recipes
+        tensorwise_wgrad = args.fp8_wgrad and "fp8-tensorwise" in recipes
+        if blockwise_wgrad:  # the same rows, each expert's starting at a multiple of 128
             padded = (counts + 127) // 128 * 128
             offsets128 = torch.cat([torch.zeros(1, dtype=torch.int64),
                                     torch.cumsum(padded, 0)]).to(dev)
@@ -119,13 +123,16 @@ def main():
             for r in args.precision or []:
                 steps += [("moeflow_" + r + "_cached", fp8_step(r, True)),
                           ("moeflow_" + r + "_cached_new_weights", fp8_step(r, True, True))]
-        if args.fp8_wgrad:
-            for c, (cache, clear) in (("", (False, False)), ("_cached", (True, False)),
-                                      ("_cached_new_weights", (True, True))):
-                if c and not args.fp8_weight_cache:
-                    continue
+        for c, (cache, clear) in (("", (False, False)), ("_cached", (True, False)),
+                                  ("_cached_new_weights", (True, True))):
+            if c and not args.fp8_weight_cache:
+                continue
+            if blockwise_wgrad:
                 steps += [("moeflow_fp8-blockwise_align128" + c, fp8_128_step(False, cache, clear)),
                           ("moeflow_fp8-blockwise_wgrad" + c, fp8_128_step(True, cache, clear))]
+            if tensorwise_wgrad:  # the default rows: one scale needs no 128-row blocks
+                steps += [("moeflow_fp8-tensorwise_wgrad" + c,
+                           fp8_step("fp8-tensorwise", cache, clear, True))]
         for key, fn in steps:
             if key.endswith("main_grad"):
                 w1.main_grad = torch.zeros(w1.shape, device=dev)
@@ -157,9 +164,11 @@ def main():
                   f"moeflow.ops {m['fwd_bwd_ms']:7.2f} ms, {t['fwd_bwd_ms'] / m['fwd_bwd_ms']:.2f}x;"
                   f" peak extra {t['peak_extra_MiB']:.0f} / {m['peak_extra_MiB']:.0f} MiB",
                   flush=True)
-        variants = list(args.precision or [])
-        if args.fp8_wgrad:
+        variants = list(recipes)
+        if blockwise_wgrad:
             variants += ["fp8-blockwise_align128", "fp8-blockwise_wgrad"]
+        if tensorwise_wgrad:
+            variants += ["fp8-tensorwise_wgrad"]
         for r in [p + c for p in variants
                   for c in ([""] + (["_cached", "_cached_new_weights"]
                                     if args.fp8_weight_cache else []))]:
@@ -169,7 +178,7 @@ def main():
                   f"{res['torch']['fwd_bwd_ms'] / f8['fwd_bwd_ms']:.2f}x torch; peak extra "
                   f"{f8['peak_extra_MiB']:.0f} MiB", flush=True)
         del x, w1, w2, dy
-        if args.fp8_wgrad:
+        if blockwise_wgrad:
             del x128, dy128
         torch.cuda.empty_cache()
     if args.json:

@@ -6,10 +6,11 @@
 // bitwise (every sum exact in float32); float32 and bf16 dW, accumulate,
 // per-expert pointers, slice-major scales, every tile shape; a group that
 // does not start on a scale block flagged and left alone; a captured launch
-// replayed with new offsets.
+// replayed with new offsets; tensorwise scales on groups starting anywhere.
 #include <cuda_runtime.h>
 
 #include <cmath>
+#include <cstdio>
 #include <cstring>
 #include <tuple>
 
@@ -36,7 +37,8 @@ struct WgradInputs {
 // dC [rows, N] and A [rows, K] drawn by draw(which, row, col) on real rows,
 // NaN elsewhere (pad rows, 16 rows past the groups), quantized columnwise.
 template <typename Draw>
-WgradInputs make_inputs(const WgradProblem& p, Draw draw, bool pow2 = false) {
+WgradInputs make_inputs(const WgradProblem& p, Draw draw, bool pow2 = false,
+                        bool tensorwise = false) {
   WgradInputs d;
   const int64_t E = p.seg.size(), N = p.n, K = p.k;
   d.offsets = make_tensor({E + 1}, DType::kInt64);
@@ -58,11 +60,12 @@ WgradInputs make_inputs(const WgradProblem& p, Draw draw, bool pow2 = false) {
       for (int64_t c = 0; c < cols; ++c)
         x.data_ptr<float>()[r * cols + c] = is_real[r] ? draw(which, r, c) : std::nanf("");
     QuantizeConfig cfg;
-    cfg.scaling = QuantScaling::kBlock1x128;
+    cfg.scaling = tensorwise ? QuantScaling::kTensorwise : QuantScaling::kBlock1x128;
     cfg.columnwise = true;
     cfg.pow2_scales = pow2;
     q = make_tensor({cols, d.rows}, DType::kFloat8E4M3);
-    s = make_tensor({cols, blocks128(d.rows)}, DType::kFloat32);
+    s = tensorwise ? make_tensor({1}, DType::kFloat32)
+                   : make_tensor({cols, blocks128(d.rows)}, DType::kFloat32);
     quantize(x, cfg, q, s);
   };
   quantized(0, N, d.dct, d.dcs);
@@ -185,6 +188,71 @@ TEST(GpuGemmFp8Wgrad, MatchesCpuWithinBound) {
       }
     }
   }
+}
+
+// Tensorwise scales ([1] each): groups may start at any multiple of 16
+// rows (48, 464, ...); float32 and bf16 dW, accumulate, every tile, promoted
+// every slice, every 4 (the default) and once; a group starting off 16 is
+// flagged and left alone.
+TEST(GpuGemmFp8Wgrad, TensorwiseMatchesCpuWithinBound) {
+  if (!is_hopper()) GTEST_SKIP() << "the FP8 grouped GEMM runs on Hopper only";
+  const std::vector<WgradProblem> problems = {
+      {{48, 0, 400, 16, 272}, {40, 0, 389, 16, 200}, 256, 384},
+      {{1040, 16, 656}, {1040, 1, 600}, 384, 128},
+  };
+  uint32_t seed = 41;
+  for (const WgradProblem& p : problems) {
+    const std::vector<float> xs = normal_table(seed++);
+    const WgradInputs d = make_inputs(
+        p,
+        [&](int which, int64_t r, int64_t c) {
+          return xs[(r * 131 + c * 7 + which * 31) & 0xFFFF];
+        },
+        false, true);
+    const int64_t E = p.seg.size();
+    for (const DType out : {DType::kFloat32, DType::kBFloat16})
+      for (const bool acc : {false, true})
+        for (const Fp8Tile tile : kTiles)
+          for (const int promote : {1, -1, 0}) {
+            SCOPED_TRACE(std::string(dtype_name(out)) + (acc ? " accumulate" : "") + " tile " +
+                         std::to_string(static_cast<int>(tile)) + " promote " +
+                         std::to_string(promote));
+            GemmOptions o = with_tile(tile);
+            o.fp8_promote = promote;
+            Tensor init = make_tensor({E, p.n, p.k}, out);
+            fill_random(init, 78);
+            const auto [want, got] =
+                run_both(p, d, acc ? init : poisoned({E, p.n, p.k}, out), acc, o);
+            // Bound: the blockwise one (3e-4 float32, 3e-3 bf16) with the tensor
+            // cores' sums over up to all of a group's rows inside it: 1e-3 float32.
+            const double err = rel_norm(got, want);
+            EXPECT_LT(err, out == DType::kFloat32 ? 1e-3 : 3e-3);
+            if (tile == Fp8Tile::kAuto && out == DType::kFloat32 && !acc)
+              std::printf("tensorwise wgrad rows %lld promote %d: relative error %.2e\n",
+                          static_cast<long long>(d.rows), promote, err);
+            for (int64_t e = 0; e < E; ++e)
+              if (p.real[e] == 0)
+                for (int64_t i = 0; i < p.n * p.k; ++i)
+                  ASSERT_EQ(at(got, e * p.n * p.k + i), acc ? at(init, e * p.n * p.k + i) : 0.0f)
+                      << "group " << e;
+          }
+  }
+  // A group starting at row 40: flagged, its dW left as it was (poison).
+  const WgradProblem bad{{40, 216}, {40, 200}, 128, 128};
+  const WgradInputs d = make_inputs(
+      bad,
+      [](int which, int64_t r, int64_t c) { return static_cast<float>((r + c + which) % 7) - 3; },
+      false, true);
+  Tensor dw = poisoned({2, 128, 128}, DType::kFloat32, kGpu);
+  Tensor err = Tensor::zeros({1}, DType::kInt32, kGpu);
+  grouped_gemm_fp8_wgrad(d.dct.to(kGpu), d.dcs.to(kGpu), d.at_.to(kGpu), d.as_.to(kGpu),
+                         layout(d.offsets.to(kGpu), d.real.to(kGpu), err),
+                         GroupedWeights::from_stacked(dw), false);
+  ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+  EXPECT_EQ(err.to(Device::cpu()).data_ptr<int32_t>()[0], 1);
+  Tensor got = dw.to(Device::cpu());
+  for (int64_t i = 128 * 128; i < 2 * 128 * 128; ++i)
+    ASSERT_TRUE(std::isnan(at(got, i))) << "group 1 written";
 }
 
 TEST(GpuGemmFp8Wgrad, ExactSumsAreBitwise) {

@@ -477,6 +477,25 @@ TEST(GroupedGemmFp8, WgradReferenceHandWorked) {
               grouped_gemm_fp8_wgrad(dct, dcs, at_, as, g, GroupedWeights::from_stacked(dw), false);
             }).find("group 1 starts at row 64"),
             std::string::npos);
+  // Tensorwise scales ([1] each): the same group starting at row 64 is
+  // fine: 5 real rows of 0.25 each give 1.25 (group 0 keeps 0.75).
+  Tensor s1 = make_tensor({1}, DType::kFloat32), s2 = make_tensor({1}, DType::kFloat32);
+  s1.data_ptr<float>()[0] = 0.5f;
+  s2.data_ptr<float>()[0] = 0.25f;
+  grouped_gemm_fp8_wgrad(dct, s1, at_, s2, g, GroupedWeights::from_stacked(dw), false);
+  for (int64_t i = 0; i < N * K; ++i) {
+    ASSERT_EQ(at(dw, i), 0.75f);
+    ASSERT_EQ(at(dw, N * K + i), 1.25f);
+  }
+  EXPECT_NE(message_of([&] {
+              grouped_gemm_fp8_wgrad(dct, s1, at_, as, g, GroupedWeights::from_stacked(dw), false);
+            }).find("a_t_scales must be"),
+            std::string::npos);
+  o[1] = 72;  // not a multiple of 16
+  EXPECT_NE(message_of([&] {
+              grouped_gemm_fp8_wgrad(dct, s1, at_, s2, g, GroupedWeights::from_stacked(dw), false);
+            }).find("group 1 starts at row 72, not a multiple of 16"),
+            std::string::npos);
 }
 
 }  // namespace

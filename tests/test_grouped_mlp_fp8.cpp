@@ -31,17 +31,11 @@ TEST_P(GroupedMlpFp8Recipes, AgainstBf16WithinBound) {
   for (int64_t i = used * H; i < r.y.numel(); ++i) ASSERT_EQ(yb[i], 0xFFFF) << "past the groups";
 }
 
-INSTANTIATE_TEST_SUITE_P(Recipes, GroupedMlpFp8Recipes,
-                         ::testing::Values(Fp8Recipe::kBlockwise, Fp8Recipe::kTensorwise),
-                         [](const auto& info) {
-                           return info.param == Fp8Recipe::kBlockwise ? "blockwise" : "tensorwise";
-                         });
-
-TEST(GroupedMlpFp8, Fp8WgradAgainstBf16WithinBound) {
+TEST_P(GroupedMlpFp8Recipes, Fp8WgradAgainstBf16WithinBound) {
   for (DType dwt : {DType::kBFloat16, DType::kFloat32})
     for (bool acc : {false, true}) {
       SCOPED_TRACE(std::string(dtype_name(dwt)) + (acc ? " accumulate" : ""));
-      const Fp8WgradResult r = run_fp8_wgrad(Device::cpu(), 5, dwt, acc);
+      const Fp8WgradResult r = run_fp8_wgrad(Device::cpu(), 5, dwt, acc, GetParam());
       for (auto [name, got, want] :
            {std::tuple{"dw1", &r.dw1, &r.dw1_16}, std::tuple{"dw2", &r.dw2, &r.dw2_16}}) {
         const auto [rel, cd] = fp8_errors(*got, *want, got->numel());
@@ -55,6 +49,12 @@ TEST(GroupedMlpFp8, Fp8WgradAgainstBf16WithinBound) {
       }
     }
 }
+
+INSTANTIATE_TEST_SUITE_P(Recipes, GroupedMlpFp8Recipes,
+                         ::testing::Values(Fp8Recipe::kBlockwise, Fp8Recipe::kTensorwise),
+                         [](const auto& info) {
+                           return info.param == Fp8Recipe::kBlockwise ? "blockwise" : "tensorwise";
+                         });
 
 TEST(GroupedMlpFp8, Fp8WgradNeedsAlignedGroups) {
   const DType bf = DType::kBFloat16, f32 = DType::kFloat32;

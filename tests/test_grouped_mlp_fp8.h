@@ -122,9 +122,14 @@ struct Fp8WgradResult {
   Tensor dw1, dw2, dw1_16, dw2_16;  // CPU copies, float32
 };
 
-inline Fp8WgradResult run_fp8_wgrad(Device dev, uint32_t seed, DType dwt, bool accumulate) {
+inline Fp8WgradResult run_fp8_wgrad(Device dev, uint32_t seed, DType dwt, bool accumulate,
+                                    Fp8Recipe recipe = Fp8Recipe::kBlockwise) {
   const int64_t E = 3, H = 256, F = 128, N1 = 2 * F, rows = 512;
-  const std::vector<int64_t> offsets = {0, 128, 128, 384}, real = {40, 0, 200};
+  // Tensorwise: the groups start off the 128-row blocks (any row is fine).
+  const bool tw = recipe == Fp8Recipe::kTensorwise;
+  const std::vector<int64_t> offsets =
+      tw ? std::vector<int64_t>{0, 48, 48, 320} : std::vector<int64_t>{0, 128, 128, 384};
+  const std::vector<int64_t> real = {40, 0, 200};
   const DType bf = DType::kBFloat16, f32 = DType::kFloat32, e4 = DType::kFloat8E4M3;
   const Fp8Inputs in = fp8_inputs(seed, rows, offsets, real);
   const Tensor &x = in.x, &dy = in.dy, &w1 = in.w1, &w2 = in.w2, &probs = in.probs,
@@ -138,11 +143,14 @@ inline Fp8WgradResult run_fp8_wgrad(Device dev, uint32_t seed, DType dwt, bool a
   w.fc1 = w1d;
   w.fc2 = w2d;
   GroupedMlpConfig cfg;
-  Tensor q1 = poisoned({E, N1, H}, e4, dev), s1 = poisoned({E, N1 / 128, H / 128}, f32, dev);
-  Tensor q2 = poisoned({E, H, F}, e4, dev), s2 = poisoned({E, H / 128, F / 128}, f32, dev);
-  Tensor q1t = poisoned({E, H, N1}, e4, dev), s1t = poisoned({E, H / 128, N1 / 128}, f32, dev);
-  Tensor q2t = poisoned({E, F, H}, e4, dev), s2t = poisoned({E, F / 128, H / 128}, f32, dev);
-  GroupedMlpFp8Weights q{q1, s1, q2, s2, q1t, s1t, q2t, s2t};
+  const auto sc = [&](std::vector<int64_t> blocks) {
+    return poisoned(tw ? std::vector<int64_t>{1} : blocks, f32, dev);
+  };
+  Tensor q1 = poisoned({E, N1, H}, e4, dev), s1 = sc({E, N1 / 128, H / 128});
+  Tensor q2 = poisoned({E, H, F}, e4, dev), s2 = sc({E, H / 128, F / 128});
+  Tensor q1t = poisoned({E, H, N1}, e4, dev), s1t = sc({E, H / 128, N1 / 128});
+  Tensor q2t = poisoned({E, F, H}, e4, dev), s2t = sc({E, F / 128, H / 128});
+  GroupedMlpFp8Weights q{q1, s1, q2, s2, q1t, s1t, q2t, s2t, recipe};
   Tensor codes = poisoned({rows * std::max(H, N1)}, DType::kUInt8, dev);
   Tensor scales = poisoned({rows * std::max(H, N1) / 128}, f32, dev);
   GroupedMlpFp8Scratch scratch{codes, scales};
@@ -165,11 +173,11 @@ inline Fp8WgradResult run_fp8_wgrad(Device dev, uint32_t seed, DType dwt, bool a
     return accumulate ? t.to(dev) : poisoned(shape, dt, dev);
   };
   Tensor dw1 = start({E, N1, H}, dwt), dw2 = start({E, H, F}, dwt);
-  Tensor wc = poisoned({rows * (H + N1)}, DType::kUInt8, dev);
-  Tensor ws = poisoned({(H + N1) * (rows / 128)}, f32, dev);
+  Tensor wc = poisoned({rows * (H + N1 + (tw ? std::max(H, N1) : 0))}, DType::kUInt8, dev);
+  Tensor ws = poisoned({tw ? 2 : (H + N1) * (rows / 128)}, f32, dev);
   Tensor wa = poisoned({rows * F}, bf, dev);
   grouped_mlp_fp8_backward_wgrad(xd, dyd, g, pd, cfg, h, d_h, dw1, dw2, accumulate,
-                                 GroupedMlpFp8WgradScratch{wc, ws, wa});
+                                 GroupedMlpFp8WgradScratch{wc, ws, wa}, recipe);
   Tensor a16 = poisoned({rows, F}, bf, dev);
   grouped_mlp_recompute_activation(h, g, pd, cfg, a16);
   Tensor r1 = start({E, N1, H}, dwt), r2 = start({E, H, F}, dwt);

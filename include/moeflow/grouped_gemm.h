@@ -98,7 +98,10 @@ void grouped_gemm_wgrad(TensorView dc, TensorView a, const GroupLayout& groups,
 // bf16, rows may be strided (stride(1) == 1, stride(0) even: e.g. columns
 // of a wider buffer). K and N positive multiples of 128; a and w 16-byte
 // aligned. Pad rows
-// and rows past offsets[E] as in grouped_gemm_forward. CUDA: Hopper only,
+// and rows past offsets[E] as in grouped_gemm_forward. Tensorwise: a_scales
+// and w_scales [1] (one scale per operand), the tensor cores' sums promoted
+// every GemmOptions::fp8_promote slices of 128, the scales' product applied
+// once. CUDA: Hopper only,
 // one launch, graph-safe; CPU: the reference (dequantized products summed in
 // float64, rounded to float32, then to bf16).
 void grouped_gemm_fp8_forward(TensorView a, TensorView a_scales, TensorView w, TensorView w_scales,
@@ -124,9 +127,11 @@ void grouped_gemm_fp8_forward(TensorView a, TensorView a_scales, TensorView w, T
 // 128; dc_t and a_t 16-byte aligned with row strides a multiple of 16. Every group with real rows
 // must start at a multiple of 128 (a plan with align 128): the CUDA kernel
 // sets groups.error and writes nothing of a group that does not (the CPU
-// backend throws). Pad rows are never read. CUDA: Hopper only, one launch,
-// graph-safe; CPU: the reference (dequantized products summed in float64,
-// then rounded to float32 and to dW's dtype).
+// backend throws). Tensorwise: dc_t_scales and a_t_scales [1] (the rowwise
+// codes of one scale, transposed), slices chained as in the forward, and
+// groups starting at any multiple of 16 rows (the same flag otherwise). Pad rows are never read.
+// CUDA: Hopper only, one launch, graph-safe; CPU: the reference (dequantized products summed in
+// float64, then rounded to float32 and to dW's dtype).
 void grouped_gemm_fp8_wgrad(TensorView dc_t, TensorView dc_t_scales, TensorView a_t,
                             TensorView a_t_scales, const GroupLayout& groups,
                             const GroupedWeights& dw, bool accumulate,

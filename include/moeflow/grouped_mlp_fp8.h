@@ -116,5 +116,17 @@ void grouped_mlp_fp8_backward_wgrad(TensorView x, TensorView dy, const GroupLayo
                                     TensorView d_h, TensorView dw1, TensorView dw2, bool accumulate,
                                     const GroupedMlpFp8WgradScratch& scratch,
                                     cudaStream_t stream = nullptr);
+// The same by recipe. kTensorwise: each operand quantized rowwise with one
+// scale over the groups' real rows (quantize_group_rows; a straight from h
+// by grouped_mlp_activation_quantize, scratch.a unused), its codes
+// transposed (transpose_codes: the columnwise codes of one scale), then the
+// tensorwise grouped_gemm_fp8_wgrad: the groups may start at any row.
+// scratch.codes then needs rows * (H + N1 + max(H, N1)) bytes (the rowwise
+// codes staged before their transpose), scratch.scales >= 2 elements.
+void grouped_mlp_fp8_backward_wgrad(TensorView x, TensorView dy, const GroupLayout& groups,
+                                    TensorView probs, const GroupedMlpConfig& config, TensorView h,
+                                    TensorView d_h, TensorView dw1, TensorView dw2, bool accumulate,
+                                    const GroupedMlpFp8WgradScratch& scratch, Fp8Recipe recipe,
+                                    cudaStream_t stream = nullptr);
 
 }  // namespace moeflow

@@ -153,7 +153,11 @@ class GroupedMlpFp8(torch.autograd.Function):
             x, probs = source.forward(x, None if probs is None else probs.detach())
         x_t = None  # x's columnwise codes and scales (FC1's FP8 wgrad), instead of x
         if wgrad8 and ctx is not None and fc1.requires_grad:
-            xq, xs, xq_t, xs_t = ops.quantize_rowwise_columnwise(x)
+            if recipe == "fp8-blockwise":
+                xq, xs, xq_t, xs_t = ops.quantize_rowwise_columnwise(x)
+            else:  # one scale: the columnwise codes are the rowwise ones transposed
+                xq, xs = quantize_rows(x, recipe, offsets, real_rows)
+                xq_t, xs_t = ops.transpose_codes(xq), xs
             w1q, w1s = weight_codes(fc1, recipe, False, cache)
             h = ops.grouped_gemm_fp8_forward(xq, xs, w1q, w1s, offsets, real_rows)
             del xq, xs
@@ -204,7 +208,11 @@ class GroupedMlpFp8(torch.autograd.Function):
         # FC2's dgrad writes d(a) straight into d_h's last F columns (all of them when plain)
         dy_t = None  # dY's columnwise codes and scales (FC2's FP8 wgrad)
         if wgrad8 and need[2]:
-            dyq, dys, dyq_t, dys_t = ops.quantize_rowwise_columnwise(dy)
+            if recipe == "fp8-blockwise":
+                dyq, dys, dyq_t, dys_t = ops.quantize_rowwise_columnwise(dy)
+            else:
+                dyq, dys = quantize_rows(dy, recipe, offsets, real_rows)
+                dyq_t, dys_t = ops.transpose_codes(dyq), dys
             w2q, w2s = weight_codes(fc2, recipe, True, cache)
             ops.grouped_gemm_fp8_forward(dyq, dys, w2q, w2s, offsets, real_rows,
                                          out=d_h[:, d_h.shape[1] - F:])
@@ -219,7 +227,12 @@ class GroupedMlpFp8(torch.autograd.Function):
         acc = main is not None
         dh_q = None  # d_h's codes both ways (FC1's dgrad and FP8 wgrad)
         if wgrad8 and need[1]:
-            dh_q = ops.quantize_rowwise_columnwise(d_h)
+            if recipe == "fp8-blockwise":
+                dh_q = ops.quantize_rowwise_columnwise(d_h)
+            else:
+                q, sc = quantize_rows(d_h, recipe, offsets, real_rows)
+                dh_q = (q, sc, ops.transpose_codes(q), sc)
+                del q
             del d_h
             d_h = None
 
@@ -229,6 +242,17 @@ class GroupedMlpFp8(torch.autograd.Function):
             w = fc2 if fc == 2 else fc1
             g = main[fc - 1] if acc else torch.empty_like(w)
             if fc == 2:
+                if dy_t is not None and recipe != "fp8-blockwise":
+                    # a's codes straight from h, then transposed (one scale)
+                    aq, as_t = ops.activation_quantize(
+                        h, offsets=offsets, real_rows=real_rows, probs=probs, activation=cfg[0],
+                        glu_interleave=cfg[1], alpha=cfg[2], limit=cfg[3], offset=cfg[4],
+                        scaling="tensorwise")
+                    aq_t = ops.transpose_codes(aq)
+                    del aq
+                    ops.grouped_gemm_fp8_wgrad(dy_t[0], dy_t[1], aq_t, as_t, offsets, real_rows,
+                                               out=g, accumulate=acc)
+                    return None if acc else g
                 a = h.new_empty(rows, F)
                 _C.grouped_mlp_recompute_activation(h, offsets, real_rows, probs, *cfg, a, s)
                 if dy_t is not None:

@@ -138,7 +138,7 @@ def grouped_gemm_fp8_wgrad(dc_t: torch.Tensor, dc_t_scales: torch.Tensor, a_t: t
                            out: Optional[torch.Tensor] = None, accumulate: bool = False,
                            num_experts: Optional[int] = None,
                            error: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """Blockwise FP8 grouped GEMM wgrad (variable K): out[e] (+)= dequant(dC
+    """FP8 grouped GEMM wgrad (variable K): out[e] (+)= dequant(dC
     of expert e's rows)^T @ dequant(A of those rows), [E, N, K]. The operands
     come transposed, as ``quantize(dc, "e4m3", "1x128", columnwise=True)``
     writes them: dc_t [N, rows] float8_e4m3fn with dc_t_scales [N, rows/128]
@@ -151,8 +151,12 @@ def grouped_gemm_fp8_wgrad(dc_t: torch.Tensor, dc_t_scales: torch.Tensor, a_t: t
     ``accumulate`` adds to it (bf16: rounded once). N and K multiples of 128.
     An expert whose real rows start off a multiple of 128: the CPU raises;
     CUDA (no sync) leaves its ``out`` as it was and sets ``error`` (optional
-    int32 [1] on the device, set to 1; never cleared). CUDA: Hopper, one
-    launch, no sync; CPU: the reference. Not differentiable."""
+    int32 [1] on the device, set to 1; never cleared). Tensorwise:
+    dc_t_scales and a_t_scales [1] (one scale per operand: the rowwise codes
+    of :func:`quantize_group_rows` transposed by :func:`transpose_codes`),
+    each expert's real rows starting at a multiple of 16 (same error
+    handling otherwise). CUDA: Hopper, one launch, no sync; CPU: the
+    reference. Not differentiable."""
     if out is None:
         E = int(num_experts) if num_experts is not None else int(offsets.shape[0]) - 1
         out = torch.empty(E, dc_t.shape[0], a_t.shape[0], dtype=torch.bfloat16, device=dc_t.device)

@@ -213,9 +213,9 @@ class MoELayer(ExpertCheckpointMixin, torch.nn.Module):
     distributed optimizer) must call ``moeflow.ops.clear_fp8_weight_cache``
     after each step. A step captured in a CUDA graph does not use the cache
     (it quantizes inside the graph, so that replays follow the weights).
-    ``fp8_wgrad`` (fp8-blockwise only, default off): the weight gradients in
-    FP8 too (``ops.grouped_mlp``'s ``fp8_wgrad``); needs align (with
-    ep_group: the group's) a multiple of 128.
+    ``fp8_wgrad`` (default off): the weight gradients in FP8 too
+    (``ops.grouped_mlp``'s ``fp8_wgrad``); fp8-blockwise needs align (with
+    ep_group: the group's) a multiple of 128, fp8-tensorwise of 16.
 
     Checkpoints, in Megatron-Core's two expert key layouts:
 
@@ -382,13 +382,13 @@ class MoELayer(ExpertCheckpointMixin, torch.nn.Module):
                 raise ValueError(f"precision={precision!r} does not support "
                                  f"delay_wgrad_compute")
         if fp8_wgrad:
-            if precision != "fp8-blockwise":
-                raise ValueError(f"fp8_wgrad=True needs precision='fp8-blockwise', got "
-                                 f"{precision!r}")
+            if precision not in ("fp8-blockwise", "fp8-tensorwise"):
+                raise ValueError(f"fp8_wgrad=True needs an FP8 precision, got {precision!r}")
             align_used = self.align if ep_group is None else ep_group.align
-            if align_used % 128:
+            if align_used % (128 if precision == "fp8-blockwise" else 16):
                 raise ValueError(f"fp8_wgrad=True needs align (with ep_group: the group's) to be "
-                                 f"a multiple of 128, got {align_used}")
+                                 f"a multiple of {128 if precision == 'fp8-blockwise' else 16}, "
+                                 f"got {align_used}")
         self.fp8_wgrad = bool(fp8_wgrad)
         self._groups_align = self.align if ep_group is None else ep_group.align
         self.precision = precision

@@ -542,11 +542,14 @@ def grouped_mlp(x: torch.Tensor, fc1: torch.Tensor, fc2: torch.Tensor, *,
     "fp8-tensorwise": the forward and both input gradients through the FP8
     grouped GEMM (e4m3; 1x128 activation and 128 x 128 weight scales, or one
     scale per tensor), the weight gradients in 16 bits (docs/fp8.md,
-    "Precision recipes"); ``fp8_wgrad`` (fp8-blockwise only): the weight
-    gradients too, through ``grouped_gemm_fp8_wgrad`` on x, dY, a and d(h)
-    quantized along the rows (1x128 blocks of 128 rows), which needs each
-    expert's rows to start at a multiple of 128: a plan with ``align`` a
-    multiple of 128, or with ``offsets=`` the ``align`` they were made with.
+    "Precision recipes"); ``fp8_wgrad``: the weight gradients too, through
+    ``grouped_gemm_fp8_wgrad`` on x, dY, a and d(h) quantized along the rows:
+    fp8-blockwise in 1x128 blocks of 128 rows, which needs each expert's rows
+    to start at a multiple of 128 (a plan with ``align`` a multiple of 128,
+    or with ``offsets=`` the ``align`` they were made with); fp8-tensorwise
+    with the rowwise codes transposed (one scale), each expert's rows
+    starting at a multiple of 16 (the FP8 default align). The rows must be a
+    multiple of 16.
     The columnwise codes replace x in the saved tensors; pad rows should be
     zero, as permute and dispatch write them (their values enter the scales).
     FP8 needs bfloat16 x and weights, H, N1 and F multiples of 128, no biases
@@ -594,14 +597,21 @@ def grouped_mlp(x: torch.Tensor, fc1: torch.Tensor, fc2: torch.Tensor, *,
             raise ValueError(f"permute=True: probs must be [{plan.num_tokens}, {plan.topk}] "
                              f"(the slots' probs), got shape {tuple(probs.shape)}")
     if fp8_wgrad:
-        if precision != "fp8-blockwise":
-            raise ValueError(f"fp8_wgrad=True needs precision='fp8-blockwise', got {precision!r}")
+        if precision not in ("fp8-blockwise", "fp8-tensorwise"):
+            raise ValueError(f"fp8_wgrad=True needs an FP8 precision, got {precision!r}")
+        rows = plan.capacity_rows if permute else x.shape[0]  # the experts' rows
+        if int(rows) % 16:
+            raise ValueError(f"fp8_wgrad=True needs the rows to be a multiple of 16 (the "
+                             f"transposed codes' rows), got {int(rows)}")
         got = plan.align if plan is not None else align
-        if got is None or int(got) % 128:
-            raise ValueError("fp8_wgrad=True needs each expert's rows to start at a multiple of "
-                             "128: " + (f"a plan with align a multiple of 128, got align {got}"
-                                        if plan is not None else
-                                        f"with offsets=, align= a multiple of 128, got {got}"))
+        # blockwise: whole 128-row scale blocks; tensorwise: 16-byte starts
+        need_align = 128 if precision == "fp8-blockwise" else 16
+        if got is None or int(got) % need_align:
+            raise ValueError(f"fp8_wgrad=True ({precision}) needs each expert's rows to start at "
+                             f"a multiple of {need_align}: " +
+                             (f"a plan with align a multiple of {need_align}, got align {got}"
+                              if plan is not None else
+                              f"with offsets=, align= a multiple of {need_align}, got {got}"))
     if precision != "bf16":
         from . import _fp8_mlp
         _fp8_mlp.check(x, fc1, fc2, bias1, bias2, precision, wgrad_store, activation)

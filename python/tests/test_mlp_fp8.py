@@ -121,14 +121,18 @@ def test_forward_backward_against_bf16(device, precision):
 
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("main_grad", [False, True])
-def test_fp8_wgrad(device, main_grad):
+@pytest.mark.parametrize("precision", RECIPES)
+def test_fp8_wgrad(device, main_grad, precision):
     """fp8_wgrad=True changes the weight gradients only: the output, dx and
     dprobs are bitwise those of the FP8 recipe without it; dW1 and dW2 are
-    within the bound against the bf16 MLP (and close to the 16-bit wgrad's)."""
-    prob = problem(device, T=300, seed=3, align=128)  # some experts span several 128-row blocks
+    within the bound against the bf16 MLP (and close to the 16-bit wgrad's).
+    Blockwise needs align 128; tensorwise takes the default 16 (experts
+    starting anywhere)."""
+    align = 128 if precision == "fp8-blockwise" else 16
+    prob = problem(device, T=300, seed=3, align=align)  # experts spanning several 128-row slices
     want = run(prob, "bf16", main_grad=main_grad)
-    base = run(prob, "fp8-blockwise", main_grad=main_grad)
-    got = run(prob, "fp8-blockwise", main_grad=main_grad, fp8_wgrad=True)
+    base = run(prob, precision, main_grad=main_grad)
+    got = run(prob, precision, main_grad=main_grad, fp8_wgrad=True)
     plan = prob[0]
     for i, name in ((0, "out"), (1, "dx"), (4, "dprobs")):
         a, b = got[i], base[i]
@@ -145,11 +149,11 @@ def test_fp8_wgrad(device, main_grad):
         assert got[5] == (None, None)
     # an expert with no rows gets a zero gradient
     ids = torch.tensor([[0, 1]] * 40, dtype=torch.int32, device=device)
-    plan2 = mf.Plan(ids, 4, 128)
+    plan2 = mf.Plan(ids, 4, align)
     rows2, _ = mf.permute(torch.randn(40, 256).bfloat16().to(device), plan2)
     w1 = prob[3].detach().clone().requires_grad_()
     w2 = prob[4].detach().clone().requires_grad_()
-    mf.grouped_mlp(rows2, w1, w2, plan=plan2, precision="fp8-blockwise",
+    mf.grouped_mlp(rows2, w1, w2, plan=plan2, precision=precision,
                    fp8_wgrad=True).float().square().sum().backward()
     assert (w1.grad[2:] == 0).all() and (w2.grad[2:] == 0).all()
     assert w1.grad[:2].abs().sum() > 0 and w2.grad[:2].abs().sum() > 0
@@ -157,7 +161,7 @@ def test_fp8_wgrad(device, main_grad):
 
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("precision,wgrad8", [(r, False) for r in RECIPES] +
-                         [("fp8-blockwise", True)])
+                         [(r, True) for r in RECIPES])
 def test_permute_in_the_node_is_the_chained_ops(device, precision, wgrad8):
     """grouped_mlp(..., permute=True, unpermute=True) on the tokens gives the
     output and every gradient (tokens, probs, weights) of permute then
@@ -170,7 +174,7 @@ def test_permute_in_the_node_is_the_chained_ops(device, precision, wgrad8):
     w0 = [(torch.randn(E, 2 * F, H, generator=g) / H ** 0.5).bfloat16().to(device),
           (torch.randn(E, H, F, generator=g) / F ** 0.5).bfloat16().to(device)]
     dy = torch.randn(T, H, generator=g).bfloat16().to(device)
-    plan = mf.Plan(ids, E, 128 if wgrad8 else 16)
+    plan = mf.Plan(ids, E, 128 if wgrad8 and precision == "fp8-blockwise" else 16)
     res = []
     for fused in (True, False):
         x, p = x0.clone().requires_grad_(), p0.clone().requires_grad_()
@@ -190,7 +194,8 @@ def test_permute_in_the_node_is_the_chained_ops(device, precision, wgrad8):
 @pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] != 9,
                     reason="the FP8 grouped GEMM runs on Hopper (sm_90) GPUs")
 @pytest.mark.parametrize("precision,cache,wgrad8", [(r, False, False) for r in RECIPES] +
-                         [("fp8-blockwise", True, False), ("fp8-blockwise", False, True)])
+                         [("fp8-blockwise", True, False), ("fp8-blockwise", False, True),
+                          ("fp8-tensorwise", False, True)])
 def test_cuda_graph_training_step(precision, cache, wgrad8):
     """With fp8_weight_cache the capture bypasses the cache: replays after a
     weight update must follow the new weights (checked below)."""
@@ -198,7 +203,7 @@ def test_cuda_graph_training_step(precision, cache, wgrad8):
     torch.manual_seed(0)
     layer = moeflow.MoELayer(128, 128, 4, 2, precision=precision, params_dtype=torch.bfloat16,
                              device=dev, fp8_weight_cache=cache, fp8_wgrad=wgrad8,
-                             align=128 if wgrad8 else 16)
+                             align=128 if wgrad8 and precision == "fp8-blockwise" else 16)
     T = 96
     static_x = torch.randn(T, 128, device=dev, dtype=torch.bfloat16)
     static_dout = torch.randn(T, 128, device=dev, dtype=torch.bfloat16)
@@ -348,8 +353,11 @@ def test_argument_errors():
         moeflow.MoELayer(128, 128, 4, 2, precision="fp8-blockwise", align=1)
     with pytest.raises(ValueError, match="precision must be one of"):
         moeflow.MoELayer(128, 128, 4, 2, precision="fp8")
-    with pytest.raises(ValueError, match="fp8_wgrad=True needs precision='fp8-blockwise'"):
-        mf.grouped_mlp(rows, fc1, fc2, plan=plan, precision="fp8-tensorwise", fp8_wgrad=True)
+    with pytest.raises(ValueError, match="fp8_wgrad=True needs an FP8 precision"):
+        mf.grouped_mlp(rows, fc1, fc2, plan=plan, fp8_wgrad=True)
+    with pytest.raises(ValueError, match="fp8_wgrad=True needs the rows to be a multiple of 16"):
+        mf.grouped_mlp(rows[:rows.shape[0] - 8], fc1, fc2, offsets=plan.expert_row_offsets,
+                       precision="fp8-tensorwise", fp8_wgrad=True)
     with pytest.raises(ValueError, match="a plan with align a multiple of 128, got align 16"):
         mf.grouped_mlp(rows, fc1, fc2, plan=plan, precision="fp8-blockwise", fp8_wgrad=True)
     with pytest.raises(ValueError, match="with offsets=, align= a multiple of 128, got None"):
@@ -357,7 +365,7 @@ def test_argument_errors():
                        precision="fp8-blockwise", fp8_wgrad=True)
     with pytest.raises(ValueError, match="fp8_wgrad=True needs align"):
         moeflow.MoELayer(128, 128, 4, 2, precision="fp8-blockwise", fp8_wgrad=True)
-    with pytest.raises(ValueError, match="fp8_wgrad=True needs precision"):
+    with pytest.raises(ValueError, match="fp8_wgrad=True needs an FP8 precision"):
         moeflow.MoELayer(128, 128, 4, 2, fp8_wgrad=True, align=128)
 
 

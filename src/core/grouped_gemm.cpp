@@ -345,11 +345,16 @@ void grouped_gemm_fp8_wgrad(TensorView dc_t, TensorView dc_t_scales, TensorView 
   const int64_t nb = (rows + 127) / 128;
   detail::expect(dc_t, "dc_t", rows_of({DType::kFloat8E4M3}, N, rows, dev));
   detail::expect(a_t, "a_t", rows_of({DType::kFloat8E4M3}, K, rows, dev));
+  // Tensorwise: both scales [1]; blockwise: [N, rows/128] and [K, rows/128], any strides.
+  const bool tensorwise = dc_t_scales.defined() && dc_t_scales.ndim == 1;
   Expect scales{{DType::kFloat32}, {N, nb}, dev};
   scales.contiguous = false;
+  if (tensorwise) scales.shape = {1};
   detail::expect(dc_t_scales, "dc_t_scales", scales);
-  scales.shape = {K, nb};
+  if (!tensorwise) scales.shape = {K, nb};
   detail::expect(a_t_scales, "a_t_scales", scales);
+  MOEFLOW_CHECK(options.fp8_promote >= -1, "options.fp8_promote must be >= -1, got ",
+                options.fp8_promote);
   check_weights(dw, "dw", {DType::kFloat32, DType::kBFloat16}, E, N, K, dev);
   check_layout(groups, E, dev);
   auto addr = [](const TensorView& v) { return reinterpret_cast<uintptr_t>(v.data); };

@@ -293,6 +293,18 @@ void grouped_mlp_fp8_backward_wgrad(TensorView x, TensorView dy, const GroupLayo
                                     TensorView probs, const GroupedMlpConfig& c, TensorView h,
                                     TensorView d_h, TensorView dw1, TensorView dw2, bool accumulate,
                                     const GroupedMlpFp8WgradScratch& scratch, cudaStream_t stream) {
+  grouped_mlp_fp8_backward_wgrad(x, dy, groups, probs, c, h, d_h, dw1, dw2, accumulate, scratch,
+                                 Fp8Recipe::kBlockwise, stream);
+}
+
+void grouped_mlp_fp8_backward_wgrad(TensorView x, TensorView dy, const GroupLayout& groups,
+                                    TensorView probs, const GroupedMlpConfig& c, TensorView h,
+                                    TensorView d_h, TensorView dw1, TensorView dw2, bool accumulate,
+                                    const GroupedMlpFp8WgradScratch& scratch, Fp8Recipe recipe,
+                                    cudaStream_t stream) {
+  const bool tw = recipe == Fp8Recipe::kTensorwise;
+  MOEFLOW_CHECK(tw || recipe == Fp8Recipe::kBlockwise,
+                "recipe must be kBlockwise or kTensorwise, got ", static_cast<int>(recipe));
   MOEFLOW_CHECK(dw1.defined() || dw2.defined(),
                 "grouped_mlp_fp8_backward_wgrad needs dw1, dw2 or both");
   MOEFLOW_CHECK(h.defined() && h.ndim == 2, "h must be [rows,N1], got ", h.str());
@@ -325,16 +337,57 @@ void grouped_mlp_fp8_backward_wgrad(TensorView x, TensorView dy, const GroupLayo
                 "scratch.codes and scratch.scales must be given, contiguous");
   MOEFLOW_CHECK(scratch.codes.device == d.dev && scratch.scales.device == d.dev,
                 "scratch.codes and scratch.scales must be on ", d.dev.str());
+  const int64_t need_codes = rows * (H + N1 + (tw ? std::max(H, N1) : 0));
   MOEFLOW_CHECK(
       (scratch.codes.dtype == DType::kUInt8 || scratch.codes.dtype == DType::kFloat8E4M3) &&
-          scratch.codes.numel() >= rows * (H + N1),
-      "scratch.codes must be uint8 or float8_e4m3 with >= rows x (H + N1) = ", rows * (H + N1),
-      " elements, got ", scratch.codes.str());
+          scratch.codes.numel() >= need_codes,
+      "scratch.codes must be uint8 or float8_e4m3 with >= rows x (H + N1",
+      tw ? " + max(H, N1)" : "", ") = ", need_codes, " elements, got ", scratch.codes.str());
   MOEFLOW_CHECK(reinterpret_cast<uintptr_t>(scratch.codes.data) % 16 == 0,
                 "scratch.codes must be 16-byte aligned");
-  MOEFLOW_CHECK(scratch.scales.dtype == DType::kFloat32 && scratch.scales.numel() >= (H + N1) * nb,
-                "scratch.scales must be float32 with >= (H + N1) x ceil(rows/128) = ",
-                (H + N1) * nb, " elements, got ", scratch.scales.str());
+  const int64_t need_scales = tw ? 2 : (H + N1) * nb;
+  MOEFLOW_CHECK(scratch.scales.dtype == DType::kFloat32 && scratch.scales.numel() >= need_scales,
+                "scratch.scales must be float32 with >= ",
+                tw ? "2 (tensorwise)" : "(H + N1) x ceil(rows/128)", " = ", need_scales,
+                " elements, got ", scratch.scales.str());
+  if (tw) {
+    // One scale per operand: rowwise codes staged after the two transposed
+    // operands, then transposed into their places; scales[0] and [1].
+    const QuantizeConfig tcfg = rows_of(recipe);
+    auto* base = static_cast<uint8_t*>(scratch.codes.data);
+    auto* sc = static_cast<float*>(scratch.scales.data);
+    const auto stage = [&](int64_t cols) {
+      return TensorView(base + rows * (H + N1), DType::kFloat8E4M3, d.dev, {rows, cols});
+    };
+    const auto slot = [&](int64_t before, int64_t cols) {
+      return TensorView(base + before * rows, DType::kFloat8E4M3, d.dev, {cols, rows});
+    };
+    const auto scale = [&](int i) { return TensorView(sc + i, DType::kFloat32, d.dev, {1}); };
+    const auto rows_t = [&](TensorView src, int64_t before, int i) {
+      const TensorView st = stage(src.shape[1]);
+      quantize_group_rows(src, groups, tcfg, st, scale(i), stream);
+      transpose_codes(st, slot(before, src.shape[1]), stream);
+    };
+    if (dw2.defined()) {
+      detail::expect(dy, "dy", rows_expect(DType::kBFloat16, rows, H, d.dev));
+      detail::expect(dw2, "dw2", Expect{{DType::kFloat32, DType::kBFloat16}, {E, H, F}, d.dev});
+      rows_t(dy, 0, 0);
+      grouped_mlp_activation_quantize(h, groups, probs, c, tcfg, stage(F), scale(1), stream);
+      transpose_codes(stage(F), slot(H, F), stream);
+      grouped_gemm_fp8_wgrad(slot(0, H), scale(0), slot(H, F), scale(1), groups,
+                             GroupedWeights::from_stacked(dw2), accumulate, c.gemm, stream);
+    }
+    if (dw1.defined()) {
+      detail::expect(x, "x", rows_expect(DType::kBFloat16, rows, H, d.dev));
+      detail::expect(d_h, "d_h", rows_expect(DType::kBFloat16, rows, N1, d.dev));
+      detail::expect(dw1, "dw1", Expect{{DType::kFloat32, DType::kBFloat16}, {E, N1, H}, d.dev});
+      rows_t(d_h, 0, 0);
+      rows_t(x, N1, 1);
+      grouped_gemm_fp8_wgrad(slot(0, N1), scale(0), slot(N1, H), scale(1), groups,
+                             GroupedWeights::from_stacked(dw1), accumulate, c.gemm, stream);
+    }
+    return;
+  }
   const QuantizeConfig cfg = rows_1x128();
   if (dw2.defined()) {
     detail::expect(dy, "dy", rows_expect(DType::kBFloat16, rows, H, d.dev));

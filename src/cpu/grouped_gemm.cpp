@@ -147,10 +147,10 @@ void grouped_gemm_fp8_forward(const Fp8GemmCall& c) {
   }
 }
 
-// The blockwise FP8 wgrad: dW[e][n][k] (+)= the sum over group e's real rows
-// r of dequant(dc_t[n][r]) x dequant(a_t[k][r]), products exact, summed in
-// float64 and rounded to float32; with accumulate the old value is added in
-// float32 (as the CUDA epilogue does); then rounded to dW's dtype.
+// The FP8 wgrad (blockwise, or tensorwise: scales [1]): dW[e][n][k] (+)= the sum over group e's
+// real rows r of dequant(dc_t[n][r]) x dequant(a_t[k][r]), products exact, summed in float64 and
+// rounded to float32; with accumulate the old value is added in float32 (as the CUDA epilogue
+// does); then rounded to dW's dtype.
 void grouped_gemm_fp8_wgrad(const Fp8WgradCall& c) {
   const int64_t N = c.dc_t.shape[0], rows = c.dc_t.shape[1], K = c.a_t.shape[0];
   const int64_t E = c.dw.num_groups();
@@ -158,11 +158,17 @@ void grouped_gemm_fp8_wgrad(const Fp8WgradCall& c) {
   const int32_t* real =
       c.groups.real_rows.defined() ? c.groups.real_rows.data_ptr<int32_t>() : nullptr;
   check_groups(offsets, real, E, rows);
+  const bool tw = c.dc_t_scales.ndim == 1;  // tensorwise: one scale per operand
   for (int64_t e = 0; e < E; ++e) {
     const int64_t n_real = real ? real[e] : offsets[e + 1] - offsets[e];
-    MOEFLOW_CHECK(n_real == 0 || offsets[e] % 128 == 0, "grouped_gemm_fp8_wgrad: group ", e,
-                  " starts at row ", offsets[e],
-                  ", not a multiple of 128 (its rows must be whole scale blocks: align 128)");
+    if (tw)
+      MOEFLOW_CHECK(n_real == 0 || offsets[e] % 16 == 0, "grouped_gemm_fp8_wgrad: group ", e,
+                    " starts at row ", offsets[e],
+                    ", not a multiple of 16 (tensorwise: 16-byte rows of the transposed codes)");
+    else
+      MOEFLOW_CHECK(n_real == 0 || offsets[e] % 128 == 0, "grouped_gemm_fp8_wgrad: group ", e,
+                    " starts at row ", offsets[e],
+                    ", not a multiple of 128 (its rows must be whole scale blocks: align 128)");
   }
   const DType wdt = c.dw.stacked.defined() ? c.dw.stacked.dtype : c.dw.dtype;
   const auto* qd = static_cast<const uint8_t*>(c.dc_t.data);
@@ -170,8 +176,9 @@ void grouped_gemm_fp8_wgrad(const Fp8WgradCall& c) {
   const float* sd = c.dc_t_scales.data_ptr<float>();
   const float* sa = c.a_t_scales.data_ptr<float>();
   const int64_t ld = c.dc_t.strides[0], la = c.a_t.strides[0];
-  const int64_t* sds = c.dc_t_scales.strides;
-  const int64_t* sas = c.a_t_scales.strides;
+  const int64_t zero[2] = {0, 0};
+  const int64_t* sds = tw ? zero : c.dc_t_scales.strides;
+  const int64_t* sas = tw ? zero : c.a_t_scales.strides;
   std::vector<double> df, af;
   for (int64_t e = 0; e < E; ++e) {
     const int64_t lo = offsets[e];

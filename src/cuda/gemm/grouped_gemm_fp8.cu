@@ -55,7 +55,7 @@ void launch_fp8(const Fp8GemmCall& c, const Params& p, const f::Fp8Params& q, cu
   MOEFLOW_CUDA_LAUNCH_CHECK();
 }
 
-template <typename T, typename TOut>
+template <typename T, typename TOut, bool TW>
 void launch_fp8_wgrad(const Fp8WgradCall& c, const Params& p, const f::Fp8WgradParams& q,
                       cudaStream_t stream) {
   const int64_t N = c.dc_t.shape[0], rows = c.dc_t.shape[1], K = c.a_t.shape[0];
@@ -77,7 +77,7 @@ void launch_fp8_wgrad(const Fp8WgradCall& c, const Params& p, const f::Fp8WgradP
                                 {K * int64_t{sizeof(TOut)}, N * K * int64_t{sizeof(TOut)}},
                                 {128 / static_cast<int>(sizeof(TOut)), 64, 1})
                 : map_dc;
-  const auto kernel = f::grouped_gemm_fp8_wgrad_kernel<T, TOut>;
+  const auto kernel = f::grouped_gemm_fp8_wgrad_kernel<T, TOut, TW>;
   const size_t limit = max_dynamic_smem(kernel);
   int stages = f::kMaxStages;
   while (stages > 2 && f::WgradSmem<T>::bytes(stages, p.num_groups) > limit) --stages;
@@ -94,8 +94,12 @@ template <typename T>
 void launch_fp8_wgrad_out(const Fp8WgradCall& c, const Params& p, const f::Fp8WgradParams& q,
                           cudaStream_t stream) {
   const DType out = c.dw.stacked.defined() ? c.dw.stacked.dtype : c.dw.dtype;
-  if (out == DType::kFloat32) return launch_fp8_wgrad<T, float>(c, p, q, stream);
-  return launch_fp8_wgrad<T, __nv_bfloat16>(c, p, q, stream);
+  const bool tw = c.dc_t_scales.ndim == 1;  // tensorwise: one scale per operand
+  if (out == DType::kFloat32)
+    return tw ? launch_fp8_wgrad<T, float, true>(c, p, q, stream)
+              : launch_fp8_wgrad<T, float, false>(c, p, q, stream);
+  if (tw) return launch_fp8_wgrad<T, __nv_bfloat16, true>(c, p, q, stream);
+  launch_fp8_wgrad<T, __nv_bfloat16, false>(c, p, q, stream);
 }
 
 }  // namespace
@@ -162,10 +166,15 @@ void grouped_gemm_fp8_wgrad(const Fp8WgradCall& c, cudaStream_t stream) {
   p.accumulate = c.accumulate;
   p.m_out = N;
   p.n_out = K;
-  const f::Fp8WgradParams q{c.dc_t_scales.data_ptr<float>(), c.dc_t_scales.strides[0],
-                            c.dc_t_scales.strides[1],      c.a_t_scales.data_ptr<float>(),
-                            c.a_t_scales.strides[0],       c.a_t_scales.strides[1],
-                            c.dw.stacked.defined()};
+  const bool tw = c.dc_t_scales.ndim == 1;
+  const f::Fp8WgradParams q{c.dc_t_scales.data_ptr<float>(),
+                            tw ? 0 : c.dc_t_scales.strides[0],
+                            tw ? 0 : c.dc_t_scales.strides[1],
+                            c.a_t_scales.data_ptr<float>(),
+                            tw ? 0 : c.a_t_scales.strides[0],
+                            tw ? 0 : c.a_t_scales.strides[1],
+                            c.dw.stacked.defined(),
+                            c.options.fp8_promote < 0 ? 4 : c.options.fp8_promote};
   ensure_current_context();
   // Auto: three consumer warpgroups (192 x 128), one promoting while the
   // others' wgmma run: 1.05-1.18x the 128 x 128 tile on every measured case

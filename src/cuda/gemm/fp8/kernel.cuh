@@ -118,6 +118,53 @@ __device__ __forceinline__ void promote(float (&acc)[N], const float (&part)[N],
   }
 }
 
+// The tensorwise main loop of both FP8 kernels (one consumer warpgroup's
+// tile): kt_n slices chained into `part` in runs of `promote` slices (0:
+// one run), each run then added to `acc`. Within a run a slice's stage is
+// released once the next slice's wgmma were issued and it completed
+// (wait<1>), the run's last at the promotion (wait<0>); one arrive per
+// consumer warp. `before(kt, stage)` runs once a slice's stage is full,
+// before its wgmma (the wgrad zeroes a group's tail there). The stage
+// cursor (s, parity) steps as the producer's.
+template <int TN, int kAcc, int kStageUnits, typename Before>
+__device__ __forceinline__ void tensorwise_main_loop(float (&acc)[kAcc], float (&part)[kAcc],
+                                                     int kt_n, int promote, int& s,
+                                                     uint32_t& parity, int stages, uint64_t* full,
+                                                     uint64_t* empty, uint32_t desc_a0,
+                                                     uint32_t desc_b0, int lane, Before before) {
+  constexpr uint64_t kDescHi = (uint64_t{1024 >> 4} << 32) | (uint64_t{1} << 62);
+  const int run_len = promote > 0 ? promote : kt_n;
+  int kt = 0;
+  for (int kt0 = 0; kt0 < kt_n; kt0 += run_len) {
+    const int n = min(run_len, kt_n - kt0);
+    int held = -1;  // the stage of the last slice not yet released
+    for (int j = 0; j < n; ++j, ++kt) {
+      bulk::mbar_wait(&full[s], parity);
+      before(kt, s);
+      const uint32_t off = static_cast<uint32_t>(s) * kStageUnits;
+      sm90::wgmma_fence();
+      sm90::fence_operands(part);
+#pragma unroll
+      for (int ks = 0; ks < kTileK / 32; ++ks)
+        Wgmma8<TN>::mma(part, kDescHi | (desc_a0 + off + 2 * ks),
+                        kDescHi | (desc_b0 + off + 2 * ks), (j > 0 || ks > 0) ? 1 : 0);
+      sm90::wgmma_commit();
+      sm90::wgmma_wait<1>();
+      sm90::fence_operands(part);
+      __syncwarp();
+      if (lane == 0 && held >= 0) bulk::mbar_arrive(&empty[held]);
+      held = s;
+      if (++s == stages) s = 0, parity ^= 1u;
+    }
+    sm90::wgmma_wait<0>();
+    sm90::fence_operands(part);
+    __syncwarp();
+    if (lane == 0) bulk::mbar_arrive(&empty[held]);
+#pragma unroll
+    for (int i = 0; i < kAcc; ++i) acc[i] += part[i];
+  }
+}
+
 // The start of both FP8 kernels: the stages' barriers (full: the TMA's
 // expect_tx and each producer lane's scales; empty: `consumer_arrivals`
 // arrives), then every group's tile count and their prefix in tile_start
@@ -241,37 +288,9 @@ __global__ void __launch_bounds__(T::kThreads, 1)
 #pragma unroll
     for (int i = 0; i < T::kAcc; ++i) acc[i] = 0.0f;
     if constexpr (TW) {
-      // Runs of `promote` slices chained into part; within a run a slice's
-      // stage is released once the next slice's wgmma were issued and it
-      // completed (wait<1>), the run's last at the promotion (wait<0>).
-      const int run_len = q.promote > 0 ? q.promote : kt_n;
-      for (int kt0 = 0; kt0 < kt_n; kt0 += run_len) {
-        const int n = min(run_len, kt_n - kt0);
-        int held = -1;  // the stage of the last slice not yet released
-        for (int j = 0; j < n; ++j) {
-          bulk::mbar_wait(&full[s], parity);
-          const uint32_t off = static_cast<uint32_t>(s) * (T::kStageBytes >> 4);
-          sm90::wgmma_fence();
-          sm90::fence_operands(part);
-#pragma unroll
-          for (int ks = 0; ks < kTileK / 32; ++ks)
-            Wgmma8<TN>::mma(part, kDescHi | (desc_a0 + off + 2 * ks),
-                            kDescHi | (desc_b0 + off + 2 * ks), (j > 0 || ks > 0) ? 1 : 0);
-          sm90::wgmma_commit();
-          sm90::wgmma_wait<1>();
-          sm90::fence_operands(part);
-          __syncwarp();
-          if (lane == 0 && held >= 0) bulk::mbar_arrive(&empty[held]);
-          held = s;
-          if (++s == stages) s = 0, parity ^= 1u;
-        }
-        sm90::wgmma_wait<0>();
-        sm90::fence_operands(part);
-        __syncwarp();
-        if (lane == 0) bulk::mbar_arrive(&empty[held]);
-#pragma unroll
-        for (int i = 0; i < T::kAcc; ++i) acc[i] += part[i];
-      }
+      tensorwise_main_loop<TN, T::kAcc, (T::kStageBytes >> 4)>(acc, part, kt_n, q.promote, s,
+                                                               parity, stages, full, empty, desc_a0,
+                                                               desc_b0, lane, [](int, int) {});
       const float ts = q.a_scales[0] * q.w_scales[0];
 #pragma unroll
       for (int i = 0; i < T::kAcc; ++i) acc[i] *= ts;

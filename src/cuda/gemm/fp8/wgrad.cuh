@@ -27,6 +27,13 @@
 // registers (one rounding of old + result). dW through a pointer per group:
 // stores straight from the accumulators. A group with no real rows writes
 // zeros (accumulate: leaves dW as it is).
+//
+// Tensorwise (TW: dc_scales[0] and a_scales[0], one scale per operand): no
+// scale slots, and a group's rows may start at any multiple of 16 (a slice
+// is any 128 rows from a 16-byte aligned start: no scale block to stay
+// inside; other starts are flagged); the slices' wgmma chain as in the
+// forward's tensorwise loop, promoted by a plain add every `promote` slices,
+// and the product of the two scales applied before the epilogue.
 #pragma once
 
 #include <type_traits>
@@ -46,6 +53,7 @@ struct Fp8WgradParams {
   const float* a_scales;
   int64_t a_s0, a_s1;
   bool tma_out;  // dW stacked: staged chunks stored by TMA (map_dw); else straight stores
+  int promote = 0;  // tensorwise: slices per promotion (0: all of the group's rows)
 };
 
 // The epilogue's staging: per consumer warpgroup kBufs chunks of 64 rows x
@@ -193,7 +201,7 @@ __device__ __forceinline__ void store_direct(const Params& p, const float (&acc)
   }
 }
 
-template <typename T, typename TOut>
+template <typename T, typename TOut, bool TW>
 __global__ void __launch_bounds__(T::kThreads, 1)
     grouped_gemm_fp8_wgrad_kernel(Params p, Fp8WgradParams q,
                                   const __grid_constant__ CUtensorMap map_dc,
@@ -220,8 +228,11 @@ __global__ void __launch_bounds__(T::kThreads, 1)
     return tile_geometry<TM, TN, uint8_t>(p, tile_start, tile, hint);
   };
   // Slices of a tile: 0 for a group without real rows, and for one whose
-  // rows do not start on a scale block (flagged below, never written).
-  auto misaligned = [](const TileGeom& t) { return t.k_lim > t.kr0 && t.kr0 % kBlock != 0; };
+  // rows do not start on a scale block (tensorwise: on a multiple of 16
+  // rows, the TMA's 16-byte start; flagged below, never written).
+  auto misaligned = [](const TileGeom& t) {
+    return t.k_lim > t.kr0 && t.kr0 % (TW ? 16 : kBlock) != 0;
+  };
   auto k_tiles_of = [&](const TileGeom& t) {
     return misaligned(t) ? 0 : static_cast<int>(ceil_div_dev(t.k_lim - t.kr0, kTileK));
   };
@@ -243,21 +254,23 @@ __global__ void __launch_bounds__(T::kThreads, 1)
       const int64_t blk0 = t.kr0 / kBlock;
       for (int kt = 0; kt < kt_n; ++kt) {
         bulk::mbar_wait(&empty[s], parity ^ 1u);
-        float* slot = slots + s * kSlot;
-        const int64_t blk = blk0 + kt;
-        // Rows of dC^T (clamped into N: rows past it are never stored), then
-        // rows of A^T (clamped into K).
+        if constexpr (!TW) {
+          float* slot = slots + s * kSlot;
+          const int64_t blk = blk0 + kt;
+          // Rows of dC^T (clamped into N: rows past it are never stored), then
+          // rows of A^T (clamped into K).
 #pragma unroll
-        for (int j = 0; j < (TM + 31) / 32; ++j)
-          if (lane + 32 * j < TM)
-            cp_async4(slot + lane + 32 * j,
-                      q.dc_scales + int64_t{min(m0 + lane + 32 * j, m_max)} * q.dc_s0 +
-                          blk * q.dc_s1);
+          for (int j = 0; j < (TM + 31) / 32; ++j)
+            if (lane + 32 * j < TM)
+              cp_async4(
+                  slot + lane + 32 * j,
+                  q.dc_scales + int64_t{min(m0 + lane + 32 * j, m_max)} * q.dc_s0 + blk * q.dc_s1);
 #pragma unroll
-        for (int j = 0; j < TN / 32; ++j)
-          cp_async4(slot + TM + lane + 32 * j,
-                    q.a_scales + int64_t{min(n0 + lane + 32 * j, n_max)} * q.a_s0 + blk * q.a_s1);
-        cp_async_arrive(&full[s]);
+          for (int j = 0; j < TN / 32; ++j)
+            cp_async4(slot + TM + lane + 32 * j,
+                      q.a_scales + int64_t{min(n0 + lane + 32 * j, n_max)} * q.a_s0 + blk * q.a_s1);
+        }
+        cp_async_arrive(&full[s]);  // (tensorwise: no copies, arrives at once)
         if (lane == 0) {
           uint8_t* stage = smem + s * T::kStageBytes;
           bulk::mbar_expect_tx(&full[s], T::kStageBytes);
@@ -296,15 +309,26 @@ __global__ void __launch_bounds__(T::kThreads, 1)
     float acc[T::kAcc], part[T::kAcc];
 #pragma unroll
     for (int i = 0; i < T::kAcc; ++i) acc[i] = 0.0f;
-    for (int kt = 0; kt < kt_n; ++kt) {
-      bulk::mbar_wait(&full[s], parity);
+    // Every consumer thread zeroes its share of the group's last slice past
+    // its real rows, so that no warpgroup's wgmma reads them.
+    const auto zero_last = [&](int kt, int st) {
       if (kt == kt_n - 1 && last_rows < kTileK) {
-        // Every consumer thread takes part, so the slot is free of the rows
-        // past the group's real rows before any warpgroup's wgmma reads it.
-        zero_tail<T>(smem + s * T::kStageBytes, last_rows, ctid, T::kConsumers * 128);
+        zero_tail<T>(smem + st * T::kStageBytes, last_rows, ctid, T::kConsumers * 128);
         sm90::fence_proxy_async();
         sm90tma::named_barrier(kBarZeroTail, T::kConsumers * 128);
       }
+    };
+    if constexpr (TW) {
+      tensorwise_main_loop<TN, T::kAcc, (T::kStageBytes >> 4)>(acc, part, kt_n, q.promote, s,
+                                                               parity, stages, full, empty, desc_a0,
+                                                               desc_b0, lane, zero_last);
+      const float ts = q.dc_scales[0] * q.a_scales[0];
+#pragma unroll
+      for (int i = 0; i < T::kAcc; ++i) acc[i] *= ts;
+    }
+    for (int kt = 0; kt < (TW ? 0 : kt_n); ++kt) {
+      bulk::mbar_wait(&full[s], parity);
+      zero_last(kt, s);
       const uint32_t off = static_cast<uint32_t>(s) * (T::kStageBytes >> 4);
       sm90::wgmma_fence();
       sm90::fence_operands(part);
