@@ -1,9 +1,11 @@
 """FP8 1x128 quantization of activation-shaped bf16 tensors through
 moeflow.ops: rowwise (``quantize``), columnwise (``quantize(...,
 columnwise=True)``, the wgrad's operand layout) and both from one read
-(``quantize_rowwise_columnwise``), in GB/s of the bytes each moves (x read
-once, codes and float32 scales written), against a device copy
-(``torch.Tensor.copy_``) timed in the same process.
+(``quantize_rowwise_columnwise``), the tensorwise codes of expert groups
+(``quantize_group_rows``: x read twice) and the codes' transpose
+(``transpose_codes``, the tensorwise wgrad's operands), in GB/s of the
+bytes each moves, against a device copy (``torch.Tensor.copy_``) timed in
+the same process.
 
     PYTHONPATH=build/python:bench python3 bench/py_quantize.py [--json FILE]
 """
@@ -30,10 +32,18 @@ def main():
         x = torch.randn(M, K, device=dev, dtype=torch.bfloat16)
         dst = torch.empty_like(x)
         one = M * K * 2 + M * K + M * K // 128 * 4  # read x, write one orientation
+        # The tensorwise recipe's operand: 8 groups, each ending in 16 pad rows
+        # (not read); x read twice (the amax, then the codes), codes written.
+        offsets = torch.linspace(0, M, 9, device=dev).round().to(torch.int64)
+        real = (offsets[1:] - offsets[:-1] - 16).to(torch.int32)
+        codes = mf.quantize_group_rows(x, offsets, real)[0]
         ops = [("copy", lambda: dst.copy_(x), 2 * M * K * 2),
                ("rowwise", lambda: mf.quantize(x, "e4m3", "1x128"), one),
                ("columnwise", lambda: mf.quantize(x, "e4m3", "1x128", columnwise=True), one),
-               ("both", lambda: mf.quantize_rowwise_columnwise(x), one + M * K + M * K // 128 * 4)]
+               ("both", lambda: mf.quantize_rowwise_columnwise(x), one + M * K + M * K // 128 * 4),
+               ("tensorwise_rows", lambda: mf.quantize_group_rows(x, offsets, real),
+                2 * M * K * 2 + M * K),
+               ("transpose_codes", lambda: mf.transpose_codes(codes), 2 * M * K)]
         res = {}
         for op, fn, nbytes in ops:
             ms = bench_ms(fn)
@@ -43,7 +53,7 @@ def main():
             f"{op} {r['ms']:.3f} ms {r['GBps']:.0f} GB/s ({r['GBps'] / copy:.0%} of copy)"
             for op, r in res.items()), flush=True)
         out["shapes"][name] = res
-        del x, dst
+        del x, dst, codes
         torch.cuda.empty_cache()
     if args.json:
         with open(args.json, "w") as f:
