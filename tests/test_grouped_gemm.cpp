@@ -386,7 +386,7 @@ TEST(GroupedGemmFp8, ReferenceHandWorked) {
 }
 
 // Tensorwise scales ([1] each): the same hand-worked codes with a_scales
-// 0.5 and w_scales 0.25 give 32 in every data row (both groups share the
+// 0.5 and w_scales 0.25 give 64 (256 products of 0.25) in every data row (both groups share the
 // weight scale); a blockwise w_scales beside a tensorwise a_scales names
 // w_scales.
 TEST(GroupedGemmFp8, TensorwiseReferenceHandWorked) {

@@ -4,9 +4,11 @@
 // blocks, weights in 128x128 blocks, float32 scales promoted every 128 of
 // K. Tensorwise recipe: one scale per tensor from its amax (current
 // scaling; an activation's over the groups' real rows only), the GEMMs'
-// promotion as GroupedMlpConfig::gemm.fp8_promote says. The weight gradients: 16-bit GEMMs
-// (grouped_mlp_backward_wgrad on x, a recomputed from h, dy and d_h, exactly as in the bf16 MLP),
-// or FP8 (grouped_mlp_fp8_backward_wgrad below; each expert's rows starting at a multiple of 128).
+// promotion as GroupedMlpConfig::gemm.fp8_promote says. The weight
+// gradients: 16-bit GEMMs (grouped_mlp_backward_wgrad on x, a recomputed
+// from h, dy and d_h, exactly as in the bf16 MLP), or FP8
+// (grouped_mlp_fp8_backward_wgrad below; each expert's rows starting at a
+// multiple of 128 blockwise, of 16 tensorwise).
 // The same formulas as moeflow/grouped_mlp.h; no biases.
 //
 // Shapes: x [rows, H], h [rows, N1] (N1 = 2F gated, F plain), y [rows, H];
@@ -120,7 +122,9 @@ void grouped_mlp_fp8_backward_wgrad(TensorView x, TensorView dy, const GroupLayo
 // scale over the groups' real rows (quantize_group_rows; a straight from h
 // by grouped_mlp_activation_quantize, scratch.a unused), its codes
 // transposed (transpose_codes: the columnwise codes of one scale), then the
-// tensorwise grouped_gemm_fp8_wgrad: the groups may start at any row.
+// tensorwise grouped_gemm_fp8_wgrad: every group with real rows must start
+// at a multiple of 16 rows (the plan's FP8 align; otherwise as above: CUDA
+// sets groups.error and leaves that gradient, the CPU throws).
 // scratch.codes then needs rows * (H + N1 + max(H, N1)) bytes (the rowwise
 // codes staged before their transpose), scratch.scales >= 2 elements.
 void grouped_mlp_fp8_backward_wgrad(TensorView x, TensorView dy, const GroupLayout& groups,

@@ -45,9 +45,10 @@ struct GemmOptions {
   bool fused_dglu = false;
   // Blockwise FP8 forward and wgrad: the tile shape.
   Fp8Tile fp8_tile = Fp8Tile::kAuto;
-  // Tensorwise FP8 forward (one scale per operand): 128-wide K slices the
-  // tensor cores sum before each float32 promotion; 0: all of K (fast
-  // accumulation); -1: 4. Changes the rounding of the result (as `kernel`).
+  // Tensorwise FP8 forward and wgrad (one scale per operand): 128-wide K
+  // slices the tensor cores sum before each float32 promotion; 0: all of K
+  // (fast accumulation); -1: 4. Changes the rounding of the result (as
+  // `kernel`).
   int fp8_promote = -1;
 };
 

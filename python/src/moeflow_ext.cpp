@@ -304,15 +304,16 @@ NB_MODULE(_C, m) {
       "quantize_group_rows",
       [](const Array& x, const std::optional<Array>& offsets, const std::optional<Array>& real_rows,
          const std::string& fmt, bool pow2, const Array& q, const Array& scale, uintptr_t s) {
-        quantize_group_rows(
-            rows_of(x, "x"),
-            offsets && offsets->is_valid() ? layout(*offsets, real_rows) : GroupLayout{},
-            quantize_config(fmt, "tensorwise", pow2, false), rows_of(q, "q"),
-            view_of(scale, "scale"), stream_of(s));
+        const bool groups = offsets && offsets->is_valid();
+        MOEFLOW_CHECK(groups || !(real_rows && real_rows->is_valid()),
+                      "quantize_group_rows: real_rows needs offsets (the groups)");
+        quantize_group_rows(rows_of(x, "x"), groups ? layout(*offsets, real_rows) : GroupLayout{},
+                            quantize_config(fmt, "tensorwise", pow2, false), rows_of(q, "q"),
+                            view_of(scale, "scale"), stream_of(s));
       },
       nb::arg("x"), nb::arg("offsets").none(), nb::arg("real_rows").none(), nb::arg("fp8_format"),
       nb::arg("pow2_scales"), nb::arg("q"), nb::arg("scale"), nb::arg("stream") = 0);
-  // Blockwise FP8 grouped GEMM wgrad (variable K; the scales may be strided).
+  // FP8 grouped GEMM wgrad (variable K; blockwise scales may be strided).
   m.def(
       "grouped_gemm_fp8_wgrad",
       [](const Array& dc_t, const Array& dc_t_scales, const Array& a_t, const Array& a_t_scales,
