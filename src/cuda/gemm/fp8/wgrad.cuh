@@ -29,9 +29,10 @@
 // zeros (accumulate: leaves dW as it is).
 //
 // Tensorwise (TW: dc_scales[0] and a_scales[0], one scale per operand): no
-// scale slots, and a group's rows may start at any multiple of 16 (a slice
-// is any 128 rows from a 16-byte aligned start: no scale block to stay
-// inside; other starts are flagged); the slices' wgmma chain as in the
+// scale slots, and a group's rows may start at any multiple of 16 (other
+// starts are flagged): its slices start at the 128-row boundary before the
+// group (whole 128-byte lines per TMA row), the first slice's rows before
+// the group zeroed as the last slice's past it; the slices' wgmma chain as in the
 // forward's tensorwise loop, promoted by a plain add every `promote` slices,
 // and the product of the two scales applied before the epilogue.
 #pragma once
@@ -83,20 +84,20 @@ enum WgradBarrier : int {
   kBarWarpgroup = 2,  // + c: consumer warpgroup c's 128 threads (staging)
 };
 
-// Zeroes bytes [r, 128) of every row of a stage (TM A rows then TN B rows,
-// 128-byte rows in the TMA's 128-byte swizzle: 16-byte chunk c of row m at
-// chunk c ^ (m % 8)); thread `t` of `threads`.
+// Zeroes the bytes outside [lo, hi) of every row of a stage (TM A rows then
+// TN B rows, 128-byte rows in the TMA's 128-byte swizzle: 16-byte chunk c
+// of row m at chunk c ^ (m % 8)); thread `t` of `threads`.
 template <typename Tl>
-__device__ __forceinline__ void zero_tail(uint8_t* stage, int r, int t, int threads) {
-  const int c0 = r / 16;
+__device__ __forceinline__ void zero_outside(uint8_t* stage, int lo, int hi, int t, int threads) {
   for (int v = t; v < (Tl::kM + Tl::kN) * 8; v += threads) {
-    const int row = v / 8, c = v % 8;
-    if (c < c0) continue;
+    const int row = v / 8, c = v % 8, b0 = c * 16;
+    if (b0 >= lo && b0 + 16 <= hi) continue;  // inside: kept
     uint8_t* chunk = stage + row * 128 + ((c ^ (row & 7)) * 16);
-    if (c > c0 || r % 16 == 0) {
+    if (b0 + 16 <= lo || b0 >= hi) {
       *reinterpret_cast<uint4*>(chunk) = make_uint4(0, 0, 0, 0);
     } else {
-      for (int i = r % 16; i < 16; ++i) chunk[i] = 0;
+      for (int i = 0; i < 16; ++i)
+        if (b0 + i < lo || b0 + i >= hi) chunk[i] = 0;
     }
   }
 }
@@ -233,8 +234,12 @@ __global__ void __launch_bounds__(T::kThreads, 1)
   auto misaligned = [](const TileGeom& t) {
     return t.k_lim > t.kr0 && t.kr0 % (TW ? 16 : kBlock) != 0;
   };
+  // Where a tile's slices start: the group's first row, or for tensorwise
+  // the 128-row boundary before it (whole 128-byte lines per TMA row; the
+  // first slice's rows before the group are zeroed like the last's after).
+  auto k_base = [](const TileGeom& t) { return TW ? (t.kr0 & ~int64_t{kTileK - 1}) : t.kr0; };
   auto k_tiles_of = [&](const TileGeom& t) {
-    return misaligned(t) ? 0 : static_cast<int>(ceil_div_dev(t.k_lim - t.kr0, kTileK));
+    return misaligned(t) ? 0 : static_cast<int>(ceil_div_dev(t.k_lim - k_base(t), kTileK));
   };
 
   if (wg == 0) {
@@ -250,7 +255,7 @@ __global__ void __launch_bounds__(T::kThreads, 1)
       group = t.group;
       const int kt_n = k_tiles_of(t);
       const int m0 = static_cast<int>(t.m0), n0 = static_cast<int>(t.n0);
-      const int kr0 = static_cast<int>(t.kr0);
+      const int kr0 = static_cast<int>(k_base(t));
       const int64_t blk0 = t.kr0 / kBlock;
       for (int kt = 0; kt < kt_n; ++kt) {
         bulk::mbar_wait(&empty[s], parity ^ 1u);
@@ -304,16 +309,20 @@ __global__ void __launch_bounds__(T::kThreads, 1)
       continue;
     }
     const int kt_n = __shfl_sync(0xffffffffu, k_tiles_of(t), 0);
-    const int last_rows = kt_n > 0 ? static_cast<int>(t.k_lim - t.kr0) - (kt_n - 1) * kTileK : 0;
+    const int64_t base = k_base(t);
+    const int head = static_cast<int>(t.kr0 - base);  // rows before the group (tensorwise)
+    const int last_rows = kt_n > 0 ? static_cast<int>(t.k_lim - base) - (kt_n - 1) * kTileK : 0;
     const int ra = c * 64 + rl0;
     float acc[T::kAcc], part[T::kAcc];
 #pragma unroll
     for (int i = 0; i < T::kAcc; ++i) acc[i] = 0.0f;
-    // Every consumer thread zeroes its share of the group's last slice past
-    // its real rows, so that no warpgroup's wgmma reads them.
+    // Every consumer thread zeroes its share of the rows outside the group
+    // (past its real rows in the last slice, before its first row in the
+    // first), so that no warpgroup's wgmma reads them.
     const auto zero_last = [&](int kt, int st) {
-      if (kt == kt_n - 1 && last_rows < kTileK) {
-        zero_tail<T>(smem + st * T::kStageBytes, last_rows, ctid, T::kConsumers * 128);
+      const int lo = kt == 0 ? head : 0, hi = kt == kt_n - 1 ? last_rows : kTileK;
+      if (lo > 0 || hi < kTileK) {
+        zero_outside<T>(smem + st * T::kStageBytes, lo, hi, ctid, T::kConsumers * 128);
         sm90::fence_proxy_async();
         sm90tma::named_barrier(kBarZeroTail, T::kConsumers * 128);
       }
