@@ -604,7 +604,7 @@ def grouped_mlp(x: torch.Tensor, fc1: torch.Tensor, fc2: torch.Tensor, *,
             raise ValueError(f"fp8_wgrad=True needs the rows to be a multiple of 16 (the "
                              f"transposed codes' rows), got {int(rows)}")
         got = plan.align if plan is not None else align
-        # blockwise: whole 128-row scale blocks; tensorwise: 16-byte starts
+        # blockwise: whole 128-row scale blocks; tensorwise: the FP8 align of 16
         need_align = 128 if precision == "fp8-blockwise" else 16
         if got is None or int(got) % need_align:
             raise ValueError(f"fp8_wgrad=True ({precision}) needs each expert's rows to start at "

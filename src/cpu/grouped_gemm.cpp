@@ -164,7 +164,7 @@ void grouped_gemm_fp8_wgrad(const Fp8WgradCall& c) {
     if (tw)
       MOEFLOW_CHECK(n_real == 0 || offsets[e] % 16 == 0, "grouped_gemm_fp8_wgrad: group ", e,
                     " starts at row ", offsets[e],
-                    ", not a multiple of 16 (tensorwise: 16-byte rows of the transposed codes)");
+                    ", not a multiple of 16 (tensorwise: the FP8 align)");
     else
       MOEFLOW_CHECK(n_real == 0 || offsets[e] % 128 == 0, "grouped_gemm_fp8_wgrad: group ", e,
                     " starts at row ", offsets[e],

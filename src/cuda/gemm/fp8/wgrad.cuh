@@ -230,7 +230,7 @@ __global__ void __launch_bounds__(T::kThreads, 1)
   };
   // Slices of a tile: 0 for a group without real rows, and for one whose
   // rows do not start on a scale block (tensorwise: on a multiple of 16
-  // rows, the TMA's 16-byte start; flagged below, never written).
+  // rows, the FP8 plans' align; flagged below, never written).
   auto misaligned = [](const TileGeom& t) {
     return t.k_lim > t.kr0 && t.kr0 % (TW ? 16 : kBlock) != 0;
   };
