@@ -10,7 +10,7 @@ at the end that it fell (exit status 1 if not).
 
     PYTHONPATH=build/python .venv/bin/python examples/train_moe.py            # tiny, CPU
     PYTHONPATH=build/python python3 examples/train_moe.py --config gpu        # larger, CUDA
-    ... --config tiny-fp8 --precision fp8-blockwise [--fp8-wgrad]             # FP8 experts
+    ... --config tiny-fp8 --precision fp8-blockwise|fp8-tensorwise [--fp8-wgrad]  # FP8 experts
 
 On the CPU the experts run through moeflow's CPU reference backend (bf16
 experts, float32 elsewhere; bf16 throughout on CUDA); everything else is
@@ -196,16 +196,17 @@ def main():
                     default="bf16", help="the experts' GEMMs (MoELayer(precision=...); FP8 "
                     "needs --config tiny-fp8 or gpu on the CPU or a Hopper GPU)")
     ap.add_argument("--fp8-wgrad", action="store_true",
-                    help="fp8-blockwise: the weight gradients in FP8 too (rows aligned to 128)")
+                    help="FP8 precisions: the weight gradients in FP8 too (fp8-blockwise: rows "
+                         "aligned to 128)")
     args = ap.parse_args()
     if not args.expert_parallel and (args.ep_backend or args.uneven_tokens):
         ap.error("--ep-backend and --uneven-tokens need --expert-parallel")
-    if args.fp8_wgrad and args.precision != "fp8-blockwise":
-        ap.error("--fp8-wgrad needs --precision fp8-blockwise")
+    if args.fp8_wgrad and args.precision == "bf16":
+        ap.error("--fp8-wgrad needs --precision fp8-blockwise or fp8-tensorwise")
     if args.precision != "bf16" and args.config == "tiny":
         ap.error(f"--precision {args.precision} needs hidden and FFN sizes that are multiples "
                  f"of 128: --config tiny-fp8 or gpu")
-    align = 128 if args.fp8_wgrad else 16
+    align = 128 if args.fp8_wgrad and args.precision == "fp8-blockwise" else 16
     precision = dict(precision=args.precision, fp8_wgrad=args.fp8_wgrad, align=align)
     c = dict(CONFIGS[args.config])
     if args.steps:

@@ -48,13 +48,14 @@ def test_train_moe_loss_falls():
 
 
 @pytest.mark.skipif(not HAS_TORCH, reason="examples/train_moe.py needs torch (not installed)")
-def test_train_moe_fp8_experts_loss_falls():
-    # The experts in the blockwise FP8 recipe with FP8 weight gradients (the
-    # CPU runs the references of the FP8 ops): the loss is well down by step 60.
+@pytest.mark.parametrize("precision", ["fp8-blockwise", "fp8-tensorwise"])
+def test_train_moe_fp8_experts_loss_falls(precision):
+    # The experts in an FP8 recipe with FP8 weight gradients (the CPU runs the
+    # references of the FP8 ops): the loss is well down by step 60.
     r = run_python([str(EXAMPLES / "train_moe.py"), "--config", "tiny-fp8", "--precision",
-                    "fp8-blockwise", "--fp8-wgrad", "--steps", "60", "--device", "cpu"])
+                    precision, "--fp8-wgrad", "--steps", "60", "--device", "cpu"])
     check_clean(r)
-    assert "experts in fp8-blockwise with FP8 weight gradients" in r.stdout, r.stdout
+    assert f"experts in {precision} with FP8 weight gradients" in r.stdout, r.stdout
     assert "train_moe: PASS" in r.stdout, r.stdout
 
 
