@@ -36,6 +36,18 @@ def quantize_rows(t: torch.Tensor, recipe: str, offsets: torch.Tensor,
     return ops.quantize_group_rows(t, offsets, real_rows)
 
 
+def quantize_both_ways(t: torch.Tensor, recipe: str, offsets: torch.Tensor,
+                       real_rows: Optional[torch.Tensor]):
+    """(q, scales, q_t, scales_t): t's rowwise codes (:func:`quantize_rows`)
+    and its columnwise ones for the FP8 wgrad. Blockwise: both 1x128
+    orientations from one read; tensorwise: the rowwise codes transposed
+    (one scale, so the same values)."""
+    if recipe == "fp8-blockwise":
+        return ops.quantize_rowwise_columnwise(t)
+    q, sc = quantize_rows(t, recipe, offsets, real_rows)
+    return q, sc, ops.transpose_codes(q), sc
+
+
 def quantize_weight(w: torch.Tensor, recipe: str,
                     transpose: bool = False) -> Tuple[torch.Tensor, torch.Tensor]:
     """Expert weights [E, N, K] -> codes [E, N, K] and scales [E, N/128, K/128]
@@ -153,11 +165,7 @@ class GroupedMlpFp8(torch.autograd.Function):
             x, probs = source.forward(x, None if probs is None else probs.detach())
         x_t = None  # x's columnwise codes and scales (FC1's FP8 wgrad), instead of x
         if wgrad8 and ctx is not None and fc1.requires_grad:
-            if recipe == "fp8-blockwise":
-                xq, xs, xq_t, xs_t = ops.quantize_rowwise_columnwise(x)
-            else:  # one scale: the columnwise codes are the rowwise ones transposed
-                xq, xs = quantize_rows(x, recipe, offsets, real_rows)
-                xq_t, xs_t = ops.transpose_codes(xq), xs
+            xq, xs, xq_t, xs_t = quantize_both_ways(x, recipe, offsets, real_rows)
             w1q, w1s = weight_codes(fc1, recipe, False, cache)
             h = ops.grouped_gemm_fp8_forward(xq, xs, w1q, w1s, offsets, real_rows)
             del xq, xs
@@ -208,11 +216,7 @@ class GroupedMlpFp8(torch.autograd.Function):
         # FC2's dgrad writes d(a) straight into d_h's last F columns (all of them when plain)
         dy_t = None  # dY's columnwise codes and scales (FC2's FP8 wgrad)
         if wgrad8 and need[2]:
-            if recipe == "fp8-blockwise":
-                dyq, dys, dyq_t, dys_t = ops.quantize_rowwise_columnwise(dy)
-            else:
-                dyq, dys = quantize_rows(dy, recipe, offsets, real_rows)
-                dyq_t, dys_t = ops.transpose_codes(dyq), dys
+            dyq, dys, dyq_t, dys_t = quantize_both_ways(dy, recipe, offsets, real_rows)
             w2q, w2s = weight_codes(fc2, recipe, True, cache)
             ops.grouped_gemm_fp8_forward(dyq, dys, w2q, w2s, offsets, real_rows,
                                          out=d_h[:, d_h.shape[1] - F:])
@@ -227,12 +231,7 @@ class GroupedMlpFp8(torch.autograd.Function):
         acc = main is not None
         dh_q = None  # d_h's codes both ways (FC1's dgrad and FP8 wgrad)
         if wgrad8 and need[1]:
-            if recipe == "fp8-blockwise":
-                dh_q = ops.quantize_rowwise_columnwise(d_h)
-            else:
-                q, sc = quantize_rows(d_h, recipe, offsets, real_rows)
-                dh_q = (q, sc, ops.transpose_codes(q), sc)
-                del q
+            dh_q = quantize_both_ways(d_h, recipe, offsets, real_rows)
             del d_h
             d_h = None
 
