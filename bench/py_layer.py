@@ -16,7 +16,10 @@ as a training loop that does not synchronise every step runs them), the
 peak memory the step allocates beyond its inputs and parameters, and with
 ``--profile`` the sum of the step's kernel times (torch.profiler) against
 the step's time, for one step after a synchronisation and per step of
-three run back to back (the steady clock). ``--router`` times the router
+three run back to back (the steady clock). Every step starts from ``.grad`` None (a step after
+``zero_grad(set_to_none=True)``); with ``--accumulate`` each adds into the
+``.grad`` of the steps before it, as the micro-batches of one optimizer
+step do. ``--router`` times the router
 alone at DeepSeek-V3's shape (T 8192, E 256, top-8, 8 groups / top-4,
 sigmoid + expert bias), forward and backward, against the torch router,
 and the router GEMM (``ops.router_logits``) against ``linear(x.float(),
@@ -24,7 +27,7 @@ w)`` at four shapes.
 
     PYTHONPATH=build/python:bench python3 bench/py_layer.py [--json FILE] [--profile [--trace FILE]]
         [--router] [--case NAME] [--top N] [--memory-snapshot FILE] [--align N]
-        [--ablate-router-gemm]
+        [--ablate-router-gemm] [--accumulate]
 """
 import argparse
 import json
@@ -307,12 +310,17 @@ def main():
     ap.add_argument("--memory-snapshot", help="write each case's moeflow step memory history "
                                               "(torch.cuda.memory._dump_snapshot), FILE with the "
                                               "case name inserted")
+    ap.add_argument("--accumulate", action="store_true",
+                    help="the steps add into the .grad of the steps before them (micro-batches "
+                         "of one optimizer step) instead of starting from .grad None")
     ap.add_argument("--trace", help="with --profile: write each case's moeflow step as a Chrome "
                                     "trace, FILE with the case name inserted")
     args = ap.parse_args()
     dev = torch.device("cuda")
     out = {"device": torch.cuda.get_device_name(0), "torch": torch.__version__,
-           "moeflow": moeflow.__version__, "align": args.align, "cases": {}}
+           "moeflow": moeflow.__version__, "align": args.align,
+           "grads": "accumulated over the steps" if args.accumulate else "cleared every step",
+           "cases": {}}
     if args.router:
         bench_router(out, args.profile)
         bench_router_gemm(out)
@@ -331,6 +339,8 @@ def main():
         topts = {k: v for k, v in opts.items() if k != "use_expert_bias"}
 
         def clear():  # a training step after zero_grad(set_to_none=True)
+            if args.accumulate:  # micro-batches: each step adds into the .grad before it
+                return
             for p in params:
                 p.grad = None
 

@@ -6,10 +6,15 @@ PyTorch user sees. Two ways to get the weight gradients, each for both:
 returned as .grad (bf16; moeflow computes them in float32 and casts), and
 accumulated into float32 main_grad (moeflow: fused into its wgrad GEMM,
 Megatron's gradient-accumulation fusion; torch: .grad added to main_grad).
+The timed steps add into the .grad of the steps before them, as the
+micro-batches of one optimizer step do (moeflow's FP8 wgrad: in the
+GEMM, and by autograd in the "grad_added_by_autograd" row); with
+--clear-grads every step starts from .grad None instead (a step after
+zero_grad(set_to_none=True)).
 
     PYTHONPATH=build/python:bench python3 bench/py_mlp.py [--json FILE] [--case NAME]
         [--precision fp8-blockwise|fp8-tensorwise [--fp8-weight-cache]] [--fp8-wgrad]
-        [--profile [--top N]]
+        [--clear-grads] [--profile [--top N]]
 """
 import argparse
 import json
@@ -38,6 +43,9 @@ def main():
                     help="also time fp8_wgrad=True (weight gradients in FP8): fp8-blockwise on "
                          "the same rows with each expert padded to 128, beside the recipe "
                          "without it on that layout; fp8-tensorwise on the same rows")
+    ap.add_argument("--clear-grads", action="store_true",
+                    help="every step starts with the gradients None (else each step adds into "
+                         "the .grad of the ones before it)")
     ap.add_argument("--profile", action="store_true",
                     help="print each moeflow step's kernel-time sum and its largest kernels")
     ap.add_argument("--top", type=int, default=12)
@@ -77,12 +85,13 @@ def main():
             mf.grouped_mlp(x, w1, w2, offsets=offsets, probs=probs,
                            accumulate_into_main_grad=True).backward(dy)
 
-        def fp8_step(recipe, cache=False, clear=False, wgrad8=False):
+        def fp8_step(recipe, cache=False, clear=False, wgrad8=False, into_grad=True):
             def step():
                 if clear:  # a training step: the weights changed since the last one
                     mf.clear_fp8_weight_cache(w1, w2)
                 mf.grouped_mlp(x, w1, w2, offsets=offsets, probs=probs, precision=recipe,
                                fp8_weight_cache=cache, fp8_wgrad=wgrad8,
+                               accumulate_into_grad=into_grad,
                                align=16).backward(dy)  # split(): multiples of 16
             return step
 
@@ -133,6 +142,18 @@ def main():
             if tensorwise_wgrad:  # the default rows: one scale needs no 128-row blocks
                 steps += [("moeflow_fp8-tensorwise_wgrad" + c,
                            fp8_step("fp8-tensorwise", cache, clear, True))]
+                if not c and not args.clear_grads:  # .grad added by autograd instead
+                    steps += [("moeflow_fp8-tensorwise_wgrad_grad_added_by_autograd",
+                               fp8_step("fp8-tensorwise", False, False, True, False))]
+        def cleared(fn):
+            def step():
+                x.grad = w1.grad = w2.grad = None
+                fn()
+            return step
+
+        if args.clear_grads:
+            steps = [(key, cleared(fn)) for key, fn in steps]
+        out["grads"] = "cleared every step" if args.clear_grads else "accumulated over the steps"
         for key, fn in steps:
             if key.endswith("main_grad"):
                 w1.main_grad = torch.zeros(w1.shape, device=dev)
@@ -177,6 +198,10 @@ def main():
                   f"{res['moeflow']['fwd_bwd_ms'] / f8['fwd_bwd_ms']:.2f}x moeflow bf16, "
                   f"{res['torch']['fwd_bwd_ms'] / f8['fwd_bwd_ms']:.2f}x torch; peak extra "
                   f"{f8['peak_extra_MiB']:.0f} MiB", flush=True)
+        u = res.get("moeflow_fp8-tensorwise_wgrad_grad_added_by_autograd")
+        if u is not None:
+            print(f"{name:10s} fp8-tensorwise_wgrad, .grad added by autograd instead of the GEMM: "
+                  f"{u['fwd_bwd_ms']:7.2f} ms", flush=True)
         del x, w1, w2, dy
         if blockwise_wgrad:
             del x128, dy128

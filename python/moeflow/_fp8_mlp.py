@@ -16,7 +16,7 @@ from typing import Optional, Tuple
 import torch
 
 from . import _C, ops
-from .ops import _stream
+from ._ops_common import _grad_into, _stream
 
 RECIPES = ("bf16", "fp8-blockwise", "fp8-tensorwise")
 
@@ -156,10 +156,11 @@ class GroupedMlpFp8(torch.autograd.Function):
     # args: (offsets, real_rows, cfg, recipe, main_grads or None, plan to
     # unpermute with or None, cache the weights' codes, FP8 wgrad, the rows'
     # source or None: _mlp_io.PermuteSource, x and probs then the tokens and
-    # their slots' probs); ctx None: called without autograd.
+    # their slots' probs; accumulate_into_grad); ctx None: called without
+    # autograd.
     @staticmethod
     def forward(ctx, x, fc1, fc2, probs, args):
-        offsets, real_rows, cfg, recipe, main, plan, cache, wgrad8, source = args
+        offsets, real_rows, cfg, recipe, main, plan, cache, wgrad8, source, into_grad = args
         x = x.detach().contiguous()
         if source is not None:  # the experts' rows and each row's prob
             x, probs = source.forward(x, None if probs is None else probs.detach())
@@ -184,7 +185,7 @@ class GroupedMlpFp8(torch.autograd.Function):
         if ctx is not None:
             ctx.set_materialize_grads(False)
             ctx.cfg, ctx.recipe, ctx.main, ctx.plan, ctx.cache = cfg, recipe, main, plan, cache
-            ctx.wgrad8, ctx.source = wgrad8, source
+            ctx.wgrad8, ctx.source, ctx.into_grad = wgrad8, source, into_grad
             saved_x = None if x_t is not None else x
             x_t = x_t if x_t is not None else (None, None)
             ctx.save_for_backward(saved_x, fc1, fc2, p, offsets, real_rows, h, *x_t)
@@ -228,7 +229,6 @@ class GroupedMlpFp8(torch.autograd.Function):
         if probs is not None and need[3]:
             dprobs = torch.empty(rows, dtype=torch.float32, device=h.device)
         _C.grouped_mlp_activation_backward(h, offsets, real_rows, probs, *cfg, d_h, dprobs, s)
-        acc = main is not None
         dh_q = None  # d_h's codes both ways (FC1's dgrad and FP8 wgrad)
         if wgrad8 and need[1]:
             dh_q = quantize_both_ways(d_h, recipe, offsets, real_rows)
@@ -239,7 +239,15 @@ class GroupedMlpFp8(torch.autograd.Function):
             if not need[fc]:
                 return None
             w = fc2 if fc == 2 else fc1
-            g = main[fc - 1] if acc else torch.empty_like(w)
+            # main_grad, or the weight's .grad added into in place by an FP8
+            # wgrad (the 16-bit wgrad's epilogue adds more slowly than
+            # autograd: docs/python.md), or a new gradient
+            fp8 = dy_t is not None if fc == 2 else dh_q is not None
+            g = main[fc - 1] if main is not None else (_grad_into(ctx, fc) if ctx.into_grad
+                                                        and fp8 else None)
+            acc = g is not None
+            if not acc:
+                g = torch.empty_like(w)
             if fc == 2:
                 if dy_t is not None and recipe != "fp8-blockwise":
                     # a's codes straight from h, then transposed (one scale)

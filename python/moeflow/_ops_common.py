@@ -47,3 +47,35 @@ def _rows(t: torch.Tensor) -> torch.Tensor:
     if t.numel() == 0:
         return t.new_empty(t.shape)
     return t if t.is_contiguous() else t.contiguous()
+
+
+_will_execute = getattr(torch._C, "_will_engine_execute_node", None)
+
+
+def _grad_into(ctx, index: int):
+    """The ``.grad`` that a backward may add input ``index``'s gradient into
+    in place (its wgrad GEMM with accumulate, returning None for the input),
+    or None to return the gradient as usual. Only where autograd would do
+    the same ``p.grad += g`` in place: ``p`` a leaf with a dense ``.grad``
+    of its dtype and shape, no tensor hooks, no post-accumulate hooks, no
+    ``create_graph``, and the engine about to run p's AccumulateGrad node
+    (``.backward()``, not ``autograd.grad`` nor ``backward(inputs=...)``
+    without p)."""
+    if _will_execute is None or _grad_enabled():
+        return None
+    node = ctx.next_functions[index][0]
+    p = getattr(node, "variable", None)  # an AccumulateGrad node's leaf
+    if p is None:
+        return None
+    g = p.grad
+    if (g is None or type(g) is not torch.Tensor or g.requires_grad or g.dtype != p.dtype
+            or g.shape != p.shape or g.device != p.device or g.layout != torch.strided
+            or not g.is_contiguous() or p._backward_hooks
+            or getattr(p, "_post_accumulate_grad_hooks", None)):
+        return None
+    try:
+        if not _will_execute(node):
+            return None
+    except RuntimeError:  # a leaf under autograd.grad: the gradient is returned
+        return None
+    return g

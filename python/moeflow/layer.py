@@ -200,6 +200,10 @@ class MoELayer(ExpertCheckpointMixin, torch.nn.Module):
     (TransformerEngine's name): backward computes the input and router
     gradients only; ``layer.backward_dw()`` then computes the experts'
     weight gradients (e.g. to overlap them with communication).
+    ``accumulate_into_grad`` (default on): with gradient accumulation and
+    ``fp8_wgrad``, the experts' weight gradients are added into their
+    existing ``.grad`` by the FP8 wgrad GEMM, in place (``ops.grouped_mlp``'s
+    option of that name).
 
     Precision (``precision``): "bf16" (default), or "fp8-blockwise" /
     "fp8-tensorwise": the experts' forward and input gradients through the
@@ -279,7 +283,8 @@ class MoELayer(ExpertCheckpointMixin, torch.nn.Module):
                  shared_expert_ffn_hidden_size: int = 0, shared_expert_gate: bool = False,
                  shared_expert_overlap: bool = True, recompute_activation: bool = True,
                  delay_wgrad_compute: bool = False,
-                 gradient_accumulation_fusion: bool = False, precision: str = "bf16",
+                 gradient_accumulation_fusion: bool = False, accumulate_into_grad: bool = True,
+                 precision: str = "bf16",
                  fp8_weight_cache: bool = False, fp8_wgrad: bool = False,
                  params_dtype: torch.dtype = torch.bfloat16,
                  device: Optional[Union[torch.device, str]] = None,
@@ -394,6 +399,7 @@ class MoELayer(ExpertCheckpointMixin, torch.nn.Module):
         self.precision = precision
         self.fp8_weight_cache = bool(fp8_weight_cache)
         self.gradient_accumulation_fusion = bool(gradient_accumulation_fusion)
+        self.accumulate_into_grad = bool(accumulate_into_grad)
         self.recompute_activation = bool(recompute_activation)
         self.delay_wgrad_compute = bool(delay_wgrad_compute)
         self._wgrad_store = ops.WgradStore() if self.delay_wgrad_compute else None
@@ -577,6 +583,7 @@ class MoELayer(ExpertCheckpointMixin, torch.nn.Module):
                                alpha=self.activation_alpha, limit=self.activation_limit,
                                offset=self.activation_offset,
                                accumulate_into_main_grad=self.gradient_accumulation_fusion,
+                               accumulate_into_grad=self.accumulate_into_grad,
                                recompute_activation=self.recompute_activation,
                                wgrad_store=self._wgrad_store, precision=self.precision,
                                fp8_weight_cache=self.fp8_weight_cache,

@@ -504,7 +504,8 @@ def grouped_mlp(x: torch.Tensor, fc1: torch.Tensor, fc2: torch.Tensor, *,
                 bias1: Optional[torch.Tensor] = None, bias2: Optional[torch.Tensor] = None,
                 activation: str = "swiglu", glu_interleave: int = 0, alpha: float = 1.702,
                 limit: float = 7.0, offset: float = 1.0,
-                accumulate_into_main_grad: bool = False, recompute_activation: bool = True,
+                accumulate_into_main_grad: bool = False, accumulate_into_grad: bool = True,
+                recompute_activation: bool = True,
                 wgrad_store: Optional[WgradStore] = None, unpermute: bool = False,
                 permute: bool = False, precision: str = "bf16", fp8_weight_cache: bool = False,
                 fp8_wgrad: bool = False, align: Optional[int] = None,
@@ -525,6 +526,16 @@ def grouped_mlp(x: torch.Tensor, fc1: torch.Tensor, fc2: torch.Tensor, *,
     ``accumulate_into_main_grad`` they are added instead into
     ``fc1.main_grad`` and ``fc2.main_grad`` (float32, the weights' shapes:
     Megatron's gradient-accumulation fusion) and fc1 / fc2 get no ``.grad``.
+    ``accumulate_into_grad`` (default; FP8 weight gradients, ``fp8_wgrad``):
+    where ``.backward()`` would add a weight gradient into an existing
+    ``.grad`` (gradient accumulation over micro-batches), the FP8 wgrad GEMM
+    adds it in place (float32 sum, rounded once) and no new gradient is
+    allocated or added by autograd; not under ``autograd.grad`` or
+    ``create_graph``, with tensor or post-accumulate hooks on the weight, or
+    for a ``.grad`` of another dtype or layout (then the gradient is
+    returned as usual). Hooks on the weight's AccumulateGrad node then see
+    no incoming gradient (its post hooks see the updated ``.grad``). The
+    16-bit weight gradients are always returned (docs/python.md).
     ``recompute_activation`` (default): only the FC1 output h is kept for
     backward; a = act(h) * p is recomputed just before the weight gradients.
     ``wgrad_store``: delay the weight gradients (see :class:`WgradStore`).
@@ -617,7 +628,7 @@ def grouped_mlp(x: torch.Tensor, fc1: torch.Tensor, fc2: torch.Tensor, *,
         _fp8_mlp.check(x, fc1, fc2, bias1, bias2, precision, wgrad_store, activation)
         args = (offsets, real_rows, cfg, precision, main, plan if unpermute else None,
                 bool(fp8_weight_cache), bool(fp8_wgrad),
-                _mlp_io.PermuteSource(plan) if permute else None)
+                _mlp_io.PermuteSource(plan) if permute else None, bool(accumulate_into_grad))
         if not (_grad_enabled() and (x.requires_grad or fc1.requires_grad or fc2.requires_grad
                                      or (probs is not None and probs.requires_grad))):
             return _fp8_mlp.GroupedMlpFp8.forward(None, x, fc1, fc2, probs, args)

@@ -135,13 +135,35 @@ __device__ __forceinline__ void consumer_store(const Params& p, const CUtensorMa
     auto emit = [&](const auto& value, const CUtensorMap* map, TOut* base, int64_t ld, int col0,
                     int64_t col_lim) {
       if (col0 >= col_lim) return;
+      // The old values of a bf16 / fp16 dW (accumulate), the thread's
+      // fragment pairs of the chunk: all loads issued before the wait for
+      // the staging buffer, so that they are in flight together (one
+      // memory latency per chunk, not one per pair).
+      Pack<TOut, 2> old[kAddInRegs ? kCw / 8 : 1][2];
+      if constexpr (kAddInRegs) {
+        if (p.accumulate) {
+#pragma unroll
+          for (int jj = 0; jj < kCw / 8; ++jj) {
+#pragma unroll
+            for (int half = 0; half < 2; ++half) {
+              const int rl = rl0 + half * 8;
+              const int cl = jj * 8 + 2 * (lane % 4);
+              // (rows < data_rows lie inside dW; K % 8 == 0: col + 1 < K as well)
+              old[jj][half] = {};
+              if (rl < data_rows && col0 + cl < col_lim)
+                old[jj][half] =
+                    *reinterpret_cast<const Pack<TOut, 2>*>(base + (wg_row0 + rl) * ld + col0 + cl);
+            }
+          }
+        }
+      }
       if (tid == 0) bulk_wait_read(bufs - 1);  // the store that last read this buffer is done
       named_barrier(kBarConsumer + c, 128);
       uint8_t* buf = my_staging + buf_i * kChunkBytes;
       if (++buf_i == bufs) buf_i = 0;
-      // The chunk's values into the staging buffer. The old values of a
-      // bf16 / fp16 dW (accumulate) are read in a separate copy of the loop,
-      // so that the common path carries no per-element addressing.
+      // The chunk's values into the staging buffer. With the old values of
+      // a bf16 / fp16 dW (accumulate) in a separate copy of the loop, so
+      // that the common path carries no per-element addressing.
       auto stage = [&](auto add_old) {
         constexpr bool kAdd = decltype(add_old)::value;
         if constexpr (sizeof(TOut) == 2 && !kAdd) {
@@ -178,14 +200,9 @@ __device__ __forceinline__ void consumer_store(const Params& p, const CUtensorMa
               const int rl = rl0 + half * 8;
               const int cl = jj * 8 + 2 * (lane % 4);
               float2 v = rl < data_rows ? value(jj, half, col0 + cl) : make_float2(0.0f, 0.0f);
-              if constexpr (kAdd) {
-                // (rows < data_rows lie inside dW; K % 8 == 0: col + 1 < K as well)
-                if (rl < data_rows && col0 + cl < col_lim) {
-                  const Pack<TOut, 2> old = *reinterpret_cast<const Pack<TOut, 2>*>(
-                      base + (wg_row0 + rl) * ld + col0 + cl);
-                  v.x += to_float(old.v[0]);
-                  v.y += to_float(old.v[1]);
-                }
+              if constexpr (kAdd) {  // (zeros where nothing was read)
+                v.x += to_float(old[jj][half].v[0]);
+                v.y += to_float(old[jj][half].v[1]);
               }
               const int byte = cl * static_cast<int>(sizeof(TOut));
               st_shared_pair<TOut>(

@@ -1,0 +1,172 @@
+"""Weight gradients added into an existing ``.grad`` in place by the GEMM
+that computes them (grouped_mlp's accumulate_into_grad, FP8 weight
+gradients), and every case where autograd's own accumulation must run
+instead: autograd.grad, backward(inputs=...), tensor and post-accumulate
+hooks, create_graph, a ``.grad`` of another layout, the option off."""
+import pytest
+
+torch = pytest.importorskip("torch")
+import moeflow  # noqa: E402
+import moeflow.ops as mf  # noqa: E402
+from moeflow._ops_common import _grad_into  # noqa: E402
+
+CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="FP8: CUDA backend")
+
+
+class Seen(list):
+    pass
+
+
+def incoming(w):
+    """A list that records what w's AccumulateGrad node receives per
+    backward: None when the gradient went into .grad in place. (It holds
+    the node: a leaf's node lives while something refers to it.)"""
+    seen = Seen()
+    seen.node = w.view_as(w).grad_fn.next_functions[0][0]
+    seen.node.register_prehook(lambda grads: seen.append(grads[0]))
+    return seen
+
+
+class Scale(torch.autograd.Function):
+    """y = x * w with w's gradient added into w.grad in place where
+    _grad_into allows it (as grouped_mlp's FP8 wgrad does)."""
+
+    @staticmethod
+    def forward(ctx, x, w):
+        ctx.save_for_backward(x, w)
+        return x * w
+
+    @staticmethod
+    def backward(ctx, dy):
+        x, w = ctx.saved_tensors
+        dw = (dy * x).sum(0)
+        g = _grad_into(ctx, 1)
+        if g is not None:
+            g.add_(dw)
+            dw = None
+        return dy * w, dw
+
+
+def scale_setup(seed=0):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(5, 3, generator=g, dtype=torch.float64)
+    w = torch.randn(3, generator=g, dtype=torch.float64, requires_grad=True)
+    dy = torch.randn(5, 3, generator=g, dtype=torch.float64)
+    return x, w, dy, (dy * x).sum(0)
+
+
+def test_backward_adds_into_an_existing_grad_in_place():
+    x, w, dy, new = scale_setup()
+    seen = incoming(w)
+    Scale.apply(x, w).backward(dy)  # no .grad yet: returned to autograd
+    g = w.grad
+    Scale.apply(x, w).backward(dy)  # added in place
+    assert seen[0] is not None and seen[1] is None and w.grad is g
+    torch.testing.assert_close(w.grad, 2 * new, rtol=0, atol=1e-12)
+
+
+@pytest.mark.parametrize("call", ["autograd.grad", "inputs=other", "inputs=w"])
+def test_only_when_the_engine_accumulates_into_grad(call):
+    x, w, dy, new = scale_setup(1)
+    x.requires_grad_()
+    w.grad = torch.ones_like(w)
+    seen = incoming(w)
+    y = Scale.apply(x, w)
+    if call == "autograd.grad":
+        (dw,) = torch.autograd.grad(y, (w,), dy)
+        torch.testing.assert_close(dw, new, rtol=0, atol=0)
+        assert (w.grad == 1).all()
+    elif call == "inputs=other":
+        y.backward(dy, inputs=[x])
+        assert (w.grad == 1).all()
+    else:
+        y.backward(dy, inputs=[w])
+        assert seen == [None]
+        torch.testing.assert_close(w.grad, 1 + new, rtol=0, atol=1e-12)
+
+
+@pytest.mark.parametrize("case", ["tensor_hook", "post_accumulate_hook", "strided_grad",
+                                  "create_graph", "non_leaf"])
+def test_autograd_accumulates_where_in_place_would_change_semantics(case):
+    x, w0, dy, new = scale_setup(2)
+    w, scale, called = w0, 1.0, []
+    if case == "tensor_hook":
+        w.register_hook(lambda g: g * 2)
+        scale = 2.0
+    elif case == "post_accumulate_hook":
+        w.register_post_accumulate_grad_hook(lambda p: called.append(p.grad.sum()))
+    if case == "strided_grad":  # the same shape, not contiguous
+        w = torch.randn(3, 2, dtype=torch.float64)[:, 0].detach().requires_grad_()
+        new = (dy * x).sum(0)
+    w.grad = torch.ones_like(w)
+    if case == "strided_grad":
+        w.grad = torch.ones(3, 2, dtype=torch.float64)[:, 0]
+    seen = incoming(w)
+    wi = w * 1 if case == "non_leaf" else w
+    if case == "non_leaf":
+        wi.retain_grad()
+        wi.grad = torch.ones_like(wi)
+    Scale.apply(x, wi).backward(dy, create_graph=case == "create_graph")
+    assert seen[0] is not None  # autograd's addition
+    torch.testing.assert_close(w.grad, 1 + scale * new, rtol=0, atol=1e-12)
+    if case == "post_accumulate_hook":
+        assert len(called) == 1
+    w.grad = None
+
+
+def fp8_setup(device="cuda", seed=3, E=2, H=128, F=128, rows=64):
+    offsets = torch.tensor([0, 16, rows], dtype=torch.int64, device=device)
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(rows, H, generator=g).to(device, torch.bfloat16)
+    fc1 = (torch.randn(E, 2 * F, H, generator=g) * 0.1).to(device, torch.bfloat16)
+    fc2 = (torch.randn(E, H, F, generator=g) * 0.1).to(device, torch.bfloat16)
+    dy = torch.randn(rows, H, generator=g).to(device, torch.bfloat16)
+    return x, fc1.requires_grad_(), fc2.requires_grad_(), offsets, dy
+
+
+@CUDA
+@pytest.mark.parametrize("precision", ["fp8-blockwise", "fp8-tensorwise"])
+@pytest.mark.parametrize("fp8_wgrad", [False, True])
+def test_grouped_mlp_fp8_wgrad_adds_into_grad(precision, fp8_wgrad):
+    x, fc1, fc2, offsets, dy = fp8_setup()
+    align = 128 if precision == "fp8-blockwise" and fp8_wgrad else 16
+    if align == 128:
+        offsets = torch.tensor([0, 128, 256], dtype=torch.int64, device="cuda")
+        x = torch.cat([x, x, x, x])
+        dy = torch.cat([dy, dy, dy, dy])
+
+    def step(**kw):
+        mf.grouped_mlp(x, fc1, fc2, offsets=offsets, precision=precision, align=align,
+                       fp8_wgrad=fp8_wgrad, **kw).backward(dy)
+
+    step()
+    new1, new2 = fc1.grad.float(), fc2.grad.float()
+    fc1.grad = fc2.grad = None
+    seen1, seen2 = incoming(fc1), incoming(fc2)
+    step()
+    g1, g2 = fc1.grad, fc2.grad
+    first1, first2 = g1.float(), g2.float()
+    step()  # fp8_wgrad: into .grad by the GEMM; else returned, added by autograd
+    assert (seen1[1] is None) == fp8_wgrad and (seen2[1] is None) == fp8_wgrad
+    assert fc1.grad is g1 and fc2.grad is g2
+    for w, first, new in ((fc1, first1, new1), (fc2, first2, new2)):
+        torch.testing.assert_close(w.grad.float(), first + new, rtol=2e-2, atol=2e-2)
+    step(accumulate_into_grad=False)  # returned
+    assert seen1[2] is not None and seen2[2] is not None
+    for w, first, new in ((fc1, first1, new1), (fc2, first2, new2)):
+        torch.testing.assert_close(w.grad.float(), first + 2 * new, rtol=2e-2, atol=2e-2)
+
+
+@CUDA
+@pytest.mark.parametrize("into", [True, False])
+def test_moe_layer_fp8_wgrad_accumulates_into_grad(into):
+    torch.manual_seed(0)
+    layer = moeflow.MoELayer(128, 128, 4, 2, device="cuda", precision="fp8-tensorwise",
+                             fp8_wgrad=True, accumulate_into_grad=into)
+    x = torch.randn(48, 128, device="cuda", dtype=torch.bfloat16)
+    layer(x).float().square().mean().backward()
+    fresh = layer.fc1_weight.grad.float().clone()
+    seen = incoming(layer.fc1_weight)
+    layer(x).float().square().mean().backward()
+    assert (seen[0] is None) == into
+    torch.testing.assert_close(layer.fc1_weight.grad.float(), 2 * fresh, rtol=2e-2, atol=2e-2)
