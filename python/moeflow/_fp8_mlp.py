@@ -188,7 +188,12 @@ class GroupedMlpFp8(torch.autograd.Function):
             ctx.wgrad8, ctx.source, ctx.into_grad = wgrad8, source, into_grad
             saved_x = None if x_t is not None else x
             x_t = x_t if x_t is not None else (None, None)
-            ctx.save_for_backward(saved_x, fc1, fc2, p, offsets, real_rows, h, *x_t)
+            # Tensorwise FP8 wgrad: a's codes as FC2's forward read them are
+            # the ones its weight gradient needs (transposed), kept instead
+            # of quantizing a from h again in backward (rows x F bytes).
+            a_q = (aq, a_s) if (wgrad8 and recipe != "fp8-blockwise"
+                                and fc2.requires_grad) else (None, None)
+            ctx.save_for_backward(saved_x, fc1, fc2, p, offsets, real_rows, h, *x_t, *a_q)
         if plan is None:
             return y
         out = y.new_empty(plan.num_tokens, y.shape[1])
@@ -199,7 +204,7 @@ class GroupedMlpFp8(torch.autograd.Function):
     def backward(ctx, dy):
         if dy is None:
             return (None,) * 5
-        x, fc1, fc2, probs, offsets, real_rows, h, xq_t, xs_t = ctx.saved_tensors
+        x, fc1, fc2, probs, offsets, real_rows, h, xq_t, xs_t, a_q, a_s = ctx.saved_tensors
         cfg, recipe, main, plan, cache = ctx.cfg, ctx.recipe, ctx.main, ctx.plan, ctx.cache
         need = ctx.needs_input_grad
         wgrad8 = ctx.wgrad8
@@ -250,13 +255,8 @@ class GroupedMlpFp8(torch.autograd.Function):
                 g = torch.empty_like(w)
             if fc == 2:
                 if dy_t is not None and recipe != "fp8-blockwise":
-                    # a's codes straight from h, then transposed (one scale)
-                    aq, as_t = ops.activation_quantize(
-                        h, offsets=offsets, real_rows=real_rows, probs=probs, activation=cfg[0],
-                        glu_interleave=cfg[1], alpha=cfg[2], limit=cfg[3], offset=cfg[4],
-                        scaling="tensorwise")
-                    aq_t = ops.transpose_codes(aq)
-                    del aq
+                    # a's codes from the forward, transposed (one scale)
+                    aq_t, as_t = ops.transpose_codes(a_q), a_s
                     ops.grouped_gemm_fp8_wgrad(dy_t[0], dy_t[1], aq_t, as_t, offsets, real_rows,
                                                out=g, accumulate=acc)
                     return None if acc else g

@@ -561,7 +561,8 @@ def grouped_mlp(x: torch.Tensor, fc1: torch.Tensor, fc2: torch.Tensor, *,
     with the rowwise codes transposed (one scale), each expert's rows
     starting at a multiple of 16 (the FP8 default align). The rows must be a
     multiple of 16.
-    The columnwise codes replace x in the saved tensors; pad rows should be
+    The columnwise codes replace x in the saved tensors (tensorwise: a's
+    codes from FC2's forward are kept too, rows x F bytes); pad rows should be
     zero, as permute and dispatch write them (their values enter the scales).
     FP8 needs bfloat16 x and weights, H, N1 and F multiples of 128, no biases
     and no wgrad_store. ``fp8_weight_cache``:

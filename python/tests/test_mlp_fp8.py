@@ -249,6 +249,19 @@ def test_cuda_graph_training_step(precision, cache, wgrad8):
 
 
 @pytest.mark.parametrize("device", DEVICES)
+def test_tensorwise_fp8_wgrad_reuses_the_forwards_codes_of_a(device, monkeypatch):
+    """Tensorwise FP8 wgrad: FC2's weight gradient reads the codes of a
+    that FC2's forward read (kept), so a is quantized once per step."""
+    prob = problem(device, T=200, seed=5)
+    calls = []
+    real = mf.activation_quantize
+    monkeypatch.setattr(mf, "activation_quantize",
+                        lambda *a, **k: calls.append(k.get("scaling")) or real(*a, **k))
+    run(prob, "fp8-tensorwise", fp8_wgrad=True)
+    assert calls == ["tensorwise"]
+
+
+@pytest.mark.parametrize("device", DEVICES)
 def test_main_grad_accumulation(device):
     prob = problem(device, seed=2)
     plain = run(prob, "fp8-blockwise")
