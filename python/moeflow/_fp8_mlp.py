@@ -9,7 +9,9 @@ codes with W2 transposed, FC1's dgrad on d_h's codes with W1 transposed.
 The weights are quantized in every call (128 x 128 blocks, or one scale per
 tensor), or once while they do not change (``fp8_weight_cache``). The
 weight gradients are 16-bit GEMMs on the 16-bit activations (x, a
-recomputed from h, dy, d_h), as the bf16 MLP computes them.
+recomputed from h, dy, d_h), as the bf16 MLP computes them, or with
+``fp8_wgrad`` FP8 GEMMs on their codes along the rows (tensorwise: the
+rowwise codes transposed, a's kept from FC2's forward).
 """
 from typing import Optional, Tuple
 
@@ -174,7 +176,7 @@ class GroupedMlpFp8(torch.autograd.Function):
         else:
             h = _gemm(x, fc1, recipe, offsets, real_rows, False, cache)  # bf16 [rows, N1]
         p = None if probs is None else probs.detach().contiguous()
-        # a = act(h) * p quantized from h, a not stored (tensorwise: h read twice)
+        # a = act(h) * p quantized from h, a itself not stored (tensorwise: h read twice)
         aq, a_s = ops.activation_quantize(h, offsets=offsets, real_rows=real_rows, probs=p,
                                           activation=cfg[0], glu_interleave=cfg[1],
                                           alpha=cfg[2], limit=cfg[3], offset=cfg[4],

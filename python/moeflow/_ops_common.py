@@ -55,23 +55,27 @@ _will_execute = getattr(torch._C, "_will_engine_execute_node", None)
 def _grad_into(ctx, index: int):
     """The ``.grad`` that a backward may add input ``index``'s gradient into
     in place (its wgrad GEMM with accumulate, returning None for the input),
-    or None to return the gradient as usual. Only where autograd would do
-    the same ``p.grad += g`` in place: ``p`` a leaf with a dense ``.grad``
-    of its dtype and shape, no tensor hooks, no post-accumulate hooks, no
-    ``create_graph``, and the engine about to run p's AccumulateGrad node
-    (``.backward()``, not ``autograd.grad`` nor ``backward(inputs=...)``
-    without p)."""
+    or None to return the gradient as usual. ``index`` counts the forward's
+    tensor inputs. Only where autograd would do the same ``p.grad += g`` in
+    place: ``p`` a leaf still requiring grad, with a dense contiguous
+    16-byte aligned ``.grad`` of its dtype and shape, no tensor hooks, no
+    post-accumulate hooks, no ``create_graph``, the engine about to run p's
+    AccumulateGrad node (``.backward()``, not ``autograd.grad`` nor
+    ``backward(inputs=...)`` without p), and on CUDA the default stream
+    (the engine orders no stream after a gradient that is not returned)."""
     if _will_execute is None or _grad_enabled():
         return None
     node = ctx.next_functions[index][0]
     p = getattr(node, "variable", None)  # an AccumulateGrad node's leaf
-    if p is None:
+    if p is None or not p.requires_grad:
         return None
     g = p.grad
     if (g is None or type(g) is not torch.Tensor or g.requires_grad or g.dtype != p.dtype
             or g.shape != p.shape or g.device != p.device or g.layout != torch.strided
-            or not g.is_contiguous() or p._backward_hooks
+            or not g.is_contiguous() or g.data_ptr() % 16 or p._backward_hooks
             or getattr(p, "_post_accumulate_grad_hooks", None)):
+        return None
+    if g.is_cuda and _stream(g) != torch.cuda.default_stream(g.device).cuda_stream:
         return None
     try:
         if not _will_execute(node):

@@ -531,11 +531,13 @@ def grouped_mlp(x: torch.Tensor, fc1: torch.Tensor, fc2: torch.Tensor, *,
     ``.grad`` (gradient accumulation over micro-batches), the FP8 wgrad GEMM
     adds it in place (float32 sum, rounded once) and no new gradient is
     allocated or added by autograd; not under ``autograd.grad`` or
-    ``create_graph``, with tensor or post-accumulate hooks on the weight, or
-    for a ``.grad`` of another dtype or layout (then the gradient is
-    returned as usual). Hooks on the weight's AccumulateGrad node then see
-    no incoming gradient (its post hooks see the updated ``.grad``). The
-    16-bit weight gradients are always returned (docs/python.md).
+    ``create_graph``, with tensor or post-accumulate hooks on the weight, for
+    a ``.grad`` of another dtype or layout or not 16-byte aligned, or off
+    the default CUDA stream (then the gradient is returned as usual).
+    Pre-hooks on the weight's AccumulateGrad node then see no incoming
+    gradient, and what they would change of it is lost (its post hooks see
+    the updated ``.grad``). The 16-bit weight gradients are always returned
+    (docs/python.md).
     ``recompute_activation`` (default): only the FC1 output h is kept for
     backward; a = act(h) * p is recomputed just before the weight gradients.
     ``wgrad_store``: delay the weight gradients (see :class:`WgradStore`).
