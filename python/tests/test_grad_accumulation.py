@@ -180,7 +180,7 @@ def test_grouped_mlp_fp8_wgrad_adds_into_grad(device, precision, fp8_wgrad):
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA streams")
 def test_off_the_default_stream_autograd_adds():
     x, fc1, fc2, offsets, dy = fp8_setup("cuda")
-    kw = dict(offsets=offsets, precision="fp8-tensorwise", fp8_wgrad=True)
+    kw = dict(offsets=offsets, precision="fp8-tensorwise", fp8_wgrad=True, align=16)
     fc1.grad, fc2.grad = torch.ones_like(fc1), torch.ones_like(fc2)
     seen = incoming(fc1)
     side = torch.cuda.Stream()
