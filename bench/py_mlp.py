@@ -10,7 +10,9 @@ The timed steps add into the .grad of the steps before them, as the
 micro-batches of one optimizer step do (moeflow's FP8 wgrad: in the
 GEMM, and by autograd in the "grad_added_by_autograd" row); with
 --clear-grads every step starts from .grad None instead (a step after
-zero_grad(set_to_none=True)).
+zero_grad(set_to_none=True)). Memory: the peak a step allocates beyond what
+exists before it, from .grad None (peak_extra_MiB), and without --clear-grads
+also with the .grad of earlier steps present (peak_extra_grads_present_MiB).
 
     PYTHONPATH=build/python:bench python3 bench/py_mlp.py [--json FILE] [--case NAME]
         [--precision fp8-blockwise|fp8-tensorwise [--fp8-weight-cache]] [--fp8-wgrad]
@@ -169,6 +171,13 @@ def main():
             peak = (torch.cuda.max_memory_allocated() - base) / 2 ** 20
             ms = bench_ms(fn)
             res[key] = {"fwd_bwd_ms": ms, "TFLOPs": flops / ms / 1e9, "peak_extra_MiB": peak}
+            if not args.clear_grads:  # a micro-batch after the first: the .grad exist
+                base = torch.cuda.memory_allocated()
+                torch.cuda.reset_peak_memory_stats()
+                fn()
+                torch.cuda.synchronize()
+                res[key]["peak_extra_grads_present_MiB"] = (
+                    (torch.cuda.max_memory_allocated() - base) / 2 ** 20)
             if args.profile and key.startswith("moeflow"):
                 total, by_name = kernel_sum_ms(fn)
                 res[key]["kernel_sum_ms"] = total
