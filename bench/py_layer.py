@@ -135,6 +135,22 @@ def kernel_profile(fn, trace=None, steps=1):
     return sum(by_name.values()), by_name, (span / steps, idle / steps, gaps)
 
 
+def kernel_timeline(fn):
+    """One step's kernels in launch order: [(start us from the first, name,
+    ms)] (torch.profiler), after one unprofiled step."""
+    from torch.profiler import ProfilerActivity, profile
+    fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    evs = sorted((e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA),
+                 key=lambda e: e.time_range.start)
+    t0 = evs[0].time_range.start if evs else 0
+    return [(e.time_range.start - t0, short_name(e.name),
+             (e.time_range.end - e.time_range.start) / 1e3) for e in evs]
+
+
 def idle_gaps(evs, top=6):
     """The GPU's idle time inside the profiled step: (span ms, idle ms, the
     largest gaps as (us, kernel before, kernel after))."""

@@ -16,7 +16,7 @@ also with the .grad of earlier steps present (peak_extra_grads_present_MiB).
 
     PYTHONPATH=build/python:bench python3 bench/py_mlp.py [--json FILE] [--case NAME]
         [--precision fp8-blockwise|fp8-tensorwise [--fp8-weight-cache]] [--fp8-wgrad]
-        [--clear-grads] [--profile [--top N]]
+        [--clear-grads] [--profile [--top N] [--timeline]]
 """
 import argparse
 import json
@@ -29,6 +29,7 @@ from peer_timing import bench_ms
 from peer_timing import split
 from peers_mlp import CASES
 from py_layer import kernel_sum_ms
+from py_layer import kernel_timeline
 
 
 def main():
@@ -51,6 +52,8 @@ def main():
     ap.add_argument("--profile", action="store_true",
                     help="print each moeflow step's kernel-time sum and its largest kernels")
     ap.add_argument("--top", type=int, default=12)
+    ap.add_argument("--timeline", action="store_true",
+                    help="with --profile: also print each moeflow step's kernels in launch order")
     args = ap.parse_args()
     dev = torch.device("cuda")
     out = {"device": torch.cuda.get_device_name(0), "torch": torch.__version__, "cases": {}}
@@ -184,6 +187,11 @@ def main():
                 print(f"{name:10s} {key}: step {ms:.2f} ms, kernels {total:.2f} ms", flush=True)
                 for kn, t in sorted(by_name.items(), key=lambda kv: -kv[1])[:args.top]:
                     print(f"    {t:8.3f} ms  {kn[:110]}", flush=True)
+                if args.timeline:
+                    tl = kernel_timeline(fn)
+                    res[key]["timeline"] = tl
+                    for st, kn, t in tl:
+                        print(f"    @{st / 1e3:8.3f} ms {t:8.3f} ms  {kn[:100]}", flush=True)
             if key.endswith("main_grad"):
                 del w1.main_grad, w2.main_grad
         out["cases"][name] = res

@@ -446,8 +446,11 @@ TEST_F(GpuQuantize, BadInput) {
 // reference, bitwise (codes and scale): groups with pad rows, an empty
 // group, rows past the groups; without groups; strided rows and odd widths
 // (the scalar path); every input dtype, both formats, pow2; the gap
-// columns (30000) and the non-data rows must not enter the amax. Also a
-// captured call replayed on new values.
+// columns (30000) and the non-data rows must not enter the amax. With q_t:
+// the transposed codes too (the one-pass kernel where rows are 16-byte
+// aligned, M = 272: whole 16-byte q_t stores and three row tiles; M = 107:
+// partial ones; the transpose launch otherwise), and the CPU's q_t is its q
+// transposed. Also a captured call replayed on new values.
 TEST_F(GpuQuantize, GroupRowsMatchCpuBitwise) {
   const std::vector<int64_t> offs = {0, 37, 37, 100};
   const std::vector<int32_t> real = {30, 0, 50};
@@ -459,36 +462,55 @@ TEST_F(GpuQuantize, GroupRowsMatchCpuBitwise) {
   for (const DType dt : {DType::kBFloat16, DType::kFloat16, DType::kFloat32})
     for (const auto& [K, ld] : {std::pair<int64_t, int64_t>{256, 256}, {512, 520}, {100, 104}})
       for (const bool groups : {true, false})
-        for (const DType out : {DType::kFloat8E4M3, DType::kFloat8E5M2}) {
-          const int64_t M = 107;
-          Tensor x = make_input(M, K, ld, dt, seed++);
-          // Non-data rows hold the largest values: reading them changes the scale.
-          for (int64_t m = 0; m < M; ++m) {
-            const bool data = (m < 30) || (m >= 37 && m < 87);
-            if (groups && !data)
-              for (int64_t k = 0; k < K; ++k) detail::store_float(x.data(), dt, m * ld + k, 9e3f);
+        for (const DType out : {DType::kFloat8E4M3, DType::kFloat8E5M2})
+          for (const int64_t M : {int64_t{107}, int64_t{272}}) {
+            Tensor x = make_input(M, K, ld, dt, seed++);
+            // Non-data rows hold the largest values: reading them changes the scale.
+            for (int64_t m = 0; m < M; ++m) {
+              const bool data = (m < 30) || (m >= 37 && m < 87);
+              if (groups && !data)
+                for (int64_t k = 0; k < K; ++k) detail::store_float(x.data(), dt, m * ld + k, 9e3f);
+            }
+            const QuantizeConfig cfg{out, QuantScaling::kTensorwise, out == DType::kFloat8E5M2,
+                                     false};
+            SCOPED_TRACE(std::string(dtype_name(dt)) + " K=" + std::to_string(K) +
+                         " M=" + std::to_string(M) + (groups ? " groups " : " no groups ") +
+                         dtype_name(out));
+            GroupLayout gc, gg;
+            if (groups) gc.offsets = o, gc.real_rows = r, gg.offsets = og, gg.real_rows = rg;
+            Tensor qc = poisoned({M, ld}, out), sc = poisoned({1}, DType::kFloat32);
+            quantize_group_rows(rows_view(x, M, K), gc, cfg, rows_view(qc, M, K), sc);
+            Tensor xg = x.to(kGpu);
+            Tensor qg = poisoned({M, ld}, out, kGpu), sg = poisoned({1}, DType::kFloat32, kGpu);
+            quantize_group_rows(rows_view(xg, M, K), gg, cfg, rows_view(qg, M, K), sg);
+            ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+            EXPECT_TRUE(bytes_equal(sg.to(Device::cpu()), sc)) << at(sc, 0);
+            EXPECT_TRUE(bytes_equal(qg.to(Device::cpu()), qc));
+            // With the transposed codes.
+            Tensor qc2 = poisoned({M, ld}, out), sc2 = poisoned({1}, DType::kFloat32),
+                   qtc = poisoned({K, M}, out);
+            quantize_group_rows(rows_view(x, M, K), gc, cfg, rows_view(qc2, M, K), sc2, qtc);
+            EXPECT_TRUE(bytes_equal(qc2, qc));
+            bool transposed = true;
+            for (int64_t m = 0; m < M; ++m)
+              for (int64_t k = 0; k < K; ++k)
+                transposed &=
+                    qtc.data_ptr<uint8_t>()[k * M + m] == qc.data_ptr<uint8_t>()[m * ld + k];
+            EXPECT_TRUE(transposed);
+            Tensor qg2 = poisoned({M, ld}, out, kGpu), sg2 = poisoned({1}, DType::kFloat32, kGpu),
+                   qtg = poisoned({K, M}, out, kGpu);
+            quantize_group_rows(rows_view(xg, M, K), gg, cfg, rows_view(qg2, M, K), sg2, qtg);
+            ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+            EXPECT_TRUE(bytes_equal(sg2.to(Device::cpu()), sc));
+            EXPECT_TRUE(bytes_equal(qg2.to(Device::cpu()), qc));
+            EXPECT_TRUE(bytes_equal(qtg.to(Device::cpu()), qtc));
           }
-          const QuantizeConfig cfg{out, QuantScaling::kTensorwise, out == DType::kFloat8E5M2,
-                                   false};
-          SCOPED_TRACE(std::string(dtype_name(dt)) + " K=" + std::to_string(K) +
-                       (groups ? " groups " : " no groups ") + dtype_name(out));
-          GroupLayout gc, gg;
-          if (groups) gc.offsets = o, gc.real_rows = r, gg.offsets = og, gg.real_rows = rg;
-          Tensor qc = poisoned({M, ld}, out), sc = poisoned({1}, DType::kFloat32);
-          quantize_group_rows(rows_view(x, M, K), gc, cfg, rows_view(qc, M, K), sc);
-          Tensor xg = x.to(kGpu);
-          Tensor qg = poisoned({M, ld}, out, kGpu), sg = poisoned({1}, DType::kFloat32, kGpu);
-          quantize_group_rows(rows_view(xg, M, K), gg, cfg, rows_view(qg, M, K), sg);
-          ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
-          EXPECT_TRUE(bytes_equal(sg.to(Device::cpu()), sc)) << at(sc, 0);
-          EXPECT_TRUE(bytes_equal(qg.to(Device::cpu()), qc));
-        }
   // Graph capture: one captured call replayed after the input changed.
   const int64_t M = 100, K = 256;
   Tensor x = make_input(M, K, K, DType::kBFloat16, 77),
          x2 = make_input(M, K, K, DType::kBFloat16, 78);
   Tensor xg = x.to(kGpu), q = poisoned({M, K}, DType::kFloat8E4M3, kGpu),
-         sc = poisoned({1}, DType::kFloat32, kGpu);
+         sc = poisoned({1}, DType::kFloat32, kGpu), qt = poisoned({K, M}, DType::kFloat8E4M3, kGpu);
   GroupLayout gg;
   gg.offsets = og, gg.real_rows = rg;
   const QuantizeConfig cfg{DType::kFloat8E4M3, QuantScaling::kTensorwise, false, false};
@@ -497,7 +519,7 @@ TEST_F(GpuQuantize, GroupRowsMatchCpuBitwise) {
   cudaGraph_t graph;
   cudaGraphExec_t exec;
   ASSERT_EQ(cudaStreamBeginCapture(s, cudaStreamCaptureModeGlobal), cudaSuccess);
-  quantize_group_rows(xg, gg, cfg, q, sc, s);
+  quantize_group_rows(xg, gg, cfg, q, sc, qt, s);
   ASSERT_EQ(cudaStreamEndCapture(s, &graph), cudaSuccess);
   ASSERT_EQ(cudaGraphInstantiate(&exec, graph, 0), cudaSuccess);
   copy(x2, xg, s);
@@ -505,9 +527,11 @@ TEST_F(GpuQuantize, GroupRowsMatchCpuBitwise) {
   ASSERT_EQ(cudaStreamSynchronize(s), cudaSuccess);
   GroupLayout gc;
   gc.offsets = o, gc.real_rows = r;
-  Tensor qc = poisoned({M, K}, DType::kFloat8E4M3), scc = poisoned({1}, DType::kFloat32);
-  quantize_group_rows(x2, gc, cfg, qc, scc);
+  Tensor qc = poisoned({M, K}, DType::kFloat8E4M3), scc = poisoned({1}, DType::kFloat32),
+         qtc = poisoned({K, M}, DType::kFloat8E4M3);
+  quantize_group_rows(x2, gc, cfg, qc, scc, qtc);
   EXPECT_TRUE(bytes_equal(q.to(Device::cpu()), qc));
+  EXPECT_TRUE(bytes_equal(qt.to(Device::cpu()), qtc));
   EXPECT_TRUE(bytes_equal(sc.to(Device::cpu()), scc));
   cudaGraphExecDestroy(exec);
   cudaGraphDestroy(graph);

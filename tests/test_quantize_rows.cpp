@@ -84,6 +84,32 @@ TEST(QuantizeGroupRows, NoDataGivesScaleOne) {
   for (int64_t r = 0; r < 6; ++r) EXPECT_TRUE(row_is(q, r, 0)) << r;
 }
 
+// q_t: the codes transposed, the same q and scale as without it.
+TEST(QuantizeGroupRows, TransposedCodesAreQTransposed) {
+  Tensor offs, real;
+  const GroupLayout g = groups_of(offs, real, {0, 16, 48}, {9, 30});
+  const int64_t rows = 50, K = 136;
+  Tensor x = make_tensor({rows, K}, DType::kBFloat16);
+  fill_random(x, 11, -2.0f, 2.0f);
+  Tensor q = poisoned({rows, K}, DType::kFloat8E4M3), s = poisoned({1}, DType::kFloat32);
+  quantize_group_rows(x, g, kE4m3, q, s);
+  Tensor q2 = poisoned({rows, K}, DType::kFloat8E4M3), s2 = poisoned({1}, DType::kFloat32),
+         qt = poisoned({K, rows}, DType::kFloat8E4M3);
+  quantize_group_rows(x, g, kE4m3, q2, s2, qt);
+  EXPECT_TRUE(bytes_equal(q2, q));
+  EXPECT_TRUE(bytes_equal(s2, s));
+  int bad = 0;
+  for (int64_t r = 0; r < rows; ++r)
+    for (int64_t k = 0; k < K; ++k)
+      bad += qt.data_ptr<uint8_t>()[k * rows + r] != q.data_ptr<uint8_t>()[r * K + k];
+  EXPECT_EQ(bad, 0);
+  Tensor qt_bad = make_tensor({rows, K}, DType::kFloat8E4M3);
+  EXPECT_NE(message_of([&] {
+              quantize_group_rows(x, g, kE4m3, q2, s2, qt_bad);
+            }).find("q_t must be float8_e4m3 [136,50]"),
+            std::string::npos);
+}
+
 TEST(QuantizeGroupRows, BadInputNamesTheArgument) {
   Tensor offs, real;
   const GroupLayout g = groups_of(offs, real, {0, 4}, {4});

@@ -122,7 +122,8 @@ void grouped_gemm_fp8_forward(TensorView a, TensorView a_scales, TensorView w, T
 // a_t_scales [K, ceil(rows/128)] float32 (any strides: a transposed view of
 // a [rows/128, N] slice-major layout is read fastest). dw as in
 // grouped_gemm_wgrad (float32 or bf16, stacked dW 16-byte aligned;
-// accumulate rounds float(dW) + result once; experts with no real rows get
+// accumulate into bf16: dW + the result rounded to bf16, rounded again, as
+// autograd's grad += g; experts with no real rows get
 // zeros, or stay as they are with accumulate). N and K positive multiples of
 // 128; dc_t and a_t 16-byte aligned with row strides a multiple of 16. Every group with real rows
 // must start at a multiple of 128 (a plan with align 128): the CUDA kernel

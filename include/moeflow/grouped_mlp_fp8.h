@@ -66,6 +66,13 @@ struct GroupedMlpFp8Scratch {
 // the CPU reference.
 void quantize_group_rows(TensorView x, const GroupLayout& groups, const QuantizeConfig& config,
                          TensorView q, TensorView scale, cudaStream_t stream = nullptr);
+// The same, also writing q_t [K, rows] config.out, contiguous: q transposed
+// (q_t[k][r] = q[r][k], what transpose_codes(q, q_t) writes: the tensorwise
+// wgrad's K-major operand). CUDA: the codes launch writes both (still four
+// launches, no sync, graph-safe).
+void quantize_group_rows(TensorView x, const GroupLayout& groups, const QuantizeConfig& config,
+                         TensorView q, TensorView scale, TensorView q_t,
+                         cudaStream_t stream = nullptr);
 
 // Quantizes w.fc1 / w.fc2 (stacked bf16 [E, N1, H] / [E, H, F]) into q by
 // q.recipe: one read of each weight (tensorwise: two, the amax first), then

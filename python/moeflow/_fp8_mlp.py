@@ -42,12 +42,12 @@ def quantize_both_ways(t: torch.Tensor, recipe: str, offsets: torch.Tensor,
                        real_rows: Optional[torch.Tensor]):
     """(q, scales, q_t, scales_t): t's rowwise codes (:func:`quantize_rows`)
     and its columnwise ones for the FP8 wgrad. Blockwise: both 1x128
-    orientations from one read; tensorwise: the rowwise codes transposed
-    (one scale, so the same values)."""
+    orientations from one read; tensorwise: the rowwise codes and their
+    transpose from one pass (one scale, so the same values)."""
     if recipe == "fp8-blockwise":
         return ops.quantize_rowwise_columnwise(t)
-    q, sc = quantize_rows(t, recipe, offsets, real_rows)
-    return q, sc, ops.transpose_codes(q), sc
+    q, sc, q_t = ops.quantize_group_rows(t, offsets, real_rows, transposed=True)
+    return q, sc, q_t, sc
 
 
 def quantize_weight(w: torch.Tensor, recipe: str,

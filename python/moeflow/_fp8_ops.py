@@ -48,22 +48,26 @@ def quantize(x: torch.Tensor, fp8_format: str = "e4m3", scaling: str = "1x128",
 
 def quantize_group_rows(x: torch.Tensor, offsets: Optional[torch.Tensor] = None,
                         real_rows: Optional[torch.Tensor] = None, fp8_format: str = "e4m3",
-                        pow2_scales: bool = False) -> Tuple[torch.Tensor, torch.Tensor]:
+                        pow2_scales: bool = False, transposed: bool = False) -> Tuple:
     """Tensorwise FP8 codes of the rows of expert groups (the fp8-tensorwise
     recipe's operands): x [rows, K] -> (q [rows, K], scale [1]), the scale
     from the amax of the groups' real rows only (offsets int64 [E+1],
     real_rows int32 [E] optional; offsets None: every row), those rows
     quantized with it, every other row code 0 (never read: pad rows and rows
-    past the groups may hold anything). The policy of :func:`quantize`. On
-    the device, no sync, no workspace; not differentiable."""
+    past the groups may hold anything). The policy of :func:`quantize`. With
+    ``transposed``: (q, scale, q_t), q_t [K, rows] contiguous the codes
+    transposed (``transpose_codes(q)``, the tensorwise wgrad's operand) from
+    the same pass. On the device, no sync, no workspace; not differentiable."""
     if x.dim() != 2:
         raise _C.Error(f"x must be [rows, K], got shape {tuple(x.shape)}")
     x = _rows(x.detach())
-    q = torch.empty(x.shape, dtype=_FP8.get(fp8_format, torch.float8_e4m3fn), device=x.device)
+    fp8 = _FP8.get(fp8_format, torch.float8_e4m3fn)
+    q = torch.empty(x.shape, dtype=fp8, device=x.device)
     scale = torch.empty(1, dtype=torch.float32, device=x.device)
+    q_t = torch.empty(x.shape[1], x.shape[0], dtype=fp8, device=x.device) if transposed else None
     _C.quantize_group_rows(x, offsets, real_rows, fp8_format, bool(pow2_scales), q, scale,
-                           _stream(x))
-    return q, scale
+                           _stream(x), q_t)
+    return (q, scale, q_t) if transposed else (q, scale)
 
 
 def quantize_rowwise_columnwise(x: torch.Tensor, fp8_format: str = "e4m3",

@@ -529,7 +529,8 @@ def grouped_mlp(x: torch.Tensor, fc1: torch.Tensor, fc2: torch.Tensor, *,
     ``accumulate_into_grad`` (default; FP8 weight gradients, ``fp8_wgrad``):
     where ``.backward()`` would add a weight gradient into an existing
     ``.grad`` (gradient accumulation over micro-batches), the FP8 wgrad GEMM
-    adds it in place (float32 sum, rounded once) and no new gradient is
+    adds it in place (the gradient rounded to the weight's dtype, then
+    added and rounded: autograd's own arithmetic) and no new gradient is
     allocated or added by autograd; not under ``autograd.grad`` or
     ``create_graph``, with tensor or post-accumulate hooks on the weight, for
     a ``.grad`` of another dtype or layout or not 16-byte aligned, or off

@@ -303,16 +303,20 @@ NB_MODULE(_C, m) {
   m.def(
       "quantize_group_rows",
       [](const Array& x, const std::optional<Array>& offsets, const std::optional<Array>& real_rows,
-         const std::string& fmt, bool pow2, const Array& q, const Array& scale, uintptr_t s) {
+         const std::string& fmt, bool pow2, const Array& q, const Array& scale, uintptr_t s,
+         const std::optional<Array>& q_t) {
         const bool groups = offsets && offsets->is_valid();
         MOEFLOW_CHECK(groups || !(real_rows && real_rows->is_valid()),
                       "quantize_group_rows: real_rows needs offsets (the groups)");
         quantize_group_rows(rows_of(x, "x"), groups ? layout(*offsets, real_rows) : GroupLayout{},
                             quantize_config(fmt, "tensorwise", pow2, false), rows_of(q, "q"),
-                            view_of(scale, "scale"), stream_of(s));
+                            view_of(scale, "scale"),
+                            q_t && q_t->is_valid() ? view_of(*q_t, "q_t") : TensorView{},
+                            stream_of(s));
       },
       nb::arg("x"), nb::arg("offsets").none(), nb::arg("real_rows").none(), nb::arg("fp8_format"),
-      nb::arg("pow2_scales"), nb::arg("q"), nb::arg("scale"), nb::arg("stream") = 0);
+      nb::arg("pow2_scales"), nb::arg("q"), nb::arg("scale"), nb::arg("stream") = 0,
+      nb::arg("q_t").none() = nb::none());
   // FP8 grouped GEMM wgrad (variable K; blockwise scales may be strided).
   m.def(
       "grouped_gemm_fp8_wgrad",

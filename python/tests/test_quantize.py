@@ -213,6 +213,15 @@ def test_quantize_group_rows_is_the_real_rows_quantized(device, fmt):
                                   "tensorwise")
     assert s.shape == (1,) and torch.equal(s.cpu(), want_s)
     assert torch.equal(q.cpu().view(torch.uint8), want_q.view(torch.uint8))
+    # transposed=True: the same codes and scale, and q_t the codes transposed
+    # (rows 100 and 96: the transposed rows' partial and whole 16-byte spans).
+    for n in (rows, 96):
+        qa, sa = mf.quantize_group_rows(x[:n].to(device), offsets.to(device), real.to(device), fmt)
+        qb, sb, qt = mf.quantize_group_rows(x[:n].to(device), offsets.to(device),
+                                            real.to(device), fmt, transposed=True)
+        assert qt.shape == (K, n) and qt.is_contiguous() and torch.equal(sb, sa)
+        assert torch.equal(qb.view(torch.uint8), qa.view(torch.uint8))
+        assert torch.equal(qt.view(torch.uint8), qa.view(torch.uint8).t())
     # No groups: quantize's tensorwise scaling of the whole tensor.
     q2, s2 = mf.quantize_group_rows(x.to(device), fp8_format=fmt)
     q3, s3 = mf.quantize(x.to(device), fmt, "tensorwise")

@@ -345,7 +345,7 @@ void grouped_mlp_activation_quantize(TensorView h, const GroupLayout& groups, Te
   if (h.device.is_cpu()) {  // the composition: the activation, then quantize of the group rows
     Tensor a = Tensor::empty({rows, f}, h.dtype, Device::cpu());
     cpu::mlp_fc1_epilogue(r, h, {}, probs, c.activation, c.params, c.glu_interleave, a);
-    if (tw) return cpu::quantize_group_rows(groups, r.num_groups, a, quant, a_q, a_scales);
+    if (tw) return cpu::quantize_group_rows(groups, r.num_groups, a, quant, a_q, a_scales, {});
     const int64_t* off = groups.offsets.data_ptr<int64_t>();
     const int64_t r0 = std::max<int64_t>(off[0], 0), r1 = std::min<int64_t>(off[r.num_groups], rows);
     if (r1 <= r0) return;

@@ -158,6 +158,11 @@ Operand wgrad_operand(const GroupedMlpFp8WgradScratch& s, int64_t rows, int64_t 
 
 void quantize_group_rows(TensorView x, const GroupLayout& groups, const QuantizeConfig& config,
                          TensorView q, TensorView scale, cudaStream_t stream) {
+  quantize_group_rows(x, groups, config, q, scale, TensorView{}, stream);
+}
+
+void quantize_group_rows(TensorView x, const GroupLayout& groups, const QuantizeConfig& config,
+                         TensorView q, TensorView scale, TensorView q_t, cudaStream_t stream) {
   MOEFLOW_CHECK(config.scaling == QuantScaling::kTensorwise && !config.columnwise,
                 "quantize_group_rows: config must be kTensorwise, rowwise");
   MOEFLOW_CHECK(config.out == DType::kFloat8E4M3 || config.out == DType::kFloat8E5M2,
@@ -173,6 +178,10 @@ void quantize_group_rows(TensorView x, const GroupLayout& groups, const Quantize
   }());
   detail::expect(q, "q", rows_expect(config.out, rows, cols, dev));
   detail::expect(scale, "scale", Expect{{DType::kFloat32}, {1}, dev});
+  if (q_t.defined()) {
+    detail::expect(q_t, "q_t", Expect{{config.out}, {cols, rows}, dev});
+    MOEFLOW_CHECK(q_t.data != q.data, "q_t must not overlap q");
+  }
   int64_t E = 0;
   if (groups.offsets.defined()) {
     MOEFLOW_CHECK(groups.offsets.ndim == 1 && groups.offsets.shape[0] >= 2,
@@ -182,10 +191,10 @@ void quantize_group_rows(TensorView x, const GroupLayout& groups, const Quantize
     if (groups.real_rows.defined())
       detail::expect(groups.real_rows, "groups.real_rows", Expect{{DType::kInt32}, {E}, dev});
   }
-  if (dev.is_cpu()) return cpu::quantize_group_rows(groups, E, x, config, q, scale);
+  if (dev.is_cpu()) return cpu::quantize_group_rows(groups, E, x, config, q, scale, q_t);
 #ifdef MOEFLOW_WITH_CUDA
   detail::cuda_set_device(dev.index);
-  cuda::quantize_group_rows(groups, E, x, config, q, scale, stream);
+  cuda::quantize_group_rows(groups, E, x, config, q, scale, q_t, stream);
 #else
   (void)stream;
   MOEFLOW_CHECK(false, "this moeflow was built without CUDA");
@@ -364,9 +373,8 @@ void grouped_mlp_fp8_backward_wgrad(TensorView x, TensorView dy, const GroupLayo
     };
     const auto scale = [&](int i) { return TensorView(sc + i, DType::kFloat32, d.dev, {1}); };
     const auto rows_t = [&](TensorView src, int64_t before, int i) {
-      const TensorView st = stage(src.shape[1]);
-      quantize_group_rows(src, groups, tcfg, st, scale(i), stream);
-      transpose_codes(st, slot(before, src.shape[1]), stream);
+      quantize_group_rows(src, groups, tcfg, stage(src.shape[1]), scale(i),
+                          slot(before, src.shape[1]), stream);
     };
     if (dw2.defined()) {
       detail::expect(dy, "dy", rows_expect(DType::kBFloat16, rows, H, d.dev));

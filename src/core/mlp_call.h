@@ -65,9 +65,10 @@ void mlp_dglu(const MlpRows& r, TensorView h, TensorView d_h, TensorView probs, 
               const ActivationParams& ap, int interleave, int64_t ffn, TensorView dprobs);
 void mlp_segment_colsum(const MlpRows& r, TensorView src, TensorView dst, bool accumulate);
 // quantize_group_rows (moeflow/grouped_mlp_fp8.h), arguments validated;
-// groups.offsets undefined: every row holds data.
+// groups.offsets undefined: every row holds data; q_t optional.
 void quantize_group_rows(const GroupLayout& groups, int64_t num_groups, TensorView x,
-                         const QuantizeConfig& config, TensorView q, TensorView scale);
+                         const QuantizeConfig& config, TensorView q, TensorView scale,
+                         TensorView q_t);
 }  // namespace cpu
 
 namespace cuda {
@@ -91,7 +92,7 @@ void mlp_activation_quantize_tensorwise(const MlpRows& r, TensorView h, TensorVi
                                         cudaStream_t stream);
 void quantize_group_rows(const GroupLayout& groups, int64_t num_groups, TensorView x,
                          const QuantizeConfig& config, TensorView q, TensorView scale,
-                         cudaStream_t stream);
+                         TensorView q_t, cudaStream_t stream);
 void mlp_bias_add(const MlpRows& r, TensorView y, TensorView bias, cudaStream_t stream);
 void mlp_dglu(const MlpRows& r, TensorView h, TensorView d_h, TensorView probs, Activation act,
               const ActivationParams& ap, int interleave, int64_t ffn, TensorView dprobs,

@@ -149,8 +149,8 @@ void grouped_gemm_fp8_forward(const Fp8GemmCall& c) {
 
 // The FP8 wgrad (blockwise, or tensorwise: scales [1]): dW[e][n][k] (+)= the sum over group e's
 // real rows r of dequant(dc_t[n][r]) x dequant(a_t[k][r]), products exact, summed in float64 and
-// rounded to float32; with accumulate the old value is added in float32 (as the CUDA epilogue
-// does); then rounded to dW's dtype.
+// rounded to float32; with accumulate the old value is added in float32 (a bf16 dW: to the
+// result rounded to bf16, as the CUDA reduce-add does); then rounded to dW's dtype.
 void grouped_gemm_fp8_wgrad(const Fp8WgradCall& c) {
   const int64_t N = c.dc_t.shape[0], rows = c.dc_t.shape[1], K = c.a_t.shape[0];
   const int64_t E = c.dw.num_groups();
@@ -200,7 +200,16 @@ void grouped_gemm_fp8_wgrad(const Fp8WgradCall& c) {
         double s = 0.0;
         for (int64_t r = 0; r < n_rows; ++r) s += df[n * n_rows + r] * af[k * n_rows + r];
         float v = static_cast<float>(s);
-        if (c.accumulate) v += load_float(dw, wdt, n * K + k);  // float32, then dW's dtype
+        if (c.accumulate) {
+          // A 16-bit dW: the result rounded to its dtype first (the CUDA
+          // reduce-add, autograd's grad += g), then the sum in float32.
+          if (wdt != DType::kFloat32) {
+            float r = 0.0f;
+            store_float(&r, wdt, 0, v);  // v in dW's dtype (round to nearest even)
+            v = load_float(&r, wdt, 0);
+          }
+          v += load_float(dw, wdt, n * K + k);
+        }
         store_float(dw, wdt, n * K + k, v);
       }
   }

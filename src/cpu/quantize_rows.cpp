@@ -1,7 +1,7 @@
 // CPU reference of quantize_group_rows (moeflow/grouped_mlp_fp8.h): the amax
 // over the data rows of the groups, the scale by quant::scale_of, each data
 // row's values divided by it (IEEE float32) and converted by float_to_fp8;
-// every other row of q written as code 0.
+// every other row of q written as code 0; q_t, where given, q transposed.
 #include <algorithm>
 #include <vector>
 
@@ -12,7 +12,8 @@
 namespace moeflow::cpu {
 
 void quantize_group_rows(const GroupLayout& groups, int64_t num_groups, TensorView x,
-                         const QuantizeConfig& config, TensorView q, TensorView scale) {
+                         const QuantizeConfig& config, TensorView q, TensorView scale,
+                         TensorView q_t) {
   const int64_t rows = x.shape[0], cols = x.shape[1];
   std::vector<char> data(static_cast<size_t>(rows), groups.offsets.defined() ? 0 : 1);
   if (groups.offsets.defined()) {
@@ -41,6 +42,10 @@ void quantize_group_rows(const GroupLayout& groups, int64_t num_groups, TensorVi
     for (int64_t c = 0; c < cols; ++c)
       qd[r * q.strides[0] + c] =
           data[static_cast<size_t>(r)] ? float_to_fp8(quant::div_rn(at(r, c), s), e4m3) : 0;
+  if (!q_t.defined()) return;
+  auto* qt = static_cast<uint8_t*>(q_t.data);
+  for (int64_t r = 0; r < rows; ++r)
+    for (int64_t c = 0; c < cols; ++c) qt[c * q_t.strides[0] + r] = qd[r * q.strides[0] + c];
 }
 
 }  // namespace moeflow::cpu

@@ -9,7 +9,9 @@
 //      joins the word with atomicMax (order-free, so deterministic);
 //   3. codes: the scale from the amax (quant::scale_of), x / scale
 //      (Fp8Divider: bit for bit __fdiv_rn) per lane's 16 values, 16-byte
-//      stores where aligned; the other rows written as code 0;
+//      stores where aligned; the other rows written as code 0 (with q_t:
+//      the codes and their transpose from one pass over 64 x 128 tiles,
+//      rows_codes_t_kernel);
 //   4. the word rewritten as the scale (one thread).
 // No workspace, no host sync; graph-capturable.
 #include <algorithm>
@@ -40,8 +42,10 @@ struct RowsSource {
 };
 
 // a = act(h) * p in T (the activation kernels' arithmetic: the same bits as
-// the a the MLP stores).
-template <typename T, Activation A>
+// the a the MLP stores). VEC: a lane's 16 gate (and up) values are
+// contiguous in h and 16-byte aligned (h's rows 16-byte aligned, f % 16 ==
+// 0, the GLU interleave 0 or a multiple of 16): 16-byte loads.
+template <typename T, Activation A, bool VEC = false>
 struct ActSource {
   const T* h;
   int64_t n1;
@@ -54,14 +58,24 @@ struct ActSource {
         A == Activation::kSwiGLU || A == Activation::kGeGLU || A == Activation::kClampedQuickGeGLU;
     const T* hrow = h + row * n1;
     const float p = probs ? probs[row] : 1.0f;
+    if constexpr (VEC) {
+      float g[kFp8PerLane], u[kFp8PerLane];
+      load_chunk<T, true>(hrow, kGated ? glu_gate_col(cl, il) : cl, cl < f ? n1 : 0, g);
+      if constexpr (kGated) load_chunk<T, true>(hrow, glu_up_col(cl, il, f), cl < f ? n1 : 0, u);
 #pragma unroll
-    for (int j = 0; j < kFp8PerLane; ++j) {
-      const int64_t col = cl + j;
-      v[j] = 0.0f;
-      if (col < f) {
-        const float g = to_float(hrow[kGated ? glu_gate_col(col, il) : col]);
-        const float u = kGated ? to_float(hrow[glu_up_col(col, il, f)]) : 0.0f;
-        v[j] = to_float(from_float<T>(act_forward(A, g, u, ap) * p));
+      for (int j = 0; j < kFp8PerLane; ++j)
+        v[j] = cl < f ? to_float(from_float<T>(act_forward(A, g[j], kGated ? u[j] : 0.0f, ap) * p))
+                      : 0.0f;
+    } else {
+#pragma unroll
+      for (int j = 0; j < kFp8PerLane; ++j) {
+        const int64_t col = cl + j;
+        v[j] = 0.0f;
+        if (col < f) {
+          const float g = to_float(hrow[kGated ? glu_gate_col(col, il) : col]);
+          const float u = kGated ? to_float(hrow[glu_up_col(col, il, f)]) : 0.0f;
+          v[j] = to_float(from_float<T>(act_forward(A, g, u, ap) * p));
+        }
       }
     }
   }
@@ -128,16 +142,113 @@ __global__ void __launch_bounds__(kThreads)
   }
 }
 
+// The codes of x's rows and their transpose in one pass: a 64-row x
+// 128-column tile per step, 128 threads. Thread t quantizes 16 values
+// (columns 16 (t % 8) ..) of rows t / 8 + 16 i (i < 4; VEC: the four rows'
+// 16-byte loads issued first), stores them to q and into the shared tile;
+// then thread (a = lane % 4, b = 8 warp + lane / 4) reads the 4 x 4 byte
+// blocks of rows 16 a .. 16 a + 15 and columns 4 b .. 4 b + 3, transposes
+// them in registers, and writes those four columns' 16 bytes as q_t's rows
+// (a warp's store: eight q_t rows of 64 contiguous bytes; 16-byte stores
+// when vec_t: q_t 16-byte aligned, rows % 16 == 0). Tile word w of row r
+// sits at r * 32 + (w ^ 8 (r / 16 % 4)): both phases free of bank conflicts.
+// Rows that hold no data: code 0 in both.
+constexpr int kTqRows = 64, kTqCols = 128, kTqThreads = 128;
+
+__device__ __forceinline__ int tq_word(int r, int w) {
+  return r * (kTqCols / 4) + (w ^ (8 * ((r >> 4) & 3)));
+}
+
+template <typename T, bool E4M3, bool VEC>
+__global__ void __launch_bounds__(kTqThreads)
+    rows_codes_t_kernel(RowMap m, const T* x, int64_t ld, int64_t rows, int64_t cols, uint8_t* q,
+                        int64_t q_stride, uint8_t* q_t, bool vec_t, const uint32_t* amax,
+                        bool pow2) {
+  constexpr int kRowsPerThread = kTqRows / (kTqThreads / 8);
+  static_assert(kTqCols == 8 * kFp8PerLane && kTqRows == 64 && kTqThreads == 128,
+                "8 threads per tile row; phase 2: 4 row blocks x 32 column quads");
+  __shared__ __align__(16) uint32_t tile[kTqRows * kTqCols / 4];
+  const float scale = quant::scale_of(__uint_as_float(*amax), E4M3, pow2);
+  const Fp8Divider fast(scale, true), exact(scale, false);
+  const int s = threadIdx.x % 8, r_in = threadIdx.x / 8;
+  const int lane = threadIdx.x % 32, a = lane % 4, b = (threadIdx.x / 32) * 8 + lane / 4;
+  const int64_t tr = (rows + kTqRows - 1) / kTqRows, tc = (cols + kTqCols - 1) / kTqCols;
+  for (int64_t item = blockIdx.x; item < tr * tc; item += gridDim.x) {
+    const int64_t r0 = item / tc * kTqRows, c0 = item % tc * kTqCols, cl = c0 + s * kFp8PerLane;
+    RawChunk<T> raw[VEC ? kRowsPerThread : 1];
+    bool data[kRowsPerThread];
+#pragma unroll
+    for (int i = 0; i < kRowsPerThread; ++i) {
+      const int64_t row = r0 + r_in + 16 * i;
+      data[i] = false;
+      if (row < rows) m.expert_of(row, data[i]);
+      if constexpr (VEC) load_raw(x + row * ld, data[i] ? cl : cols, cols, raw[i]);  // 0: no data
+    }
+    __syncthreads();  // the previous tile is read out
+#pragma unroll
+    for (int i = 0; i < kRowsPerThread; ++i) {
+      const int64_t row = r0 + r_in + 16 * i;
+      uint32_t w[kFp8PerLane / 4] = {0u, 0u, 0u, 0u};
+      if (data[i]) {
+        float v[kFp8PerLane];
+        if constexpr (VEC)
+          unpack_raw(raw[i], v);
+        else
+          load_chunk<T, false>(x + row * ld, cl, cols, v);
+        uint32_t mb = 0;
+#pragma unroll
+        for (int j = 0; j < kFp8PerLane; ++j) mb = max(mb, abs_bits(v[j]));
+        fp8_codes<E4M3>(v, mb < kFp8NonFinite ? fast : exact, w);
+      }
+      if (row < rows) store_codes<VEC>(q + row * q_stride, cl, cols, w);
+      *reinterpret_cast<uint4*>(&tile[tq_word(r_in + 16 * i, 4 * s)]) =
+          make_uint4(w[0], w[1], w[2], w[3]);
+    }
+    __syncthreads();
+    const int64_t c = c0 + 4 * b, r = r0 + 16 * a;
+    if (c >= cols || r >= rows) continue;
+    uint32_t o[4][4];  // o[i][g]: column c + i, rows r + 4 g .. + 3 (one byte each)
+#pragma unroll
+    for (int g = 0; g < 4; ++g) {
+      uint32_t wd[4];
+#pragma unroll
+      for (int k = 0; k < 4; ++k) wd[k] = tile[tq_word(16 * a + 4 * g + k, b)];
+      const uint32_t lo01 = __byte_perm(wd[0], wd[1], 0x5140),
+                     lo23 = __byte_perm(wd[2], wd[3], 0x5140);
+      const uint32_t hi01 = __byte_perm(wd[0], wd[1], 0x7362),
+                     hi23 = __byte_perm(wd[2], wd[3], 0x7362);
+      o[0][g] = __byte_perm(lo01, lo23, 0x5410);
+      o[1][g] = __byte_perm(lo01, lo23, 0x7632);
+      o[2][g] = __byte_perm(hi01, hi23, 0x5410);
+      o[3][g] = __byte_perm(hi01, hi23, 0x7632);
+    }
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      if (c + i >= cols) break;
+      uint8_t* out = q_t + (c + i) * rows + r;
+      if (vec_t && r + 16 <= rows) {
+        *reinterpret_cast<uint4*>(out) = make_uint4(o[i][0], o[i][1], o[i][2], o[i][3]);
+      } else {
+#pragma unroll
+        for (int j = 0; j < 16; ++j)
+          if (r + j < rows) out[j] = static_cast<uint8_t>(o[i][j / 4] >> (8 * (j % 4)));
+      }
+    }
+  }
+}
+
 template <bool E4M3>
 __global__ void scale_from_amax_kernel(float* scale, bool pow2) {
   *scale = quant::scale_of(*scale, E4M3, pow2);  // the word holds the amax's bits
 }
 
-// The four launches for any source; vec: 16-byte rows of the source and of q.
-template <typename S, typename SV>
+// The four launches for any source; vec: 16-byte rows of the source and of
+// q. codes_t: where given, launches the codes pass in its place (with the
+// scale word and the grid).
+template <typename S, typename SV, typename CodesT = std::nullptr_t>
 void run_tensorwise(const RowMap& m, const S& src, const SV& src_vec, bool vec, int64_t rows,
                     int64_t cols, TensorView q, TensorView scale, bool e4m3, bool pow2,
-                    cudaStream_t stream) {
+                    cudaStream_t stream, CodesT codes_t = nullptr) {
   auto* word = static_cast<uint32_t*>(scale.data);
   MOEFLOW_CUDA_CHECK(cudaMemsetAsync(word, 0, sizeof(uint32_t), stream));
   const int64_t cap = int64_t{sm_count()} * 8;
@@ -152,7 +263,9 @@ void run_tensorwise(const RowMap& m, const S& src, const SV& src_vec, bool vec, 
   MOEFLOW_CUDA_LAUNCH_CHECK();
   const auto codes = [&](auto e4) {
     constexpr bool E4 = decltype(e4)::value;
-    if (vec)
+    if constexpr (!std::is_same_v<CodesT, std::nullptr_t>)
+      codes_t(e4, word, grid);
+    else if (vec)
       rows_codes_kernel<SV, E4, true>
           <<<grid, kThreads, 0, stream>>>(m, src_vec, rows, cols, qd, qs, word, pow2);
     else
@@ -183,7 +296,7 @@ RowMap row_map_of(const GroupLayout& g, int64_t num_groups) {
 
 void quantize_group_rows(const GroupLayout& groups, int64_t num_groups, TensorView x,
                          const QuantizeConfig& config, TensorView q, TensorView scale,
-                         cudaStream_t stream) {
+                         TensorView q_t, cudaStream_t stream) {
   const int64_t rows = x.shape[0], cols = x.shape[1];
   const RowMap m = row_map_of(groups, num_groups);
   const bool e4m3 = config.out == DType::kFloat8E4M3;
@@ -193,8 +306,30 @@ void quantize_group_rows(const GroupLayout& groups, int64_t num_groups, TensorVi
     const bool vec = cols % 16 == 0 && aligned16(x.data) && (ld * int64_t{sizeof(T)}) % 16 == 0 &&
                      aligned16(q.data) && q.strides[0] % 16 == 0;
     const auto* xd = static_cast<const T*>(x.data);
-    run_tensorwise(m, RowsSource<T, false>{xd, ld}, RowsSource<T, true>{xd, ld}, vec, rows, cols, q,
-                   scale, e4m3, config.pow2_scales, stream);
+    const RowsSource<T, false> src{xd, ld};
+    const RowsSource<T, true> src_vec{xd, ld};
+    if (!q_t.defined()) {
+      run_tensorwise(m, src, src_vec, vec, rows, cols, q, scale, e4m3, config.pow2_scales, stream);
+      return;
+    }
+    auto* qt = static_cast<uint8_t*>(q_t.data);
+    const bool vec_t = aligned16(qt) && rows % 16 == 0;
+    const auto codes_t = [&](auto e4, const uint32_t* word, unsigned) {
+      constexpr bool E4 = decltype(e4)::value;
+      const int64_t tiles = ((rows + kTqRows - 1) / kTqRows) * ((cols + kTqCols - 1) / kTqCols);
+      const auto g = static_cast<unsigned>(
+          std::max<int64_t>(1, std::min<int64_t>(int64_t{sm_count()} * 16, tiles)));
+      auto* qd = static_cast<uint8_t*>(q.data);
+      if (vec)
+        rows_codes_t_kernel<T, E4, true><<<g, kTqThreads, 0, stream>>>(
+            m, xd, ld, rows, cols, qd, q.strides[0], qt, vec_t, word, config.pow2_scales);
+      else
+        rows_codes_t_kernel<T, E4, false><<<g, kTqThreads, 0, stream>>>(
+            m, xd, ld, rows, cols, qd, q.strides[0], qt, vec_t, word, config.pow2_scales);
+      MOEFLOW_CUDA_LAUNCH_CHECK();
+    };
+    run_tensorwise(m, src, src_vec, vec, rows, cols, q, scale, e4m3, config.pow2_scales, stream,
+                   codes_t);
   });
 }
 
@@ -204,14 +339,18 @@ void mlp_activation_quantize_tensorwise(const MlpRows& r, TensorView h, TensorVi
                                         cudaStream_t stream) {
   const RowMap m = row_map_of(r.groups, r.num_groups);
   const int64_t f = a_q.shape[1];
-  const bool vec = f % 16 == 0 && aligned16(a_q.data) && a_q.strides[0] % 16 == 0;
+  const bool vec = f % 16 == 0 && aligned16(a_q.data) && a_q.strides[0] % 16 == 0 &&
+                   aligned16(h.data) &&
+                   (h.shape[1] * static_cast<int64_t>(dtype_size(h.dtype))) % 16 == 0 &&
+                   (il == 0 || il % 16 == 0);
   const float* pp = probs.defined() ? probs.data_ptr<float>() : nullptr;
   with_activation(act, [&](auto A) {
     constexpr Activation kA = decltype(A)::value;
     const auto go = [&](auto tag) {
       using T = decltype(tag);
       const ActSource<T, kA> src{h.data_ptr<T>(), h.shape[1], pp, ap, il};
-      run_tensorwise(m, src, src, vec, r.rows, f, a_q, a_scale, e4m3, pow2, stream);
+      const ActSource<T, kA, true> src_vec{h.data_ptr<T>(), h.shape[1], pp, ap, il};
+      run_tensorwise(m, src, src_vec, vec, r.rows, f, a_q, a_scale, e4m3, pow2, stream);
     };
     if (h.dtype == DType::kBFloat16)
       go(__nv_bfloat16{});

@@ -21,12 +21,13 @@
 // their wgmma, so pad rows are never read, whatever they hold.
 // Epilogue (stacked dW): each consumer warpgroup stages its 64 rows in
 // 64-row x 128-byte chunks (128-byte swizzle) through a ring of two buffers
-// and one thread issues a TMA store of each chunk (float32 accumulate: a TMA
-// reduce-add, so dW is never read by the SMs), so the next tile's main loop
-// starts while the stores drain. bf16 accumulate adds the old values in
-// registers (one rounding of old + result). dW through a pointer per group:
-// stores straight from the accumulators. A group with no real rows writes
-// zeros (accumulate: leaves dW as it is).
+// and one thread issues a TMA store of each chunk (accumulate: a TMA
+// reduce-add in dW's dtype, so dW is never read by the SMs; bf16: the
+// result rounded to bf16, then added and rounded by the L2, as autograd's
+// grad += g), so the next tile's main loop starts while the stores drain.
+// dW through a pointer per group: stores straight from the accumulators
+// (bf16 accumulate: the same two roundings). A group with no real rows
+// writes zeros (accumulate: leaves dW as it is).
 //
 // Tensorwise (TW: dc_scales[0] and a_scales[0], one scale per operand): no
 // scale slots, and a group's rows may start at any multiple of 16 (other
@@ -116,7 +117,6 @@ __device__ __forceinline__ void store_staged(const Params& p, const CUtensorMap*
   const int64_t wg_row0 = t.m0 + c * 64;
   if (wg_row0 >= p.m_out) return;  // uniform over the warpgroup
   uint8_t* mine = staging + c * WgradStaging::kBufs * WgradStaging::kChunkBytes;
-  const TOut* old_base = static_cast<const TOut*>(p.c) + int64_t{t.group} * p.c_group_stride;
 #pragma unroll
   for (int qc = 0; qc < T::kN / kCw; ++qc) {
     const int64_t col0 = t.n0 + qc * kCw;
@@ -130,14 +130,7 @@ __device__ __forceinline__ void store_staged(const Params& p, const CUtensorMap*
 #pragma unroll
       for (int half = 0; half < 2; ++half) {
         const int j = qc * (kCw / 8) + jj, rl = rl0 + half * 8, cl = jj * 8 + 2 * (lane % 4);
-        float x = acc[4 * j + 2 * half], y = acc[4 * j + 2 * half + 1];
-        if constexpr (!kF32) {
-          if (p.accumulate && wg_row0 + rl < p.m_out) {
-            const float2 old = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(
-                old_base + (wg_row0 + rl) * p.ldc + col0 + cl));
-            x += old.x, y += old.y;
-          }
-        }
+        const float x = acc[4 * j + 2 * half], y = acc[4 * j + 2 * half + 1];
         const int byte = cl * static_cast<int>(sizeof(TOut));
         uint8_t* dst = buf + rl * 128 + (((byte >> 4) ^ (rl & 7)) << 4) + (byte & 15);
         if constexpr (kF32)
@@ -149,7 +142,7 @@ __device__ __forceinline__ void store_staged(const Params& p, const CUtensorMap*
     sm90::fence_proxy_async();  // generic-proxy writes -> visible to the TMA
     sm90tma::named_barrier(kBarWarpgroup + c, 128);
     if (tid == 0) {
-      if (kF32 && p.accumulate)
+      if (p.accumulate)
         sm90tma::tma_store_3d<true>(map_dw, buf, static_cast<int>(col0),
                                     static_cast<int>(wg_row0), t.group);
       else
@@ -163,7 +156,8 @@ __device__ __forceinline__ void store_staged(const Params& p, const CUtensorMap*
 // The epilogue straight from the accumulators (dW through a pointer per
 // group): rows m0 + ra (+ 8) while inside N, column pairs n0 + 8 j + 2 (lane
 // % 4) while inside K; with accumulate, eight column pairs' old values are
-// loaded together before they are added and stored.
+// loaded together before they are added and stored (bf16: the result
+// rounded to bf16 first, as the staged path's reduce-add).
 template <typename T, typename TOut>
 __device__ __forceinline__ void store_direct(const Params& p, const float (&acc)[T::kAcc],
                                              const TileGeom& t, int ra, int lane) {
@@ -191,8 +185,12 @@ __device__ __forceinline__ void store_direct(const Params& p, const float (&acc)
 #pragma unroll
       for (int j = 0; j < 8; ++j) {
         if (8 * (j0 + j) >= cols) break;
-        const float x = acc[4 * (j0 + j) + 2 * half] + old[j].x;
-        const float y = acc[4 * (j0 + j) + 2 * half + 1] + old[j].y;
+        float x = acc[4 * (j0 + j) + 2 * half], y = acc[4 * (j0 + j) + 2 * half + 1];
+        if constexpr (!std::is_same_v<TOut, float>) {
+          const float2 r = __bfloat1622float2(__floats2bfloat162_rn(x, y));
+          x = r.x, y = r.y;
+        }
+        x += old[j].x, y += old[j].y;
         if constexpr (std::is_same_v<TOut, float>)
           dst[4 * (j0 + j)] = make_float2(x, y);
         else
