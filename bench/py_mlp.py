@@ -7,8 +7,8 @@ returned as .grad (bf16; moeflow computes them in float32 and casts), and
 accumulated into float32 main_grad (moeflow: fused into its wgrad GEMM,
 Megatron's gradient-accumulation fusion; torch: .grad added to main_grad).
 The timed steps add into the .grad of the steps before them, as the
-micro-batches of one optimizer step do (moeflow's FP8 wgrad: in the
-GEMM, and by autograd in the "grad_added_by_autograd" row); with
+micro-batches of one optimizer step do (moeflow: in the wgrad GEMM, and
+by autograd in the "grad_added_by_autograd" rows); with
 --clear-grads every step starts from .grad None instead (a step after
 zero_grad(set_to_none=True)). Memory: the peak a step allocates beyond what
 exists before it, from .grad None (peak_extra_MiB), and without --clear-grads
@@ -86,6 +86,10 @@ def main():
         def mf_step():
             mf.grouped_mlp(x, w1, w2, offsets=offsets, probs=probs).backward(dy)
 
+        def mf_autograd_adds_step():  # the weight gradients returned, autograd adds them
+            mf.grouped_mlp(x, w1, w2, offsets=offsets, probs=probs,
+                           accumulate_into_grad=False).backward(dy)
+
         def mf_main_step():
             mf.grouped_mlp(x, w1, w2, offsets=offsets, probs=probs,
                            accumulate_into_main_grad=True).backward(dy)
@@ -132,6 +136,8 @@ def main():
         res = {}
         steps = [("torch", torch_step), ("moeflow", mf_step),
                  ("torch_main_grad", torch_main_step), ("moeflow_main_grad", mf_main_step)]
+        if not args.clear_grads:  # .grad added by autograd instead of the wgrad GEMM
+            steps += [("moeflow_grad_added_by_autograd", mf_autograd_adds_step)]
         steps += [("moeflow_" + r, fp8_step(r)) for r in args.precision or []]
         if args.fp8_weight_cache:
             for r in args.precision or []:
@@ -215,6 +221,10 @@ def main():
                   f"{res['moeflow']['fwd_bwd_ms'] / f8['fwd_bwd_ms']:.2f}x moeflow bf16, "
                   f"{res['torch']['fwd_bwd_ms'] / f8['fwd_bwd_ms']:.2f}x torch; peak extra "
                   f"{f8['peak_extra_MiB']:.0f} MiB", flush=True)
+        u = res.get("moeflow_grad_added_by_autograd")
+        if u is not None:
+            print(f"{name:10s} bf16, .grad added by autograd instead of the GEMM: "
+                  f"{u['fwd_bwd_ms']:7.2f} ms", flush=True)
         u = res.get("moeflow_fp8-tensorwise_wgrad_grad_added_by_autograd")
         if u is not None:
             print(f"{name:10s} fp8-tensorwise_wgrad, .grad added by autograd instead of the GEMM: "

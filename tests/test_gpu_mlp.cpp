@@ -219,7 +219,8 @@ TEST(GpuMlp, ApiMatchesReference) {
 
 // backward_wgrad with bf16 / fp16 dw1 / dw2 (stacked dw1, dw2 as E separate
 // tensors) equals, bitwise, the same kernels' float32 gradients rounded once:
-// poisoned outputs (beta = 0), and beta = 1 from the same start values; an
+// poisoned outputs (beta = 0), and beta = 1 (the start values + those
+// rounded gradients, rounded: autograd's grad += g); an
 // empty expert, pad rows holding garbage, rows past the groups, F and H not
 // multiples of the tile; every GEMM path.
 TEST(GpuMlp, WgradHalfPrecisionGradsAreFloat32Rounded) {
@@ -268,28 +269,22 @@ TEST(GpuMlp, WgradHalfPrecisionGradsAreFloat32Rounded) {
         Tensor dw1_32 = Tensor::empty({E, N1, H}, DType::kFloat32, kGpu),
                dw2_32 = Tensor::empty({E, H, F}, DType::kFloat32, kGpu),
                dw1_h = Tensor::empty({E, N1, H}, dt, kGpu);
-        Tensor init2 = make_tensor({E, H, F}, dt);
-        if (accumulate) {  // the same start values in both dtypes
-          Tensor init1 = make_tensor({E, N1, H}, dt);
+        Tensor init1 = make_tensor({E, N1, H}, dt), init2 = make_tensor({E, H, F}, dt);
+        for (Tensor* t : {&dw1_32, &dw2_32, &dw1_h}) fill_bytes(*t, 0xFF);
+        if (accumulate) {  // the 16-bit gradients start at these values
           fill_random(init1, seed++);
           fill_random(init2, seed++);
-          Tensor f1 = make_tensor({E, N1, H}, DType::kFloat32),
-                 f2 = make_tensor({E, H, F}, DType::kFloat32);
-          for (int64_t i = 0; i < f1.numel(); ++i) f1.data_ptr<float>()[i] = at(init1, i);
-          for (int64_t i = 0; i < f2.numel(); ++i) f2.data_ptr<float>()[i] = at(init2, i);
-          copy(f1, dw1_32);
-          copy(f2, dw2_32);
           copy(init1, dw1_h);
         } else {
           fill_bytes(init2, 0xFF);
-          for (Tensor* t : {&dw1_32, &dw2_32, &dw1_h}) fill_bytes(*t, 0xFF);
         }
         for (int64_t e = 0; e < E; ++e)
           MOEFLOW_CUDA_CHECK(cudaMemcpy(parts[e].data(),
                                         static_cast<const uint8_t*>(init2.data()) + e * part_bytes,
                                         part_bytes, cudaMemcpyHostToDevice));
+        // The float32 gradients, fresh.
         grouped_mlp_backward_wgrad(dyg, xg, layout, {hg, ag}, d_hg,
-                                   GroupedMlpGrads{dw1_32, dw2_32, {}, {}, accumulate}, gemm);
+                                   GroupedMlpGrads{dw1_32, dw2_32, {}, {}, false}, gemm);
         GroupedMlpGrads gh{dw1_h, {}, {}, {}, accumulate};
         gh.dw2_experts = GroupedWeights::from_pointers(ptrs_g, dt, H, F);
         grouped_mlp_backward_wgrad(dyg, xg, layout, {hg, ag}, d_hg, gh, gemm);
@@ -298,12 +293,15 @@ TEST(GpuMlp, WgradHalfPrecisionGradsAreFloat32Rounded) {
         for (const Tensor* t : {&w1_32, &w2_32})
           for (int64_t i = 0; i < t->numel(); ++i)
             ASSERT_FALSE(std::isnan(t->data_ptr<float>()[i])) << "float32 element " << i;
-        EXPECT_TRUE(bytes_equal(dw1_h.to(Device::cpu()), rounded(w1_32))) << "dw1";
+        const auto want = [&](const Tensor& fresh, const Tensor& init) {
+          return wgrad_16bit(fresh, dt, accumulate ? &init : nullptr);
+        };
+        EXPECT_TRUE(bytes_equal(dw1_h.to(Device::cpu()), want(w1_32, init1))) << "dw1";
         Tensor w2_h = make_tensor({E, H, F}, dt);
         for (int64_t e = 0; e < E; ++e)
           MOEFLOW_CUDA_CHECK(cudaMemcpy(static_cast<uint8_t*>(w2_h.data()) + e * part_bytes,
                                         parts[e].data(), part_bytes, cudaMemcpyDeviceToHost));
-        EXPECT_TRUE(bytes_equal(w2_h, rounded(w2_32))) << "dw2 (separate tensors)";
+        EXPECT_TRUE(bytes_equal(w2_h, want(w2_32, init2))) << "dw2 (separate tensors)";
       }
     }
 }

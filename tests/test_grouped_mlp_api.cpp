@@ -127,8 +127,9 @@ TEST(GroupedMlpApi, Fc1AndActivationBackwardAloneMatchTheMlp) {
 }
 
 // backward_wgrad with bf16 / fp16 dw1 / dw2 (the weights' dtype, stacked or
-// E separate tensors) equals, bitwise, the float32 gradients rounded once,
-// with and without accumulate; dbias stays float32; other dtypes are named.
+// E separate tensors) equals, bitwise, the float32 gradients rounded once
+// (accumulate: the start values + those, rounded again, as autograd's
+// grad += g); dbias stays float32; other dtypes are named.
 TEST(GroupedMlpApi, WgradHalfPrecisionGradsAreFloat32Rounded) {
   const int64_t E = 4, rows = 64, H = 32, F = 24, N1 = 2 * F;
   Tensor offs = make_tensor({E + 1}, DType::kInt64), real = make_tensor({E}, DType::kInt32);
@@ -157,17 +158,17 @@ TEST(GroupedMlpApi, WgradHalfPrecisionGradsAreFloat32Rounded) {
       Tensor dw1_32 = make_tensor({E, N1, H}, DType::kFloat32),
              dw2_32 = make_tensor({E, H, F}, DType::kFloat32);
       Tensor dw1_h = make_tensor({E, N1, H}, dt), dw2_h = make_tensor({E, H, F}, dt);
-      if (accumulate) {  // the same start values in both dtypes
-        fill_random(dw1_h, seed++);
-        fill_random(dw2_h, seed++);
-        for (int64_t i = 0; i < dw1_h.numel(); ++i) dw1_32.data_ptr<float>()[i] = at(dw1_h, i);
-        for (int64_t i = 0; i < dw2_h.numel(); ++i) dw2_32.data_ptr<float>()[i] = at(dw2_h, i);
-      } else {
-        for (Tensor* t : {&dw1_32, &dw2_32, &dw1_h, &dw2_h}) fill_bytes(*t, 0xFF);
+      for (Tensor* t : {&dw1_32, &dw2_32, &dw1_h, &dw2_h}) fill_bytes(*t, 0xFF);
+      Tensor init1 = make_tensor({E, N1, H}, dt), init2 = make_tensor({E, H, F}, dt);
+      if (accumulate) {  // the 16-bit gradients start at these values
+        fill_random(init1, seed++);
+        fill_random(init2, seed++);
+        std::memcpy(dw1_h.data(), init1.data(), init1.nbytes());
+        std::memcpy(dw2_h.data(), init2.data(), init2.nbytes());
       }
       Tensor db1 = Tensor::zeros({E, N1}, DType::kFloat32),
              db2 = Tensor::zeros({E, H}, DType::kFloat32);
-      GroupedMlpGrads g32{dw1_32, dw2_32, {}, {}, accumulate};
+      GroupedMlpGrads g32{dw1_32, dw2_32, {}, {}, false};  // the float32 gradients, fresh
       grouped_mlp_backward_wgrad(dy, x, g, {h, a}, d_h, g32);
       // dw2 as E separate tensors (a pointer table over the stacked storage)
       Tensor ptrs = make_tensor({E}, DType::kInt64);
@@ -177,8 +178,11 @@ TEST(GroupedMlpApi, WgradHalfPrecisionGradsAreFloat32Rounded) {
       GroupedMlpGrads gh{dw1_h, {}, db1, db2, accumulate};
       gh.dw2_experts = GroupedWeights::from_pointers(ptrs, dt, H, F);
       grouped_mlp_backward_wgrad(dy, x, g, {h, a}, d_h, gh);
-      EXPECT_TRUE(bytes_equal(dw1_h, rounded(dw1_32))) << "dw1";
-      EXPECT_TRUE(bytes_equal(dw2_h, rounded(dw2_32))) << "dw2";
+      const auto want = [&](const Tensor& fresh, const Tensor& init) {
+        return wgrad_16bit(fresh, dt, accumulate ? &init : nullptr);
+      };
+      EXPECT_TRUE(bytes_equal(dw1_h, want(dw1_32, init1))) << "dw1";
+      EXPECT_TRUE(bytes_equal(dw2_h, want(dw2_32, init2))) << "dw2";
       if (!accumulate)  // the empty expert: zeros
         for (int64_t i = N1 * H; i < 2 * N1 * H; ++i)
           ASSERT_EQ(reinterpret_cast<const uint16_t*>(dw1_h.data())[i], 0);

@@ -130,6 +130,22 @@ std::string message_of(Fn fn) {
 
 inline float at(const Tensor& x, int64_t i) { return detail::load_float(x.data(), x.dtype(), i); }
 
+// The bytes a 16-bit dW holds after a wgrad: the float32 result `fresh`
+// rounded to dt; with `init` (accumulate) init + that, in float32, rounded
+// again (the TMA reduce-add's arithmetic, autograd's grad += g).
+inline Tensor wgrad_16bit(const Tensor& fresh, DType dt, const Tensor* init = nullptr) {
+  Tensor r = make_tensor(fresh.sizes(), dt);
+  for (int64_t i = 0; i < fresh.numel(); ++i) {
+    float v = fresh.data_ptr<float>()[i];
+    if (init != nullptr) {
+      detail::store_float(r.data(), dt, i, v);
+      v = at(*init, i) + at(r, i);
+    }
+    detail::store_float(r.data(), dt, i, v);
+  }
+  return r;
+}
+
 // Bitwise equality of two tensors' bytes.
 inline ::testing::AssertionResult bytes_equal(const Tensor& got, const Tensor& want) {
   if (got.nbytes() != want.nbytes())

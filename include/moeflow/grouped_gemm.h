@@ -82,8 +82,10 @@ void grouped_gemm_dgrad(TensorView dc, const GroupedWeights& w, const GroupLayou
 // dw: weights layout ([E,N,K] stacked or E pointers to [N,K]); float32 or
 // the dtype of dc and a (written from the float32 accumulators, no float32
 // buffer: bitwise the float32 dW rounded once). accumulate: dW += result
-// (Megatron's gradient-accumulation fusion; bf16 / fp16: float(dW) + result,
-// rounded once); otherwise dW = result (experts with no rows get zeros).
+// (Megatron's gradient-accumulation fusion, by a TMA reduce-add: dW is not
+// read by the SMs; bf16 / fp16: float(dW) + the result rounded to dW's
+// dtype, rounded again, as autograd's grad += g); otherwise dW = result
+// (experts with no rows get zeros).
 void grouped_gemm_wgrad(TensorView dc, TensorView a, const GroupLayout& groups,
                         const GroupedWeights& dw, bool accumulate, cudaStream_t stream = nullptr);
 void grouped_gemm_wgrad(TensorView dc, TensorView a, const GroupLayout& groups,

@@ -246,12 +246,10 @@ class GroupedMlpFp8(torch.autograd.Function):
             if not need[fc]:
                 return None
             w = fc2 if fc == 2 else fc1
-            # main_grad, or the weight's .grad added into in place by an FP8
-            # wgrad (the 16-bit wgrad's epilogue adds more slowly than
-            # autograd: docs/python.md), or a new gradient
-            fp8 = dy_t is not None if fc == 2 else dh_q is not None
+            # main_grad, or the weight's .grad added into in place by the
+            # wgrad GEMM (accumulate_into_grad), or a new gradient
             g = main[fc - 1] if main is not None else (_grad_into(ctx, fc) if ctx.into_grad
-                                                        and fp8 else None)
+                                                        else None)
             acc = g is not None
             if not acc:
                 g = torch.empty_like(w)

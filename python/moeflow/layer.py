@@ -200,10 +200,9 @@ class MoELayer(ExpertCheckpointMixin, torch.nn.Module):
     (TransformerEngine's name): backward computes the input and router
     gradients only; ``layer.backward_dw()`` then computes the experts'
     weight gradients (e.g. to overlap them with communication).
-    ``accumulate_into_grad`` (default on): with gradient accumulation and
-    ``fp8_wgrad``, the experts' weight gradients are added into their
-    existing ``.grad`` by the FP8 wgrad GEMM, in place (``ops.grouped_mlp``'s
-    option of that name).
+    ``accumulate_into_grad`` (default on): with gradient accumulation, the
+    experts' weight gradients are added into their existing ``.grad`` by
+    the wgrad GEMM, in place (``ops.grouped_mlp``'s option of that name).
 
     Precision (``precision``): "bf16" (default), or "fp8-blockwise" /
     "fp8-tensorwise": the experts' forward and input gradients through the

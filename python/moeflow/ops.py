@@ -32,7 +32,7 @@ from . import _C, _mlp_io
 from ._fp8_ops import (_FP8, dequantize, grouped_gemm_fp8_forward,  # noqa: F401
                        grouped_gemm_fp8_wgrad, quantize, quantize_group_rows,
                        quantize_rowwise_columnwise, transpose_codes)
-from ._ops_common import (_empty, _float32, _grad_enabled, _int32, _int64,  # noqa: F401
+from ._ops_common import (_empty, _float32, _grad_enabled, _grad_into, _int32, _int64,  # noqa: F401
                           _plan_sizes, _rows, _stream, _uint8)
 from ._router_ops import (RouterOutput, apply_capacity, router, router_logits,  # noqa: F401
                           update_expert_bias)
@@ -330,7 +330,8 @@ class _GroupedMlp(torch.autograd.Function):
     # argument (apply() costs per input). cfg: (activation, glu_interleave,
     # alpha, limit, offset); opts: (main_grads or None, recompute_activation,
     # wgrad_store or None, the parameters a delayed wgrad adds its gradients
-    # into, the rows' source or None, the output's sink or None: _mlp_io;
+    # into, the rows' source or None, the output's sink or None: _mlp_io,
+    # accumulate_into_grad;
     # with a source, x and probs are its inputs, and offsets None means the
     # source's groups).
     # ctx None: called without autograd (grouped_mlp's fast path).
@@ -369,7 +370,7 @@ class _GroupedMlp(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dy):
-        main, _, store, params, source, sink = ctx.opts
+        main, _, store, params, source, sink, into_grad = ctx.opts
         if dy is None and not (sink is not None and sink.collective):
             return (None,) * 7  # (a collective sink's backward runs on every rank)
         x, fc1, fc2, bias1, bias2, probs, offsets, real_rows, h, a, sink_probs, kept = \
@@ -404,15 +405,24 @@ class _GroupedMlp(torch.autograd.Function):
             if fc == 2 and w_want and act is None:
                 act = x.new_empty(x.shape[0], fc2.shape[2])
                 _C.grouped_mlp_recompute_activation(h, offsets, real_rows, probs, *cfg, act, st)
+            # acc: the GEMM adds into main_grad, or into the weight's .grad
+            # (accumulate_into_grad, where autograd would add it in place;
+            # not for a delayed wgrad, which runs after backward).
+            g = None
             acc = main is not None
+            if w_want:
+                if acc:
+                    g = main[fc - 1]
+                elif into_grad and store is None:
+                    g = _grad_into(ctx, fc)
+                    acc = g is not None
+                if g is None:
+                    g = torch.empty_like(w)
             # The bias gradient is summed into db too when acc: start it at zero.
             db = None
             if b_want:
                 db = (torch.zeros if acc else torch.empty)(b.shape, dtype=torch.float32,
                                                            device=x.device)
-            g = None
-            if w_want:
-                g = main[fc - 1] if acc else torch.empty_like(w)
             dw1, dw2 = (None, g) if fc == 2 else (g, None)
             db1, db2 = (None, db) if fc == 2 else (db, None)
             _C.grouped_mlp_backward_wgrad(dy if fc == 2 else None, x if fc == 1 else None,
@@ -526,19 +536,18 @@ def grouped_mlp(x: torch.Tensor, fc1: torch.Tensor, fc2: torch.Tensor, *,
     ``accumulate_into_main_grad`` they are added instead into
     ``fc1.main_grad`` and ``fc2.main_grad`` (float32, the weights' shapes:
     Megatron's gradient-accumulation fusion) and fc1 / fc2 get no ``.grad``.
-    ``accumulate_into_grad`` (default; FP8 weight gradients, ``fp8_wgrad``):
-    where ``.backward()`` would add a weight gradient into an existing
-    ``.grad`` (gradient accumulation over micro-batches), the FP8 wgrad GEMM
-    adds it in place (the gradient rounded to the weight's dtype, then
-    added and rounded: autograd's own arithmetic) and no new gradient is
+    ``accumulate_into_grad`` (default): where ``.backward()`` would add a
+    weight gradient into an existing ``.grad`` (gradient accumulation over
+    micro-batches), the wgrad GEMM adds it in place (the gradient rounded to
+    the weight's dtype, then added and rounded: autograd's own arithmetic,
+    by a TMA reduce-add) and no new gradient is
     allocated or added by autograd; not under ``autograd.grad`` or
     ``create_graph``, with tensor or post-accumulate hooks on the weight, for
     a ``.grad`` of another dtype or layout or not 16-byte aligned, or off
     the default CUDA stream (then the gradient is returned as usual).
     Pre-hooks on the weight's AccumulateGrad node then see no incoming
     gradient, and what they would change of it is lost (its post hooks see
-    the updated ``.grad``). The 16-bit weight gradients are always returned
-    (docs/python.md).
+    the updated ``.grad``; docs/python.md). Not with ``wgrad_store``.
     ``recompute_activation`` (default): only the FC1 output h is kept for
     backward; a = act(h) * p is recomputed just before the weight gradients.
     ``wgrad_store``: delay the weight gradients (see :class:`WgradStore`).
@@ -643,10 +652,10 @@ def grouped_mlp(x: torch.Tensor, fc1: torch.Tensor, fc2: torch.Tensor, *,
                                  or (probs is not None and probs.requires_grad))):
         return _GroupedMlp.forward(None, x, fc1, fc2, bias1, bias2, probs, (
             offsets, real_rows, cfg, (None, True, None, None) + _io(plan, permute, unpermute,
-                                                                     _ep)))
+                                                                     _ep) + (False,)))
     params = _grad_params if _grad_params is not None else (fc1, fc2, bias1, bias2)
-    opts = (main, bool(recompute_activation), wgrad_store, params) + _io(plan, permute, unpermute,
-                                                                        _ep)
+    opts = (main, bool(recompute_activation), wgrad_store, params) + _io(
+        plan, permute, unpermute, _ep) + (bool(accumulate_into_grad) and _grad_params is None,)
     return _GroupedMlp.apply(x, fc1, fc2, bias1, bias2, probs, (offsets, real_rows, cfg, opts))
 
 

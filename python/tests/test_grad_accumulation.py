@@ -139,9 +139,15 @@ def fp8_setup(device, seed=3, E=2, H=128, F=128, rows=64):
 
 
 @pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("precision", ["fp8-blockwise", "fp8-tensorwise"])
-@pytest.mark.parametrize("fp8_wgrad", [False, True])
-def test_grouped_mlp_fp8_wgrad_adds_into_grad(device, precision, fp8_wgrad):
+@pytest.mark.parametrize("precision,fp8_wgrad", [("bf16", False), ("fp8-blockwise", False),
+                                                 ("fp8-blockwise", True),
+                                                 ("fp8-tensorwise", False),
+                                                 ("fp8-tensorwise", True)])
+def test_grouped_mlp_wgrad_adds_into_grad(device, precision, fp8_wgrad):
+    """The wgrad GEMM (bf16, or FP8) adds into an existing .grad in place
+    with autograd's arithmetic: bitwise the .grad + the step's gradient as
+    torch adds them (the step's gradient: a fresh step's, the kernels being
+    deterministic)."""
     x, fc1, fc2, offsets, dy = fp8_setup(device)
     align = 128 if precision == "fp8-blockwise" and fp8_wgrad else 16
     if align == 128:
@@ -150,21 +156,23 @@ def test_grouped_mlp_fp8_wgrad_adds_into_grad(device, precision, fp8_wgrad):
         dy = torch.cat([dy, dy, dy, dy])
 
     def step(**kw):
-        mf.grouped_mlp(x, fc1, fc2, offsets=offsets, precision=precision, align=align,
-                       fp8_wgrad=fp8_wgrad, **kw).backward(dy)
+        if precision != "bf16":
+            kw.update(precision=precision, align=align, fp8_wgrad=fp8_wgrad)
+        mf.grouped_mlp(x, fc1, fc2, offsets=offsets, **kw).backward(dy)
 
     step()
-    new1, new2 = fc1.grad.float(), fc2.grad.float()
+    b1, b2 = fc1.grad.clone(), fc2.grad.clone()  # one step's gradients
+    new1, new2 = b1.float(), b2.float()
     fc1.grad = fc2.grad = None
     seen1, seen2 = incoming(fc1), incoming(fc2)
     step()
     g1, g2 = fc1.grad, fc2.grad
     first1, first2 = g1.float(), g2.float()
-    step()  # fp8_wgrad: into .grad by the GEMM; else returned, added by autograd
-    assert (seen1[1] is None) == fp8_wgrad and (seen2[1] is None) == fp8_wgrad
+    want1, want2 = g1 + b1, g2 + b2  # autograd's grad += g
+    step()  # into .grad by the GEMM
+    assert seen1[1] is None and seen2[1] is None
     assert fc1.grad is g1 and fc2.grad is g2
-    for w, first, new in ((fc1, first1, new1), (fc2, first2, new2)):
-        torch.testing.assert_close(w.grad.float(), first + new, rtol=2e-2, atol=2e-2)
+    assert torch.equal(fc1.grad, want1) and torch.equal(fc2.grad, want2)
     step(accumulate_into_grad=False)  # returned
     assert seen1[2] is not None and seen2[2] is not None
     for w, first, new in ((fc1, first1, new1), (fc2, first2, new2)):
@@ -193,10 +201,11 @@ def test_off_the_default_stream_autograd_adds():
 
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("into", [True, False])
-def test_moe_layer_fp8_wgrad_accumulates_into_grad(device, into):
+@pytest.mark.parametrize("precision", ["bf16", "fp8-tensorwise"])
+def test_moe_layer_accumulates_into_grad(device, into, precision):
     torch.manual_seed(0)
-    layer = moeflow.MoELayer(128, 128, 4, 2, device=device, precision="fp8-tensorwise",
-                             fp8_wgrad=True, accumulate_into_grad=into)
+    fp8 = {} if precision == "bf16" else dict(precision=precision, fp8_wgrad=True)
+    layer = moeflow.MoELayer(128, 128, 4, 2, device=device, accumulate_into_grad=into, **fp8)
     x = torch.randn(48, 128, device=device, dtype=torch.bfloat16)
     layer(x).float().square().sum().backward()
     fresh = layer.fc1_weight.grad.float().clone()

@@ -19,6 +19,13 @@ float at(const TensorView& v, int64_t i, int64_t j) {
   return load_float(v.data, v.dtype, i * v.strides[0] + j);
 }
 
+// v rounded to a 16-bit dtype (nearest even) and back to float.
+float rounded_to(float v, DType dt) {
+  float r = 0.0f;
+  store_float(&r, dt, 0, v);
+  return load_float(&r, dt, 0);
+}
+
 // Base address of weight e ([n,k] row-major, contiguous).
 const void* weight(const GroupedWeights& w, int64_t e, int64_t n, int64_t k) {
   if (w.stacked.defined())
@@ -82,8 +89,10 @@ void grouped_gemm(const GroupedGemmCall& c) {
         }
       }
     } else {  // wgrad: dW[e][i][j] (+)= sum over real rows r of dC[r][i] * A[r][j]
-      // The float32 result (old value included with accumulate), rounded once
-      // to dW's dtype.
+      // The float32 result, rounded to dW's dtype; with accumulate the old
+      // value is added to it (float32 dW: one rounding; bf16 / fp16: to the
+      // result rounded to dW's dtype, as the CUDA reduce-add and autograd's
+      // grad += g).
       void* dw = const_cast<void*>(weight(c.w, e, n, k));
       std::vector<double> acc(n * k, 0.0);
       row_a.resize(n);
@@ -98,8 +107,14 @@ void grouped_gemm(const GroupedGemmCall& c) {
         }
       }
       for (int64_t i = 0; i < n * k; ++i) {
-        const double old = c.accumulate ? static_cast<double>(load_float(dw, wdt, i)) : 0.0;
-        store_float(dw, wdt, i, static_cast<float>(acc[i] + old));
+        if (!c.accumulate) {
+          store_float(dw, wdt, i, static_cast<float>(acc[i]));
+        } else if (wdt == DType::kFloat32) {
+          store_float(dw, wdt, i, static_cast<float>(acc[i] + load_float(dw, wdt, i)));
+        } else {
+          store_float(dw, wdt, i,
+                      rounded_to(static_cast<float>(acc[i]), wdt) + load_float(dw, wdt, i));
+        }
       }
     }
   }
@@ -203,11 +218,7 @@ void grouped_gemm_fp8_wgrad(const Fp8WgradCall& c) {
         if (c.accumulate) {
           // A 16-bit dW: the result rounded to its dtype first (the CUDA
           // reduce-add, autograd's grad += g), then the sum in float32.
-          if (wdt != DType::kFloat32) {
-            float r = 0.0f;
-            store_float(&r, wdt, 0, v);  // v in dW's dtype (round to nearest even)
-            v = load_float(&r, wdt, 0);
-          }
+          if (wdt != DType::kFloat32) v = rounded_to(v, wdt);
           v += load_float(dw, wdt, n * K + k);
         }
         store_float(dw, wdt, n * K + k, v);

@@ -315,7 +315,10 @@ __device__ __forceinline__ void store_tile(const Params& p, const TileGeom& t, c
 #pragma unroll
     for (int j = 0; j < 8; ++j) {
       const float val = data ? epi(info, s_c, LD, r, c + j) : 0.0f;
-      o.v[j] = p.accumulate ? from_float<TOut>(to_float(o.v[j]) + val) : from_float<TOut>(val);
+      // accumulate: the result rounded to TOut, then added and rounded (a
+      // 16-bit dW as the TMA kernels' reduce-add and autograd's grad += g)
+      const TOut r = from_float<TOut>(val);
+      o.v[j] = p.accumulate ? from_float<TOut>(to_float(o.v[j]) + to_float(r)) : r;
     }
     *reinterpret_cast<Pack<TOut, 8>*>(dst) = o;
   }

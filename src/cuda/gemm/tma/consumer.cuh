@@ -65,23 +65,6 @@ __device__ __forceinline__ void wgrad_zero_warps(const Params& p, int32_t num_ti
 }
 static_assert(kStageBytesA + kStageBytesB == 6 * 8192, "a wgrad slice: six 64 x 64 blocks");
 
-// L2 prefetch of warpgroup c's rows of a wgrad tile's old dW (2-byte
-// outputs: 64 rows x 512 bytes, 256 lines of 128 bytes, two per thread).
-template <typename TOut>
-__device__ __forceinline__ void prefetch_old_dw(const Params& p, const Work& tw, int c, int tid) {
-  const TOut* base = group_base<TOut>(p.c, p.c_ptrs, p.c_group_stride, tw.group);
-  const int data_rows = min(64, tw.data_rows - c * 64);
-#pragma unroll
-  for (int i = 0; i < 2; ++i) {
-    const int line = tid + 128 * i, r = line / 4;
-    const int64_t col = int64_t{tw.n0} + (line % 4) * 64;
-    if (r < data_rows && col < p.n_out) {
-      const TOut* at = base + (int64_t{tw.m0} + c * 64 + r) * p.ldc + col;
-      asm volatile("prefetch.global.L2 [%0];\n" ::"l"(at));
-    }
-  }
-}
-
 template <typename TIn, typename TOut, int MODE, typename Epi, bool GATHER>
 __device__ __forceinline__ void consumer_mainloop(const Params& p, const CUtensorMap& map_c,
                                                   const CUtensorMap& map_raw, int32_t num_tiles,
@@ -167,11 +150,6 @@ __device__ __forceinline__ void consumer_mainloop(const Params& p, const CUtenso
       if (kt == 0 && next < num_tiles) {
         nw = work_of(next, tw.group);
         have_next = true;
-      }
-      if constexpr (MODE == 2 && sizeof(TOut) == 2) {
-        // bf16 / fp16 dW with accumulate: the epilogue reads the tile's old
-        // values; bring them into L2 a few slices ahead, behind the wgmma.
-        if (p.accumulate && kt == max(0, tw.k_tiles - 4)) prefetch_old_dw<TOut>(p, tw, c, tid);
       }
       sm90::wgmma_wait<1>();
       sm90::fence_operands(acc);

@@ -125,48 +125,20 @@ __device__ __forceinline__ void consumer_store(const Params& p, const CUtensorMa
                     : static_cast<TOut*>(p.c);
     constexpr int kCw = 128 / static_cast<int>(sizeof(TOut));  // columns per chunk
     constexpr int kVec = 16 / static_cast<int>(sizeof(TOut));  // elements per 16-byte piece
-    // wgrad into a bf16 / fp16 dW with accumulate: the old value joins the
-    // float32 result in registers (one rounding of old + result), and the
-    // chunk is then stored, not reduce-added (this warpgroup is the only
-    // writer of its rows of the tile: no split-K).
-    constexpr bool kAddInRegs = MODE == 2 && !std::is_same_v<TOut, float>;
-    // One 64-row x 128-byte chunk: value(jj, half, col) gives the two
-    // outputs of fragment column jj (0..kCw/8-1) at output column col.
+    // wgrad with accumulate (Megatron's fusion, or a .grad added into): a
+    // TMA reduce-add of the chunk in dW's dtype, so the SMs never read dW;
+    // a bf16 / fp16 dW gets the result rounded to its dtype, then added and
+    // rounded by the L2 (autograd's grad += g). The masked copy does the same.
     auto emit = [&](const auto& value, const CUtensorMap* map, TOut* base, int64_t ld, int col0,
                     int64_t col_lim) {
       if (col0 >= col_lim) return;
-      // The old values of a bf16 / fp16 dW (accumulate), the thread's
-      // fragment pairs of the chunk: all loads issued before the wait for
-      // the staging buffer, so that they are in flight together (one
-      // memory latency per chunk, not one per pair).
-      Pack<TOut, 2> old[kAddInRegs ? kCw / 8 : 1][2];
-      if constexpr (kAddInRegs) {
-        if (p.accumulate) {
-#pragma unroll
-          for (int jj = 0; jj < kCw / 8; ++jj) {
-#pragma unroll
-            for (int half = 0; half < 2; ++half) {
-              const int rl = rl0 + half * 8;
-              const int cl = jj * 8 + 2 * (lane % 4);
-              // (rows < data_rows lie inside dW; K % 8 == 0: col + 1 < K as well)
-              old[jj][half] = {};
-              if (rl < data_rows && col0 + cl < col_lim)
-                old[jj][half] =
-                    *reinterpret_cast<const Pack<TOut, 2>*>(base + (wg_row0 + rl) * ld + col0 + cl);
-            }
-          }
-        }
-      }
       if (tid == 0) bulk_wait_read(bufs - 1);  // the store that last read this buffer is done
       named_barrier(kBarConsumer + c, 128);
       uint8_t* buf = my_staging + buf_i * kChunkBytes;
       if (++buf_i == bufs) buf_i = 0;
-      // The chunk's values into the staging buffer. With the old values of
-      // a bf16 / fp16 dW (accumulate) in a separate copy of the loop, so
-      // that the common path carries no per-element addressing.
-      auto stage = [&](auto add_old) {
-        constexpr bool kAdd = decltype(add_old)::value;
-        if constexpr (sizeof(TOut) == 2 && !kAdd) {
+      // The chunk's values into the staging buffer.
+      {
+        if constexpr (sizeof(TOut) == 2) {
           // 2-byte outputs: stmatrix.x4 writes four 8 x 8 matrices of the
           // accumulator fragment per warp (fragment columns jj, jj + 1, row
           // halves 0, 1); lane l addresses row l % 8 of matrix l / 8.
@@ -199,32 +171,21 @@ __device__ __forceinline__ void consumer_store(const Params& p, const CUtensorMa
             for (int half = 0; half < 2; ++half) {
               const int rl = rl0 + half * 8;
               const int cl = jj * 8 + 2 * (lane % 4);
-              float2 v = rl < data_rows ? value(jj, half, col0 + cl) : make_float2(0.0f, 0.0f);
-              if constexpr (kAdd) {  // (zeros where nothing was read)
-                v.x += to_float(old[jj][half].v[0]);
-                v.y += to_float(old[jj][half].v[1]);
-              }
+              const float2 v =
+                  rl < data_rows ? value(jj, half, col0 + cl) : make_float2(0.0f, 0.0f);
               const int byte = cl * static_cast<int>(sizeof(TOut));
               st_shared_pair<TOut>(
                   smem_u32(buf) + rl * 128 + (((byte >> 4) ^ (rl & 7)) << 4) + (byte & 15), v);
             }
           }
         }
-      };
-      if constexpr (kAddInRegs) {
-        if (p.accumulate)
-          stage(std::true_type{});
-        else
-          stage(std::false_type{});
-      } else {
-        stage(std::false_type{});
       }
       if (tma) sm90::fence_proxy_async();  // generic-proxy writes -> visible to the TMA
       named_barrier(kBarConsumer + c, 128);
       if (tma) {
         if (tid == 0) {
           if (store_kind == StoreKind::kTensor3d) {
-            if (p.accumulate && !kAddInRegs)
+            if (p.accumulate)
               tma_store_3d<true>(map, buf, col0, static_cast<int>(wg_row0), tw.group);
             else
               tma_store_3d<false>(map, buf, col0, static_cast<int>(wg_row0), tw.group);
@@ -243,7 +204,7 @@ __device__ __forceinline__ void consumer_store(const Params& p, const CUtensorMa
           Pack<TOut, kVec> v =
               *reinterpret_cast<const Pack<TOut, kVec>*>(buf + r * 128 + ((piece ^ (r & 7)) << 4));
           Pack<TOut, kVec>* dst = reinterpret_cast<Pack<TOut, kVec>*>(base + row * ld + col);
-          if (p.accumulate && !kAddInRegs) {
+          if (p.accumulate) {
             const Pack<TOut, kVec> old = *dst;
 #pragma unroll
             for (int e = 0; e < kVec; ++e)
