@@ -128,7 +128,8 @@ void grouped_mlp_fp8_backward_wgrad(TensorView x, TensorView dy, const GroupLayo
 // The same by recipe. kTensorwise: each operand quantized rowwise with one
 // scale over the groups' real rows (quantize_group_rows; a straight from h
 // by grouped_mlp_activation_quantize, scratch.a unused), its codes
-// transposed (transpose_codes: the columnwise codes of one scale), then the
+// transposed (the columnwise codes of one scale; x's, dy's and d_h's from
+// the quantize pass itself, a's by transpose_codes), then the
 // tensorwise grouped_gemm_fp8_wgrad: every group with real rows must start
 // at a multiple of 16 rows (the plan's FP8 align; otherwise as above: CUDA
 // sets groups.error and leaves that gradient, the CPU throws).
