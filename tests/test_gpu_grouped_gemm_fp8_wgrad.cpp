@@ -172,8 +172,8 @@ TEST(GpuGemmFp8Wgrad, MatchesCpuWithinBound) {
             for (int64_t i = 0; i < p.n * p.k; ++i)
               ASSERT_EQ(at(got, e * p.n * p.k + i), 0.0f) << "group " << e;
       }
-      // Accumulate into values already there (float32: the TMA reduce-add;
-      // bf16: the old values added in registers), every tile.
+      // Accumulate into values already there (the TMA reduce-add in dW's
+      // dtype; bf16: the result rounded to bf16 first), every tile.
       Tensor init = make_tensor({E, p.n, p.k}, out);
       fill_random(init, 77);
       for (const Fp8Tile tile : kTiles) {
@@ -274,49 +274,70 @@ TEST(GpuGemmFp8Wgrad, ExactSumsAreBitwise) {
         EXPECT_TRUE(bytes_equal(got, want))
             << "tile " << static_cast<int>(tile) << " slice-major " << slice_major;
       }
+    // Accumulated into a bf16 dW holding other values: the exact result
+    // rounded to bf16, then added and rounded (the TMA reduce-add), bitwise.
+    Tensor init = make_tensor({E, p.n, p.k}, DType::kBFloat16);
+    fill_random(init, 91);
+    for (const Fp8Tile tile : kTiles) {
+      const auto [want, got] = run_both(p, d, init, true, with_tile(tile));
+      EXPECT_TRUE(bytes_equal(got, want)) << "bf16 accumulate, tile " << static_cast<int>(tile);
+    }
   }
 }
 
 // dW as E separate tensors (the pointer table: stores straight from the
 // accumulators): within the bound of the reference, bf16 and float32,
-// written and accumulated.
+// written and accumulated; bitwise where every sum is exact (bf16
+// accumulate: the result rounded to bf16, then added and rounded).
 TEST(GpuGemmFp8Wgrad, PointerWeights) {
   if (!is_hopper()) GTEST_SKIP() << "the FP8 grouped GEMM runs on Hopper only";
   const WgradProblem& p = kProblems[1];
   const std::vector<float> xs = normal_table(21);
-  const WgradInputs d = make_inputs(
+  const WgradInputs normal = make_inputs(
       p, [&](int which, int64_t r, int64_t c) { return xs[(r * 97 + c * 3 + which) & 0xFFFF]; });
+  const WgradInputs exact = make_inputs(
+      p,
+      [](int which, int64_t r, int64_t c) {
+        return static_cast<float>((r * (which ? 5 : 3) + c * 7 + which) % 17 - 8);
+      },
+      true);
   const int64_t E = p.seg.size(), m = p.n * p.k;
-  for (const DType out : {DType::kBFloat16, DType::kFloat32})
-    for (const bool accumulate : {false, true}) {
-      SCOPED_TRACE(std::string(dtype_name(out)) + (accumulate ? " accumulate" : ""));
-      Tensor init = make_tensor({E, p.n, p.k}, out);
-      fill_random(init, 5);
-      Tensor want = init.to(Device::cpu());
-      grouped_gemm_fp8_wgrad(d.dct, d.dcs, d.at_, d.as_, layout(d.offsets, d.real),
-                             GroupedWeights::from_stacked(want), accumulate);
-      std::vector<Tensor> experts;
-      std::vector<TensorView> views;
-      for (int64_t e = 0; e < E; ++e) {
-        Tensor x = make_tensor({p.n, p.k}, out);
-        std::memcpy(x.data(), static_cast<const uint8_t*>(init.data()) + e * x.nbytes(),
-                    x.nbytes());
-        experts.push_back(x.to(kGpu));
-        views.push_back(experts.back());
+  for (const bool is_exact : {false, true})
+    for (const DType out : {DType::kBFloat16, DType::kFloat32})
+      for (const bool accumulate : {false, true}) {
+        SCOPED_TRACE(std::string(dtype_name(out)) + (accumulate ? " accumulate" : "") +
+                     (is_exact ? " exact sums" : ""));
+        const WgradInputs& d = is_exact ? exact : normal;
+        Tensor init = make_tensor({E, p.n, p.k}, out);
+        fill_random(init, 5);
+        Tensor want = init.to(Device::cpu());
+        grouped_gemm_fp8_wgrad(d.dct, d.dcs, d.at_, d.as_, layout(d.offsets, d.real),
+                               GroupedWeights::from_stacked(want), accumulate);
+        std::vector<Tensor> experts;
+        std::vector<TensorView> views;
+        for (int64_t e = 0; e < E; ++e) {
+          Tensor x = make_tensor({p.n, p.k}, out);
+          std::memcpy(x.data(), static_cast<const uint8_t*>(init.data()) + e * x.nbytes(),
+                      x.nbytes());
+          experts.push_back(x.to(kGpu));
+          views.push_back(experts.back());
+        }
+        const ExpertTable table = make_expert_table(views);
+        grouped_gemm_fp8_wgrad(d.dct.to(kGpu), d.dcs.to(kGpu), d.at_.to(kGpu), d.as_.to(kGpu),
+                               layout(d.offsets.to(kGpu), d.real.to(kGpu)), table.weights,
+                               accumulate);
+        ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+        Tensor got = make_tensor({E, p.n, p.k}, out);
+        for (int64_t e = 0; e < E; ++e) {
+          Tensor g = experts[e].to(Device::cpu());
+          std::memcpy(static_cast<uint8_t*>(got.data()) + e * g.nbytes(), g.data(), g.nbytes());
+        }
+        if (is_exact)
+          EXPECT_TRUE(bytes_equal(got, want));
+        else
+          EXPECT_LT(rel_norm(got, want), out == DType::kFloat32 ? 3e-4 : 3e-3);
+        for (int64_t i = 0; i < E * m; ++i) ASSERT_FALSE(std::isnan(at(got, i))) << i;
       }
-      const ExpertTable table = make_expert_table(views);
-      grouped_gemm_fp8_wgrad(d.dct.to(kGpu), d.dcs.to(kGpu), d.at_.to(kGpu), d.as_.to(kGpu),
-                             layout(d.offsets.to(kGpu), d.real.to(kGpu)), table.weights,
-                             accumulate);
-      ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
-      Tensor got = make_tensor({E, p.n, p.k}, out);
-      for (int64_t e = 0; e < E; ++e) {
-        Tensor g = experts[e].to(Device::cpu());
-        std::memcpy(static_cast<uint8_t*>(got.data()) + e * g.nbytes(), g.data(), g.nbytes());
-      }
-      EXPECT_LT(rel_norm(got, want), out == DType::kFloat32 ? 3e-4 : 3e-3);
-      for (int64_t i = 0; i < E * m; ++i) ASSERT_FALSE(std::isnan(at(got, i))) << i;
-    }
 }
 
 // A group with real rows that does not start at a multiple of 128: the error

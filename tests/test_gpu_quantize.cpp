@@ -447,10 +447,11 @@ TEST_F(GpuQuantize, BadInput) {
 // group, rows past the groups; without groups; strided rows and odd widths
 // (the scalar path); every input dtype, both formats, pow2; the gap
 // columns (30000) and the non-data rows must not enter the amax. With q_t:
-// the transposed codes too (the one-pass kernel where rows are 16-byte
-// aligned, M = 272: whole 16-byte q_t stores and three row tiles; M = 107:
-// partial ones; the transpose launch otherwise), and the CPU's q_t is its q
-// transposed. Also a captured call replayed on new values.
+// the transposed codes too (M = 272: whole 16-byte q_t stores, five row
+// tiles; M = 107: partial ones; strided or odd-width rows: the kernel's
+// scalar form), and the CPU's q_t is its q transposed; a large case (8192 x
+// 4096: more tiles than the grid has blocks, so each block loops). Also a
+// captured call replayed on new values.
 TEST_F(GpuQuantize, GroupRowsMatchCpuBitwise) {
   const std::vector<int64_t> offs = {0, 37, 37, 100};
   const std::vector<int32_t> real = {30, 0, 50};
@@ -505,6 +506,23 @@ TEST_F(GpuQuantize, GroupRowsMatchCpuBitwise) {
             EXPECT_TRUE(bytes_equal(qg2.to(Device::cpu()), qc));
             EXPECT_TRUE(bytes_equal(qtg.to(Device::cpu()), qtc));
           }
+  {
+    // More 64 x 128 tiles than the grid has blocks: every block loops.
+    const int64_t M = 8192, K = 4096;
+    Tensor x = make_input(M, K, K, DType::kBFloat16, 79);
+    GroupLayout none;
+    const QuantizeConfig cfg{DType::kFloat8E4M3, QuantScaling::kTensorwise, false, false};
+    Tensor qc = poisoned({M, K}, DType::kFloat8E4M3), sc = poisoned({1}, DType::kFloat32),
+           qtc = poisoned({K, M}, DType::kFloat8E4M3);
+    quantize_group_rows(x, none, cfg, qc, sc, qtc);
+    Tensor xg = x.to(kGpu), qg = poisoned({M, K}, DType::kFloat8E4M3, kGpu),
+           sg = poisoned({1}, DType::kFloat32, kGpu),
+           qtg = poisoned({K, M}, DType::kFloat8E4M3, kGpu);
+    quantize_group_rows(xg, none, cfg, qg, sg, qtg);
+    ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+    EXPECT_TRUE(bytes_equal(qg.to(Device::cpu()), qc)) << "8192 x 4096";
+    EXPECT_TRUE(bytes_equal(qtg.to(Device::cpu()), qtc)) << "8192 x 4096, transposed";
+  }
   // Graph capture: one captured call replayed after the input changed.
   const int64_t M = 100, K = 256;
   Tensor x = make_input(M, K, K, DType::kBFloat16, 77),

@@ -108,6 +108,14 @@ TEST(QuantizeGroupRows, TransposedCodesAreQTransposed) {
               quantize_group_rows(x, g, kE4m3, q2, s2, qt_bad);
             }).find("q_t must be float8_e4m3 [136,50]"),
             std::string::npos);
+  // q_t overlapping q (from its second row on): refused.
+  Tensor both = make_tensor({2 * rows, K}, DType::kFloat8E4M3);
+  const TensorView q_in(both.data(), DType::kFloat8E4M3, Device::cpu(), {rows, K}),
+      qt_in(static_cast<uint8_t*>(both.data()) + K, DType::kFloat8E4M3, Device::cpu(), {K, rows});
+  EXPECT_NE(message_of([&] {
+              quantize_group_rows(x, g, kE4m3, q_in, s2, qt_in);
+            }).find("q_t must not overlap q"),
+            std::string::npos);
 }
 
 TEST(QuantizeGroupRows, BadInputNamesTheArgument) {

@@ -180,7 +180,11 @@ void quantize_group_rows(TensorView x, const GroupLayout& groups, const Quantize
   detail::expect(scale, "scale", Expect{{DType::kFloat32}, {1}, dev});
   if (q_t.defined()) {
     detail::expect(q_t, "q_t", Expect{{config.out}, {cols, rows}, dev});
-    MOEFLOW_CHECK(q_t.data != q.data, "q_t must not overlap q");
+    // (q's last row may be strided: its span is rows * stride)
+    const auto* qb = static_cast<const uint8_t*>(q.data);
+    const auto* tb = static_cast<const uint8_t*>(q_t.data);
+    const int64_t q_span = rows > 0 ? (rows - 1) * q.strides[0] + cols : 0;
+    MOEFLOW_CHECK(tb + rows * cols <= qb || qb + q_span <= tb, "q_t must not overlap q");
   }
   int64_t E = 0;
   if (groups.offsets.defined()) {

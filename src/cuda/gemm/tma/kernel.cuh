@@ -23,8 +23,8 @@
 // Epilogue: each consumer warpgroup writes its 64 x 256 accumulators, chunk by
 // chunk (64 rows x 128 bytes), into a ring of 2-5 8 KB staging buffers in the
 // 128-byte swizzled layout, and one thread hands the chunk to the TMA unit
-// (a tensor store, or for wgrad with accumulate into a float32 dW a reduce-add;
-// into a bf16 / fp16 dW the old values are added in registers first). The
+// (a tensor store, or for wgrad with accumulate a reduce-add in dW's dtype:
+// a bf16 / fp16 dW gets autograd's grad += g arithmetic). The
 // stores drain while the warpgroup already runs the next tile's main loop; a
 // buffer is rewritten only after the TMA has read it. Where a warpgroup's 64
 // rows run past the rows it may write (the tail of a group whose next rows
