@@ -19,7 +19,13 @@ the step's time, for one step after a synchronisation and per step of
 three run back to back (the steady clock). Every step starts from ``.grad`` None (a step after
 ``zero_grad(set_to_none=True)``); with ``--accumulate`` each adds into the
 ``.grad`` of the steps before it, as the micro-batches of one optimizer
-step do. ``--router`` times the router
+step do. ``--precision fp8-tensorwise`` (or fp8-blockwise, repeatable)
+also times the same layer with FP8 expert GEMMs (its weights copied from
+the bf16 layer; ``--fp8-wgrad``, ``--fp8-weight-cache`` as MoELayer's
+options), and with ``--ablate-fused-quantize`` the tensorwise layer once
+more with the tokens and dout permuted into 16-bit rows first and those
+quantized (the path before permute_quantize and
+unpermute_backward_quantize took the tensorwise recipe). ``--router`` times the router
 alone at DeepSeek-V3's shape (T 8192, E 256, top-8, 8 groups / top-4,
 sigmoid + expert bias), forward and backward, against the torch router,
 and the router GEMM (``ops.router_logits``) against ``linear(x.float(),
@@ -27,9 +33,11 @@ w)`` at four shapes.
 
     PYTHONPATH=build/python:bench python3 bench/py_layer.py [--json FILE] [--profile [--trace FILE]]
         [--router] [--case NAME] [--top N] [--memory-snapshot FILE] [--align N]
-        [--ablate-router-gemm] [--accumulate]
+        [--ablate-router-gemm] [--accumulate] [--precision P [--fp8-wgrad]
+        [--fp8-weight-cache] [--ablate-fused-quantize]]
 """
 import argparse
+import contextlib
 import json
 
 import torch
@@ -37,6 +45,8 @@ import torch.nn.functional as F
 
 import moeflow
 import moeflow.ops as mf
+from moeflow import _C, _mlp_io
+from moeflow._ops_common import _stream
 from moeflow._router_ops import _router_logits_float32
 from peer_timing import bench_ms, steady_ms, step_stats
 
@@ -312,6 +322,38 @@ def bench_router_gemm(out):
     out["router_gemm"] = res
 
 
+@contextlib.contextmanager
+def unfused_tensorwise_quantize():
+    """The tensorwise layer's rows quantized the way they were before the
+    fused ops: the tokens permuted into 16-bit rows, then
+    quantize_group_rows of those (and dout's rows by unpermute_backward,
+    then the same), so that the ablation runs the same node otherwise."""
+    keep_fwd = _mlp_io.PermuteSource.forward_tensorwise
+    keep_bwd = mf.unpermute_backward_quantize
+
+    def forward_tensorwise(self, x, probs, transposed):
+        rows, rp = self.forward(x, probs)
+        got = mf.quantize_group_rows(rows, self.plan.expert_row_offsets,
+                                     self.plan.tokens_per_expert, transposed=transposed)
+        return got[0], got[1], (got[2] if transposed else None), rp
+
+    def unpermute_backward_quantize(dout, plan, probs=None, fp8_format="e4m3",
+                                    pow2_scales=False, scaling="1x128", transposed=False):
+        assert scaling == "tensorwise" and probs is None
+        dy = dout.new_empty(plan.capacity_rows, dout.shape[1])
+        _C.unpermute_backward(dout, plan._view, None, None, dy, None, _stream(dout))
+        return mf.quantize_group_rows(dy, plan.expert_row_offsets, plan.tokens_per_expert,
+                                      transposed=transposed)
+
+    _mlp_io.PermuteSource.forward_tensorwise = forward_tensorwise
+    mf.unpermute_backward_quantize = unpermute_backward_quantize
+    try:
+        yield
+    finally:
+        _mlp_io.PermuteSource.forward_tensorwise = keep_fwd
+        mf.unpermute_backward_quantize = keep_bwd
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--json")
@@ -331,11 +373,22 @@ def main():
                          "of one optimizer step) instead of starting from .grad None")
     ap.add_argument("--trace", help="with --profile: write each case's moeflow step as a Chrome "
                                     "trace, FILE with the case name inserted")
+    ap.add_argument("--precision", action="append", default=[],
+                    choices=["fp8-tensorwise", "fp8-blockwise"],
+                    help="also time the layer with FP8 expert GEMMs (repeatable)")
+    ap.add_argument("--fp8-wgrad", action="store_true", help="FP8 layers: fp8_wgrad=True")
+    ap.add_argument("--fp8-weight-cache", action="store_true",
+                    help="FP8 layers: fp8_weight_cache=True")
+    ap.add_argument("--ablate-fused-quantize", action="store_true",
+                    help="with --precision fp8-tensorwise: also time it with the rows "
+                         "permuted in 16 bits, then quantized (A B B A)")
     args = ap.parse_args()
     dev = torch.device("cuda")
     out = {"device": torch.cuda.get_device_name(0), "torch": torch.__version__,
            "moeflow": moeflow.__version__, "align": args.align,
            "grads": "accumulated over the steps" if args.accumulate else "cleared every step",
+           "fp8": {"precision": args.precision, "fp8_wgrad": args.fp8_wgrad,
+                   "fp8_weight_cache": args.fp8_weight_cache},
            "cases": {}}
     if args.router:
         bench_router(out, args.profile)
@@ -379,13 +432,38 @@ def main():
 
         res = {}
         steps = [("torch", torch_step), ("moeflow", mf_step)]
+        fp8_layers = []
+        for prec in args.precision:
+            layer8 = moeflow.MoELayer(H, Fd, E, K, aux_loss_coeff=AUX, align=args.align,
+                                      device=dev, precision=prec, params_dtype=torch.bfloat16,
+                                      fp8_wgrad=args.fp8_wgrad,
+                                      fp8_weight_cache=args.fp8_weight_cache, **opts)
+            layer8.load_state_dict(layer.state_dict())
+            layer8.train()
+            fp8_layers.append(layer8)
+            params += list(layer8.parameters())
+
+            def fp8_step(layer8=layer8):
+                clear()
+                layer8(x).backward(dy)
+
+            def fp8_unfused_step(fp8_step=fp8_step):
+                with unfused_tensorwise_quantize():
+                    fp8_step()
+
+            steps.append((f"moeflow_{prec}", fp8_step))
+            if args.ablate_fused_quantize and prec == "fp8-tensorwise":
+                steps += [(f"moeflow_{prec}_unfused", fp8_unfused_step),
+                          (f"moeflow_{prec}_unfused_2", fp8_unfused_step),
+                          (f"moeflow_{prec}_2", fp8_step)]
         if args.ablate_router_gemm:  # A B B A against the default (drift cancels)
             steps += [("moeflow_float32_router_gemm", mf_f32_router_step), ("moeflow_1", mf_step),
                       ("moeflow_2", mf_step), ("moeflow_float32_router_gemm_2", mf_f32_router_step)]
         for key, fn in steps:
             ms, peak = step_stats(fn, params)
             res[key] = {"fwd_bwd_ms": ms, "peak_extra_MiB": peak}
-            if key in ("torch", "moeflow"):
+            if key in ("torch", "moeflow") or (key.startswith("moeflow_fp8")
+                                               and not key.endswith("_2")):
                 res[key]["back_to_back_ms"] = steady_ms(fn)
             if args.profile and key in ("torch", "moeflow"):
                 trace = None
@@ -402,6 +480,11 @@ def main():
                 res[key]["largest_gaps_us"] = [[round(g, 1), a, b] for g, a, b in gaps]
                 if key == "moeflow":
                     res[key]["gemm_tflops"] = gemm_rates(by_name, T * K, H, Fd)
+                top = sorted(by_name.items(), key=lambda kv: -kv[1])[:args.top]
+                res[key]["top_kernels_ms"] = {n: round(t, 4) for n, t in top}
+            if args.profile and key.startswith("moeflow_fp8") and not key.endswith("_2"):
+                total, by_name, (span, idle, gaps) = kernel_profile(fn)
+                res[key]["kernel_sum_ms"], res[key]["idle_ms"] = total, idle
                 top = sorted(by_name.items(), key=lambda kv: -kv[1])[:args.top]
                 res[key]["top_kernels_ms"] = {n: round(t, 4) for n, t in top}
             for p in params:
@@ -436,6 +519,15 @@ def main():
                      f"{m['back_to_back_idle_ms']:.2f} ms per step (step / kernels "
                      f"{mb / m['back_to_back_kernel_sum_ms']:.3f})")
         print(line, flush=True)
+        for key, r in res.items():
+            if key.startswith("moeflow_fp8"):
+                print(f"    {key}: {r['fwd_bwd_ms']:7.2f} ms ({t['fwd_bwd_ms'] / r['fwd_bwd_ms']:.2f}x "
+                      f"torch, {m['fwd_bwd_ms'] / r['fwd_bwd_ms']:.2f}x moeflow bf16), peak extra "
+                      f"{r['peak_extra_MiB']:.0f} MiB" +
+                      (f", back to back {r['back_to_back_ms']:.2f} ms ({tb / r['back_to_back_ms']:.2f}x "
+                       f"torch)" if "back_to_back_ms" in r else ""), flush=True)
+                for n, kt in r.get("top_kernels_ms", {}).items():
+                    print(f"      {kt:8.3f} ms  {n[:120]}", flush=True)
         if args.profile:
             rates = res["moeflow"]["gemm_tflops"]
             print("    grouped GEMMs (TFLOP/s of the T*K rows): " + ", ".join(
@@ -447,7 +539,7 @@ def main():
                   f"{m['idle_ms']:.2f} ms; largest gaps:", flush=True)
             for g, a, b in m["largest_gaps_us"]:
                 print(f"      {g:8.1f} us after {a} / before {b}", flush=True)
-        del layer, x, dy, params
+        del layer, x, dy, params, fp8_layers
         torch.cuda.empty_cache()
     if args.json:
         with open(args.json, "w") as f:

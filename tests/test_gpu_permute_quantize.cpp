@@ -3,7 +3,8 @@
 // included), both fp8 formats, pow2 scales, dropped slots, K > 32, unaligned
 // rows (the byte path); outputs poisoned with 0xFF first (rows past
 // total_rows must stay poisoned); CUDA graph capture + replay with new routings.
-// unpermute_backward_quantize the same way, with and without probs.
+// unpermute_backward_quantize the same way, with and without probs. The
+// tensorwise forms of both (every row written, the transposed codes).
 #include <cuda_runtime.h>
 
 #include <limits>
@@ -245,6 +246,164 @@ TEST_F(GpuPermuteQuantize, UnpermuteBackwardQuantizeMatchesCpuBitwise) {
       }
     }
   }
+}
+
+// The tensorwise forms of both ops: CUDA against the CPU reference, bitwise,
+// every row (all rows are written: codes 0 where no slot), the transposed
+// codes, the rows' probs, the scale; special values (NaN, inf: out of the
+// amax), strided and misaligned tokens, each preset-like case; then both
+// captured in one CUDA graph with a plan build and replayed with new
+// routings.
+struct TwOut {
+  Tensor y, s, t, pp;
+};
+
+TwOut tw_outputs(const RoutingPlan& plan, int64_t H, DType out, Device dev, bool transposed) {
+  return TwOut{poisoned({plan.capacity_rows, H}, out, dev), poisoned({1}, DType::kFloat32, dev),
+               transposed ? poisoned({H, plan.capacity_rows}, out, dev) : Tensor{},
+               poisoned({plan.capacity_rows}, DType::kFloat32, dev)};
+}
+
+void expect_tw_equal(const TwOut& got, const TwOut& want, bool probs_out) {
+  EXPECT_TRUE(bytes_equal(got.y.to(Device::cpu()), want.y));
+  EXPECT_TRUE(bytes_equal(got.s.to(Device::cpu()), want.s));
+  if (want.t.defined()) EXPECT_TRUE(bytes_equal(got.t.to(Device::cpu()), want.t));
+  if (probs_out) EXPECT_TRUE(bytes_equal(got.pp.to(Device::cpu()), want.pp));
+}
+
+TEST_F(GpuPermuteQuantize, TensorwiseMatchesCpuBitwise) {
+  uint32_t seed = 9000;
+  for (const PqCase& pc : kPqCases) {
+    const Case& c = pc.c;
+    for (DType dt : pc.dtypes) {
+      for (int form = 0; form < 4; ++form) {  // permute / unpermute_backward, (no) probs
+        const bool bwd = form >= 2, with_probs = form % 2 == 1;
+        const bool transposed = (seed % 3) != 0;
+        const QuantizeConfig cfg{(seed % 2) ? DType::kFloat8E4M3 : DType::kFloat8E5M2,
+                                 QuantScaling::kTensorwise, (seed % 4) == 1, false};
+        SCOPED_TRACE(name_of(c) + " cap=" + std::to_string(pc.capacity) + " " + dtype_name(dt) +
+                     " -> " + dtype_name(cfg.out) + (bwd ? " unpermute_backward" : " permute") +
+                     (with_probs ? " probs" : "") + (transposed ? " transposed" : "") +
+                     (cfg.pow2_scales ? " pow2" : ""));
+        Tensor ids = random_topk(c.T, c.K, c.E, seed++, 1.0, 0.05);
+        Built b = build_both(ids, PlanConfig{c.E, c.align, pc.capacity});
+        Tensor x = make_tensor({c.T, c.H}, dt);
+        fill_random(x, seed++, -8.0f, 8.0f);
+        add_special_values(x);
+        Tensor probs = make_tensor({c.T, c.K}, DType::kFloat32);
+        fill_random(probs, seed++, bwd ? -2.0f : 0.0f, 2.0f);
+        Tensor probs_g = probs.to(kGpu);
+        TwOut want = tw_outputs(b.cpu, c.H, cfg.out, Device::cpu(), transposed);
+        TwOut got = tw_outputs(b.gpu, c.H, cfg.out, kGpu, transposed);
+        if (bwd) {
+          unpermute_backward_quantize(x, b.cpu, with_probs ? TensorView(probs) : TensorView{},
+                                      want.y, want.s, want.t, cfg);
+          unpermute_backward_quantize(x.to(kGpu), b.gpu,
+                                      with_probs ? TensorView(probs_g) : TensorView{}, got.y, got.s,
+                                      got.t, cfg);
+        } else {
+          const PermuteExtras ec =
+              with_probs ? PermuteExtras{probs, want.pp, {}, {}} : PermuteExtras{};
+          const PermuteExtras eg =
+              with_probs ? PermuteExtras{probs_g, got.pp, {}, {}} : PermuteExtras{};
+          permute_quantize(x, b.cpu, want.y, want.s, want.t, cfg, ec);
+          permute_quantize(x.to(kGpu), b.gpu, got.y, got.s, got.t, cfg, eg);
+        }
+        MOEFLOW_CUDA_CHECK(cudaDeviceSynchronize());
+        expect_tw_equal(got, want, with_probs && !bwd);
+        if (with_probs && !bwd)
+          expect_tail_poisoned(got.pp.to(Device::cpu()), plan_status(b.cpu).total_rows);
+      }
+    }
+  }
+}
+
+TEST_F(GpuPermuteQuantize, TensorwiseStridedRows) {
+  const Case c{300, 4, 16, 1024, 16};
+  Built b = build_both(random_topk(c.T, c.K, c.E, 91), PlanConfig{c.E, c.align, -1});
+  const int64_t stride = 1032;
+  Tensor xbuf = make_tensor({c.T + 1, stride}, DType::kBFloat16);
+  fill_random(xbuf, 92, -3.0f, 3.0f);
+  Tensor xbuf_g = xbuf.to(kGpu);
+  const QuantizeConfig cfg{DType::kFloat8E4M3, QuantScaling::kTensorwise};
+  for (int64_t offset : {0, 1}) {  // 16-byte aligned rows, then not
+    SCOPED_TRACE(offset);
+    auto elem = [&](const Tensor& t) { return static_cast<uint8_t*>(t.data()) + offset * 2; };
+    auto x_c =
+        TensorView::strided(elem(xbuf), DType::kBFloat16, Device::cpu(), {c.T, c.H}, {stride, 1});
+    auto x_g = TensorView::strided(elem(xbuf_g), DType::kBFloat16, kGpu, {c.T, c.H}, {stride, 1});
+    for (bool bwd : {false, true}) {
+      TwOut want = tw_outputs(b.cpu, c.H, cfg.out, Device::cpu(), true);
+      TwOut got = tw_outputs(b.gpu, c.H, cfg.out, kGpu, true);
+      if (bwd) {
+        unpermute_backward_quantize(x_c, b.cpu, {}, want.y, want.s, want.t, cfg);
+        unpermute_backward_quantize(x_g, b.gpu, {}, got.y, got.s, got.t, cfg);
+      } else {
+        permute_quantize(x_c, b.cpu, want.y, want.s, want.t, cfg);
+        permute_quantize(x_g, b.gpu, got.y, got.s, got.t, cfg);
+      }
+      MOEFLOW_CUDA_CHECK(cudaDeviceSynchronize());
+      expect_tw_equal(got, want, false);
+    }
+  }
+}
+
+TEST_F(GpuPermuteQuantize, TensorwiseGraphCaptureReplayWithNewRoutings) {
+  const Case c{1500, 8, 64, 2048, 16};
+  const PlanConfig cfg{c.E, c.align, -1};
+  const QuantizeConfig qcfg{DType::kFloat8E4M3, QuantScaling::kTensorwise};
+  cudaStream_t stream;
+  MOEFLOW_CUDA_CHECK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+  RoutingPlan plan = allocate_plan(c.T, c.K, cfg, kGpu);
+  Tensor ws = Tensor::empty({static_cast<int64_t>(plan_workspace_bytes(c.T, c.K, cfg))},
+                            DType::kUInt8, kGpu);
+  Tensor ids_g = Tensor::empty({c.T, c.K}, DType::kInt32, kGpu);
+  Tensor x_g = Tensor::empty({c.T, c.H}, DType::kBFloat16, kGpu);
+  Tensor probs_g = Tensor::empty({c.T, c.K}, DType::kFloat32, kGpu);
+  TwOut fwd = tw_outputs(plan, c.H, qcfg.out, kGpu, true);
+  TwOut bwd = tw_outputs(plan, c.H, qcfg.out, kGpu, true);
+  auto enqueue = [&] {
+    build_plan(ids_g, plan, ws, stream);
+    permute_quantize(x_g, plan, fwd.y, fwd.s, fwd.t, qcfg, PermuteExtras{probs_g, fwd.pp, {}, {}},
+                     stream);
+    unpermute_backward_quantize(x_g, plan, probs_g, bwd.y, bwd.s, bwd.t, qcfg, stream);
+  };
+  copy(random_topk(c.T, c.K, c.E, 1), ids_g, stream);
+  enqueue();  // warm-up outside the capture (module load)
+  MOEFLOW_CUDA_CHECK(cudaStreamSynchronize(stream));
+  cudaGraph_t graph;
+  MOEFLOW_CUDA_CHECK(cudaStreamBeginCapture(stream, cudaStreamCaptureModeGlobal));
+  enqueue();
+  MOEFLOW_CUDA_CHECK(cudaStreamEndCapture(stream, &graph));
+  cudaGraphExec_t exec;
+  MOEFLOW_CUDA_CHECK(cudaGraphInstantiate(&exec, graph, 0));
+  for (int replay = 0; replay < 3; ++replay) {
+    SCOPED_TRACE(replay);
+    Tensor ids = random_topk(c.T, c.K, c.E, 800 + replay, replay * 1.0, 0.05);
+    Tensor x = make_tensor({c.T, c.H}, DType::kBFloat16);
+    fill_random(x, 900 + replay, -5.0f, 5.0f);
+    Tensor probs = make_tensor({c.T, c.K}, DType::kFloat32);
+    fill_random(probs, 1000 + replay, 0.0f, 1.0f);
+    copy(ids, ids_g, stream);
+    copy(x, x_g, stream);
+    copy(probs, probs_g, stream);
+    for (const TwOut* o : {&fwd, &bwd})
+      for (const Tensor* t : {&o->y, &o->s, &o->t, &o->pp}) fill_bytes(*t, 0xFF, stream);
+    MOEFLOW_CUDA_CHECK(cudaGraphLaunch(exec, stream));
+    MOEFLOW_CUDA_CHECK(cudaStreamSynchronize(stream));
+    RoutingPlan cpu_plan = allocate_plan(c.T, c.K, cfg, Device::cpu());
+    build_plan(ids, cpu_plan);
+    TwOut want_f = tw_outputs(cpu_plan, c.H, qcfg.out, Device::cpu(), true);
+    TwOut want_b = tw_outputs(cpu_plan, c.H, qcfg.out, Device::cpu(), true);
+    permute_quantize(x, cpu_plan, want_f.y, want_f.s, want_f.t, qcfg,
+                     PermuteExtras{probs, want_f.pp, {}, {}});
+    unpermute_backward_quantize(x, cpu_plan, probs, want_b.y, want_b.s, want_b.t, qcfg);
+    expect_tw_equal(fwd, want_f, true);
+    expect_tw_equal(bwd, want_b, false);
+  }
+  cudaGraphExecDestroy(exec);
+  cudaGraphDestroy(graph);
+  cudaStreamDestroy(stream);
 }
 
 }  // namespace

@@ -217,12 +217,17 @@ TEST(PermuteQuantize, BadInputErrors) {
   Tensor ysbf = make_tensor({cap, 2}, DType::kBFloat16);
   EXPECT_NE(message_of([&] { permute_quantize(x, plan, y, ysbf, cfg); }).find(want_ys), std::string::npos);
 
-  for (QuantScaling s : {QuantScaling::kTensorwise, QuantScaling::kBlock128x128}) {
-    const QuantizeConfig bad{DType::kFloat8E4M3, s, false, false};
-    EXPECT_NE(message_of([&] { permute_quantize(x, plan, y, ys, bad); })
-                  .find("QuantizeConfig.scaling must be kBlock1x128"),
-              std::string::npos);
-  }
+  const QuantizeConfig bad{DType::kFloat8E4M3, QuantScaling::kBlock128x128, false, false};
+  EXPECT_NE(message_of([&] {
+              permute_quantize(x, plan, y, ys, bad);
+            }).find("QuantizeConfig.scaling must be kBlock1x128 (1x128 rowwise) or kTensorwise"),
+            std::string::npos);
+  // kTensorwise takes one scale (test_permute_quantize_tensorwise.cpp).
+  const QuantizeConfig tw{DType::kFloat8E4M3, QuantScaling::kTensorwise, false, false};
+  EXPECT_NE(message_of([&] {
+              permute_quantize(x, plan, y, ys, tw);
+            }).find("y_scales must be float32 [1]"),
+            std::string::npos);
   const QuantizeConfig colwise{DType::kFloat8E4M3, QuantScaling::kBlock1x128, false, true};
   EXPECT_NE(message_of([&] { permute_quantize(x, plan, y, ys, colwise); })
                 .find("QuantizeConfig.columnwise must be false"),

@@ -49,6 +49,21 @@ void permute(TensorView x, const RoutingPlan& plan, TensorView y, const PermuteE
 void permute_quantize(TensorView x, const RoutingPlan& plan, TensorView y, TensorView y_scales,
                       const QuantizeConfig& config, const PermuteExtras& extras = {},
                       cudaStream_t stream = nullptr);
+// The tensorwise recipe (config.scaling kTensorwise, the fp8-tensorwise FC1
+// input): exactly permute(x, plan, tmp, extras) into a tmp [capacity,H] of
+// x's dtype, then quantize_group_rows(tmp, GroupLayout::from_plan(plan),
+// config, y, y_scales[, y_t]), bit for bit on both backends: one scale, from
+// the amax of the kept slots' tokens; every row holding no slot (pad rows,
+// rows >= total_rows) written as code 0.
+//   y_scales: [1] float32.
+//   y_t:      optional [H, capacity] config.out, contiguous: y transposed (the
+//             tensorwise FP8 wgrad's operand), from the same pass.
+// CUDA: the amax over the tokens (each read once), then the codes of the
+// rows (each token read once per kept slot) and the scale; no host sync, no
+// allocation; graph-capturable.
+void permute_quantize(TensorView x, const RoutingPlan& plan, TensorView y, TensorView y_scales,
+                      TensorView y_t, const QuantizeConfig& config,
+                      const PermuteExtras& extras = {}, cudaStream_t stream = nullptr);
 
 // out[t] = sum over k of w[t,k] * y[dest_row[t,k]], accumulated in float32 in
 // ascending k order (bitwise deterministic); dropped/unrouted slots add nothing.
@@ -96,6 +111,18 @@ void unpermute_backward(TensorView dout, const RoutingPlan& plan, TensorView y_f
 // CUDA: one kernel, no host sync, no allocation; graph-capturable.
 void unpermute_backward_quantize(TensorView dout, const RoutingPlan& plan, TensorView probs,
                                  TensorView dy, TensorView dy_scales,
+                                 const QuantizeConfig& config, cudaStream_t stream = nullptr);
+// The tensorwise recipe (config.scaling kTensorwise, the fp8-tensorwise FC2
+// dgrad input): exactly unpermute_backward(dout, plan, {}, probs, tmp) into a
+// tmp [capacity,H] of dout's dtype, then quantize_group_rows(tmp,
+// GroupLayout::from_plan(plan), config, dy, dy_scales[, dy_t]), bit for bit
+// on both backends (one scale from the amax of the kept slots' w * dout;
+// every row holding no slot, rows >= total_rows included, code 0).
+//   dy_scales: [1] float32.
+//   dy_t:      optional [H, capacity] config.out, contiguous: dy transposed.
+// CUDA: as permute_quantize's tensorwise form.
+void unpermute_backward_quantize(TensorView dout, const RoutingPlan& plan, TensorView probs,
+                                 TensorView dy, TensorView dy_scales, TensorView dy_t,
                                  const QuantizeConfig& config, cudaStream_t stream = nullptr);
 
 }  // namespace moeflow

@@ -17,7 +17,7 @@ from typing import Optional, Tuple
 
 import torch
 
-from . import _C, ops
+from . import _C, _mlp_io, ops
 from ._ops_common import _grad_into, _stream
 
 RECIPES = ("bf16", "fp8-blockwise", "fp8-tensorwise")
@@ -164,15 +164,27 @@ class GroupedMlpFp8(torch.autograd.Function):
     def forward(ctx, x, fc1, fc2, probs, args):
         offsets, real_rows, cfg, recipe, main, plan, cache, wgrad8, source, into_grad = args
         x = x.detach().contiguous()
-        if source is not None:  # the experts' rows and each row's prob
-            x, probs = source.forward(x, None if probs is None else probs.detach())
+        probs = None if probs is None else probs.detach()
         x_t = None  # x's columnwise codes and scales (FC1's FP8 wgrad), instead of x
-        if wgrad8 and ctx is not None and fc1.requires_grad:
-            xq, xs, xq_t, xs_t = quantize_both_ways(x, recipe, offsets, real_rows)
+        xq = None  # x's rowwise codes and scales (FC1's input)
+        want_x_t = wgrad8 and ctx is not None and fc1.requires_grad
+        if (isinstance(source, _mlp_io.PermuteSource) and recipe == "fp8-tensorwise"
+                and not (ctx is not None and fc1.requires_grad and not wgrad8)):
+            # The codes straight from the tokens: no 16-bit rows (no wgrad reads them).
+            xq, xs, xq_t, probs = source.forward_tensorwise(x, probs, want_x_t)
+            x = None
+            if want_x_t:
+                x_t = (xq_t, xs)
+        else:
+            if source is not None:  # the experts' rows and each row's prob
+                x, probs = source.forward(x, probs)
+            if want_x_t:
+                xq, xs, xq_t, xs_t = quantize_both_ways(x, recipe, offsets, real_rows)
+                x_t = (xq_t, xs_t)
+        if xq is not None:
             w1q, w1s = weight_codes(fc1, recipe, False, cache)
             h = ops.grouped_gemm_fp8_forward(xq, xs, w1q, w1s, offsets, real_rows)
             del xq, xs
-            x_t = (xq_t, xs_t)
         else:
             h = _gemm(x, fc1, recipe, offsets, real_rows, False, cache)  # bf16 [rows, N1]
         p = None if probs is None else probs.detach().contiguous()
@@ -212,24 +224,36 @@ class GroupedMlpFp8(torch.autograd.Function):
         wgrad8 = ctx.wgrad8
         s = _stream(h)
         rows = h.shape[0]
+        dy_t = None  # dY's columnwise codes and scales (FC2's FP8 wgrad)
+        dyq = None  # dY's rowwise codes and scales (FC2's dgrad input)
         if plan is not None:
             dout = dy.contiguous()
-            dy = dout.new_empty(rows, fc2.shape[1])
-            _C.unpermute_backward(dout, plan._view, None, None, dy, None, s)
+            if recipe == "fp8-tensorwise" and (wgrad8 or not need[2]):
+                # The codes straight from dout: no 16-bit rows (no wgrad reads them).
+                t = bool(wgrad8 and need[2])
+                got = ops.unpermute_backward_quantize(dout, plan, scaling="tensorwise",
+                                                      transposed=t)
+                dyq, dys = got[0], got[1]
+                dy_t = (got[2], dys) if t else None
+                dy = None
+            else:
+                dy = dout.new_empty(rows, fc2.shape[1])
+                _C.unpermute_backward(dout, plan._view, None, None, dy, None, s)
             del dout
         else:
             dy = dy.contiguous()
         F = fc2.shape[2]
         d_h = torch.empty_like(h)
         # FC2's dgrad writes d(a) straight into d_h's last F columns (all of them when plain)
-        dy_t = None  # dY's columnwise codes and scales (FC2's FP8 wgrad)
-        if wgrad8 and need[2]:
+        if dyq is None and wgrad8 and need[2]:
             dyq, dys, dyq_t, dys_t = quantize_both_ways(dy, recipe, offsets, real_rows)
+            dy_t = (dyq_t, dys_t)
+        if dyq is not None:
             w2q, w2s = weight_codes(fc2, recipe, True, cache)
             ops.grouped_gemm_fp8_forward(dyq, dys, w2q, w2s, offsets, real_rows,
                                          out=d_h[:, d_h.shape[1] - F:])
             del dyq, dys, dy
-            dy, dy_t = None, (dyq_t, dys_t)
+            dy = None
         else:
             _gemm(dy, fc2, recipe, offsets, real_rows, True, cache, out=d_h[:, d_h.shape[1] - F:])
         dprobs = None

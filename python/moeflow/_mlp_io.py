@@ -38,6 +38,23 @@ class PermuteSource:
                    None, None, _stream(x))
         return rows, row_probs
 
+    def forward_tensorwise(self, x, probs, transposed):
+        """forward's rows as the fp8-tensorwise recipe's e4m3 codes, with x
+        read by the quantize (ops.permute_quantize, scaling "tensorwise"): the
+        bf16 rows are never written. Returns (codes, scale [1], the codes
+        transposed or None, row_probs)."""
+        plan, cap, H = self.plan, self.plan.capacity_rows, x.shape[1]
+        self.x_meta = (x.shape, x.dtype)
+        fp8 = torch.float8_e4m3fn
+        q = torch.empty((cap, H), dtype=fp8, device=x.device)
+        scale = _empty(1, dtype=_float32, device=x.device)
+        q_t = torch.empty((H, cap), dtype=fp8, device=x.device) if transposed else None
+        row_probs = None if probs is None else _empty(cap, dtype=_float32, device=x.device)
+        _C.permute_quantize(x, plan._view, q, scale, "e4m3", False,
+                            None if probs is None else probs.contiguous(), row_probs, _stream(x),
+                            "tensorwise", q_t)
+        return q, scale, q_t, row_probs
+
     def backward(self, d_rows, d_row_probs, want_dx):
         plan = self.plan
         shape, dtype = self.x_meta

@@ -207,48 +207,70 @@ def permute(x: torch.Tensor, plan: Plan, probs: Optional[torch.Tensor] = None,
 
 
 def permute_quantize(x: torch.Tensor, plan: Plan, probs: Optional[torch.Tensor] = None,
-                     fp8_format: str = "e4m3", pow2_scales: bool = False):
+                     fp8_format: str = "e4m3", pow2_scales: bool = False,
+                     scaling: str = "1x128", transposed: bool = False):
     """x [T, H] bf16/fp16/float32 -> (rows [capacity, H] fp8 expert-major and
     padded, with their 1x128 scales rows_scales [capacity, ceil(H/128)]
     float32; probs of every row [capacity] float32 or None): exactly
     ``quantize(x, fp8_format, "1x128")`` then :func:`permute` of the fp8 rows
     with their scales, with x read once (pad rows: code 0, scale 0). Returns
-    (rows, row_probs, row_scales). Not differentiable (the FP8 forward
-    input of the experts)."""
+    (rows, row_probs, row_scales). ``scaling="tensorwise"``: exactly
+    :func:`permute` then :func:`quantize_group_rows` over the plan's groups
+    (one scale [1] from the kept slots' tokens; every row without a slot
+    code 0), the tokens read once for the amax and once per slot for the
+    codes; with ``transposed`` a fourth output, rows_t [H, capacity] (the
+    codes transposed, the tensorwise wgrad's operand), from the same pass.
+    Not differentiable (the FP8 forward input of the experts)."""
     x = _rows(x.detach())
     fp8 = _FP8.get(fp8_format, torch.float8_e4m3fn)
-    y = torch.empty((plan.capacity_rows, x.shape[1]), dtype=fp8, device=x.device)
-    scales = torch.empty((plan.capacity_rows, -(-x.shape[1] // 128)), dtype=torch.float32,
-                         device=x.device)
+    y, scales, y_t = _fp8_rows_out(plan, x, fp8, scaling, transposed)
     pp = None
     if probs is not None:
         probs = probs.detach().contiguous()
         pp = torch.empty(plan.capacity_rows, dtype=torch.float32, device=x.device)
     _C.permute_quantize(x, plan._view, y, scales, fp8_format, bool(pow2_scales), probs, pp,
-                        _stream(x))
-    return y, pp, scales
+                        _stream(x), scaling, y_t)
+    return (y, pp, scales, y_t) if transposed else (y, pp, scales)
+
+
+def _fp8_rows_out(plan: Plan, x: torch.Tensor, fp8, scaling: str, transposed: bool):
+    """The outputs of the permute_quantize ops: rows, scales and, for
+    ``transposed`` (tensorwise only), the rows' codes transposed."""
+    if scaling not in ("1x128", "tensorwise"):
+        raise _C.Error(f"scaling must be '1x128' or 'tensorwise', got {scaling!r}")
+    if transposed and scaling != "tensorwise":
+        raise _C.Error("transposed=True needs scaling='tensorwise'")
+    cap, H = plan.capacity_rows, x.shape[1]
+    y = torch.empty((cap, H), dtype=fp8, device=x.device)
+    scales = torch.empty((1,) if scaling == "tensorwise" else (cap, -(-H // 128)),
+                         dtype=torch.float32, device=x.device)
+    y_t = torch.empty((H, cap), dtype=fp8, device=x.device) if transposed else None
+    return y, scales, y_t
 
 
 def unpermute_backward_quantize(dout: torch.Tensor, plan: Plan,
                                 probs: Optional[torch.Tensor] = None,
-                                fp8_format: str = "e4m3", pow2_scales: bool = False):
+                                fp8_format: str = "e4m3", pow2_scales: bool = False,
+                                scaling: str = "1x128", transposed: bool = False):
     """The gradient of :func:`unpermute` as FP8 rows for an FP8 FC2 dgrad:
     dout [T, H] bf16/fp16/float32 -> (dy [capacity, H] fp8 expert-major with
     its 1x128 scales dy_scales [capacity, ceil(H/128)] float32), exactly the
     rows unpermute's backward writes (each slot's w * dout, rounded to dout's
     dtype, with ``probs`` [T, K]) quantized rowwise, with dout read once. Pad
     rows: code 0, scale 1; rows past ``plan.total_rows`` are left as
-    allocated. Not differentiable; the probs' gradient needs the forward rows
-    (unpermute's own backward)."""
+    allocated. ``scaling="tensorwise"``: those rows quantized by
+    :func:`quantize_group_rows` over the plan's groups (dy_scales [1]; every
+    row without a slot code 0), with ``transposed`` a third output dy_t [H,
+    capacity] from the same pass. Not differentiable; the probs' gradient
+    needs the forward rows (unpermute's own backward)."""
     dout = _rows(dout.detach())
     fp8 = _FP8.get(fp8_format, torch.float8_e4m3fn)
-    dy = torch.empty((plan.capacity_rows, dout.shape[1]), dtype=fp8, device=dout.device)
-    scales = torch.empty((plan.capacity_rows, -(-dout.shape[1] // 128)), dtype=torch.float32,
-                         device=dout.device)
+    dy, scales, dy_t = _fp8_rows_out(plan, dout, fp8, scaling, transposed)
     _C.unpermute_backward_quantize(dout, plan._view,
                                    None if probs is None else probs.detach().contiguous(), dy,
-                                   scales, fp8_format, bool(pow2_scales), _stream(dout))
-    return dy, scales
+                                   scales, fp8_format, bool(pow2_scales), _stream(dout), scaling,
+                                   dy_t)
+    return (dy, scales, dy_t) if transposed else (dy, scales)
 
 
 class _Unpermute(torch.autograd.Function):

@@ -403,28 +403,32 @@ NB_MODULE(_C, m) {
       "permute_quantize",
       [](const AnyArray& x, const PyPlan& p, const AnyArray& y, const Array& y_scales,
          const std::string& fmt, bool pow2, const std::optional<Array>& probs,
-         const std::optional<Array>& pprobs, uintptr_t s) {
+         const std::optional<Array>& pprobs, uintptr_t s, const std::string& scaling,
+         const std::optional<Array>& y_t) {
         PermuteExtras e;
         e.probs = opt_view(probs, "probs");
         e.permuted_probs = opt_view(pprobs, "permuted_probs");
         permute_quantize(rows_of(x, "x"), p.plan, rows_of(y, "y"), view_of(y_scales, "y_scales"),
-                         quantize_config(fmt, "1x128", pow2, false), e, stream_of(s));
+                         opt_view(y_t, "y_t"), quantize_config(fmt, scaling, pow2, false), e,
+                         stream_of(s));
       },
       nb::arg("x"), nb::arg("plan"), nb::arg("y"), nb::arg("y_scales"), nb::arg("fp8_format"),
       nb::arg("pow2_scales"), nb::arg("probs").none() = nb::none(),
-      nb::arg("permuted_probs").none() = nb::none(), nb::arg("stream") = 0);
+      nb::arg("permuted_probs").none() = nb::none(), nb::arg("stream") = 0,
+      nb::arg("scaling") = "1x128", nb::arg("y_t").none() = nb::none());
   m.def(
       "unpermute_backward_quantize",
       [](const AnyArray& dout, const PyPlan& p, const std::optional<Array>& probs,
-         const AnyArray& dy, const Array& dy_scales, const std::string& fmt, bool pow2,
-         uintptr_t s) {
+         const AnyArray& dy, const Array& dy_scales, const std::string& fmt, bool pow2, uintptr_t s,
+         const std::string& scaling, const std::optional<Array>& dy_t) {
         unpermute_backward_quantize(rows_of(dout, "dout"), p.plan, opt_view(probs, "probs"),
                                     rows_of(dy, "dy"), view_of(dy_scales, "dy_scales"),
-                                    quantize_config(fmt, "1x128", pow2, false), stream_of(s));
+                                    opt_view(dy_t, "dy_t"),
+                                    quantize_config(fmt, scaling, pow2, false), stream_of(s));
       },
       nb::arg("dout"), nb::arg("plan"), nb::arg("probs").none(), nb::arg("dy"),
-      nb::arg("dy_scales"), nb::arg("fp8_format"), nb::arg("pow2_scales"),
-      nb::arg("stream") = 0);
+      nb::arg("dy_scales"), nb::arg("fp8_format"), nb::arg("pow2_scales"), nb::arg("stream") = 0,
+      nb::arg("scaling") = "1x128", nb::arg("dy_t").none() = nb::none());
   m.def(
       "unpermute",
       [](const AnyArray& y, const PyPlan& p, const AnyArray& out, const std::optional<Array>& probs,

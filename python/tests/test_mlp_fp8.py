@@ -165,7 +165,9 @@ def test_fp8_wgrad(device, main_grad, precision):
 def test_permute_in_the_node_is_the_chained_ops(device, precision, wgrad8):
     """grouped_mlp(..., permute=True, unpermute=True) on the tokens gives the
     output and every gradient (tokens, probs, weights) of permute then
-    grouped_mlp(..., unpermute=True), bit for bit."""
+    grouped_mlp(..., unpermute=True), and of permute, grouped_mlp, unpermute
+    as three ops, bit for bit (tensorwise: the node quantizes the tokens and
+    dout straight into the rows' codes)."""
     g = torch.Generator().manual_seed(7)
     E, H, F, T, K = 4, 256, 256, 150, 2
     x0 = torch.randn(T, H, generator=g).bfloat16().to(device)
@@ -176,19 +178,22 @@ def test_permute_in_the_node_is_the_chained_ops(device, precision, wgrad8):
     dy = torch.randn(T, H, generator=g).bfloat16().to(device)
     plan = mf.Plan(ids, E, 128 if wgrad8 and precision == "fp8-blockwise" else 16)
     res = []
-    for fused in (True, False):
+    for mode in ("node", "rows", "ops"):
         x, p = x0.clone().requires_grad_(), p0.clone().requires_grad_()
         w1, w2 = (w.clone().requires_grad_() for w in w0)
-        kw = dict(plan=plan, unpermute=True, precision=precision, fp8_wgrad=wgrad8)
-        if fused:
-            out = mf.grouped_mlp(x, w1, w2, probs=p, permute=True, **kw)
+        kw = dict(plan=plan, precision=precision, fp8_wgrad=wgrad8)
+        if mode == "node":
+            out = mf.grouped_mlp(x, w1, w2, probs=p, permute=True, unpermute=True, **kw)
+        elif mode == "rows":
+            rows, rp = mf.permute(x, plan, p)
+            out = mf.grouped_mlp(rows, w1, w2, probs=rp, unpermute=True, **kw)
         else:
             rows, rp = mf.permute(x, plan, p)
-            out = mf.grouped_mlp(rows, w1, w2, probs=rp, **kw)
+            out = mf.unpermute(mf.grouped_mlp(rows, w1, w2, probs=rp, **kw), plan)
         out.backward(dy)
         res.append((out, x.grad, p.grad, w1.grad, w2.grad))
-    for name, a, b in zip(("out", "dx", "dprobs", "dW1", "dW2"), *res):
-        assert a is not None and torch.equal(a, b), name
+    for name, a, b, c in zip(("out", "dx", "dprobs", "dW1", "dW2"), *res):
+        assert a is not None and torch.equal(a, b) and torch.equal(a, c), name
 
 
 @pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] != 9,

@@ -165,6 +165,73 @@ def test_unpermute_backward_quantize_is_the_backward_rows_quantized(device, fmt,
     assert torch.equal(sc[:rows], s)
 
 
+def _drop_some(ids: torch.Tensor) -> torch.Tensor:
+    """Unrouted slots (-1) and a token with none kept (out of the amax)."""
+    ids = ids.clone()
+    ids[3, 1] = -1
+    ids[5, :] = -1
+    return ids
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("fmt", ["e4m3", "e5m2"])
+@pytest.mark.parametrize("H", [300, 256])
+def test_permute_quantize_tensorwise_is_permute_then_group_rows(device, fmt, H):
+    T, E, K = 40, 6, 2
+    g = torch.Generator().manual_seed(5)
+    x = (torch.randn(T, H, generator=g) * 4).to(device, torch.bfloat16)
+    x[5] = 1000.0  # the largest token routes nowhere: not in the scale
+    ids = torch.randint(0, E, (T, K), generator=g, dtype=torch.int32)
+    ids[:, 1] = (ids[:, 0] + 1) % E
+    plan = mf.Plan(_drop_some(ids).to(device), E, align=16)
+    probs = torch.rand(T, K, generator=g).to(device)
+    y, pp, sc, y_t = mf.permute_quantize(x, plan, probs, fmt, scaling="tensorwise",
+                                         transposed=True)
+    rows, rp = mf.permute(x, plan, probs)
+    q, s, q_t = mf.quantize_group_rows(rows, plan.expert_row_offsets, plan.tokens_per_expert,
+                                       fmt, transposed=True)
+    assert sc.shape == (1,) and torch.equal(sc, s) and float(s) < 1000.0 / 400
+    assert torch.equal(y.view(torch.uint8), q.view(torch.uint8))  # every row, tail included
+    assert torch.equal(y_t.view(torch.uint8), q_t.view(torch.uint8))
+    n = int(plan.total_rows)
+    assert torch.equal(pp[:n], rp[:n])
+    y2, pp2, sc2 = mf.permute_quantize(x, plan, None, fmt, scaling="tensorwise")
+    assert pp2 is None and torch.equal(y2.view(torch.uint8), q.view(torch.uint8))
+    assert torch.equal(sc2, s)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("with_probs", [False, True])
+def test_unpermute_backward_quantize_tensorwise(device, with_probs):
+    T, H, E, K = 40, 256, 6, 2
+    g = torch.Generator().manual_seed(6)
+    dout = (torch.randn(T, H, generator=g) * 4).to(device, torch.bfloat16)
+    ids = torch.randint(0, E, (T, K), generator=g, dtype=torch.int32)
+    ids[:, 1] = (ids[:, 0] + 1) % E
+    plan = mf.Plan(_drop_some(ids).to(device), E, align=16)
+    probs = torch.rand(T, K, generator=g).to(device) if with_probs else None
+    dy, sc, dy_t = mf.unpermute_backward_quantize(dout, plan, probs, scaling="tensorwise",
+                                                  transposed=True)
+    y = torch.zeros(plan.capacity_rows, H, dtype=torch.bfloat16, device=device,
+                    requires_grad=True)
+    p = None if probs is None else probs.clone().requires_grad_(True)
+    mf.unpermute(y, plan, p).backward(dout)
+    q, s, q_t = mf.quantize_group_rows(y.grad, plan.expert_row_offsets, plan.tokens_per_expert,
+                                       transposed=True)
+    assert torch.equal(sc, s)
+    assert torch.equal(dy.view(torch.uint8), q.view(torch.uint8))
+    assert torch.equal(dy_t.view(torch.uint8), q_t.view(torch.uint8))
+
+
+def test_permute_quantize_bad_scaling():
+    plan = mf.Plan(torch.zeros(4, 1, dtype=torch.int32), 2, align=16)
+    x = torch.randn(4, 256).bfloat16()
+    with pytest.raises(mf._C.Error, match="transposed=True needs scaling='tensorwise'"):
+        mf.permute_quantize(x, plan, transposed=True)
+    with pytest.raises(mf._C.Error, match="scaling must be"):
+        mf.unpermute_backward_quantize(x, plan, scaling="128x128")
+
+
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("activation", ["swiglu", "gelu"])
 def test_activation_quantize_is_the_activation_quantized(device, activation):

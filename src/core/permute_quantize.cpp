@@ -19,18 +19,47 @@ Expect rows_of(const std::vector<DType>& dtypes, int64_t rows, int64_t cols, Dev
   return e;
 }
 
-// The config both ops take: fp8 out, 1x128 rowwise.
-void check_rowwise_fp8(const QuantizeConfig& config, const char* op) {
+// The config both ops take: fp8 out, rowwise, 1x128 blocks or one scale
+// (kTensorwise, the only form with a transposed output: with_t).
+void check_rowwise_fp8(const QuantizeConfig& config, const char* op, bool with_t) {
   MOEFLOW_CHECK(config.out == DType::kFloat8E4M3 || config.out == DType::kFloat8E5M2, op,
                 ": QuantizeConfig.out must be float8_e4m3 or float8_e5m2, got ",
                 dtype_name(config.out));
-  MOEFLOW_CHECK(config.scaling == QuantScaling::kBlock1x128, op,
-                ": QuantizeConfig.scaling must be kBlock1x128 (1x128 rowwise), got ",
-                config.scaling == QuantScaling::kTensorwise     ? "kTensorwise"
-                : config.scaling == QuantScaling::kBlock128x128 ? "kBlock128x128"
-                                                                : "an unknown value");
+  const bool tensor = config.scaling == QuantScaling::kTensorwise;
+  MOEFLOW_CHECK(tensor || (!with_t && config.scaling == QuantScaling::kBlock1x128), op,
+                ": QuantizeConfig.scaling must be ",
+                with_t ? "kTensorwise (with the transposed output)"
+                       : "kBlock1x128 (1x128 rowwise) or kTensorwise",
+                ", got ",
+                config.scaling == QuantScaling::kBlock128x128 ? "kBlock128x128"
+                : config.scaling == QuantScaling::kBlock1x128 ? "kBlock1x128"
+                                                              : "an unknown value");
   MOEFLOW_CHECK(!config.columnwise, op,
                 ": QuantizeConfig.columnwise must be false (rows are permuted)");
+}
+
+// The rows' scales: [capacity, ceil(H/128)] (1x128) or [1] (tensorwise); the
+// transposed codes (tensorwise only): [H, capacity] contiguous or undefined.
+void check_scales(const RoutingPlan& plan, const QuantizeConfig& config, TensorView scales,
+                  const char* scales_name, TensorView y, TensorView t, const char* t_name,
+                  int64_t hidden) {
+  const Device dev = plan.device;
+  if (config.scaling == QuantScaling::kTensorwise) {
+    detail::expect(scales, scales_name, Expect{{DType::kFloat32}, {1}, dev});
+    if (t.defined()) {
+      const int64_t rows = plan.capacity_rows;
+      detail::expect(t, t_name, Expect{{config.out}, {hidden, rows}, dev});
+      // (the codes' last row may be strided: their span is rows * stride)
+      const auto* yb = static_cast<const uint8_t*>(y.data);
+      const auto* tb = static_cast<const uint8_t*>(t.data);
+      const int64_t y_span = rows > 0 ? (rows - 1) * y.strides[0] + hidden : 0;
+      MOEFLOW_CHECK(tb + rows * hidden <= yb || yb + y_span <= tb, t_name,
+                    " must not overlap the codes");
+    }
+    return;
+  }
+  const int64_t nb = (hidden + quant::kBlock - 1) / quant::kBlock;
+  detail::expect(scales, scales_name, Expect{{DType::kFloat32}, {plan.capacity_rows, nb}, dev});
 }
 
 }  // namespace
@@ -38,23 +67,37 @@ void check_rowwise_fp8(const QuantizeConfig& config, const char* op) {
 void unpermute_backward_quantize(TensorView dout, const RoutingPlan& plan, TensorView probs,
                                  TensorView dy, TensorView dy_scales,
                                  const QuantizeConfig& config, cudaStream_t stream) {
+  unpermute_backward_quantize(dout, plan, probs, dy, dy_scales, TensorView{}, config, stream);
+}
+
+void unpermute_backward_quantize(TensorView dout, const RoutingPlan& plan, TensorView probs,
+                                 TensorView dy, TensorView dy_scales, TensorView dy_t,
+                                 const QuantizeConfig& config, cudaStream_t stream) {
   MOEFLOW_CHECK(plan.tokens_per_expert.defined(), "plan was not allocated (use allocate_plan)");
-  check_rowwise_fp8(config, "unpermute_backward_quantize");
+  check_rowwise_fp8(config, "unpermute_backward_quantize", dy_t.defined());
   const Device dev = plan.device;
   detail::expect_defined(dout, "dout");
   MOEFLOW_CHECK(dout.ndim == 2, "dout must be [T,H], got ", dout.str());
   const int64_t hidden = dout.shape[1];
-  const int64_t nb = (hidden + quant::kBlock - 1) / quant::kBlock;
   detail::expect(dout, "dout",
                  rows_of({DType::kFloat32, DType::kBFloat16, DType::kFloat16}, plan.num_tokens,
                          hidden, dev));
   detail::expect(dy, "dy", rows_of({config.out}, plan.capacity_rows, hidden, dev));
-  detail::expect(dy_scales, "dy_scales", Expect{{DType::kFloat32}, {plan.capacity_rows, nb}, dev});
+  check_scales(plan, config, dy_scales, "dy_scales", dy, dy_t, "dy_t", hidden);
   if (probs.defined())
     detail::expect(probs, "probs", Expect{{DType::kFloat32}, {plan.num_tokens, plan.topk}, dev});
-  if (dev.is_cpu()) return cpu::unpermute_backward_quantize(dout, plan, probs, dy, dy_scales, config);
+  const bool tensor = config.scaling == QuantScaling::kTensorwise;
+  if (dev.is_cpu()) {
+    if (tensor)
+      return cpu::permute_quantize_tensorwise(dout, plan, probs, dy, dy_scales, dy_t, config, {},
+                                              {});
+    return cpu::unpermute_backward_quantize(dout, plan, probs, dy, dy_scales, config);
+  }
 #ifdef MOEFLOW_WITH_CUDA
   detail::cuda_set_device(dev.index);
+  if (tensor)
+    return cuda::permute_quantize_tensorwise(dout, plan, probs, dy, dy_scales, dy_t, config, {}, {},
+                                             stream);
   cuda::unpermute_backward_quantize(dout, plan, probs, dy, dy_scales, config, stream);
 #else
   (void)stream;
@@ -65,18 +108,23 @@ void unpermute_backward_quantize(TensorView dout, const RoutingPlan& plan, Tenso
 void permute_quantize(TensorView x, const RoutingPlan& plan, TensorView y, TensorView y_scales,
                       const QuantizeConfig& config, const PermuteExtras& extras,
                       cudaStream_t stream) {
+  permute_quantize(x, plan, y, y_scales, TensorView{}, config, extras, stream);
+}
+
+void permute_quantize(TensorView x, const RoutingPlan& plan, TensorView y, TensorView y_scales,
+                      TensorView y_t, const QuantizeConfig& config, const PermuteExtras& extras,
+                      cudaStream_t stream) {
   MOEFLOW_CHECK(plan.tokens_per_expert.defined(), "plan was not allocated (use allocate_plan)");
-  check_rowwise_fp8(config, "permute_quantize");
+  check_rowwise_fp8(config, "permute_quantize", y_t.defined());
   const Device dev = plan.device;
   detail::expect_defined(x, "x");
   MOEFLOW_CHECK(x.ndim == 2, "x must be [T,H], got ", x.str());
   const int64_t hidden = x.shape[1];
-  const int64_t nb = (hidden + quant::kBlock - 1) / quant::kBlock;
   detail::expect(x, "x",
                  rows_of({DType::kFloat32, DType::kBFloat16, DType::kFloat16}, plan.num_tokens,
                          hidden, dev));
   detail::expect(y, "y", rows_of({config.out}, plan.capacity_rows, hidden, dev));
-  detail::expect(y_scales, "y_scales", Expect{{DType::kFloat32}, {plan.capacity_rows, nb}, dev});
+  check_scales(plan, config, y_scales, "y_scales", y, y_t, "y_t", hidden);
   MOEFLOW_CHECK(!extras.scales.defined() && !extras.permuted_scales.defined(),
                 "permute_quantize: PermuteExtras.scales and permuted_scales must be empty "
                 "(the scales of y are written to y_scales)");
@@ -88,9 +136,18 @@ void permute_quantize(TensorView x, const RoutingPlan& plan, TensorView y, Tenso
     detail::expect(extras.permuted_probs, "permuted_probs",
                    Expect{{DType::kFloat32}, {plan.capacity_rows}, dev});
   }
-  if (dev.is_cpu()) return cpu::permute_quantize(x, plan, y, y_scales, config, extras);
+  const bool tensor = config.scaling == QuantScaling::kTensorwise;
+  if (dev.is_cpu()) {
+    if (tensor)
+      return cpu::permute_quantize_tensorwise(x, plan, {}, y, y_scales, y_t, config, extras.probs,
+                                              extras.permuted_probs);
+    return cpu::permute_quantize(x, plan, y, y_scales, config, extras);
+  }
 #ifdef MOEFLOW_WITH_CUDA
   detail::cuda_set_device(dev.index);
+  if (tensor)
+    return cuda::permute_quantize_tensorwise(x, plan, {}, y, y_scales, y_t, config, extras.probs,
+                                             extras.permuted_probs, stream);
   cuda::permute_quantize(x, plan, y, y_scales, config, extras, stream);
 #else
   (void)stream;

@@ -4,8 +4,12 @@
 // [T, ceil(H/128)] scales, then permute of those rows with the scales as
 // PermuteExtras.scales. unpermute_backward_quantize: unpermute_backward into
 // a temporary [capacity,H] of dout's dtype, then quantize of its rows below
-// total_rows. The oracles of the fused CUDA kernels.
+// total_rows. Their kTensorwise form: the rows (permute, or
+// unpermute_backward with the weights) into a temporary [capacity,H] of the
+// input's dtype, then quantize_group_rows over the plan's groups. The oracles
+// of the fused CUDA kernels.
 #include "core/backends.h"
+#include "core/mlp_call.h"
 #include "core/permute_quantize_backend.h"
 #include "core/quantize_backend.h"
 
@@ -35,6 +39,21 @@ void unpermute_backward_quantize(TensorView dout, const RoutingPlan& plan, Tenso
   const TensorView s = TensorView::strided(dy_scales.data, DType::kFloat32, Device::cpu(),
                                            {total, dy_scales.shape[1]}, {dy_scales.shape[1], 1});
   cpu::quantize(rows, config, q, s);
+}
+
+void permute_quantize_tensorwise(TensorView x, const RoutingPlan& plan, TensorView weights,
+                                 TensorView y, TensorView scale, TensorView y_t,
+                                 const QuantizeConfig& config, TensorView probs,
+                                 TensorView permuted_probs) {
+  // (rows >= total_rows of tmp stay unwritten: they hold no data, so
+  // quantize_group_rows never reads them)
+  Tensor tmp = Tensor::empty({plan.capacity_rows, x.shape[1]}, x.dtype, Device::cpu());
+  if (weights.defined())
+    cpu::unpermute_backward(x, plan, {}, weights, tmp, {});
+  else
+    cpu::permute(x, plan, tmp, PermuteExtras{probs, permuted_probs, {}, {}});
+  cpu::quantize_group_rows(GroupLayout::from_plan(plan), plan.num_experts(), tmp, config, y, scale,
+                           y_t);
 }
 
 }  // namespace moeflow::cpu

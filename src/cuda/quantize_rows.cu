@@ -13,12 +13,18 @@
 //      the codes and their transpose from one pass over 64 x 128 tiles,
 //      rows_codes_t_kernel);
 //   4. the word rewritten as the scale (one thread).
+// The tensorwise permute_quantize / unpermute_backward_quantize
+// (permute_quantize_tensorwise) run the same steps on a plan's rows gathered
+// from the tokens (GatherSource): the amax over the tokens instead of the
+// rows (tokens_amax_kernel: each token read once, not once per slot), and
+// for permute the rows' probs (row_probs_kernel).
 // No workspace, no host sync; graph-capturable.
 #include <algorithm>
 #include <type_traits>
 
 #include "core/activations.h"
 #include "core/mlp_call.h"
+#include "core/permute_quantize_backend.h"
 #include "cuda/common.cuh"
 #include "cuda/fp8.cuh"
 #include "cuda/mlp_rows.cuh"
@@ -35,9 +41,38 @@ template <typename T, bool VEC>
 struct RowsSource {
   const T* x;
   int64_t ld;
-  __device__ __forceinline__ void load(int64_t row, int64_t cl, int64_t cols,
+  __device__ __forceinline__ const T* row(int64_t r) const { return x + r * ld; }
+  __device__ __forceinline__ void weigh(int64_t, float (&)[kFp8PerLane]) const {}
+  __device__ __forceinline__ void load(int64_t r, int64_t cl, int64_t cols,
                                        float (&v)[kFp8PerLane]) const {
-    load_chunk<T, VEC>(x + row * ld, cl, cols, v);
+    load_chunk<T, VEC>(row(r), cl, cols, v);
+  }
+};
+
+// The rows of a routing plan gathered from the tokens x [T, ld]: data row r
+// is token row_token[r], times its slot's weight rounded to T where weights
+// [T, K] are given (unpermute_backward's w * dout).
+template <typename T, bool VEC>
+struct GatherSource {
+  const T* x;
+  int64_t ld;
+  const int32_t* row_token;
+  const int32_t* row_k;
+  const float* weights;  // or null
+  int k;
+  __device__ __forceinline__ const T* row(int64_t r) const {
+    return x + int64_t{row_token[r]} * ld;
+  }
+  __device__ __forceinline__ void weigh(int64_t r, float (&v)[kFp8PerLane]) const {
+    if (!weights) return;
+    const float w = weights[int64_t{row_token[r]} * k + row_k[r]];
+#pragma unroll
+    for (int j = 0; j < kFp8PerLane; ++j) v[j] = to_float(from_float<T>(w * v[j]));
+  }
+  __device__ __forceinline__ void load(int64_t r, int64_t cl, int64_t cols,
+                                       float (&v)[kFp8PerLane]) const {
+    load_chunk<T, VEC>(row(r), cl, cols, v);
+    weigh(r, v);
   }
 };
 
@@ -81,10 +116,26 @@ struct ActSource {
   }
 };
 
+// The block's largest amax bits (each thread's mb) joined into the word:
+// one atomicMax per block (order-free, so deterministic).
+__device__ __forceinline__ void join_block_amax(uint32_t mb, uint32_t* amax) {
+  __shared__ uint32_t red[kWarps];
+  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) mb = max(mb, __shfl_xor_sync(0xffffffffu, mb, o));
+  if (lane == 0) red[warp] = mb;
+  __syncthreads();
+  if (warp == 0) {
+    mb = lane < kWarps ? red[lane] : 0u;
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) mb = max(mb, __shfl_xor_sync(0xffffffffu, mb, o));
+    if (lane == 0 && mb) atomicMax(amax, mb);
+  }
+}
+
 template <typename S>
 __global__ void __launch_bounds__(kThreads)
     rows_amax_kernel(RowMap m, S src, int64_t rows, int64_t cols, uint32_t* amax) {
-  __shared__ uint32_t red[kWarps];
   const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
   uint32_t mb = 0;
   for (int64_t row = int64_t{blockIdx.x} * kWarps + warp; row < rows;
@@ -102,15 +153,58 @@ __global__ void __launch_bounds__(kThreads)
       }
     }
   }
+  join_block_amax(mb, amax);
+}
+
+// The amax of a plan's gathered rows from the tokens' side (GatherSource):
+// one warp per token, each token read once, its values joining when one of
+// its K slots is kept (dest_row >= 0), or with weights each kept slot's
+// rounded w * value. Joins the word as rows_amax_kernel does.
+template <typename T, bool VEC>
+__global__ void __launch_bounds__(kThreads)
+    tokens_amax_kernel(const T* x, int64_t ld, const int64_t* dest_row, const float* weights,
+                       int k_slots, int64_t tokens, int64_t cols, uint32_t* amax) {
+  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+  uint32_t mb = 0;
+  auto join = [&](float v) {
+    const uint32_t b = abs_bits(v);
+    mb = max(mb, b < kFp8NonFinite ? b : 0u);  // inf and NaN left out
+  };
+  for (int64_t t = int64_t{blockIdx.x} * kWarps + warp; t < tokens;
+       t += int64_t{gridDim.x} * kWarps) {
+    const int64_t* dest = dest_row + t * k_slots;
+    bool kept = false;
+    for (int k0 = 0; k0 < k_slots; k0 += 32)
+      kept |= __any_sync(0xffffffffu, k0 + lane < k_slots && dest[k0 + lane] >= 0);
+    if (!kept) continue;  // warp-uniform
+    for (int64_t c0 = 0; c0 < cols; c0 += int64_t{kFp8PerLane} * 32) {
+      float v[kFp8PerLane];
+      load_chunk<T, VEC>(x + t * ld, c0 + int64_t{lane} * kFp8PerLane, cols, v);
+      if (!weights) {
 #pragma unroll
-  for (int o = 16; o > 0; o >>= 1) mb = max(mb, __shfl_xor_sync(0xffffffffu, mb, o));
-  if (lane == 0) red[warp] = mb;
-  __syncthreads();
-  if (warp == 0) {
-    mb = lane < kWarps ? red[lane] : 0u;
+        for (int j = 0; j < kFp8PerLane; ++j) join(v[j]);
+        continue;
+      }
+      for (int kk = 0; kk < k_slots; ++kk) {
+        if (dest[kk] < 0) continue;
+        const float w = weights[t * k_slots + kk];
 #pragma unroll
-    for (int o = 16; o > 0; o >>= 1) mb = max(mb, __shfl_xor_sync(0xffffffffu, mb, o));
-    if (lane == 0 && mb) atomicMax(amax, mb);
+        for (int j = 0; j < kFp8PerLane; ++j) join(to_float(from_float<T>(w * v[j])));
+      }
+    }
+  }
+  join_block_amax(mb, amax);
+}
+
+// permute's permuted_probs for the gathered rows: the slot's prob on data
+// rows, 0 on pad rows, rows past the groups untouched.
+__global__ void row_probs_kernel(RowMap m, const int32_t* row_token, const int32_t* row_k,
+                                 const float* probs, int k_slots, int64_t rows, float* pp) {
+  for (int64_t r = int64_t{blockIdx.x} * blockDim.x + threadIdx.x; r < rows;
+       r += int64_t{gridDim.x} * blockDim.x) {
+    bool data;
+    if (m.expert_of(r, data) < 0) continue;
+    pp[r] = data ? probs[int64_t{row_token[r]} * k_slots + row_k[r]] : 0.0f;
   }
 }
 
@@ -159,11 +253,10 @@ __device__ __forceinline__ int tq_word(int r, int w) {
   return r * (kTqCols / 4) + (w ^ (8 * ((r >> 4) & 3)));
 }
 
-template <typename T, bool E4M3, bool VEC>
+template <typename T, bool E4M3, bool VEC, typename S>
 __global__ void __launch_bounds__(kTqThreads)
-    rows_codes_t_kernel(RowMap m, const T* x, int64_t ld, int64_t rows, int64_t cols, uint8_t* q,
-                        int64_t q_stride, uint8_t* q_t, bool vec_t, const uint32_t* amax,
-                        bool pow2) {
+    rows_codes_t_kernel(RowMap m, S src, int64_t rows, int64_t cols, uint8_t* q, int64_t q_stride,
+                        uint8_t* q_t, bool vec_t, const uint32_t* amax, bool pow2) {
   constexpr int kRowsPerThread = kTqRows / (kTqThreads / 8);
   static_assert(kTqCols == 8 * kFp8PerLane && kTqRows == 64 && kTqThreads == 128,
                 "8 threads per tile row; phase 2: 4 row blocks x 32 column quads");
@@ -182,7 +275,8 @@ __global__ void __launch_bounds__(kTqThreads)
       const int64_t row = r0 + r_in + 16 * i;
       data[i] = false;
       if (row < rows) m.expert_of(row, data[i]);
-      if constexpr (VEC) load_raw(x + row * ld, data[i] ? cl : cols, cols, raw[i]);  // 0: no data
+      if constexpr (VEC)  // (no data: zeros, nothing read)
+        load_raw(data[i] ? src.row(row) : nullptr, data[i] ? cl : cols, cols, raw[i]);
     }
     __syncthreads();  // the previous tile is read out
 #pragma unroll
@@ -194,7 +288,8 @@ __global__ void __launch_bounds__(kTqThreads)
         if constexpr (VEC)
           unpack_raw(raw[i], v);
         else
-          load_chunk<T, false>(x + row * ld, cl, cols, v);
+          load_chunk<T, false>(src.row(row), cl, cols, v);
+        src.weigh(row, v);
         uint32_t mb = 0;
 #pragma unroll
         for (int j = 0; j < kFp8PerLane; ++j) mb = max(mb, abs_bits(v[j]));
@@ -322,10 +417,10 @@ void quantize_group_rows(const GroupLayout& groups, int64_t num_groups, TensorVi
       auto* qd = static_cast<uint8_t*>(q.data);
       if (vec)
         rows_codes_t_kernel<T, E4, true><<<g, kTqThreads, 0, stream>>>(
-            m, xd, ld, rows, cols, qd, q.strides[0], qt, vec_t, word, config.pow2_scales);
+            m, src_vec, rows, cols, qd, q.strides[0], qt, vec_t, word, config.pow2_scales);
       else
         rows_codes_t_kernel<T, E4, false><<<g, kTqThreads, 0, stream>>>(
-            m, xd, ld, rows, cols, qd, q.strides[0], qt, vec_t, word, config.pow2_scales);
+            m, src, rows, cols, qd, q.strides[0], qt, vec_t, word, config.pow2_scales);
       MOEFLOW_CUDA_LAUNCH_CHECK();
     };
     run_tensorwise(m, src, src_vec, vec, rows, cols, q, scale, e4m3, config.pow2_scales, stream,
@@ -356,6 +451,80 @@ void mlp_activation_quantize_tensorwise(const MlpRows& r, TensorView h, TensorVi
       go(__nv_bfloat16{});
     else
       go(__half{});
+  });
+}
+
+void permute_quantize_tensorwise(TensorView x, const RoutingPlan& plan, TensorView weights,
+                                 TensorView y, TensorView scale, TensorView y_t,
+                                 const QuantizeConfig& config, TensorView probs,
+                                 TensorView permuted_probs, cudaStream_t stream) {
+  const int64_t rows = plan.capacity_rows, tokens = x.shape[0], cols = x.shape[1];
+  const int k_slots = plan.topk;
+  const RowMap m = row_map_of(GroupLayout::from_plan(plan), plan.num_experts());
+  const auto* row_token = plan.row_token.data_ptr<int32_t>();
+  const auto* row_k = plan.row_k.data_ptr<int32_t>();
+  if (permuted_probs.defined() && rows > 0) {
+    const auto g = static_cast<unsigned>(
+        std::max<int64_t>(1, std::min<int64_t>(int64_t{sm_count()} * 4, (rows + 255) / 256)));
+    row_probs_kernel<<<g, 256, 0, stream>>>(m, row_token, row_k, probs.data_ptr<float>(), k_slots,
+                                            rows, permuted_probs.data_ptr<float>());
+    MOEFLOW_CUDA_LAUNCH_CHECK();
+  }
+  const float* w = weights.defined() ? weights.data_ptr<float>() : nullptr;
+  const bool e4m3 = config.out == DType::kFloat8E4M3, pow2 = config.pow2_scales;
+  auto* word = static_cast<uint32_t*>(scale.data);
+  auto* yd = static_cast<uint8_t*>(y.data);
+  const int64_t ys = y.strides[0];
+  with_float_type(x.dtype, [&](auto t) {
+    using T = decltype(t);
+    const int64_t ld = x.strides[0];
+    const auto* xd = static_cast<const T*>(x.data);
+    const bool vec = cols % 16 == 0 && aligned16(x.data) && (ld * int64_t{sizeof(T)}) % 16 == 0 &&
+                     aligned16(y.data) && ys % 16 == 0;
+    MOEFLOW_CUDA_CHECK(cudaMemsetAsync(word, 0, sizeof(uint32_t), stream));
+    const int64_t cap = int64_t{sm_count()} * 8;
+    const auto grid_of = [&](int64_t n) {
+      return static_cast<unsigned>(std::max<int64_t>(1, std::min(cap, (n + kWarps - 1) / kWarps)));
+    };
+    const int64_t* dest = plan.dest_row.data_ptr<int64_t>();
+    if (vec)
+      tokens_amax_kernel<T, true>
+          <<<grid_of(tokens), kThreads, 0, stream>>>(xd, ld, dest, w, k_slots, tokens, cols, word);
+    else
+      tokens_amax_kernel<T, false>
+          <<<grid_of(tokens), kThreads, 0, stream>>>(xd, ld, dest, w, k_slots, tokens, cols, word);
+    MOEFLOW_CUDA_LAUNCH_CHECK();
+    const GatherSource<T, false> src{xd, ld, row_token, row_k, w, k_slots};
+    const GatherSource<T, true> src_vec{xd, ld, row_token, row_k, w, k_slots};
+    const auto codes = [&](auto e4) {
+      constexpr bool E4 = decltype(e4)::value;
+      if (y_t.defined()) {
+        auto* qt = static_cast<uint8_t*>(y_t.data);
+        const bool vec_t = aligned16(qt) && rows % 16 == 0;
+        const int64_t tiles = ((rows + kTqRows - 1) / kTqRows) * ((cols + kTqCols - 1) / kTqCols);
+        const auto g = static_cast<unsigned>(
+            std::max<int64_t>(1, std::min<int64_t>(int64_t{sm_count()} * 16, tiles)));
+        if (vec)
+          rows_codes_t_kernel<T, E4, true>
+              <<<g, kTqThreads, 0, stream>>>(m, src_vec, rows, cols, yd, ys, qt, vec_t, word, pow2);
+        else
+          rows_codes_t_kernel<T, E4, false>
+              <<<g, kTqThreads, 0, stream>>>(m, src, rows, cols, yd, ys, qt, vec_t, word, pow2);
+      } else if (vec) {
+        rows_codes_kernel<GatherSource<T, true>, E4, true>
+            <<<grid_of(rows), kThreads, 0, stream>>>(m, src_vec, rows, cols, yd, ys, word, pow2);
+      } else {
+        rows_codes_kernel<GatherSource<T, false>, E4, false>
+            <<<grid_of(rows), kThreads, 0, stream>>>(m, src, rows, cols, yd, ys, word, pow2);
+      }
+      MOEFLOW_CUDA_LAUNCH_CHECK();
+      scale_from_amax_kernel<E4><<<1, 1, 0, stream>>>(static_cast<float*>(scale.data), pow2);
+      MOEFLOW_CUDA_LAUNCH_CHECK();
+    };
+    if (e4m3)
+      codes(std::true_type{});
+    else
+      codes(std::false_type{});
   });
 }
 
