@@ -404,6 +404,12 @@ TEST(GpuMlp, ActivationQuantizeIsRecomputeThenQuantize) {
   expect_activation_quantize_is_composition(kGpu);
 }
 
+// d(h)'s amax from the dGLU kernels (both), and the codes from it.
+TEST(GpuMlp, ActivationBackwardAmax) {
+  ASSERT_GT(cuda_device_count(), 0) << "GPU tests need a CUDA device";
+  expect_activation_backward_amax(kGpu);
+}
+
 // The FP8 recipes (moeflow/grouped_mlp_fp8.h; blockwise, tensorwise) on the
 // GPU against the same recipe on the CPU: the GEMMs sum 128-wide blocks in float32 (the CPU
 // in float64; tensorwise: the tensor cores' own sums over 4 blocks), so h,

@@ -505,6 +505,25 @@ TEST_F(GpuQuantize, GroupRowsMatchCpuBitwise) {
             EXPECT_TRUE(bytes_equal(sg2.to(Device::cpu()), sc));
             EXPECT_TRUE(bytes_equal(qg2.to(Device::cpu()), qc));
             EXPECT_TRUE(bytes_equal(qtg.to(Device::cpu()), qtc));
+            // The amax given (twice the real one: its own scale), both forms.
+            Tensor ac = make_tensor({1}, DType::kFloat32);
+            ac.data_ptr<float>()[0] =
+                2.0f * at(sc, 0) * (out == DType::kFloat8E5M2 ? 57344.0f : 448.0f);
+            Tensor ag = ac.to(kGpu);
+            for (const bool t : {false, true}) {
+              Tensor q3 = poisoned({M, ld}, out), s3 = poisoned({1}, DType::kFloat32),
+                     qt3 = poisoned({K, M}, out);
+              quantize_group_rows_with_amax(rows_view(x, M, K), gc, cfg, ac, rows_view(q3, M, K),
+                                            s3, t ? TensorView(qt3) : TensorView{});
+              Tensor q4 = poisoned({M, ld}, out, kGpu), s4 = poisoned({1}, DType::kFloat32, kGpu),
+                     qt4 = poisoned({K, M}, out, kGpu);
+              quantize_group_rows_with_amax(rows_view(xg, M, K), gg, cfg, ag, rows_view(q4, M, K),
+                                            s4, t ? TensorView(qt4) : TensorView{});
+              ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+              EXPECT_TRUE(bytes_equal(s4.to(Device::cpu()), s3)) << "amax given";
+              EXPECT_TRUE(bytes_equal(q4.to(Device::cpu()), q3)) << "amax given";
+              if (t) EXPECT_TRUE(bytes_equal(qt4.to(Device::cpu()), qt3)) << "amax given";
+            }
           }
   {
     // More 64 x 128 tiles than the grid has blocks: every block loops.

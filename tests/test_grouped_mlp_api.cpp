@@ -271,6 +271,11 @@ TEST(GroupedMlpApi, BadInputIsRejected) {
             std::string::npos);
 }
 
+// d(h)'s amax beside the activation's backward, and the codes from it.
+TEST(GroupedMlpApi, ActivationBackwardAmax) {
+  expect_activation_backward_amax(Device::cpu());
+}
+
 // The activation quantized for an FP8 FC2: the composition, bit for bit.
 TEST(GroupedMlpApi, ActivationQuantizeIsRecomputeThenQuantize) {
   expect_activation_quantize_is_composition(Device::cpu());
@@ -306,6 +311,19 @@ TEST(GroupedMlpApi, ActivationQuantizeBadInput) {
   Tensor abf = make_tensor({4, 128}, DType::kBFloat16);
   EXPECT_NE(message_of([&] { grouped_mlp_activation_quantize(h, g, {}, cfg, QuantizeConfig{}, abf, as); })
                 .find("a_q must be float8_e4m3 [4,128] on cpu"),
+            std::string::npos);
+  // The transposed codes: tensorwise only, [F, rows].
+  Tensor s1 = make_tensor({1}, DType::kFloat32), at = make_tensor({128, 4}, DType::kFloat8E4M3);
+  EXPECT_EQ(message_of([&] { grouped_mlp_activation_quantize(h, g, {}, cfg, tw, aq, s1, at); }),
+            "no error");
+  EXPECT_NE(message_of([&] {
+              grouped_mlp_activation_quantize(h, g, {}, cfg, QuantizeConfig{}, aq, as, at);
+            }).find("a_q_t needs QuantizeConfig kTensorwise"),
+            std::string::npos);
+  Tensor at_bad = make_tensor({4, 128}, DType::kFloat8E4M3);
+  EXPECT_NE(message_of([&] {
+              grouped_mlp_activation_quantize(h, g, {}, cfg, tw, aq, s1, at_bad);
+            }).find("a_q_t must be float8_e4m3 [128,4] on cpu"),
             std::string::npos);
 }
 

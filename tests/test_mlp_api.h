@@ -2,8 +2,10 @@
 // device against the float64 reference.
 #pragma once
 
+#include <cmath>
 #include <cstring>
 #include <random>
+#include <tuple>
 
 #include "cpu/grouped_mlp.h"
 #include "moeflow/grouped_mlp.h"
@@ -257,22 +259,89 @@ inline void run_mlp_api_case(const MlpApiCase& cs, Device dev, uint32_t seed,
       ASSERT_EQ(at(yh, r * H), 0.0f) << "pad row " << r;
 }
 
+// Three groups of 100 rows on `dev`: rows 0-19 real, 20-31 pad; an empty
+// group; rows 32-92 real, 93-95 pad; rows 96-99 past the groups.
+struct ThreeGroups {
+  Tensor offs, real;
+  GroupLayout g;
+  explicit ThreeGroups(Device dev) {
+    Tensor o = make_tensor({4}, DType::kInt64), r = make_tensor({3}, DType::kInt32);
+    const int64_t ov[] = {0, 32, 32, 96};
+    const int32_t rv[] = {20, 0, 61};
+    std::copy(ov, ov + 4, o.data_ptr<int64_t>());
+    std::copy(rv, rv + 3, r.data_ptr<int32_t>());
+    offs = o.to(dev);
+    real = r.to(dev);
+    g.offsets = offs;
+    g.real_rows = real;
+  }
+  static bool is_data(int64_t r) { return r < 20 || (r >= 32 && r < 93); }
+};
+
+// grouped_mlp_activation_backward's d_h_amax on `dev`: the same d_h as
+// without it, and the largest finite |d(h)| over the real rows of that d_h
+// (read back on the host); an inf and a NaN in d(a) of real rows and huge
+// values in pad rows and past the groups stay out. The vectorised kernel
+// (halves, F % 8 == 0), the general one (interleave 16) and a plain
+// activation; then quantize_group_rows_with_amax from it equals
+// quantize_group_rows of d_h.
+inline void expect_activation_backward_amax(Device dev) {
+  const DType dt = DType::kBFloat16;
+  const int64_t rows = 100;
+  const ThreeGroups groups(dev);
+  const GroupLayout& g = groups.g;
+  uint32_t seed = 120;
+  for (const auto& [act, il, f] : {std::tuple{Activation::kSwiGLU, 0, int64_t{256}},
+                                   std::tuple{Activation::kSwiGLU, 16, int64_t{160}},
+                                   std::tuple{Activation::kGelu, 0, int64_t{200}}}) {
+    SCOPED_TRACE(std::to_string(static_cast<int>(act)) + " il=" + std::to_string(il));
+    const int64_t n1 = is_gated(act) ? 2 * f : f;
+    Tensor h = make_tensor({rows, n1}, dt), d = make_tensor({rows, n1}, dt);
+    Tensor probs = make_tensor({rows}, DType::kFloat32);
+    fill_random(h, seed++, -4.0f, 4.0f);
+    fill_random(d, seed++, -2.0f, 2.0f);
+    fill_random(probs, seed++, 0.1f, 1.0f);
+    detail::store_float(d.data(), dt, 3 * n1 + n1 - 1, INFINITY);  // real rows 3 and 40
+    detail::store_float(d.data(), dt, 40 * n1 + n1 - 2, NAN);
+    for (int64_t r : {25, 97})  // a pad row, a row past the groups
+      for (int64_t c = 0; c < n1; ++c) detail::store_float(d.data(), dt, r * n1 + c, 3e4f);
+    GroupedMlpConfig cfg;
+    cfg.activation = act;
+    cfg.glu_interleave = il;
+    Tensor h_d = h.to(dev), probs_d = probs.to(dev);
+    Tensor d1 = d.to(dev), d2 = d.to(dev), amax = poisoned({1}, DType::kFloat32, dev);
+    grouped_mlp_activation_backward(h_d, g, probs_d, cfg, d1);
+    grouped_mlp_activation_backward(h_d, g, probs_d, cfg, d2, {}, amax);
+    Tensor got = d2.to(Device::cpu());
+    EXPECT_TRUE(bytes_equal(got, d1.to(Device::cpu()))) << "d_h with d_h_amax";
+    float want = 0.0f;
+    for (int64_t r = 0; r < rows; ++r)
+      if (ThreeGroups::is_data(r))
+        for (int64_t c = 0; c < n1; ++c) {
+          const float v = std::fabs(detail::load_float(got.data(), dt, r * n1 + c));
+          if (std::isfinite(v)) want = std::max(want, v);
+        }
+    EXPECT_GT(want, 0.0f);
+    EXPECT_EQ(at(amax.to(Device::cpu()), 0), want);
+    const QuantizeConfig qc{DType::kFloat8E4M3, QuantScaling::kTensorwise, false, false};
+    Tensor q1 = poisoned({rows, n1}, qc.out, dev), s1 = poisoned({1}, DType::kFloat32, dev);
+    Tensor q2 = poisoned({rows, n1}, qc.out, dev), s2 = poisoned({1}, DType::kFloat32, dev);
+    quantize_group_rows(d2, g, qc, q1, s1);
+    quantize_group_rows_with_amax(d2, g, qc, amax, q2, s2);
+    EXPECT_TRUE(bytes_equal(q2.to(Device::cpu()), q1.to(Device::cpu())));
+    EXPECT_TRUE(bytes_equal(s2.to(Device::cpu()), s1.to(Device::cpu())));
+  }
+}
+
 // grouped_mlp_activation_quantize on `dev` against the composition on the
 // same device: recompute_activation into a of h's dtype, then quantize (1x128
 // rowwise) of the group rows; pad rows code 0 / scale 1, rows past the
 // groups untouched (poisoned).
 inline void expect_activation_quantize_is_composition(Device dev) {
   const DType dt = DType::kBFloat16;
-  const int64_t E = 3, rows = 100;
-  Tensor offs = make_tensor({E + 1}, DType::kInt64), real = make_tensor({E}, DType::kInt32);
-  const int64_t o[] = {0, 32, 32, 96};  // rows 96..99: past the groups
-  const int32_t rr[] = {20, 0, 61};
-  std::copy(o, o + E + 1, offs.data_ptr<int64_t>());
-  std::copy(rr, rr + E, real.data_ptr<int32_t>());
-  Tensor offs_d = offs.to(dev), real_d = real.to(dev);
-  GroupLayout g;
-  g.offsets = offs_d;
-  g.real_rows = real_d;
+  const int64_t rows = 100;
+  const ThreeGroups groups(dev);
+  const GroupLayout& g = groups.g;
   uint32_t seed = 90;
   struct Q {
     Activation act;
@@ -321,7 +390,8 @@ inline void expect_activation_quantize_is_composition(Device dev) {
         }
       }
       // Tensorwise: the same bits as recompute_activation then
-      // quantize_group_rows; pad rows and rows past the groups code 0.
+      // quantize_group_rows; pad rows and rows past the groups code 0; the
+      // transposed form too.
       const QuantizeConfig tc{out, QuantScaling::kTensorwise, pow2, false};
       Tensor tq = poisoned({rows, q.f}, out, dev), ts = poisoned({1}, DType::kFloat32, dev);
       grouped_mlp_activation_quantize(h_d, g, pv, cfg, tc, tq, ts);
@@ -332,6 +402,17 @@ inline void expect_activation_quantize_is_composition(Device dev) {
       EXPECT_TRUE(bytes_equal(ts.to(Device::cpu()), cs.to(Device::cpu())));
       for (int64_t r = 0; r < rows; ++r)
         if ((r >= 20 && r < 32) || r >= 93) ASSERT_TRUE(row_is(tq_c, r, 0)) << "row " << r;
+      // With the transposed codes: the same codes, and those transposed.
+      Tensor tq2 = poisoned({rows, q.f}, out, dev), ts2 = poisoned({1}, DType::kFloat32, dev),
+             tt = poisoned({q.f, rows}, out, dev);
+      grouped_mlp_activation_quantize(h_d, g, pv, cfg, tc, tq2, ts2, tt);
+      EXPECT_TRUE(bytes_equal(tq2.to(Device::cpu()), tq_c));
+      EXPECT_TRUE(bytes_equal(ts2.to(Device::cpu()), ts.to(Device::cpu())));
+      const Tensor tt_c = tt.to(Device::cpu());
+      for (int64_t r = 0; r < rows; ++r)
+        for (int64_t c = 0; c < q.f; ++c)
+          ASSERT_EQ(tt_c.data_ptr<uint8_t>()[c * rows + r], tq_c.data_ptr<uint8_t>()[r * q.f + c])
+              << "a_q_t[" << c << "][" << r << "]";
     }
   }
 }

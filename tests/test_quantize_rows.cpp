@@ -1,8 +1,11 @@
 // quantize_group_rows on the CPU (moeflow/grouped_mlp_fp8.h): a hand-worked
 // case (the scale from the real rows only; pad rows, an empty group and rows
 // past the groups code 0), without groups the same bits as quantize's
-// tensorwise scaling, e5m2 with pow2 scales, all-zero data (scale 1), and
-// argument errors naming the argument.
+// tensorwise scaling, e5m2 with pow2 scales, all-zero data (scale 1), the
+// form with the amax given, and argument errors naming the argument.
+#include <algorithm>
+#include <cmath>
+
 #include "moeflow/grouped_mlp_fp8.h"
 #include "test_util.h"
 
@@ -115,6 +118,42 @@ TEST(QuantizeGroupRows, TransposedCodesAreQTransposed) {
   EXPECT_NE(message_of([&] {
               quantize_group_rows(x, g, kE4m3, q_in, s2, qt_in);
             }).find("q_t must not overlap q"),
+            std::string::npos);
+}
+
+// quantize_group_rows_with_amax: the data rows' own amax gives
+// quantize_group_rows' bits; another amax gives that amax's scale.
+TEST(QuantizeGroupRows, WithAmaxIsTheCodesPass) {
+  Tensor offs, real;
+  const GroupLayout g = groups_of(offs, real, {0, 37, 37, 100}, {30, 0, 50});
+  const int64_t rows = 107, K = 200;
+  Tensor x = make_tensor({rows, K}, DType::kBFloat16);
+  fill_random(x, 21, -3.0f, 3.0f);
+  Tensor q = poisoned({rows, K}, DType::kFloat8E4M3), s = poisoned({1}, DType::kFloat32);
+  Tensor qt = poisoned({K, rows}, DType::kFloat8E4M3);
+  quantize_group_rows(x, g, kE4m3, q, s, qt);
+  float amax = 0.0f;  // the data rows: 0-29 and 37-86
+  for (int64_t r = 0; r < rows; ++r)
+    if (r < 30 || (r >= 37 && r < 87))
+      for (int64_t k = 0; k < K; ++k)
+        amax = std::max(amax, std::fabs(detail::load_float(x.data(), x.dtype(), r * K + k)));
+  EXPECT_EQ(at(s, 0), amax / 448.0f);
+  Tensor a = make_tensor({1}, DType::kFloat32);
+  a.data_ptr<float>()[0] = amax;
+  Tensor q2 = poisoned({rows, K}, DType::kFloat8E4M3), s2 = poisoned({1}, DType::kFloat32);
+  Tensor qt2 = poisoned({K, rows}, DType::kFloat8E4M3);
+  quantize_group_rows_with_amax(x, g, kE4m3, a, q2, s2, qt2);
+  EXPECT_TRUE(bytes_equal(q2, q));
+  EXPECT_TRUE(bytes_equal(s2, s));
+  EXPECT_TRUE(bytes_equal(qt2, qt));
+  a.data_ptr<float>()[0] = 4.0f * amax;
+  quantize_group_rows_with_amax(x, g, kE4m3, a, q2, s2);
+  EXPECT_EQ(at(s2, 0), 4.0f * amax / 448.0f);
+  EXPECT_FALSE(bytes_equal(q2, q));
+  Tensor bad = make_tensor({2}, DType::kFloat32);
+  EXPECT_NE(message_of([&] {
+              quantize_group_rows_with_amax(x, g, kE4m3, bad, q2, s2);
+            }).find("amax must be float32 [1]"),
             std::string::npos);
 }
 

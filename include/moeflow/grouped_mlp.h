@@ -114,6 +114,13 @@ void grouped_mlp_activation_quantize(TensorView h, const GroupLayout& groups, Te
                                      const GroupedMlpConfig& config, const QuantizeConfig& quant,
                                      TensorView a_q, TensorView a_scales,
                                      cudaStream_t stream = nullptr);
+// The same (kTensorwise only) also writing a_q_t [F, rows] quant.out,
+// contiguous: a_q transposed (the tensorwise FP8 wgrad's operand), from the
+// codes pass (CUDA: still four launches).
+void grouped_mlp_activation_quantize(TensorView h, const GroupLayout& groups, TensorView probs,
+                                     const GroupedMlpConfig& config, const QuantizeConfig& quant,
+                                     TensorView a_q, TensorView a_scales, TensorView a_q_t,
+                                     cudaStream_t stream = nullptr);
 
 // The activation's backward alone (backward_dgrad's middle step): d_h
 // [rows, N1] holds d(a) in its last F columns (gated) or is d(a) (plain); on
@@ -122,6 +129,14 @@ void grouped_mlp_activation_quantize(TensorView h, const GroupLayout& groups, Te
 void grouped_mlp_activation_backward(TensorView h, const GroupLayout& groups, TensorView probs,
                                      const GroupedMlpConfig& config, TensorView d_h,
                                      TensorView dprobs = {}, cudaStream_t stream = nullptr);
+// The same, also writing d_h_amax [1] float32: the largest |d(h)| over the
+// groups' real rows (finite values; 0 when none), what quantize_group_rows
+// would take for d(h)'s tensorwise scale (quantize_group_rows_with_amax then
+// skips its amax pass). CUDA: one more launch (the word zeroed).
+void grouped_mlp_activation_backward(TensorView h, const GroupLayout& groups, TensorView probs,
+                                     const GroupedMlpConfig& config, TensorView d_h,
+                                     TensorView dprobs, TensorView d_h_amax,
+                                     cudaStream_t stream = nullptr);
 
 // dx = d_h · W1_e [rows, H]: FC1's input gradient alone, for a backward_dgrad
 // called without dx (so that FC2's weight gradient can run, and dy be freed,

@@ -73,6 +73,14 @@ void quantize_group_rows(TensorView x, const GroupLayout& groups, const Quantize
 void quantize_group_rows(TensorView x, const GroupLayout& groups, const QuantizeConfig& config,
                          TensorView q, TensorView scale, TensorView q_t,
                          cudaStream_t stream = nullptr);
+// The same with the amax given ([1] float32, e.g. d(h)'s from
+// grouped_mlp_activation_backward): scale[0] = the policy's scale of it and
+// the codes pass alone; the same bits as quantize_group_rows when amax is
+// the amax of x's data rows. q_t optional. CUDA: two launches.
+void quantize_group_rows_with_amax(TensorView x, const GroupLayout& groups,
+                                   const QuantizeConfig& config, TensorView amax, TensorView q,
+                                   TensorView scale, TensorView q_t = {},
+                                   cudaStream_t stream = nullptr);
 
 // Quantizes w.fc1 / w.fc2 (stacked bf16 [E, N1, H] / [E, H, F]) into q by
 // q.recipe: one read of each weight (tensorwise: two, the amax first), then
@@ -128,8 +136,8 @@ void grouped_mlp_fp8_backward_wgrad(TensorView x, TensorView dy, const GroupLayo
 // The same by recipe. kTensorwise: each operand quantized rowwise with one
 // scale over the groups' real rows (quantize_group_rows; a straight from h
 // by grouped_mlp_activation_quantize, scratch.a unused), its codes
-// transposed (the columnwise codes of one scale; x's, dy's and d_h's from
-// the quantize pass itself, a's by transpose_codes), then the
+// transposed (the columnwise codes of one scale, from the quantize pass
+// itself), then the
 // tensorwise grouped_gemm_fp8_wgrad: every group with real rows must start
 // at a multiple of 16 rows (the plan's FP8 align; otherwise as above: CUDA
 // sets groups.error and leaves that gradient, the CPU throws).

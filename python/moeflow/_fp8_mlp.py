@@ -28,25 +28,26 @@ def _quantize(t: torch.Tensor, scaling: str) -> Tuple[torch.Tensor, torch.Tensor
 
 
 def quantize_rows(t: torch.Tensor, recipe: str, offsets: torch.Tensor,
-                  real_rows: Optional[torch.Tensor]) -> Tuple[torch.Tensor, torch.Tensor]:
+                  real_rows: Optional[torch.Tensor],
+                  amax: Optional[torch.Tensor] = None) -> Tuple[torch.Tensor, torch.Tensor]:
     """A GEMM's A operand [rows, K]: e4m3 codes and [rows, K/128] scales, or
     for fp8-tensorwise one scale [1]: the amax of the groups' real rows only
     (pad rows and the rows past the groups are never read and may hold
-    anything; their codes are 0)."""
+    anything; their codes are 0), or ``amax`` when given (that amax)."""
     if recipe == "fp8-blockwise":
         return _quantize(t, "1x128")
-    return ops.quantize_group_rows(t, offsets, real_rows)
+    return ops.quantize_group_rows(t, offsets, real_rows, amax=amax)
 
 
 def quantize_both_ways(t: torch.Tensor, recipe: str, offsets: torch.Tensor,
-                       real_rows: Optional[torch.Tensor]):
+                       real_rows: Optional[torch.Tensor], amax: Optional[torch.Tensor] = None):
     """(q, scales, q_t, scales_t): t's rowwise codes (:func:`quantize_rows`)
     and its columnwise ones for the FP8 wgrad. Blockwise: both 1x128
     orientations from one read; tensorwise: the rowwise codes and their
     transpose from one pass (one scale, so the same values)."""
     if recipe == "fp8-blockwise":
         return ops.quantize_rowwise_columnwise(t)
-    q, sc, q_t = ops.quantize_group_rows(t, offsets, real_rows, transposed=True)
+    q, sc, q_t = ops.quantize_group_rows(t, offsets, real_rows, transposed=True, amax=amax)
     return q, sc, q_t, sc
 
 
@@ -115,10 +116,10 @@ def clear_weight_cache(*weights: torch.Tensor) -> None:
 
 def _gemm(a: torch.Tensor, w: torch.Tensor, recipe: str, offsets: torch.Tensor,
           real_rows: Optional[torch.Tensor], transpose: bool, cache: bool,
-          out: Optional[torch.Tensor] = None) -> torch.Tensor:
+          out: Optional[torch.Tensor] = None, amax: Optional[torch.Tensor] = None) -> torch.Tensor:
     """out[rows of e] = a @ W_e^T (transpose: a @ W_e), both operands in FP8
-    (out: optional, rows may be strided)."""
-    aq, a_s = quantize_rows(a, recipe, offsets, real_rows)
+    (out: optional, rows may be strided; amax: a's, when already computed)."""
+    aq, a_s = quantize_rows(a, recipe, offsets, real_rows, amax)
     wq, w_s = weight_codes(w, recipe, transpose, cache)
     return ops.grouped_gemm_fp8_forward(aq, a_s, wq, w_s, offsets, real_rows, out=out)
 
@@ -188,26 +189,29 @@ class GroupedMlpFp8(torch.autograd.Function):
         else:
             h = _gemm(x, fc1, recipe, offsets, real_rows, False, cache)  # bf16 [rows, N1]
         p = None if probs is None else probs.detach().contiguous()
+        # Tensorwise FP8 wgrad: a's codes as FC2's forward reads them, transposed
+        # in the same pass, are the ones its weight gradient needs (kept to
+        # backward instead of quantizing a from h again: rows x F bytes).
+        keep_a_t = (ctx is not None and wgrad8 and recipe != "fp8-blockwise"
+                    and fc2.requires_grad)
         # a = act(h) * p quantized from h, a itself not stored (tensorwise: h read twice)
-        aq, a_s = ops.activation_quantize(h, offsets=offsets, real_rows=real_rows, probs=p,
-                                          activation=cfg[0], glu_interleave=cfg[1],
-                                          alpha=cfg[2], limit=cfg[3], offset=cfg[4],
-                                          scaling="1x128" if recipe == "fp8-blockwise"
-                                          else "tensorwise")
+        got = ops.activation_quantize(h, offsets=offsets, real_rows=real_rows, probs=p,
+                                      activation=cfg[0], glu_interleave=cfg[1], alpha=cfg[2],
+                                      limit=cfg[3], offset=cfg[4],
+                                      scaling="1x128" if recipe == "fp8-blockwise"
+                                      else "tensorwise", transposed=keep_a_t)
+        aq, a_s = got[0], got[1]
         w2q, w2s = weight_codes(fc2, recipe, False, cache)
         y = ops.grouped_gemm_fp8_forward(aq, a_s, w2q, w2s, offsets, real_rows)
+        del aq
         if ctx is not None:
             ctx.set_materialize_grads(False)
             ctx.cfg, ctx.recipe, ctx.main, ctx.plan, ctx.cache = cfg, recipe, main, plan, cache
             ctx.wgrad8, ctx.source, ctx.into_grad = wgrad8, source, into_grad
             saved_x = None if x_t is not None else x
             x_t = x_t if x_t is not None else (None, None)
-            # Tensorwise FP8 wgrad: a's codes as FC2's forward read them are
-            # the ones its weight gradient needs (transposed), kept instead
-            # of quantizing a from h again in backward (rows x F bytes).
-            a_q = (aq, a_s) if (wgrad8 and recipe != "fp8-blockwise"
-                                and fc2.requires_grad) else (None, None)
-            ctx.save_for_backward(saved_x, fc1, fc2, p, offsets, real_rows, h, *x_t, *a_q)
+            a_t = (got[2], a_s) if keep_a_t else (None, None)
+            ctx.save_for_backward(saved_x, fc1, fc2, p, offsets, real_rows, h, *x_t, *a_t)
         if plan is None:
             return y
         out = y.new_empty(plan.num_tokens, y.shape[1])
@@ -218,7 +222,7 @@ class GroupedMlpFp8(torch.autograd.Function):
     def backward(ctx, dy):
         if dy is None:
             return (None,) * 5
-        x, fc1, fc2, probs, offsets, real_rows, h, xq_t, xs_t, a_q, a_s = ctx.saved_tensors
+        x, fc1, fc2, probs, offsets, real_rows, h, xq_t, xs_t, aq_t, as_t = ctx.saved_tensors
         cfg, recipe, main, plan, cache = ctx.cfg, ctx.recipe, ctx.main, ctx.plan, ctx.cache
         need = ctx.needs_input_grad
         wgrad8 = ctx.wgrad8
@@ -259,10 +263,14 @@ class GroupedMlpFp8(torch.autograd.Function):
         dprobs = None
         if probs is not None and need[3]:
             dprobs = torch.empty(rows, dtype=torch.float32, device=h.device)
-        _C.grouped_mlp_activation_backward(h, offsets, real_rows, probs, *cfg, d_h, dprobs, s)
+        # tensorwise: d(h)'s amax from the kernel that writes d(h) (no amax pass)
+        dh_amax = (torch.empty(1, dtype=torch.float32, device=h.device)
+                   if recipe == "fp8-tensorwise" else None)
+        _C.grouped_mlp_activation_backward(h, offsets, real_rows, probs, *cfg, d_h, dprobs, s,
+                                           dh_amax)
         dh_q = None  # d_h's codes both ways (FC1's dgrad and FP8 wgrad)
         if wgrad8 and need[1]:
-            dh_q = quantize_both_ways(d_h, recipe, offsets, real_rows)
+            dh_q = quantize_both_ways(d_h, recipe, offsets, real_rows, dh_amax)
             del d_h
             d_h = None
 
@@ -279,17 +287,16 @@ class GroupedMlpFp8(torch.autograd.Function):
                 g = torch.empty_like(w)
             if fc == 2:
                 if dy_t is not None and recipe != "fp8-blockwise":
-                    # a's codes from the forward, transposed (one scale)
-                    aq_t, as_t = ops.transpose_codes(a_q), a_s
+                    # a's transposed codes from the forward (one scale)
                     ops.grouped_gemm_fp8_wgrad(dy_t[0], dy_t[1], aq_t, as_t, offsets, real_rows,
                                                out=g, accumulate=acc)
                     return None if acc else g
                 a = h.new_empty(rows, F)
                 _C.grouped_mlp_recompute_activation(h, offsets, real_rows, probs, *cfg, a, s)
                 if dy_t is not None:
-                    _, _, aq_t, as_t = ops.quantize_rowwise_columnwise(a, rowwise=False)
+                    _, _, ac_t, acs_t = ops.quantize_rowwise_columnwise(a, rowwise=False)
                     del a
-                    ops.grouped_gemm_fp8_wgrad(dy_t[0], dy_t[1], aq_t, as_t, offsets, real_rows,
+                    ops.grouped_gemm_fp8_wgrad(dy_t[0], dy_t[1], ac_t, acs_t, offsets, real_rows,
                                                out=g, accumulate=acc)
                 else:
                     _C.grouped_mlp_backward_wgrad(dy, None, offsets, real_rows, h, a, None, None,
@@ -311,7 +318,7 @@ class GroupedMlpFp8(torch.autograd.Function):
                 w1q, w1s = weight_codes(fc1, recipe, True, cache)
                 dx = ops.grouped_gemm_fp8_forward(dh_q[0], dh_q[1], w1q, w1s, offsets, real_rows)
             else:
-                dx = _gemm(d_h, fc1, recipe, offsets, real_rows, True, cache)
+                dx = _gemm(d_h, fc1, recipe, offsets, real_rows, True, cache, amax=dh_amax)
             if source is not None:  # the tokens' gradients; the rows' freed here
                 dx, dprobs = source.backward(dx, dprobs, need[0])
         g1 = wgrad(1)

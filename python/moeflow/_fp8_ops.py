@@ -48,7 +48,8 @@ def quantize(x: torch.Tensor, fp8_format: str = "e4m3", scaling: str = "1x128",
 
 def quantize_group_rows(x: torch.Tensor, offsets: Optional[torch.Tensor] = None,
                         real_rows: Optional[torch.Tensor] = None, fp8_format: str = "e4m3",
-                        pow2_scales: bool = False, transposed: bool = False) -> Tuple:
+                        pow2_scales: bool = False, transposed: bool = False,
+                        amax: Optional[torch.Tensor] = None) -> Tuple:
     """Tensorwise FP8 codes of the rows of expert groups (the fp8-tensorwise
     recipe's operands): x [rows, K] -> (q [rows, K], scale [1]), the scale
     from the amax of the groups' real rows only (offsets int64 [E+1],
@@ -57,7 +58,10 @@ def quantize_group_rows(x: torch.Tensor, offsets: Optional[torch.Tensor] = None,
     past the groups may hold anything). The policy of :func:`quantize`. With
     ``transposed``: (q, scale, q_t), q_t [K, rows] contiguous the codes
     transposed (``transpose_codes(q)``, the tensorwise wgrad's operand) from
-    the same pass. On the device, no sync, no workspace; not differentiable."""
+    the same pass. ``amax`` ([1] float32 on x's device): the amax of those
+    rows, already computed (e.g. by ``grouped_mlp_activation_backward``'s
+    ``d_h_amax``): only the codes pass runs. On the device, no sync, no
+    workspace; not differentiable."""
     if x.dim() != 2:
         raise _C.Error(f"x must be [rows, K], got shape {tuple(x.shape)}")
     x = _rows(x.detach())
@@ -66,7 +70,7 @@ def quantize_group_rows(x: torch.Tensor, offsets: Optional[torch.Tensor] = None,
     scale = torch.empty(1, dtype=torch.float32, device=x.device)
     q_t = torch.empty(x.shape[1], x.shape[0], dtype=fp8, device=x.device) if transposed else None
     _C.quantize_group_rows(x, offsets, real_rows, fp8_format, bool(pow2_scales), q, scale,
-                           _stream(x), q_t)
+                           _stream(x), q_t, amax)
     return (q, scale, q_t) if transposed else (q, scale)
 
 

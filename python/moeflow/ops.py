@@ -494,18 +494,22 @@ def activation_quantize(h: torch.Tensor, *, plan: Optional[Plan] = None,
                         probs: Optional[torch.Tensor] = None, activation: str = "swiglu",
                         glu_interleave: int = 0, alpha: float = 1.702, limit: float = 7.0,
                         offset: float = 1.0, fp8_format: str = "e4m3",
-                        pow2_scales: bool = False,
-                        scaling: str = "1x128") -> Tuple[torch.Tensor, torch.Tensor]:
+                        pow2_scales: bool = False, scaling: str = "1x128",
+                        transposed: bool = False) -> Tuple:
     """FC2's input of the grouped MLP as FP8: a = act(h) * p in h's dtype (as
     :func:`grouped_mlp` computes it from FC1's output h [rows, N1]), quantized
     1x128 rowwise, with h read once. Returns (a_q [rows, F] fp8, a_scales
     [rows, ceil(F/128)] float32); pad rows: code 0, scale 1; rows past the
     groups are left as allocated. ``scaling="tensorwise"``: one scale
     (a_scales [1]) from the amax of a over the groups' real rows, every other
-    row code 0 (h read twice). Groups and activation options as
-    :func:`grouped_mlp`. Not differentiable."""
+    row code 0 (h read twice); with ``transposed`` a third output, a_q_t [F,
+    rows], the codes transposed, from the same pass (the tensorwise wgrad's
+    operand). Groups and activation options as :func:`grouped_mlp`. Not
+    differentiable."""
     if scaling not in ("1x128", "tensorwise"):
         raise ValueError(f"scaling must be '1x128' or 'tensorwise', got {scaling!r}")
+    if transposed and scaling != "tensorwise":
+        raise ValueError("transposed=True needs scaling='tensorwise'")
     if activation not in _ACTIVATIONS:
         raise ValueError(f"activation must be one of {_ACTIVATIONS}, got {activation!r}")
     if plan is not None:
@@ -519,12 +523,14 @@ def activation_quantize(h: torch.Tensor, *, plan: Optional[Plan] = None,
                       device=h.device)
     a_scales = torch.empty((h.shape[0], -(-F // 128)) if scaling == "1x128" else (1,),
                            dtype=torch.float32, device=h.device)
+    a_q_t = torch.empty((F, h.shape[0]), dtype=a_q.dtype, device=h.device) if transposed else None
     _C.grouped_mlp_activation_quantize(h, offsets, real_rows,
                                        None if probs is None else probs.detach().contiguous(),
                                        activation, int(glu_interleave), float(alpha),
                                        float(limit), float(offset), fp8_format,
-                                       bool(pow2_scales), a_q, a_scales, _stream(h), scaling)
-    return a_q, a_scales
+                                       bool(pow2_scales), a_q, a_scales, _stream(h), scaling,
+                                       a_q_t)
+    return (a_q, a_scales, a_q_t) if transposed else (a_q, a_scales)
 
 
 _ACTIVATIONS = ("swiglu", "geglu", "clamped_quick_geglu", "gelu", "relu", "squared_relu")

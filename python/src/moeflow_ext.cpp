@@ -304,19 +304,23 @@ NB_MODULE(_C, m) {
       "quantize_group_rows",
       [](const Array& x, const std::optional<Array>& offsets, const std::optional<Array>& real_rows,
          const std::string& fmt, bool pow2, const Array& q, const Array& scale, uintptr_t s,
-         const std::optional<Array>& q_t) {
+         const std::optional<Array>& q_t, const std::optional<Array>& amax) {
         const bool groups = offsets && offsets->is_valid();
         MOEFLOW_CHECK(groups || !(real_rows && real_rows->is_valid()),
                       "quantize_group_rows: real_rows needs offsets (the groups)");
-        quantize_group_rows(rows_of(x, "x"), groups ? layout(*offsets, real_rows) : GroupLayout{},
-                            quantize_config(fmt, "tensorwise", pow2, false), rows_of(q, "q"),
-                            view_of(scale, "scale"),
-                            q_t && q_t->is_valid() ? view_of(*q_t, "q_t") : TensorView{},
-                            stream_of(s));
+        const GroupLayout g = groups ? layout(*offsets, real_rows) : GroupLayout{};
+        const QuantizeConfig c = quantize_config(fmt, "tensorwise", pow2, false);
+        const TensorView t = opt_view(q_t, "q_t");
+        if (amax && amax->is_valid())
+          quantize_group_rows_with_amax(rows_of(x, "x"), g, c, view_of(*amax, "amax"),
+                                        rows_of(q, "q"), view_of(scale, "scale"), t, stream_of(s));
+        else
+          quantize_group_rows(rows_of(x, "x"), g, c, rows_of(q, "q"), view_of(scale, "scale"), t,
+                              stream_of(s));
       },
       nb::arg("x"), nb::arg("offsets").none(), nb::arg("real_rows").none(), nb::arg("fp8_format"),
       nb::arg("pow2_scales"), nb::arg("q"), nb::arg("scale"), nb::arg("stream") = 0,
-      nb::arg("q_t").none() = nb::none());
+      nb::arg("q_t").none() = nb::none(), nb::arg("amax").none() = nb::none());
   // FP8 grouped GEMM wgrad (variable K; blockwise scales may be strided).
   m.def(
       "grouped_gemm_fp8_wgrad",
@@ -531,34 +535,36 @@ NB_MODULE(_C, m) {
   m.def(
       "grouped_mlp_activation_backward",
       [](const Array& h, const Array& offsets, const std::optional<Array>& real_rows,
-         const std::optional<Array>& probs, const std::string& act, int glu_interleave,
-         float alpha, float limit, float offset, const Array& d_h,
-         const std::optional<Array>& dprobs, uintptr_t s) {
-        grouped_mlp_activation_backward(view_of(h, "h"), layout(offsets, real_rows),
-                                        opt_view(probs, "probs"),
-                                        mlp_config(act, glu_interleave, alpha, limit, offset),
-                                        view_of(d_h, "d_h"), opt_view(dprobs, "dprobs"),
-                                        stream_of(s));
+         const std::optional<Array>& probs, const std::string& act, int glu_interleave, float alpha,
+         float limit, float offset, const Array& d_h, const std::optional<Array>& dprobs,
+         uintptr_t s, const std::optional<Array>& d_h_amax) {
+        grouped_mlp_activation_backward(
+            view_of(h, "h"), layout(offsets, real_rows), opt_view(probs, "probs"),
+            mlp_config(act, glu_interleave, alpha, limit, offset), view_of(d_h, "d_h"),
+            opt_view(dprobs, "dprobs"), opt_view(d_h_amax, "d_h_amax"), stream_of(s));
       },
       nb::arg("h"), nb::arg("offsets"), nb::arg("real_rows").none(), nb::arg("probs").none(),
       nb::arg("activation"), nb::arg("glu_interleave"), nb::arg("alpha"), nb::arg("limit"),
-      nb::arg("offset"), nb::arg("d_h"), nb::arg("dprobs").none(), nb::arg("stream") = 0);
+      nb::arg("offset"), nb::arg("d_h"), nb::arg("dprobs").none(), nb::arg("stream") = 0,
+      nb::arg("d_h_amax").none() = nb::none());
   m.def(
       "grouped_mlp_activation_quantize",
       [](const Array& h, const Array& offsets, const std::optional<Array>& real_rows,
          const std::optional<Array>& probs, const std::string& act, int glu_interleave, float alpha,
          float limit, float offset, const std::string& fmt, bool pow2, const AnyArray& a_q,
-         const Array& a_scales, uintptr_t s, const std::string& scaling) {
+         const Array& a_scales, uintptr_t s, const std::string& scaling,
+         const std::optional<Array>& a_q_t) {
         grouped_mlp_activation_quantize(
             view_of(h, "h"), layout(offsets, real_rows), opt_view(probs, "probs"),
             mlp_config(act, glu_interleave, alpha, limit, offset),
             quantize_config(fmt, scaling, pow2, false), rows_of(a_q, "a_q"),
-            view_of(a_scales, "a_scales"), stream_of(s));
+            view_of(a_scales, "a_scales"), opt_view(a_q_t, "a_q_t"), stream_of(s));
       },
       nb::arg("h"), nb::arg("offsets"), nb::arg("real_rows").none(), nb::arg("probs").none(),
       nb::arg("activation"), nb::arg("glu_interleave"), nb::arg("alpha"), nb::arg("limit"),
       nb::arg("offset"), nb::arg("fp8_format"), nb::arg("pow2_scales"), nb::arg("a_q"),
-      nb::arg("a_scales"), nb::arg("stream") = 0, nb::arg("scaling") = "1x128");
+      nb::arg("a_scales"), nb::arg("stream") = 0, nb::arg("scaling") = "1x128",
+      nb::arg("a_q_t").none() = nb::none());
   m.def(
       "grouped_mlp_backward_wgrad",
       [](const std::optional<AnyArray>& dy, const std::optional<AnyArray>& x,

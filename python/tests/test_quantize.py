@@ -258,6 +258,16 @@ def test_activation_quantize_is_the_activation_quantized(device, activation):
     same = (a_q.view(torch.uint8) == q.view(torch.uint8)).float().mean().item()
     assert same > 0.995, same
     torch.testing.assert_close(a_s, s, rtol=1e-2, atol=0)
+    # Tensorwise, with the codes transposed from the same pass.
+    t_q, t_s = mf.activation_quantize(h, offsets=offsets, probs=probs, activation=activation,
+                                      scaling="tensorwise")
+    t_q2, t_s2, t_qt = mf.activation_quantize(h, offsets=offsets, probs=probs,
+                                              activation=activation, scaling="tensorwise",
+                                              transposed=True)
+    assert torch.equal(t_s2, t_s) and torch.equal(t_q2.view(torch.uint8), t_q.view(torch.uint8))
+    assert torch.equal(t_qt.view(torch.uint8), t_q.view(torch.uint8).t())
+    with pytest.raises(ValueError, match="transposed=True needs scaling='tensorwise'"):
+        mf.activation_quantize(h, offsets=offsets, activation=activation, transposed=True)
 
 
 @pytest.mark.parametrize("device", DEVICES)

@@ -316,6 +316,13 @@ void grouped_mlp_recompute_activation(TensorView h, const GroupLayout& groups, T
 void grouped_mlp_activation_quantize(TensorView h, const GroupLayout& groups, TensorView probs,
                                      const GroupedMlpConfig& c, const QuantizeConfig& quant,
                                      TensorView a_q, TensorView a_scales, cudaStream_t stream) {
+  grouped_mlp_activation_quantize(h, groups, probs, c, quant, a_q, a_scales, TensorView{}, stream);
+}
+
+void grouped_mlp_activation_quantize(TensorView h, const GroupLayout& groups, TensorView probs,
+                                     const GroupedMlpConfig& c, const QuantizeConfig& quant,
+                                     TensorView a_q, TensorView a_scales, TensorView a_q_t,
+                                     cudaStream_t stream) {
   MOEFLOW_CHECK(quant.out == DType::kFloat8E4M3 || quant.out == DType::kFloat8E5M2,
                 "activation_quantize: QuantizeConfig.out must be float8_e4m3 or float8_e5m2, got ",
                 dtype_name(quant.out));
@@ -337,6 +344,14 @@ void grouped_mlp_activation_quantize(TensorView h, const GroupLayout& groups, Te
                  Expect{{DType::kFloat32},
                         tw ? std::vector<int64_t>{1} : std::vector<int64_t>{rows, nb},
                         h.device});
+  if (a_q_t.defined()) {
+    MOEFLOW_CHECK(tw, "activation_quantize: a_q_t needs QuantizeConfig kTensorwise");
+    detail::expect(a_q_t, "a_q_t", Expect{{quant.out}, {f, rows}, h.device});
+    const auto* qb = static_cast<const uint8_t*>(a_q.data);
+    const auto* tb = static_cast<const uint8_t*>(a_q_t.data);
+    const int64_t q_span = rows > 0 ? (rows - 1) * a_q.strides[0] + f : 0;
+    MOEFLOW_CHECK(tb + rows * f <= qb || qb + q_span <= tb, "a_q_t must not overlap a_q");
+  }
   if (probs.defined()) detail::expect(probs, "probs", Expect{{DType::kFloat32}, {rows}, h.device});
   if (gated && c.glu_interleave != 0)
     MOEFLOW_CHECK(c.glu_interleave > 0 && f % c.glu_interleave == 0,
@@ -345,7 +360,7 @@ void grouped_mlp_activation_quantize(TensorView h, const GroupLayout& groups, Te
   if (h.device.is_cpu()) {  // the composition: the activation, then quantize of the group rows
     Tensor a = Tensor::empty({rows, f}, h.dtype, Device::cpu());
     cpu::mlp_fc1_epilogue(r, h, {}, probs, c.activation, c.params, c.glu_interleave, a);
-    if (tw) return cpu::quantize_group_rows(groups, r.num_groups, a, quant, a_q, a_scales, {});
+    if (tw) return cpu::quantize_group_rows(groups, r.num_groups, a, quant, a_q, a_scales, a_q_t);
     const int64_t* off = groups.offsets.data_ptr<int64_t>();
     const int64_t r0 = std::max<int64_t>(off[0], 0), r1 = std::min<int64_t>(off[r.num_groups], rows);
     if (r1 <= r0) return;
@@ -364,7 +379,7 @@ void grouped_mlp_activation_quantize(TensorView h, const GroupLayout& groups, Te
   if (tw)
     cuda::mlp_activation_quantize_tensorwise(r, h, probs, c.activation, c.params, c.glu_interleave,
                                              quant.out == DType::kFloat8E4M3, quant.pow2_scales,
-                                             a_q, a_scales, stream);
+                                             a_q, a_scales, a_q_t, stream);
   else
     cuda::mlp_activation_quantize(r, h, probs, c.activation, c.params, c.glu_interleave,
                                   quant.out == DType::kFloat8E4M3, quant.pow2_scales, a_q, a_scales,
@@ -377,6 +392,12 @@ void grouped_mlp_activation_quantize(TensorView h, const GroupLayout& groups, Te
 void grouped_mlp_activation_backward(TensorView h, const GroupLayout& groups, TensorView probs,
                                      const GroupedMlpConfig& c, TensorView d_h, TensorView dprobs,
                                      cudaStream_t stream) {
+  grouped_mlp_activation_backward(h, groups, probs, c, d_h, dprobs, TensorView{}, stream);
+}
+
+void grouped_mlp_activation_backward(TensorView h, const GroupLayout& groups, TensorView probs,
+                                     const GroupedMlpConfig& c, TensorView d_h, TensorView dprobs,
+                                     TensorView d_h_amax, cudaStream_t stream) {
   MOEFLOW_CHECK(h.defined() && h.ndim == 2, "h must be [rows,N1], got ", h.str());
   const int64_t rows = h.shape[0], n1 = h.shape[1];
   const bool gated = is_gated(c.activation);
@@ -393,13 +414,18 @@ void grouped_mlp_activation_backward(TensorView h, const GroupLayout& groups, Te
   if (gated && c.glu_interleave != 0)
     MOEFLOW_CHECK(c.glu_interleave > 0 && f % c.glu_interleave == 0,
                   "config.glu_interleave must divide F=", f, ", got ", c.glu_interleave);
+  if (d_h_amax.defined())
+    detail::expect(d_h_amax, "d_h_amax", Expect{{DType::kFloat32}, {1}, h.device});
   const MlpRows r{groups, experts_of(groups, h.device), rows};
   if (h.device.is_cpu()) {
     cpu::mlp_dglu(r, h, d_h, probs, c.activation, c.params, c.glu_interleave, f, dprobs);
+    if (d_h_amax.defined())
+      d_h_amax.data_ptr<float>()[0] = cpu::group_rows_amax(groups, r.num_groups, d_h);
   } else {
 #ifdef MOEFLOW_WITH_CUDA
     detail::cuda_set_device(h.device.index);
-    cuda::mlp_dglu(r, h, d_h, probs, c.activation, c.params, c.glu_interleave, f, dprobs, stream);
+    cuda::mlp_dglu(r, h, d_h, probs, c.activation, c.params, c.glu_interleave, f, dprobs, stream,
+                   d_h_amax);
 #else
     (void)stream;
 #endif

@@ -161,13 +161,15 @@ void quantize_group_rows(TensorView x, const GroupLayout& groups, const Quantize
   quantize_group_rows(x, groups, config, q, scale, TensorView{}, stream);
 }
 
-void quantize_group_rows(TensorView x, const GroupLayout& groups, const QuantizeConfig& config,
-                         TensorView q, TensorView scale, TensorView q_t, cudaStream_t stream) {
-  MOEFLOW_CHECK(config.scaling == QuantScaling::kTensorwise && !config.columnwise,
-                "quantize_group_rows: config must be kTensorwise, rowwise");
-  MOEFLOW_CHECK(config.out == DType::kFloat8E4M3 || config.out == DType::kFloat8E5M2,
-                "quantize_group_rows: config.out must be float8_e4m3 or float8_e5m2, got ",
-                dtype_name(config.out));
+namespace {
+
+// quantize_group_rows' arguments checked; returns the number of groups.
+int64_t check_group_rows(TensorView x, const GroupLayout& groups, const QuantizeConfig& config,
+                         TensorView q, TensorView scale, TensorView q_t, const char* op) {
+  MOEFLOW_CHECK(config.scaling == QuantScaling::kTensorwise && !config.columnwise, op,
+                ": config must be kTensorwise, rowwise");
+  MOEFLOW_CHECK(config.out == DType::kFloat8E4M3 || config.out == DType::kFloat8E5M2, op,
+                ": config.out must be float8_e4m3 or float8_e5m2, got ", dtype_name(config.out));
   MOEFLOW_CHECK(x.defined() && x.ndim == 2, "x must be [rows,K], got ", x.str());
   const Device dev = x.device;
   const int64_t rows = x.shape[0], cols = x.shape[1];
@@ -195,10 +197,36 @@ void quantize_group_rows(TensorView x, const GroupLayout& groups, const Quantize
     if (groups.real_rows.defined())
       detail::expect(groups.real_rows, "groups.real_rows", Expect{{DType::kInt32}, {E}, dev});
   }
-  if (dev.is_cpu()) return cpu::quantize_group_rows(groups, E, x, config, q, scale, q_t);
+  return E;
+}
+
+}  // namespace
+
+void quantize_group_rows(TensorView x, const GroupLayout& groups, const QuantizeConfig& config,
+                         TensorView q, TensorView scale, TensorView q_t, cudaStream_t stream) {
+  const int64_t E = check_group_rows(x, groups, config, q, scale, q_t, "quantize_group_rows");
+  if (x.device.is_cpu()) return cpu::quantize_group_rows(groups, E, x, config, q, scale, q_t);
 #ifdef MOEFLOW_WITH_CUDA
-  detail::cuda_set_device(dev.index);
+  detail::cuda_set_device(x.device.index);
   cuda::quantize_group_rows(groups, E, x, config, q, scale, q_t, stream);
+#else
+  (void)stream;
+  MOEFLOW_CHECK(false, "this moeflow was built without CUDA");
+#endif
+}
+
+void quantize_group_rows_with_amax(TensorView x, const GroupLayout& groups,
+                                   const QuantizeConfig& config, TensorView amax, TensorView q,
+                                   TensorView scale, TensorView q_t, cudaStream_t stream) {
+  const int64_t E =
+      check_group_rows(x, groups, config, q, scale, q_t, "quantize_group_rows_with_amax");
+  detail::expect(amax, "amax", Expect{{DType::kFloat32}, {1}, x.device});
+  if (x.device.is_cpu())
+    return cpu::quantize_group_rows_with_amax(groups, E, x, config, amax.data_ptr<float>()[0], q,
+                                              scale, q_t);
+#ifdef MOEFLOW_WITH_CUDA
+  detail::cuda_set_device(x.device.index);
+  cuda::quantize_group_rows_with_amax(groups, E, x, config, amax, q, scale, q_t, stream);
 #else
   (void)stream;
   MOEFLOW_CHECK(false, "this moeflow was built without CUDA");
@@ -384,8 +412,8 @@ void grouped_mlp_fp8_backward_wgrad(TensorView x, TensorView dy, const GroupLayo
       detail::expect(dy, "dy", rows_expect(DType::kBFloat16, rows, H, d.dev));
       detail::expect(dw2, "dw2", Expect{{DType::kFloat32, DType::kBFloat16}, {E, H, F}, d.dev});
       rows_t(dy, 0, 0);
-      grouped_mlp_activation_quantize(h, groups, probs, c, tcfg, stage(F), scale(1), stream);
-      transpose_codes(stage(F), slot(H, F), stream);
+      grouped_mlp_activation_quantize(h, groups, probs, c, tcfg, stage(F), scale(1), slot(H, F),
+                                      stream);
       grouped_gemm_fp8_wgrad(slot(0, H), scale(0), slot(H, F), scale(1), groups,
                              GroupedWeights::from_stacked(dw2), accumulate, c.gemm, stream);
     }

@@ -69,6 +69,12 @@ void mlp_segment_colsum(const MlpRows& r, TensorView src, TensorView dst, bool a
 void quantize_group_rows(const GroupLayout& groups, int64_t num_groups, TensorView x,
                          const QuantizeConfig& config, TensorView q, TensorView scale,
                          TensorView q_t);
+// The amax quantize_group_rows takes: the largest finite |x| over the data rows.
+float group_rows_amax(const GroupLayout& groups, int64_t num_groups, TensorView x);
+// quantize_group_rows with that amax given.
+void quantize_group_rows_with_amax(const GroupLayout& groups, int64_t num_groups, TensorView x,
+                                   const QuantizeConfig& config, float amax, TensorView q,
+                                   TensorView scale, TensorView q_t);
 }  // namespace cpu
 
 namespace cuda {
@@ -85,18 +91,24 @@ void mlp_activation_quantize(const MlpRows& r, TensorView h, TensorView probs, A
                              const ActivationParams& ap, int interleave, bool e4m3, bool pow2,
                              TensorView a_q, TensorView a_scales, cudaStream_t stream);
 // The same with one scale for the groups' data rows (kTensorwise; a_scale
-// [1]): the amax of a over them, then the codes; other rows code 0.
+// [1]): the amax of a over them, then the codes; other rows code 0; a_q_t
+// (optional) the codes transposed, from the codes pass.
 void mlp_activation_quantize_tensorwise(const MlpRows& r, TensorView h, TensorView probs,
                                         Activation act, const ActivationParams& ap, int interleave,
                                         bool e4m3, bool pow2, TensorView a_q, TensorView a_scale,
-                                        cudaStream_t stream);
+                                        TensorView a_q_t, cudaStream_t stream);
 void quantize_group_rows(const GroupLayout& groups, int64_t num_groups, TensorView x,
                          const QuantizeConfig& config, TensorView q, TensorView scale,
                          TensorView q_t, cudaStream_t stream);
+// amax: [1] float32 on the device (read by the kernels, not the host).
+void quantize_group_rows_with_amax(const GroupLayout& groups, int64_t num_groups, TensorView x,
+                                   const QuantizeConfig& config, TensorView amax, TensorView q,
+                                   TensorView scale, TensorView q_t, cudaStream_t stream);
 void mlp_bias_add(const MlpRows& r, TensorView y, TensorView bias, cudaStream_t stream);
+// d_h_amax (optional [1] float32): zeroed, then d(h)'s amax over the data rows.
 void mlp_dglu(const MlpRows& r, TensorView h, TensorView d_h, TensorView probs, Activation act,
               const ActivationParams& ap, int interleave, int64_t ffn, TensorView dprobs,
-              cudaStream_t stream);
+              cudaStream_t stream, TensorView d_h_amax = {});
 bool mlp_dglu_fusable(const MlpDgluCall& call);
 void mlp_fc2_dgrad_dglu(const MlpDgluCall& call, cudaStream_t stream);
 // dprobs[row] = sum over t < tiles of part[row * part_ld + t] (rows inside the groups).

@@ -32,12 +32,35 @@ __global__ void bias_add_kernel(RowMap m, T* y, int64_t ld, const T* bias, int64
     y[row * ld + c] = from_float<T>(to_float(y[row * ld + c]) + to_float(bias[e * cols + c]));
 }
 
+// The larger finite |value| of two 16-bit values as float bits (inf and NaN
+// count 0: the amax policy of quantize_group_rows).
+template <typename T>
+__device__ __forceinline__ uint32_t finite_abs_bits(T a, T b) {
+  const uint32_t x = __float_as_uint(to_float(a)) & 0x7FFFFFFFu;
+  const uint32_t y = __float_as_uint(to_float(b)) & 0x7FFFFFFFu;
+  return max(x < 0x7F800000u ? x : 0u, y < 0x7F800000u ? y : 0u);
+}
+
+// A row's amax bits (each thread's mb) joined into the word; the atomic only
+// when it raises the word (one row per block: most rows do not).
+struct MaxU32 {
+  __device__ __forceinline__ uint32_t operator()(uint32_t a, uint32_t b) const { return max(a, b); }
+};
+template <int THREADS>
+__device__ __forceinline__ void join_row_amax(uint32_t mb, uint32_t* amax) {
+  using Reduce = cub::BlockReduce<uint32_t, THREADS>;
+  __shared__ typename Reduce::TempStorage tmp;
+  const uint32_t b = Reduce(tmp).Reduce(mb, MaxU32{});
+  if (threadIdx.x == 0 && b > *static_cast<volatile uint32_t*>(amax)) atomicMax(amax, b);
+}
+
 // One block per row: d(a) (columns [n1-f, n1) of d_h) is read into shared
 // memory first, then d(h) is written over the row (in place, any interleave).
 template <typename T, int THREADS>
 __global__ void __launch_bounds__(THREADS)
     dglu_kernel(RowMap m, const T* h, T* d_h, int64_t n1, int64_t f, const float* probs,
-                Activation act, ActivationParams ap, int il, float* dprobs, int64_t rows) {
+                Activation act, ActivationParams ap, int il, float* dprobs, int64_t rows,
+                uint32_t* amax) {
   extern __shared__ float da[];
   const int64_t row = blockIdx.x;
   if (row >= rows) return;
@@ -56,15 +79,19 @@ __global__ void __launch_bounds__(THREADS)
   const float p = probs ? probs[row] : 1.0f;
   const T* hrow = h + row * n1;
   float dp = 0.0f;
+  uint32_t mb = 0;  // the largest finite |d(h)|'s bits (with amax)
   for (int64_t j = threadIdx.x; j < f; j += THREADS) {
     const int64_t gc = gated ? glu_gate_col(j, il) : j, uc = gated ? glu_up_col(j, il, f) : 0;
     const float g = to_float(hrow[gc]), u = gated ? to_float(hrow[uc]) : 0.0f;
     dp += da[j] * act_forward(act, g, u, ap);
     float dg = 0.0f, du = 0.0f;
     act_backward(act, g, u, da[j] * p, ap, &dg, &du);
-    drow[gc] = from_float<T>(dg);
-    if (gated) drow[uc] = from_float<T>(du);
+    const T tg = from_float<T>(dg), tu = from_float<T>(du);
+    drow[gc] = tg;
+    if (gated) drow[uc] = tu;
+    if (amax) mb = max(mb, finite_abs_bits(tg, gated ? tu : from_float<T>(0.0f)));
   }
+  if (amax) join_row_amax<THREADS>(mb, amax);
   if (dprobs) {
     using Reduce = cub::BlockReduce<float, THREADS>;
     __shared__ typename Reduce::TempStorage tmp;
@@ -81,7 +108,7 @@ __global__ void __launch_bounds__(THREADS)
 template <typename T, Activation A, int THREADS>
 __global__ void __launch_bounds__(THREADS)
     dglu_halves_kernel(RowMap m, const T* h, T* d_h, int64_t f, const float* probs,
-                       ActivationParams ap, float* dprobs, int64_t rows) {
+                       ActivationParams ap, float* dprobs, int64_t rows, uint32_t* amax) {
   constexpr bool kGated =
       A == Activation::kSwiGLU || A == Activation::kGeGLU || A == Activation::kClampedQuickGeGLU;
   constexpr int64_t kN1 = kGated ? 2 : 1;
@@ -104,6 +131,7 @@ __global__ void __launch_bounds__(THREADS)
   const float p = probs ? probs[row] : 1.0f;
   const V* hrow = reinterpret_cast<const V*>(h + row * kN1 * f);
   float dp = 0.0f;
+  uint32_t mb = 0;  // the largest finite |d(h)|'s bits (with amax)
   for (int64_t v = threadIdx.x; v < nv; v += THREADS) {
     const V g = hrow[v];
     const V da = drow[(kN1 - 1) * nv + v];
@@ -119,10 +147,12 @@ __global__ void __launch_bounds__(THREADS)
       act_backward(A, gv, uv, dav * p, ap, &dgv, &duv);
       dg.v[i] = from_float<T>(dgv);
       du.v[i] = from_float<T>(duv);
+      if (amax) mb = max(mb, finite_abs_bits(dg.v[i], kGated ? du.v[i] : dg.v[i]));
     }
     drow[v] = dg;
     if constexpr (kGated) drow[nv + v] = du;
   }
+  if (amax) join_row_amax<THREADS>(mb, amax);
   if (dprobs) {
     using Reduce = cub::BlockReduce<float, THREADS>;
     __shared__ typename Reduce::TempStorage tmp;
@@ -364,8 +394,10 @@ void mlp_bias_add(const MlpRows& r, TensorView y, TensorView bias, cudaStream_t 
 }
 
 void mlp_dglu(const MlpRows& r, TensorView h, TensorView d_h, TensorView probs, Activation act,
-              const ActivationParams& ap, int il, int64_t f, TensorView dprobs,
-              cudaStream_t stream) {
+              const ActivationParams& ap, int il, int64_t f, TensorView dprobs, cudaStream_t stream,
+              TensorView d_h_amax) {
+  auto* amax = d_h_amax.defined() ? static_cast<uint32_t*>(d_h_amax.data) : nullptr;
+  if (amax) MOEFLOW_CUDA_CHECK(cudaMemsetAsync(amax, 0, sizeof(uint32_t), stream));
   if (r.rows == 0) return;
   const float* pp0 = probs.defined() ? probs.data_ptr<float>() : nullptr;
   float* dp0 = dprobs.defined() ? dprobs.data_ptr<float>() : nullptr;
@@ -377,10 +409,11 @@ void mlp_dglu(const MlpRows& r, TensorView h, TensorView d_h, TensorView probs, 
       if (h.dtype == DType::kBFloat16)
         dglu_halves_kernel<__nv_bfloat16, A, kT><<<static_cast<unsigned>(r.rows), kT, 0, stream>>>(
             row_map(r), h.data_ptr<__nv_bfloat16>(), d_h.data_ptr<__nv_bfloat16>(), f, pp0, ap, dp0,
-            r.rows);
+            r.rows, amax);
       else
         dglu_halves_kernel<__half, A, kT><<<static_cast<unsigned>(r.rows), kT, 0, stream>>>(
-            row_map(r), h.data_ptr<__half>(), d_h.data_ptr<__half>(), f, pp0, ap, dp0, r.rows);
+            row_map(r), h.data_ptr<__half>(), d_h.data_ptr<__half>(), f, pp0, ap, dp0, r.rows,
+            amax);
     });
     MOEFLOW_CUDA_LAUNCH_CHECK();
     return;
@@ -397,13 +430,13 @@ void mlp_dglu(const MlpRows& r, TensorView h, TensorView d_h, TensorView probs, 
                                             static_cast<int>(smem)));
     k<<<blocks, kThreads, smem, stream>>>(row_map(r), h.data_ptr<__nv_bfloat16>(),
                                           d_h.data_ptr<__nv_bfloat16>(), h.shape[1], f, pp, act, ap,
-                                          il, dp, r.rows);
+                                          il, dp, r.rows, amax);
   } else {
     auto k = dglu_kernel<__half, kThreads>;
     MOEFLOW_CUDA_CHECK(cudaFuncSetAttribute(k, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                             static_cast<int>(smem)));
     k<<<blocks, kThreads, smem, stream>>>(row_map(r), h.data_ptr<__half>(), d_h.data_ptr<__half>(),
-                                          h.shape[1], f, pp, act, ap, il, dp, r.rows);
+                                          h.shape[1], f, pp, act, ap, il, dp, r.rows, amax);
   }
   MOEFLOW_CUDA_LAUNCH_CHECK();
 }

@@ -39,6 +39,7 @@ constexpr int kWarps = kThreads / 32;
 // The rows of x: lane l's 16 values of chunk cl (0 past cols).
 template <typename T, bool VEC>
 struct RowsSource {
+  static constexpr bool kRaw = true;  // row(): its 16-bit values, as stored
   const T* x;
   int64_t ld;
   __device__ __forceinline__ const T* row(int64_t r) const { return x + r * ld; }
@@ -54,6 +55,7 @@ struct RowsSource {
 // [T, K] are given (unpermute_backward's w * dout).
 template <typename T, bool VEC>
 struct GatherSource {
+  static constexpr bool kRaw = true;
   const T* x;
   int64_t ld;
   const int32_t* row_token;
@@ -82,6 +84,7 @@ struct GatherSource {
 // 0, the GLU interleave 0 or a multiple of 16): 16-byte loads.
 template <typename T, Activation A, bool VEC = false>
 struct ActSource {
+  static constexpr bool kRaw = false;  // load() only: the values are computed
   const T* h;
   int64_t n1;
   const float* probs;
@@ -268,14 +271,15 @@ __global__ void __launch_bounds__(kTqThreads)
   const int64_t tr = (rows + kTqRows - 1) / kTqRows, tc = (cols + kTqCols - 1) / kTqCols;
   for (int64_t item = blockIdx.x; item < tr * tc; item += gridDim.x) {
     const int64_t r0 = item / tc * kTqRows, c0 = item % tc * kTqCols, cl = c0 + s * kFp8PerLane;
-    RawChunk<T> raw[VEC ? kRowsPerThread : 1];
+    constexpr bool kPrefetch = VEC && S::kRaw;  // the rows' loads issued first
+    RawChunk<T> raw[kPrefetch ? kRowsPerThread : 1];
     bool data[kRowsPerThread];
 #pragma unroll
     for (int i = 0; i < kRowsPerThread; ++i) {
       const int64_t row = r0 + r_in + 16 * i;
       data[i] = false;
       if (row < rows) m.expert_of(row, data[i]);
-      if constexpr (VEC)  // (no data: zeros, nothing read)
+      if constexpr (kPrefetch)  // (no data: zeros, nothing read)
         load_raw(data[i] ? src.row(row) : nullptr, data[i] ? cl : cols, cols, raw[i]);
     }
     __syncthreads();  // the previous tile is read out
@@ -285,11 +289,12 @@ __global__ void __launch_bounds__(kTqThreads)
       uint32_t w[kFp8PerLane / 4] = {0u, 0u, 0u, 0u};
       if (data[i]) {
         float v[kFp8PerLane];
-        if constexpr (VEC)
+        if constexpr (kPrefetch) {
           unpack_raw(raw[i], v);
-        else
-          load_chunk<T, false>(src.row(row), cl, cols, v);
-        src.weigh(row, v);
+          src.weigh(row, v);
+        } else {
+          src.load(row, cl, cols, v);
+        }
         uint32_t mb = 0;
 #pragma unroll
         for (int j = 0; j < kFp8PerLane; ++j) mb = max(mb, abs_bits(v[j]));
@@ -333,29 +338,33 @@ __global__ void __launch_bounds__(kTqThreads)
 }
 
 template <bool E4M3>
-__global__ void scale_from_amax_kernel(float* scale, bool pow2) {
-  *scale = quant::scale_of(*scale, E4M3, pow2);  // the word holds the amax's bits
+__global__ void scale_from_amax_kernel(float* scale, const float* amax, bool pow2) {
+  *scale = quant::scale_of(*amax, E4M3, pow2);  // (in place: the word holds the amax's bits)
 }
 
 // The four launches for any source; vec: 16-byte rows of the source and of
 // q. codes_t: where given, launches the codes pass in its place (with the
-// scale word and the grid).
+// amax word and the grid). given: the amax, already on the device (then
+// two launches: the codes, the scale).
 template <typename S, typename SV, typename CodesT = std::nullptr_t>
 void run_tensorwise(const RowMap& m, const S& src, const SV& src_vec, bool vec, int64_t rows,
                     int64_t cols, TensorView q, TensorView scale, bool e4m3, bool pow2,
-                    cudaStream_t stream, CodesT codes_t = nullptr) {
-  auto* word = static_cast<uint32_t*>(scale.data);
-  MOEFLOW_CUDA_CHECK(cudaMemsetAsync(word, 0, sizeof(uint32_t), stream));
+                    cudaStream_t stream, CodesT codes_t = nullptr, const float* given = nullptr) {
+  auto* own = static_cast<uint32_t*>(scale.data);
+  const auto* word = given ? reinterpret_cast<const uint32_t*>(given) : own;
   const int64_t cap = int64_t{sm_count()} * 8;
   const unsigned grid =
       static_cast<unsigned>(std::max<int64_t>(1, std::min(cap, (rows + kWarps - 1) / kWarps)));
   auto* qd = static_cast<uint8_t*>(q.data);
   const int64_t qs = q.strides[0];
-  if (vec)
-    rows_amax_kernel<<<grid, kThreads, 0, stream>>>(m, src_vec, rows, cols, word);
-  else
-    rows_amax_kernel<<<grid, kThreads, 0, stream>>>(m, src, rows, cols, word);
-  MOEFLOW_CUDA_LAUNCH_CHECK();
+  if (!given) {
+    MOEFLOW_CUDA_CHECK(cudaMemsetAsync(own, 0, sizeof(uint32_t), stream));
+    if (vec)
+      rows_amax_kernel<<<grid, kThreads, 0, stream>>>(m, src_vec, rows, cols, own);
+    else
+      rows_amax_kernel<<<grid, kThreads, 0, stream>>>(m, src, rows, cols, own);
+    MOEFLOW_CUDA_LAUNCH_CHECK();
+  }
   const auto codes = [&](auto e4) {
     constexpr bool E4 = decltype(e4)::value;
     if constexpr (!std::is_same_v<CodesT, std::nullptr_t>)
@@ -367,7 +376,8 @@ void run_tensorwise(const RowMap& m, const S& src, const SV& src_vec, bool vec, 
       rows_codes_kernel<S, E4, false>
           <<<grid, kThreads, 0, stream>>>(m, src, rows, cols, qd, qs, word, pow2);
     MOEFLOW_CUDA_LAUNCH_CHECK();
-    scale_from_amax_kernel<E4><<<1, 1, 0, stream>>>(static_cast<float*>(scale.data), pow2);
+    scale_from_amax_kernel<E4><<<1, 1, 0, stream>>>(static_cast<float*>(scale.data),
+                                                    reinterpret_cast<const float*>(word), pow2);
     MOEFLOW_CUDA_LAUNCH_CHECK();
   };
   if (e4m3)
@@ -389,9 +399,12 @@ RowMap row_map_of(const GroupLayout& g, int64_t num_groups) {
 
 }  // namespace
 
-void quantize_group_rows(const GroupLayout& groups, int64_t num_groups, TensorView x,
-                         const QuantizeConfig& config, TensorView q, TensorView scale,
-                         TensorView q_t, cudaStream_t stream) {
+namespace {
+
+// quantize_group_rows, from the amax `given` on the device when not null.
+void group_rows(const GroupLayout& groups, int64_t num_groups, TensorView x,
+                const QuantizeConfig& config, TensorView q, TensorView scale, TensorView q_t,
+                const float* given, cudaStream_t stream) {
   const int64_t rows = x.shape[0], cols = x.shape[1];
   const RowMap m = row_map_of(groups, num_groups);
   const bool e4m3 = config.out == DType::kFloat8E4M3;
@@ -404,7 +417,8 @@ void quantize_group_rows(const GroupLayout& groups, int64_t num_groups, TensorVi
     const RowsSource<T, false> src{xd, ld};
     const RowsSource<T, true> src_vec{xd, ld};
     if (!q_t.defined()) {
-      run_tensorwise(m, src, src_vec, vec, rows, cols, q, scale, e4m3, config.pow2_scales, stream);
+      run_tensorwise(m, src, src_vec, vec, rows, cols, q, scale, e4m3, config.pow2_scales, stream,
+                     nullptr, given);
       return;
     }
     auto* qt = static_cast<uint8_t*>(q_t.data);
@@ -424,14 +438,28 @@ void quantize_group_rows(const GroupLayout& groups, int64_t num_groups, TensorVi
       MOEFLOW_CUDA_LAUNCH_CHECK();
     };
     run_tensorwise(m, src, src_vec, vec, rows, cols, q, scale, e4m3, config.pow2_scales, stream,
-                   codes_t);
+                   codes_t, given);
   });
+}
+
+}  // namespace
+
+void quantize_group_rows(const GroupLayout& groups, int64_t num_groups, TensorView x,
+                         const QuantizeConfig& config, TensorView q, TensorView scale,
+                         TensorView q_t, cudaStream_t stream) {
+  group_rows(groups, num_groups, x, config, q, scale, q_t, nullptr, stream);
+}
+
+void quantize_group_rows_with_amax(const GroupLayout& groups, int64_t num_groups, TensorView x,
+                                   const QuantizeConfig& config, TensorView amax, TensorView q,
+                                   TensorView scale, TensorView q_t, cudaStream_t stream) {
+  group_rows(groups, num_groups, x, config, q, scale, q_t, amax.data_ptr<float>(), stream);
 }
 
 void mlp_activation_quantize_tensorwise(const MlpRows& r, TensorView h, TensorView probs,
                                         Activation act, const ActivationParams& ap, int il,
                                         bool e4m3, bool pow2, TensorView a_q, TensorView a_scale,
-                                        cudaStream_t stream) {
+                                        TensorView a_q_t, cudaStream_t stream) {
   const RowMap m = row_map_of(r.groups, r.num_groups);
   const int64_t f = a_q.shape[1];
   const bool vec = f % 16 == 0 && aligned16(a_q.data) && a_q.strides[0] % 16 == 0 &&
@@ -445,7 +473,28 @@ void mlp_activation_quantize_tensorwise(const MlpRows& r, TensorView h, TensorVi
       using T = decltype(tag);
       const ActSource<T, kA> src{h.data_ptr<T>(), h.shape[1], pp, ap, il};
       const ActSource<T, kA, true> src_vec{h.data_ptr<T>(), h.shape[1], pp, ap, il};
-      run_tensorwise(m, src, src_vec, vec, r.rows, f, a_q, a_scale, e4m3, pow2, stream);
+      if (!a_q_t.defined()) {
+        run_tensorwise(m, src, src_vec, vec, r.rows, f, a_q, a_scale, e4m3, pow2, stream);
+        return;
+      }
+      const int64_t rows = r.rows;
+      auto* qd = static_cast<uint8_t*>(a_q.data);
+      auto* qt = static_cast<uint8_t*>(a_q_t.data);
+      const bool vec_t = aligned16(qt) && rows % 16 == 0;
+      const auto codes_t = [&](auto e4, const uint32_t* word, unsigned) {
+        constexpr bool E4 = decltype(e4)::value;
+        const int64_t tiles = ((rows + kTqRows - 1) / kTqRows) * ((f + kTqCols - 1) / kTqCols);
+        const auto g = static_cast<unsigned>(
+            std::max<int64_t>(1, std::min<int64_t>(int64_t{sm_count()} * 16, tiles)));
+        if (vec)
+          rows_codes_t_kernel<T, E4, true><<<g, kTqThreads, 0, stream>>>(
+              m, src_vec, rows, f, qd, a_q.strides[0], qt, vec_t, word, pow2);
+        else
+          rows_codes_t_kernel<T, E4, false><<<g, kTqThreads, 0, stream>>>(
+              m, src, rows, f, qd, a_q.strides[0], qt, vec_t, word, pow2);
+        MOEFLOW_CUDA_LAUNCH_CHECK();
+      };
+      run_tensorwise(m, src, src_vec, vec, rows, f, a_q, a_scale, e4m3, pow2, stream, codes_t);
     };
     if (h.dtype == DType::kBFloat16)
       go(__nv_bfloat16{});
@@ -518,7 +567,8 @@ void permute_quantize_tensorwise(TensorView x, const RoutingPlan& plan, TensorVi
             <<<grid_of(rows), kThreads, 0, stream>>>(m, src, rows, cols, yd, ys, word, pow2);
       }
       MOEFLOW_CUDA_LAUNCH_CHECK();
-      scale_from_amax_kernel<E4><<<1, 1, 0, stream>>>(static_cast<float*>(scale.data), pow2);
+      scale_from_amax_kernel<E4><<<1, 1, 0, stream>>>(static_cast<float*>(scale.data),
+                                                      static_cast<const float*>(scale.data), pow2);
       MOEFLOW_CUDA_LAUNCH_CHECK();
     };
     if (e4m3)
