@@ -2,8 +2,10 @@
 moeflow.ops: rowwise (``quantize``), columnwise (``quantize(...,
 columnwise=True)``, the wgrad's operand layout) and both from one read
 (``quantize_rowwise_columnwise``), the tensorwise codes of expert groups
-(``quantize_group_rows``: x read twice) and the codes' transpose
-(``transpose_codes``, the tensorwise wgrad's operands), in GB/s of the
+(``quantize_group_rows``: x read twice; with ``transposed``, the codes and
+their transpose from the second pass; with the amax given, that pass
+alone) and the codes' transpose (``transpose_codes``, the tensorwise
+wgrad's operands), in GB/s of the
 bytes each moves, against a device copy (``torch.Tensor.copy_``) timed in
 the same process.
 
@@ -37,12 +39,19 @@ def main():
         offsets = torch.linspace(0, M, 9, device=dev).round().to(torch.int64)
         real = (offsets[1:] - offsets[:-1] - 16).to(torch.int32)
         codes = mf.quantize_group_rows(x, offsets, real)[0]
+        amax = x[:1].abs().max().float().reshape(1)  # any amax: the pass's cost
         ops = [("copy", lambda: dst.copy_(x), 2 * M * K * 2),
                ("rowwise", lambda: mf.quantize(x, "e4m3", "1x128"), one),
                ("columnwise", lambda: mf.quantize(x, "e4m3", "1x128", columnwise=True), one),
                ("both", lambda: mf.quantize_rowwise_columnwise(x), one + M * K + M * K // 128 * 4),
                ("tensorwise_rows", lambda: mf.quantize_group_rows(x, offsets, real),
                 2 * M * K * 2 + M * K),
+               ("tensorwise_rows_t",
+                lambda: mf.quantize_group_rows(x, offsets, real, transposed=True),
+                2 * M * K * 2 + 2 * M * K),
+               ("tensorwise_codes_t",
+                lambda: mf.quantize_group_rows(x, offsets, real, transposed=True, amax=amax),
+                M * K * 2 + 2 * M * K),
                ("transpose_codes", lambda: mf.transpose_codes(codes), 2 * M * K)]
         res = {}
         for op, fn, nbytes in ops:
@@ -53,7 +62,7 @@ def main():
             f"{op} {r['ms']:.3f} ms {r['GBps']:.0f} GB/s ({r['GBps'] / copy:.0%} of copy)"
             for op, r in res.items()), flush=True)
         out["shapes"][name] = res
-        del x, dst, codes
+        del x, dst, codes, amax
         torch.cuda.empty_cache()
     if args.json:
         with open(args.json, "w") as f:
