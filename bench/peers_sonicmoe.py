@@ -13,7 +13,16 @@ release that runs on cutlass-dsl 4.4.2; later ones need 4.5 or 4.7),
 nvidia-cutlass-dsl and its libs, apache-tvm-ffi, torch-c-dlpack-ext and
 einops).
 
+quack autotunes each GEMM per shape by compiling every candidate
+configuration (about 44 on sm_90) in worker processes: many minutes per
+case. ``--quack-config default`` (the default) gives every quack GEMM one
+configuration instead, quack's own sm_90 default (128 x 192 tiles,
+ping-pong, a 2 x 1 cluster): no tuning, SonicMoE untuned. ``tuned`` keeps
+the autotuner (set QUACK_CACHE_AUTOTUNING=1 and QUACK_CACHE_DIR to keep its
+choices between runs).
+
     PYTHONPATH=build/python:bench python3 bench/peers_sonicmoe.py [--json FILE]
+        [--quack-config default|tuned]
 """
 import argparse
 import json
@@ -25,6 +34,20 @@ from peer_timing import step_stats
 from py_layer import CASES
 
 
+def fix_quack_configs():
+    """Every quack autotuner to one configuration, quack's sm_90 default
+    (gemm_interface.default_config): no tuning. Returns how many."""
+    import quack.gemm_interface as gi
+    from quack.autotuner import AutotuneConfig, Autotuner
+    from quack.gemm_config import GemmConfig
+    cfg = GemmConfig(tile_m=128, tile_n=192, cluster_m=2, cluster_n=1, pingpong=True,
+                     is_dynamic_persistent=False, device_capacity=9)
+    tuners = [o for o in vars(gi).values() if isinstance(o, Autotuner)]
+    for t in tuners:
+        t.configs = [AutotuneConfig(config=cfg)]
+    return len(tuners)
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--json")
@@ -32,6 +55,7 @@ def main():
     ap.add_argument("--stack-after", type=float, default=0,
                     help="print every thread's stack and exit after this many seconds "
                          "(0: never), to see where a long compile or a hang is")
+    ap.add_argument("--quack-config", choices=("default", "tuned"), default="default")
     args = ap.parse_args()
     if args.stack_after > 0:
         import faulthandler
@@ -39,9 +63,12 @@ def main():
     print("importing sonicmoe ...", flush=True)
     from sonicmoe import KernelBackendMoE, MoE  # noqa: E402 (after the argument check)
     from sonicmoe.enums import ActivationType
+    if args.quack_config == "default":
+        print(f"quack GEMMs on one configuration: {fix_quack_configs()} autotuners", flush=True)
 
     dev = torch.device("cuda")
-    out = {"device": torch.cuda.get_device_name(0), "torch": torch.__version__, "cases": {}}
+    out = {"device": torch.cuda.get_device_name(0), "torch": torch.__version__,
+           "quack_config": args.quack_config, "cases": {}}
     for name, T, H, Fd, E, K, _ in CASES:
         if args.case and name not in args.case:
             continue

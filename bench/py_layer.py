@@ -25,7 +25,10 @@ the bf16 layer; ``--fp8-wgrad``, ``--fp8-weight-cache`` as MoELayer's
 options), and with ``--ablate-fused-quantize`` the tensorwise layer once
 more with the tokens and dout permuted into 16-bit rows first and those
 quantized (the path before permute_quantize and
-unpermute_backward_quantize took the tensorwise recipe). ``--router`` times the router
+unpermute_backward_quantize took the tensorwise recipe).
+``--ablate-router-split`` times moeflow's step once more with the router
+GEMM's bf16 split in torch ops (five ops and a concatenation per layout)
+instead of the one-kernel split (A B B A). ``--router`` times the router
 alone at DeepSeek-V3's shape (T 8192, E 256, top-8, 8 groups / top-4,
 sigmoid + expert bias), forward and backward, against the torch router,
 and the router GEMM (``ops.router_logits``) against ``linear(x.float(),
@@ -33,7 +36,7 @@ w)`` at four shapes.
 
     PYTHONPATH=build/python:bench python3 bench/py_layer.py [--json FILE] [--profile [--trace FILE]]
         [--router] [--case NAME] [--top N] [--memory-snapshot FILE] [--align N]
-        [--ablate-router-gemm] [--accumulate] [--precision P [--fp8-wgrad]
+        [--ablate-router-gemm] [--ablate-router-split] [--accumulate] [--precision P [--fp8-wgrad]
         [--fp8-weight-cache] [--ablate-fused-quantize]]
 """
 import argparse
@@ -47,6 +50,7 @@ import moeflow
 import moeflow.ops as mf
 from moeflow import _C, _mlp_io
 from moeflow._ops_common import _stream
+from moeflow import _router_ops
 from moeflow._router_ops import _router_logits_float32
 from peer_timing import bench_ms, steady_ms, step_stats
 
@@ -112,6 +116,17 @@ def torch_layer(layer, x, K, opts):
     y = torch._grouped_mm(a, layer.fc2_weight.transpose(-2, -1), offs=offs)
     out = torch.zeros(T, H, dtype=torch.float32, device=x.device).index_add_(0, tok, y.float())
     return out.to(x.dtype), aux
+
+
+def torch_split_bf16(t, parts, along_columns):
+    """_router_ops._split_bf16 in torch ops (the ablation's path): each part
+    the rounding of what the previous ones left, then the blocks concatenated."""
+    ps, r = [], t
+    for i in range(3):
+        ps.append(r.to(torch.bfloat16))
+        if i < 2:
+            r = r - ps[-1]
+    return torch.cat([ps[int(d)] for d in parts], 1 if along_columns else 0)
 
 
 def kernel_sum_ms(fn, trace=None):
@@ -361,6 +376,8 @@ def main():
     ap.add_argument("--profile", action="store_true")
     ap.add_argument("--ablate-router-gemm", action="store_true",
                     help="also time moeflow's step with the router GEMM through float32 GEMMs")
+    ap.add_argument("--ablate-router-split", action="store_true",
+                    help="also time moeflow's step with the router GEMM's split in torch ops")
     ap.add_argument("--router", action="store_true")
     ap.add_argument("--top", type=int, default=10, help="with --profile: kernels listed per step")
     ap.add_argument("--align", type=int, default=16,
@@ -430,6 +447,14 @@ def main():
             finally:
                 mf.router_logits = keep
 
+        def mf_torch_split_step():  # the router GEMM's split in torch ops (ablation)
+            keep = _router_ops._split_bf16
+            _router_ops._split_bf16 = torch_split_bf16
+            try:
+                mf_step()
+            finally:
+                _router_ops._split_bf16 = keep
+
         res = {}
         steps = [("torch", torch_step), ("moeflow", mf_step)]
         fp8_layers = []
@@ -459,6 +484,9 @@ def main():
         if args.ablate_router_gemm:  # A B B A against the default (drift cancels)
             steps += [("moeflow_float32_router_gemm", mf_f32_router_step), ("moeflow_1", mf_step),
                       ("moeflow_2", mf_step), ("moeflow_float32_router_gemm_2", mf_f32_router_step)]
+        if args.ablate_router_split:  # A B B A against the default (drift cancels)
+            steps += [("moeflow_torch_split", mf_torch_split_step), ("moeflow_s1", mf_step),
+                      ("moeflow_s2", mf_step), ("moeflow_torch_split_2", mf_torch_split_step)]
         for key, fn in steps:
             ms, peak = step_stats(fn, params)
             res[key] = {"fwd_bwd_ms": ms, "peak_extra_MiB": peak}
@@ -506,6 +534,11 @@ def main():
                 f"{t['peak_extra_MiB']:.0f} / {m['peak_extra_MiB']:.0f} MiB")
         tb, mb = t["back_to_back_ms"], m["back_to_back_ms"]
         line += f"; back to back {tb:.2f} / {mb:.2f} ms, {tb / mb:.2f}x"
+        if "moeflow_torch_split" in res:
+            ab = [(res["moeflow_torch_split" + i]["fwd_bwd_ms"],
+                   res["moeflow_s" + (i[1:] if i else "1")]["fwd_bwd_ms"]) for i in ("", "_2")]
+            line += "; router split in torch ops / one kernel (A B B A): " + ", ".join(
+                f"{a:.2f} / {b:.2f} ms" for a, b in ab)
         if "moeflow_float32_router_gemm" in res:
             ab = [(res["moeflow_float32_router_gemm" + i]["fwd_bwd_ms"],
                    res["moeflow" + (i or "_1")]["fwd_bwd_ms"]) for i in ("", "_2")]

@@ -349,5 +349,75 @@ TEST(Router, BadInput) {
       "expert_bias must be float32 [8]"));
 }
 
+// router_split_bf16 on hand-worked values: v = 1 + 2^-9 + 2^-18 + 2^-23
+// (parts 1, 2^-9, 2^-18 + 2^-23), 3 (3, 0, 0), -(1 + 2^-7 + 2^-8) (a tie,
+// to even: -(1 + 2^-6), then +2^-8, 0) and inf (inf, NaN, NaN); both layouts.
+TEST(RouterSplitBf16, HandWorkedPartsAndLayouts) {
+  const float v[4] = {1.0f + std::ldexp(1.0f, -9) + std::ldexp(1.0f, -18) + std::ldexp(1.0f, -23),
+                      3.0f, -(1.0f + std::ldexp(1.0f, -7) + std::ldexp(1.0f, -8)),
+                      std::numeric_limits<float>::infinity()};
+  const float nan = std::numeric_limits<float>::quiet_NaN();
+  const float part[4][3] = {
+      {1.0f, std::ldexp(1.0f, -9), std::ldexp(1.0f, -18) + std::ldexp(1.0f, -23)},
+      {3.0f, 0.0f, 0.0f},
+      {-(1.0f + std::ldexp(1.0f, -6)), std::ldexp(1.0f, -8), 0.0f},
+      {std::numeric_limits<float>::infinity(), nan, nan}};
+  Tensor src = Tensor::empty({2, 2}, DType::kFloat32);
+  std::copy(v, v + 4, src.data_ptr<float>());
+  auto check = [&](const Tensor& dst, int64_t at, int element, int p) {
+    const float got = detail::bf16_to_float(dst.data_ptr<uint16_t>()[at]);
+    const float want = part[element][p];
+    if (std::isnan(want)) {
+      EXPECT_TRUE(std::isnan(got)) << "element " << element << " part " << p;
+    } else {
+      EXPECT_EQ(got, want) << "element " << element << " part " << p;
+    }
+  };
+  const int rows_parts[4] = {0, 1, 2, 0};
+  Bf16SplitLayout rows;  // "0120", stacked along the rows: [8,2]
+  rows.count = 4;
+  Tensor d = poisoned({8, 2}, DType::kBFloat16);
+  router_split_bf16(src, rows, d);
+  for (int b = 0; b < 4; ++b)
+    for (int r = 0; r < 2; ++r)
+      for (int c = 0; c < 2; ++c) check(d, (b * 2 + r) * 2 + c, r * 2 + c, rows_parts[b]);
+  Bf16SplitLayout cols;  // "0001", side by side: [2,8]
+  cols.count = 4;
+  const int cols_parts[4] = {0, 0, 0, 1};
+  std::copy(cols_parts, cols_parts + 4, cols.parts);
+  cols.along_columns = true;
+  Tensor e = poisoned({2, 8}, DType::kBFloat16);
+  router_split_bf16(src, cols, e);
+  for (int r = 0; r < 2; ++r)
+    for (int b = 0; b < 4; ++b)
+      for (int c = 0; c < 2; ++c) check(e, r * 8 + b * 2 + c, r * 2 + c, cols_parts[b]);
+  // The three parts sum to each finite value exactly.
+  for (int i = 0; i < 3; ++i) EXPECT_EQ(part[i][0] + part[i][1] + part[i][2], v[i]);
+}
+
+TEST(RouterSplitBf16, BadInputNamesTheArgument) {
+  Tensor src = make_tensor({3, 4}, DType::kFloat32);
+  Bf16SplitLayout l;  // "012" along the rows: [9,4]
+  auto msg = [&](const TensorView& s, const Bf16SplitLayout& layout, const TensorView& d) {
+    return message_of([&] { router_split_bf16(s, layout, d); });
+  };
+  EXPECT_TRUE(
+      has(msg(src, l, make_tensor({9, 5}, DType::kBFloat16)), "dst must be bfloat16 [9,4]"));
+  EXPECT_TRUE(has(msg(src, l, make_tensor({9, 4}, DType::kFloat16)), "dst must be bfloat16 [9,4]"));
+  EXPECT_TRUE(
+      has(msg(make_tensor({3, 4}, DType::kBFloat16), l, make_tensor({9, 4}, DType::kBFloat16)),
+          "src must be float32 [3,4]"));
+  EXPECT_TRUE(has(msg(make_tensor({12}, DType::kFloat32), l, make_tensor({9, 4}, DType::kBFloat16)),
+                  "src must be float32 [R,C]"));
+  Bf16SplitLayout bad = l;
+  bad.parts[1] = 3;
+  EXPECT_TRUE(has(msg(src, bad, make_tensor({9, 4}, DType::kBFloat16)),
+                  "layout.parts[1] must be 0, 1 or 2, got 3"));
+  bad = l;
+  bad.count = 5;
+  EXPECT_TRUE(has(msg(src, bad, make_tensor({15, 4}, DType::kBFloat16)),
+                  "layout.count must be in [1, 4], got 5"));
+}
+
 }  // namespace
 }  // namespace moeflow::test

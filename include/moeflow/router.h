@@ -174,6 +174,24 @@ void router_backward(TensorView logits, TensorView topk_ids, TensorView tokens_p
 void router_update_expert_bias(TensorView tokens_per_expert, TensorView expert_bias, float rate,
                                cudaStream_t stream = nullptr);
 
+// The router GEMM's exact bf16 split (docs/python.md, "The router GEMM"):
+// float32 src [R,C] as three bf16 parts whose float32 sum is src,
+//   p0 = bf16(src), p1 = bf16(src - p0), p2 = bf16(src - p0 - p1)
+// (round to nearest even; the subtractions are exact in float32 for finite
+// src; non-finite values give what that arithmetic gives: inf -> inf, NaN,
+// NaN). dst holds `count` blocks, block i being part parts[i] (0, 1 or 2):
+//   along_columns false: dst [count*R, C] (blocks stacked along the rows);
+//   along_columns true:  dst [R, count*C] (side by side).
+// src float32 and dst bfloat16, contiguous, on one device. One pass; no
+// host sync; graph safe.
+struct Bf16SplitLayout {
+  int parts[4] = {0, 1, 2, 0};
+  int count = 3;  // 1..4
+  bool along_columns = false;
+};
+void router_split_bf16(TensorView src, const Bf16SplitLayout& layout, TensorView dst,
+                       cudaStream_t stream = nullptr);
+
 // Expert capacity and token dropping (Megatron's moe_expert_capacity_factor,
 // moe_token_drop_policy; apply_router_token_dropping without
 // pad_to_capacity), applied to the router's output ids.

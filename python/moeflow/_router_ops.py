@@ -177,16 +177,17 @@ def apply_capacity(topk_ids: torch.Tensor, probs: Optional[torch.Tensor], num_ex
     return kept, dropped
 
 
-def _split_bf16(t: torch.Tensor, parts: int = 3):
-    """float32 t -> ``parts`` bf16 tensors whose float32 sum is t: each the
-    rounding of what the previous ones left (exact subtractions), so three
-    hold all 24 bits of t's significand (t normal, finite)."""
-    out, r = [], t
-    for i in range(parts):
-        p = r.to(torch.bfloat16)
-        out.append(p)
-        if i + 1 < parts:
-            r = r - p
+def _split_bf16(t: torch.Tensor, parts: str, along_columns: bool) -> torch.Tensor:
+    """float32 t [R, C] as bf16 blocks, one per digit of ``parts``: part 0 =
+    bf16(t), part 1 = bf16(t - part 0), part 2 = bf16(t - part 0 - part 1)
+    (exact subtractions: the three parts' float32 sum is t for finite t),
+    stacked along the rows ([n R, C]) or side by side ([R, n C]); one
+    kernel (moeflow/router.h, router_split_bf16)."""
+    R, C = t.shape
+    n = len(parts)
+    out = torch.empty((R, n * C) if along_columns else (n * R, C), dtype=torch.bfloat16,
+                      device=t.device)
+    _C.router_split_bf16(t, parts, along_columns, out, _stream(t))
     return out
 
 
@@ -218,7 +219,8 @@ class _RouterLogits(torch.autograd.Function):
         if not split:
             return torch.nn.functional.linear(x.float(), weight)
         # The split is made again in backward (E x H, small) rather than kept.
-        return _sum3(_mm_f32(x, torch.cat(_split_bf16(weight)).t()), weight.shape[0], 1)
+        return _sum3(_mm_f32(x, _split_bf16(weight, "012", False).t()),
+                     weight.shape[0], 1)
 
     @staticmethod
     @torch.autograd.function.once_differentiable
@@ -232,17 +234,16 @@ class _RouterLogits(torch.autograd.Function):
                 dw = dlogits.t() @ x.float()
             return dx, dw, None
         E = weight.shape[0]
-        d0, d1, d2 = _split_bf16(dlogits.contiguous())
+        dlogits = dlogits.contiguous()
         if ctx.needs_input_grad[0]:
             # dx = d0 (w0 + w1 + w2) + d1 w0 in one bf16 GEMM over K = 4E,
             # float32 accumulation, rounded once to bf16 (what is left out,
             # d1 (w1 + w2) + d2 w, is below 2^-16 of the terms).
-            w0, w1, w2 = _split_bf16(weight)
-            w4 = torch.cat((w0, w1, w2, w0))
-            a = torch.cat((d0, d0, d0, d1), 1)
+            w4 = _split_bf16(weight, "0120", False)
+            a = _split_bf16(dlogits, "0001", True)
             dx = _mm_f32(a, w4).to(x.dtype) if not a.is_cuda else torch.mm(a, w4)
         if ctx.needs_input_grad[1]:
-            dw = _sum3(_mm_f32(torch.cat((d0, d1, d2), 1).t(), x), E, 0)
+            dw = _sum3(_mm_f32(_split_bf16(dlogits, "012", True).t(), x), E, 0)
         return dx, dw, None
 
 

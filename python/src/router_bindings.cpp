@@ -1,7 +1,7 @@
 // moeflow._C's router API (moeflow/router.h): the router forward and
-// backward, expert capacity and the expert-bias update, over arrays the
-// caller allocates (outputs and workspaces), on the stream given as an
-// integer.
+// backward, expert capacity, the expert-bias update and the router GEMM's
+// bf16 split, over arrays the caller allocates (outputs and workspaces), on
+// the stream given as an integer.
 #include <nanobind/stl/optional.h>
 #include <nanobind/stl/string.h>
 
@@ -154,6 +154,21 @@ void bind_router(nb::module_& m) {
                                   rate, stream_of(s));
       },
       nb::arg("tokens_per_expert"), nb::arg("expert_bias"), nb::arg("rate"), nb::arg("stream") = 0);
+  // parts: the blocks' parts as digits, e.g. "0120" (Bf16SplitLayout)
+  m.def(
+      "router_split_bf16",
+      [](const Array& src, const std::string& parts, bool along_columns, const Array& dst,
+         uintptr_t s) {
+        Bf16SplitLayout layout;
+        MOEFLOW_CHECK(!parts.empty() && parts.size() <= 4,
+                      "parts: expected 1 to 4 digits (0, 1 or 2), got '", parts, "'");
+        layout.count = static_cast<int>(parts.size());
+        for (size_t i = 0; i < parts.size(); ++i) layout.parts[i] = parts[i] - '0';
+        layout.along_columns = along_columns;
+        router_split_bf16(view_of(src, "src"), layout, view_of(dst, "dst"), stream_of(s));
+      },
+      nb::arg("src"), nb::arg("parts"), nb::arg("along_columns"), nb::arg("dst"),
+      nb::arg("stream") = 0);
 }
 
 }  // namespace moeflow::python

@@ -9,6 +9,7 @@ import pytest
 
 torch = pytest.importorskip("torch")
 import moeflow.ops as mf  # noqa: E402
+from moeflow import _C  # noqa: E402
 from moeflow._router_ops import _router_logits_float32, _split_bf16  # noqa: E402
 
 HAS_CUDA = torch.cuda.is_available()
@@ -26,16 +27,67 @@ def wide_floats(shape, gen, lo=-12, hi=12):
     return (s * m * torch.exp2(e)).float()
 
 
-def test_split_is_exact():
+def torch_parts(t):
+    """The three bf16 parts in torch ops: each the rounding of what the
+    previous ones left."""
+    out, r = [], t
+    for _ in range(3):
+        p = r.to(torch.bfloat16)
+        out.append(p)
+        r = r - p.float()
+    return out
+
+
+def same_bits(a, b):
+    """Equal bf16 tensors, a NaN equal to any NaN (payloads differ by device)."""
+    na, nb = a.isnan(), b.isnan()
+    return torch.equal(na, nb) and torch.equal(a.view(torch.int16)[~na], b.view(torch.int16)[~nb])
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_split_is_exact(device):
     g = torch.Generator().manual_seed(0)
-    t = torch.cat((wide_floats((4096,), g, -100, 100),
+    t = torch.cat((wide_floats((4096 - 7,), g, -100, 100),
                    torch.tensor([0.0, -0.0, 1.0, -3.0, 2.0 ** -126, 3.0e38, 1.0 + 2.0 ** -23])))
-    parts = _split_bf16(t)
-    assert all(p.dtype == torch.bfloat16 for p in parts)
+    t = t.view(64, 64).to(device)
+    parts = _split_bf16(t, "012", False).view(3, 64, 64)
+    assert parts.dtype == torch.bfloat16
     total = sum(p.double() for p in parts)
     assert torch.equal(total, t.double())
     # Two parts are not enough for every float32: the third carries bits.
     assert parts[2].ne(0).any()
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("parts,along_columns", [("0120", False), ("0001", True), ("012", True),
+                                                 ("2", False), ("1", True)])
+@pytest.mark.parametrize("R,C", [(5, 7), (33, 256), (0, 8)])
+def test_split_layouts(device, parts, along_columns, R, C):
+    """Each block the part its digit names, the blocks stacked along the rows
+    or side by side; non-finite and subnormal values as torch's ops give."""
+    g = torch.Generator().manual_seed(R * 31 + C)
+    t = wide_floats((R, C), g, -140, 120)
+    special = torch.tensor([float("inf"), float("-inf"), float("nan"), 1e-45, 3.4e38, -0.0])
+    flat = t.view(-1)
+    flat[:min(flat.numel(), special.numel())] = special[:flat.numel()]
+    t = t.to(device)
+    ref = torch_parts(t)
+    got = _split_bf16(t, parts, along_columns)
+    blocks = [ref[int(d)] for d in parts]
+    want = torch.cat(blocks, 1 if along_columns else 0)
+    assert got.shape == want.shape
+    assert same_bits(got, want)
+
+
+def test_split_bad_input():
+    t = torch.zeros(4, 8)
+    with pytest.raises(Exception, match="parts"):
+        _split_bf16(t, "013", False)
+    out = torch.empty(12, 8, dtype=torch.bfloat16)
+    with pytest.raises(Exception, match="dst"):
+        _C.router_split_bf16(t, "0120", False, out)
+    with pytest.raises(Exception, match="src"):
+        _split_bf16(t.double(), "012", False)
 
 
 @pytest.mark.parametrize("device", DEVICES)

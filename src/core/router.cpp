@@ -241,6 +241,33 @@ void router_update_expert_bias(TensorView tokens_per_expert, TensorView expert_b
 #endif
 }
 
+void router_split_bf16(TensorView src, const Bf16SplitLayout& layout, TensorView dst,
+                       cudaStream_t stream) {
+  detail::expect_defined(src, "src");
+  detail::expect_defined(dst, "dst");
+  MOEFLOW_CHECK(src.ndim == 2, "src must be float32 [R,C], got ", src.str());
+  const int n = layout.count;
+  MOEFLOW_CHECK(n >= 1 && n <= 4, "layout.count must be in [1, 4], got ", n);
+  for (int i = 0; i < n; ++i)
+    MOEFLOW_CHECK(layout.parts[i] >= 0 && layout.parts[i] <= 2, "layout.parts[", i,
+                  "] must be 0, 1 or 2, got ", layout.parts[i]);
+  const int64_t R = src.shape[0], C = src.shape[1];
+  const Device dev = src.device;
+  detail::expect(src, "src", Expect{{DType::kFloat32}, {R, C}, dev});
+  detail::expect(
+      dst, "dst",
+      Expect{{DType::kBFloat16},
+             layout.along_columns ? std::vector<int64_t>{R, n * C} : std::vector<int64_t>{n * R, C},
+             dev});
+  if (dev.is_cpu()) return cpu::router_split_bf16(src, layout, dst);
+#ifdef MOEFLOW_WITH_CUDA
+  select_device(dev);
+  cuda::router_split_bf16(src, layout, dst, stream);
+#else
+  (void)stream;
+#endif
+}
+
 int64_t router_capacity(int64_t num_tokens, int topk, int num_experts, double capacity_factor,
                         int64_t min_capacity) {
   MOEFLOW_CHECK(num_tokens >= 0, "num_tokens must be >= 0, got ", num_tokens);

@@ -41,6 +41,7 @@ void router_forward(const RouterForwardArgs& a);
 void router_backward(const RouterBackwardArgs& a);
 void router_apply_capacity(const RouterCapacityArgs& a);
 void router_update_expert_bias(TensorView tokens_per_expert, TensorView expert_bias, float rate);
+void router_split_bf16(TensorView src, const Bf16SplitLayout& layout, TensorView dst);
 }  // namespace cpu
 
 namespace cuda {
@@ -52,6 +53,8 @@ size_t router_capacity_workspace_bytes(int64_t num_tokens, int topk, int num_exp
 void router_apply_capacity(const RouterCapacityArgs& a, cudaStream_t stream);
 void router_update_expert_bias(TensorView tokens_per_expert, TensorView expert_bias, float rate,
                                cudaStream_t stream);
+void router_split_bf16(TensorView src, const Bf16SplitLayout& layout, TensorView dst,
+                       cudaStream_t stream);
 }  // namespace cuda
 
 }  // namespace moeflow

@@ -443,6 +443,27 @@ void router_update_expert_bias(TensorView tokens_per_expert, TensorView expert_b
   }
 }
 
+void router_split_bf16(TensorView src, const Bf16SplitLayout& layout, TensorView dst) {
+  const int64_t R = src.shape[0], C = src.shape[1];
+  const float* x = src.data_ptr<float>();
+  uint16_t* out = static_cast<uint16_t*>(dst.data);
+  for (int64_t r = 0; r < R; ++r) {
+    for (int64_t c = 0; c < C; ++c) {
+      uint16_t p[3];
+      float rest = x[r * C + c];
+      for (int k = 0; k < 3; ++k) {
+        p[k] = detail::float_to_bf16(rest);
+        rest = rest - detail::bf16_to_float(p[k]);
+      }
+      for (int i = 0; i < layout.count; ++i) {
+        const int64_t at =
+            layout.along_columns ? r * (layout.count * C) + i * C + c : (i * R + r) * C + c;
+        out[at] = p[layout.parts[i]];
+      }
+    }
+  }
+}
+
 // Each expert's valid slots in the policy's order (kProbs: prob descending by
 // rank order, equal bits by slot index; kPosition: slot index), the first
 // `capacity` kept.
