@@ -1,6 +1,7 @@
 """Shared by the PyTorch peer scripts: median of CUDA-event times (steps
-synchronised one by one, or back to back), and the mildly uneven rows per
-expert of the grouped-GEMM / MLP cases."""
+synchronised one by one, or back to back), the memory a forward keeps for
+its backward, and the mildly uneven rows per expert of the grouped-GEMM /
+MLP cases."""
 import torch
 
 
@@ -58,6 +59,19 @@ def step_stats(fn, params):
     for p in params:
         p.grad = None
     return ms, peak
+
+
+def saved_mib(forward):
+    """MiB that a forward allocates and that stay until its backward: the
+    autograd graph's saved tensors and the outputs (``forward()`` returns
+    them; they are dropped before this returns)."""
+    torch.cuda.synchronize()
+    base = torch.cuda.memory_allocated()
+    out = forward()
+    torch.cuda.synchronize()
+    mib = (torch.cuda.memory_allocated() - base) / 2 ** 20
+    del out
+    return mib
 
 
 def split(E, M, seed=0):

@@ -1,8 +1,9 @@
 """SonicMoE (Dao-AILab/sonic-moe, on QuACK / CuTe DSL: the fused MoE MLP
 anchor on Hopper) on the layer cases of bench/py_layer.py: its ``MoE``
 module (router: softmax over the top-k logits, its switch loss; SwiGLU
-experts), forward + backward with plain ``.grad``, beside moeflow.MoELayer
-configured the same way (softmax top-k router, aux loss), one process.
+experts), forward + backward with plain ``.grad``, its peak memory and
+what its forward keeps for backward, beside moeflow.MoELayer configured the
+same way (softmax top-k router, aux loss), one process.
 SonicMoE has no group-limited sigmoid router: the dsv3 shape runs with the
 softmax top-k router on both sides.
 
@@ -30,7 +31,7 @@ import json
 import torch
 
 import moeflow
-from peer_timing import step_stats
+from peer_timing import saved_mib, step_stats
 from py_layer import CASES
 
 
@@ -96,11 +97,14 @@ def main():
 
         res = {}
         print(f"{name}: timing (SonicMoE compiles its kernels on first use) ...", flush=True)
+        fwds = {"sonicmoe": lambda: sonic(x, kernel_backend_moe=KernelBackendMoE.sonicmoe),
+                "moeflow": lambda: ours(x)}
         for key, module, fn in (("sonicmoe", sonic, sonic_step), ("moeflow", ours, ours_step)):
             params = [x] + list(module.parameters())
             try:
                 ms, peak = step_stats(fn, params)
-                res[key] = {"fwd_bwd_ms": ms, "peak_extra_MiB": peak}
+                res[key] = {"fwd_bwd_ms": ms, "peak_extra_MiB": peak,
+                            "saved_MiB": saved_mib(fwds[key])}
             except Exception as ex:  # report, go on with the other cases
                 res[key] = {"error": f"{type(ex).__name__}: {str(ex)[:300]}"}
             for p in params:
@@ -112,7 +116,8 @@ def main():
         else:
             print(f"{name:10s} layer fwd+bwd: sonicmoe {s['fwd_bwd_ms']:7.2f} ms, moeflow "
                   f"{m['fwd_bwd_ms']:7.2f} ms, {s['fwd_bwd_ms'] / m['fwd_bwd_ms']:.2f}x; peak extra "
-                  f"{s['peak_extra_MiB']:.0f} / {m['peak_extra_MiB']:.0f} MiB", flush=True)
+                  f"{s['peak_extra_MiB']:.0f} / {m['peak_extra_MiB']:.0f} MiB; saved for backward "
+                  f"{s['saved_MiB']:.0f} / {m['saved_MiB']:.0f} MiB", flush=True)
         del sonic, ours, x, dy
         torch.cuda.empty_cache()
     if args.json:

@@ -26,7 +26,10 @@ options), and with ``--ablate-fused-quantize`` the tensorwise layer once
 more with the tokens and dout permuted into 16-bit rows first and those
 quantized (the path before permute_quantize and
 unpermute_backward_quantize took the tensorwise recipe).
-``--ablate-router-split`` times moeflow's step once more with the router
+``--ablate-recompute-permute`` times moeflow's step once more keeping the
+permuted rows for FC1's weight gradient (``recompute_permute=False``; A B
+B A). Every step's "saved" figure is what its forward keeps for backward
+(saved tensors and outputs). ``--ablate-router-split`` times moeflow's step once more with the router
 GEMM's bf16 split in torch ops (five ops and a concatenation per layout)
 instead of the one-kernel split (A B B A). ``--router`` times the router
 alone at DeepSeek-V3's shape (T 8192, E 256, top-8, 8 groups / top-4,
@@ -36,7 +39,8 @@ w)`` at four shapes.
 
     PYTHONPATH=build/python:bench python3 bench/py_layer.py [--json FILE] [--profile [--trace FILE]]
         [--router] [--case NAME] [--top N] [--memory-snapshot FILE] [--align N]
-        [--ablate-router-gemm] [--ablate-router-split] [--accumulate] [--precision P [--fp8-wgrad]
+        [--ablate-router-gemm] [--ablate-router-split] [--ablate-recompute-permute]
+        [--accumulate] [--precision P [--fp8-wgrad]
         [--fp8-weight-cache] [--ablate-fused-quantize]]
 """
 import argparse
@@ -52,7 +56,7 @@ from moeflow import _C, _mlp_io
 from moeflow._ops_common import _stream
 from moeflow import _router_ops
 from moeflow._router_ops import _router_logits_float32
-from peer_timing import bench_ms, steady_ms, step_stats
+from peer_timing import bench_ms, saved_mib, steady_ms, step_stats
 
 # name, tokens, H, F, experts, top-k, router options
 CASES = [
@@ -378,6 +382,8 @@ def main():
                     help="also time moeflow's step with the router GEMM through float32 GEMMs")
     ap.add_argument("--ablate-router-split", action="store_true",
                     help="also time moeflow's step with the router GEMM's split in torch ops")
+    ap.add_argument("--ablate-recompute-permute", action="store_true",
+                    help="also time moeflow's step with recompute_permute=False")
     ap.add_argument("--router", action="store_true")
     ap.add_argument("--top", type=int, default=10, help="with --profile: kernels listed per step")
     ap.add_argument("--align", type=int, default=16,
@@ -455,6 +461,24 @@ def main():
             finally:
                 _router_ops._split_bf16 = keep
 
+        @contextlib.contextmanager
+        def rows_kept():  # recompute_permute=False (ablation)
+            layer.recompute_permute = False
+            try:
+                yield
+            finally:
+                layer.recompute_permute = True
+
+        def mf_rows_kept_step():
+            with rows_kept():
+                mf_step()
+
+        def mf_rows_kept_fwd():
+            with rows_kept():
+                return layer(x)
+
+        forwards = {"torch": lambda: torch_layer(layer, x, K, topts), "moeflow": lambda: layer(x),
+                    "moeflow_rows_kept": mf_rows_kept_fwd}
         res = {}
         steps = [("torch", torch_step), ("moeflow", mf_step)]
         fp8_layers = []
@@ -477,6 +501,7 @@ def main():
                     fp8_step()
 
             steps.append((f"moeflow_{prec}", fp8_step))
+            forwards[f"moeflow_{prec}"] = lambda layer8=layer8: layer8(x)
             if args.ablate_fused_quantize and prec == "fp8-tensorwise":
                 steps += [(f"moeflow_{prec}_unfused", fp8_unfused_step),
                           (f"moeflow_{prec}_unfused_2", fp8_unfused_step),
@@ -484,12 +509,17 @@ def main():
         if args.ablate_router_gemm:  # A B B A against the default (drift cancels)
             steps += [("moeflow_float32_router_gemm", mf_f32_router_step), ("moeflow_1", mf_step),
                       ("moeflow_2", mf_step), ("moeflow_float32_router_gemm_2", mf_f32_router_step)]
+        if args.ablate_recompute_permute:  # A B B A against the default (drift cancels)
+            steps += [("moeflow_rows_kept", mf_rows_kept_step), ("moeflow_r1", mf_step),
+                      ("moeflow_r2", mf_step), ("moeflow_rows_kept_2", mf_rows_kept_step)]
         if args.ablate_router_split:  # A B B A against the default (drift cancels)
             steps += [("moeflow_torch_split", mf_torch_split_step), ("moeflow_s1", mf_step),
                       ("moeflow_s2", mf_step), ("moeflow_torch_split_2", mf_torch_split_step)]
         for key, fn in steps:
             ms, peak = step_stats(fn, params)
             res[key] = {"fwd_bwd_ms": ms, "peak_extra_MiB": peak}
+            if key in forwards:
+                res[key]["saved_MiB"] = saved_mib(forwards[key])
             if key in ("torch", "moeflow") or (key.startswith("moeflow_fp8")
                                                and not key.endswith("_2")):
                 res[key]["back_to_back_ms"] = steady_ms(fn)
@@ -531,9 +561,17 @@ def main():
         t, m = res["torch"], res["moeflow"]
         line = (f"{name:10s} layer fwd+bwd: torch {t['fwd_bwd_ms']:7.2f} ms, moeflow "
                 f"{m['fwd_bwd_ms']:7.2f} ms, {t['fwd_bwd_ms'] / m['fwd_bwd_ms']:.2f}x; peak extra "
-                f"{t['peak_extra_MiB']:.0f} / {m['peak_extra_MiB']:.0f} MiB")
+                f"{t['peak_extra_MiB']:.0f} / {m['peak_extra_MiB']:.0f} MiB, saved for backward "
+                f"{t['saved_MiB']:.0f} / {m['saved_MiB']:.0f} MiB")
         tb, mb = t["back_to_back_ms"], m["back_to_back_ms"]
         line += f"; back to back {tb:.2f} / {mb:.2f} ms, {tb / mb:.2f}x"
+        if "moeflow_rows_kept" in res:
+            ab = [(res["moeflow_rows_kept" + i]["fwd_bwd_ms"],
+                   res["moeflow_r" + (i[1:] if i else "1")]["fwd_bwd_ms"]) for i in ("", "_2")]
+            r = res["moeflow_rows_kept"]
+            line += ("; rows kept / permuted again (A B B A): " + ", ".join(
+                f"{a:.2f} / {b:.2f} ms" for a, b in ab) + f", rows kept: saved "
+                f"{r['saved_MiB']:.0f} MiB, peak extra {r['peak_extra_MiB']:.0f} MiB")
         if "moeflow_torch_split" in res:
             ab = [(res["moeflow_torch_split" + i]["fwd_bwd_ms"],
                    res["moeflow_s" + (i[1:] if i else "1")]["fwd_bwd_ms"]) for i in ("", "_2")]
@@ -557,6 +595,7 @@ def main():
                 print(f"    {key}: {r['fwd_bwd_ms']:7.2f} ms ({t['fwd_bwd_ms'] / r['fwd_bwd_ms']:.2f}x "
                       f"torch, {m['fwd_bwd_ms'] / r['fwd_bwd_ms']:.2f}x moeflow bf16), peak extra "
                       f"{r['peak_extra_MiB']:.0f} MiB" +
+                      (f", saved {r['saved_MiB']:.0f} MiB" if "saved_MiB" in r else "") +
                       (f", back to back {r['back_to_back_ms']:.2f} ms ({tb / r['back_to_back_ms']:.2f}x "
                        f"torch)" if "back_to_back_ms" in r else ""), flush=True)
                 for n, kt in r.get("top_kernels_ms", {}).items():

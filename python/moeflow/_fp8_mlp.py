@@ -164,7 +164,7 @@ class GroupedMlpFp8(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, fc1, fc2, probs, args):
         offsets, real_rows, cfg, recipe, main, plan, cache, wgrad8, source, into_grad = args
-        x = x.detach().contiguous()
+        x = tokens = x.detach().contiguous()
         probs = None if probs is None else probs.detach()
         x_t = None  # x's columnwise codes and scales (FC1's FP8 wgrad), instead of x
         xq = None  # x's rowwise codes and scales (FC1's input)
@@ -208,7 +208,9 @@ class GroupedMlpFp8(torch.autograd.Function):
             ctx.set_materialize_grads(False)
             ctx.cfg, ctx.recipe, ctx.main, ctx.plan, ctx.cache = cfg, recipe, main, plan, cache
             ctx.wgrad8, ctx.source, ctx.into_grad = wgrad8, source, into_grad
-            saved_x = None if x_t is not None else x
+            # the rows for FC1's 16-bit wgrad, or the tokens (recompute_permute)
+            saved_x = None if x_t is not None or x is None else (
+                tokens if source is not None and source.recompute else x)
             x_t = x_t if x_t is not None else (None, None)
             a_t = (got[2], a_s) if keep_a_t else (None, None)
             ctx.save_for_backward(saved_x, fc1, fc2, p, offsets, real_rows, h, *x_t, *a_t)
@@ -305,8 +307,10 @@ class GroupedMlpFp8(torch.autograd.Function):
                 ops.grouped_gemm_fp8_wgrad(dh_q[2], dh_q[3], xq_t, xs_t, offsets, real_rows,
                                            out=g, accumulate=acc)
             else:
-                _C.grouped_mlp_backward_wgrad(None, x, offsets, real_rows, h, None, d_h, g, None,
-                                              None, None, acc, s)
+                rows_x = x if ctx.source is None or not ctx.source.recompute else \
+                    ctx.source.rows(x)
+                _C.grouped_mlp_backward_wgrad(None, rows_x, offsets, real_rows, h, None, d_h, g,
+                                              None, None, None, acc, s)
             return None if acc else g
 
         g2 = wgrad(2)

@@ -20,11 +20,15 @@ from ._ops_common import _empty, _float32, _stream
 
 
 class PermuteSource:
-    """x: the tokens [T, H]; probs: their slots' [T, K] (the rows carry them)."""
+    """x: the tokens [T, H]; probs: their slots' [T, K] (the rows carry them).
+    ``recompute``: a node keeps the tokens, not the rows, for FC1's weight
+    gradient and makes the rows again with :meth:`rows` (grouped_mlp's
+    recompute_permute)."""
     collective = False
 
-    def __init__(self, plan):
+    def __init__(self, plan, recompute=False):
         self.plan = plan
+        self.recompute = recompute
 
     def groups(self):
         return self.plan.expert_row_offsets, self.plan.tokens_per_expert
@@ -37,6 +41,13 @@ class PermuteSource:
         _C.permute(x, plan._view, rows, None if probs is None else probs.contiguous(), row_probs,
                    None, None, _stream(x))
         return rows, row_probs
+
+    def rows(self, x):
+        """forward's rows again from the same tokens (a gather: the same
+        bits; pad rows zero)."""
+        rows = x.new_empty(self.plan.capacity_rows, x.shape[1])
+        _C.permute(x, self.plan._view, rows, None, None, None, None, _stream(x))
+        return rows
 
     def forward_tensorwise(self, x, probs, transposed):
         """forward's rows as the fp8-tensorwise recipe's e4m3 codes, with x
@@ -91,6 +102,7 @@ class DispatchSource:
     receive (moeflow.ep.dispatch, its arguments already checked). The MLP's
     rows carry no probs: the combine applies them."""
     collective = True
+    recompute = False  # the rows came from other ranks: kept
 
     def __init__(self, dispatch_args):
         self.args = dispatch_args  # (ids, probs, scales, handle)

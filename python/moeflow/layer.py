@@ -195,7 +195,10 @@ class MoELayer(ExpertCheckpointMixin, torch.nn.Module):
 
     Memory and scheduling: ``recompute_activation`` (default on) keeps only
     the FC1 output for backward and recomputes the activation before the
-    weight gradients (about 1-2 % of the step's time); the router GEMM keeps
+    weight gradients (about 1-2 % of the step's time); ``recompute_permute``
+    (default on) keeps the tokens, not their K permuted copies, for FC1's
+    weight gradient and permutes them again just before it (one permute,
+    about 1 % of the step); the router GEMM keeps
     x in its own dtype, not a float32 copy. ``delay_wgrad_compute``
     (TransformerEngine's name): backward computes the input and router
     gradients only; ``layer.backward_dw()`` then computes the experts'
@@ -281,7 +284,7 @@ class MoELayer(ExpertCheckpointMixin, torch.nn.Module):
                  align: int = 16,
                  shared_expert_ffn_hidden_size: int = 0, shared_expert_gate: bool = False,
                  shared_expert_overlap: bool = True, recompute_activation: bool = True,
-                 delay_wgrad_compute: bool = False,
+                 recompute_permute: bool = True, delay_wgrad_compute: bool = False,
                  gradient_accumulation_fusion: bool = False, accumulate_into_grad: bool = True,
                  precision: str = "bf16",
                  fp8_weight_cache: bool = False, fp8_wgrad: bool = False,
@@ -400,6 +403,7 @@ class MoELayer(ExpertCheckpointMixin, torch.nn.Module):
         self.gradient_accumulation_fusion = bool(gradient_accumulation_fusion)
         self.accumulate_into_grad = bool(accumulate_into_grad)
         self.recompute_activation = bool(recompute_activation)
+        self.recompute_permute = bool(recompute_permute)
         self.delay_wgrad_compute = bool(delay_wgrad_compute)
         self._wgrad_store = ops.WgradStore() if self.delay_wgrad_compute else None
         Fs = int(shared_expert_ffn_hidden_size or 0)
@@ -584,6 +588,7 @@ class MoELayer(ExpertCheckpointMixin, torch.nn.Module):
                                accumulate_into_main_grad=self.gradient_accumulation_fusion,
                                accumulate_into_grad=self.accumulate_into_grad,
                                recompute_activation=self.recompute_activation,
+                               recompute_permute=self.recompute_permute,
                                wgrad_store=self._wgrad_store, precision=self.precision,
                                fp8_weight_cache=self.fp8_weight_cache,
                                fp8_wgrad=self.fp8_wgrad,
@@ -668,6 +673,8 @@ class MoELayer(ExpertCheckpointMixin, torch.nn.Module):
             s += ", delay_wgrad_compute=True"
         if not self.recompute_activation:
             s += ", recompute_activation=False"
+        if not self.recompute_permute:
+            s += ", recompute_permute=False"
         if self.precision != "bf16":
             s += f", precision={self.precision!r}"
         if self.fp8_wgrad:

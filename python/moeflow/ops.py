@@ -361,7 +361,7 @@ class _GroupedMlp(torch.autograd.Function):
     def forward(ctx, x, fc1, fc2, bias1, bias2, probs, args):
         offsets, real_rows, cfg, opts = args
         source, sink = opts[4], opts[5]
-        x = _rows(x)
+        x = tokens = _rows(x)
         row_probs = probs
         if source is not None:  # the experts' rows (and each row's prob)
             x, row_probs = source.forward(x, probs)
@@ -385,7 +385,10 @@ class _GroupedMlp(torch.autograd.Function):
             # Keeping only h (recompute_activation): a is recomputed before the
             # weight gradients, so it does not live from forward to backward.
             # probs: the sink's weights (the rows' own are row_probs).
-            ctx.save_for_backward(x, fc1, fc2, bias1, bias2, row_probs, offsets, real_rows, h,
+            # recompute_permute: the tokens instead of the rows (FC1's weight
+            # gradient permutes them again).
+            keep = tokens if source is not None and source.recompute else x
+            ctx.save_for_backward(keep, fc1, fc2, bias1, bias2, row_probs, offsets, real_rows, h,
                                   None if opts[1] else a,
                                   probs if sink is not None and sink.weighted else None, kept)
         return out
@@ -395,21 +398,23 @@ class _GroupedMlp(torch.autograd.Function):
         main, _, store, params, source, sink, into_grad = ctx.opts
         if dy is None and not (sink is not None and sink.collective):
             return (None,) * 7  # (a collective sink's backward runs on every rank)
+        # x: the rows, or with recompute_permute the tokens
         x, fc1, fc2, bias1, bias2, probs, offsets, real_rows, h, a, sink_probs, kept = \
             ctx.saved_tensors
         cfg, need = ctx.cfg, ctx.needs_input_grad
         s = _stream(h)
+        rows = h.shape[0]
         node_dprobs = None  # the gradient of the node's probs from the sink
         if sink is not None:  # the rows' gradient: local, freed once FC2's wgrad has read it
             dy, node_dprobs = sink.backward(None if dy is None else _rows(dy), sink_probs, kept,
-                                            (x.shape[0], fc2.shape[1]))
+                                            (rows, fc2.shape[1]))
             del kept
         else:
             dy = _rows(dy)
         d_h = torch.empty_like(h)
         dprobs = None  # the rows' probs' gradient
         if probs is not None and need[5]:
-            dprobs = torch.empty(x.shape[0], dtype=torch.float32, device=x.device)
+            dprobs = torch.empty(rows, dtype=torch.float32, device=h.device)
         # FC2 dgrad + the activation's backward: d_h (dx comes after FC2's wgrad).
         _C.grouped_mlp_backward_dgrad(dy, fc1, fc2, bias1, bias2, offsets, real_rows, probs,
                                       *cfg, h, None, d_h, dprobs, s)
@@ -425,8 +430,11 @@ class _GroupedMlp(torch.autograd.Function):
                 return None, None
             w, b = (fc2, bias2) if fc == 2 else (fc1, bias1)
             if fc == 2 and w_want and act is None:
-                act = x.new_empty(x.shape[0], fc2.shape[2])
+                act = h.new_empty(rows, fc2.shape[2])
                 _C.grouped_mlp_recompute_activation(h, offsets, real_rows, probs, *cfg, act, st)
+            x_rows = None  # FC1's input rows (its weight gradient's operand)
+            if fc == 1:
+                x_rows = source.rows(x) if source is not None and source.recompute else x
             # acc: the GEMM adds into main_grad, or into the weight's .grad
             # (accumulate_into_grad, where autograd would add it in place;
             # not for a delayed wgrad, which runs after backward).
@@ -444,10 +452,10 @@ class _GroupedMlp(torch.autograd.Function):
             db = None
             if b_want:
                 db = (torch.zeros if acc else torch.empty)(b.shape, dtype=torch.float32,
-                                                           device=x.device)
+                                                           device=h.device)
             dw1, dw2 = (None, g) if fc == 2 else (g, None)
             db1, db2 = (None, db) if fc == 2 else (db, None)
-            _C.grouped_mlp_backward_wgrad(dy if fc == 2 else None, x if fc == 1 else None,
+            _C.grouped_mlp_backward_wgrad(dy if fc == 2 else None, x_rows,
                                           offsets, real_rows, h, act if fc == 2 else None,
                                           d_h if fc == 1 else None, dw1, dw2, db1, db2, acc, st)
             return (None if acc else g), (None if db is None else db.to(b.dtype))
@@ -460,7 +468,7 @@ class _GroupedMlp(torch.autograd.Function):
                     return None, dprobs
             elif not need[0] and (source.collective or dprobs is None):
                 return None, node_dprobs
-            dx = torch.empty_like(x)
+            dx = h.new_empty(rows, fc1.shape[2])
             _C.grouped_mlp_backward_fc1_dgrad(d_h, fc1, fc2, offsets, real_rows, *cfg, dx, s)
             if source is None:
                 return dx, dprobs
@@ -545,7 +553,8 @@ def grouped_mlp(x: torch.Tensor, fc1: torch.Tensor, fc2: torch.Tensor, *,
                 accumulate_into_main_grad: bool = False, accumulate_into_grad: bool = True,
                 recompute_activation: bool = True,
                 wgrad_store: Optional[WgradStore] = None, unpermute: bool = False,
-                permute: bool = False, precision: str = "bf16", fp8_weight_cache: bool = False,
+                permute: bool = False, recompute_permute: bool = True,
+                precision: str = "bf16", fp8_weight_cache: bool = False,
                 fp8_wgrad: bool = False, align: Optional[int] = None,
                 _grad_params: Optional[Tuple] = None, _ep=None) -> torch.Tensor:
     """The grouped expert MLP: for the rows of each expert e,
@@ -587,7 +596,11 @@ def grouped_mlp(x: torch.Tensor, fc1: torch.Tensor, fc2: torch.Tensor, *,
     permuted by the plan in the same node (``permute(x, plan, probs)``
     first), so that backward frees the rows' input gradient once the tokens'
     exists, before FC1's weight gradient is allocated; x's and probs'
-    gradients are the tokens' and the [T, K] probs'.
+    gradients are the tokens' and the [T, K] probs'. ``recompute_permute``
+    (default, with ``permute``): the node keeps the tokens for FC1's weight
+    gradient, not the rows, and permutes them again just before it (one
+    permute more in backward; the rows, K times the tokens' bytes, do not
+    live from forward to backward).
 
     ``precision``: "bf16" (the 16-bit GEMMs above), or "fp8-blockwise" /
     "fp8-tensorwise": the forward and both input gradients through the FP8
@@ -669,7 +682,8 @@ def grouped_mlp(x: torch.Tensor, fc1: torch.Tensor, fc2: torch.Tensor, *,
         _fp8_mlp.check(x, fc1, fc2, bias1, bias2, precision, wgrad_store, activation)
         args = (offsets, real_rows, cfg, precision, main, plan if unpermute else None,
                 bool(fp8_weight_cache), bool(fp8_wgrad),
-                _mlp_io.PermuteSource(plan) if permute else None, bool(accumulate_into_grad))
+                _mlp_io.PermuteSource(plan, bool(recompute_permute)) if permute else None,
+                bool(accumulate_into_grad))
         if not (_grad_enabled() and (x.requires_grad or fc1.requires_grad or fc2.requires_grad
                                      or (probs is not None and probs.requires_grad))):
             return _fp8_mlp.GroupedMlpFp8.forward(None, x, fc1, fc2, probs, args)
@@ -683,13 +697,14 @@ def grouped_mlp(x: torch.Tensor, fc1: torch.Tensor, fc2: torch.Tensor, *,
                                                                      _ep) + (False,)))
     params = _grad_params if _grad_params is not None else (fc1, fc2, bias1, bias2)
     opts = (main, bool(recompute_activation), wgrad_store, params) + _io(
-        plan, permute, unpermute, _ep) + (bool(accumulate_into_grad) and _grad_params is None,)
+        plan, permute, unpermute, _ep, recompute_permute) + (
+        bool(accumulate_into_grad) and _grad_params is None,)
     return _GroupedMlp.apply(x, fc1, fc2, bias1, bias2, probs, (offsets, real_rows, cfg, opts))
 
 
-def _io(plan, permute, unpermute, ep):
+def _io(plan, permute, unpermute, ep, recompute_permute=False):
     """(the rows' source, the output's sink) of a grouped_mlp node."""
     if ep is not None:
         return _mlp_io.DispatchSource(ep), _mlp_io.CombineSink(ep[3])
-    return (_mlp_io.PermuteSource(plan) if permute else None,
+    return (_mlp_io.PermuteSource(plan, bool(recompute_permute)) if permute else None,
             _mlp_io.UnpermuteSink(plan) if unpermute else None)

@@ -195,18 +195,27 @@ def test_saves_only_what_backward_reads(device):
     dt = layer.fc1_weight.dtype
     # No float32 copy of the tokens (the router GEMM keeps x as it is).
     assert not [s for s in saved if s == ((T, H), torch.float32)], saved
-    cap = [s for s in saved if s[1] == dt and len(s[0]) == 2 and s[0][1] == H and s[0][0] != T]
-    # The permuted rows once (the MLP's input); not the MLP's output y
-    # (unpermute without probs keeps nothing of it).
-    assert len(cap) == 1, cap
+    def rows_h(saved):  # [rows, H] tensors: the permuted rows or the MLP's output y
+        return [s for s in saved if s[1] == dt and len(s[0]) == 2 and s[0][1] == H
+                and s[0][0] != T]
+
+    # recompute_permute: neither the permuted rows (the tokens are kept and
+    # permuted again in backward) nor y (unpermute without probs keeps
+    # nothing of it).
+    assert not rows_h(saved), rows_h(saved)
     # h [rows, 2F] kept, a [rows, F] not (recompute_activation).
-    rows = cap[0][0][0]
-    assert ((rows, 2 * F), dt) in saved and ((rows, F), dt) not in saved
+    hs = [s for s in saved if s[1] == dt and s[0][1:] == (2 * F,)]
+    assert len(hs) == 1, saved
+    rows = hs[0][0][0]
+    assert ((rows, F), dt) not in saved
     out.sum().backward()
 
-    layer_keep = make_layer(device, H=H, F=F, E=E, K=K, recompute_activation=False)
+    layer_keep = make_layer(device, H=H, F=F, E=E, K=K, recompute_activation=False,
+                            recompute_permute=False)
     _, saved_keep = saved_between_forward_and_backward(layer_keep, x)
     assert ((rows, F), dt) in saved_keep
+    # the permuted rows once (the MLP's input)
+    assert rows_h(saved_keep) == [((rows, H), dt)], rows_h(saved_keep)
 
 
 # --- the whole step as one CUDA graph -------------------------------------------

@@ -167,7 +167,8 @@ def test_permute_in_the_node_is_the_chained_ops(device, precision, wgrad8):
     output and every gradient (tokens, probs, weights) of permute then
     grouped_mlp(..., unpermute=True), and of permute, grouped_mlp, unpermute
     as three ops, bit for bit (tensorwise: the node quantizes the tokens and
-    dout straight into the rows' codes)."""
+    dout straight into the rows' codes), with the tokens permuted again for
+    a 16-bit FC1 weight gradient (recompute_permute) or the rows kept."""
     g = torch.Generator().manual_seed(7)
     E, H, F, T, K = 4, 256, 256, 150, 2
     x0 = torch.randn(T, H, generator=g).bfloat16().to(device)
@@ -178,12 +179,13 @@ def test_permute_in_the_node_is_the_chained_ops(device, precision, wgrad8):
     dy = torch.randn(T, H, generator=g).bfloat16().to(device)
     plan = mf.Plan(ids, E, 128 if wgrad8 and precision == "fp8-blockwise" else 16)
     res = []
-    for mode in ("node", "rows", "ops"):
+    for mode in ("node", "node, rows kept", "rows", "ops"):
         x, p = x0.clone().requires_grad_(), p0.clone().requires_grad_()
         w1, w2 = (w.clone().requires_grad_() for w in w0)
         kw = dict(plan=plan, precision=precision, fp8_wgrad=wgrad8)
-        if mode == "node":
-            out = mf.grouped_mlp(x, w1, w2, probs=p, permute=True, unpermute=True, **kw)
+        if mode.startswith("node"):
+            out = mf.grouped_mlp(x, w1, w2, probs=p, permute=True, unpermute=True,
+                                 recompute_permute=mode == "node", **kw)
         elif mode == "rows":
             rows, rp = mf.permute(x, plan, p)
             out = mf.grouped_mlp(rows, w1, w2, probs=rp, unpermute=True, **kw)
@@ -192,8 +194,8 @@ def test_permute_in_the_node_is_the_chained_ops(device, precision, wgrad8):
             out = mf.unpermute(mf.grouped_mlp(rows, w1, w2, probs=rp, **kw), plan)
         out.backward(dy)
         res.append((out, x.grad, p.grad, w1.grad, w2.grad))
-    for name, a, b, c in zip(("out", "dx", "dprobs", "dW1", "dW2"), *res):
-        assert a is not None and torch.equal(a, b) and torch.equal(a, c), name
+    for name, a, *others in zip(("out", "dx", "dprobs", "dW1", "dW2"), *res):
+        assert a is not None and all(torch.equal(a, b) for b in others), name
 
 
 @pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] != 9,

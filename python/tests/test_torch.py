@@ -262,11 +262,14 @@ def test_bias_gradients_with_main_grad_match_plain(device):
 
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("mode", ["grad", "main_grad", "delayed", "bias"])
-@pytest.mark.parametrize("fuse_permute", [False, True], ids=["unpermute", "permute+unpermute"])
+@pytest.mark.parametrize("fuse_permute", [False, True, "rows kept"],
+                         ids=["unpermute", "permute+unpermute", "rows kept"])
 def test_grouped_mlp_unpermute_is_bitwise_the_two_ops(device, mode, fuse_permute):
     """grouped_mlp(..., unpermute=True) gives the output and every gradient
     of unpermute(grouped_mlp(...)) bit for bit (it only reorders backward);
-    with permute=True too, those of the three ops chained."""
+    with permute=True too, those of the three ops chained, whether the node
+    permutes the tokens again for FC1's weight gradient (recompute_permute,
+    the default) or keeps the rows."""
     dt = torch.bfloat16 if device == "cuda" else torch.float16
     T, K, E, H, F = 37, 3, 5, 64, 32
     ids, probs = routing(T, K, E, device, seed=11)
@@ -289,7 +292,8 @@ def test_grouped_mlp_unpermute_is_bitwise_the_two_ops(device, mode, fuse_permute
         kw = dict(plan=plan, bias1=b1, bias2=b2, wgrad_store=store,
                   accumulate_into_main_grad=mode == "main_grad")
         if fused and fuse_permute:
-            out = mf.grouped_mlp(x, ws[0], ws[1], probs=p, permute=True, unpermute=True, **kw)
+            out = mf.grouped_mlp(x, ws[0], ws[1], probs=p, permute=True, unpermute=True,
+                                 recompute_permute=fuse_permute is True, **kw)
         rows, rp = mf.permute(x, plan, p)
         kw["probs"] = rp
         if fused and not fuse_permute:
@@ -310,6 +314,30 @@ def test_grouped_mlp_unpermute_is_bitwise_the_two_ops(device, mode, fuse_permute
     for a, b in zip(run(True), run(False)):
         assert a is not None and b is not None
         assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("recompute", [True, False])
+def test_permute_node_keeps_the_tokens_not_the_rows(device, recompute):
+    """With recompute_permute the node's saved input is the tokens
+    themselves (the same storage: nothing K times larger lives until
+    backward); without it, the permuted rows [capacity, H]."""
+    T, K, E, H, F = 40, 4, 5, 64, 32
+    ids, probs = routing(T, K, E, device, seed=3)
+    plan = mf.Plan(ids, E, 16)
+    dt = torch.bfloat16 if device == "cuda" else torch.float16
+    x = torch.randn(T, H, device=device).to(dt).requires_grad_(True)
+    w1 = (torch.randn(E, 2 * F, H, device=device) * 0.1).to(dt).requires_grad_(True)
+    w2 = (torch.randn(E, H, F, device=device) * 0.1).to(dt).requires_grad_(True)
+    out = mf.grouped_mlp(x, w1, w2, plan=plan, probs=probs, permute=True, unpermute=True,
+                         recompute_permute=recompute)
+    kept = out.grad_fn.saved_tensors[0]
+    if recompute:
+        assert kept.shape == (T, H) and kept.data_ptr() == x.data_ptr()
+    else:
+        assert kept.shape == (plan.capacity_rows, H)
+    out.sum().backward()
+    assert w1.grad is not None and x.grad is not None
 
 
 def test_grouped_mlp_unpermute_needs_plan():
