@@ -22,10 +22,10 @@ three run back to back (the steady clock). Every step starts from ``.grad`` None
 step do. ``--precision fp8-tensorwise`` (or fp8-blockwise, repeatable)
 also times the same layer with FP8 expert GEMMs (its weights copied from
 the bf16 layer; ``--fp8-wgrad``, ``--fp8-weight-cache`` as MoELayer's
-options), and with ``--ablate-fused-quantize`` the tensorwise layer once
-more with the tokens and dout permuted into 16-bit rows first and those
-quantized (the path before permute_quantize and
-unpermute_backward_quantize took the tensorwise recipe).
+options), and with ``--ablate-fused-quantize`` each FP8 layer once more
+with the tokens (tensorwise: and dout) permuted into 16-bit rows first and
+those quantized (the path before permute_quantize and
+unpermute_backward_quantize took the FP8 recipes).
 ``--ablate-recompute-permute`` times moeflow's step once more keeping the
 permuted rows for FC1's weight gradient (``recompute_permute=False``; A B
 B A). Every step's "saved" figure is what its forward keeps for backward
@@ -342,13 +342,20 @@ def bench_router_gemm(out):
 
 
 @contextlib.contextmanager
-def unfused_tensorwise_quantize():
-    """The tensorwise layer's rows quantized the way they were before the
-    fused ops: the tokens permuted into 16-bit rows, then
-    quantize_group_rows of those (and dout's rows by unpermute_backward,
-    then the same), so that the ablation runs the same node otherwise."""
+def unfused_quantize():
+    """The FP8 layers' rows quantized the way they were before the fused
+    ops: the tokens permuted into 16-bit rows, then quantize_group_rows of
+    those (tensorwise; and dout's rows by unpermute_backward, then the same)
+    or their 1x128 quantize (blockwise), so that the ablation runs the same
+    node otherwise."""
     keep_fwd = _mlp_io.PermuteSource.forward_tensorwise
+    keep_blk = _mlp_io.PermuteSource.forward_blockwise
     keep_bwd = mf.unpermute_backward_quantize
+
+    def forward_blockwise(self, x, probs):
+        rows, rp = self.forward(x, probs)
+        q, s = mf.quantize(rows, "e4m3", "1x128")
+        return q, s, rp
 
     def forward_tensorwise(self, x, probs, transposed):
         rows, rp = self.forward(x, probs)
@@ -365,11 +372,13 @@ def unfused_tensorwise_quantize():
                                       transposed=transposed)
 
     _mlp_io.PermuteSource.forward_tensorwise = forward_tensorwise
+    _mlp_io.PermuteSource.forward_blockwise = forward_blockwise
     mf.unpermute_backward_quantize = unpermute_backward_quantize
     try:
         yield
     finally:
         _mlp_io.PermuteSource.forward_tensorwise = keep_fwd
+        _mlp_io.PermuteSource.forward_blockwise = keep_blk
         mf.unpermute_backward_quantize = keep_bwd
 
 
@@ -403,7 +412,7 @@ def main():
     ap.add_argument("--fp8-weight-cache", action="store_true",
                     help="FP8 layers: fp8_weight_cache=True")
     ap.add_argument("--ablate-fused-quantize", action="store_true",
-                    help="with --precision fp8-tensorwise: also time it with the rows "
+                    help="with --precision: also time each FP8 layer with the rows "
                          "permuted in 16 bits, then quantized (A B B A)")
     args = ap.parse_args()
     dev = torch.device("cuda")
@@ -497,12 +506,12 @@ def main():
                 layer8(x).backward(dy)
 
             def fp8_unfused_step(fp8_step=fp8_step):
-                with unfused_tensorwise_quantize():
+                with unfused_quantize():
                     fp8_step()
 
             steps.append((f"moeflow_{prec}", fp8_step))
             forwards[f"moeflow_{prec}"] = lambda layer8=layer8: layer8(x)
-            if args.ablate_fused_quantize and prec == "fp8-tensorwise":
+            if args.ablate_fused_quantize:
                 steps += [(f"moeflow_{prec}_unfused", fp8_unfused_step),
                           (f"moeflow_{prec}_unfused_2", fp8_unfused_step),
                           (f"moeflow_{prec}_2", fp8_step)]

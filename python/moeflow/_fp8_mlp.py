@@ -169,13 +169,20 @@ class GroupedMlpFp8(torch.autograd.Function):
         x_t = None  # x's columnwise codes and scales (FC1's FP8 wgrad), instead of x
         xq = None  # x's rowwise codes and scales (FC1's input)
         want_x_t = wgrad8 and ctx is not None and fc1.requires_grad
-        if (isinstance(source, _mlp_io.PermuteSource) and recipe == "fp8-tensorwise"
-                and not (ctx is not None and fc1.requires_grad and not wgrad8)):
-            # The codes straight from the tokens: no 16-bit rows (no wgrad reads them).
+        # FC1's 16-bit weight gradient reads the rows: kept from here, or
+        # permuted again from the tokens in backward (recompute_permute).
+        rows16 = ctx is not None and fc1.requires_grad and not wgrad8
+        again = isinstance(source, _mlp_io.PermuteSource) and source.recompute
+        codes_first = isinstance(source, _mlp_io.PermuteSource) and (again or not rows16)
+        if codes_first and recipe == "fp8-tensorwise":
+            # The codes straight from the tokens: no 16-bit rows.
             xq, xs, xq_t, probs = source.forward_tensorwise(x, probs, want_x_t)
             x = None
             if want_x_t:
                 x_t = (xq_t, xs)
+        elif codes_first and not want_x_t:  # blockwise, the rowwise codes only
+            xq, xs, probs = source.forward_blockwise(x, probs)
+            x = None
         else:
             if source is not None:  # the experts' rows and each row's prob
                 x, probs = source.forward(x, probs)
@@ -209,8 +216,7 @@ class GroupedMlpFp8(torch.autograd.Function):
             ctx.cfg, ctx.recipe, ctx.main, ctx.plan, ctx.cache = cfg, recipe, main, plan, cache
             ctx.wgrad8, ctx.source, ctx.into_grad = wgrad8, source, into_grad
             # the rows for FC1's 16-bit wgrad, or the tokens (recompute_permute)
-            saved_x = None if x_t is not None or x is None else (
-                tokens if source is not None and source.recompute else x)
+            saved_x = (tokens if again else x) if rows16 else None
             x_t = x_t if x_t is not None else (None, None)
             a_t = (got[2], a_s) if keep_a_t else (None, None)
             ctx.save_for_backward(saved_x, fc1, fc2, p, offsets, real_rows, h, *x_t, *a_t)

@@ -49,6 +49,20 @@ class PermuteSource:
         _C.permute(x, self.plan._view, rows, None, None, None, None, _stream(x))
         return rows
 
+    def forward_blockwise(self, x, probs):
+        """forward's rows as the fp8-blockwise recipe's e4m3 codes and 1x128
+        scales (ops.permute_quantize: x read once, the bf16 rows never
+        written). Returns (codes, scales [capacity, H/128], row_probs)."""
+        plan, cap, H = self.plan, self.plan.capacity_rows, x.shape[1]
+        self.x_meta = (x.shape, x.dtype)
+        q = torch.empty((cap, H), dtype=torch.float8_e4m3fn, device=x.device)
+        scales = _empty(cap, -(-H // 128), dtype=_float32, device=x.device)
+        row_probs = None if probs is None else _empty(cap, dtype=_float32, device=x.device)
+        _C.permute_quantize(x, plan._view, q, scales, "e4m3", False,
+                            None if probs is None else probs.contiguous(), row_probs, _stream(x),
+                            "1x128", None)
+        return q, scales, row_probs
+
     def forward_tensorwise(self, x, probs, transposed):
         """forward's rows as the fp8-tensorwise recipe's e4m3 codes, with x
         read by the quantize (ops.permute_quantize, scaling "tensorwise"): the

@@ -22,6 +22,7 @@ import pytest
 torch = pytest.importorskip("torch")
 import moeflow  # noqa: E402
 import moeflow.ops as mf  # noqa: E402
+from moeflow import _mlp_io  # noqa: E402
 
 DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
     not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] != 9,
@@ -196,6 +197,42 @@ def test_permute_in_the_node_is_the_chained_ops(device, precision, wgrad8):
         res.append((out, x.grad, p.grad, w1.grad, w2.grad))
     for name, a, *others in zip(("out", "dx", "dprobs", "dW1", "dW2"), *res):
         assert a is not None and all(torch.equal(a, b) for b in others), name
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("precision", ["fp8-blockwise", "fp8-tensorwise"])
+def test_node_quantizes_the_tokens_without_16_bit_rows(device, precision, monkeypatch):
+    """With a 16-bit FC1 weight gradient and recompute_permute (the
+    defaults), the FP8 node's forward quantizes the tokens straight into the
+    rows' codes (permute_quantize: no 16-bit rows are written) and keeps the
+    tokens themselves for backward, which permutes them again."""
+    g = torch.Generator().manual_seed(5)
+    E, H, F, T, K = 4, 256, 128, 64, 2
+    x = torch.randn(T, H, generator=g).bfloat16().to(device).requires_grad_()
+    ids = torch.stack([torch.randperm(E, generator=g)[:K] for _ in range(T)]).int().to(device)
+    p = torch.rand(T, K, generator=g).to(device).requires_grad_()
+    w1 = (torch.randn(E, 2 * F, H, generator=g) / H ** 0.5).bfloat16().to(device).requires_grad_()
+    w2 = (torch.randn(E, H, F, generator=g) / F ** 0.5).bfloat16().to(device).requires_grad_()
+    plan = mf.Plan(ids, E, 16)
+    rows_written = []
+    forward = _mlp_io.PermuteSource.forward
+
+    def counted(self, *a):
+        rows_written.append(1)
+        return forward(self, *a)
+
+    monkeypatch.setattr(_mlp_io.PermuteSource, "forward", counted)
+    out = mf.grouped_mlp(x, w1, w2, plan=plan, probs=p, permute=True, unpermute=True,
+                         precision=precision)
+    assert not rows_written
+    kept = out.grad_fn.saved_tensors[0]
+    assert kept.shape == (T, H) and kept.data_ptr() == x.data_ptr()
+    out.float().square().sum().backward()
+    assert w1.grad is not None and x.grad is not None and p.grad is not None
+    # recompute_permute=False: the rows are written and kept
+    out = mf.grouped_mlp(x, w1, w2, plan=plan, probs=p, permute=True, unpermute=True,
+                         precision=precision, recompute_permute=False)
+    assert rows_written and out.grad_fn.saved_tensors[0].shape == (plan.capacity_rows, H)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] != 9,
