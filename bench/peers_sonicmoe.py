@@ -18,12 +18,14 @@ quack autotunes each GEMM per shape by compiling every candidate
 configuration (about 44 on sm_90) in worker processes: many minutes per
 case. ``--quack-config default`` (the default) gives every quack GEMM one
 configuration instead, quack's own sm_90 default (128 x 192 tiles,
-ping-pong, a 2 x 1 cluster): no tuning, SonicMoE untuned. ``tuned`` keeps
-the autotuner (set QUACK_CACHE_AUTOTUNING=1 and QUACK_CACHE_DIR to keep its
+ping-pong, a 2 x 1 cluster): no tuning, SonicMoE untuned. ``tuned8``
+tunes each GEMM over 8 of them (128 x 192 ping-pong; 128 x 256, 256 x 128
+and 256 x 192 cooperative; 2 x 1 and 1 x 2 clusters; no swap), ``tuned``
+over all (set QUACK_CACHE_AUTOTUNING=1 and QUACK_CACHE_DIR to keep the
 choices between runs).
 
     PYTHONPATH=build/python:bench python3 bench/peers_sonicmoe.py [--json FILE]
-        [--quack-config default|tuned]
+        [--quack-config default|tuned8|tuned]
 """
 import argparse
 import json
@@ -35,17 +37,28 @@ from peer_timing import saved_mib, step_stats
 from py_layer import CASES
 
 
-def fix_quack_configs():
+def fix_quack_configs(eight=False):
     """Every quack autotuner to one configuration, quack's sm_90 default
-    (gemm_interface.default_config): no tuning. Returns how many."""
+    (gemm_interface.default_config): no tuning; or with ``eight`` to the 8
+    sm_90 candidates of its own list named in the module docstring (the
+    default alone where its list has none of them). Returns how many
+    autotuners."""
     import quack.gemm_interface as gi
     from quack.autotuner import AutotuneConfig, Autotuner
     from quack.gemm_config import GemmConfig
     cfg = GemmConfig(tile_m=128, tile_n=192, cluster_m=2, cluster_n=1, pingpong=True,
                      is_dynamic_persistent=False, device_capacity=9)
+    keep = {(128, 192, True), (128, 256, False), (256, 128, False), (256, 192, False)}
+
+    def wanted(c):
+        c = c.kwargs["config"]
+        return (c.device_capacity == 9 and not c.swap_ab and (c.tile_m, c.tile_n, c.pingpong)
+                in keep and (c.cluster_m, c.cluster_n) in ((2, 1), (1, 2)))
+
     tuners = [o for o in vars(gi).values() if isinstance(o, Autotuner)]
     for t in tuners:
-        t.configs = [AutotuneConfig(config=cfg)]
+        some = [c for c in t.configs if wanted(c)] if eight else []
+        t.configs = some or [AutotuneConfig(config=cfg)]
     return len(tuners)
 
 
@@ -56,7 +69,7 @@ def main():
     ap.add_argument("--stack-after", type=float, default=0,
                     help="print every thread's stack and exit after this many seconds "
                          "(0: never), to see where a long compile or a hang is")
-    ap.add_argument("--quack-config", choices=("default", "tuned"), default="default")
+    ap.add_argument("--quack-config", choices=("default", "tuned8", "tuned"), default="default")
     args = ap.parse_args()
     if args.stack_after > 0:
         import faulthandler
@@ -64,8 +77,9 @@ def main():
     print("importing sonicmoe ...", flush=True)
     from sonicmoe import KernelBackendMoE, MoE  # noqa: E402 (after the argument check)
     from sonicmoe.enums import ActivationType
-    if args.quack_config == "default":
-        print(f"quack GEMMs on one configuration: {fix_quack_configs()} autotuners", flush=True)
+    if args.quack_config != "tuned":
+        n = fix_quack_configs(args.quack_config == "tuned8")
+        print(f"quack GEMMs: {args.quack_config} configurations, {n} autotuners", flush=True)
 
     dev = torch.device("cuda")
     out = {"device": torch.cuda.get_device_name(0), "torch": torch.__version__,

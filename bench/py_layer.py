@@ -16,7 +16,9 @@ as a training loop that does not synchronise every step runs them), the
 peak memory the step allocates beyond its inputs and parameters, and with
 ``--profile`` the sum of the step's kernel times (torch.profiler) against
 the step's time, for one step after a synchronisation and per step of
-three run back to back (the steady clock). Every step starts from ``.grad`` None (a step after
+ten run back to back (the steady clock; also their profiled span per step
+against the kernels' sum of the same window, which no clock difference
+between windows enters). Every step starts from ``.grad`` None (a step after
 ``zero_grad(set_to_none=True)``); with ``--accumulate`` each adds into the
 ``.grad`` of the steps before it, as the micro-batches of one optimizer
 step do. ``--precision fp8-tensorwise`` (or fp8-blockwise, repeatable)
@@ -539,10 +541,12 @@ def main():
                     trace = f"{stem}-{name}.{ext}" if dot else f"{args.trace}-{name}"
                 total, by_name, (span, idle, gaps) = kernel_profile(fn, trace)
                 res[key]["kernel_sum_ms"] = total
-                # the same, per step of three run back to back (steady clocks)
-                b2b, _, (_, b2b_idle, _) = kernel_profile(fn, steps=3)
+                # ten steps back to back (steady clocks): the kernels' sum and
+                # the profiled span per step, from the same window
+                b2b, _, (b2b_span, b2b_idle, _) = kernel_profile(fn, steps=10)
                 res[key]["back_to_back_kernel_sum_ms"] = b2b
                 res[key]["back_to_back_idle_ms"] = b2b_idle
+                res[key]["back_to_back_span_ms"] = b2b_span
                 res[key]["profiled_span_ms"], res[key]["idle_ms"] = span, idle
                 res[key]["largest_gaps_us"] = [[round(g, 1), a, b] for g, a, b in gaps]
                 if key == "moeflow":
@@ -597,7 +601,8 @@ def main():
                      f"kernels {t['back_to_back_kernel_sum_ms']:.2f} / "
                      f"{m['back_to_back_kernel_sum_ms']:.2f} ms, GPU idle "
                      f"{m['back_to_back_idle_ms']:.2f} ms per step (step / kernels "
-                     f"{mb / m['back_to_back_kernel_sum_ms']:.3f})")
+                     f"{mb / m['back_to_back_kernel_sum_ms']:.3f}; profiled span / kernels "
+                     f"{m['back_to_back_span_ms'] / m['back_to_back_kernel_sum_ms']:.3f})")
         print(line, flush=True)
         for key, r in res.items():
             if key.startswith("moeflow_fp8"):
