@@ -32,9 +32,8 @@ import json
 
 import torch
 
-import moeflow
+from layer_cases import AUX, CASES
 from peer_timing import saved_mib, step_stats
-from py_layer import CASES
 
 
 def fix_quack_configs(eight=False):
@@ -70,7 +69,12 @@ def main():
                     help="print every thread's stack and exit after this many seconds "
                          "(0: never), to see where a long compile or a hang is")
     ap.add_argument("--quack-config", choices=("default", "tuned8", "tuned"), default="default")
+    ap.add_argument("--sonic-only", action="store_true",
+                    help="time SonicMoE alone (moeflow need not be built)")
     args = ap.parse_args()
+    moeflow = None
+    if not args.sonic_only:
+        import moeflow
     if args.stack_after > 0:
         import faulthandler
         faulthandler.dump_traceback_later(args.stack_after, exit=True)
@@ -93,8 +97,8 @@ def main():
         sonic = MoE(num_experts=E, num_experts_per_tok=K, hidden_size=H, intermediate_size=Fd,
                     activation_function=ActivationType.SWIGLU, add_bias=False,
                     std=0.02).to(device=dev, dtype=torch.bfloat16)
-        ours = moeflow.MoELayer(H, Fd, E, K, score_function="softmax", aux_loss_coeff=1e-2,
-                                device=dev)
+        ours = None if moeflow is None else moeflow.MoELayer(
+            H, Fd, E, K, score_function="softmax", aux_loss_coeff=AUX, device=dev)
 
         def clear(module):  # a training step after zero_grad(set_to_none=True)
             for p in [x] + list(module.parameters()):
@@ -113,7 +117,10 @@ def main():
         print(f"{name}: timing (SonicMoE compiles its kernels on first use) ...", flush=True)
         fwds = {"sonicmoe": lambda: sonic(x, kernel_backend_moe=KernelBackendMoE.sonicmoe),
                 "moeflow": lambda: ours(x)}
-        for key, module, fn in (("sonicmoe", sonic, sonic_step), ("moeflow", ours, ours_step)):
+        runs = [("sonicmoe", sonic, sonic_step)]
+        if ours is not None:
+            runs.append(("moeflow", ours, ours_step))
+        for key, module, fn in runs:
             params = [x] + list(module.parameters())
             try:
                 ms, peak = step_stats(fn, params)
@@ -124,8 +131,10 @@ def main():
             for p in params:
                 p.grad = None
         out["cases"][name] = res
-        s, m = res["sonicmoe"], res["moeflow"]
-        if "error" in s or "error" in m:
+        s, m = res["sonicmoe"], res.get("moeflow")
+        if m is None:
+            print(f"{name:10s} layer fwd+bwd: sonicmoe {s}", flush=True)
+        elif "error" in s or "error" in m:
             print(f"{name:10s} sonicmoe {s} / moeflow {m}", flush=True)
         else:
             print(f"{name:10s} layer fwd+bwd: sonicmoe {s['fwd_bwd_ms']:7.2f} ms, moeflow "

@@ -58,17 +58,8 @@ from moeflow import _C, _mlp_io
 from moeflow._ops_common import _stream
 from moeflow import _router_ops
 from moeflow._router_ops import _router_logits_float32
+from layer_cases import AUX, CASES
 from peer_timing import bench_ms, saved_mib, steady_ms, step_stats
-
-# name, tokens, H, F, experts, top-k, router options
-CASES = [
-    ("dsv3", 8192, 7168, 2048, 32, 8,
-     dict(score_function="sigmoid", num_groups=8, group_topk=4, use_expert_bias=True,
-          topk_scaling_factor=2.5)),
-    ("mixtral", 16384, 4096, 14336, 8, 2, dict(score_function="softmax")),
-    ("qwen3-30b", 16384, 2048, 768, 128, 8, dict(score_function="softmax")),
-]
-AUX = 1e-2
 
 
 def torch_router(logits, K, score_function="softmax", num_groups=0, group_topk=0,
