@@ -600,7 +600,8 @@ def grouped_mlp(x: torch.Tensor, fc1: torch.Tensor, fc2: torch.Tensor, *,
     (default, with ``permute``): the node keeps the tokens for FC1's weight
     gradient, not the rows, and permutes them again just before it (one
     permute more in backward; the rows, K times the tokens' bytes, do not
-    live from forward to backward).
+    live from forward to backward; the tokens must then stay unchanged until
+    backward, as any saved input).
 
     ``precision``: "bf16" (the 16-bit GEMMs above), or "fp8-blockwise" /
     "fp8-tensorwise": the forward and both input gradients through the FP8
