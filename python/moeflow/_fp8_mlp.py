@@ -18,7 +18,7 @@ from typing import Optional, Tuple
 import torch
 
 from . import _C, _mlp_io, ops
-from ._ops_common import _grad_into, _stream
+from ._ops_common import _free_saved, _grad_into, _stream
 
 RECIPES = ("bf16", "fp8-blockwise", "fp8-tensorwise")
 
@@ -220,6 +220,9 @@ class GroupedMlpFp8(torch.autograd.Function):
             x_t = x_t if x_t is not None else (None, None)
             a_t = (got[2], a_s) if keep_a_t else (None, None)
             ctx.save_for_backward(saved_x, fc1, fc2, p, offsets, real_rows, h, *x_t, *a_t)
+            # backward frees h and a's codes after FC2's weight gradient (_free_saved)
+            ctx.h_ptr = h.data_ptr()
+            ctx.aq_t_ptr = 0 if a_t[0] is None else a_t[0].data_ptr()
         if plan is None:
             return y
         out = y.new_empty(plan.num_tokens, y.shape[1])
@@ -320,6 +323,8 @@ class GroupedMlpFp8(torch.autograd.Function):
             return None if acc else g
 
         g2 = wgrad(2)
+        _free_saved(h, ctx.h_ptr)  # d(h) exists and a's uses are done
+        _free_saved(aq_t, ctx.aq_t_ptr)
         del dy, dy_t
         dx = None
         source = ctx.source

@@ -83,3 +83,23 @@ def _grad_into(ctx, index: int):
     except RuntimeError:  # a leaf under autograd.grad: the gradient is returned
         return None
     return g
+
+
+_keep_graph = getattr(torch._C._autograd, "_get_current_graph_task_keep_graph", None)
+
+
+def _free_saved(t, ptr: int) -> None:
+    """Frees now the memory of ``t``, a tensor an autograd node made in its
+    forward and saved, once its backward has read it for the last time (its
+    storage resized to 0; autograd keeps the empty tensor), so that the rest
+    of the backward does not hold it. Only when this backward cannot run
+    again (neither ``retain_graph`` nor ``create_graph``: outside a backward,
+    or with a torch that cannot tell, nothing is freed) and ``t`` is still
+    the node's own tensor (``ptr``: its address in forward; a saved-tensor
+    hook that unpacked a copy, e.g. activation checkpointing or offloading,
+    leaves it alone)."""
+    if (t is None or _keep_graph is None or t.data_ptr() != ptr or t._base is not None
+            or _keep_graph()):
+        return
+    t.untyped_storage().resize_(0)
+

@@ -32,8 +32,8 @@ from . import _C, _mlp_io
 from ._fp8_ops import (_FP8, dequantize, grouped_gemm_fp8_forward,  # noqa: F401
                        grouped_gemm_fp8_wgrad, quantize, quantize_group_rows,
                        quantize_rowwise_columnwise, transpose_codes)
-from ._ops_common import (_empty, _float32, _grad_enabled, _grad_into, _int32, _int64,  # noqa: F401
-                          _plan_sizes, _rows, _stream, _uint8)
+from ._ops_common import (_empty, _float32, _free_saved, _grad_enabled, _grad_into,  # noqa: F401
+                          _int32, _int64, _plan_sizes, _rows, _stream, _uint8)
 from ._router_ops import (RouterOutput, apply_capacity, router, router_logits,  # noqa: F401
                           update_expert_bias)
 
@@ -391,6 +391,9 @@ class _GroupedMlp(torch.autograd.Function):
             ctx.save_for_backward(keep, fc1, fc2, bias1, bias2, row_probs, offsets, real_rows, h,
                                   None if opts[1] else a,
                                   probs if sink is not None and sink.weighted else None, kept)
+            # backward frees h and a once read for the last time (_free_saved)
+            ctx.h_ptr = h.data_ptr()
+            ctx.a_ptr = 0 if opts[1] else a.data_ptr()
         return out
 
     @staticmethod
@@ -432,6 +435,8 @@ class _GroupedMlp(torch.autograd.Function):
             if fc == 2 and w_want and act is None:
                 act = h.new_empty(rows, fc2.shape[2])
                 _C.grouped_mlp_recompute_activation(h, offsets, real_rows, probs, *cfg, act, st)
+            if fc == 2 and store is None:
+                _free_saved(h, ctx.h_ptr)  # read for the last time (d_h and a exist)
             x_rows = None  # FC1's input rows (its weight gradient's operand)
             if fc == 1:
                 x_rows = source.rows(x) if source is not None and source.recompute else x
@@ -479,6 +484,7 @@ class _GroupedMlp(torch.autograd.Function):
             # FC2's weight gradient first: then dy and a are free before dx
             # and FC1's weight gradient are allocated (the step's peak).
             g2, gb2 = wgrad(dy, a, 2)
+            _free_saved(a, ctx.a_ptr)
             del dy, a
             dx, dprobs = fc1_dgrad()
             g1, gb1 = wgrad(None, None, 1)

@@ -235,6 +235,50 @@ def test_node_quantizes_the_tokens_without_16_bit_rows(device, precision, monkey
     assert rows_written and out.grad_fn.saved_tensors[0].shape == (plan.capacity_rows, H)
 
 
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("precision,wgrad8", [(r, False) for r in RECIPES] +
+                         [("fp8-tensorwise", True)])
+def test_backward_frees_h_once_read(device, precision, wgrad8):
+    """The FP8 node frees FC1's output h (and, tensorwise with FP8 weight
+    gradients, a's kept codes) after FC2's weight gradient; with
+    retain_graph nothing is freed and a second backward gives the same
+    gradients."""
+    g = torch.Generator().manual_seed(8)
+    E, H, F, T, K = 4, 256, 128, 64, 2
+    x = torch.randn(T, H, generator=g).bfloat16().to(device).requires_grad_()
+    ids = torch.stack([torch.randperm(E, generator=g)[:K] for _ in range(T)]).int().to(device)
+    w1 = (torch.randn(E, 2 * F, H, generator=g) / H ** 0.5).bfloat16().to(device).requires_grad_()
+    w2 = (torch.randn(E, H, F, generator=g) / F ** 0.5).bfloat16().to(device).requires_grad_()
+    dy = torch.randn(T, H, generator=g).bfloat16().to(device)
+    plan = mf.Plan(ids, E, 16)
+    grads = []
+    for retain in (False, True):
+        saved = []
+
+        def pack(t):
+            saved.append(t)
+            return t
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            out = mf.grouped_mlp(x, w1, w2, plan=plan, permute=True, unpermute=True,
+                                 precision=precision, fp8_wgrad=wgrad8)
+        h = [t for t in saved if t.shape == (plan.capacity_rows, 2 * F)]
+        a_t = [t for t in saved if t.shape == (F, plan.capacity_rows)]
+        assert len(h) == 1 and len(a_t) == (1 if wgrad8 else 0)
+        x.grad = w1.grad = w2.grad = None
+        out.backward(dy, retain_graph=retain)
+        grads.append([x.grad.clone(), w1.grad.clone(), w2.grad.clone()])
+        for t in h + a_t:
+            assert (t.untyped_storage().size() == 0) != retain
+        if retain:
+            x.grad = w1.grad = w2.grad = None
+            out.backward(dy)
+            grads.append([x.grad, w1.grad, w2.grad])
+    for other in grads[1:]:
+        for a, b in zip(grads[0], other):
+            assert torch.equal(a, b)
+
+
 @pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] != 9,
                     reason="the FP8 grouped GEMM runs on Hopper (sm_90) GPUs")
 @pytest.mark.parametrize("precision,cache,wgrad8", [(r, False, False) for r in RECIPES] +
