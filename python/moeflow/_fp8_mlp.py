@@ -18,7 +18,7 @@ from typing import Optional, Tuple
 import torch
 
 from . import _C, _mlp_io, ops
-from ._ops_common import _free_saved, _grad_into, _stream
+from ._ops_common import _backward_owns, _grad_into, _may_drop_early, _stream
 
 RECIPES = ("bf16", "fp8-blockwise", "fp8-tensorwise")
 
@@ -219,10 +219,12 @@ class GroupedMlpFp8(torch.autograd.Function):
             saved_x = (tokens if again else x) if rows16 else None
             x_t = x_t if x_t is not None else (None, None)
             a_t = (got[2], a_s) if keep_a_t else (None, None)
-            ctx.save_for_backward(saved_x, fc1, fc2, p, offsets, real_rows, h, *x_t, *a_t)
-            # backward frees h and a's codes after FC2's weight gradient (_free_saved)
-            ctx.h_ptr = h.data_ptr()
-            ctx.aq_t_ptr = 0 if a_t[0] is None else a_t[0].data_ptr()
+            # h and a's codes held by the node rather than saved where its
+            # backward may drop them after FC2's weight gradient (_may_drop_early)
+            ctx.held = [h, a_t[0]] if _may_drop_early() else None
+            ctx.save_for_backward(saved_x, fc1, fc2, p, offsets, real_rows,
+                                  None if ctx.held else h, *x_t,
+                                  None if ctx.held else a_t[0], a_t[1])
         if plan is None:
             return y
         out = y.new_empty(plan.num_tokens, y.shape[1])
@@ -234,11 +236,21 @@ class GroupedMlpFp8(torch.autograd.Function):
         if dy is None:
             return (None,) * 5
         x, fc1, fc2, probs, offsets, real_rows, h, xq_t, xs_t, aq_t, as_t = ctx.saved_tensors
+        # held: [h, a's codes]; set to None after FC2's weight gradient, which
+        # frees them where this backward holds the only references.
+        held = ctx.held
+        if held is None:
+            held = [h, aq_t]  # saved tensors: autograd holds them to the end
+        elif _backward_owns():
+            ctx.held = None
+        else:
+            held = list(held)  # retain_graph / create_graph: the node keeps its own
+        h, aq_t = held
         cfg, recipe, main, plan, cache = ctx.cfg, ctx.recipe, ctx.main, ctx.plan, ctx.cache
         need = ctx.needs_input_grad
         wgrad8 = ctx.wgrad8
         s = _stream(h)
-        rows = h.shape[0]
+        rows, h_dtype, dev = h.shape[0], h.dtype, h.device
         dy_t = None  # dY's columnwise codes and scales (FC2's FP8 wgrad)
         dyq = None  # dY's rowwise codes and scales (FC2's dgrad input)
         if plan is not None:
@@ -279,6 +291,7 @@ class GroupedMlpFp8(torch.autograd.Function):
                    if recipe == "fp8-tensorwise" else None)
         _C.grouped_mlp_activation_backward(h, offsets, real_rows, probs, *cfg, d_h, dprobs, s,
                                            dh_amax)
+        del h, aq_t  # in held
         dh_q = None  # d_h's codes both ways (FC1's dgrad and FP8 wgrad)
         if wgrad8 and need[1]:
             dh_q = quantize_both_ways(d_h, recipe, offsets, real_rows, dh_amax)
@@ -299,32 +312,32 @@ class GroupedMlpFp8(torch.autograd.Function):
             if fc == 2:
                 if dy_t is not None and recipe != "fp8-blockwise":
                     # a's transposed codes from the forward (one scale)
-                    ops.grouped_gemm_fp8_wgrad(dy_t[0], dy_t[1], aq_t, as_t, offsets, real_rows,
-                                               out=g, accumulate=acc)
+                    ops.grouped_gemm_fp8_wgrad(dy_t[0], dy_t[1], held[1], as_t, offsets,
+                                               real_rows, out=g, accumulate=acc)
                     return None if acc else g
-                a = h.new_empty(rows, F)
-                _C.grouped_mlp_recompute_activation(h, offsets, real_rows, probs, *cfg, a, s)
+                a = torch.empty(rows, F, dtype=h_dtype, device=dev)
+                _C.grouped_mlp_recompute_activation(held[0], offsets, real_rows, probs, *cfg, a,
+                                                    s)
                 if dy_t is not None:
                     _, _, ac_t, acs_t = ops.quantize_rowwise_columnwise(a, rowwise=False)
                     del a
                     ops.grouped_gemm_fp8_wgrad(dy_t[0], dy_t[1], ac_t, acs_t, offsets, real_rows,
                                                out=g, accumulate=acc)
                 else:
-                    _C.grouped_mlp_backward_wgrad(dy, None, offsets, real_rows, h, a, None, None,
-                                                  g, None, None, acc, s)
+                    _C.grouped_mlp_backward_wgrad(dy, None, offsets, real_rows, None, a, None,
+                                                  None, g, None, None, acc, s)
             elif dh_q is not None:
                 ops.grouped_gemm_fp8_wgrad(dh_q[2], dh_q[3], xq_t, xs_t, offsets, real_rows,
                                            out=g, accumulate=acc)
             else:
                 rows_x = x if ctx.source is None or not ctx.source.recompute else \
                     ctx.source.rows(x)
-                _C.grouped_mlp_backward_wgrad(None, rows_x, offsets, real_rows, h, None, d_h, g,
-                                              None, None, None, acc, s)
+                _C.grouped_mlp_backward_wgrad(None, rows_x, offsets, real_rows, None, None, d_h,
+                                              g, None, None, None, acc, s)
             return None if acc else g
 
         g2 = wgrad(2)
-        _free_saved(h, ctx.h_ptr)  # d(h) exists and a's uses are done
-        _free_saved(aq_t, ctx.aq_t_ptr)
+        held[0] = held[1] = None  # h and a's codes read for the last time
         del dy, dy_t
         dx = None
         source = ctx.source

@@ -86,20 +86,25 @@ def _grad_into(ctx, index: int):
 
 
 _keep_graph = getattr(torch._C._autograd, "_get_current_graph_task_keep_graph", None)
+_top_hooks = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", None)
 
 
-def _free_saved(t, ptr: int) -> None:
-    """Frees now the memory of ``t``, a tensor an autograd node made in its
-    forward and saved, once its backward has read it for the last time (its
-    storage resized to 0; autograd keeps the empty tensor), so that the rest
-    of the backward does not hold it. Only when this backward cannot run
-    again (neither ``retain_graph`` nor ``create_graph``: outside a backward,
-    or with a torch that cannot tell, nothing is freed) and ``t`` is still
-    the node's own tensor (``ptr``: its address in forward; a saved-tensor
-    hook that unpacked a copy, e.g. activation checkpointing or offloading,
-    leaves it alone)."""
-    if (t is None or _keep_graph is None or t.data_ptr() != ptr or t._base is not None
-            or _keep_graph()):
-        return
-    t.untyped_storage().resize_(0)
+def _may_drop_early() -> bool:
+    """In a forward: whether its node may keep tensors it made itself as
+    attributes rather than saved tensors, for its backward to drop once read
+    for the last time (so the rest of the backward does not hold them). Only
+    when no saved-tensor hook is active (activation checkpointing and
+    offloading must see every saved tensor) and this torch can tell a
+    backward that may run again (_backward_owns)."""
+    if _keep_graph is None or _top_hooks is None:
+        return False
+    try:
+        return _top_hooks(False) is None
+    except TypeError:  # another signature: keep the tensors saved
+        return False
 
+
+def _backward_owns() -> bool:
+    """In a backward: whether it may drop what its forward kept for it: the
+    graph cannot run again (neither retain_graph nor create_graph)."""
+    return not _keep_graph()

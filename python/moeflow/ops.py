@@ -32,8 +32,9 @@ from . import _C, _mlp_io
 from ._fp8_ops import (_FP8, dequantize, grouped_gemm_fp8_forward,  # noqa: F401
                        grouped_gemm_fp8_wgrad, quantize, quantize_group_rows,
                        quantize_rowwise_columnwise, transpose_codes)
-from ._ops_common import (_empty, _float32, _free_saved, _grad_enabled, _grad_into,  # noqa: F401
-                          _int32, _int64, _plan_sizes, _rows, _stream, _uint8)
+from ._ops_common import (_backward_owns, _empty, _float32, _grad_enabled,  # noqa: F401
+                          _grad_into, _int32, _int64, _may_drop_early, _plan_sizes, _rows,
+                          _stream, _uint8)
 from ._router_ops import (RouterOutput, apply_capacity, router, router_logits,  # noqa: F401
                           update_expert_bias)
 
@@ -388,12 +389,13 @@ class _GroupedMlp(torch.autograd.Function):
             # recompute_permute: the tokens instead of the rows (FC1's weight
             # gradient permutes them again).
             keep = tokens if source is not None and source.recompute else x
-            ctx.save_for_backward(keep, fc1, fc2, bias1, bias2, row_probs, offsets, real_rows, h,
-                                  None if opts[1] else a,
+            a = None if opts[1] else a
+            # h and a held by the node rather than saved where its backward
+            # may drop them once read for the last time (_may_drop_early)
+            ctx.held = [h, a] if _may_drop_early() else None
+            ctx.save_for_backward(keep, fc1, fc2, bias1, bias2, row_probs, offsets, real_rows,
+                                  *((None, None) if ctx.held else (h, a)),
                                   probs if sink is not None and sink.weighted else None, kept)
-            # backward frees h and a once read for the last time (_free_saved)
-            ctx.h_ptr = h.data_ptr()
-            ctx.a_ptr = 0 if opts[1] else a.data_ptr()
         return out
 
     @staticmethod
@@ -404,6 +406,16 @@ class _GroupedMlp(torch.autograd.Function):
         # x: the rows, or with recompute_permute the tokens
         x, fc1, fc2, bias1, bias2, probs, offsets, real_rows, h, a, sink_probs, kept = \
             ctx.saved_tensors
+        # held: [h, a]; set to None below once read for the last time, which
+        # frees them where this backward holds the only references.
+        held = ctx.held
+        if held is None:
+            held = [h, a]  # saved tensors: autograd holds them to the end
+        elif _backward_owns():
+            ctx.held = None
+        else:
+            held = list(held)  # retain_graph / create_graph: the node keeps its own
+        h, a = held
         cfg, need = ctx.cfg, ctx.needs_input_grad
         s = _stream(h)
         rows = h.shape[0]
@@ -421,6 +433,7 @@ class _GroupedMlp(torch.autograd.Function):
         # FC2 dgrad + the activation's backward: d_h (dx comes after FC2's wgrad).
         _C.grouped_mlp_backward_dgrad(dy, fc1, fc2, bias1, bias2, offsets, real_rows, probs,
                                       *cfg, h, None, d_h, dprobs, s)
+        del h, a  # in held
         want = (need[1], need[2], bias1 is not None and need[3], bias2 is not None and need[4])
 
         def wgrad(dy, act, fc):
@@ -433,10 +446,11 @@ class _GroupedMlp(torch.autograd.Function):
                 return None, None
             w, b = (fc2, bias2) if fc == 2 else (fc1, bias1)
             if fc == 2 and w_want and act is None:
-                act = h.new_empty(rows, fc2.shape[2])
-                _C.grouped_mlp_recompute_activation(h, offsets, real_rows, probs, *cfg, act, st)
+                act = d_h.new_empty(rows, fc2.shape[2])
+                _C.grouped_mlp_recompute_activation(held[0], offsets, real_rows, probs, *cfg, act,
+                                                    st)
             if fc == 2 and store is None:
-                _free_saved(h, ctx.h_ptr)  # read for the last time (d_h and a exist)
+                held[0] = None  # h read for the last time (d_h and a exist)
             x_rows = None  # FC1's input rows (its weight gradient's operand)
             if fc == 1:
                 x_rows = source.rows(x) if source is not None and source.recompute else x
@@ -457,11 +471,11 @@ class _GroupedMlp(torch.autograd.Function):
             db = None
             if b_want:
                 db = (torch.zeros if acc else torch.empty)(b.shape, dtype=torch.float32,
-                                                           device=h.device)
+                                                           device=d_h.device)
             dw1, dw2 = (None, g) if fc == 2 else (g, None)
             db1, db2 = (None, db) if fc == 2 else (db, None)
             _C.grouped_mlp_backward_wgrad(dy if fc == 2 else None, x_rows,
-                                          offsets, real_rows, h, act if fc == 2 else None,
+                                          offsets, real_rows, None, act if fc == 2 else None,
                                           d_h if fc == 1 else None, dw1, dw2, db1, db2, acc, st)
             return (None if acc else g), (None if db is None else db.to(b.dtype))
 
@@ -473,7 +487,7 @@ class _GroupedMlp(torch.autograd.Function):
                     return None, dprobs
             elif not need[0] and (source.collective or dprobs is None):
                 return None, node_dprobs
-            dx = h.new_empty(rows, fc1.shape[2])
+            dx = d_h.new_empty(rows, fc1.shape[2])
             _C.grouped_mlp_backward_fc1_dgrad(d_h, fc1, fc2, offsets, real_rows, *cfg, dx, s)
             if source is None:
                 return dx, dprobs
@@ -483,9 +497,9 @@ class _GroupedMlp(torch.autograd.Function):
         if store is None:
             # FC2's weight gradient first: then dy and a are free before dx
             # and FC1's weight gradient are allocated (the step's peak).
-            g2, gb2 = wgrad(dy, a, 2)
-            _free_saved(a, ctx.a_ptr)
-            del dy, a
+            g2, gb2 = wgrad(dy, held[1], 2)
+            held[1] = None
+            del dy
             dx, dprobs = fc1_dgrad()
             g1, gb1 = wgrad(None, None, 1)
             return dx, g1, g2, gb1, gb2, dprobs, None
@@ -493,7 +507,7 @@ class _GroupedMlp(torch.autograd.Function):
         dx, dprobs = fc1_dgrad()
 
         def delayed():
-            g2, gb2 = wgrad(dy, a, 2)
+            g2, gb2 = wgrad(dy, held[1], 2)
             g1, gb1 = wgrad(None, None, 1)
             for p, g in zip(params, (g1, g2, gb1, gb2)):
                 if p is not None and g is not None:

@@ -568,12 +568,13 @@ NB_MODULE(_C, m) {
   m.def(
       "grouped_mlp_backward_wgrad",
       [](const std::optional<AnyArray>& dy, const std::optional<AnyArray>& x,
-         const Array& offsets, const std::optional<Array>& real_rows, const Array& h,
-         const std::optional<Array>& a, const std::optional<Array>& d_h,
-         const std::optional<Array>& dw1, const std::optional<Array>& dw2,
-         const std::optional<Array>& db1, const std::optional<Array>& db2, bool accumulate,
-         uintptr_t s) {
-        GroupedMlpSaved saved{view_of(h, "h"), opt_view(a, "a")};
+         const Array& offsets, const std::optional<Array>& real_rows,
+         const std::optional<Array>& h, const std::optional<Array>& a,
+         const std::optional<Array>& d_h, const std::optional<Array>& dw1,
+         const std::optional<Array>& dw2, const std::optional<Array>& db1,
+         const std::optional<Array>& db2, bool accumulate, uintptr_t s) {
+        // h: not read by the weight gradients (may be None)
+        GroupedMlpSaved saved{opt_view(h, "h"), opt_view(a, "a")};
         GroupedMlpGrads g;
         g.dw1 = opt_view(dw1, "dw1");
         g.dw2 = opt_view(dw2, "dw2");
@@ -585,7 +586,7 @@ NB_MODULE(_C, m) {
                                    saved, opt_view(d_h, "d_h"), g, stream_of(s));
       },
       nb::arg("dy").none(), nb::arg("x").none(), nb::arg("offsets"), nb::arg("real_rows").none(),
-      nb::arg("h"), nb::arg("a").none(), nb::arg("d_h").none(), nb::arg("dw1").none(),
+      nb::arg("h").none(), nb::arg("a").none(), nb::arg("d_h").none(), nb::arg("dw1").none(),
       nb::arg("dw2").none(),
       nb::arg("dbias1").none(), nb::arg("dbias2").none(), nb::arg("accumulate"),
       nb::arg("stream") = 0);

@@ -23,6 +23,8 @@ torch = pytest.importorskip("torch")
 import moeflow  # noqa: E402
 import moeflow.ops as mf  # noqa: E402
 from moeflow import _mlp_io  # noqa: E402
+from saved_tensors import (assert_dropped_unless_retained, assert_equal_runs,  # noqa: E402
+                          assert_saved_under_hooks, backward_runs)
 
 DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
     not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] != 9,
@@ -237,12 +239,12 @@ def test_node_quantizes_the_tokens_without_16_bit_rows(device, precision, monkey
 
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("precision,wgrad8", [(r, False) for r in RECIPES] +
-                         [("fp8-tensorwise", True)])
+                         [(r, True) for r in RECIPES])
 def test_backward_frees_h_once_read(device, precision, wgrad8):
-    """The FP8 node frees FC1's output h (and, tensorwise with FP8 weight
+    """The FP8 node drops FC1's output h (and, tensorwise with FP8 weight
     gradients, a's kept codes) after FC2's weight gradient; with
-    retain_graph nothing is freed and a second backward gives the same
-    gradients."""
+    retain_graph nothing is dropped and a second backward gives the same
+    gradients; under a saved-tensor hook everything is saved as usual."""
     g = torch.Generator().manual_seed(8)
     E, H, F, T, K = 4, 256, 128, 64, 2
     x = torch.randn(T, H, generator=g).bfloat16().to(device).requires_grad_()
@@ -250,33 +252,17 @@ def test_backward_frees_h_once_read(device, precision, wgrad8):
     w1 = (torch.randn(E, 2 * F, H, generator=g) / H ** 0.5).bfloat16().to(device).requires_grad_()
     w2 = (torch.randn(E, H, F, generator=g) / F ** 0.5).bfloat16().to(device).requires_grad_()
     dy = torch.randn(T, H, generator=g).bfloat16().to(device)
-    plan = mf.Plan(ids, E, 16)
-    grads = []
-    for retain in (False, True):
-        saved = []
+    plan = mf.Plan(ids, E, 128 if wgrad8 and precision == "fp8-blockwise" else 16)
 
-        def pack(t):
-            saved.append(t)
-            return t
+    def forward():
+        return mf.grouped_mlp(x, w1, w2, plan=plan, permute=True, unpermute=True,
+                              precision=precision, fp8_wgrad=wgrad8)
 
-        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-            out = mf.grouped_mlp(x, w1, w2, plan=plan, permute=True, unpermute=True,
-                                 precision=precision, fp8_wgrad=wgrad8)
-        h = [t for t in saved if t.shape == (plan.capacity_rows, 2 * F)]
-        a_t = [t for t in saved if t.shape == (F, plan.capacity_rows)]
-        assert len(h) == 1 and len(a_t) == (1 if wgrad8 else 0)
-        x.grad = w1.grad = w2.grad = None
-        out.backward(dy, retain_graph=retain)
-        grads.append([x.grad.clone(), w1.grad.clone(), w2.grad.clone()])
-        for t in h + a_t:
-            assert (t.untyped_storage().size() == 0) != retain
-        if retain:
-            x.grad = w1.grad = w2.grad = None
-            out.backward(dy)
-            grads.append([x.grad, w1.grad, w2.grad])
-    for other in grads[1:]:
-        for a, b in zip(grads[0], other):
-            assert torch.equal(a, b)
+    grads, dropped = backward_runs(forward, [x, w1, w2], dy)
+    # h, and a's codes kept for the tensorwise FP8 wgrad
+    assert_dropped_unless_retained(dropped, 2 if wgrad8 and precision == "fp8-tensorwise" else 1)
+    assert_equal_runs(grads)
+    assert_saved_under_hooks(forward)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] != 9,

@@ -4,6 +4,8 @@ import pytest
 
 torch = pytest.importorskip("torch")
 import moeflow.ops as mf  # noqa: E402
+from saved_tensors import (assert_dropped_unless_retained, assert_equal_runs,  # noqa: E402
+                          assert_saved_under_hooks, backward_runs)
 
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
 
@@ -343,11 +345,11 @@ def test_permute_node_keeps_the_tokens_not_the_rows(device, recompute):
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("recompute_activation", [True, False])
 def test_backward_frees_h_once_read(device, recompute_activation):
-    """Backward frees FC1's output h (and a, when kept) after FC2's weight
-    gradient, not at its end: its storage is empty when backward returns
-    while autograd still holds the tensor. With retain_graph the graph runs
-    again, so nothing is freed and a second backward gives the same
-    gradients."""
+    """Backward drops FC1's output h (and a, when kept) after FC2's weight
+    gradient, not at its end (the node holds them, not autograd's saved
+    tensors). With retain_graph the graph runs again, so nothing is dropped
+    and a second backward gives the same gradients; under a saved-tensor
+    hook (checkpointing, offloading) they are saved as usual."""
     T, K, E, H, F = 40, 4, 5, 64, 32
     ids, probs = routing(T, K, E, device, seed=9)
     plan = mf.Plan(ids, E, 16)
@@ -357,33 +359,15 @@ def test_backward_frees_h_once_read(device, recompute_activation):
     w1 = (torch.randn(E, 2 * F, H, generator=g) * 0.1).to(device, dt).requires_grad_(True)
     w2 = (torch.randn(E, H, F, generator=g) * 0.1).to(device, dt).requires_grad_(True)
     dy = torch.randn(T, H, generator=g).to(device, dt)
-    grads = []
-    for retain in (False, True):
-        saved = []
 
-        def pack(t):
-            saved.append(t)
-            return t
+    def forward():
+        return mf.grouped_mlp(x, w1, w2, plan=plan, probs=probs, permute=True, unpermute=True,
+                              recompute_activation=recompute_activation)
 
-        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-            out = mf.grouped_mlp(x, w1, w2, plan=plan, probs=probs, permute=True,
-                                 unpermute=True, recompute_activation=recompute_activation)
-        big = [t for t in saved if t.dim() == 2 and t.shape[0] == plan.capacity_rows
-               and t.shape[1] in (2 * F, F)]  # h, and a when kept
-        assert len(big) == (1 if recompute_activation else 2)
-        x.grad = w1.grad = w2.grad = None
-        out.backward(dy, retain_graph=retain)
-        grads.append([x.grad.clone(), w1.grad.clone(), w2.grad.clone()])
-        for t in big:
-            assert (t.untyped_storage().size() == 0) != retain, (retain, t.shape)
-        if retain:
-            x.grad = w1.grad = w2.grad = None
-            out.backward(dy)
-            grads.append([x.grad, w1.grad, w2.grad])
-    for a, b in zip(grads[0], grads[1]):
-        assert torch.equal(a, b)
-    for a, b in zip(grads[0], grads[2]):
-        assert torch.equal(a, b)
+    grads, dropped = backward_runs(forward, [x, w1, w2], dy)
+    assert_dropped_unless_retained(dropped, 1 if recompute_activation else 2)  # h, a
+    assert_equal_runs(grads)
+    assert_saved_under_hooks(forward)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
