@@ -18,7 +18,7 @@ from typing import Optional, Tuple
 import torch
 
 from . import _C, _mlp_io, ops
-from ._ops_common import _backward_owns, _grad_into, _may_drop_early, _stream
+from ._ops_common import _grad_into, _may_drop_early, _stream, _take_held
 
 RECIPES = ("bf16", "fp8-blockwise", "fp8-tensorwise")
 
@@ -236,15 +236,8 @@ class GroupedMlpFp8(torch.autograd.Function):
         if dy is None:
             return (None,) * 5
         x, fc1, fc2, probs, offsets, real_rows, h, xq_t, xs_t, aq_t, as_t = ctx.saved_tensors
-        # held: [h, a's codes]; set to None after FC2's weight gradient, which
-        # frees them where this backward holds the only references.
-        held = ctx.held
-        if held is None:
-            held = [h, aq_t]  # saved tensors: autograd holds them to the end
-        elif _backward_owns():
-            ctx.held = None
-        else:
-            held = list(held)  # retain_graph / create_graph: the node keeps its own
+        # [h, a's codes], dropped after FC2's weight gradient
+        held = _take_held(ctx, (h, aq_t))
         h, aq_t = held
         cfg, recipe, main, plan, cache = ctx.cfg, ctx.recipe, ctx.main, ctx.plan, ctx.cache
         need = ctx.needs_input_grad

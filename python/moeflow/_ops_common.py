@@ -108,3 +108,18 @@ def _backward_owns() -> bool:
     """In a backward: whether it may drop what its forward kept for it: the
     graph cannot run again (neither retain_graph nor create_graph)."""
     return not _keep_graph()
+
+
+def _take_held(ctx, saved) -> list:
+    """In a backward: what its forward held for it (``ctx.held``, where
+    _may_drop_early allowed) or else the same tensors as saved (``saved``),
+    as a list that the backward sets to None entry by entry once read for
+    the last time: that frees them where the backward holds the only
+    references (_backward_owns; the node then lets go of its own)."""
+    held = ctx.held
+    if held is None:
+        return list(saved)  # saved tensors: autograd holds them to the end
+    if _backward_owns():
+        ctx.held = None
+        return held
+    return list(held)  # retain_graph / create_graph: the node keeps its own

@@ -32,9 +32,9 @@ from . import _C, _mlp_io
 from ._fp8_ops import (_FP8, dequantize, grouped_gemm_fp8_forward,  # noqa: F401
                        grouped_gemm_fp8_wgrad, quantize, quantize_group_rows,
                        quantize_rowwise_columnwise, transpose_codes)
-from ._ops_common import (_backward_owns, _empty, _float32, _grad_enabled,  # noqa: F401
-                          _grad_into, _int32, _int64, _may_drop_early, _plan_sizes, _rows,
-                          _stream, _uint8)
+from ._ops_common import (_empty, _float32, _grad_enabled, _grad_into, _int32,  # noqa: F401
+                          _int64, _may_drop_early, _plan_sizes, _rows, _stream, _take_held,
+                          _uint8)
 from ._router_ops import (RouterOutput, apply_capacity, router, router_logits,  # noqa: F401
                           update_expert_bias)
 
@@ -406,15 +406,7 @@ class _GroupedMlp(torch.autograd.Function):
         # x: the rows, or with recompute_permute the tokens
         x, fc1, fc2, bias1, bias2, probs, offsets, real_rows, h, a, sink_probs, kept = \
             ctx.saved_tensors
-        # held: [h, a]; set to None below once read for the last time, which
-        # frees them where this backward holds the only references.
-        held = ctx.held
-        if held is None:
-            held = [h, a]  # saved tensors: autograd holds them to the end
-        elif _backward_owns():
-            ctx.held = None
-        else:
-            held = list(held)  # retain_graph / create_graph: the node keeps its own
+        held = _take_held(ctx, (h, a))  # [h, a], dropped once read for the last time
         h, a = held
         cfg, need = ctx.cfg, ctx.needs_input_grad
         s = _stream(h)
