@@ -5,6 +5,9 @@
 //   unpermute_backward (dy + dprobs):       (T + 2*T*K) * H * bytes(dtype)
 //   permute+quantize (fp8):                 T*H*bytes(dtype) + T*K*(H + 4*ceil(H/128))
 //   unpermute_backward+quantize (fp8):      the same (dout read once, codes + scales written)
+//   permute+quantize both ways (fp8):       T*H*bytes(dtype) + 2*T*K*(H + 4*ceil(H/128)) (the
+//                                           rowwise and the columnwise codes with their scales;
+//                                           the same count for the two-step path it replaces)
 // (pad-row zeros are not counted: they are work we must do but not data).
 #include <fmt/format.h>
 
@@ -118,8 +121,17 @@ void run_permute_bench(const PermuteBenchOptions& opt) {
     const double moved_fp8 = static_cast<double>(T) * H * esize + static_cast<double>(T * K) * (H + 4 * nb);
     Tensor q = Tensor::empty({plan.capacity_rows, H}, DType::kFloat8E4M3, dev);
     Tensor qs = Tensor::empty({plan.capacity_rows, nb}, DType::kFloat32, dev);
+    // The blockwise FP8 wgrad's operand: the rows' columnwise codes [H, capacity]
+    // and scales (the transpose of a contiguous [nb(capacity), H]).
+    const int64_t nbr = (plan.capacity_rows + 127) / 128;
+    Tensor qt = Tensor::empty({H, plan.capacity_rows}, DType::kFloat8E4M3, dev);
+    Tensor qts = Tensor::empty({nbr, H}, DType::kFloat32, dev);
+    const TensorView qts_t =
+        TensorView::strided(qts.data(), DType::kFloat32, dev, {H, nbr}, {1, H});
+    const double moved_fp8_both =
+        static_cast<double>(T) * H * esize + 2.0 * static_cast<double>(T * K) * (H + 4 * nb);
     const bool fp8 = dev.is_cuda() && opt.dtype != DType::kFloat32;
-    constexpr size_t kOps = 8;
+    constexpr size_t kOps = 10;
     size_t timed = 0;
     auto add = [&](const std::string& op, double bytes, const std::function<void()>& fn) {
       print_progress(p.name, timed++, kOps);
@@ -149,6 +161,16 @@ void run_permute_bench(const PermuteBenchOptions& opt) {
           [&] { permute_quantize(x, plan, q, qs, QuantizeConfig{}, probs_only, stream); });
       add("unpermute_backward+quantize (fp8)", moved_fp8, [&] {
         unpermute_backward_quantize(out, plan, routing.probs, q, qs, QuantizeConfig{}, stream);
+      });
+      QuantizeConfig colwise{};
+      colwise.columnwise = true;
+      add("permute+quantize both ways (fp8)", moved_fp8_both, [&] {
+        permute_quantize(x, plan, q, qs, QuantizeConfig{}, probs_only, stream);
+        permute_quantize(x, plan, qt, qts_t, colwise, {}, stream);
+      });
+      add("permute, then quantize both ways (fp8)", moved_fp8_both, [&] {
+        permute(x, plan, y, extras, stream);
+        quantize_rowwise_columnwise(y, QuantizeConfig{}, q, qs, qt, qts_t, stream);
       });
     }
     print_progress(p.name, kOps, kOps);

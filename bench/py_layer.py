@@ -345,8 +345,11 @@ def unfused_quantize():
     keep_blk = _mlp_io.PermuteSource.forward_blockwise
     keep_bwd = mf.unpermute_backward_quantize
 
-    def forward_blockwise(self, x, probs):
+    def forward_blockwise(self, x, probs, transposed=False):
         rows, rp = self.forward(x, probs)
+        if transposed:  # both orientations from the rows (FP8 wgrads)
+            q, s, q_t, s_t = mf.quantize_rowwise_columnwise(rows)
+            return q, s, rp, (q_t, s_t)
         q, s = mf.quantize(rows, "e4m3", "1x128")
         return q, s, rp
 

@@ -4,7 +4,8 @@
 // rows (the byte path); outputs poisoned with 0xFF first (rows past
 // total_rows must stay poisoned); CUDA graph capture + replay with new routings.
 // unpermute_backward_quantize the same way, with and without probs. The
-// tensorwise forms of both (every row written, the transposed codes).
+// tensorwise forms of both (every row written, the transposed codes). The
+// columnwise form of permute_quantize (the blockwise wgrad's operand).
 #include <cuda_runtime.h>
 
 #include <limits>
@@ -163,16 +164,23 @@ TEST_F(GpuPermuteQuantize, GraphCaptureReplayWithNewRoutings) {
   Out got{Tensor::empty({plan.capacity_rows, c.H}, qcfg.out, kGpu),
           Tensor::empty({plan.capacity_rows, blocks128(c.H)}, DType::kFloat32, kGpu),
           Tensor::empty({plan.capacity_rows}, DType::kFloat32, kGpu)};
+  // and the columnwise form (the blockwise wgrad's operand) in the same graph
+  QuantizeConfig ccfg = qcfg;
+  ccfg.columnwise = true;
+  Tensor yt = Tensor::empty({c.H, plan.capacity_rows}, qcfg.out, kGpu);
+  Tensor yts = Tensor::empty({c.H, blocks128(plan.capacity_rows)}, DType::kFloat32, kGpu);
   // Warm-up outside the capture (module load).
   copy(random_topk(c.T, c.K, c.E, 1), ids_g, stream);
   build_plan(ids_g, plan, ws, stream);
   permute_quantize(x_g, plan, got.y, got.ys, qcfg, PermuteExtras{probs_g, got.pp, {}, {}}, stream);
+  permute_quantize(x_g, plan, yt, yts, ccfg, {}, stream);
   MOEFLOW_CUDA_CHECK(cudaStreamSynchronize(stream));
 
   cudaGraph_t graph;
   MOEFLOW_CUDA_CHECK(cudaStreamBeginCapture(stream, cudaStreamCaptureModeGlobal));
   build_plan(ids_g, plan, ws, stream);
   permute_quantize(x_g, plan, got.y, got.ys, qcfg, PermuteExtras{probs_g, got.pp, {}, {}}, stream);
+  permute_quantize(x_g, plan, yt, yts, ccfg, {}, stream);
   MOEFLOW_CUDA_CHECK(cudaStreamEndCapture(stream, &graph));
   cudaGraphExec_t exec;
   MOEFLOW_CUDA_CHECK(cudaGraphInstantiate(&exec, graph, 0));
@@ -190,6 +198,8 @@ TEST_F(GpuPermuteQuantize, GraphCaptureReplayWithNewRoutings) {
     fill_bytes(got.y, 0xFF, stream);
     fill_bytes(got.ys, 0xFF, stream);
     fill_bytes(got.pp, 0xFF, stream);
+    fill_bytes(yt, 0xFF, stream);
+    fill_bytes(yts, 0xFF, stream);
     MOEFLOW_CUDA_CHECK(cudaGraphLaunch(exec, stream));
     MOEFLOW_CUDA_CHECK(cudaStreamSynchronize(stream));
 
@@ -200,10 +210,69 @@ TEST_F(GpuPermuteQuantize, GraphCaptureReplayWithNewRoutings) {
     EXPECT_TRUE(bytes_equal(got.y.to(Device::cpu()), want.y));
     EXPECT_TRUE(bytes_equal(got.ys.to(Device::cpu()), want.ys));
     EXPECT_TRUE(bytes_equal(got.pp.to(Device::cpu()), want.pp));
+    Tensor want_t = poisoned({c.H, cpu_plan.capacity_rows}, qcfg.out);
+    Tensor want_ts = poisoned({c.H, blocks128(cpu_plan.capacity_rows)}, DType::kFloat32);
+    permute_quantize(x, cpu_plan, want_t, want_ts, ccfg);
+    EXPECT_TRUE(bytes_equal(yt.to(Device::cpu()), want_t));
+    EXPECT_TRUE(bytes_equal(yts.to(Device::cpu()), want_ts));
   }
   cudaGraphExecDestroy(exec);
   cudaGraphDestroy(graph);
   cudaStreamDestroy(stream);
+}
+
+// The columnwise form: the tile kernel (16-bit x, H % 8 == 0, aligned rows)
+// and the per-element path (float32 x; H = 1001: rows not 16-byte aligned)
+// against the CPU reference, bitwise, both scale layouts, outputs poisoned
+// (the 128-row blocks past total_rows must stay so).
+TEST_F(GpuPermuteQuantize, ColumnwiseMatchesCpuBitwise) {
+  const std::vector<PqCase> cases = {
+      {{1024, 8, 256, 7168, 128}, -1, {DType::kBFloat16}},
+      {{2048, 2, 8, 4096, 16}, -1, {DType::kBFloat16, DType::kFloat32}},
+      {{513, 4, 32, 1000, 32}, -1, {DType::kFloat16}},
+      {{300, 4, 8, 1001, 16}, -1, {DType::kBFloat16}},
+      {{257, 8, 16, 136, 16}, 512, {DType::kBFloat16}},
+      {{100, 2, 4, 256, 16}, 4096, {DType::kBFloat16}},  // blocks past total_rows
+      {{0, 2, 4, 256, 16}, -1, {DType::kBFloat16}},
+  };
+  uint32_t seed = 5000;
+  int layout = 0;
+  for (const PqCase& pc : cases) {
+    const Case& c = pc.c;
+    for (DType dt : pc.dtypes) {
+      for (DType out : {DType::kFloat8E4M3, DType::kFloat8E5M2}) {
+        const bool pow2 = out == DType::kFloat8E5M2, transposed = (layout++ % 2) == 0;
+        SCOPED_TRACE(name_of(c) + " cap=" + std::to_string(pc.capacity) + " " + dtype_name(dt) +
+                     " -> " + dtype_name(out) + (transposed ? " scales [nb,H]^T" : ""));
+        Tensor ids = random_topk(c.T, c.K, c.E, seed++, 1.0, 0.05);
+        Built b = build_both(ids, PlanConfig{c.E, c.align, pc.capacity});
+        Tensor x = make_tensor({c.T, c.H}, dt);
+        fill_random(x, seed++, -8.0f, 8.0f);
+        add_special_values(x);
+        const int64_t cap = b.cpu.capacity_rows, nb = blocks128(cap);
+        const QuantizeConfig cfg{out, QuantScaling::kBlock1x128, pow2, true};
+        auto scales_of = [&](Tensor& buf) {
+          return transposed ? TensorView::strided(buf.data(), DType::kFloat32, buf.device(),
+                                                  {c.H, nb}, {1, c.H})
+                            : TensorView(buf);
+        };
+        const std::vector<int64_t> sshape =
+            transposed ? std::vector<int64_t>{nb, c.H} : std::vector<int64_t>{c.H, nb};
+        Tensor want = poisoned({c.H, cap}, out), want_s = poisoned(sshape, DType::kFloat32);
+        permute_quantize(x, b.cpu, want, scales_of(want_s), cfg);
+        Tensor got = poisoned({c.H, cap}, out, kGpu);
+        Tensor got_s = poisoned(sshape, DType::kFloat32, kGpu);
+        permute_quantize(x.to(kGpu), b.gpu, got, scales_of(got_s), cfg);
+        MOEFLOW_CUDA_CHECK(cudaDeviceSynchronize());
+        EXPECT_TRUE(bytes_equal(got.to(Device::cpu()), want));
+        EXPECT_TRUE(bytes_equal(got_s.to(Device::cpu()), want_s));
+        if (pc.capacity == 4096) {  // the reference leaves the last blocks poisoned
+          const auto* w = static_cast<const uint8_t*>(want.data());
+          EXPECT_EQ(w[cap - 1], 0xFF);
+        }
+      }
+    }
+  }
 }
 
 TEST_F(GpuPermuteQuantize, UnpermuteBackwardQuantizeMatchesCpuBitwise) {

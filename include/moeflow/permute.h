@@ -40,12 +40,26 @@ void permute(TensorView x, const RoutingPlan& plan, TensorView y, const PermuteE
 //   y_scales: [capacity, ceil(H/128)] float32, contiguous: the scales of each
 //             row (the same for the K copies of a token). Pad rows: 0 (as
 //             permute writes permuted_scales on pad rows).
-//   config:   scaling must be kBlock1x128, columnwise false; out e4m3/e5m2;
-//             pow2_scales honoured.
+//   config:   scaling must be kBlock1x128; out e4m3/e5m2; pow2_scales honoured.
 //   extras:   probs / permuted_probs as in permute; scales / permuted_scales
 //             must be empty (y_scales takes their place).
 // Dropped / unrouted slots write nothing; rows >= total_rows are untouched.
 // CUDA: one kernel, no host sync, no allocation; graph-capturable.
+//
+// config.columnwise (the blockwise FP8 wgrad's operand): y and y_scales are
+// the rows' transposed codes instead, exactly quantize(rows, config) with
+// columnwise set, where rows = permute(x) [capacity,H] with every row that
+// holds no slot zero (pad rows, rows >= total_rows): 1x128 blocks along the
+// rows, each scale shared by 128 consecutive rows of one column.
+//   y:        [H, capacity] config.out; stride(1) == 1.
+//   y_scales: [H, ceil(capacity/128)] float32, any strides (the transpose of
+//             a contiguous [ceil(capacity/128), H] is what
+//             grouped_gemm_fp8_wgrad reads fastest).
+//   extras:   must be empty (the rowwise call writes permuted_probs).
+// The 128-row blocks starting at or past total_rows are left untouched.
+// CUDA: one kernel (x 16-bit, H % 8 == 0, x / y rows 16-byte aligned: x read
+// once per kept slot through a 128 x 128 tile; otherwise a per-element
+// path), no host sync, no allocation; graph-capturable.
 void permute_quantize(TensorView x, const RoutingPlan& plan, TensorView y, TensorView y_scales,
                       const QuantizeConfig& config, const PermuteExtras& extras = {},
                       cudaStream_t stream = nullptr);

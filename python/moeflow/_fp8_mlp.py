@@ -180,8 +180,10 @@ class GroupedMlpFp8(torch.autograd.Function):
             x = None
             if want_x_t:
                 x_t = (xq_t, xs)
-        elif codes_first and not want_x_t:  # blockwise, the rowwise codes only
-            xq, xs, probs = source.forward_blockwise(x, probs)
+        elif codes_first:  # blockwise: the rowwise codes, and the columnwise ones
+            got = source.forward_blockwise(x, probs, want_x_t)
+            xq, xs, probs = got[:3]
+            x_t = got[3] if want_x_t else None
             x = None
         else:
             if source is not None:  # the experts' rows and each row's prob

@@ -49,10 +49,13 @@ class PermuteSource:
         _C.permute(x, self.plan._view, rows, None, None, None, None, _stream(x))
         return rows
 
-    def forward_blockwise(self, x, probs):
+    def forward_blockwise(self, x, probs, transposed=False):
         """forward's rows as the fp8-blockwise recipe's e4m3 codes and 1x128
         scales (ops.permute_quantize: x read once, the bf16 rows never
-        written). Returns (codes, scales [capacity, H/128], row_probs)."""
+        written). Returns (codes, scales [capacity, H/128], row_probs), and
+        with ``transposed`` also (codes_t [H, capacity], scales_t [H,
+        capacity/128]): the rows' columnwise codes, the FP8 wgrad's operand,
+        from a second kernel that gathers the tokens."""
         plan, cap, H = self.plan, self.plan.capacity_rows, x.shape[1]
         self.x_meta = (x.shape, x.dtype)
         q = torch.empty((cap, H), dtype=torch.float8_e4m3fn, device=x.device)
@@ -61,7 +64,13 @@ class PermuteSource:
         _C.permute_quantize(x, plan._view, q, scales, "e4m3", False,
                             None if probs is None else probs.contiguous(), row_probs, _stream(x),
                             "1x128", None)
-        return q, scales, row_probs
+        if not transposed:
+            return q, scales, row_probs
+        q_t = torch.empty((H, cap), dtype=torch.float8_e4m3fn, device=x.device)
+        scales_t = _empty(-(-cap // 128), H, dtype=_float32, device=x.device).t()
+        _C.permute_quantize(x, plan._view, q_t, scales_t, "e4m3", False, None, None, _stream(x),
+                            "1x128", None, True)
+        return q, scales, row_probs, (q_t, scales_t)
 
     def forward_tensorwise(self, x, probs, transposed):
         """forward's rows as the fp8-tensorwise recipe's e4m3 codes, with x

@@ -221,6 +221,13 @@ def permute_quantize(x: torch.Tensor, plan: Plan, probs: Optional[torch.Tensor] 
     code 0), the tokens read once for the amax and once per slot for the
     codes; with ``transposed`` a fourth output, rows_t [H, capacity] (the
     codes transposed, the tensorwise wgrad's operand), from the same pass.
+    ``transposed`` with ``scaling="1x128"``: a fourth and a fifth output,
+    rows_t [H, capacity] and rows_t_scales [H, ceil(capacity/128)] (the
+    transposed view of a contiguous [ceil(capacity/128), H]): exactly
+    ``quantize(rows, fp8_format, "1x128", columnwise=True)`` of the 16-bit
+    rows (pad rows zero), the blockwise wgrad's operand, in a second kernel
+    that gathers the tokens without writing the rows; the 128-row blocks
+    starting at or past the plan's total rows are left unwritten.
     Not differentiable (the FP8 forward input of the experts)."""
     x = _rows(x.detach())
     fp8 = _FP8.get(fp8_format, torch.float8_e4m3fn)
@@ -229,18 +236,29 @@ def permute_quantize(x: torch.Tensor, plan: Plan, probs: Optional[torch.Tensor] 
     if probs is not None:
         probs = probs.detach().contiguous()
         pp = torch.empty(plan.capacity_rows, dtype=torch.float32, device=x.device)
+    blockwise_t = transposed and scaling == "1x128"
     _C.permute_quantize(x, plan._view, y, scales, fp8_format, bool(pow2_scales), probs, pp,
-                        _stream(x), scaling, y_t)
+                        _stream(x), scaling, None if blockwise_t else y_t)
+    if blockwise_t:
+        y_t_scales = _columnwise_scales(plan, x.shape[1], x.device)
+        _C.permute_quantize(x, plan._view, y_t, y_t_scales, fp8_format, bool(pow2_scales),
+                            None, None, _stream(x), "1x128", None, True)
+        return y, pp, scales, y_t, y_t_scales
     return (y, pp, scales, y_t) if transposed else (y, pp, scales)
+
+
+def _columnwise_scales(plan: Plan, hidden: int, device) -> torch.Tensor:
+    """The buffer of the rows' columnwise 1x128 scales: [H, ceil(capacity/128)]
+    float32, the transposed view of a contiguous [ceil(capacity/128), H]."""
+    nb = -(-plan.capacity_rows // 128)
+    return torch.empty((nb, hidden), dtype=torch.float32, device=device).t()
 
 
 def _fp8_rows_out(plan: Plan, x: torch.Tensor, fp8, scaling: str, transposed: bool):
     """The outputs of the permute_quantize ops: rows, scales and, for
-    ``transposed`` (tensorwise only), the rows' codes transposed."""
+    ``transposed``, the rows' codes transposed."""
     if scaling not in ("1x128", "tensorwise"):
         raise _C.Error(f"scaling must be '1x128' or 'tensorwise', got {scaling!r}")
-    if transposed and scaling != "tensorwise":
-        raise _C.Error("transposed=True needs scaling='tensorwise'")
     cap, H = plan.capacity_rows, x.shape[1]
     y = torch.empty((cap, H), dtype=fp8, device=x.device)
     scales = torch.empty((1,) if scaling == "tensorwise" else (cap, -(-H // 128)),
@@ -264,6 +282,8 @@ def unpermute_backward_quantize(dout: torch.Tensor, plan: Plan,
     row without a slot code 0), with ``transposed`` a third output dy_t [H,
     capacity] from the same pass. Not differentiable; the probs' gradient
     needs the forward rows (unpermute's own backward)."""
+    if transposed and scaling != "tensorwise":
+        raise _C.Error("transposed=True needs scaling='tensorwise'")
     dout = _rows(dout.detach())
     fp8 = _FP8.get(fp8_format, torch.float8_e4m3fn)
     dy, scales, dy_t = _fp8_rows_out(plan, dout, fp8, scaling, transposed)

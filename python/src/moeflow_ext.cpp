@@ -408,18 +408,21 @@ NB_MODULE(_C, m) {
       [](const AnyArray& x, const PyPlan& p, const AnyArray& y, const Array& y_scales,
          const std::string& fmt, bool pow2, const std::optional<Array>& probs,
          const std::optional<Array>& pprobs, uintptr_t s, const std::string& scaling,
-         const std::optional<Array>& y_t) {
+         const std::optional<Array>& y_t, bool columnwise) {
         PermuteExtras e;
         e.probs = opt_view(probs, "probs");
         e.permuted_probs = opt_view(pprobs, "permuted_probs");
-        permute_quantize(rows_of(x, "x"), p.plan, rows_of(y, "y"), view_of(y_scales, "y_scales"),
-                         opt_view(y_t, "y_t"), quantize_config(fmt, scaling, pow2, false), e,
+        // (the columnwise form's scales take any strides)
+        permute_quantize(rows_of(x, "x"), p.plan, rows_of(y, "y"),
+                         columnwise ? rows_of(y_scales, "y_scales") : view_of(y_scales, "y_scales"),
+                         opt_view(y_t, "y_t"), quantize_config(fmt, scaling, pow2, columnwise), e,
                          stream_of(s));
       },
       nb::arg("x"), nb::arg("plan"), nb::arg("y"), nb::arg("y_scales"), nb::arg("fp8_format"),
       nb::arg("pow2_scales"), nb::arg("probs").none() = nb::none(),
       nb::arg("permuted_probs").none() = nb::none(), nb::arg("stream") = 0,
-      nb::arg("scaling") = "1x128", nb::arg("y_t").none() = nb::none());
+      nb::arg("scaling") = "1x128", nb::arg("y_t").none() = nb::none(),
+      nb::arg("columnwise") = false);
   m.def(
       "unpermute_backward_quantize",
       [](const AnyArray& dout, const PyPlan& p, const std::optional<Array>& probs,

@@ -202,12 +202,15 @@ def test_permute_in_the_node_is_the_chained_ops(device, precision, wgrad8):
 
 
 @pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("precision", ["fp8-blockwise", "fp8-tensorwise"])
-def test_node_quantizes_the_tokens_without_16_bit_rows(device, precision, monkeypatch):
+@pytest.mark.parametrize("precision,wgrad8", [("fp8-blockwise", False), ("fp8-tensorwise", False),
+                                              ("fp8-blockwise", True), ("fp8-tensorwise", True)])
+def test_node_quantizes_the_tokens_without_16_bit_rows(device, precision, wgrad8, monkeypatch):
     """With a 16-bit FC1 weight gradient and recompute_permute (the
     defaults), the FP8 node's forward quantizes the tokens straight into the
     rows' codes (permute_quantize: no 16-bit rows are written) and keeps the
-    tokens themselves for backward, which permutes them again."""
+    tokens themselves for backward, which permutes them again. With FP8
+    weight gradients the rows' columnwise codes come from the tokens too
+    (blockwise: permute_quantize's columnwise form) and no tokens are kept."""
     g = torch.Generator().manual_seed(5)
     E, H, F, T, K = 4, 256, 128, 64, 2
     x = torch.randn(T, H, generator=g).bfloat16().to(device).requires_grad_()
@@ -215,26 +218,37 @@ def test_node_quantizes_the_tokens_without_16_bit_rows(device, precision, monkey
     p = torch.rand(T, K, generator=g).to(device).requires_grad_()
     w1 = (torch.randn(E, 2 * F, H, generator=g) / H ** 0.5).bfloat16().to(device).requires_grad_()
     w2 = (torch.randn(E, H, F, generator=g) / F ** 0.5).bfloat16().to(device).requires_grad_()
-    plan = mf.Plan(ids, E, 16)
+    plan = mf.Plan(ids, E, 128 if wgrad8 and precision == "fp8-blockwise" else 16)
     rows_written = []
-    forward = _mlp_io.PermuteSource.forward
 
-    def counted(self, *a):
-        rows_written.append(1)
-        return forward(self, *a)
+    def counted(method):
+        def call(self, *a):
+            rows_written.append(method.__name__)
+            return method(self, *a)
+        return call
 
-    monkeypatch.setattr(_mlp_io.PermuteSource, "forward", counted)
+    monkeypatch.setattr(_mlp_io.PermuteSource, "forward", counted(_mlp_io.PermuteSource.forward))
+    monkeypatch.setattr(_mlp_io.PermuteSource, "rows", counted(_mlp_io.PermuteSource.rows))
     out = mf.grouped_mlp(x, w1, w2, plan=plan, probs=p, permute=True, unpermute=True,
-                         precision=precision)
+                         precision=precision, fp8_wgrad=wgrad8)
     assert not rows_written
     kept = out.grad_fn.saved_tensors[0]
-    assert kept.shape == (T, H) and kept.data_ptr() == x.data_ptr()
+    if wgrad8:
+        assert kept is None
+    else:
+        assert kept.shape == (T, H) and kept.data_ptr() == x.data_ptr()
     out.float().square().sum().backward()
     assert w1.grad is not None and x.grad is not None and p.grad is not None
+    # backward permutes again for a 16-bit wgrad only
+    assert rows_written == ([] if wgrad8 else ["rows"])
+    if wgrad8:
+        return
+    rows_written.clear()
     # recompute_permute=False: the rows are written and kept
     out = mf.grouped_mlp(x, w1, w2, plan=plan, probs=p, permute=True, unpermute=True,
                          precision=precision, recompute_permute=False)
-    assert rows_written and out.grad_fn.saved_tensors[0].shape == (plan.capacity_rows, H)
+    assert rows_written == ["forward"]
+    assert out.grad_fn.saved_tensors[0].shape == (plan.capacity_rows, H)
 
 
 @pytest.mark.parametrize("device", DEVICES)

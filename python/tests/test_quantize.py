@@ -223,11 +223,41 @@ def test_unpermute_backward_quantize_tensorwise(device, with_probs):
     assert torch.equal(dy_t.view(torch.uint8), q_t.view(torch.uint8))
 
 
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("fmt", ["e4m3", "e5m2"])
+@pytest.mark.parametrize("align,H", [(16, 300), (128, 256)])
+def test_permute_quantize_blockwise_transposed_is_the_rows_quantized_columnwise(device, fmt,
+                                                                              align, H):
+    T, E, K = 150, 6, 2
+    g = torch.Generator().manual_seed(7)
+    x = (torch.randn(T, H, generator=g) * 4).to(device, torch.bfloat16)
+    ids = torch.randint(0, E, (T, K), generator=g, dtype=torch.int32)
+    ids[:, 1] = (ids[:, 0] + 1) % E
+    plan = mf.Plan(_drop_some(ids).to(device), E, align=align)
+    probs = torch.rand(T, K, generator=g).to(device)
+    y, pp, sc, y_t, sc_t = mf.permute_quantize(x, plan, probs, fmt, transposed=True)
+    y1, pp1, sc1 = mf.permute_quantize(x, plan, probs, fmt)
+    rows_n = int(plan.total_rows)
+    assert torch.equal(y[:rows_n].view(torch.uint8), y1[:rows_n].view(torch.uint8))
+    assert torch.equal(sc[:rows_n], sc1[:rows_n]) and torch.equal(pp[:rows_n], pp1[:rows_n])
+    # the columnwise pair: the rows (pad rows zero), quantized columnwise over
+    # the 128-row blocks that start below total_rows
+    rows, _ = mf.permute(x, plan)
+    rows[rows_n:] = 0
+    written = min(plan.capacity_rows, -(-rows_n // 128) * 128)
+    q_t, s_t = mf.quantize(rows[:written], fmt, "1x128", columnwise=True)
+    cap = plan.capacity_rows
+    assert y_t.shape == (H, cap) and sc_t.shape == (H, -(-cap // 128))
+    assert sc_t.t().is_contiguous()  # the layout the FP8 wgrad reads fastest
+    assert torch.equal(y_t[:, :written].view(torch.uint8), q_t.view(torch.uint8))
+    assert torch.equal(sc_t[:, :s_t.shape[1]], s_t)
+
+
 def test_permute_quantize_bad_scaling():
     plan = mf.Plan(torch.zeros(4, 1, dtype=torch.int32), 2, align=16)
     x = torch.randn(4, 256).bfloat16()
     with pytest.raises(mf._C.Error, match="transposed=True needs scaling='tensorwise'"):
-        mf.permute_quantize(x, plan, transposed=True)
+        mf.unpermute_backward_quantize(x, plan, transposed=True)
     with pytest.raises(mf._C.Error, match="scaling must be"):
         mf.unpermute_backward_quantize(x, plan, scaling="128x128")
 

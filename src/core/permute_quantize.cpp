@@ -62,6 +62,43 @@ void check_scales(const RoutingPlan& plan, const QuantizeConfig& config, TensorV
   detail::expect(scales, scales_name, Expect{{DType::kFloat32}, {plan.capacity_rows, nb}, dev});
 }
 
+// permute_quantize's columnwise form: y [H, capacity] (the rows' codes
+// transposed), y_scales [H, ceil(capacity/128)] with any strides.
+void permute_quantize_columnwise(TensorView x, const RoutingPlan& plan, TensorView y,
+                                 TensorView y_scales, TensorView y_t, const QuantizeConfig& config,
+                                 const PermuteExtras& extras, cudaStream_t stream) {
+  const char* op = "permute_quantize";
+  MOEFLOW_CHECK(config.out == DType::kFloat8E4M3 || config.out == DType::kFloat8E5M2, op,
+                ": QuantizeConfig.out must be float8_e4m3 or float8_e5m2, got ",
+                dtype_name(config.out));
+  MOEFLOW_CHECK(config.scaling == QuantScaling::kBlock1x128, op,
+                ": QuantizeConfig.columnwise needs scaling kBlock1x128");
+  MOEFLOW_CHECK(!y_t.defined(), op,
+                ": y_t must be empty with QuantizeConfig.columnwise (y is the transposed codes)");
+  MOEFLOW_CHECK(!extras.probs.defined() && !extras.permuted_probs.defined() &&
+                    !extras.scales.defined() && !extras.permuted_scales.defined(),
+                op, ": PermuteExtras must be empty with QuantizeConfig.columnwise");
+  const Device dev = plan.device;
+  detail::expect_defined(x, "x");
+  MOEFLOW_CHECK(x.ndim == 2, "x must be [T,H], got ", x.str());
+  const int64_t hidden = x.shape[1], rows = plan.capacity_rows;
+  detail::expect(
+      x, "x",
+      rows_of({DType::kFloat32, DType::kBFloat16, DType::kFloat16}, plan.num_tokens, hidden, dev));
+  detail::expect(y, "y", rows_of({config.out}, hidden, rows, dev));
+  Expect se{{DType::kFloat32}, {hidden, (rows + quant::kBlock - 1) / quant::kBlock}, dev};
+  se.contiguous = false;
+  detail::expect(y_scales, "y_scales", se);
+  if (dev.is_cpu()) return cpu::permute_quantize_columnwise(x, plan, y, y_scales, config);
+#ifdef MOEFLOW_WITH_CUDA
+  detail::cuda_set_device(dev.index);
+  cuda::permute_quantize_columnwise(x, plan, y, y_scales, config, stream);
+#else
+  (void)stream;
+  MOEFLOW_CHECK(false, "this moeflow was built without CUDA");
+#endif
+}
+
 }  // namespace
 
 void unpermute_backward_quantize(TensorView dout, const RoutingPlan& plan, TensorView probs,
@@ -115,6 +152,8 @@ void permute_quantize(TensorView x, const RoutingPlan& plan, TensorView y, Tenso
                       TensorView y_t, const QuantizeConfig& config, const PermuteExtras& extras,
                       cudaStream_t stream) {
   MOEFLOW_CHECK(plan.tokens_per_expert.defined(), "plan was not allocated (use allocate_plan)");
+  if (config.columnwise)
+    return permute_quantize_columnwise(x, plan, y, y_scales, y_t, config, extras, stream);
   check_rowwise_fp8(config, "permute_quantize", y_t.defined());
   const Device dev = plan.device;
   detail::expect_defined(x, "x");

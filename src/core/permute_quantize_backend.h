@@ -2,7 +2,9 @@
 // (moeflow/permute.h). Arguments arrive validated: x / dout [T,H] float, y / dy
 // [capacity,H] fp8, scales [capacity, ceil(H/128)] float32, config 1x128
 // rowwise, extras without scales, probs [T,K] float32 or empty (the
-// tensorwise form: scale [1], y_t [H, capacity] or empty).
+// tensorwise form: scale [1], y_t [H, capacity] or empty; the columnwise
+// form: y [H, capacity], scales [H, ceil(capacity/128)] any strides, no
+// extras).
 #pragma once
 
 #include "moeflow/permute.h"
@@ -19,6 +21,10 @@ void permute_quantize_tensorwise(TensorView x, const RoutingPlan& plan, TensorVi
                                  TensorView y, TensorView scale, TensorView y_t,
                                  const QuantizeConfig& config, TensorView probs,
                                  TensorView permuted_probs);
+// The columnwise form: y [H, capacity], y_scales [H, ceil(capacity/128)]
+// (any strides), config 1x128 columnwise.
+void permute_quantize_columnwise(TensorView x, const RoutingPlan& plan, TensorView y,
+                                 TensorView y_scales, const QuantizeConfig& config);
 }  // namespace cpu
 
 namespace cuda {
@@ -36,6 +42,11 @@ void permute_quantize_tensorwise(TensorView x, const RoutingPlan& plan, TensorVi
                                  TensorView y, TensorView scale, TensorView y_t,
                                  const QuantizeConfig& config, TensorView probs,
                                  TensorView permuted_probs, cudaStream_t stream);
+// The columnwise form (defined in quantize.cu: its 1x128 tile kernel with
+// the rows gathered through plan.row_token).
+void permute_quantize_columnwise(TensorView x, const RoutingPlan& plan, TensorView y,
+                                 TensorView y_scales, const QuantizeConfig& config,
+                                 cudaStream_t stream);
 }  // namespace cuda
 
 }  // namespace moeflow

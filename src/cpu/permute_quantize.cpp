@@ -6,8 +6,12 @@
 // a temporary [capacity,H] of dout's dtype, then quantize of its rows below
 // total_rows. Their kTensorwise form: the rows (permute, or
 // unpermute_backward with the weights) into a temporary [capacity,H] of the
-// input's dtype, then quantize_group_rows over the plan's groups. The oracles
-// of the fused CUDA kernels.
+// input's dtype, then quantize_group_rows over the plan's groups; its
+// columnwise form: permute into a zeroed temporary, then the columnwise half
+// of quantize_rowwise_columnwise over the blocks below total_rows. The
+// oracles of the fused CUDA kernels.
+#include <algorithm>
+
 #include "core/backends.h"
 #include "core/mlp_call.h"
 #include "core/permute_quantize_backend.h"
@@ -54,6 +58,27 @@ void permute_quantize_tensorwise(TensorView x, const RoutingPlan& plan, TensorVi
     cpu::permute(x, plan, tmp, PermuteExtras{probs, permuted_probs, {}, {}});
   cpu::quantize_group_rows(GroupLayout::from_plan(plan), plan.num_experts(), tmp, config, y, scale,
                            y_t);
+}
+
+void permute_quantize_columnwise(TensorView x, const RoutingPlan& plan, TensorView y,
+                                 TensorView y_scales, const QuantizeConfig& config) {
+  // The rows, those holding no slot zero, quantized columnwise over the
+  // 128-row blocks that start below total_rows (the later ones untouched).
+  const int64_t H = x.shape[1], cap = plan.capacity_rows;
+  const int64_t total = plan.total_rows.data_ptr<int64_t>()[0];
+  const int64_t rows = std::min(cap, (total + quant::kBlock - 1) / quant::kBlock * quant::kBlock);
+  if (rows <= 0 || H == 0) return;
+  Tensor tmp = Tensor::zeros({cap, H}, x.dtype, Device::cpu());
+  cpu::permute(x, plan, tmp, {});
+  const TensorView src = TensorView::strided(tmp.data(), x.dtype, Device::cpu(), {rows, H}, {H, 1});
+  const TensorView q =
+      TensorView::strided(y.data, y.dtype, Device::cpu(), {H, rows}, {y.strides[0], 1});
+  const TensorView s = TensorView::strided(y_scales.data, DType::kFloat32, Device::cpu(),
+                                           {H, (rows + quant::kBlock - 1) / quant::kBlock},
+                                           {y_scales.strides[0], y_scales.strides[1]});
+  QuantizeConfig rowwise = config;
+  rowwise.columnwise = false;
+  cpu::quantize_rowwise_columnwise(src, rowwise, {}, {}, q, s);
 }
 
 }  // namespace moeflow::cpu

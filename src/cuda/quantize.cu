@@ -17,6 +17,10 @@
 //                  workspace; kernel 2 reduces them (every block, in the same
 //                  way), writes the scale and converts. No atomics, no memset.
 //   dequantize:    one thread per element.
+// permute_quantize's columnwise form (declared in
+// core/permute_quantize_backend.h) runs the 1x128 tile kernel below with
+// its rows gathered from the tokens through plan.row_token, or the simple
+// 1x128 kernel on a gathered source.
 //   transpose_codes: 64 x 64-byte tiles through shared memory, 16-byte
 //                  loads, byte gathers, 16-byte stores where aligned;
 //                  float32 scale grids (small): one thread per element.
@@ -28,6 +32,7 @@
 
 #include <algorithm>
 
+#include "core/permute_quantize_backend.h"
 #include "core/quantize_backend.h"
 #include "cuda/common.cuh"
 #include "cuda/fp8.cuh"
@@ -60,8 +65,28 @@ template <typename T>
 struct Src {
   const T* x;
   int64_t xr, xc;
+  __device__ __forceinline__ void prepare() {}
+  __device__ __forceinline__ bool skip(int64_t /*c0*/) const { return false; }
   __device__ __forceinline__ float at(int64_t r, int64_t c) const {
     return to_float(x[r * xr + c * xc]);
+  }
+};
+
+// permute_quantize's columnwise form, per element: q(r,c) = rows[c][r], rows
+// = x gathered by row_token, zero where a row holds no slot or c >= total
+// rows; the 1x128 blocks starting at or past total_rows are skipped.
+template <typename T>
+struct PermutedColumns {
+  const T* x;
+  int64_t x_stride;
+  const int32_t* row_token;
+  const int64_t* total_rows;
+  int64_t total;  // *total_rows, read by prepare()
+  __device__ __forceinline__ void prepare() { total = *total_rows; }
+  __device__ __forceinline__ bool skip(int64_t c0) const { return c0 >= total; }
+  __device__ __forceinline__ float at(int64_t r, int64_t c) const {
+    const int32_t t = c < total ? row_token[c] : -1;
+    return t < 0 ? 0.0f : to_float(x[t * x_stride + r]);
   }
 };
 
@@ -105,15 +130,17 @@ __device__ __forceinline__ uint32_t block_max_bits(uint32_t m, float* smem) {
   return m;
 }
 
-template <typename T, bool E4M3>
+template <typename S, bool E4M3>
 __global__ void __launch_bounds__(kThreads)
-    quantize_1x128_kernel(Src<T> src, Dst dst, int64_t nb, int64_t ss0, int64_t ss1) {
+    quantize_1x128_kernel(S src, Dst dst, int64_t nb, int64_t ss0, int64_t ss1) {
   constexpr int kPerLane = kBlock / kWarpSize;
   const int lane = threadIdx.x % kWarpSize;
   const int64_t items = dst.R * nb;
+  src.prepare();
   for (int64_t item = static_cast<int64_t>(blockIdx.x) * kWarps + threadIdx.x / kWarpSize;
        item < items; item += static_cast<int64_t>(gridDim.x) * kWarps) {
     const int64_t r = item / nb, c0 = (item % nb) * kBlock;
+    if (src.skip(c0)) continue;  // (warp-uniform)
     float v[kPerLane];
     float m = 0.0f;
 #pragma unroll
@@ -261,25 +288,42 @@ struct DstCol {  // the columnwise output: q_t [C, R] and scales_t[c * s0 + bloc
   int64_t s0, s1;
 };
 
+// Row m of x as the tile kernel reads it: x's row m, or with row_token set
+// (permute_quantize's columnwise form) x's row row_token[m], a zero row
+// where that is -1 or m >= *total_rows; tiles starting at or past
+// *total_rows are skipped.
+struct Gather {
+  const int32_t* row_token;
+  const int64_t* total_rows;
+};
+
 template <typename T, bool E4M3>
 __global__ void __launch_bounds__(kThreads, 4)
     quantize_1x128_tile_kernel(const T* x, int64_t x_stride, int64_t M, int64_t K, Dst row,
-                               DstCol col) {
+                               DstCol col, Gather gather) {
   static_assert(sizeof(T) == 2 && kThreads == 2 * kTile, "thread layout");
   constexpr int kVec = 8;  // elements per 16-byte piece
   __shared__ __align__(16) T tile[kTile * kTilePitch];
+  __shared__ int64_t src_row[kTile];
   const int t = threadIdx.x, half = t % 2, tr = t / 2;
   const int64_t tiles_k = (K + kTile - 1) / kTile;
   const int64_t tiles = (M + kTile - 1) / kTile * tiles_k;
   const int64_t nbk = tiles_k;
+  const int64_t rows = gather.row_token != nullptr ? min(M, *gather.total_rows) : M;
   for (int64_t item = blockIdx.x; item < tiles; item += gridDim.x) {
     const int64_t m0 = (item / tiles_k) * kTile, k0 = (item % tiles_k) * kTile;
+    if (m0 >= rows) continue;  // (only with gather: block-uniform)
     __syncthreads();  // the previous tile is read
+    if (t < kTile) {
+      const int64_t m = m0 + t;
+      src_row[t] = m >= rows ? -1 : gather.row_token == nullptr ? m : int64_t{gather.row_token[m]};
+    }
+    __syncthreads();
     for (int p = t; p < kTile * kTile / kVec; p += kThreads) {
       const int r = p / (kTile / kVec), c = (p % (kTile / kVec)) * kVec;
       uint4 v = make_uint4(0, 0, 0, 0);
-      if (m0 + r < M && k0 + c < K)
-        v = *reinterpret_cast<const uint4*>(x + (m0 + r) * x_stride + k0 + c);
+      const int64_t sr = src_row[r];
+      if (sr >= 0 && k0 + c < K) v = *reinterpret_cast<const uint4*>(x + sr * x_stride + k0 + c);
       *reinterpret_cast<uint4*>(tile + r * kTilePitch + c) = v;
     }
     __syncthreads();
@@ -533,13 +577,15 @@ bool tile_ok(const TensorView& x, const TensorView& q, const TensorView& q_t) {
   return ok;
 }
 
+// M: x's rows, or with gather the rows of the permuted buffer.
 template <typename T, bool E4M3>
-void launch_tile(const TensorView& x, const Dst& row, const DstCol& col, cudaStream_t stream) {
-  const int64_t M = x.shape[0], K = x.shape[1];
+void launch_tile(const TensorView& x, int64_t M, const Dst& row, const DstCol& col,
+                 const Gather& gather, cudaStream_t stream) {
+  const int64_t K = x.shape[1];
   const int64_t tiles = ceil_div(M, int64_t{kTile}) * ceil_div(K, int64_t{kTile});
   if (tiles == 0) return;
   quantize_1x128_tile_kernel<T, E4M3><<<grid_for(tiles, 1), kThreads, 0, stream>>>(
-      static_cast<const T*>(x.data), x.strides[0], M, K, row, col);
+      static_cast<const T*>(x.data), x.strides[0], M, K, row, col, gather);
   MOEFLOW_CUDA_LAUNCH_CHECK();
 }
 
@@ -599,12 +645,13 @@ void quantize(TensorView x, const QuantizeConfig& config, TensorView q, TensorVi
           if constexpr (sizeof(T) == 2) {
             if (config.columnwise && tile_ok(x, TensorView{}, q)) {
               const DstCol col{dst.q, dst.q_stride, dst.scales, nb, 1};
-              launch_tile<T, E4M3>(x, Dst{nullptr, 0, 0, 0, nullptr, config.pow2_scales}, col,
-                                   stream);
+              launch_tile<T, E4M3>(x, x.shape[0],
+                                   Dst{nullptr, 0, 0, 0, nullptr, config.pow2_scales}, col,
+                                   Gather{}, stream);
               return;
             }
           }
-          quantize_1x128_kernel<T, E4M3>
+          quantize_1x128_kernel<Src<T>, E4M3>
               <<<grid_for(R * nb, kWarps), kThreads, 0, stream>>>(src, dst, nb, nb, 1);
           MOEFLOW_CUDA_LAUNCH_CHECK();
           return;
@@ -643,7 +690,7 @@ void quantize_rowwise_columnwise(TensorView x, const QuantizeConfig& config, Ten
         if (tile_ok(x, q, q_t)) {
           const Dst row{static_cast<uint8_t*>(q.data),    q.data ? q.strides[0] : 0, M, K,
                         static_cast<float*>(scales.data), config.pow2_scales};
-          launch_tile<T, E4M3>(x, row, col, stream);
+          launch_tile<T, E4M3>(x, M, row, col, Gather{}, stream);
           return;
         }
       }
@@ -651,7 +698,37 @@ void quantize_rowwise_columnwise(TensorView x, const QuantizeConfig& config, Ten
       const Src<T> src{static_cast<const T*>(x.data), 1, x.strides[0]};
       const Dst dst{col.q, col.q_stride, K, M, col.scales, config.pow2_scales};
       const int64_t nb = ceil_div(M, int64_t{kBlock});
-      quantize_1x128_kernel<T, E4M3>
+      quantize_1x128_kernel<Src<T>, E4M3>
+          <<<grid_for(K * nb, kWarps), kThreads, 0, stream>>>(src, dst, nb, col.s0, col.s1);
+      MOEFLOW_CUDA_LAUNCH_CHECK();
+    });
+  });
+}
+
+void permute_quantize_columnwise(TensorView x, const RoutingPlan& plan, TensorView y,
+                                 TensorView y_scales, const QuantizeConfig& config,
+                                 cudaStream_t stream) {
+  const int64_t M = plan.capacity_rows, K = x.shape[1];
+  if (M * K == 0) return;
+  const Gather gather{plan.row_token.data_ptr<int32_t>(), plan.total_rows.data_ptr<int64_t>()};
+  const DstCol col{static_cast<uint8_t*>(y.data), y.strides[0], static_cast<float*>(y_scales.data),
+                   y_scales.strides[0], y_scales.strides[1]};
+  with_float_type(x.dtype, [&](auto t) {
+    using T = decltype(t);
+    with_format(config.out == DType::kFloat8E4M3, [&](auto fmt) {
+      constexpr bool E4M3 = decltype(fmt)::value;
+      if constexpr (sizeof(T) == 2) {
+        if (tile_ok(x, TensorView{}, y)) {
+          launch_tile<T, E4M3>(x, M, Dst{nullptr, 0, 0, 0, nullptr, config.pow2_scales}, col,
+                               gather, stream);
+          return;
+        }
+      }
+      const PermutedColumns<T> src{static_cast<const T*>(x.data), x.strides[0], gather.row_token,
+                                   gather.total_rows, 0};
+      const Dst dst{col.q, col.q_stride, K, M, col.scales, config.pow2_scales};
+      const int64_t nb = ceil_div(M, int64_t{kBlock});
+      quantize_1x128_kernel<PermutedColumns<T>, E4M3>
           <<<grid_for(K * nb, kWarps), kThreads, 0, stream>>>(src, dst, nb, col.s0, col.s1);
       MOEFLOW_CUDA_LAUNCH_CHECK();
     });
