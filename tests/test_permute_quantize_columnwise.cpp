@@ -190,6 +190,46 @@ TEST(PermuteQuantizeColumnwise, BadInputErrors) {
                   "y_t must be empty with QuantizeConfig.columnwise"));
   Tensor xi = make_tensor({c.T, c.H}, DType::kInt32);
   EXPECT_TRUE(has(message_of([&] { permute_quantize(xi, plan, y, ys, cfg); }), "x must be"));
+  // scales that share addresses (a stride of 0), or lie inside y
+  const TensorView ys0 =
+      TensorView::strided(ys.data(), DType::kFloat32, Device::cpu(), {c.H, nb}, {1, 0});
+  EXPECT_TRUE(has(message_of([&] { permute_quantize(x, plan, y, ys0, cfg); }), "overlap"));
+  const TensorView ys_in_y =
+      TensorView::strided(y.data(), DType::kFloat32, Device::cpu(), {c.H, nb}, {nb, 1});
+  EXPECT_TRUE(
+      has(message_of([&] { permute_quantize(x, plan, y, ys_in_y, cfg); }), "must not overlap y"));
+}
+
+// Strided x rows and y rows (row strides past H and past capacity), against
+// the same call on contiguous copies.
+TEST(PermuteQuantizeColumnwise, StridedRows) {
+  const Case c{90, 4, 8, 256, 16};
+  RoutingPlan plan = allocate_plan(c.T, c.K, PlanConfig{c.E, c.align, -1}, Device::cpu());
+  build_plan(random_topk(c.T, c.K, c.E, 11, 1.0, 0.1), plan);
+  const int64_t cap = plan.capacity_rows, nb = blocks128(cap);
+  Tensor x = make_tensor({c.T, c.H}, DType::kBFloat16);
+  fill_random(x, 12, -3.0f, 3.0f);
+  const int64_t xs = c.H + 24, ysr = cap + 40;
+  Tensor xbuf = make_tensor({c.T, xs}, DType::kBFloat16);
+  for (int64_t t = 0; t < c.T; ++t)
+    std::memcpy(static_cast<uint8_t*>(xbuf.data()) + t * xs * 2,
+                static_cast<const uint8_t*>(x.data()) + t * c.H * 2, c.H * 2);
+  const QuantizeConfig cfg{DType::kFloat8E4M3, QuantScaling::kBlock1x128, false, true};
+  Tensor want = poisoned({c.H, cap}, DType::kFloat8E4M3),
+         want_s = poisoned({c.H, nb}, DType::kFloat32);
+  permute_quantize(x, plan, want, want_s, cfg);
+  Tensor ybuf = poisoned({c.H, ysr}, DType::kFloat8E4M3),
+         got_s = poisoned({c.H, nb}, DType::kFloat32);
+  permute_quantize(
+      TensorView::strided(xbuf.data(), DType::kBFloat16, Device::cpu(), {c.T, c.H}, {xs, 1}), plan,
+      TensorView::strided(ybuf.data(), DType::kFloat8E4M3, Device::cpu(), {c.H, cap}, {ysr, 1}),
+      got_s, cfg);
+  EXPECT_TRUE(bytes_equal(got_s, want_s));
+  for (int64_t h = 0; h < c.H; ++h) {
+    const auto* g = static_cast<const uint8_t*>(ybuf.data()) + h * ysr;
+    ASSERT_EQ(std::memcmp(g, static_cast<const uint8_t*>(want.data()) + h * cap, cap), 0) << h;
+    for (int64_t m = cap; m < ysr; ++m) ASSERT_EQ(g[m], 0xFF) << "past the view: " << h;
+  }
 }
 
 }  // namespace

@@ -86,9 +86,23 @@ void permute_quantize_columnwise(TensorView x, const RoutingPlan& plan, TensorVi
       x, "x",
       rows_of({DType::kFloat32, DType::kBFloat16, DType::kFloat16}, plan.num_tokens, hidden, dev));
   detail::expect(y, "y", rows_of({config.out}, hidden, rows, dev));
-  Expect se{{DType::kFloat32}, {hidden, (rows + quant::kBlock - 1) / quant::kBlock}, dev};
+  const int64_t nb = (rows + quant::kBlock - 1) / quant::kBlock;
+  Expect se{{DType::kFloat32}, {hidden, nb}, dev};
   se.contiguous = false;
   detail::expect(y_scales, "y_scales", se);
+  // any strides, as long as no two scales share an address (one dimension
+  // steps over the whole other one)
+  const int64_t s0 = y_scales.strides[0], s1 = y_scales.strides[1];
+  MOEFLOW_CHECK(hidden * nb <= 1 || (s0 > 0 && s1 > 0 && (s0 >= nb * s1 || s1 >= hidden * s0)),
+                "y_scales: strides [", s0, ",", s1, "] make scales of [", hidden, ",", nb,
+                "] overlap");
+  if (hidden * rows > 0 && hidden * nb > 0) {
+    const auto* yb = static_cast<const uint8_t*>(y.data);
+    const auto* sb = static_cast<const uint8_t*>(y_scales.data);
+    const int64_t y_span = (hidden - 1) * y.strides[0] + rows;
+    const int64_t s_span = ((hidden - 1) * s0 + (nb - 1) * s1 + 1) * 4;
+    MOEFLOW_CHECK(sb + s_span <= yb || yb + y_span <= sb, "y_scales must not overlap y");
+  }
   if (dev.is_cpu()) return cpu::permute_quantize_columnwise(x, plan, y, y_scales, config);
 #ifdef MOEFLOW_WITH_CUDA
   detail::cuda_set_device(dev.index);
