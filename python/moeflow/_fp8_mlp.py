@@ -258,6 +258,15 @@ class GroupedMlpFp8(torch.autograd.Function):
                 dyq, dys = got[0], got[1]
                 dy_t = (got[2], dys) if t else None
                 dy = None
+            elif wgrad8 or not need[2]:
+                # Blockwise, no 16-bit rows either: the rowwise codes from dout
+                # read once, and for the FP8 wgrad the rows' columnwise codes
+                # gathered from dout (unpermute's rows without weights are
+                # permute's rows of dout).
+                dyq, dys = ops.unpermute_backward_quantize(dout, plan)
+                if wgrad8 and need[2]:
+                    dy_t = _mlp_io.columnwise_codes(dout, plan)
+                dy = None
             else:
                 dy = dout.new_empty(rows, fc2.shape[1])
                 _C.unpermute_backward(dout, plan._view, None, None, dy, None, s)

@@ -19,6 +19,19 @@ from . import _C
 from ._ops_common import _empty, _float32, _stream
 
 
+def columnwise_codes(x, plan):
+    """The rows permute(x, plan) writes (pad rows zero) as the blockwise FP8
+    wgrad's operand: e4m3 codes [H, capacity] and 1x128 scales along the
+    rows [H, capacity/128] (the transpose of a contiguous buffer), gathered
+    from x without writing the rows (permute_quantize's columnwise form)."""
+    cap, H = plan.capacity_rows, x.shape[1]
+    q_t = torch.empty((H, cap), dtype=torch.float8_e4m3fn, device=x.device)
+    scales_t = _empty(-(-cap // 128), H, dtype=_float32, device=x.device).t()
+    _C.permute_quantize(x, plan._view, q_t, scales_t, "e4m3", False, None, None, _stream(x),
+                        "1x128", None, True)
+    return q_t, scales_t
+
+
 class PermuteSource:
     """x: the tokens [T, H]; probs: their slots' [T, K] (the rows carry them).
     ``recompute``: a node keeps the tokens, not the rows, for FC1's weight
@@ -66,11 +79,7 @@ class PermuteSource:
                             "1x128", None)
         if not transposed:
             return q, scales, row_probs
-        q_t = torch.empty((H, cap), dtype=torch.float8_e4m3fn, device=x.device)
-        scales_t = _empty(-(-cap // 128), H, dtype=_float32, device=x.device).t()
-        _C.permute_quantize(x, plan._view, q_t, scales_t, "e4m3", False, None, None, _stream(x),
-                            "1x128", None, True)
-        return q, scales, row_probs, (q_t, scales_t)
+        return q, scales, row_probs, columnwise_codes(x, plan)
 
     def forward_tensorwise(self, x, probs, transposed):
         """forward's rows as the fp8-tensorwise recipe's e4m3 codes, with x

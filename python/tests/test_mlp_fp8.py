@@ -210,7 +210,8 @@ def test_node_quantizes_the_tokens_without_16_bit_rows(device, precision, wgrad8
     rows' codes (permute_quantize: no 16-bit rows are written) and keeps the
     tokens themselves for backward, which permutes them again. With FP8
     weight gradients the rows' columnwise codes come from the tokens too
-    (blockwise: permute_quantize's columnwise form) and no tokens are kept."""
+    (blockwise: permute_quantize's columnwise form) and no tokens are kept,
+    and backward writes no 16-bit rows of the output gradient either."""
     g = torch.Generator().manual_seed(5)
     E, H, F, T, K = 4, 256, 128, 64, 2
     x = torch.randn(T, H, generator=g).bfloat16().to(device).requires_grad_()
@@ -229,6 +230,7 @@ def test_node_quantizes_the_tokens_without_16_bit_rows(device, precision, wgrad8
 
     monkeypatch.setattr(_mlp_io.PermuteSource, "forward", counted(_mlp_io.PermuteSource.forward))
     monkeypatch.setattr(_mlp_io.PermuteSource, "rows", counted(_mlp_io.PermuteSource.rows))
+    monkeypatch.setattr(mf._C, "unpermute_backward", counted(mf._C.unpermute_backward))
     out = mf.grouped_mlp(x, w1, w2, plan=plan, probs=p, permute=True, unpermute=True,
                          precision=precision, fp8_wgrad=wgrad8)
     assert not rows_written
@@ -239,8 +241,9 @@ def test_node_quantizes_the_tokens_without_16_bit_rows(device, precision, wgrad8
         assert kept.shape == (T, H) and kept.data_ptr() == x.data_ptr()
     out.float().square().sum().backward()
     assert w1.grad is not None and x.grad is not None and p.grad is not None
-    # backward permutes again for a 16-bit wgrad only
-    assert rows_written == ([] if wgrad8 else ["rows"])
+    # backward permutes again for a 16-bit wgrad only, and writes dY's 16-bit
+    # rows for FC2's 16-bit wgrad only
+    assert rows_written == ([] if wgrad8 else ["unpermute_backward", "rows"])
     if wgrad8:
         return
     rows_written.clear()
