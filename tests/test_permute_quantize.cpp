@@ -52,19 +52,6 @@ Outputs run_composed(TensorView x, const RoutingPlan& plan, const QuantizeConfig
   return o;
 }
 
-// Some special rows: zeros, NaN/inf, huge and tiny magnitudes.
-void add_special_values(Tensor& x) {
-  const int64_t T = x.size(0), H = x.size(1);
-  if (T < 4 || H < 3) return;
-  for (int64_t h = 0; h < H; ++h) detail::store_float(x.data(), x.dtype(), 0 * H + h, 0.0f);
-  detail::store_float(x.data(), x.dtype(), 1 * H + 0, std::numeric_limits<float>::quiet_NaN());
-  detail::store_float(x.data(), x.dtype(), 1 * H + 2, -std::numeric_limits<float>::infinity());
-  for (int64_t h = 0; h < H; ++h) {
-    detail::store_float(x.data(), x.dtype(), 2 * H + h, 3.0e4f * (h % 3 == 0 ? -1.0f : 0.5f));
-    detail::store_float(x.data(), x.dtype(), 3 * H + h, 1.0e-6f * static_cast<float>(h % 7));
-  }
-}
-
 void expect_layout(const Outputs& o, const RoutingPlan& plan) {
   const int64_t total = plan_status(plan).total_rows;
   auto row_token = to_vec<int32_t>(plan.row_token);
@@ -99,7 +86,7 @@ TEST(PermuteQuantize, EqualsQuantizeThenPermuteBitwise) {
           if (pc.capacity > 0 && c.T > 0) ASSERT_GT(plan_status(plan).overflow, 0) << "no drops";
           Tensor x = make_tensor({c.T, c.H}, dt);
           fill_random(x, seed++, -4.0f, 4.0f);
-          add_special_values(x);
+          add_special_rows(x);
           Tensor probs = make_tensor({c.T, c.K}, DType::kFloat32);
           fill_random(probs, seed++, 0.0f, 1.0f);
           const QuantizeConfig cfg{out, QuantScaling::kBlock1x128, pow2, false};
@@ -291,7 +278,7 @@ TEST(UnpermuteBackwardQuantize, EqualsUnpermuteBackwardThenQuantizeBitwise) {
           build_plan(ids, plan);
           Tensor dout = make_tensor({c.T, c.H}, dt);
           fill_random(dout, seed++, -4.0f, 4.0f);
-          add_special_values(dout);
+          add_special_rows(dout);
           Tensor probs;
           if (with_probs) {
             probs = make_tensor({c.T, c.K}, DType::kFloat32);

@@ -37,17 +37,6 @@ Tensor rows_by_hand(const Tensor& x, const RoutingPlan& plan) {
   return rows;
 }
 
-void add_special_values(Tensor& x) {
-  const int64_t T = x.size(0), H = x.size(1);
-  if (T < 4 || H < 3) return;
-  detail::store_float(x.data(), x.dtype(), 1 * H + 0, std::numeric_limits<float>::quiet_NaN());
-  detail::store_float(x.data(), x.dtype(), 1 * H + 2, -std::numeric_limits<float>::infinity());
-  for (int64_t h = 0; h < H; ++h) {
-    detail::store_float(x.data(), x.dtype(), 2 * H + h, 3.0e4f * (h % 3 == 0 ? -1.0f : 0.5f));
-    detail::store_float(x.data(), x.dtype(), 3 * H + h, 1.0e-6f * static_cast<float>(h % 7));
-  }
-}
-
 TEST(PermuteQuantizeColumnwise, EqualsColumnwiseQuantizeOfTheRowsBitwise) {
   uint32_t seed = 3000;
   int layout = 0;
@@ -69,7 +58,7 @@ TEST(PermuteQuantizeColumnwise, EqualsColumnwiseQuantizeOfTheRowsBitwise) {
           const int64_t total = plan_status(plan).total_rows;
           Tensor x = make_tensor({c.T, c.H}, dt);
           fill_random(x, seed++, -4.0f, 4.0f);
-          add_special_values(x);
+          add_special_rows(x);
 
           Tensor y = poisoned({c.H, cap}, out);
           Tensor sbuf = transposed_scales ? poisoned({nb, c.H}, DType::kFloat32)

@@ -7,6 +7,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <limits>
 #include <numeric>
 #include <random>
 #include <vector>
@@ -103,6 +104,21 @@ inline Tensor random_mask(int64_t T, int E, int per_token, uint32_t seed) {
       if (e >= 0) mask.data_ptr<uint8_t>()[t * E + e] = 1;
     }
   return mask;
+}
+
+// Special rows for the quantization tests (x [T,H] host tensor, T >= 4 and
+// H >= 3): row 0 zeros, row 1 a NaN and a -inf, row 2 large magnitudes, row
+// 3 tiny ones.
+inline void add_special_rows(Tensor& x) {
+  const int64_t T = x.size(0), H = x.size(1);
+  if (T < 4 || H < 3) return;
+  for (int64_t h = 0; h < H; ++h) detail::store_float(x.data(), x.dtype(), 0 * H + h, 0.0f);
+  detail::store_float(x.data(), x.dtype(), 1 * H + 0, std::numeric_limits<float>::quiet_NaN());
+  detail::store_float(x.data(), x.dtype(), 1 * H + 2, -std::numeric_limits<float>::infinity());
+  for (int64_t h = 0; h < H; ++h) {
+    detail::store_float(x.data(), x.dtype(), 2 * H + h, 3.0e4f * (h % 3 == 0 ? -1.0f : 0.5f));
+    detail::store_float(x.data(), x.dtype(), 3 * H + h, 1.0e-6f * static_cast<float>(h % 7));
+  }
 }
 
 // Fills a float tensor (any arithmetic dtype) with uniform values in [-1, 1).
