@@ -19,16 +19,17 @@ from . import _C
 from ._ops_common import _empty, _float32, _stream
 
 
-def columnwise_codes(x, plan):
+def columnwise_codes(x, plan, fp8_format="e4m3", pow2_scales=False):
     """The rows permute(x, plan) writes (pad rows zero) as the blockwise FP8
-    wgrad's operand: e4m3 codes [H, capacity] and 1x128 scales along the
-    rows [H, capacity/128] (the transpose of a contiguous buffer), gathered
-    from x without writing the rows (permute_quantize's columnwise form)."""
+    wgrad's operand: codes [H, capacity] and 1x128 scales along the rows
+    [H, capacity/128] (the transpose of a contiguous buffer), gathered from
+    x without writing the rows (permute_quantize's columnwise form)."""
     cap, H = plan.capacity_rows, x.shape[1]
-    q_t = torch.empty((H, cap), dtype=torch.float8_e4m3fn, device=x.device)
+    fp8 = torch.float8_e5m2 if fp8_format == "e5m2" else torch.float8_e4m3fn
+    q_t = torch.empty((H, cap), dtype=fp8, device=x.device)
     scales_t = _empty(-(-cap // 128), H, dtype=_float32, device=x.device).t()
-    _C.permute_quantize(x, plan._view, q_t, scales_t, "e4m3", False, None, None, _stream(x),
-                        "1x128", None, True)
+    _C.permute_quantize(x, plan._view, q_t, scales_t, fp8_format, bool(pow2_scales), None, None,
+                        _stream(x), "1x128", None, True)
     return q_t, scales_t
 
 

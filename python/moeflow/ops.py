@@ -236,22 +236,11 @@ def permute_quantize(x: torch.Tensor, plan: Plan, probs: Optional[torch.Tensor] 
     if probs is not None:
         probs = probs.detach().contiguous()
         pp = torch.empty(plan.capacity_rows, dtype=torch.float32, device=x.device)
-    blockwise_t = transposed and scaling == "1x128"
     _C.permute_quantize(x, plan._view, y, scales, fp8_format, bool(pow2_scales), probs, pp,
-                        _stream(x), scaling, None if blockwise_t else y_t)
-    if blockwise_t:
-        y_t_scales = _columnwise_scales(plan, x.shape[1], x.device)
-        _C.permute_quantize(x, plan._view, y_t, y_t_scales, fp8_format, bool(pow2_scales),
-                            None, None, _stream(x), "1x128", None, True)
-        return y, pp, scales, y_t, y_t_scales
+                        _stream(x), scaling, y_t)
+    if transposed and scaling == "1x128":
+        return (y, pp, scales) + _mlp_io.columnwise_codes(x, plan, fp8_format, pow2_scales)
     return (y, pp, scales, y_t) if transposed else (y, pp, scales)
-
-
-def _columnwise_scales(plan: Plan, hidden: int, device) -> torch.Tensor:
-    """The buffer of the rows' columnwise 1x128 scales: [H, ceil(capacity/128)]
-    float32, the transposed view of a contiguous [ceil(capacity/128), H]."""
-    nb = -(-plan.capacity_rows // 128)
-    return torch.empty((nb, hidden), dtype=torch.float32, device=device).t()
 
 
 def _fp8_rows_out(plan: Plan, x: torch.Tensor, fp8, scaling: str, transposed: bool):
@@ -263,7 +252,9 @@ def _fp8_rows_out(plan: Plan, x: torch.Tensor, fp8, scaling: str, transposed: bo
     y = torch.empty((cap, H), dtype=fp8, device=x.device)
     scales = torch.empty((1,) if scaling == "tensorwise" else (cap, -(-H // 128)),
                          dtype=torch.float32, device=x.device)
-    y_t = torch.empty((H, cap), dtype=fp8, device=x.device) if transposed else None
+    # (the blockwise transposed codes come with their own scales: _mlp_io.columnwise_codes)
+    y_t = (torch.empty((H, cap), dtype=fp8, device=x.device)
+           if transposed and scaling == "tensorwise" else None)
     return y, scales, y_t
 
 
