@@ -6,6 +6,7 @@
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
 
+#include <algorithm>
 #include <cstdint>
 #include <type_traits>
 
@@ -62,6 +63,27 @@ void with_float_type(DType dtype, Fn fn) {
 int sm_count();
 
 inline int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
+
+// Whether p is 16-byte aligned.
+inline bool aligned16(const void* p) {
+  return reinterpret_cast<uintptr_t>(p) % 16 == 0;
+}
+
+// ceil(items / per_block) blocks, at least 1 and at most 16 per SM (the
+// kernels walk the rest in a grid-stride loop).
+inline int capped_grid(int64_t items, int64_t per_block) {
+  const int64_t cap = static_cast<int64_t>(sm_count()) * 16;
+  return static_cast<int>(std::max<int64_t>(1, std::min(cap, ceil_div(items, per_block))));
+}
+
+// fn(std::true_type{}) for e4m3, fn(std::false_type{}) for e5m2.
+template <typename Fn>
+void with_fp8_format(bool e4m3, Fn fn) {
+  if (e4m3)
+    fn(std::true_type{});
+  else
+    fn(std::false_type{});
+}
 __device__ __forceinline__ int64_t ceil_div_dev(int64_t a, int64_t b) { return (a + b - 1) / b; }
 
 // True when every pointer/stride given is a multiple of `bytes`.

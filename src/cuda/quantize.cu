@@ -1,5 +1,6 @@
-// CUDA FP8 quantize / dequantize / transpose_codes (policy:
-// moeflow/quantize.h; shared scalar math: core/quantize_backend.h).
+// CUDA FP8 quantize and quantize_rowwise_columnwise (policy:
+// moeflow/quantize.h; shared scalar math: core/quantize_backend.h;
+// dequantize and transpose_codes: fp8_codes.cu).
 // Rowwise with 16-byte rows (x's and q's rows 16-byte aligned, C a multiple
 // of 16; the layout of activations and weights), the vector kernels:
 //   kBlock1x128:   one warp per 512-column chunk of a row, 16 columns a
@@ -16,14 +17,10 @@
 //   kTensorwise:   kernel 1 writes per-block amax partials into the
 //                  workspace; kernel 2 reduces them (every block, in the same
 //                  way), writes the scale and converts. No atomics, no memset.
-//   dequantize:    one thread per element.
 // permute_quantize's columnwise form (declared in
 // core/permute_quantize_backend.h) runs the 1x128 tile kernel below with
 // its rows gathered from the tokens through plan.row_token, or the simple
 // 1x128 kernel on a gathered source.
-//   transpose_codes: 64 x 64-byte tiles through shared memory, 16-byte
-//                  loads, byte gathers, 16-byte stores where aligned;
-//                  float32 scale grids (small): one thread per element.
 // Everything works in q coordinates (columnwise reads x through swapped
 // strides). x / scale is __fdiv_rn's quotient (the vector and tile kernels
 // get it from Fp8Divider, fp8.cuh), the conversion cvt.rn.satfinite, NaN is
@@ -49,15 +46,6 @@ constexpr int64_t kElemsPerPartial = 2048;
 
 int64_t num_partials(int64_t n) {
   return std::min(kMaxPartials, std::max<int64_t>(1, ceil_div(n, kElemsPerPartial)));
-}
-
-bool aligned16(const void* p) {
-  return reinterpret_cast<uintptr_t>(p) % 16 == 0;
-}
-
-int grid_for(int64_t items, int64_t per_block) {
-  const int64_t cap = static_cast<int64_t>(sm_count()) * 16;
-  return static_cast<int>(std::max<int64_t>(1, std::min(cap, ceil_div(items, per_block))));
 }
 
 // The input element of q(r,c): x[r*xr + c*xc].
@@ -474,99 +462,6 @@ __global__ void __launch_bounds__(kThreads)
   }
 }
 
-template <typename T>
-__device__ __forceinline__ void store_out(T* p, double d) {
-  if constexpr (std::is_same_v<T, float>) {
-    if (d != d)
-      *reinterpret_cast<uint32_t*>(p) = 0x7FFFFFFFu;
-    else
-      *p = static_cast<float>(d);
-  } else {
-    if (d != d)
-      *reinterpret_cast<uint16_t*>(p) = 0x7FFF;
-    else
-      *p = from_float<T>(quant::round_to_odd_float(d));
-  }
-}
-
-template <typename T, bool E4M3>
-__global__ void __launch_bounds__(kThreads)
-    dequantize_kernel(const uint8_t* q, int64_t q_stride, int64_t R, int64_t C, const float* scales,
-                      QuantScaling scaling, int64_t nbc, T* out, int64_t orow, int64_t ocol) {
-  for (int64_t i = static_cast<int64_t>(blockIdx.x) * kThreads + threadIdx.x; i < R * C;
-       i += static_cast<int64_t>(gridDim.x) * kThreads) {
-    const int64_t r = i / C, c = i % C;
-    float scale;
-    if (scaling == QuantScaling::kTensorwise)
-      scale = scales[0];
-    else if (scaling == QuantScaling::kBlock1x128)
-      scale = scales[r * nbc + c / kBlock];
-    else
-      scale = scales[(r / kBlock) * nbc + c / kBlock];
-    const double d = static_cast<double>(quant::fp8_value(q[r * q_stride + c], E4M3)) * scale;
-    store_out(out + r * orow + c * ocol, d);
-  }
-}
-
-// transpose_codes: a 64 x 64 tile of q (rows r0.., columns c0.. of matrix
-// g) staged in shared memory, then written as 64 rows of q_t. Thread t moves
-// bytes [16 (t % 4), +16) of row t / 4, one 16-byte access when the rows
-// are 16-byte aligned (vec_in: q's, vec_out: q_t's) and the span is whole.
-constexpr int kTT = 64, kTTPad = 68;  // tile edge, shared-memory row stride (bytes)
-
-__global__ void __launch_bounds__(kThreads)
-    transpose_codes_kernel(const uint8_t* q, uint8_t* q_t, int64_t G, int64_t R, int64_t C,
-                           bool vec_in, bool vec_out) {
-  static_assert(kThreads == 4 * kTT, "one thread per 16 bytes of a tile row");
-  __shared__ __align__(16) uint8_t tile[kTT * kTTPad];
-  const int64_t tr = (R + kTT - 1) / kTT, tc = (C + kTT - 1) / kTT;
-  const int row = threadIdx.x / 4, seg = (threadIdx.x % 4) * 16;
-  for (int64_t item = blockIdx.x; item < G * tr * tc; item += gridDim.x) {
-    const int64_t g = item / (tr * tc), r0 = (item / tc) % tr * kTT, c0 = item % tc * kTT;
-    const uint8_t* in = q + g * R * C;
-    uint8_t* out = q_t + g * R * C;
-    __syncthreads();  // the previous tile is read out
-    {
-      const int64_t r = r0 + row, c = c0 + seg;
-      uint8_t* dst = tile + row * kTTPad + seg;
-      if (vec_in && r < R && c + 16 <= C) {
-        const uint4 v = *reinterpret_cast<const uint4*>(in + r * C + c);
-        reinterpret_cast<uint32_t*>(dst)[0] = v.x;
-        reinterpret_cast<uint32_t*>(dst)[1] = v.y;
-        reinterpret_cast<uint32_t*>(dst)[2] = v.z;
-        reinterpret_cast<uint32_t*>(dst)[3] = v.w;
-      } else {
-#pragma unroll
-        for (int j = 0; j < 16; ++j) dst[j] = r < R && c + j < C ? in[r * C + c + j] : 0;
-      }
-    }
-    __syncthreads();
-    // q_t row c0 + row, columns r0 + seg ..: tile column `row`, rows seg ..
-    const int64_t c = c0 + row, r = r0 + seg;
-    if (c >= C) continue;
-    uint32_t w[4] = {0, 0, 0, 0};
-#pragma unroll
-    for (int j = 0; j < 16; ++j) w[j / 4] |= uint32_t{tile[(seg + j) * kTTPad + row]} << (8 * (j % 4));
-    if (vec_out && r + 16 <= R) {
-      *reinterpret_cast<uint4*>(out + c * R + r) = make_uint4(w[0], w[1], w[2], w[3]);
-    } else {
-#pragma unroll
-      for (int j = 0; j < 16; ++j)
-        if (r + j < R) out[c * R + r + j] = static_cast<uint8_t>(w[j / 4] >> (8 * (j % 4)));
-    }
-  }
-}
-
-// transpose_codes of float32 scale grids (small): one thread per element.
-__global__ void __launch_bounds__(kThreads)
-    transpose_f32_kernel(const float* q, float* q_t, int64_t G, int64_t R, int64_t C) {
-  for (int64_t i = static_cast<int64_t>(blockIdx.x) * kThreads + threadIdx.x; i < G * R * C;
-       i += static_cast<int64_t>(gridDim.x) * kThreads) {
-    const int64_t g = i / (R * C), r = i / C % R, c = i % C;
-    q_t[(g * C + c) * R + r] = q[i];
-  }
-}
-
 // The tile kernel's conditions (16-bit x is the caller's): K % 8 == 0, the
 // rows of x and of both outputs 16-byte aligned (q: optional).
 bool tile_ok(const TensorView& x, const TensorView& q, const TensorView& q_t) {
@@ -584,17 +479,9 @@ void launch_tile(const TensorView& x, int64_t M, const Dst& row, const DstCol& c
   const int64_t K = x.shape[1];
   const int64_t tiles = ceil_div(M, int64_t{kTile}) * ceil_div(K, int64_t{kTile});
   if (tiles == 0) return;
-  quantize_1x128_tile_kernel<T, E4M3><<<grid_for(tiles, 1), kThreads, 0, stream>>>(
+  quantize_1x128_tile_kernel<T, E4M3><<<capped_grid(tiles, 1), kThreads, 0, stream>>>(
       static_cast<const T*>(x.data), x.strides[0], M, K, row, col, gather);
   MOEFLOW_CUDA_LAUNCH_CHECK();
-}
-
-template <typename Fn>
-void with_format(bool e4m3, Fn fn) {
-  if (e4m3)
-    fn(std::true_type{});
-  else
-    fn(std::false_type{});
 }
 
 }  // namespace
@@ -618,7 +505,7 @@ void quantize(TensorView x, const QuantizeConfig& config, TensorView q, TensorVi
     const bool vec = !config.columnwise && aligned16(x.data) && aligned16(q.data) &&
                      (x.strides[0] * static_cast<int64_t>(sizeof(T))) % 16 == 0 &&
                      q.strides[0] % 16 == 0;
-    with_format(config.out == DType::kFloat8E4M3, [&](auto fmt) {
+    with_fp8_format(config.out == DType::kFloat8E4M3, [&](auto fmt) {
       constexpr bool E4M3 = decltype(fmt)::value;
       switch (config.scaling) {
         case QuantScaling::kTensorwise: {
@@ -628,7 +515,7 @@ void quantize(TensorView x, const QuantizeConfig& config, TensorView q, TensorVi
               <<<static_cast<int>(np), kThreads, 0, stream>>>(src, R, C, partials);
           MOEFLOW_CUDA_LAUNCH_CHECK();
           quantize_tensorwise_kernel<T, E4M3>
-              <<<grid_for(R * C, kThreads * 4), kThreads, 0, stream>>>(src, dst, partials, np);
+              <<<capped_grid(R * C, kThreads * 4), kThreads, 0, stream>>>(src, dst, partials, np);
           MOEFLOW_CUDA_LAUNCH_CHECK();
           return;
         }
@@ -637,8 +524,9 @@ void quantize(TensorView x, const QuantizeConfig& config, TensorView q, TensorVi
           if (R * nb == 0) return;
           if (vec && C % 16 == 0) {
             const int64_t chunks = ceil_div(C, int64_t{kFp8PerLane} * kWarpSize);
-            quantize_1x128_vec_kernel<T, E4M3><<<grid_for(R * chunks, kWarps), kThreads, 0,
-                                                 stream>>>(src.x, x.strides[0], dst, nb, chunks);
+            quantize_1x128_vec_kernel<T, E4M3>
+                <<<capped_grid(R * chunks, kWarps), kThreads, 0, stream>>>(src.x, x.strides[0], dst,
+                                                                           nb, chunks);
             MOEFLOW_CUDA_LAUNCH_CHECK();
             return;
           }
@@ -652,7 +540,7 @@ void quantize(TensorView x, const QuantizeConfig& config, TensorView q, TensorVi
             }
           }
           quantize_1x128_kernel<Src<T>, E4M3>
-              <<<grid_for(R * nb, kWarps), kThreads, 0, stream>>>(src, dst, nb, nb, 1);
+              <<<capped_grid(R * nb, kWarps), kThreads, 0, stream>>>(src, dst, nb, nb, 1);
           MOEFLOW_CUDA_LAUNCH_CHECK();
           return;
         }
@@ -660,13 +548,14 @@ void quantize(TensorView x, const QuantizeConfig& config, TensorView q, TensorVi
           const int64_t nbr = scales.shape[0], nbc = scales.shape[1];
           if (nbr * nbc == 0) return;
           if (vec && C % 8 == 0) {
-            quantize_128x128_vec_kernel<T, E4M3><<<grid_for(nbr * nbc, 1), kThreads, 0, stream>>>(
-                src.x, x.strides[0], dst, nbr, nbc);
+            quantize_128x128_vec_kernel<T, E4M3>
+                <<<capped_grid(nbr * nbc, 1), kThreads, 0, stream>>>(src.x, x.strides[0], dst, nbr,
+                                                                     nbc);
             MOEFLOW_CUDA_LAUNCH_CHECK();
             return;
           }
           quantize_128x128_kernel<T, E4M3>
-              <<<grid_for(nbr * nbc, 1), kThreads, 0, stream>>>(src, dst, nbr, nbc);
+              <<<capped_grid(nbr * nbc, 1), kThreads, 0, stream>>>(src, dst, nbr, nbc);
           MOEFLOW_CUDA_LAUNCH_CHECK();
           return;
         }
@@ -684,7 +573,7 @@ void quantize_rowwise_columnwise(TensorView x, const QuantizeConfig& config, Ten
                    static_cast<float*>(scales_t.data), scales_t.strides[0], scales_t.strides[1]};
   with_float_type(x.dtype, [&](auto t) {
     using T = decltype(t);
-    with_format(config.out == DType::kFloat8E4M3, [&](auto fmt) {
+    with_fp8_format(config.out == DType::kFloat8E4M3, [&](auto fmt) {
       constexpr bool E4M3 = decltype(fmt)::value;
       if constexpr (sizeof(T) == 2) {
         if (tile_ok(x, q, q_t)) {
@@ -699,7 +588,7 @@ void quantize_rowwise_columnwise(TensorView x, const QuantizeConfig& config, Ten
       const Dst dst{col.q, col.q_stride, K, M, col.scales, config.pow2_scales};
       const int64_t nb = ceil_div(M, int64_t{kBlock});
       quantize_1x128_kernel<Src<T>, E4M3>
-          <<<grid_for(K * nb, kWarps), kThreads, 0, stream>>>(src, dst, nb, col.s0, col.s1);
+          <<<capped_grid(K * nb, kWarps), kThreads, 0, stream>>>(src, dst, nb, col.s0, col.s1);
       MOEFLOW_CUDA_LAUNCH_CHECK();
     });
   });
@@ -715,7 +604,7 @@ void permute_quantize_columnwise(TensorView x, const RoutingPlan& plan, TensorVi
                    y_scales.strides[0], y_scales.strides[1]};
   with_float_type(x.dtype, [&](auto t) {
     using T = decltype(t);
-    with_format(config.out == DType::kFloat8E4M3, [&](auto fmt) {
+    with_fp8_format(config.out == DType::kFloat8E4M3, [&](auto fmt) {
       constexpr bool E4M3 = decltype(fmt)::value;
       if constexpr (sizeof(T) == 2) {
         if (tile_ok(x, TensorView{}, y)) {
@@ -729,46 +618,10 @@ void permute_quantize_columnwise(TensorView x, const RoutingPlan& plan, TensorVi
       const Dst dst{col.q, col.q_stride, K, M, col.scales, config.pow2_scales};
       const int64_t nb = ceil_div(M, int64_t{kBlock});
       quantize_1x128_kernel<PermutedColumns<T>, E4M3>
-          <<<grid_for(K * nb, kWarps), kThreads, 0, stream>>>(src, dst, nb, col.s0, col.s1);
+          <<<capped_grid(K * nb, kWarps), kThreads, 0, stream>>>(src, dst, nb, col.s0, col.s1);
       MOEFLOW_CUDA_LAUNCH_CHECK();
     });
   });
-}
-
-void dequantize(TensorView q, TensorView scales, const QuantizeConfig& config, TensorView out,
-                cudaStream_t stream) {
-  const int64_t R = q.shape[0], C = q.shape[1];
-  if (R * C == 0) return;
-  const int64_t nbc = scales.ndim == 2 ? scales.shape[1] : 0;
-  const int64_t orow = config.columnwise ? 1 : out.strides[0];
-  const int64_t ocol = config.columnwise ? out.strides[0] : 1;
-  with_float_type(out.dtype, [&](auto t) {
-    using T = decltype(t);
-    with_format(config.out == DType::kFloat8E4M3, [&](auto fmt) {
-      constexpr bool E4M3 = decltype(fmt)::value;
-      dequantize_kernel<T, E4M3><<<grid_for(R * C, kThreads * 4), kThreads, 0, stream>>>(
-          static_cast<const uint8_t*>(q.data), q.strides[0], R, C,
-          static_cast<const float*>(scales.data), config.scaling, nbc, static_cast<T*>(out.data),
-          orow, ocol);
-      MOEFLOW_CUDA_LAUNCH_CHECK();
-    });
-  });
-}
-
-void transpose_codes(TensorView q, TensorView q_t, cudaStream_t stream) {
-  const int64_t G = q.ndim == 3 ? q.shape[0] : 1;
-  const int64_t R = q.shape[q.ndim - 2], C = q.shape[q.ndim - 1];
-  if (q.dtype == DType::kFloat32) {
-    transpose_f32_kernel<<<grid_for(G * R * C, kThreads), kThreads, 0, stream>>>(
-        static_cast<const float*>(q.data), static_cast<float*>(q_t.data), G, R, C);
-    MOEFLOW_CUDA_LAUNCH_CHECK();
-    return;
-  }
-  const int64_t tiles = G * ceil_div(R, int64_t{kTT}) * ceil_div(C, int64_t{kTT});
-  transpose_codes_kernel<<<grid_for(tiles, 1), kThreads, 0, stream>>>(
-      static_cast<const uint8_t*>(q.data), static_cast<uint8_t*>(q_t.data), G, R, C,
-      C % 16 == 0 && aligned16(q.data), R % 16 == 0 && aligned16(q_t.data));
-  MOEFLOW_CUDA_LAUNCH_CHECK();
 }
 
 }  // namespace moeflow::cuda

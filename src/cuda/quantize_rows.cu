@@ -386,10 +386,6 @@ void run_tensorwise(const RowMap& m, const S& src, const SV& src_vec, bool vec, 
     codes(std::false_type{});
 }
 
-bool aligned16(const void* p) {
-  return reinterpret_cast<uintptr_t>(p) % 16 == 0;
-}
-
 RowMap row_map_of(const GroupLayout& g, int64_t num_groups) {
   if (!g.offsets.defined()) return RowMap{nullptr, nullptr, 0};
   return RowMap{g.offsets.data_ptr<int64_t>(),
