@@ -359,23 +359,38 @@ def unfused_quantize():
                                      self.plan.tokens_per_expert, transposed=transposed)
         return got[0], got[1], (got[2] if transposed else None), rp
 
+    keep_cols = _mlp_io.columnwise_codes
+    cols = {}  # blockwise: dY's columnwise codes, made beside its rowwise ones
+
     def unpermute_backward_quantize(dout, plan, probs=None, fp8_format="e4m3",
                                     pow2_scales=False, scaling="1x128", transposed=False):
-        assert scaling == "tensorwise" and probs is None
+        assert probs is None
         dy = dout.new_empty(plan.capacity_rows, dout.shape[1])
         _C.unpermute_backward(dout, plan._view, None, None, dy, None, _stream(dout))
-        return mf.quantize_group_rows(dy, plan.expert_row_offsets, plan.tokens_per_expert,
-                                      transposed=transposed)
+        if scaling == "tensorwise":
+            return mf.quantize_group_rows(dy, plan.expert_row_offsets, plan.tokens_per_expert,
+                                          transposed=transposed)
+        # blockwise: both orientations from the 16-bit rows, as before the fusion
+        q, s, q_t, s_t = mf.quantize_rowwise_columnwise(dy)
+        cols.clear()
+        cols[dout.data_ptr()] = (q_t, s_t)
+        return q, s
+
+    def columnwise_codes(x, plan, fp8_format="e4m3", pow2_scales=False):
+        got = cols.pop(x.data_ptr(), None)
+        return got if got is not None else keep_cols(x, plan, fp8_format, pow2_scales)
 
     _mlp_io.PermuteSource.forward_tensorwise = forward_tensorwise
     _mlp_io.PermuteSource.forward_blockwise = forward_blockwise
     mf.unpermute_backward_quantize = unpermute_backward_quantize
+    _mlp_io.columnwise_codes = columnwise_codes
     try:
         yield
     finally:
         _mlp_io.PermuteSource.forward_tensorwise = keep_fwd
         _mlp_io.PermuteSource.forward_blockwise = keep_blk
         mf.unpermute_backward_quantize = keep_bwd
+        _mlp_io.columnwise_codes = keep_cols
 
 
 def main():

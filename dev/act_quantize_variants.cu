@@ -1,8 +1,9 @@
 // Experiment: the blockwise FP8 recipe's activation quantization (a =
 // act(h) * p as e4m3 codes with 1x128 scales, `grouped_mlp_activation_quantize`)
-// with h read by 16-byte loads (a lane's 16 gate and 16 up columns as two
-// 32-byte pieces, the loads of quantize_rows.cu's ActSource) against the
-// production kernel of mlp_ops.cu, which reads h one element at a time.
+// as production runs it (h read by 16-byte loads: a lane's 16 gate and 16 up
+// columns as two 32-byte pieces, codes stored 16 bytes at a time) against the
+// same kernel's per-element form (VEC = false), which mlp_ops.cu runs when f
+// or the interleave is not a multiple of 16 and which was the only form before.
 // Both are checked byte for byte against each other (codes and scales), then
 // timed like `moeflow bench` on the dsv3 and mixtral layer cases (uniform
 // groups), with the device copy rate as the ceiling. Built with
@@ -18,49 +19,6 @@
 
 namespace moeflow::cuda {
 namespace {
-
-// The production kernel's arithmetic with h's gate and up pieces loaded as
-// 16-byte vectors (halves layout, or an interleave that is a multiple of 16;
-// f % 16 == 0 and h's rows 16-byte aligned).
-template <typename T, Activation A>
-__global__ void __launch_bounds__(256)
-    act_quantize_hvec_kernel(RowMap m, const T* h, int64_t n1, const float* probs,
-                             ActivationParams ap, int il, uint8_t* aq, int64_t aq_stride,
-                             float* scales, int64_t nb, int64_t f, int64_t rows) {
-  constexpr bool kGated =
-      A == Activation::kSwiGLU || A == Activation::kGeGLU || A == Activation::kClampedQuickGeGLU;
-  constexpr int kPer = kFp8PerLane;
-  const int lane = threadIdx.x % 32;
-  const int64_t row = blockIdx.x * int64_t{8} + threadIdx.x / 32;
-  if (row >= rows) return;  // warp-uniform
-  bool data;
-  const int e = m.expert_of(row, data);
-  if (e < 0) return;
-  uint8_t* qrow = aq + row * aq_stride;
-  float* srow = scales + row * nb;
-  if (!data) {  // a pad row: a zero row quantized
-    for (int64_t c = lane; c < f; c += 32) qrow[c] = 0;
-    const float one = quant::scale_of(0.0f, true, false);
-    for (int64_t b = lane; b < nb; b += 32) srow[b] = one;
-    return;
-  }
-  const T* hrow = h + row * n1;
-  const float p = probs ? probs[row] : 1.0f;
-  for (int64_t c0 = 0; c0 < f; c0 += int64_t{kPer} * 32) {
-    const int64_t cl = c0 + int64_t{lane} * kPer;
-    float g[kPer], u[kPer], v[kPer];
-    load_chunk<T, true>(hrow, kGated ? glu_gate_col(cl, il) : cl, cl < f ? n1 : 0, g);
-    if constexpr (kGated) load_chunk<T, true>(hrow, glu_up_col(cl, il, f), cl < f ? n1 : 0, u);
-#pragma unroll
-    for (int j = 0; j < kPer; ++j)
-      v[j] = cl < f ? to_float(from_float<T>(act_forward(A, g[j], kGated ? u[j] : 0.0f, ap) * p))
-                    : 0.0f;
-    uint32_t w[kPer / 4];
-    const float scale = quantize_chunk<true>(v, false, w);
-    store_codes<true>(qrow, cl, f, w);
-    if (cl < f && lane % kFp8LanesPerBlock == 0) srow[cl / quant::kBlock] = scale;
-  }
-}
 
 std::vector<uint8_t> bytes_of(const Tensor& t) {
   Tensor c = t.to(Device::cpu());
@@ -80,7 +38,7 @@ int main() {
   const double copy = bench::copy_bandwidth_gbps(dev, nullptr, timing);
   fmt::print("{}: copy ceiling {:.0f} GB/s\n", bench::device_name(dev), copy);
   fmt::print("{:<9} {:>7} {:>6} {:>12} {:>12} {:>12} {:>12}  {}\n", "case", "rows", "F",
-             "scalar us", "scalar GB/s", "16-byte us", "16-byte GB/s", "bitwise");
+             "16-byte us", "16-byte GB/s", "scalar us", "scalar GB/s", "bitwise");
   struct Shape {
     const char* name;
     int64_t rows, f;
@@ -114,10 +72,11 @@ int main() {
                                     nullptr);
     };
     auto variant = [&] {
-      mc::act_quantize_hvec_kernel<__nv_bfloat16, Activation::kSwiGLU>
+      mc::act_quantize_kernel<__nv_bfloat16, Activation::kSwiGLU, true, false>
           <<<static_cast<unsigned>((s.rows + 7) / 8), 256>>>(
               mc::row_map(r), h.data_ptr<__nv_bfloat16>(), 2 * s.f, probs.data_ptr<float>(), ap,
-              0, static_cast<uint8_t*>(q1.data()), s.f, s1.data_ptr<float>(), nb, s.f, s.rows);
+              0, static_cast<uint8_t*>(q1.data()), s.f, s1.data_ptr<float>(), nb, s.f, s.rows,
+              false);
     };
     production();
     variant();

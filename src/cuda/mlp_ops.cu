@@ -261,7 +261,10 @@ __global__ void __launch_bounds__(256)
 
 // a = act(h) * p in T, quantized 1x128 rowwise: one warp per row, 512
 // columns per step (lane l: 16 columns, fp8.cuh's chunk layout). The
-// activation's arithmetic is the epilogue kernels' (same bits for a).
+// activation's arithmetic is the epilogue kernels' (same bits for a). VEC:
+// a lane's 16 gate and 16 up values of h come in 16-byte loads and its codes
+// go out in one 16-byte store (f and the interleave multiples of 16, rows
+// 16-byte aligned).
 template <typename T, Activation A, bool E4M3, bool VEC>
 __global__ void __launch_bounds__(256)
     act_quantize_kernel(RowMap m, const T* h, int64_t n1, const float* probs, ActivationParams ap,
@@ -288,14 +291,25 @@ __global__ void __launch_bounds__(256)
   for (int64_t c0 = 0; c0 < f; c0 += int64_t{kFp8PerLane} * 32) {
     const int64_t cl = c0 + int64_t{lane} * kFp8PerLane;
     float v[kFp8PerLane];
+    if constexpr (VEC) {
+      float g[kFp8PerLane], u[kFp8PerLane];
+      // 16 gate columns from cl on are contiguous in h (and 16 up columns)
+      load_chunk<T, true>(hrow, kGated ? glu_gate_col(cl, il) : cl, cl < f ? n1 : 0, g);
+      if constexpr (kGated) load_chunk<T, true>(hrow, glu_up_col(cl, il, f), cl < f ? n1 : 0, u);
 #pragma unroll
-    for (int j = 0; j < kFp8PerLane; ++j) {
-      const int64_t col = cl + j;
-      v[j] = 0.0f;
-      if (col < f) {
-        const float g = to_float(hrow[kGated ? glu_gate_col(col, il) : col]);
-        const float u = kGated ? to_float(hrow[glu_up_col(col, il, f)]) : 0.0f;
-        v[j] = to_float(from_float<T>(act_forward(A, g, u, ap) * p));
+      for (int j = 0; j < kFp8PerLane; ++j)
+        v[j] = cl < f ? to_float(from_float<T>(act_forward(A, g[j], kGated ? u[j] : 0.0f, ap) * p))
+                      : 0.0f;
+    } else {
+#pragma unroll
+      for (int j = 0; j < kFp8PerLane; ++j) {
+        const int64_t col = cl + j;
+        v[j] = 0.0f;
+        if (col < f) {
+          const float g = to_float(hrow[kGated ? glu_gate_col(col, il) : col]);
+          const float u = kGated ? to_float(hrow[glu_up_col(col, il, f)]) : 0.0f;
+          v[j] = to_float(from_float<T>(act_forward(A, g, u, ap) * p));
+        }
       }
     }
     uint32_t w[kFp8PerLane / 4];
@@ -355,8 +369,9 @@ void mlp_activation_quantize(const MlpRows& r, TensorView h, TensorView probs, A
   const unsigned blocks = static_cast<unsigned>((r.rows + 7) / 8);
   const float* pp = probs.defined() ? probs.data_ptr<float>() : nullptr;
   const int64_t f = a_q.shape[1], stride = a_q.strides[0];
-  const bool vec =
-      f % 16 == 0 && stride % 16 == 0 && reinterpret_cast<uintptr_t>(a_q.data) % 16 == 0;
+  const auto a16 = [](const void* q) { return reinterpret_cast<uintptr_t>(q) % 16 == 0; };
+  const bool vec = f % 16 == 0 && stride % 16 == 0 && a16(a_q.data) && (il == 0 || il % 16 == 0) &&
+                   h.shape[1] % 8 == 0 && a16(h.data);
   with_activation(act, [&](auto A) {
     constexpr Activation kA = decltype(A)::value;
     auto launch = [&](auto tag, auto e4, auto v) {
