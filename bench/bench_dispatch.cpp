@@ -104,6 +104,7 @@ void run_dispatch_bench(const DispatchBenchOptions& opt) {
       double dispatch_ms = 0, combine_ms = 0, a2a_ms = 0, a2a_f32_ms = 0, a2a_back_ms = 0;
       double combine_bf16_ms = -1;  // EpOptions::combine_wire_dtype bfloat16 (-1: not run)
       double quant_dispatch_ms = -1;  // --fp8: quantize (1x128) of bf16 tokens + the dispatch
+      double fused_quant_ms = -1;     // --fp8: ep_dispatch_quantize of the bf16 tokens
       double out_bytes = 0, back_bytes = 0, link_bytes = 0, wire_back_bytes = 0;
       double wire_back_bytes_bf16 = 0;
       std::vector<double> sweep_dispatch_ms, sweep_combine_ms;  // per configs
@@ -182,6 +183,14 @@ void run_dispatch_bench(const DispatchBenchOptions& opt) {
             [&] {
               quantize(xb, QuantizeConfig{}, x, sc, {}, stream);
               dispatch(next());
+            },
+            stream, opt.timing.warmup, opt.timing.iters);
+      if (opt.fp8)  // the same, quantized by the dispatch (ep_dispatch_quantize)
+        rr.fused_quant_ms = median_ms(
+            [&] {
+              const Routing& rt = next();
+              last = EpHandle();
+              last = ep_dispatch_quantize(g, xb, rt.ids, rt.probs, QuantizeConfig{}, stream).handle;
             },
             stream, opt.timing.warmup, opt.timing.iters);
       if (p.hidden % 8 == 0) {  // the same combine with the bfloat16 wire
@@ -294,6 +303,11 @@ void run_dispatch_bench(const DispatchBenchOptions& opt) {
         fmt::print("          from bf16 tokens (quantize 1x128, then this dispatch): {:>10}, {:.2f} "
                    "M tokens/s\n",
                    format_time(rr.quant_dispatch_ms * 1e3), T / rr.quant_dispatch_ms / 1e3);
+      if (rr.fused_quant_ms > 0)
+        fmt::print(
+            "          from bf16 tokens, quantized by the dispatch (ep_dispatch_quantize): "
+            "{:>10}, {:.2f} M tokens/s\n",
+            format_time(rr.fused_quant_ms * 1e3), T / rr.fused_quant_ms / 1e3);
       fmt::print("          dispatch: {:.2f} M tokens/s per rank\n", T / rr.dispatch_ms / 1e3);
       std::string sweep;
       for (size_t i = 0; i < configs.size(); ++i)
@@ -329,6 +343,7 @@ void run_dispatch_bench(const DispatchBenchOptions& opt) {
                      {"tokens", T},
                      {"dispatch_us", rr.dispatch_ms * 1e3},
                      {"quantize_dispatch_us", rr.quant_dispatch_ms * 1e3},
+                     {"dispatch_quantize_us", rr.fused_quant_ms * 1e3},
                      {"combine_us", rr.combine_ms * 1e3},
                      {"dispatch_GBps", d_gbs},
                      {"combine_GBps", c_gbs},

@@ -29,6 +29,7 @@
 #include <vector>
 
 #include "moeflow/plan.h"
+#include "moeflow/quantize.h"
 #include "moeflow/tensor.h"
 
 struct ncclComm;
@@ -251,6 +252,21 @@ EpDispatchResult ep_dispatch(EpGroup& group, TensorView x, TensorView ids, Tenso
 // scale_dtype), written beside each of the token's rows on the receiver.
 EpDispatchResult ep_dispatch(EpGroup& group, TensorView x, TensorView ids, TensorView probs,
                              TensorView scales, cudaStream_t stream = nullptr);
+
+// FP8 dispatch of 16-bit tokens: x [T,H] bfloat16/float16 is quantized on its
+// way out as quantize(x, quantize) would (kBlock1x128 rowwise, quantize.out ==
+// EpOptions::dtype, pow2_scales as given), and the codes cross with their
+// float32 scales. Needs a group of an FP8 dtype with scale_cols = ceil(H/128)
+// and scale_dtype float32. The result is bitwise that of quantize(x) ->
+// (codes, scales), then ep_dispatch(group, codes, ids, probs, scales).
+// Backend nvlink: the dispatch kernel reads x once and stores each token's
+// codes into its rows (H % 16 == 0, H <= 16384; 16-byte stores even with
+// nvlink_bulk_copies; graph-capturable as ep_dispatch). Backend nccl: x is
+// quantized into the group's staging rows first (allocated by the first
+// call on the group), then sent as ep_dispatch sends FP8 tokens.
+EpDispatchResult ep_dispatch_quantize(EpGroup& group, TensorView x, TensorView ids,
+                                      TensorView probs, const QuantizeConfig& quantize,
+                                      cudaStream_t stream = nullptr);
 
 // The functions below take the handle of a dispatch of this group (any
 // earlier one whose handle is still alive; every rank passes the handle of

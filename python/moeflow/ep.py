@@ -277,11 +277,11 @@ class EpHandle:
 
     __slots__ = ("group", "num_tokens", "device", "x_dtype", "weighted", "_probs_key", "_h",
                  "_ref", "row_probs", "row_scales", "tokens_per_expert", "expert_row_offsets",
-                 "total_rows", "overflow")
+                 "total_rows", "overflow", "_quantize")
 
     def __init__(self, group: Group):
         self.group = group
-        self._h = self._ref = self.row_scales = None
+        self._h = self._ref = self.row_scales = self._quantize = None
 
     def __repr__(self) -> str:
         return (f"moeflow.ep.EpHandle(backend={self.group.backend!r}, "
@@ -293,12 +293,20 @@ class EpHandle:
 
 def _dispatch_forward(x, ids, probs, scales, h: EpHandle) -> torch.Tensor:
     g = h.group
+    quantize = h._quantize is not None  # 16-bit x into an FP8 group: its 1x128 codes cross
     if g.backend == "reference":
+        if quantize:
+            from . import _fp8_ops
+            x, scales = _fp8_ops.quantize(x, "e5m2" if g.dtype == torch.float8_e5m2 else "e4m3",
+                                          "1x128", h._quantize)
         return _ref_dispatch(g, x, ids, probs, scales, h)
-    c = g._g.dispatch(x, ids, probs, scales, stream=_stream(x))
+    if quantize:
+        c = g._g.dispatch_quantize(x, ids, probs, h._quantize, stream=_stream(x))
+    else:
+        c = g._g.dispatch(x, ids, probs, scales, stream=_stream(x))
     h._h = c
     h.row_probs = torch.from_dlpack(c.probs)
-    h.row_scales = None if scales is None else torch.from_dlpack(c.scales)
+    h.row_scales = None if scales is None and not quantize else torch.from_dlpack(c.scales)
     h.tokens_per_expert = torch.from_dlpack(c.tokens_per_expert)
     h.expert_row_offsets = torch.from_dlpack(c.expert_row_offsets)
     h.total_rows = torch.from_dlpack(c.total_rows)
@@ -401,7 +409,8 @@ def _check_same_device(name: str, t: torch.Tensor, dev: torch.device) -> None:
 
 
 def dispatch(x: torch.Tensor, topk_ids: torch.Tensor, probs: Optional[torch.Tensor],
-             group: Group, scales: Optional[torch.Tensor] = None
+             group: Group, scales: Optional[torch.Tensor] = None, *,
+             pow2_scales: bool = False
              ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, EpHandle]:
     """Sends this rank's tokens to the ranks of their experts.
 
@@ -429,11 +438,21 @@ def dispatch(x: torch.Tensor, topk_ids: torch.Tensor, probs: Optional[torch.Tens
     dtype, ``backward_dtype`` on the nvlink backend), which a caller's
     autograd function can return from its backward (docs/python.md).
 
+    16-bit tokens into an FP8 group made with ``scale_cols`` = ceil(H/128)
+    and float32 ``scale_dtype``: x (bfloat16 / float16, scales None) is
+    quantized on its way, 1x128 blocks of the group's FP8 dtype
+    (``pow2_scales``: scales rounded up to powers of two), and the codes
+    cross with their scales; the result is bitwise ``dispatch(q, ids, probs,
+    group, scales=s)`` of ``q, s = ops.quantize(x, fmt, "1x128",
+    pow2_scales)``, without writing q and s (the nvlink backend quantizes in
+    its dispatch kernel; the nccl backend into the group's staging rows).
+    Forward-only w.r.t. x, as FP8 tokens are.
+
     An id outside [-1, E) travels as unrouted; the reference and nccl
     backends then raise on that rank once the dispatch completed (no rank
     waits), the nvlink backend counts it on the device (moeflow/ep.h).
     """
-    xin, args = _prepare_dispatch(x, topk_ids, probs, group, scales)
+    xin, args = _prepare_dispatch(x, topk_ids, probs, group, scales, pow2_scales)
     if torch.is_grad_enabled() and x.requires_grad:
         rows, tpe, offs = _Dispatch.apply(xin, args)
     else:
@@ -441,23 +460,37 @@ def dispatch(x: torch.Tensor, topk_ids: torch.Tensor, probs: Optional[torch.Tens
     return rows, tpe, offs, args[3]
 
 
-def _prepare_dispatch(x, topk_ids, probs, group, scales):
+def _prepare_dispatch(x, topk_ids, probs, group, scales, pow2_scales=False):
     """dispatch's argument checks; (x as the dispatch reads it, (ids, probs,
     scales, handle)) with a new handle."""
     if not isinstance(group, Group):
         raise TypeError(f"group must be a moeflow.ep.Group, got {type(group).__name__}")
     g = group
     H, K = g.hidden_size, g.topk
-    if not isinstance(x, torch.Tensor) or x.dim() != 2 or x.shape[1] != H or x.dtype != g.dtype:
-        raise ValueError(f"x must be {_name(g.dtype)} [T, {H}], got "
+    fp8 = g.dtype in _FP8
+    # 16-bit tokens into an FP8 group: quantized by the dispatch
+    quantize = (fp8 and isinstance(x, torch.Tensor)
+                and x.dtype in (torch.bfloat16, torch.float16))
+    want_x = (f"{_name(g.dtype)}, or bfloat16 / float16 to quantize," if fp8
+              else _name(g.dtype))
+    if (not isinstance(x, torch.Tensor) or x.dim() != 2 or x.shape[1] != H
+            or (x.dtype != g.dtype and not quantize)):
+        raise ValueError(f"x must be {want_x} [T, {H}], got "
                          f"{_desc(x) if isinstance(x, torch.Tensor) else type(x).__name__}")
+    if quantize:
+        nb = -(-H // 128)
+        if g.scale_cols != nb or g.scale_dtype != torch.float32 or scales is not None:
+            raise ValueError(
+                f"16-bit tokens into an FP8 group are quantized 1x128 by the dispatch: the group "
+                f"needs scale_cols={nb} (ceil(H/128)) of float32 and scales must be None; got "
+                f"scale_cols={g.scale_cols} of {g.scale_dtype}, scales "
+                f"{'given' if scales is not None else 'None'}")
     T = x.shape[0]
     if T > g.max_tokens_per_rank:
         raise ValueError(f"x has {T} tokens, more than the group's max_tokens_per_rank="
                          f"{g.max_tokens_per_rank}")
     if g.device is not None and x.device != g.device:
         raise ValueError(f"x must be on the group's device {g.device}, got {x.device}")
-    fp8 = g.dtype in _FP8
     if fp8 and x.requires_grad:
         raise ValueError(f"the dispatch of FP8 tokens ({_name(g.dtype)}) is forward-only: x must "
                          f"not require grad (the gradient of the tokens before quantization "
@@ -472,7 +505,7 @@ def _prepare_dispatch(x, topk_ids, probs, group, scales):
             raise ValueError(f"probs must be float32 [{T}, {K}] or None, got {_desc(probs)}")
         _check_same_device("probs", probs, x.device)
     S = g.scale_cols
-    if S:
+    if S and not quantize:
         want = f"{_name(g.scale_dtype)} [{T}, {S}]"
         if scales is None:
             raise ValueError(f"scales must be {want} (the group was made with scale_cols={S}: "
@@ -490,6 +523,7 @@ def _prepare_dispatch(x, topk_ids, probs, group, scales):
         raise RuntimeError("the group was destroyed")
     h = EpHandle(g)
     h.num_tokens, h.device, h.x_dtype, h.weighted = T, x.device, x.dtype, probs is not None
+    h._quantize = bool(pow2_scales) if quantize else None
     h._probs_key = None if probs is None else (probs.data_ptr(), tuple(probs.stride()))
     ids = topk_ids.detach().contiguous()
     p = None if probs is None else probs.detach().contiguous()

@@ -206,6 +206,27 @@ void bind_ep(nb::module_& m) {
           nb::arg("x"), nb::arg("ids"), nb::arg("probs").none(),
           nb::arg("scales").none() = nb::none(), nb::arg("stream") = 0)
       .def(
+          "dispatch_quantize",
+          [](PyEpGroup& g, const Array& x, const Array& ids, const std::optional<Array>& probs,
+             bool pow2_scales, uintptr_t s) {
+            auto h = std::make_unique<PyEpHandle>();
+            EpGroup& group = group_of(g);
+            const TensorView xv = view_of(x, "x"), iv = view_of(ids, "ids"),
+                             pv = opt_view(probs, "probs");
+            const QuantizeConfig qc{group.options().dtype, QuantScaling::kBlock1x128, pow2_scales,
+                                    false};
+            {
+              nb::gil_scoped_release release;
+              h->result = ep_dispatch_quantize(group, xv, iv, pv, qc, stream_of(s));
+            }
+            h->handle = h->result.handle;
+            return h;
+          },
+          nb::arg("x"), nb::arg("ids"), nb::arg("probs").none(), nb::arg("pow2_scales") = false,
+          nb::arg("stream") = 0,
+          "ep_dispatch_quantize: 16-bit tokens quantized 1x128 (the group's FP8 dtype) on "
+          "their way.")
+      .def(
           "combine",
           [](PyEpGroup& g, const PyEpHandle& h, const Array& y, bool weighted, const Array& out,
              uintptr_t s) {

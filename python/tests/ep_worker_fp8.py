@@ -194,11 +194,16 @@ def check_fp8_errors(ctx):
     x = torch.zeros((3, 16), device=dev).to(f8)
     ids = torch.tensor([[0, 1]] * 3, dtype=torch.int32, device=dev)
     s = torch.ones((3, 2), device=dev)
-    raises(ValueError, r"x must be float8_e4m3fn \[T, 16\], got bfloat16 \[3, 16\]",
+    # 16-bit tokens are quantized 1x128 by the dispatch: scales ceil(H/128) float32, none given
+    raises(ValueError, r"16-bit tokens into an FP8 group are quantized 1x128 by the dispatch: the "
+           r"group needs scale_cols=1 \(ceil\(H/128\)\) of float32 and scales must be None; got "
+           r"scale_cols=2 of torch.float32, scales given",
            lambda: ep.dispatch(x.to(BF16), ids, None, g, scales=s))
     x52 = torch.zeros((3, 16), dtype=torch.float8_e5m2, device=dev)
-    raises(ValueError, r"x must be float8_e4m3fn \[T, 16\], got float8_e5m2 \[3, 16\]",
-           lambda: ep.dispatch(x52, ids, None, g, scales=s))
+    raises(ValueError, r"x must be float8_e4m3fn, or bfloat16 / float16 to quantize, \[T, 16\], "
+           r"got float8_e5m2 \[3, 16\]", lambda: ep.dispatch(x52, ids, None, g, scales=s))
+    raises(ValueError, r"x must be float8_e4m3fn, or bfloat16 / float16 to quantize, \[T, 16\], "
+           r"got float32 \[3, 16\]", lambda: ep.dispatch(x.float(), ids, None, g))
     raises(ValueError, r"scales must be float32 \[3, 2\] \(the group was made with "
            r"scale_cols=2: every dispatch takes scales\), got None",
            lambda: ep.dispatch(x, ids, None, g))
@@ -226,6 +231,47 @@ def check_fp8_errors(ctx):
     eq("after the errors: combine", out, torch.full((3, 16), 2.0))
 
 
+def check_fp8_from_16bit_tokens(ctx):
+    """16-bit tokens into FP8 groups with 1x128 float32 scales: the dispatch
+    quantizes them (bfloat16 -> e4m3, H 320 with a partial last block;
+    float16 -> e5m2 with power-of-two scales), and the rows, row_scales,
+    row_probs and counts are bitwise those of ops.quantize then the FP8
+    dispatch, on another group of the same options; uneven T, a rank with
+    none, special values; combine works on the handle."""
+    W, dev = ctx.world, ctx.device
+    T_list = tokens(W, 21, 0, 8)
+    for dt, f8, pow2, H in ((BF16, torch.float8_e4m3fn, False, 320),
+                            (torch.float16, torch.float8_e5m2, True, 256)):
+        E, K = 4 * W, 3
+        kw = dict(num_experts=E, topk=K, hidden_size=H, dtype=f8, scale_cols=-(-H // 128),
+                  max_tokens_per_rank=max(T_list), backward_dtype=BF16)
+        ga, gb = ctx.group(**kw), ctx.group(**kw)
+        inp = make_inputs(T_list, E, K, H, BF16, "random", 23)[ctx.rank]
+        x = (inp["x"].float() * 8).to(dt)
+        if x.shape[0] >= 3:  # a zero row, a NaN and an inf, large values
+            x[0] = 0
+            x[1, 5], x[1, 130] = float("nan"), float("-inf")
+            x[2] *= 1000 if dt == BF16 else 100
+        x = x.to(dev)
+        ids, p = inp["ids"].to(dev), inp["probs"].to(dev)
+        rows, tpe, offs, h = ep.dispatch(x, ids, p, ga, pow2_scales=pow2)
+        q, s = ops.quantize(x, "e4m3" if f8 == torch.float8_e4m3fn else "e5m2", "1x128", pow2)
+        want, tpe2, offs2, h2 = ep.dispatch(q, ids, p, gb, scales=s)
+        total = int(h2.total_rows)
+        if rows.dtype != f8 or h.row_scales is None or h.row_scales.dtype != torch.float32:
+            raise AssertionError(f"rows {rows.dtype}, row_scales {h.row_scales}")
+        eq("tokens_per_expert", tpe, tpe2.cpu())
+        eq("expert_row_offsets", offs, offs2.cpu())
+        eq("total_rows", h.total_rows, h2.total_rows.cpu())
+        eq("rows (bytes)", as_bytes(rows, total), as_bytes(want, total))
+        eq("row_scales (bytes)", as_bytes(h.row_scales, total), as_bytes(h2.row_scales, total))
+        eq("row_probs", h.row_probs[:total], h2.row_probs[:total].cpu())
+        y = torch.ones((ga.capacity_rows, H), dtype=BF16, device=dev)
+        eq("combine of the handle", ep.combine(y, h), ep.combine(y, h2).cpu())
+    raises(ValueError, r"is forward-only: x must not require grad",
+           lambda: ep.dispatch(x.clone().requires_grad_(), ids, p, ga))
+
+
 CHECKS = {f.__name__[len("check_"):]: f for f in (
     check_fp8_e4m3_quantized_rows, check_fp8_e5m2_byte_scales_dropped, check_fp8_gradient_recipe,
-    check_fp8_errors)}
+    check_fp8_errors, check_fp8_from_16bit_tokens)}

@@ -80,6 +80,21 @@ def test_gpu(world, backend, check):
     _assert_passed(_results(world, backend, True), check)
 
 
+@pytest.mark.parametrize("backend", ["nccl", "nvlink"])
+def test_gpu_one_rank_fp8_from_16bit_tokens(backend):
+    """The quantizing dispatch through moeflow.ep on one GPU (a process
+    group of one rank), against quantize then the FP8 dispatch."""
+    if GPUS < 1 or not hasattr(_C, "EpGroup"):
+        pytest.skip("needs a CUDA device and a moeflow build with moeflow._C.EpGroup")
+    checks = ["fp8_from_16bit_tokens", "fp8_errors"]
+    try:
+        results = ep_worker.run(1, checks, backend=backend, cuda=True, deadline_s=300.0)
+    except Exception as e:  # noqa: BLE001
+        results = {"<setup>": [f"{type(e).__name__}: {e}"]}
+    for check in checks:
+        _assert_passed(results, check)
+
+
 @pytest.mark.parametrize("world", GPU_WORLDS)
 def test_gpu_nvlink_layer_step_in_one_cuda_graph(world):
     _skip_gpu(world, "nvlink")

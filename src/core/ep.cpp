@@ -106,14 +106,18 @@ void check_combine_wire(DType wire, int64_t hidden) {
                 hidden);
 }
 
-EpDispatchResult ep_dispatch(EpGroup& group, TensorView x, TensorView ids, TensorView probs,
-                             TensorView scales, cudaStream_t stream) {
+namespace {
+
+// ids, probs and x's shape against the group, x's dtype one of `x_dtypes`;
+// returns T.
+int64_t check_dispatch(const EpGroup& group, TensorView x, const std::vector<DType>& x_dtypes,
+                       TensorView ids, TensorView probs) {
   const EpOptions& o = group.options();
   const Device dev = group.device();
   const int K = o.topk;
   MOEFLOW_CHECK(x.defined() && x.ndim == 2, "x must be [T,H], got ", x.str());
   const int64_t T = x.shape[0];
-  detail::expect(x, "x", Expect{{o.dtype}, {T, o.hidden}, dev});
+  detail::expect(x, "x", Expect{x_dtypes, {T, o.hidden}, dev});
   MOEFLOW_CHECK(x.strides[1] == 1, "x rows must be contiguous (stride(1) == 1), got ", x.stride(1));
   MOEFLOW_CHECK(T <= o.max_tokens_per_rank, "x has ", T,
                 " tokens, more than max_tokens_per_rank=", o.max_tokens_per_rank);
@@ -123,6 +127,18 @@ EpDispatchResult ep_dispatch(EpGroup& group, TensorView x, TensorView ids, Tenso
     detail::expect(probs, "probs", Expect{{DType::kFloat32}, {T, K}, dev});
     MOEFLOW_CHECK(probs.is_contiguous(), "probs must be contiguous");
   }
+  if (is_nvlink(group))
+    MOEFLOW_CHECK(addr(x.data) % 16 == 0 && (x.strides[0] * int64_t(dtype_size(x.dtype))) % 16 == 0,
+                  "the nvlink backend needs 16-byte aligned rows of x");
+  return T;
+}
+
+}  // namespace
+
+EpDispatchResult ep_dispatch(EpGroup& group, TensorView x, TensorView ids, TensorView probs,
+                             TensorView scales, cudaStream_t stream) {
+  const EpOptions& o = group.options();
+  const int64_t T = check_dispatch(group, x, {o.dtype}, ids, probs);
   // Every rank passes scales or none (their transfers pair up across ranks):
   // a group made with scale_cols > 0 takes them on every dispatch.
   MOEFLOW_CHECK(scales.defined() == (o.scale_cols > 0),
@@ -131,15 +147,39 @@ EpDispatchResult ep_dispatch(EpGroup& group, TensorView x, TensorView ids, Tenso
                     : "the group was made with EpOptions::scale_cols > 0: every dispatch takes "
                       "scales");
   if (scales.defined()) {
-    detail::expect(scales, "scales", Expect{{o.scale_dtype}, {T, o.scale_cols}, dev});
+    detail::expect(scales, "scales", Expect{{o.scale_dtype}, {T, o.scale_cols}, group.device()});
     MOEFLOW_CHECK(scales.is_contiguous(), "scales must be contiguous");
   }
-  if (is_nvlink(group)) {
-    MOEFLOW_CHECK(addr(x.data) % 16 == 0 && (x.strides[0] * int64_t(dtype_size(x.dtype))) % 16 == 0,
-                  "the nvlink backend needs 16-byte aligned rows of x");
-    return cuda::ep_nvlink_dispatch(group, x, ids, probs, scales, stream);
-  }
+  if (is_nvlink(group))
+    return cuda::ep_nvlink_dispatch(group, x, ids, probs, scales, nullptr, stream);
   return cuda::ep_nccl_dispatch(group, x, ids, probs, scales, stream);
+}
+
+EpDispatchResult ep_dispatch_quantize(EpGroup& group, TensorView x, TensorView ids,
+                                      TensorView probs, const QuantizeConfig& quantize,
+                                      cudaStream_t stream) {
+  const EpOptions& o = group.options();
+  const int64_t H = o.hidden, nb = (H + 127) / 128;
+  MOEFLOW_CHECK(o.dtype == DType::kFloat8E4M3 || o.dtype == DType::kFloat8E5M2,
+                "ep_dispatch_quantize needs a group of FP8 tokens (EpOptions::dtype float8_e4m3 "
+                "or float8_e5m2), got ",
+                dtype_name(o.dtype));
+  MOEFLOW_CHECK(quantize.out == o.dtype, "quantize.out must be the group's dtype ",
+                dtype_name(o.dtype), ", got ", dtype_name(quantize.out));
+  MOEFLOW_CHECK(quantize.scaling == QuantScaling::kBlock1x128 && !quantize.columnwise,
+                "ep_dispatch_quantize quantizes 1x128 blocks rowwise (QuantScaling::kBlock1x128, "
+                "columnwise = false)");
+  MOEFLOW_CHECK(o.scale_cols == nb && o.scale_dtype == DType::kFloat32,
+                "ep_dispatch_quantize needs a group with scale_cols = ceil(hidden/128) = ", nb,
+                " of float32 (the 1x128 scales), got scale_cols=", o.scale_cols, " of ",
+                dtype_name(o.scale_dtype));
+  check_dispatch(group, x, {DType::kBFloat16, DType::kFloat16}, ids, probs);
+  if (is_nvlink(group)) {
+    MOEFLOW_CHECK(H <= 16384,
+                  "ep_dispatch_quantize on the nvlink backend needs hidden <= 16384, got ", H);
+    return cuda::ep_nvlink_dispatch(group, x, ids, probs, TensorView{}, &quantize, stream);
+  }
+  return cuda::ep_nccl_dispatch_quantize(group, x, ids, probs, quantize, stream);
 }
 
 EpDispatchResult ep_dispatch(EpGroup& group, TensorView x, TensorView ids, TensorView probs,

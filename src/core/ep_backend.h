@@ -19,6 +19,10 @@ namespace cuda {
 
 EpDispatchResult ep_nccl_dispatch(EpGroup& group, TensorView x, TensorView ids, TensorView probs,
                                   TensorView scales, cudaStream_t stream);
+// x quantized into the group's staging rows, then ep_nccl_dispatch of them.
+EpDispatchResult ep_nccl_dispatch_quantize(EpGroup& group, TensorView x, TensorView ids,
+                                           TensorView probs, const QuantizeConfig& quant,
+                                           cudaStream_t stream);
 void ep_nccl_combine(EpGroup& group, const EpHandle& handle, TensorView y, bool weighted, TensorView out,
                      cudaStream_t stream);
 void ep_nccl_combine_backward(EpGroup& group, const EpHandle& handle, TensorView dout, TensorView y, bool weighted,
@@ -26,8 +30,11 @@ void ep_nccl_combine_backward(EpGroup& group, const EpHandle& handle, TensorView
 
 // Throws when an earlier operation's wait on a peer timed out (no sync).
 void ep_nvlink_check(EpGroup& group);
+// quant: x holds 16-bit tokens, quantized in the dispatch kernel (ep_dispatch_quantize);
+// null: x holds tokens of the group's dtype.
 EpDispatchResult ep_nvlink_dispatch(EpGroup& group, TensorView x, TensorView ids, TensorView probs,
-                                    TensorView scales, cudaStream_t stream);
+                                    TensorView scales, const QuantizeConfig* quant,
+                                    cudaStream_t stream);
 void ep_nvlink_combine(EpGroup& group, const EpHandle& handle, TensorView y, bool weighted, TensorView out,
                        cudaStream_t stream);
 void ep_nvlink_combine_backward(EpGroup& group, const EpHandle& handle, TensorView dout, TensorView y, bool weighted,

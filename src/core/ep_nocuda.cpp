@@ -99,6 +99,10 @@ EpDispatchResult ep_nccl_dispatch(EpGroup&, TensorView, TensorView, TensorView, 
                                   cudaStream_t) {
   no_cuda();
 }
+EpDispatchResult ep_nccl_dispatch_quantize(EpGroup&, TensorView, TensorView, TensorView,
+                                           const QuantizeConfig&, cudaStream_t) {
+  no_cuda();
+}
 void ep_nccl_combine(EpGroup&, const EpHandle&, TensorView, bool, TensorView, cudaStream_t) {
   no_cuda();
 }
@@ -110,7 +114,7 @@ void ep_nvlink_check(EpGroup&) {
   no_cuda();
 }
 EpDispatchResult ep_nvlink_dispatch(EpGroup&, TensorView, TensorView, TensorView, TensorView,
-                                    cudaStream_t) {
+                                    const QuantizeConfig*, cudaStream_t) {
   no_cuda();
 }
 void ep_nvlink_combine(EpGroup&, const EpHandle&, TensorView, bool, TensorView, cudaStream_t) {

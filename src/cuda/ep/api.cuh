@@ -263,6 +263,16 @@ struct HomeArgs {
   const uint8_t* scales = nullptr;  // the caller's [T][scale_bytes], or null
   int64_t scale_bytes = 0;
 };
+// ep_dispatch_quantize: x holds 16-bit tokens (`in`), which the home role
+// quantizes 1x128 rowwise into the rows' codes and their float32 scales
+// (HomeArgs::scales is null then; hidden % 16 == 0, hidden <= kMaxQuantCols).
+struct QuantIn {
+  bool on = false;
+  DType in = DType::kBFloat16;
+  bool e4m3 = true, pow2 = false;
+  int64_t hidden = 0;
+};
+constexpr int64_t kMaxQuantCols = 16384;
 struct DispatchParams {
   Window win;
   Offsets o;
@@ -271,8 +281,10 @@ struct DispatchParams {
   const uint8_t* x;
   int64_t x_stride_bytes, T;
   HomeArgs a;
+  QuantIn quant = {};
 };
-// bulk: move the rows with TMA bulk copies (else 16-byte stores).
+// bulk: move the rows with TMA bulk copies (else 16-byte stores; always with
+// quant).
 void launch_dispatch(const DispatchParams& p, bool bulk, unsigned grid, cudaStream_t stream);
 // Once per process and device: the bulk-copy kernel's dynamic shared memory.
 void prepare_dispatch_kernel();

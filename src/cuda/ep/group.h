@@ -257,6 +257,9 @@ struct EpGroup::Impl {
   EpTuning tuning;
   EpSizes size;
   NcclBuffers buf;
+  // Backend nccl, ep_dispatch_quantize: the tokens' codes [tmax, H] and 1x128
+  // scales [tmax, ceil(H/128)] (allocated by the first call).
+  Tensor quant_x, quant_scales;
   EpStreams streams;
   // The previous dispatch's rows to / from each rank (the eager piece's size,
   // last_send_rows / last_recv_rows).

@@ -36,14 +36,15 @@
 #include <chrono>
 #include <cmath>
 #include <cstdio>
+#include <cub/device/device_scan.cuh>
 #include <string>
 #include <thread>
-#include <cub/device/device_scan.cuh>
 
 #include "core/backends.h"
 #include "core/ep_backend.h"
 #include "cuda/ep/group.h"
 #include "moeflow/permute.h"
+#include "moeflow/quantize.h"
 
 namespace moeflow {
 namespace ep_nccl {
@@ -615,6 +616,23 @@ EpDispatchResult ep_nccl_dispatch(EpGroup& group, TensorView x, TensorView ids, 
                           &h.plan,
                           h.last.received_rows,
                           std::move(handle)};
+}
+
+EpDispatchResult ep_nccl_dispatch_quantize(EpGroup& group, TensorView x, TensorView ids,
+                                           TensorView probs, const QuantizeConfig& quant,
+                                           cudaStream_t stream) {
+  EpGroup::Impl& g = group.impl();
+  const int64_t T = x.shape[0], H = g.opt.hidden, tmax = std::max<int64_t>(1, g.size.max_tokens);
+  if (!g.quant_x.defined()) {
+    const Device dev = Device::cuda(g.device);
+    g.quant_x = Tensor::empty({tmax, H}, g.opt.dtype, dev);
+    g.quant_scales = Tensor::empty({tmax, g.opt.scale_cols}, DType::kFloat32, dev);
+  }
+  const TensorView q(g.quant_x.data(), g.opt.dtype, g.quant_x.device(), {T, H});
+  const TensorView s(g.quant_scales.data(), DType::kFloat32, g.quant_x.device(),
+                     {T, g.opt.scale_cols});
+  moeflow::quantize(x, quant, q, s, TensorView{}, stream);
+  return ep_nccl_dispatch(group, q, ids, probs, s, stream);
 }
 
 }  // namespace cuda

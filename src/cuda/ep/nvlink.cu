@@ -288,12 +288,15 @@ void ep_nvlink_check(EpGroup& group) {
 }
 
 EpDispatchResult ep_nvlink_dispatch(EpGroup& group, TensorView x, TensorView ids, TensorView probs,
-                                    TensorView scales, cudaStream_t stream) {
+                                    TensorView scales, const QuantizeConfig* quant,
+                                    cudaStream_t stream) {
   EpGroup::Impl& g = group.impl();
   NvlinkState& s = *g.nvl;
   const nvl::Offsets& o = s.off;
   const int K = g.opt.topk, W = g.world, E = g.opt.num_experts, L = g.size.experts_per_rank;
   const int64_t T = x.shape[0];
+  // the rows' scales: the caller's, or those the kernel computes (quant)
+  const bool with_scales = scales.defined() || quant != nullptr;
   check_timeout(g);
   EpHandle handle = g.new_handle(T, group);
   EpHandle::State& h = handle.state();
@@ -357,7 +360,7 @@ EpDispatchResult ep_nvlink_dispatch(EpGroup& group, TensorView x, TensorView ids
   MOEFLOW_CUDA_CHECK(cudaStreamWaitEvent(g.streams.side, g.streams.ev_fork, 0));
   zero_pads(g, recv, x_rows, g.size.row_bytes, g.size.row_bytes,
             reinterpret_cast<float*>(base + o.probs), reinterpret_cast<int32_t*>(base + o.row_src),
-            g.streams.side, scales.defined() ? base + o.scales : nullptr);
+            g.streams.side, with_scales ? base + o.scales : nullptr);
   MOEFLOW_CUDA_CHECK(cudaEventRecord(g.streams.ev_join, g.streams.side));
   // 3. the rows: own slots in place, a peer's only slot of a token straight
   // into its row there, several through the peer's stage
@@ -379,14 +382,21 @@ EpDispatchResult ep_nvlink_dispatch(EpGroup& group, TensorView x, TensorView ids
                            h.dest_row.data_ptr<int64_t>(),
                            scales.defined() ? static_cast<const uint8_t*>(scales.data) : nullptr,
                            g.size.scale_bytes};
-  const nvl::DispatchParams dp{s.view(),
-                               o,
-                               home_blocks(g, g.tuning.nvl_home_percent),
-                               g.tuning.nvl_batch,
-                               static_cast<const uint8_t*>(x.data),
-                               x.strides[0] * int64_t(dtype_size(x.dtype)),
-                               T,
-                               home};
+  nvl::DispatchParams dp{s.view(),
+                         o,
+                         home_blocks(g, g.tuning.nvl_home_percent),
+                         g.tuning.nvl_batch,
+                         static_cast<const uint8_t*>(x.data),
+                         x.strides[0] * int64_t(dtype_size(x.dtype)),
+                         T,
+                         home};
+  if (quant) {
+    dp.quant.on = true;
+    dp.quant.in = x.dtype;
+    dp.quant.e4m3 = quant->out == DType::kFloat8E4M3;
+    dp.quant.pow2 = quant->pow2_scales;
+    dp.quant.hidden = g.opt.hidden;
+  }
   nvl::launch_dispatch(dp, g.tuning.nvl_bulk_copies, grid(g), stream);
   MOEFLOW_CUDA_CHECK(cudaStreamWaitEvent(stream, g.streams.ev_join, 0));
   g.mark("rows", stream);
@@ -409,18 +419,14 @@ EpDispatchResult ep_nvlink_dispatch(EpGroup& group, TensorView x, TensorView ids
                                      cudaMemcpyDeviceToDevice, stream));
   MOEFLOW_CUDA_CHECK(cudaMemcpyAsync(h.ntok.data(), base + o.ntok, h.ntok.nbytes(),
                                      cudaMemcpyDeviceToDevice, stream));
-  if (scales.defined())
+  if (with_scales)
     nvl::launch_copy_rows(base + o.scales, static_cast<uint8_t*>(h.out_scales.data()),
                           g.size.scale_bytes, recv.total_rows.data_ptr<int64_t>(), capacity,
                           stream);
   g.mark("out", stream);
   g.trace.print("nvlink dispatch", g.rank);
-  return EpDispatchResult{out_x,
-                          h.out_probs,
-                          scales.defined() ? h.out_scales.view() : TensorView{},
-                          &recv,
-                          -1,
-                          std::move(handle)};
+  return EpDispatchResult{out_x, h.out_probs, with_scales ? h.out_scales.view() : TensorView{},
+                          &recv, -1,          std::move(handle)};
 }
 
 void ep_nvlink_combine(EpGroup& group, const EpHandle& handle, TensorView y, bool weighted,

@@ -8,6 +8,7 @@
 #include "cuda/bulk.cuh"
 #include "cuda/common.cuh"
 #include "cuda/ep/api.cuh"
+#include "cuda/fp8.cuh"
 
 namespace moeflow {
 namespace nvl {
@@ -156,12 +157,12 @@ __device__ __forceinline__ int list_rows(uint8_t** my, int64_t row, uint8_t* x, 
   return __popc(mine);
 }
 
-// The scales row of token t to the rows of its kept slots (any rank),
-// warp-wide, slot by slot: 4-byte words when aligned, else bytes.
+// A token's scales row (`src`, scale_bytes) to the rows of its kept slots
+// (any rank; lane k < K: slot k's rank q and row, row -1 when none), warp-wide,
+// slot by slot: 4-byte words when aligned, else bytes.
 __device__ __forceinline__ void place_scales(const Window& win, const Offsets& o, const HomeArgs& a,
-                                             int64_t t, int q, int64_t row, int lane) {
+                                             const uint8_t* src, int q, int64_t row, int lane) {
   const int64_t sb = a.scale_bytes;
-  const uint8_t* src = a.scales + t * sb;
   const bool words = sb % 4 == 0 && reinterpret_cast<uintptr_t>(src) % 4 == 0;
   for (unsigned m = __ballot_sync(kFull, row >= 0); m; m &= m - 1) {
     const int k = __ffs(m) - 1;
@@ -183,12 +184,13 @@ __device__ __forceinline__ void place_scales(const Window& win, const Offsets& o
 // inv entry. Lists where x[t] goes in my[]: the own kept slots' rows (k
 // ascending), then for each peer holding kept slots the row of its only one
 // there, or its stage when it holds several; returns how many.
-__device__ __forceinline__ int place_token(const Window& win, const Offsets& o,
-                                           const size_t* x_at, const HomeArgs& a, int64_t t,
-                                           int lane, uint8_t** my) {
+// The lane's slot comes back in q and row (both -1 when none or dropped).
+__device__ __forceinline__ int place_token(const Window& win, const Offsets& o, const size_t* x_at,
+                                           const HomeArgs& a, int64_t t, int lane, uint8_t** my,
+                                           int& q, int64_t& row) {
   const int K = a.K, W = a.W, me = a.me;
-  int q = -1;
-  int64_t row = -1;
+  q = -1;
+  row = -1;
   float pw = 0.0f;
   if (lane < K) {
     pw = a.probs ? a.probs[t * K + lane] : 0.0f;
@@ -214,7 +216,7 @@ __device__ __forceinline__ int place_token(const Window& win, const Offsets& o,
           win.at(o.inv + ((size_t(me) * a.tmax + t) * K + lane) * sizeof(int32_t), p)) =
           q == p ? static_cast<int32_t>(row) : -1;
   }
-  if (a.scales) place_scales(win, o, a, t, q, row, lane);
+  if (a.scales) place_scales(win, o, a, a.scales + t * a.scale_bytes, q, row, lane);
   const unsigned own = __ballot_sync(kFull, row >= 0 && q == me);
   if ((own >> lane) & 1u)
     my[__popc(own & ((1u << lane) - 1u))] = win.local + x_at[me] + row * a.row_bytes;
@@ -404,6 +406,34 @@ struct LsuMover {
   }
   __device__ void drain(int) {}
 };
+// ep_dispatch_quantize's home role: a token's 16-bit row read once, quantized
+// 1x128 as quantize() does (fp8.cuh's 512-column chunks, lane l: 16 columns)
+// and its codes stored into every listed row; the row's scales land in `sc`
+// (the warp's, then placed by place_scales). hidden % 16 == 0.
+template <typename T, bool E4M3>
+struct QuantizeRows {
+  using Elem = T;
+  static constexpr bool kOn = true;
+  static constexpr int kScaleCols = kMaxQuantCols / 128;
+  __device__ static void row(const T* src, uint8_t* const* dst, int nd, int64_t hidden, bool pow2,
+                             float* sc, int lane) {
+    for (int64_t c0 = 0; c0 < hidden; c0 += int64_t{32} * cuda::kFp8PerLane) {
+      const int64_t cl = c0 + int64_t{lane} * cuda::kFp8PerLane;
+      float v[cuda::kFp8PerLane];
+      cuda::load_chunk<T, true>(src, cl, hidden, v);
+      uint32_t w[cuda::kFp8PerLane / 4];
+      const float scale = cuda::quantize_chunk<E4M3>(v, pow2, w);
+      for (int d = 0; d < nd; ++d) cuda::store_codes<true>(dst[d], cl, hidden, w);
+      if (cl < hidden && lane % cuda::kFp8LanesPerBlock == 0) sc[cl / quant::kBlock] = scale;
+    }
+  }
+};
+struct NoQuantize {
+  using Elem = uint8_t;
+  static constexpr bool kOn = false;
+  static constexpr int kScaleCols = 1;
+};
+
 struct TmaMover {
   TmaPipe pipe;
   __device__ void init(uint8_t* smem, int wib, int lane) {

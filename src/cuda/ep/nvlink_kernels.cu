@@ -150,7 +150,9 @@ __global__ void pads_kernel(const PadsParams params) {
 // (s, t) is announced, a staged row is copied into the rows of t's slots here
 // (tokens with one slot here: nothing to do; the flag still orders them
 // before the kernel's end).
-template <class Mover, int NW>
+// Quant (QuantizeRows): x holds 16-bit tokens, each quantized once into the
+// codes its rows get, and its scales computed on the way.
+template <class Mover, int NW, class Quant = NoQuantize>
 __global__ void __launch_bounds__(NW * 32) dispatch_kernel(const DispatchParams params) {
   const Window& win = params.win;
   const Offsets& o = params.o;
@@ -160,6 +162,7 @@ __global__ void __launch_bounds__(NW * 32) dispatch_kernel(const DispatchParams 
   const int64_t x_stride_bytes = params.x_stride_bytes, T = params.T;
   extern __shared__ __align__(128) uint8_t dyn_smem[];
   __shared__ uint8_t* dests[NW][kMaxDest];
+  __shared__ float qscales[NW][Quant::kScaleCols];  // Quant: the token's 1x128 scales
   const int lane = threadIdx.x % 32, wib = threadIdx.x / 32;
   uint8_t** my = dests[wib];
   Mover mover;
@@ -179,9 +182,19 @@ __global__ void __launch_bounds__(NW * 32) dispatch_kernel(const DispatchParams 
     Pending pend;
     const unsigned peers = ((1u << W) - 1u) & ~(1u << me);
     for (int64_t t = ro.warp; t < T; t += ro.warps) {
-      const int nd = place_token(win, o, x_at, a, t, lane, my);
+      int q;
+      int64_t row;
+      const int nd = place_token(win, o, x_at, a, t, lane, my, q, row);
       __syncwarp();
-      mover.template copy<false>(x + t * x_stride_bytes, my, nd, row_bytes, lane);
+      if constexpr (Quant::kOn) {
+        float* sc = qscales[wib];
+        Quant::row(reinterpret_cast<const typename Quant::Elem*>(x + t * x_stride_bytes), my, nd,
+                   params.quant.hidden, params.quant.pow2, sc, lane);
+        __syncwarp();
+        place_scales(win, o, a, reinterpret_cast<const uint8_t*>(sc), q, row, lane);
+      } else {
+        mover.template copy<false>(x + t * x_stride_bytes, my, nd, row_bytes, lane);
+      }
       __syncwarp();  // the list is rewritten for the next token
       pend.add(size_t(me) * tmax + t, peers, lane);
       if (pend.n == batch) {
@@ -565,6 +578,20 @@ void prepare_dispatch_kernel() {
 }
 
 void launch_dispatch(const DispatchParams& p, bool bulk, unsigned grid, cudaStream_t stream) {
+  if (p.quant.on) {  // 16-bit tokens quantized by the home role (16-byte stores)
+    auto launch = [&](auto tag, auto e4m3) {
+      using T = decltype(tag);
+      dispatch_kernel<LsuMover, kWarps, QuantizeRows<T, decltype(e4m3)::value>>
+          <<<grid, kWarps * 32, 0, stream>>>(p);
+    };
+    const bool half = p.quant.in == DType::kFloat16;
+    if (p.quant.e4m3)
+      half ? launch(__half{}, std::true_type{}) : launch(__nv_bfloat16{}, std::true_type{});
+    else
+      half ? launch(__half{}, std::false_type{}) : launch(__nv_bfloat16{}, std::false_type{});
+    MOEFLOW_CUDA_LAUNCH_CHECK();
+    return;
+  }
   // the same roles with bulk copies (MOEFLOW_NVL_TMA) or with 16-byte stores
   auto* kernel = bulk ? dispatch_kernel<TmaMover, kTmaWarps> : dispatch_kernel<LsuMover, kWarps>;
   kernel<<<grid, (bulk ? kTmaWarps : kWarps) * 32, bulk ? kTmaSmem : 0, stream>>>(p);
