@@ -10,6 +10,7 @@
 
 #include "gpu_ep_util.h"
 #include "moeflow/ep.h"
+#include "moeflow/quantize.h"
 #include "test_util.h"
 
 namespace moeflow::test {
@@ -17,17 +18,21 @@ namespace {
 
 // Dispatch + combine captured once in a CUDA graph (no host sync on this
 // backend) and replayed with new tokens and routings: bitwise the eager results.
-// simulated: W ranks on GPU 0 (EpGroup::create_simulated).
-void graph_replay(int W, bool simulated) {
+// simulated: W ranks on GPU 0 (EpGroup::create_simulated). quantize: the
+// bf16 tokens go as e4m3 codes (ep_dispatch_quantize) and the experts' y is
+// the received rows dequantized (so the result depends on codes and scales).
+void graph_replay(int W, bool simulated, bool quantize = false) {
   const int E = 8 * W, K = 4, rounds = 3;
   const int64_t H = 96, T = 160;
   EpOptions opt;
   opt.num_experts = E;
   opt.topk = K;
   opt.hidden = H;
-  opt.dtype = DType::kBFloat16;
+  opt.dtype = quantize ? DType::kFloat8E4M3 : DType::kBFloat16;
+  opt.scale_cols = quantize ? 1 : 0;
   opt.max_tokens_per_rank = T;
   opt.backend = EpBackend::kNvlink;
+  const QuantizeConfig qc{DType::kFloat8E4M3, QuantScaling::kBlock1x128, false, false};
   std::vector<int> devs;
   for (int r = 0; r < W; ++r) devs.push_back(r);
   auto groups = simulated ? EpGroup::create_simulated(W, 0, opt) : EpGroup::create_local(devs, opt);
@@ -72,6 +77,12 @@ void graph_replay(int W, bool simulated) {
       fill_bytes(out, 0xFF, st);
     };
     auto step = [&] {
+      if (quantize) {
+        const EpDispatchResult res = ep_dispatch_quantize(g, x, id, pr, qc, st);
+        dequantize(res.x, res.scales, qc, y, st);
+        ep_combine(g, res.handle, y, true, out, st);
+        return;
+      }
       const EpDispatchResult res = ep_dispatch(g, x, id, pr, st);
       ep_combine(g, res.handle, y, true, out, st);
     };
@@ -249,6 +260,16 @@ TEST(MultiGpuEpNvlink, GraphReplayWithNewRouting) {
 
 TEST(GpuEpNvlinkSimulated, GraphReplayWithNewRouting) {
   graph_replay(2, true);
+}
+
+TEST(GpuEpNvlinkSimulated, QuantizedGraphReplayWithNewRouting) {
+  graph_replay(2, true, true);
+}
+
+TEST(MultiGpuEpNvlink, QuantizedGraphReplayWithNewRouting) {
+  const int W = cuda_device_count();
+  if (W < 2) GTEST_SKIP() << "needs 2+ GPUs (label multigpu)";
+  graph_replay(W, false, true);
 }
 
 }  // namespace

@@ -173,7 +173,10 @@ class GroupedMlpFp8(torch.autograd.Function):
         # permuted again from the tokens in backward (recompute_permute).
         rows16 = ctx is not None and fc1.requires_grad and not wgrad8
         again = isinstance(source, _mlp_io.PermuteSource) and source.recompute
-        codes_first = isinstance(source, _mlp_io.PermuteSource) and (again or not rows16)
+        # FP8 on the wire (QuantizedDispatchSource): the rows arrive as codes
+        wire8 = getattr(source, "codes_only", False)
+        codes_first = wire8 or (isinstance(source, _mlp_io.PermuteSource) and
+                                (again or not rows16))
         if codes_first and recipe == "fp8-tensorwise":
             # The codes straight from the tokens: no 16-bit rows.
             xq, xs, xq_t, probs = source.forward_tensorwise(x, probs, want_x_t)
@@ -184,13 +187,16 @@ class GroupedMlpFp8(torch.autograd.Function):
             got = source.forward_blockwise(x, probs, want_x_t)
             xq, xs, probs = got[:3]
             x_t = got[3] if want_x_t else None
-            x = None
+            # a 16-bit FC1 wgrad over codes that came over the wire: their rows
+            x = source.rows16(xq, xs, tokens.dtype) if wire8 and rows16 else None
         else:
             if source is not None:  # the experts' rows and each row's prob
                 x, probs = source.forward(x, probs)
             if want_x_t:
                 xq, xs, xq_t, xs_t = quantize_both_ways(x, recipe, offsets, real_rows)
                 x_t = (xq_t, xs_t)
+        if offsets is None:  # the groups are the dispatch's (known from here on)
+            offsets, real_rows = source.groups()
         if xq is not None:
             w1q, w1s = weight_codes(fc1, recipe, False, cache)
             h = ops.grouped_gemm_fp8_forward(xq, xs, w1q, w1s, offsets, real_rows)
@@ -345,7 +351,8 @@ class GroupedMlpFp8(torch.autograd.Function):
         del dy, dy_t
         dx = None
         source = ctx.source
-        if need[0] or (source is not None and dprobs is not None):
+        # (a collective source's backward runs on every rank)
+        if need[0] or (source is not None and (dprobs is not None or source.collective)):
             if dh_q is not None:
                 w1q, w1s = weight_codes(fc1, recipe, True, cache)
                 dx = ops.grouped_gemm_fp8_forward(dh_q[0], dh_q[1], w1q, w1s, offsets, real_rows)

@@ -153,6 +153,34 @@ class DispatchSource:
         return _dispatch_backward(self.args[3], d_rows), None
 
 
+class QuantizedDispatchSource(DispatchSource):
+    """DispatchSource of an FP8 group (FP8 on the wire, the blockwise
+    recipe): the dispatch quantizes the tokens and the received 1x128 codes
+    and scales are FC1's input as they arrive (``forward_blockwise``). The
+    rows FC1's weight gradient reads come from those codes: dequantized
+    (``rows16``, a 16-bit wgrad) or dequantized and quantized columnwise (an
+    FP8 wgrad). The rows' gradient goes home in the group's
+    ``backward_dtype``."""
+    codes_only = True
+
+    def forward_blockwise(self, x, probs, transposed=False):
+        from . import _fp8_ops
+        from .ep import _dispatch_forward
+        h = self.args[3]
+        q = _dispatch_forward(x, *self.args)
+        s = h.row_scales
+        if not transposed:
+            return q, s, None
+        _, _, q_t, s_t = _fp8_ops.quantize_rowwise_columnwise(self.rows16(q, s, x.dtype),
+                                                              rowwise=False)
+        return q, s, None, (q_t, s_t)
+
+    @staticmethod
+    def rows16(q, s, dtype):
+        from . import _fp8_ops
+        return _fp8_ops.dequantize(q, s, dtype=dtype)
+
+
 class CombineSink:
     """out: the rows brought home, weighted by the node's probs (the
     dispatch's [T, K] probs) when given (moeflow.ep.combine)."""

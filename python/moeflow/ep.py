@@ -333,7 +333,7 @@ class _Dispatch(torch.autograd.Function):
 def _dispatch_backward(h: EpHandle, grad_rows: torch.Tensor) -> torch.Tensor:
     """The tokens' gradient [T, H] of a dispatch from its rows' gradient."""
     g = h.group
-    grad_rows = grad_rows.to(g.dtype)
+    grad_rows = grad_rows.to(g.backward_dtype if g.dtype in _FP8 else g.dtype)
     if g.backend == "reference":  # a combine without weights
         return _ref_sum(h, _ref_slots(h, _ref_home(h, grad_rows)), None, h.x_dtype)
     grad_x = torch.empty((h.num_tokens, g.hidden_size), dtype=h.x_dtype, device=h.device)

@@ -240,6 +240,12 @@ class MoELayer(ExpertCheckpointMixin, torch.nn.Module):
     and ``params_dtype``): the router stays over all E experts (replicated
     on every rank: ``router_weight`` [E, H]), the layer holds only the
     rank's local experts ``ep_group.expert_range`` = [first, first + L):
+    (an FP8 group, ``dtype=torch.float8_e4m3fn`` with ``scale_cols`` =
+    ceil(H/128) of float32 and ``backward_dtype`` the layer's params_dtype,
+    puts FP8 on the wire with ``precision="fp8-blockwise"``: the dispatch
+    quantizes the tokens and FC1 reads their codes as they arrive; FC1's
+    weight gradient reads them dequantized, or with ``fp8_wgrad`` quantized
+    columnwise from there);
     ``fc1_weight`` [L, N1, H], ``fc2_weight`` [L, H, F]; tokens go to the
     ranks of their experts and back through ``moeflow.ep.dispatch`` /
     ``combine`` (the group's ``align`` and ``capacity_rows`` apply; slots
@@ -319,13 +325,27 @@ class MoELayer(ExpertCheckpointMixin, torch.nn.Module):
             if not isinstance(ep_group, _ep.Group):
                 raise TypeError(f"ep_group must be a moeflow.ep.Group, got "
                                 f"{type(ep_group).__name__}")
+            # An FP8 group (FP8 on the wire): the tokens cross as their 1x128
+            # codes, which the blockwise recipe's FC1 reads as they arrive.
+            wire8 = ep_group.dtype in _ep._FP8
             for what, mine, theirs in (("num_experts", E, ep_group.num_experts),
                                        ("topk", K, ep_group.topk),
                                        ("hidden_size", H, ep_group.hidden_size),
-                                       ("params_dtype", params_dtype, ep_group.dtype)):
+                                       ("params_dtype", params_dtype,
+                                        ep_group.backward_dtype if wire8 else ep_group.dtype)):
                 if mine != theirs:
-                    raise ValueError(f"ep_group.{'dtype' if what == 'params_dtype' else what} "
-                                     f"must equal the layer's {what}={mine}, got {theirs}")
+                    name = ("backward_dtype (an FP8 group)" if wire8 else "dtype") \
+                        if what == "params_dtype" else what
+                    raise ValueError(f"ep_group.{name} must equal the layer's {what}={mine}, "
+                                     f"got {theirs}")
+            if wire8 and (precision != "fp8-blockwise" or ep_group.dtype != torch.float8_e4m3fn
+                          or ep_group.scale_cols != -(-H // 128)
+                          or ep_group.scale_dtype != torch.float32):
+                raise ValueError(
+                    f"an FP8 ep_group (FP8 on the wire) needs precision='fp8-blockwise' and a "
+                    f"group of float8_e4m3fn with scale_cols={-(-H // 128)} (ceil(H/128)) of "
+                    f"float32; got precision={precision!r}, dtype {ep_group.dtype}, "
+                    f"scale_cols={ep_group.scale_cols} of {ep_group.scale_dtype}")
         self.ep_group = ep_group
         # The experts this layer holds: [first, last) of the E global ones.
         self.expert_range = (0, E) if ep_group is None else tuple(ep_group.expert_range)
@@ -605,6 +625,15 @@ class MoELayer(ExpertCheckpointMixin, torch.nn.Module):
             out = self._mlp(xin, probs=probs, _ep=args)
             self.last_ep_overflow = args[3].overflow.clone()
             return out
+        if self.ep_group.dtype in _ep._FP8:
+            # FP8 on the wire: the MLP's node dispatches the tokens as their
+            # 1x128 codes (quantized by the dispatch) and reads them as FC1's
+            # input; its backward returns the tokens' gradient through the
+            # dispatch's. The combine follows, weighted by the probs.
+            _, args = _ep._prepare_dispatch(xe.detach(), ids, probs, self.ep_group, None)
+            y = self._mlp(xe.contiguous(), _ep=args)
+            self.last_ep_overflow = args[3].overflow.clone()
+            return _ep.combine(y, args[3], probs)
         rows, tpe, offsets, handle = _ep.dispatch(xe, ids, probs, self.ep_group)
         self.last_ep_overflow = handle.overflow.clone()
         y = self._mlp(rows, offsets=offsets, real_rows=tpe)

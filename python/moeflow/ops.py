@@ -521,11 +521,13 @@ def grouped_mlp(x: torch.Tensor, fc1: torch.Tensor, fc2: torch.Tensor, *,
     if fp8_wgrad:
         if precision not in ("fp8-blockwise", "fp8-tensorwise"):
             raise ValueError(f"fp8_wgrad=True needs an FP8 precision, got {precision!r}")
-        rows = plan.capacity_rows if permute else x.shape[0]  # the experts' rows
+        # the experts' rows
+        rows = plan.capacity_rows if permute else \
+            _ep[3].group.capacity_rows if _ep is not None else x.shape[0]
         if int(rows) % 16:
             raise ValueError(f"fp8_wgrad=True needs the rows to be a multiple of 16 (the "
                              f"transposed codes' rows), got {int(rows)}")
-        got = plan.align if plan is not None else align
+        got = plan.align if plan is not None else _ep[3].group.align if _ep is not None else align
         # blockwise: whole 128-row scale blocks; tensorwise: the FP8 align of 16
         need_align = 128 if precision == "fp8-blockwise" else 16
         if got is None or int(got) % need_align:
@@ -537,10 +539,15 @@ def grouped_mlp(x: torch.Tensor, fc1: torch.Tensor, fc2: torch.Tensor, *,
     if precision != "bf16":
         from . import _fp8_mlp
         _fp8_mlp.check(x, fc1, fc2, bias1, bias2, precision, wgrad_store, activation)
+        if _ep is not None:  # an FP8 group: the node dispatches the tokens' codes
+            if _ep[3].group.dtype not in (torch.float8_e4m3fn,) or precision != "fp8-blockwise":
+                raise ValueError("grouped_mlp with an expert-parallel source in FP8 needs "
+                                 "precision='fp8-blockwise' and an e4m3 group")
+            source = _mlp_io.QuantizedDispatchSource(_ep)
+        else:
+            source = _mlp_io.PermuteSource(plan, bool(recompute_permute)) if permute else None
         args = (offsets, real_rows, cfg, precision, main, plan if unpermute else None,
-                bool(fp8_weight_cache), bool(fp8_wgrad),
-                _mlp_io.PermuteSource(plan, bool(recompute_permute)) if permute else None,
-                bool(accumulate_into_grad))
+                bool(fp8_weight_cache), bool(fp8_wgrad), source, bool(accumulate_into_grad))
         if not (_grad_enabled() and (x.requires_grad or fc1.requires_grad or fc2.requires_grad
                                      or (probs is not None and probs.requires_grad))):
             return _fp8_mlp.GroupedMlpFp8.forward(None, x, fc1, fc2, probs, args)

@@ -15,17 +15,22 @@ from moeflow.layer import MoELayer
 from ep_worker import eq, make_inputs, raises, rel_err, tokens
 
 
-def check_layer(ctx, H=32, F=16, precision="bf16", tol=2e-2):
+def check_layer(ctx, H=32, F=16, precision="bf16", tol=2e-2, wire8=False, fp8_wgrad=False):
     """The EP MoELayer against the same layer without ep_group on all the
-    tokens in one process (same router weight, the gathered experts)."""
+    tokens in one process (same router weight, the gathered experts).
+    wire8: an FP8 group (the tokens cross as their 1x128 e4m3 codes)."""
     W, r, dev = ctx.world, ctx.rank, ctx.device
     E, K, dt = 2 * W, 2, torch.bfloat16
     T_list = tokens(W, 9, 0, 5)
+    align = 128 if fp8_wgrad else 16
+    lkw = dict(params_dtype=dt, precision=precision, fp8_wgrad=fp8_wgrad)
     torch.manual_seed(0)
-    full = MoELayer(H, F, E, K, params_dtype=dt, device="cpu", precision=precision)
-    g = ctx.group(num_experts=E, topk=K, hidden_size=H, dtype=dt,
-                  max_tokens_per_rank=max(T_list))
-    layer = MoELayer(H, F, E, K, params_dtype=dt, device=dev, ep_group=g, precision=precision)
+    full = MoELayer(H, F, E, K, device="cpu", align=align, **lkw)
+    gkw = dict(dtype=torch.float8_e4m3fn, scale_cols=-(-H // 128), backward_dtype=dt) \
+        if wire8 else dict(dtype=dt)
+    g = ctx.group(num_experts=E, topk=K, hidden_size=H, max_tokens_per_rank=max(T_list),
+                  align=align, **gkw)
+    layer = MoELayer(H, F, E, K, device=dev, ep_group=g, **lkw)
     first, last = g.expert_range
     if tuple(layer.fc1_weight.shape) != (g.local_experts, 2 * F, H):
         raise AssertionError(f"fc1_weight {tuple(layer.fc1_weight.shape)}")
@@ -60,7 +65,7 @@ def check_layer(ctx, H=32, F=16, precision="bf16", tol=2e-2):
     if got_keys != want_keys:
         raise AssertionError(f"per-expert keys {sorted(got_keys)}, want {sorted(want_keys)}")
     full.state_dict_layout = "per_expert"
-    fresh = MoELayer(H, F, E, K, params_dtype=dt, device=dev, ep_group=g)
+    fresh = MoELayer(H, F, E, K, device=dev, ep_group=g, **lkw)
     fresh.load_state_dict(full.state_dict())  # all E per-expert keys: the local ones kept
     eq("per-expert load", fresh.fc2_weight, full.fc2_weight.detach()[first:last])
     fresh.load_state_dict(sd)  # this rank's own per-expert state dict
@@ -68,12 +73,13 @@ def check_layer(ctx, H=32, F=16, precision="bf16", tol=2e-2):
     with tempfile.TemporaryDirectory() as tmp:
         path = os.path.join(tmp, "full.safetensors")
         full.save_safetensors(path, layout="per_expert")
-        fresh2 = MoELayer(H, F, E, K, params_dtype=dt, device=dev, ep_group=g)
+        fresh2 = MoELayer(H, F, E, K, device=dev, ep_group=g, **lkw)
         fresh2.load_safetensors(path)  # a whole file: the local experts kept
         eq("load_safetensors fc1", fresh2.fc1_weight, full.fc1_weight.detach()[first:last])
         eq("load_safetensors router", fresh2.router_weight, full.router_weight.detach())
-        raises(_C.Error, r"save_safetensors: the layer holds experts",
-               lambda: fresh2.save_safetensors(os.path.join(tmp, "local.safetensors")))
+        if W > 1:  # (one rank holds every expert)
+            raises(_C.Error, r"save_safetensors: the layer holds experts",
+                   lambda: fresh2.save_safetensors(os.path.join(tmp, "local.safetensors")))
 
 
 def check_mlp_node_is_the_chained_ops(ctx, H=32, F=16):
@@ -116,5 +122,19 @@ def check_layer_fp8(ctx):
     check_layer(ctx, H=128, F=128, precision="fp8-blockwise", tol=0.1)
 
 
+def check_layer_fp8_wire(ctx):
+    # An FP8 group: the tokens cross as their 1x128 codes, which are FC1's
+    # input; FC1's 16-bit weight gradient reads them dequantized, its FP8 one
+    # their columnwise codes from the dequantized rows (the one-process
+    # layer: from the tokens). The same FP8 bound.
+    check_layer(ctx, H=128, F=128, precision="fp8-blockwise", tol=0.1, wire8=True)
+    check_layer(ctx, H=128, F=128, precision="fp8-blockwise", tol=0.1, wire8=True,
+                fp8_wgrad=True)
+    g = ctx.group(num_experts=2 * ctx.world, topk=2, hidden_size=128, max_tokens_per_rank=4,
+                  dtype=torch.float8_e4m3fn, scale_cols=1)
+    raises(ValueError, r"an FP8 ep_group \(FP8 on the wire\) needs precision='fp8-blockwise'",
+           lambda: MoELayer(128, 128, 2 * ctx.world, 2, ep_group=g, device=ctx.device))
+
+
 CHECKS = {f.__name__[len("check_"):]: f for f in (
-    check_layer, check_mlp_node_is_the_chained_ops, check_layer_fp8)}
+    check_layer, check_mlp_node_is_the_chained_ops, check_layer_fp8, check_layer_fp8_wire)}

@@ -83,10 +83,11 @@ def test_gpu(world, backend, check):
 @pytest.mark.parametrize("backend", ["nccl", "nvlink"])
 def test_gpu_one_rank_fp8_from_16bit_tokens(backend):
     """The quantizing dispatch through moeflow.ep on one GPU (a process
-    group of one rank), against quantize then the FP8 dispatch."""
+    group of one rank), against quantize then the FP8 dispatch, and the EP
+    layer with FP8 on the wire against the one-process layer."""
     if GPUS < 1 or not hasattr(_C, "EpGroup"):
         pytest.skip("needs a CUDA device and a moeflow build with moeflow._C.EpGroup")
-    checks = ["fp8_from_16bit_tokens", "fp8_errors"]
+    checks = ["fp8_from_16bit_tokens", "fp8_errors", "layer_fp8_wire"]
     try:
         results = ep_worker.run(1, checks, backend=backend, cuda=True, deadline_s=300.0)
     except Exception as e:  # noqa: BLE001
