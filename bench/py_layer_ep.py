@@ -93,6 +93,11 @@ def parse_args():
     ap.add_argument("--warmup", type=int, default=5, help="warm-up steps (default 5)")
     ap.add_argument("--iters", type=int, default=20, help="timed steps (default 20)")
     ap.add_argument("--align", type=int, default=16, help="moeflow's rows-per-expert alignment")
+    ap.add_argument("--precision", choices=("bf16", "fp8-blockwise"), default="bf16",
+                    help="moeflow's expert MLP recipe")
+    ap.add_argument("--fp8-wire", action="store_true",
+                    help="with --precision fp8-blockwise: an FP8 group, the tokens dispatched "
+                         "as their 1x128 e4m3 codes (quantized by the dispatch)")
     ap.add_argument("--combine-wire", choices=("float32", "bfloat16"), default="float32",
                     help="moeflow's combine wire dtype (moeflow.ep.Group's combine_wire_dtype)")
     ap.add_argument("--capacity-factor", type=float,
@@ -112,6 +117,8 @@ def parse_args():
     ap.add_argument("--top", type=int, default=14, help="with --profile: kernels listed")
     ap.add_argument("--trace", help="with --profile: a folder for rank 0's Chrome traces")
     args = ap.parse_args()
+    if args.fp8_wire and args.precision != "fp8-blockwise":
+        ap.error("--fp8-wire needs --precision fp8-blockwise")
     names = args.case or ["all"]
     args.cases = list(CASES) if "all" in names else list(dict.fromkeys(names))
     return args
@@ -300,10 +307,14 @@ def run_ours(d, args, name, moeflow):
     cap = -1
     if args.capacity_factor is not None:
         cap = -(-math.ceil(T * K * args.capacity_factor) // args.align) * args.align
+    wire = dict(dtype=torch.bfloat16)
+    if args.fp8_wire:  # the tokens cross as e4m3 codes with their 1x128 scales
+        wire = dict(dtype=torch.float8_e4m3fn, scale_cols=-(-H // 128),
+                    backward_dtype=torch.bfloat16)
     group = moeflow.ep.Group(dist.group.WORLD, num_experts=E, topk=K, hidden_size=H,
-                             dtype=torch.bfloat16, backend=args.backend,
-                             max_tokens_per_rank=T, align=args.align, capacity_rows=cap,
-                             combine_wire_dtype=getattr(torch, args.combine_wire))
+                             backend=args.backend, max_tokens_per_rank=T, align=args.align,
+                             capacity_rows=cap,
+                             combine_wire_dtype=getattr(torch, args.combine_wire), **wire)
     opts = dict(router)
     if opts.get("use_expert_bias"):
         # Counts only, the bias updated by the training loop (megatron's way): the
@@ -313,7 +324,8 @@ def run_ours(d, args, name, moeflow):
     layer = moeflow.MoELayer(H, Fd, E, K, **opts,
                              load_balancing_type="aux_loss" if args.aux_loss_coeff else "none",
                              aux_loss_coeff=args.aux_loss_coeff, align=args.align,
-                             params_dtype=torch.bfloat16, device=d.dev, ep_group=group)
+                             params_dtype=torch.bfloat16, device=d.dev, ep_group=group,
+                             precision=args.precision)
     layer.train()
     rw = getattr(layer, "router_weight", None)
     if rw is not None and tuple(rw.shape) == (E, H):

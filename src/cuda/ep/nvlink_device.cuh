@@ -417,10 +417,14 @@ struct QuantizeRows {
   static constexpr int kScaleCols = kMaxQuantCols / 128;
   __device__ static void row(const T* src, uint8_t* const* dst, int nd, int64_t hidden, bool pow2,
                              float* sc, int lane) {
-    for (int64_t c0 = 0; c0 < hidden; c0 += int64_t{32} * cuda::kFp8PerLane) {
+    constexpr int64_t kStep = int64_t{32} * cuda::kFp8PerLane;
+    cuda::RawChunk<T> raw;  // the next chunk's loads go out before this one is quantized
+    cuda::load_raw(src, int64_t{lane} * cuda::kFp8PerLane, hidden, raw);
+    for (int64_t c0 = 0; c0 < hidden; c0 += kStep) {
       const int64_t cl = c0 + int64_t{lane} * cuda::kFp8PerLane;
       float v[cuda::kFp8PerLane];
-      cuda::load_chunk<T, true>(src, cl, hidden, v);
+      cuda::unpack_raw(raw, v);
+      if (c0 + kStep < hidden) cuda::load_raw(src, cl + kStep, hidden, raw);
       uint32_t w[cuda::kFp8PerLane / 4];
       const float scale = cuda::quantize_chunk<E4M3>(v, pow2, w);
       for (int d = 0; d < nd; ++d) cuda::store_codes<true>(dst[d], cl, hidden, w);
