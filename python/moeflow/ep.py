@@ -477,6 +477,9 @@ def _prepare_dispatch(x, topk_ids, probs, group, scales, pow2_scales=False):
             or (x.dtype != g.dtype and not quantize)):
         raise ValueError(f"x must be {want_x} [T, {H}], got "
                          f"{_desc(x) if isinstance(x, torch.Tensor) else type(x).__name__}")
+    if pow2_scales and not quantize:
+        raise ValueError("pow2_scales is for 16-bit tokens into an FP8 group (the dispatch "
+                         f"quantizes them); x is {_desc(x)} into a {_name(g.dtype)} group")
     if quantize:
         nb = -(-H // 128)
         if g.scale_cols != nb or g.scale_dtype != torch.float32 or scales is not None:

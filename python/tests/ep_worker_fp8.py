@@ -270,6 +270,8 @@ def check_fp8_from_16bit_tokens(ctx):
         eq("combine of the handle", ep.combine(y, h), ep.combine(y, h2).cpu())
     raises(ValueError, r"is forward-only: x must not require grad",
            lambda: ep.dispatch(x.clone().requires_grad_(), ids, p, ga))
+    raises(ValueError, r"pow2_scales is for 16-bit tokens into an FP8 group",
+           lambda: ep.dispatch(q, ids, p, gb, scales=s, pow2_scales=True))
 
 
 CHECKS = {f.__name__[len("check_"):]: f for f in (
