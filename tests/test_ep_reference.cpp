@@ -3,6 +3,8 @@
 // routings for W = 2, 4, 8 with uneven tokens (0 and primes), all tokens to
 // one rank, capacity overflow, dispatch+combine identity, backward adjoints,
 // bad input.
+#include <cstring>
+
 #include "core/ep_layout.h"
 #include "moeflow/ep_reference.h"
 #include "test_util.h"
@@ -240,6 +242,62 @@ TEST(EpReference, ScalesTravelWithTheirRows) {
   EXPECT_THROW(ep_reference::dispatch(plain.in, plain.cfg, h), Error);
   s.in[1].scales = Tensor::empty({s.in[1].x.size(0), S + 1}, DType::kFloat32);
   EXPECT_THROW(ep_reference::dispatch(s.in, s.cfg, h), Error);
+}
+
+// dispatch_quantize: each rank's 16-bit tokens quantized 1x128, then the
+// FP8 dispatch of the codes with their scales: every received row holds its
+// token's codes and scales (pad rows zero), and bad input is refused.
+TEST(EpReference, DispatchQuantizeIsQuantizeThenDispatch) {
+  const int W = 3;
+  EpSetup s = random_setup(W, 24, 4, 40, 16, 77);
+  std::vector<RankInput> in16(W);
+  for (int r = 0; r < W; ++r) {
+    const int64_t T = s.in[r].x.size(0), H = s.in[r].x.size(1);
+    in16[r] = RankInput{make_tensor({T, H}, DType::kBFloat16), s.in[r].ids, s.in[r].probs, {}};
+    fill_random(in16[r].x, 500 + r, -4.0f, 4.0f);
+    add_special_rows(in16[r].x);
+  }
+  for (const bool pow2 : {false, true}) {
+    const QuantizeConfig qc{DType::kFloat8E4M3, QuantScaling::kBlock1x128, pow2, false};
+    Handle h;
+    auto recv = ep_reference::dispatch_quantize(in16, s.cfg, qc, h);
+    for (int q = 0; q < W; ++q) {
+      ASSERT_EQ(recv[q].x.dtype(), DType::kFloat8E4M3);
+      ASSERT_TRUE(recv[q].scales.defined());
+      const int64_t H = recv[q].x.size(1), nb = recv[q].scales.size(1);
+      ASSERT_EQ(nb, (H + 127) / 128);
+      for (int64_t row = 0; row < recv[q].total_rows; ++row) {
+        const int32_t sr = recv[q].src_rank.data_ptr<int32_t>()[row];
+        const int32_t st = recv[q].src_token.data_ptr<int32_t>()[row];
+        const uint8_t* got = static_cast<const uint8_t*>(recv[q].x.data()) + row * H;
+        const float* got_s = recv[q].scales.data_ptr<float>() + row * nb;
+        if (sr < 0) {
+          for (int64_t j = 0; j < H; ++j) ASSERT_EQ(got[j], 0) << "pad row " << row;
+          continue;
+        }
+        // the token's own quantization, made here
+        Tensor tok = Tensor::empty({1, H}, DType::kBFloat16);
+        std::memcpy(tok.data(), static_cast<const uint8_t*>(in16[sr].x.data()) + st * H * 2, H * 2);
+        Tensor want = Tensor::empty({1, H}, DType::kFloat8E4M3);
+        Tensor want_s = Tensor::empty({1, nb}, DType::kFloat32);
+        quantize(tok, qc, want, want_s);
+        ASSERT_EQ(std::memcmp(got, want.data(), H), 0) << "row " << row;
+        ASSERT_EQ(std::memcmp(got_s, want_s.data(), nb * 4), 0) << "row " << row;
+      }
+    }
+  }
+  // x of another dtype, scales given, another scaling: clear errors
+  Handle h;
+  const QuantizeConfig qc{};
+  std::vector<RankInput> f32 = in16;
+  f32[2].x = Tensor::zeros(f32[2].x.sizes(), DType::kFloat32);
+  EXPECT_THROW(ep_reference::dispatch_quantize(f32, s.cfg, qc, h), Error);
+  std::vector<RankInput> with_scales = in16;
+  with_scales[1].scales = Tensor::empty({with_scales[1].x.size(0), 1}, DType::kFloat32);
+  EXPECT_THROW(ep_reference::dispatch_quantize(with_scales, s.cfg, qc, h), Error);
+  QuantizeConfig tw = qc;
+  tw.scaling = QuantScaling::kTensorwise;
+  EXPECT_THROW(ep_reference::dispatch_quantize(in16, s.cfg, tw, h), Error);
 }
 
 // The layout the fused NVLink dispatch computes on the device from the

@@ -27,6 +27,7 @@
 #include <cstdint>
 #include <vector>
 
+#include "moeflow/quantize.h"
 #include "moeflow/tensor.h"
 
 namespace moeflow::ep_reference {
@@ -77,6 +78,13 @@ struct Handle {
 // Simulates dispatch on all ranks. inputs.size() must equal W.
 std::vector<RankReceive> dispatch(const std::vector<RankInput>& inputs, const EpConfig& config,
                                   Handle& handle);
+
+// ep_dispatch_quantize's reference: each rank's x (bfloat16/float16, no
+// scales given) quantized by quantize(x, quantize) (kBlock1x128 rowwise),
+// then dispatch() of the codes with their float32 scales.
+std::vector<RankReceive> dispatch_quantize(const std::vector<RankInput>& inputs,
+                                           const EpConfig& config, const QuantizeConfig& quantize,
+                                           Handle& handle);
 
 // y[q]: expert outputs of rank q, [capacity, H] (float32/bfloat16/float16).
 // weights[r]: [T_r,K] float32 (or an undefined tensor for w = 1).

@@ -6,14 +6,16 @@
 // out with layout_expert (the same rule as the RoutingPlan), then copy rows.
 // combine: per token, per destination rank ascending, an fma chain over k
 // ascending; the per-rank partials are added in rank order.
+#include "moeflow/ep_reference.h"
+
 #include <algorithm>
 #include <cmath>
 #include <cstring>
 
 #include "core/backends.h"
 #include "core/internal.h"
-#include "moeflow/ep_reference.h"
 #include "moeflow/plan.h"
+#include "moeflow/quantize.h"
 
 namespace moeflow::ep_reference {
 
@@ -183,6 +185,28 @@ std::vector<RankReceive> dispatch(const std::vector<RankInput>& in, const EpConf
     handle.recv_expert_row_offsets.push_back(rq.expert_row_offsets);
   }
   return out;
+}
+
+std::vector<RankReceive> dispatch_quantize(const std::vector<RankInput>& in, const EpConfig& c,
+                                           const QuantizeConfig& q, Handle& handle) {
+  MOEFLOW_CHECK(q.scaling == QuantScaling::kBlock1x128 && !q.columnwise,
+                "dispatch_quantize quantizes 1x128 blocks rowwise (QuantScaling::kBlock1x128, "
+                "columnwise = false)");
+  std::vector<RankInput> codes(in.size());
+  for (size_t r = 0; r < in.size(); ++r) {
+    const RankInput& ri = in[r];
+    MOEFLOW_CHECK(ri.x.defined() && ri.x.ndim() == 2 &&
+                      (ri.x.dtype() == DType::kBFloat16 || ri.x.dtype() == DType::kFloat16),
+                  "rank ", r, ": dispatch_quantize takes x bfloat16 or float16 [T,H], got ",
+                  ri.x.defined() ? ri.x.view().str() : std::string("none"));
+    MOEFLOW_CHECK(!ri.scales.defined(), "rank ", r,
+                  ": dispatch_quantize makes the scales; none may be given");
+    const int64_t T = ri.x.size(0), H = ri.x.size(1);
+    codes[r] = RankInput{Tensor::empty({T, H}, q.out), ri.ids, ri.probs,
+                         Tensor::empty({T, (H + 127) / 128}, DType::kFloat32)};
+    quantize(ri.x, q, codes[r].x, codes[r].scales);
+  }
+  return dispatch(codes, c, handle);
 }
 
 std::vector<Tensor> combine(const std::vector<Tensor>& y, const Handle& h,
