@@ -23,6 +23,8 @@ torchrun; on CUDA one GPU a rank (LOCAL_RANK), on the CPU gloo.
         --config gpu --expert-parallel                   # nvlink backend; or --ep-backend nccl
     PYTHONPATH=build/python torchrun --nproc-per-node=2 examples/train_moe.py \
         --expert-parallel                                # CPU: gloo, reference backend
+    ... --expert-parallel --config tiny-fp8 --precision fp8-blockwise --fp8-wire
+                                 # FP8 on the wire: the tokens cross as 1x128 e4m3 codes
 
 Each rank then holds E / W experts of every MoE layer (a moeflow.ep.Group over
 the world, MoELayer(..., ep_group=group)) and trains on its own batches; the
@@ -198,9 +200,14 @@ def main():
     ap.add_argument("--fp8-wgrad", action="store_true",
                     help="FP8 precisions: the weight gradients in FP8 too (fp8-blockwise: rows "
                          "aligned to 128)")
+    ap.add_argument("--fp8-wire", action="store_true",
+                    help="with --expert-parallel and --precision fp8-blockwise: the tokens "
+                         "cross as their 1x128 e4m3 codes (an FP8 moeflow.ep.Group)")
     args = ap.parse_args()
-    if not args.expert_parallel and (args.ep_backend or args.uneven_tokens):
-        ap.error("--ep-backend and --uneven-tokens need --expert-parallel")
+    if not args.expert_parallel and (args.ep_backend or args.uneven_tokens or args.fp8_wire):
+        ap.error("--ep-backend, --uneven-tokens and --fp8-wire need --expert-parallel")
+    if args.fp8_wire and args.precision != "fp8-blockwise":
+        ap.error("--fp8-wire needs --precision fp8-blockwise")
     if args.fp8_wgrad and args.precision == "bf16":
         ap.error("--fp8-wgrad needs --precision fp8-blockwise or fp8-tensorwise")
     if args.precision != "bf16" and args.config == "tiny":
@@ -227,9 +234,13 @@ def main():
             sys.exit(f"train_moe.py: --ep-backend {backend} needs CUDA (--device cuda)")
         rank, world, device = init_distributed(device)
         # One group for every MoE layer (each dispatch keeps its own handle).
+        wire = dict(dtype=expert_dtype)
+        if args.fp8_wire:  # FP8 codes with their 1x128 scales; gradients in bf16
+            wire = dict(dtype=torch.float8_e4m3fn, scale_cols=-(-c["d"] // 128),
+                        backward_dtype=expert_dtype)
         group = moeflow.ep.Group(num_experts=c["experts"], topk=c["topk"], hidden_size=c["d"],
-                                 dtype=expert_dtype, backend=backend, align=align,
-                                 max_tokens_per_rank=c["batch"] * c["seq"])
+                                 backend=backend, align=align,
+                                 max_tokens_per_rank=c["batch"] * c["seq"], **wire)
         batches = [max(1, c["batch"] - r) if args.uneven_tokens else c["batch"]
                    for r in range(world)]  # sequences a step, per rank
         batch = batches[rank]
@@ -255,7 +266,8 @@ def main():
               f"device {device}; loss starts near log(vocab) = {math.log(c['vocab']):.3f}, the data's "
               f"entropy is {entropy:.3f}", flush=True)
         if group is not None:
-            print(f"train_moe: expert parallel over {world} ranks ({group.backend} backend), "
+            print(f"train_moe: expert parallel over {world} ranks ({group.backend} backend"
+                  f"{', FP8 on the wire' if args.fp8_wire else ''}), "
                   f"{group.local_experts} experts a rank; tokens a step per rank: "
                   f"{[b * c['seq'] for b in batches]}", flush=True)
 

@@ -89,6 +89,23 @@ def test_train_moe_expert_parallel_on_two_cpu_ranks():
     assert "train_moe: PASS" in r.stdout, r.stdout
 
 
+@pytest.mark.skipif(not HAS_TORCH, reason="examples/train_moe.py needs torch (not installed)")
+def test_train_moe_expert_parallel_fp8_wire_on_two_cpu_ranks():
+    # FP8 on the wire (an FP8 group, the blockwise recipe): the tokens cross
+    # as their 1x128 codes, quantized by the dispatch, and the loss falls.
+    if not has_gloo():
+        pytest.skip("torch.distributed with gloo is not available")
+    r = run_python(["-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
+                    str(EXAMPLES / "train_moe.py"), "--expert-parallel", "--config", "tiny-fp8",
+                    "--precision", "fp8-blockwise", "--fp8-wire", "--steps", "30"], timeout=180)
+    check_clean(r)
+    assert "expert parallel over 2 ranks (reference backend, FP8 on the wire)" in r.stdout, \
+        r.stdout
+    first, last = re.search(r"^loss ([0-9.]+) -> ([0-9.]+)", r.stdout, re.M).groups()
+    assert float(last) < float(first), r.stdout
+    assert "train_moe: PASS" in r.stdout, r.stdout
+
+
 def readme_python_block():
     text = (ROOT / "README.md").read_text()
     blocks = text.split("```python\n")
