@@ -6,6 +6,7 @@
 
 #include "core/activations.h"
 #include "core/mlp_call.h"
+#include "cuda/act_source.cuh"
 #include "cuda/common.cuh"
 #include "cuda/fp8.cuh"
 #include "cuda/mlp_rows.cuh"
@@ -270,8 +271,6 @@ __global__ void __launch_bounds__(256)
     act_quantize_kernel(RowMap m, const T* h, int64_t n1, const float* probs, ActivationParams ap,
                         int il, uint8_t* aq, int64_t aq_stride, float* scales, int64_t nb,
                         int64_t f, int64_t rows, bool pow2) {
-  constexpr bool kGated =
-      A == Activation::kSwiGLU || A == Activation::kGeGLU || A == Activation::kClampedQuickGeGLU;
   const int lane = threadIdx.x % 32;
   const int64_t row = blockIdx.x * int64_t{8} + threadIdx.x / 32;
   if (row >= rows) return;  // warp-uniform
@@ -286,32 +285,11 @@ __global__ void __launch_bounds__(256)
     for (int64_t b = lane; b < nb; b += 32) srow[b] = one;
     return;
   }
-  const T* hrow = h + row * n1;
-  const float p = probs ? probs[row] : 1.0f;
+  const ActSource<T, A, VEC> src{h, n1, probs, ap, il};
   for (int64_t c0 = 0; c0 < f; c0 += int64_t{kFp8PerLane} * 32) {
     const int64_t cl = c0 + int64_t{lane} * kFp8PerLane;
     float v[kFp8PerLane];
-    if constexpr (VEC) {
-      float g[kFp8PerLane], u[kFp8PerLane];
-      // 16 gate columns from cl on are contiguous in h (and 16 up columns)
-      load_chunk<T, true>(hrow, kGated ? glu_gate_col(cl, il) : cl, cl < f ? n1 : 0, g);
-      if constexpr (kGated) load_chunk<T, true>(hrow, glu_up_col(cl, il, f), cl < f ? n1 : 0, u);
-#pragma unroll
-      for (int j = 0; j < kFp8PerLane; ++j)
-        v[j] = cl < f ? to_float(from_float<T>(act_forward(A, g[j], kGated ? u[j] : 0.0f, ap) * p))
-                      : 0.0f;
-    } else {
-#pragma unroll
-      for (int j = 0; j < kFp8PerLane; ++j) {
-        const int64_t col = cl + j;
-        v[j] = 0.0f;
-        if (col < f) {
-          const float g = to_float(hrow[kGated ? glu_gate_col(col, il) : col]);
-          const float u = kGated ? to_float(hrow[glu_up_col(col, il, f)]) : 0.0f;
-          v[j] = to_float(from_float<T>(act_forward(A, g, u, ap) * p));
-        }
-      }
-    }
+    src.load(row, cl, f, v);
     uint32_t w[kFp8PerLane / 4];
     const float scale = quantize_chunk<E4M3>(v, pow2, w);
     store_codes<VEC>(qrow, cl, f, w);
