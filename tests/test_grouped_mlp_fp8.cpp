@@ -163,5 +163,68 @@ TEST(GroupedMlpFp8, BadInputNamesTheArgument) {
             std::string::npos);
 }
 
+// grouped_mlp_fp8_fc1_forward on the CPU: the two ops it names (its CUDA
+// kernel is checked bit for bit against them in test_gpu_mlp_fp8_fc1.cpp),
+// and its argument errors.
+TEST(GroupedMlpFp8, Fc1ForwardIsGemmThenActivationQuantize) {
+  const int64_t E = 2, H = 128, F = 128, rows = 64;
+  const DType e4 = DType::kFloat8E4M3, f32 = DType::kFloat32, bf = DType::kBFloat16;
+  Tensor x = make_tensor({rows, H}, bf), w = make_tensor({E * 2 * F, H}, bf);
+  fill_random(x, 3);
+  fill_random(w, 4, -0.1f, 0.1f);
+  Tensor xq = make_tensor({rows, H}, e4), xs = make_tensor({rows, 1}, f32);
+  Tensor wq = make_tensor({E, 2 * F, H}, e4), ws = make_tensor({E, 2, 1}, f32);
+  quantize(x, QuantizeConfig{e4, QuantScaling::kBlock1x128, false, false}, xq, xs);
+  quantize(w, QuantizeConfig{e4, QuantScaling::kBlock128x128, false, false},
+           TensorView(wq.data(), e4, Device::cpu(), {E * 2 * F, H}),
+           TensorView(ws.data(), f32, Device::cpu(), {E * 2, 1}));
+  Tensor offs = make_tensor({E + 1}, DType::kInt64), real = make_tensor({E}, DType::kInt32);
+  for (int64_t e = 0; e <= E; ++e) offs.data_ptr<int64_t>()[e] = std::min<int64_t>(32 * e, 48);
+  real.data_ptr<int32_t>()[0] = 30;
+  real.data_ptr<int32_t>()[1] = 16;
+  GroupLayout g;
+  g.offsets = offs;
+  g.real_rows = real;
+  Tensor probs = make_tensor({rows}, f32);
+  for (int64_t i = 0; i < rows; ++i) probs.data_ptr<float>()[i] = 0.5f + 0.01f * i;
+  GroupedMlpConfig c;
+  c.glu_interleave = 32;
+  Tensor h = poisoned({rows, 2 * F}, bf, Device::cpu()),
+         aq = poisoned({rows, F}, e4, Device::cpu());
+  Tensor as = poisoned({rows, 1}, f32, Device::cpu());
+  grouped_mlp_fp8_fc1_forward(xq, xs, wq, ws, g, probs, c, h, aq, as, true);
+  Tensor h2 = poisoned({rows, 2 * F}, bf, Device::cpu()),
+         aq2 = poisoned({rows, F}, e4, Device::cpu());
+  Tensor as2 = poisoned({rows, 1}, f32, Device::cpu());
+  grouped_gemm_fp8_forward(xq, xs, wq, ws, g, h2);
+  grouped_mlp_activation_quantize(
+      h2, g, probs, c, QuantizeConfig{e4, QuantScaling::kBlock1x128, true, false}, aq2, as2);
+  EXPECT_TRUE(bytes_equal(h, h2));
+  EXPECT_TRUE(bytes_equal(aq, aq2));
+  EXPECT_TRUE(bytes_equal(as, as2));
+  EXPECT_FALSE(row_is(aq, 5, 0)) << "a data row holds codes";
+
+  Tensor one = make_tensor({1}, f32);
+  EXPECT_NE(message_of([&] {
+              grouped_mlp_fp8_fc1_forward(xq, one, wq, ws, g, {}, c, h, aq, as);
+            }).find("x_scales must be [rows,H/128]"),
+            std::string::npos);
+  Tensor a16 = make_tensor({rows, F}, bf);
+  EXPECT_NE(message_of([&] {
+              grouped_mlp_fp8_fc1_forward(xq, xs, wq, ws, g, {}, c, h, a16, as);
+            }).find("a_q"),
+            std::string::npos);
+  Tensor h_small = make_tensor({rows, F}, bf);
+  EXPECT_NE(message_of([&] {
+              grouped_mlp_fp8_fc1_forward(xq, xs, wq, ws, g, {}, c, h_small, aq, as);
+            }).find("h must be bfloat16 [64,256]"),
+            std::string::npos);
+  Tensor as_bad = make_tensor({rows, 2}, f32);
+  EXPECT_NE(message_of([&] {
+              grouped_mlp_fp8_fc1_forward(xq, xs, wq, ws, g, {}, c, h, aq, as_bad);
+            }).find("a_scales"),
+            std::string::npos);
+}
+
 }  // namespace
 }  // namespace moeflow::test
