@@ -27,10 +27,7 @@ the bf16 layer; ``--fp8-wgrad``, ``--fp8-weight-cache`` as MoELayer's
 options), and with ``--ablate-fused-quantize`` each FP8 layer once more
 with the tokens (tensorwise: and dout) permuted into 16-bit rows first and
 those quantized (the path before permute_quantize and
-unpermute_backward_quantize took the FP8 recipes); with
-``--ablate-fc1-epilogue`` each blockwise layer once more with FC1's GEMM and
-a's quantization as two ops (``grouped_gemm_fp8_forward``, then
-``activation_quantize``) instead of ``grouped_mlp_fp8_fc1_forward``.
+unpermute_backward_quantize took the FP8 recipes).
 ``--ablate-recompute-permute`` times moeflow's step once more keeping the
 permuted rows for FC1's weight gradient (``recompute_permute=False``; A B
 B A). Every step's "saved" figure is what its forward keeps for backward
@@ -46,7 +43,7 @@ w)`` at four shapes.
         [--router] [--case NAME] [--top N] [--memory-snapshot FILE] [--align N]
         [--ablate-router-gemm] [--ablate-router-split] [--ablate-recompute-permute]
         [--accumulate] [--precision P [--fp8-wgrad]
-        [--fp8-weight-cache] [--ablate-fused-quantize] [--ablate-fc1-epilogue]]
+        [--fp8-weight-cache] [--ablate-fused-quantize]]
 """
 import argparse
 import contextlib
@@ -396,24 +393,6 @@ def unfused_quantize():
         _mlp_io.columnwise_codes = keep_cols
 
 
-@contextlib.contextmanager
-def two_op_fc1():
-    """The blockwise FP8 layers' FC1 as the two ops its fused kernel replaces:
-    grouped_gemm_fp8_forward, then activation_quantize of its h."""
-    keep = mf.grouped_mlp_fp8_fc1_forward
-
-    def fc1(xq, xs, wq, ws, offsets, real_rows=None, probs=None, **act):
-        h = mf.grouped_gemm_fp8_forward(xq, xs, wq, ws, offsets, real_rows)
-        return (h, *mf.activation_quantize(h, offsets=offsets, real_rows=real_rows, probs=probs,
-                                           **act))
-
-    mf.grouped_mlp_fp8_fc1_forward = fc1
-    try:
-        yield
-    finally:
-        mf.grouped_mlp_fp8_fc1_forward = keep
-
-
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--json")
@@ -446,9 +425,6 @@ def main():
     ap.add_argument("--ablate-fused-quantize", action="store_true",
                     help="with --precision: also time each FP8 layer with the rows "
                          "permuted in 16 bits, then quantized (A B B A)")
-    ap.add_argument("--ablate-fc1-epilogue", action="store_true",
-                    help="with --precision fp8-blockwise: also time each FP8 layer with "
-                         "FC1's GEMM and a's quantization as two ops (A B B A)")
     args = ap.parse_args()
     dev = torch.device("cuda")
     out = {"device": torch.cuda.get_device_name(0), "torch": torch.__version__,
@@ -544,20 +520,12 @@ def main():
                 with unfused_quantize():
                     fp8_step()
 
-            def fp8_two_op_fc1_step(fp8_step=fp8_step):
-                with two_op_fc1():
-                    fp8_step()
-
             steps.append((f"moeflow_{prec}", fp8_step))
             forwards[f"moeflow_{prec}"] = lambda layer8=layer8: layer8(x)
             if args.ablate_fused_quantize:
                 steps += [(f"moeflow_{prec}_unfused", fp8_unfused_step),
                           (f"moeflow_{prec}_unfused_2", fp8_unfused_step),
                           (f"moeflow_{prec}_2", fp8_step)]
-            if args.ablate_fc1_epilogue:
-                steps += [(f"moeflow_{prec}_two_op_fc1", fp8_two_op_fc1_step),
-                          (f"moeflow_{prec}_two_op_fc1_2", fp8_two_op_fc1_step),
-                          (f"moeflow_{prec}_3", fp8_step)]
         if args.ablate_router_gemm:  # A B B A against the default (drift cancels)
             steps += [("moeflow_float32_router_gemm", mf_f32_router_step), ("moeflow_1", mf_step),
                       ("moeflow_2", mf_step), ("moeflow_float32_router_gemm_2", mf_f32_router_step)]

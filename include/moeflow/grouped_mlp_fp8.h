@@ -90,29 +90,11 @@ void grouped_mlp_fp8_weights(const GroupedMlpWeights& w, const GroupedMlpFp8Weig
 
 // y = FC2(act(FC1(x)) * p) on FP8 codes; h [rows, N1] bf16 is written (the
 // pre-activation backward reads). probs optional [rows] float32. The GEMMs
-// take config.gemm's options (fp8_tile, fp8_promote). Blockwise: FC1 through
-// grouped_mlp_fp8_fc1_forward.
+// take config.gemm's options (fp8_tile, fp8_promote).
 void grouped_mlp_fp8_forward(TensorView x, const GroupedMlpFp8Weights& q,
                              const GroupLayout& groups, TensorView probs,
                              const GroupedMlpConfig& config, TensorView y, TensorView h,
                              const GroupedMlpFp8Scratch& scratch, cudaStream_t stream = nullptr);
-
-// FC1 of the blockwise recipe with FC2's input quantized in the GEMM's
-// epilogue: h = x W1_e^T (bf16 [rows, N1], contiguous; grouped_gemm_fp8_forward's
-// bits) and a = act(h) * p quantized 1x128 into a_q [rows, F] e4m3 (unit
-// column stride) and a_scales [rows, F/128] float32 (grouped_mlp_activation_quantize's
-// bits on the same h), for x_q [rows, H] e4m3 with x_scales [rows, H/128]
-// and w1_q [E, N1, H] e4m3 with w1_scales [E, N1/128, H/128]. probs
-// optional [rows] float32; config.activation, params and glu_interleave as
-// the MLP's, config.gemm's fp8_tile and raster; pow2_scales as
-// QuantizeConfig's. CUDA (Hopper): one launch when glu_interleave is 0 or a
-// multiple of 8 dividing 128, else the two ops; the CPU runs the two ops.
-// No host sync, no allocation; graph-capturable.
-void grouped_mlp_fp8_fc1_forward(TensorView x_q, TensorView x_scales, TensorView w1_q,
-                                 TensorView w1_scales, const GroupLayout& groups, TensorView probs,
-                                 const GroupedMlpConfig& config, TensorView h, TensorView a_q,
-                                 TensorView a_scales, bool pow2_scales = false,
-                                 cudaStream_t stream = nullptr);
 
 // The input gradients: d_h [rows, N1] (d(h), kept for the wgrad), dx [rows,
 // H] (optional: left undefined, only d_h and dprobs), dprobs optional

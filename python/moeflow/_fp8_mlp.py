@@ -197,32 +197,24 @@ class GroupedMlpFp8(torch.autograd.Function):
                 x_t = (xq_t, xs_t)
         if offsets is None:  # the groups are the dispatch's (known from here on)
             offsets, real_rows = source.groups()
+        if xq is not None:
+            w1q, w1s = weight_codes(fc1, recipe, False, cache)
+            h = ops.grouped_gemm_fp8_forward(xq, xs, w1q, w1s, offsets, real_rows)
+            del xq, xs
+        else:
+            h = _gemm(x, fc1, recipe, offsets, real_rows, False, cache)  # bf16 [rows, N1]
         p = None if probs is None else probs.detach().contiguous()
         # Tensorwise FP8 wgrad: a's codes as FC2's forward reads them, transposed
         # in the same pass, are the ones its weight gradient needs (kept to
         # backward instead of quantizing a from h again: rows x F bytes).
         keep_a_t = (ctx is not None and wgrad8 and recipe != "fp8-blockwise"
                     and fc2.requires_grad)
-        act = dict(activation=cfg[0], glu_interleave=cfg[1], alpha=cfg[2], limit=cfg[3],
-                   offset=cfg[4])
-        got = None
-        if xq is None and recipe == "fp8-blockwise":
-            xq, xs = quantize_rows(x, recipe, offsets, real_rows)
-        if xq is not None:
-            w1q, w1s = weight_codes(fc1, recipe, False, cache)
-            if recipe == "fp8-blockwise":  # a's 1x128 codes from FC1's epilogue
-                h, *got = ops.grouped_mlp_fp8_fc1_forward(xq, xs, w1q, w1s, offsets, real_rows,
-                                                          probs=p, **act)
-            else:
-                h = ops.grouped_gemm_fp8_forward(xq, xs, w1q, w1s, offsets, real_rows)
-            del xq, xs
-        else:
-            h = _gemm(x, fc1, recipe, offsets, real_rows, False, cache)  # bf16 [rows, N1]
-        if got is None:
-            # a = act(h) * p quantized from h, a itself not stored (tensorwise: h read twice)
-            got = ops.activation_quantize(h, offsets=offsets, real_rows=real_rows, probs=p,
-                                          scaling="1x128" if recipe == "fp8-blockwise"
-                                          else "tensorwise", transposed=keep_a_t, **act)
+        # a = act(h) * p quantized from h, a itself not stored (tensorwise: h read twice)
+        got = ops.activation_quantize(h, offsets=offsets, real_rows=real_rows, probs=p,
+                                      activation=cfg[0], glu_interleave=cfg[1], alpha=cfg[2],
+                                      limit=cfg[3], offset=cfg[4],
+                                      scaling="1x128" if recipe == "fp8-blockwise"
+                                      else "tensorwise", transposed=keep_a_t)
         aq, a_s = got[0], got[1]
         w2q, w2s = weight_codes(fc2, recipe, False, cache)
         y = ops.grouped_gemm_fp8_forward(aq, a_s, w2q, w2s, offsets, real_rows)

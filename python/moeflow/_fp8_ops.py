@@ -1,6 +1,6 @@
 """The FP8 quantization and FP8 GEMM ops of moeflow.ops (re-exported there):
 quantize, quantize_group_rows, quantize_rowwise_columnwise, transpose_codes,
-dequantize, grouped_gemm_fp8_forward / _wgrad, grouped_mlp_fp8_fc1_forward."""
+dequantize, grouped_gemm_fp8_forward / _wgrad."""
 from __future__ import annotations
 
 from typing import Optional, Tuple
@@ -138,37 +138,6 @@ def grouped_gemm_fp8_forward(a: torch.Tensor, a_scales: torch.Tensor, w: torch.T
     _C.grouped_gemm_fp8_forward(a, a_scales, w, w_scales, offsets, real_rows, out, _stream(a),
                                 int(fp8_promote))
     return out
-
-
-def grouped_mlp_fp8_fc1_forward(x_q: torch.Tensor, x_scales: torch.Tensor, w1_q: torch.Tensor,
-                                w1_scales: torch.Tensor, offsets: torch.Tensor,
-                                real_rows: Optional[torch.Tensor] = None,
-                                probs: Optional[torch.Tensor] = None, activation: str = "swiglu",
-                                glu_interleave: int = 0, alpha: float = 1.702,
-                                limit: float = 7.0, offset: float = 1.0,
-                                pow2_scales: bool = False
-                                ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """FC1 of the blockwise FP8 MLP with FC2's input quantized in the GEMM's
-    epilogue: returns (h, a_q, a_scales), h = ``grouped_gemm_fp8_forward(x_q,
-    x_scales, w1_q, w1_scales, offsets, real_rows)`` (bf16 [rows, N1]) and
-    (a_q, a_scales) = ``activation_quantize(h, ...)`` (a = act(h) * p,
-    1x128 e4m3 codes [rows, F] and float32 scales [rows, F/128]), bit for bit
-    those two ops. Blockwise operands as grouped_gemm_fp8_forward's;
-    activation options as grouped_mlp's. CUDA (Hopper): one launch when
-    glu_interleave is 0 or a multiple of 8 dividing 128; the CPU runs the two
-    ops. No sync; not differentiable."""
-    gated = activation in ("swiglu", "geglu", "clamped_quick_geglu")
-    rows, n1 = x_q.shape[0], w1_q.shape[1]
-    f = n1 // 2 if gated else n1
-    h = torch.empty((rows, n1), dtype=torch.bfloat16, device=x_q.device)
-    a_q = torch.empty((rows, f), dtype=torch.float8_e4m3fn, device=x_q.device)
-    a_scales = torch.empty((rows, -(-f // 128)), dtype=torch.float32, device=x_q.device)
-    _C.grouped_mlp_fp8_fc1_forward(x_q, x_scales, w1_q, w1_scales, offsets, real_rows,
-                                   None if probs is None else probs.detach().contiguous(),
-                                   activation, int(glu_interleave), float(alpha), float(limit),
-                                   float(offset), bool(pow2_scales), h, a_q, a_scales,
-                                   _stream(x_q))
-    return h, a_q, a_scales
 
 
 def grouped_gemm_fp8_wgrad(dc_t: torch.Tensor, dc_t_scales: torch.Tensor, a_t: torch.Tensor,

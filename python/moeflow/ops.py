@@ -30,7 +30,7 @@ import torch
 
 from . import _C, _mlp_io
 from ._fp8_ops import (_FP8, dequantize, grouped_gemm_fp8_forward,  # noqa: F401
-                       grouped_gemm_fp8_wgrad, grouped_mlp_fp8_fc1_forward, quantize, quantize_group_rows,
+                       grouped_gemm_fp8_wgrad, quantize, quantize_group_rows,
                        quantize_rowwise_columnwise, transpose_codes)
 from ._mlp_node import _GroupedMlp
 from ._ops_common import (_empty, _float32, _grad_enabled, _int32, _int64,  # noqa: F401

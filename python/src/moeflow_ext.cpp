@@ -569,24 +569,6 @@ NB_MODULE(_C, m) {
       nb::arg("a_scales"), nb::arg("stream") = 0, nb::arg("scaling") = "1x128",
       nb::arg("a_q_t").none() = nb::none());
   m.def(
-      "grouped_mlp_fp8_fc1_forward",
-      [](const Array& x_q, const Array& x_scales, const Array& w1_q, const Array& w1_scales,
-         const Array& offsets, const std::optional<Array>& real_rows,
-         const std::optional<Array>& probs, const std::string& act, int glu_interleave, float alpha,
-         float limit, float offset, bool pow2, const Array& h, const AnyArray& a_q,
-         const Array& a_scales, uintptr_t s) {
-        grouped_mlp_fp8_fc1_forward(
-            view_of(x_q, "x_q"), view_of(x_scales, "x_scales"), view_of(w1_q, "w1_q"),
-            view_of(w1_scales, "w1_scales"), layout(offsets, real_rows), opt_view(probs, "probs"),
-            mlp_config(act, glu_interleave, alpha, limit, offset), view_of(h, "h"),
-            rows_of(a_q, "a_q"), view_of(a_scales, "a_scales"), pow2, stream_of(s));
-      },
-      nb::arg("x_q"), nb::arg("x_scales"), nb::arg("w1_q"), nb::arg("w1_scales"),
-      nb::arg("offsets"), nb::arg("real_rows").none(), nb::arg("probs").none(),
-      nb::arg("activation"), nb::arg("glu_interleave"), nb::arg("alpha"), nb::arg("limit"),
-      nb::arg("offset"), nb::arg("pow2_scales"), nb::arg("h"), nb::arg("a_q"), nb::arg("a_scales"),
-      nb::arg("stream") = 0);
-  m.def(
       "grouped_mlp_backward_wgrad",
       [](const std::optional<AnyArray>& dy, const std::optional<AnyArray>& x,
          const Array& offsets, const std::optional<Array>& real_rows,

@@ -182,34 +182,3 @@ def test_fp8_wgrad_misaligned_group_sets_the_error_flag(device):
     assert int(error.item()) == 1
     assert torch.isnan(out[1]).all()
     assert not torch.isnan(out[0]).any()
-
-
-@pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("activation,glu_interleave", [("swiglu", 0), ("swiglu", 64),
-                                                        ("geglu", 128), ("gelu", 0),
-                                                        ("swiglu", 256)])
-def test_fc1_forward_is_gemm_then_activation_quantize(device, activation, glu_interleave):
-    """grouped_mlp_fp8_fc1_forward (FC1 with a's 1x128 codes from the GEMM's
-    epilogue on Hopper) returns bit for bit what grouped_gemm_fp8_forward then
-    activation_quantize of its h return: h, a's codes and scales (interleave
-    256: the two ops on the GPU as well)."""
-    gated = activation != "gelu"
-    F = 256
-    qa, sa, qw, sw, offsets, real = problem([144, 0, 256], [130, 0, 250], 256,
-                                            2 * F if gated else F, 4)
-    g = torch.Generator().manual_seed(9)
-    probs = (torch.rand(qa.shape[0], generator=g) + 0.25).to(device)
-    qa, sa, qw, sw, offsets, real = (t.to(device) for t in (qa, sa, qw, sw, offsets, real))
-    act = dict(activation=activation, glu_interleave=glu_interleave)
-    h, a_q, a_s = mf.grouped_mlp_fp8_fc1_forward(qa, sa, qw, sw, offsets, real, probs=probs,
-                                                 **act)
-    want_h = mf.grouped_gemm_fp8_forward(qa, sa, qw, sw, offsets, real)
-    want_q, want_s = mf.activation_quantize(want_h, offsets=offsets, real_rows=real, probs=probs,
-                                            **act)
-    used = int(offsets[-1])
-    assert torch.equal(h[:used].view(torch.int16), want_h[:used].view(torch.int16))
-    assert torch.equal(a_q[:used].view(torch.uint8), want_q[:used].view(torch.uint8))
-    assert torch.equal(a_s[:used], want_s[:used])
-    assert (a_q[10].view(torch.uint8) != 0).sum() > F // 4  # a data row holds codes
-    with pytest.raises(Exception, match="x_scales must be"):
-        mf.grouped_mlp_fp8_fc1_forward(qa, sa[:, :1].contiguous(), qw, sw, offsets, real)

@@ -74,10 +74,6 @@ struct Fp8GemmCall {
   GemmOptions options;  // raster and fp8_tile (moeflow/tuning.h)
 };
 
-// grouped_gemm_fp8_forward's argument checks (errors name the argument).
-Fp8GemmCall check_fp8_forward(TensorView a, TensorView a_scales, TensorView w, TensorView w_scales,
-                              const GroupLayout& groups, TensorView c, const GemmOptions& options);
-
 // The blockwise FP8 wgrad (grouped_gemm_fp8_wgrad): arguments checked.
 struct Fp8WgradCall {
   TensorView dc_t, dc_t_scales, a_t, a_t_scales;  // [N, rows], [N, rows/128]; [K, rows], [K, rows/128]

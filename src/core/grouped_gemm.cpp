@@ -269,8 +269,9 @@ void grouped_gemm_fp8_forward(TensorView a, TensorView a_scales, TensorView w, T
   grouped_gemm_fp8_forward(a, a_scales, w, w_scales, groups, c, GemmOptions{}, stream);
 }
 
-Fp8GemmCall check_fp8_forward(TensorView a, TensorView a_scales, TensorView w, TensorView w_scales,
-                              const GroupLayout& groups, TensorView c, const GemmOptions& options) {
+void grouped_gemm_fp8_forward(TensorView a, TensorView a_scales, TensorView w, TensorView w_scales,
+                              const GroupLayout& groups, TensorView c, const GemmOptions& options,
+                              cudaStream_t stream) {
   detail::expect_defined(a, "a");
   detail::expect_defined(w, "w");
   MOEFLOW_CHECK(a.ndim == 2, "a must be [rows,K], got ", a.str());
@@ -307,14 +308,7 @@ Fp8GemmCall check_fp8_forward(TensorView a, TensorView a_scales, TensorView w, T
   MOEFLOW_CHECK(addr(c) % 4 == 0 && (rows <= 1 || (c.strides[0] % 2 == 0 && c.strides[0] >= N)),
                 "grouped_gemm_fp8_forward: c must be 4-byte aligned with an even row stride >= N=",
                 N, ", got stride ", c.strides[0]);
-  return Fp8GemmCall{a, a_scales, w, w_scales, c, groups, options};
-}
-
-void grouped_gemm_fp8_forward(TensorView a, TensorView a_scales, TensorView w, TensorView w_scales,
-                              const GroupLayout& groups, TensorView c, const GemmOptions& options,
-                              cudaStream_t stream) {
-  const Fp8GemmCall call = check_fp8_forward(a, a_scales, w, w_scales, groups, c, options);
-  const Device dev = a.device;
+  Fp8GemmCall call{a, a_scales, w, w_scales, c, groups, options};
   if (dev.is_cpu()) return cpu::grouped_gemm_fp8_forward(call);
 #ifdef MOEFLOW_WITH_CUDA
   detail::cuda_set_device(dev.index);

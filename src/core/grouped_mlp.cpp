@@ -319,9 +319,10 @@ void grouped_mlp_activation_quantize(TensorView h, const GroupLayout& groups, Te
   grouped_mlp_activation_quantize(h, groups, probs, c, quant, a_q, a_scales, TensorView{}, stream);
 }
 
-MlpRows check_activation_quantize(TensorView h, const GroupLayout& groups, TensorView probs,
-                                  const GroupedMlpConfig& c, const QuantizeConfig& quant,
-                                  TensorView a_q, TensorView a_scales, TensorView a_q_t) {
+void grouped_mlp_activation_quantize(TensorView h, const GroupLayout& groups, TensorView probs,
+                                     const GroupedMlpConfig& c, const QuantizeConfig& quant,
+                                     TensorView a_q, TensorView a_scales, TensorView a_q_t,
+                                     cudaStream_t stream) {
   MOEFLOW_CHECK(quant.out == DType::kFloat8E4M3 || quant.out == DType::kFloat8E5M2,
                 "activation_quantize: QuantizeConfig.out must be float8_e4m3 or float8_e5m2, got ",
                 dtype_name(quant.out));
@@ -355,17 +356,7 @@ MlpRows check_activation_quantize(TensorView h, const GroupLayout& groups, Tenso
   if (gated && c.glu_interleave != 0)
     MOEFLOW_CHECK(c.glu_interleave > 0 && f % c.glu_interleave == 0,
                   "config.glu_interleave must divide F=", f, ", got ", c.glu_interleave);
-  return MlpRows{groups, experts_of(groups, h.device), rows};
-}
-
-void grouped_mlp_activation_quantize(TensorView h, const GroupLayout& groups, TensorView probs,
-                                     const GroupedMlpConfig& c, const QuantizeConfig& quant,
-                                     TensorView a_q, TensorView a_scales, TensorView a_q_t,
-                                     cudaStream_t stream) {
-  const MlpRows r = check_activation_quantize(h, groups, probs, c, quant, a_q, a_scales, a_q_t);
-  const bool tw = quant.scaling == QuantScaling::kTensorwise;
-  const int64_t rows = h.shape[0], f = a_q.shape[1];
-  const int64_t nb = (f + quant::kBlock - 1) / quant::kBlock;
+  const MlpRows r{groups, experts_of(groups, h.device), rows};
   if (h.device.is_cpu()) {  // the composition: the activation, then quantize of the group rows
     Tensor a = Tensor::empty({rows, f}, h.dtype, Device::cpu());
     cpu::mlp_fc1_epilogue(r, h, {}, probs, c.activation, c.params, c.glu_interleave, a);

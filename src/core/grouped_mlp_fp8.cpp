@@ -276,43 +276,6 @@ void grouped_mlp_fp8_weights(const GroupedMlpWeights& w, const GroupedMlpFp8Weig
   transpose_codes(q.fc2_scales, q.fc2_t_scales, stream);
 }
 
-void grouped_mlp_fp8_fc1_forward(TensorView x_q, TensorView x_scales, TensorView w1_q,
-                                 TensorView w1_scales, const GroupLayout& groups, TensorView probs,
-                                 const GroupedMlpConfig& c, TensorView h, TensorView a_q,
-                                 TensorView a_scales, bool pow2_scales, cudaStream_t stream) {
-  MOEFLOW_CHECK(x_scales.defined() && x_scales.ndim == 2,
-                "grouped_mlp_fp8_fc1_forward is blockwise: x_scales must be [rows,H/128], got ",
-                x_scales.str());
-  MOEFLOW_CHECK(x_q.defined() && x_q.ndim == 2, "x_q must be [rows,H], got ", x_q.str());
-  MOEFLOW_CHECK(w1_q.defined() && w1_q.ndim == 3, "w1_q must be [E,N1,H], got ", w1_q.str());
-  const int64_t rows = x_q.shape[0], H = x_q.shape[1], E = w1_q.shape[0], N1 = w1_q.shape[1];
-  const Device dev = x_q.device;
-  const DType e4 = DType::kFloat8E4M3, f32 = DType::kFloat32;
-  MOEFLOW_CHECK(H % kB == 0 && N1 % kB == 0,
-                "grouped_mlp_fp8_fc1_forward needs H and N1 to be multiples of 128, got H=", H,
-                " N1=", N1);
-  detail::expect(x_q, "x_q", Expect{{e4}, {rows, H}, dev});
-  detail::expect(x_scales, "x_scales", Expect{{f32}, {rows, H / kB}, dev});
-  detail::expect(w1_q, "w1_q", Expect{{e4}, {E, N1, H}, dev});
-  detail::expect(w1_scales, "w1_scales", Expect{{f32}, {E, N1 / kB, H / kB}, dev});
-  detail::expect(h, "h", Expect{{DType::kBFloat16}, {rows, N1}, dev});
-  QuantizeConfig quant = rows_of(Fp8Recipe::kBlockwise);
-  quant.pow2_scales = pow2_scales;
-  [[maybe_unused]] const Fp8GemmCall gemm =
-      check_fp8_forward(x_q, x_scales, w1_q, w1_scales, groups, h, c.gemm);
-  check_activation_quantize(h, groups, probs, c, quant, a_q, a_scales, TensorView{});
-#ifdef MOEFLOW_WITH_CUDA
-  const MlpFp8Fc1Call call{gemm, probs,    c.activation, c.params, c.glu_interleave,
-                           a_q,  a_scales, pow2_scales};
-  if (h.device.is_cuda()) {
-    detail::cuda_set_device(h.device.index);
-    if (cuda::mlp_fp8_fc1_fusable(call)) return cuda::mlp_fp8_fc1_forward(call, stream);
-  }
-#endif
-  grouped_gemm_fp8_forward(x_q, x_scales, w1_q, w1_scales, groups, h, c.gemm, stream);
-  grouped_mlp_activation_quantize(h, groups, probs, c, quant, a_q, a_scales, stream);
-}
-
 void grouped_mlp_fp8_forward(TensorView x, const GroupedMlpFp8Weights& q,
                              const GroupLayout& groups, TensorView probs,
                              const GroupedMlpConfig& c, TensorView y, TensorView h,
@@ -323,15 +286,10 @@ void grouped_mlp_fp8_forward(TensorView x, const GroupedMlpFp8Weights& q,
   detail::expect(y, "y", rows_expect(DType::kBFloat16, d.rows, d.hidden, d.dev));
   check_common(d, groups, probs, c, h);
   const Operand xq = quantize_rows(x, scratch, d, groups, q.recipe, stream);
+  grouped_gemm_fp8_forward(xq.codes, xq.scales, q.fc1, q.fc1_scales, groups, h, c.gemm, stream);
   const Operand aq = scratch_for(scratch, d, d.ffn, q.recipe);
-  if (q.recipe == Fp8Recipe::kBlockwise) {
-    grouped_mlp_fp8_fc1_forward(xq.codes, xq.scales, q.fc1, q.fc1_scales, groups, probs, c, h,
-                                aq.codes, aq.scales, false, stream);
-  } else {
-    grouped_gemm_fp8_forward(xq.codes, xq.scales, q.fc1, q.fc1_scales, groups, h, c.gemm, stream);
-    grouped_mlp_activation_quantize(h, groups, probs, c, rows_of(q.recipe), aq.codes, aq.scales,
-                                    stream);
-  }
+  grouped_mlp_activation_quantize(h, groups, probs, c, rows_of(q.recipe), aq.codes, aq.scales,
+                                  stream);
   grouped_gemm_fp8_forward(aq.codes, aq.scales, q.fc2, q.fc2_scales, groups, y, c.gemm, stream);
 }
 

@@ -5,7 +5,6 @@
 
 #include "core/activations.h"
 #include "core/backends.h"
-#include "moeflow/grouped_mlp.h"
 #include "moeflow/quantize.h"
 
 namespace moeflow {
@@ -46,19 +45,6 @@ struct MlpDgluCall {
   GemmOptions options;
 };
 
-// FC1 of the blockwise FP8 MLP with a's 1x128 quantization in the GEMM's
-// epilogue (grouped_mlp_fp8_fc1_forward): gemm.c is h.
-struct MlpFp8Fc1Call {
-  Fp8GemmCall gemm;
-  TensorView probs;  // [rows] float32, or undefined
-  Activation act = Activation::kSwiGLU;
-  ActivationParams params;
-  int glu_interleave = 0;
-  TensorView a_q;       // [rows, F] e4m3, unit column stride
-  TensorView a_scales;  // [rows, F / 128] float32
-  bool pow2 = false;
-};
-
 // The elementwise steps of the grouped MLP around its GEMMs (validated
 // arguments; groups as in grouped_gemm.h; pad rows are left zero / get none).
 struct MlpRows {
@@ -71,11 +57,6 @@ struct MlpRows {
 // dGLU: d_h holds d(a) in its columns [N1-F, N1) (gated) or is d(a) (plain);
 // on return d_h = d(h) (pad rows zero) and dprobs[row] = <d(a), act(h)> (with probs).
 // Per-expert column sums of src's data rows: dst [E, C] float32 (+= with accumulate).
-// grouped_mlp_activation_quantize's argument checks; the rows it covers.
-MlpRows check_activation_quantize(TensorView h, const GroupLayout& groups, TensorView probs,
-                                  const GroupedMlpConfig& c, const QuantizeConfig& quant,
-                                  TensorView a_q, TensorView a_scales, TensorView a_q_t);
-
 namespace cpu {
 void mlp_fc1_epilogue(const MlpRows& r, TensorView h, TensorView bias1, TensorView probs,
                       Activation act, const ActivationParams& ap, int interleave, TensorView a);
@@ -129,10 +110,6 @@ void mlp_dglu(const MlpRows& r, TensorView h, TensorView d_h, TensorView probs, 
               const ActivationParams& ap, int interleave, int64_t ffn, TensorView dprobs,
               cudaStream_t stream, TensorView d_h_amax = {});
 bool mlp_dglu_fusable(const MlpDgluCall& call);
-// Hopper only. mlp_fp8_fc1_fusable() says whether the fused kernel takes the
-// call (else: grouped_gemm_fp8_forward + mlp_activation_quantize).
-bool mlp_fp8_fc1_fusable(const MlpFp8Fc1Call& call);
-void mlp_fp8_fc1_forward(const MlpFp8Fc1Call& call, cudaStream_t stream);
 void mlp_fc2_dgrad_dglu(const MlpDgluCall& call, cudaStream_t stream);
 // dprobs[row] = sum over t < tiles of part[row * part_ld + t] (rows inside the groups).
 void mlp_dprobs_from_partials(const MlpRows& r, const float* part, int64_t part_ld, int64_t tiles,

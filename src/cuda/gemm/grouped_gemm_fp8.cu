@@ -3,11 +3,8 @@
 // boxes, the deepest pipeline the shared memory holds, the persistent grid.
 #include <algorithm>
 #include <type_traits>
-#include <utility>
 
-#include "core/activations.h"
 #include "core/backends.h"
-#include "core/mlp_call.h"
 #include "cuda/common.cuh"
 #include "cuda/gemm/fp8/kernel.cuh"
 #include "cuda/gemm/fp8/wgrad.cuh"
@@ -37,16 +34,15 @@ Params group_params(const GroupLayout& g, const GemmOptions& o, int64_t E, int64
   return p;
 }
 
-template <typename T, bool TW, bool GLU = false>
-void launch_fp8(const Fp8GemmCall& c, const Params& p, const f::Fp8Params& q, cudaStream_t stream,
-                const f::GluParams& g = {}) {
+template <typename T, bool TW>
+void launch_fp8(const Fp8GemmCall& c, const Params& p, const f::Fp8Params& q, cudaStream_t stream) {
   const int64_t rows = c.a.shape[0], K = c.a.shape[1], E = c.w.shape[0], N = c.w.shape[1];
   // A [rows, K] and W as [E*N, K], bytes, in 128 x TM and 128 x TN boxes.
   const CUtensorMap map_a =
       tensor_map<2>(c.a.data, CU_TENSOR_MAP_DATA_TYPE_UINT8, {K, rows}, {K}, {f::kTileK, T::kM});
   const CUtensorMap map_w =
       tensor_map<2>(c.w.data, CU_TENSOR_MAP_DATA_TYPE_UINT8, {K, E * N}, {K}, {f::kTileK, T::kN});
-  const auto kernel = f::grouped_gemm_fp8_kernel<T, TW, GLU>;
+  const auto kernel = f::grouped_gemm_fp8_kernel<T, TW>;
   const size_t limit = max_dynamic_smem(kernel);
   int stages = f::kMaxStages;
   while (stages > 2 && f::Smem<T>::bytes(stages, p.num_groups) > limit) --stages;
@@ -55,7 +51,7 @@ void launch_fp8(const Fp8GemmCall& c, const Params& p, const f::Fp8Params& q, cu
                 " groups leave no shared memory for the pipeline");
   MOEFLOW_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                           static_cast<int>(smem)));
-  kernel<<<sm_count(), T::kThreads, smem, stream>>>(p, q, map_a, map_w, stages, g);
+  kernel<<<sm_count(), T::kThreads, smem, stream>>>(p, q, map_a, map_w, stages);
   MOEFLOW_CUDA_LAUNCH_CHECK();
 }
 
@@ -106,13 +102,16 @@ void launch_fp8_wgrad_out(const Fp8WgradCall& c, const Params& p, const f::Fp8Wg
   launch_fp8_wgrad<T, __nv_bfloat16, false>(c, p, q, stream);
 }
 
-// The forward's Params and scales (c validated; rows > 0).
-std::pair<Params, f::Fp8Params> forward_params(const Fp8GemmCall& c) {
+}  // namespace
+
+void grouped_gemm_fp8_forward(const Fp8GemmCall& c, cudaStream_t stream) {
+  MOEFLOW_CHECK(use_sm90({}), "grouped_gemm_fp8_forward needs a Hopper GPU (sm_90a build)");
   const int64_t rows = c.a.shape[0], K = c.a.shape[1], E = c.w.shape[0], N = c.w.shape[1];
   MOEFLOW_CHECK(E <= 8192, "grouped_gemm_fp8_forward takes at most 8192 groups, got ", E);
   MOEFLOW_CHECK(rows < (int64_t{1} << 31) && E * N < (int64_t{1} << 31),
                 "grouped_gemm_fp8_forward: rows and E*N must be below 2^31, got ", rows, " and ",
                 E * N);
+  if (rows == 0) return;
   Params p = group_params(c.groups, c.options, E, rows);
   p.a = c.a.data;
   p.lda = K;
@@ -123,33 +122,16 @@ std::pair<Params, f::Fp8Params> forward_params(const Fp8GemmCall& c) {
   p.ldc = c.c.strides[0];
   p.n_out = N;
   p.k_red = K;
+  const bool tw = c.a_scales.ndim == 1;  // tensorwise: one scale per operand
   const int promote = c.options.fp8_promote < 0 ? 4 : c.options.fp8_promote;
   const f::Fp8Params q{c.a_scales.data_ptr<float>(), c.w_scales.data_ptr<float>(), K / f::kBlock,
                        N / f::kBlock, promote};
-  return {p, q};
-}
-
-// Auto: three consumer warpgroups (192 x 128) unless the groups average
-// under 384 rows, where 192-row tiles would compute more pad rows
-// (docs/tuning.md).
-Fp8Tile forward_tile(const Fp8GemmCall& c) {
-  const int64_t rows = c.a.shape[0], E = c.w.shape[0];
-  const Fp8Tile tile = c.options.fp8_tile;
-  if (tile != Fp8Tile::kAuto) return tile;
-  return rows >= 384 * E ? Fp8Tile::k192x128 : Fp8Tile::k128x128;
-}
-
-}  // namespace
-
-void grouped_gemm_fp8_forward(const Fp8GemmCall& c, cudaStream_t stream) {
-  MOEFLOW_CHECK(use_sm90({}), "grouped_gemm_fp8_forward needs a Hopper GPU (sm_90a build)");
-  if (c.a.shape[0] == 0) return;
-  const auto pq = forward_params(c);
-  const Params& p = pq.first;
-  const f::Fp8Params& q = pq.second;
-  const bool tw = c.a_scales.ndim == 1;  // tensorwise: one scale per operand
   ensure_current_context();
-  const Fp8Tile tile = forward_tile(c);
+  // Auto: three consumer warpgroups (192 x 128) unless the groups average
+  // under 384 rows, where 192-row tiles would compute more pad rows
+  // (docs/tuning.md).
+  Fp8Tile tile = c.options.fp8_tile;
+  if (tile == Fp8Tile::kAuto) tile = rows >= 384 * E ? Fp8Tile::k192x128 : Fp8Tile::k128x128;
   const auto launch = [&](auto tw_tag) {
     constexpr bool TW = decltype(tw_tag)::value;
     switch (tile) {
@@ -164,39 +146,6 @@ void grouped_gemm_fp8_forward(const Fp8GemmCall& c, cudaStream_t stream) {
   };
   if (tw) return launch(std::true_type{});
   launch(std::false_type{});
-}
-
-bool mlp_fp8_fc1_fusable(const MlpFp8Fc1Call& c) {
-  const int il = c.glu_interleave;
-  const bool gated = is_gated(c.act);
-  const auto addr = [](const TensorView& v) { return reinterpret_cast<uintptr_t>(v.data); };
-  return use_sm90({}) && c.gemm.a_scales.ndim == 2 && c.a_q.shape[1] % f::kBlock == 0 &&
-         (!gated || il == 0 || (il % 8 == 0 && f::kBlock % il == 0)) && addr(c.a_q) % 2 == 0 &&
-         (c.a_q.shape[0] <= 1 || c.a_q.strides[0] % 2 == 0) && c.a_scales.is_contiguous();
-}
-
-void mlp_fp8_fc1_forward(const MlpFp8Fc1Call& c, cudaStream_t stream) {
-  MOEFLOW_CHECK(mlp_fp8_fc1_fusable(c), "mlp_fp8_fc1_forward: not fusable (internal)");
-  if (c.gemm.a.shape[0] == 0) return;
-  auto [p, q] = forward_params(c.gemm);  // (no lambda below captures them)
-  f::GluParams g;
-  g.n1 = c.gemm.w.shape[1];
-  g.f = c.a_q.shape[1];
-  g.il = c.glu_interleave;
-  g.passes = is_gated(c.act) ? 2 : 1;
-  g.act = c.act;
-  g.ap = c.params;
-  g.probs = c.probs.defined() ? c.probs.data_ptr<float>() : nullptr;
-  g.a_q = static_cast<uint8_t*>(c.a_q.data);
-  g.a_stride = c.a_q.strides[0];
-  g.a_scales = c.a_scales.data_ptr<float>();
-  g.a_nb = c.a_scales.shape[1];
-  g.pow2 = c.pow2;
-  p.n_out = g.f;  // the tile walk over a's columns
-  ensure_current_context();
-  if (forward_tile(c.gemm) == Fp8Tile::k192x128)
-    return launch_fp8<f::Tile192x128, false, true>(c.gemm, p, q, stream, g);
-  launch_fp8<f::Tile128x128, false, true>(c.gemm, p, q, stream, g);
 }
 
 void grouped_gemm_fp8_wgrad(const Fp8WgradCall& c, cudaStream_t stream) {

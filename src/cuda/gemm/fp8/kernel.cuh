@@ -35,7 +35,6 @@
 #include <cuda_bf16.h>
 
 #include "cuda/bulk.cuh"
-#include "cuda/gemm/fp8/glu_epilogue.cuh"
 #include "cuda/gemm/fp8/wgmma.cuh"
 #include "cuda/gemm/portable.cuh"
 #include "cuda/gemm/sm90_cpasync.cuh"
@@ -191,14 +190,10 @@ __device__ __forceinline__ int32_t start_pipeline(const Params& p, uint8_t* smem
   return tile_start[p.num_groups];
 }
 
-// GLU (blockwise, TN = 128): FC1 with the GLU epilogue (glu_epilogue.cuh):
-// p.n_out is a's F (the tile walk), g.n1 h's columns and W1's rows per group.
-template <typename T, bool TW, bool GLU = false>
+template <typename T, bool TW>
 __global__ void __launch_bounds__(T::kThreads, 1)
     grouped_gemm_fp8_kernel(Params p, Fp8Params q, const __grid_constant__ CUtensorMap map_a,
-                            const __grid_constant__ CUtensorMap map_w, int stages,
-                            const __grid_constant__ GluParams g) {
-  static_assert(!GLU || (!TW && T::kN == 128), "the GLU epilogue: blockwise, 128-wide tiles");
+                            const __grid_constant__ CUtensorMap map_w, int stages) {
 #if defined(__CUDA_ARCH__) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
   constexpr int TM = T::kM, TN = T::kN;
   extern __shared__ __align__(1024) uint8_t smem_raw[];
@@ -210,8 +205,6 @@ __global__ void __launch_bounds__(T::kThreads, 1)
   uint64_t* full = reinterpret_cast<uint64_t*>(slots + stages * kSlot);
   uint64_t* empty = full + kMaxStages;
   int32_t* tile_start = reinterpret_cast<int32_t*>(empty + kMaxStages);
-  const int passes = GLU ? g.passes : 1;
-  const int64_t w_rows = GLU ? g.n1 : p.n_out;  // W's rows per group
   // Warp-uniform values broadcast from lane 0, so that the compiler keeps
   // what follows from them (the loop trip counts, the stage cursor, the
   // operand descriptors) in uniform registers.
@@ -237,21 +230,19 @@ __global__ void __launch_bounds__(T::kThreads, 1)
       const TileGeom t = geom(tile, group);
       group = t.group;
       const int kt_n = k_tiles_of(t);
-      for (int pass = 0; pass < passes; ++pass) {
-        const int64_t n0 = GLU ? g.h_col(t.n0, pass) : t.n0;  // W's first row in the group
-        const int w_row = static_cast<int>(int64_t{t.group} * w_rows + n0);
-        // This lane's scale sources (32-bit row arithmetic: rows < 2^31): rows
-        // m0 + lane + 32 j (clamped into A: rows past the segment are never
-        // stored), and for lanes 0-1 the weight blocks holding columns n0 and
-        // the next 128 (clamped into W).
-        const int kb = static_cast<int>(q.k_blocks), r_max = static_cast<int>(p.rows) - 1;
-        const int r0 = static_cast<int>(t.m0) + lane;
-        const int nb = min(static_cast<int>(n0 / kBlock) + lane, static_cast<int>(q.n_blocks) - 1);
-        const int w_blk = t.group * static_cast<int>(q.n_blocks) + nb;
-        for (int kt = 0; kt < kt_n; ++kt) {
-          bulk::mbar_wait(&empty[s], parity ^ 1u);
-          if constexpr (!TW) {
-            float* slot = slots + s * kSlot;
+      const int w_row = static_cast<int>(int64_t{t.group} * p.n_out + t.n0);
+      // This lane's scale sources (32-bit row arithmetic: rows < 2^31): rows
+      // m0 + lane + 32 j (clamped into A: rows past the segment are never
+      // stored), and for lanes 0-1 the weight blocks holding columns n0 and
+      // the next 128 (clamped into W).
+      const int kb = static_cast<int>(q.k_blocks), r_max = static_cast<int>(p.rows) - 1;
+      const int r0 = static_cast<int>(t.m0) + lane;
+      const int nb = min(static_cast<int>(t.n0 / kBlock) + lane, static_cast<int>(q.n_blocks) - 1);
+      const int w_blk = t.group * static_cast<int>(q.n_blocks) + nb;
+      for (int kt = 0; kt < kt_n; ++kt) {
+        bulk::mbar_wait(&empty[s], parity ^ 1u);
+        if constexpr (!TW) {
+          float* slot = slots + s * kSlot;
 #pragma unroll
           for (int j = 0; j < (TM + 31) / 32; ++j)
             if (lane + 32 * j < TM)
@@ -267,7 +258,6 @@ __global__ void __launch_bounds__(T::kThreads, 1)
           tma_load_2d(stage + T::kStageBytesA, &map_w, &full[s], kt * kTileK, w_row);
         }
         if (++s == stages) s = 0, parity ^= 1u;
-      }
       }
     }
     return;
@@ -294,10 +284,7 @@ __global__ void __launch_bounds__(T::kThreads, 1)
     const int64_t row0 = t.m0 + c * 64 + rl0;
     const int ra = c * 64 + rl0;  // the thread's rows' places in a scale slot (and + 8)
     const bool split64 = TN > 128 && t.n0 % kBlock != 0;
-    const int64_t store_hi = t.store_hi, data_hi = t.m0 + t.data_rows;
-    for (int pass = 0; pass < passes; ++pass) {
-      const int64_t n0 = GLU ? g.h_col(t.n0, pass) : t.n0;  // the first column of C (h)
-      float acc[T::kAcc], part[T::kAcc];
+    float acc[T::kAcc], part[T::kAcc];
 #pragma unroll
     for (int i = 0; i < T::kAcc; ++i) acc[i] = 0.0f;
     if constexpr (TW) {
@@ -336,14 +323,15 @@ __global__ void __launch_bounds__(T::kThreads, 1)
     }
     // Epilogue: fragment column j: columns 8j + 2 (lane % 4) (+1), stored
     // while inside N (N and n0 are multiples of 64).
-    const int64_t cols = p.n_out - n0;
+    const int64_t store_hi = t.store_hi, data_hi = t.m0 + t.data_rows;
+    const int64_t cols = p.n_out - t.n0;
     __nv_bfloat16* out = static_cast<__nv_bfloat16*>(p.c);
 #pragma unroll
     for (int half = 0; half < 2; ++half) {
       const int64_t row = row0 + half * 8;
       if (row >= store_hi) continue;
       const bool data = row < data_hi;
-      __nv_bfloat16* dst = out + row * p.ldc + n0 + 2 * (lane % 4);
+      __nv_bfloat16* dst = out + row * p.ldc + t.n0 + 2 * (lane % 4);
 #pragma unroll
       for (int j = 0; j < TN / 8; ++j) {
         if (TN > 128 && 8 * j >= cols) break;
@@ -351,11 +339,6 @@ __global__ void __launch_bounds__(T::kThreads, 1)
         const float y = data ? acc[4 * j + 2 * half + 1] : 0.0f;
         *reinterpret_cast<__nv_bfloat162*>(dst + 8 * j) = __floats2bfloat162_rn(x, y);
       }
-    }
-    if constexpr (GLU && T::kAcc == 64) {
-      if (pass + 1 == passes)
-        glu_epilogue(g, acc, out, p.ldc, row0, g.h_col(t.n0, 0), store_hi, data_hi, t.n0, lane % 4);
-    }
     }
   }
 #endif
