@@ -21,7 +21,7 @@ namespace {
 // simulated: W ranks on GPU 0 (EpGroup::create_simulated). quantize: the
 // bf16 tokens go as e4m3 codes (ep_dispatch_quantize) and the experts' y is
 // the received rows dequantized (so the result depends on codes and scales).
-void graph_replay(int W, bool simulated, bool quantize = false) {
+void graph_replay(int W, bool simulated, bool quantize = false, int in_dispatch = -1) {
   const int E = 8 * W, K = 4, rounds = 3;
   const int64_t H = 96, T = 160;
   EpOptions opt;
@@ -32,6 +32,7 @@ void graph_replay(int W, bool simulated, bool quantize = false) {
   opt.scale_cols = quantize ? 1 : 0;
   opt.max_tokens_per_rank = T;
   opt.backend = EpBackend::kNvlink;
+  opt.nvlink_quantize_in_dispatch = in_dispatch;
   const QuantizeConfig qc{DType::kFloat8E4M3, QuantScaling::kBlock1x128, false, false};
   std::vector<int> devs;
   for (int r = 0; r < W; ++r) devs.push_back(r);
@@ -264,12 +265,16 @@ TEST(GpuEpNvlinkSimulated, GraphReplayWithNewRouting) {
 
 TEST(GpuEpNvlinkSimulated, QuantizedGraphReplayWithNewRouting) {
   graph_replay(2, true, true);
+  SCOPED_TRACE("quantized before the dispatch");
+  graph_replay(2, true, true, 0);
 }
 
 TEST(MultiGpuEpNvlink, QuantizedGraphReplayWithNewRouting) {
   const int W = cuda_device_count();
   if (W < 2) GTEST_SKIP() << "needs 2+ GPUs (label multigpu)";
   graph_replay(W, false, true);
+  SCOPED_TRACE("quantized before the dispatch");
+  graph_replay(W, false, true, 0);
 }
 
 }  // namespace

@@ -40,7 +40,8 @@ struct QuantCase {
 };
 
 // W ranks (simulated: on GPU 0) of `backend`; two rounds of tokens per case.
-void quantized_dispatch_matches(int W, EpBackend backend, bool simulated) {
+// in_dispatch: EpOptions::nvlink_quantize_in_dispatch.
+void quantized_dispatch_matches(int W, EpBackend backend, bool simulated, int in_dispatch = -1) {
   ASSERT_GE(cuda_device_count(), simulated ? 1 : W);
   const int E = 8 * W, K = 4;
   const int64_t tmax = 200;
@@ -62,6 +63,7 @@ void quantized_dispatch_matches(int W, EpBackend backend, bool simulated) {
     opt.max_tokens_per_rank = tmax;
     opt.scale_cols = nb;
     opt.scale_dtype = DType::kFloat32;
+    opt.nvlink_quantize_in_dispatch = in_dispatch;
     std::vector<int> devs;
     for (int r = 0; r < W; ++r) devs.push_back(r);
     if (simulated) {  // every rank's kernels resident at once
@@ -142,6 +144,8 @@ TEST(GpuEp, QuantizedTokensMatchReference) {
     SCOPED_TRACE(b == EpBackend::kNccl ? "nccl" : "nvlink");
     quantized_dispatch_matches(1, b, false);
   }
+  SCOPED_TRACE("nvlink, quantized before the dispatch");
+  quantized_dispatch_matches(1, EpBackend::kNvlink, false, 0);
 }
 
 TEST(MultiGpuEp, QuantizedTokensMatchReference) {
@@ -151,11 +155,16 @@ TEST(MultiGpuEp, QuantizedTokensMatchReference) {
     SCOPED_TRACE(b == EpBackend::kNccl ? "nccl" : "nvlink");
     quantized_dispatch_matches(std::min(W, 8), b, false);
   }
+  SCOPED_TRACE("nvlink, quantized before the dispatch");
+  quantized_dispatch_matches(std::min(W, 8), EpBackend::kNvlink, false, 0);
 }
 
 TEST(GpuEpNvlinkSimulated, QuantizedTokensMatchReference) {
-  quantized_dispatch_matches(2, EpBackend::kNvlink, true);
-  quantized_dispatch_matches(4, EpBackend::kNvlink, true);
+  for (const int in_dispatch : {1, 0}) {  // in the dispatch kernel, or quantized first
+    SCOPED_TRACE("nvlink_quantize_in_dispatch " + std::to_string(in_dispatch));
+    quantized_dispatch_matches(2, EpBackend::kNvlink, true, in_dispatch);
+    quantized_dispatch_matches(4, EpBackend::kNvlink, true, in_dispatch);
+  }
 }
 
 // The group and the quantization must agree; x must be 16-bit.

@@ -109,6 +109,16 @@ struct EpOptions {
   // shared memory instead of 16-byte stores (pays off with many SMs).
   // MOEFLOW_NVL_TMA overrides it.
   bool nvlink_bulk_copies = false;
+  // Backend nvlink, ep_dispatch_quantize: 1 quantizes in the dispatch kernel
+  // (each 16-bit token read once by the home role); 0 quantizes the tokens
+  // into a staging buffer of the group first (one pass on the whole GPU),
+  // then dispatches the codes; -1 (auto): 1 when topk >= 4, else 0 (2 x
+  // H200: the fused path is 1.09x the two steps at top-8, 0.83x at top-2,
+  // where the dispatch is bound by the link and the quantize slows its
+  // pushes). The staging buffer ([max_tokens_per_rank, H] codes and their
+  // scales) is allocated at creation when a group of FP8 tokens with 1x128
+  // scales takes the two steps. MOEFLOW_NVL_QUANTIZE=0/1 overrides it.
+  int nvlink_quantize_in_dispatch = -1;
   // Backend nccl: the staging buffers NCCL moves come from ncclMemAlloc and
   // are registered with the communicator, so that NCCL copies straight
   // between them (one copy less on the receiver). Every rank must use the

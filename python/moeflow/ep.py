@@ -126,6 +126,10 @@ class Group:
     flight (layers between their forward and backward) keep their received
     rows where they landed in the group's window instead of copying them;
     such rows live as long as the group, so keep the group while using them.
+    ``nvlink_quantize_in_dispatch`` (nvlink, FP8 groups; default -1, auto):
+    where :func:`dispatch` of 16-bit tokens quantizes them, in the dispatch
+    kernel (1) or into staging rows first (0); auto takes the kernel for
+    top-k >= 4 (docs/ep.md).
 
     The device backends need the current CUDA device set to the rank's GPU
     (torch.cuda.set_device) before the group is made; every rank makes its

@@ -94,13 +94,15 @@ void make_group(PyEpGroup* self, nb::bytes unique_id, int rank, int world_size, 
       o.nvlink_bulk_copies = nb::cast<bool>(value);
     else if (k == "nvlink_recv_regions")
       o.nvlink_recv_regions = nb::cast<int>(value);
+    else if (k == "nvlink_quantize_in_dispatch")
+      o.nvlink_quantize_in_dispatch = nb::cast<int>(value);
     else if (k == "nccl_register_buffers")
       o.nccl_register_buffers = nb::cast<bool>(value);
     else
       MOEFLOW_CHECK(false, "options: unknown EpOptions field '", k,
                     "' (pipeline_chunks, pipeline_first_share, eager_share, overlap_blocks, "
                     "nvlink_blocks, nvlink_bulk_copies, nvlink_recv_regions, "
-                    "nccl_register_buffers)");
+                    "nvlink_quantize_in_dispatch, nccl_register_buffers)");
   }
   MOEFLOW_CHECK(device >= 0, "device must be a CUDA device index, got ", device);
   std::unique_ptr<EpGroup> group;

@@ -177,7 +177,7 @@ EpDispatchResult ep_dispatch_quantize(EpGroup& group, TensorView x, TensorView i
   if (is_nvlink(group)) {
     MOEFLOW_CHECK(H <= 16384,
                   "ep_dispatch_quantize on the nvlink backend needs hidden <= 16384, got ", H);
-    return cuda::ep_nvlink_dispatch(group, x, ids, probs, TensorView{}, &quantize, stream);
+    return cuda::ep_nvlink_dispatch_quantize(group, x, ids, probs, quantize, stream);
   }
   return cuda::ep_nccl_dispatch_quantize(group, x, ids, probs, quantize, stream);
 }

@@ -23,6 +23,16 @@ EpDispatchResult ep_nccl_dispatch(EpGroup& group, TensorView x, TensorView ids, 
 EpDispatchResult ep_nccl_dispatch_quantize(EpGroup& group, TensorView x, TensorView ids,
                                            TensorView probs, const QuantizeConfig& quant,
                                            cudaStream_t stream);
+// The same on either backend (the nvlink group allocated the staging rows at
+// creation).
+EpDispatchResult ep_dispatch_quantize_staged(EpGroup& group, TensorView x, TensorView ids,
+                                             TensorView probs, const QuantizeConfig& quant,
+                                             cudaStream_t stream);
+// Backend nvlink: quantized in the dispatch kernel or in two steps, as
+// EpOptions::nvlink_quantize_in_dispatch (or its auto choice) says.
+EpDispatchResult ep_nvlink_dispatch_quantize(EpGroup& group, TensorView x, TensorView ids,
+                                             TensorView probs, const QuantizeConfig& quant,
+                                             cudaStream_t stream);
 void ep_nccl_combine(EpGroup& group, const EpHandle& handle, TensorView y, bool weighted, TensorView out,
                      cudaStream_t stream);
 void ep_nccl_combine_backward(EpGroup& group, const EpHandle& handle, TensorView dout, TensorView y, bool weighted,

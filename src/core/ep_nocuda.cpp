@@ -103,6 +103,14 @@ EpDispatchResult ep_nccl_dispatch_quantize(EpGroup&, TensorView, TensorView, Ten
                                            const QuantizeConfig&, cudaStream_t) {
   no_cuda();
 }
+EpDispatchResult ep_dispatch_quantize_staged(EpGroup&, TensorView, TensorView, TensorView,
+                                             const QuantizeConfig&, cudaStream_t) {
+  no_cuda();
+}
+EpDispatchResult ep_nvlink_dispatch_quantize(EpGroup&, TensorView, TensorView, TensorView,
+                                             const QuantizeConfig&, cudaStream_t) {
+  no_cuda();
+}
 void ep_nccl_combine(EpGroup&, const EpHandle&, TensorView, bool, TensorView, cudaStream_t) {
   no_cuda();
 }

@@ -54,7 +54,8 @@ SimStreams& sim_streams(int device) {
 // The options and their environment overrides, read here only (at group
 // creation): MOEFLOW_EP_EAGER, MOEFLOW_EP_EAGER_PARTS, MOEFLOW_EP_REGISTER,
 // MOEFLOW_EP_DEBUG_RANGES, MOEFLOW_EP_TRACE, MOEFLOW_NVL_BATCH,
-// MOEFLOW_NVL_HOME, MOEFLOW_NVL_CHOME, MOEFLOW_NVL_TMA, MOEFLOW_NVL_REGIONS.
+// MOEFLOW_NVL_HOME, MOEFLOW_NVL_CHOME, MOEFLOW_NVL_TMA, MOEFLOW_NVL_REGIONS,
+// MOEFLOW_NVL_QUANTIZE.
 EpTuning resolve_tuning(const EpOptions& o, int world, int rank, int64_t row_bytes) {
   EpTuning t;
   t.eager_share = o.eager_share;
@@ -86,6 +87,12 @@ EpTuning resolve_tuning(const EpOptions& o, int world, int rank, int64_t row_byt
     t.nvl_home_percent = std::clamp(std::atoi(v), 1, 99);
   t.nvl_bulk_copies = o.nvlink_bulk_copies;
   if (const char* v = std::getenv("MOEFLOW_NVL_TMA")) t.nvl_bulk_copies = std::atoi(v) != 0;
+  // ep_dispatch_quantize: in the dispatch kernel when a token has several
+  // rows to store (docs/ep.md, "FP8 from 16-bit tokens")
+  t.nvl_quantize_in_dispatch =
+      o.nvlink_quantize_in_dispatch < 0 ? o.topk >= 4 : o.nvlink_quantize_in_dispatch != 0;
+  if (const char* v = std::getenv("MOEFLOW_NVL_QUANTIZE"))
+    t.nvl_quantize_in_dispatch = std::atoi(v) != 0;
   t.nvl_recv_regions = o.nvlink_recv_regions;
   if (const char* v = std::getenv("MOEFLOW_NVL_REGIONS")) t.nvl_recv_regions = std::atoi(v);
   if (const char* v = std::getenv("MOEFLOW_NVL_CHOME"))
@@ -225,6 +232,12 @@ void EpGroup::Impl::init_common(const EpOptions& o) {
                       std::ceil(tuning.eager_share * z.max_tokens * std::min(o.topk, world - 1)))
                 : 0;
   if (o.backend == EpBackend::kNccl) allocate_nccl_buffers(dev);
+  const bool quantizes = (o.dtype == DType::kFloat8E4M3 || o.dtype == DType::kFloat8E5M2) &&
+                         o.scale_cols == (o.hidden + 127) / 128 && o.scale_dtype == DType::kFloat32;
+  if (o.backend == EpBackend::kNvlink && quantizes && !tuning.nvl_quantize_in_dispatch) {
+    quant_x = Tensor::empty({z.max_tokens, o.hidden}, o.dtype, dev);
+    quant_scales = Tensor::empty({z.max_tokens, o.scale_cols}, DType::kFloat32, dev);
+  }
   // The highest priority: NCCL's blocks get the SMs first when the permute
   // kernels that run beside the transfers free them.
   // (The nvlink backend uses no NCCL stream.)

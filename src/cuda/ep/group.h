@@ -48,6 +48,7 @@ struct EpTuning {
   int nvl_home_percent = 60;          // the home role's share of nvlink_blocks (MOEFLOW_NVL_HOME)
   int nvl_combine_home_percent = 50;  // the same in combine, by K / W (MOEFLOW_NVL_CHOME)
   bool nvl_bulk_copies = false;       // nvlink_bulk_copies or MOEFLOW_NVL_TMA
+  bool nvl_quantize_in_dispatch = true;  // nvlink_quantize_in_dispatch or MOEFLOW_NVL_QUANTIZE
   int nvl_recv_regions = 2;           // nvlink_recv_regions or MOEFLOW_NVL_REGIONS
 };
 constexpr int kMaxEagerParts = 4;  // parts of the eager piece at most
@@ -257,8 +258,10 @@ struct EpGroup::Impl {
   EpTuning tuning;
   EpSizes size;
   NcclBuffers buf;
-  // Backend nccl, ep_dispatch_quantize: the tokens' codes [tmax, H] and 1x128
-  // scales [tmax, ceil(H/128)] (allocated by the first call).
+  // ep_dispatch_quantize in two steps (backend nccl; nvlink without
+  // nvl_quantize_in_dispatch): the tokens' codes [tmax, H] and 1x128 scales
+  // [tmax, ceil(H/128)] (nccl: allocated by the first call; nvlink: at
+  // creation, so that a captured dispatch allocates nothing).
   Tensor quant_x, quant_scales;
   EpStreams streams;
   // The previous dispatch's rows to / from each rank (the eager piece's size,

@@ -621,6 +621,12 @@ EpDispatchResult ep_nccl_dispatch(EpGroup& group, TensorView x, TensorView ids, 
 EpDispatchResult ep_nccl_dispatch_quantize(EpGroup& group, TensorView x, TensorView ids,
                                            TensorView probs, const QuantizeConfig& quant,
                                            cudaStream_t stream) {
+  return ep_dispatch_quantize_staged(group, x, ids, probs, quant, stream);
+}
+
+EpDispatchResult ep_dispatch_quantize_staged(EpGroup& group, TensorView x, TensorView ids,
+                                             TensorView probs, const QuantizeConfig& quant,
+                                             cudaStream_t stream) {
   EpGroup::Impl& g = group.impl();
   const int64_t T = x.shape[0], H = g.opt.hidden, tmax = std::max<int64_t>(1, g.size.max_tokens);
   if (!g.quant_x.defined()) {
@@ -632,6 +638,8 @@ EpDispatchResult ep_nccl_dispatch_quantize(EpGroup& group, TensorView x, TensorV
   const TensorView s(g.quant_scales.data(), DType::kFloat32, g.quant_x.device(),
                      {T, g.opt.scale_cols});
   moeflow::quantize(x, quant, q, s, TensorView{}, stream);
+  if (g.opt.backend == EpBackend::kNvlink)
+    return ep_nvlink_dispatch(group, q, ids, probs, s, nullptr, stream);
   return ep_nccl_dispatch(group, q, ids, probs, s, stream);
 }
 

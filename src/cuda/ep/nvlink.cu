@@ -287,6 +287,14 @@ void ep_nvlink_check(EpGroup& group) {
   check_timeout(group.impl());
 }
 
+EpDispatchResult ep_nvlink_dispatch_quantize(EpGroup& group, TensorView x, TensorView ids,
+                                             TensorView probs, const QuantizeConfig& quant,
+                                             cudaStream_t stream) {
+  if (group.impl().tuning.nvl_quantize_in_dispatch)
+    return ep_nvlink_dispatch(group, x, ids, probs, TensorView{}, &quant, stream);
+  return ep_dispatch_quantize_staged(group, x, ids, probs, quant, stream);
+}
+
 EpDispatchResult ep_nvlink_dispatch(EpGroup& group, TensorView x, TensorView ids, TensorView probs,
                                     TensorView scales, const QuantizeConfig* quant,
                                     cudaStream_t stream) {
