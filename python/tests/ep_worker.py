@@ -487,21 +487,25 @@ def _bits(t):
     return t.view(torch.uint8) if t.dtype.is_floating_point else t
 
 
-def check_layer_cuda_graph(ctx):
+def check_layer_cuda_graph(ctx, wire8=False, in_dispatch=-1):
     """A training step of the EP MoELayer (router with aux losses, dispatch,
     the local experts, combine, all of backward) captured in one CUDA graph
     after eager warm-up steps (they leave a handle state in the group's pool
     for the captured dispatch: nothing is allocated during capture), then
     replayed with new tokens copied into the static inputs: out, x.grad and
     every parameter's gradient bitwise those of an eager step on the same
-    tokens. Backend nvlink (nccl's dispatch synchronises with the host)."""
+    tokens. Backend nvlink (nccl's dispatch synchronises with the host).
+    wire8: an FP8 group and fp8-blockwise experts (the tokens quantized on
+    their way, where ``nvlink_quantize_in_dispatch`` says)."""
     r, dev, dt = ctx.rank, ctx.device, torch.bfloat16
-    E, K, H, F = 4 * ctx.world, 2, 64, 32
+    E, K, H, F = 4 * ctx.world, 2, (128 if wire8 else 64), (128 if wire8 else 32)
     T = (48, 40, 33, 45)[r % 4]  # differs per rank
-    g = ctx.group(num_experts=E, topk=K, hidden_size=H, dtype=dt, max_tokens_per_rank=48)
+    wire = dict(dtype=torch.float8_e4m3fn, scale_cols=H // 128,
+                nvlink_quantize_in_dispatch=in_dispatch) if wire8 else dict(dtype=dt)
+    g = ctx.group(num_experts=E, topk=K, hidden_size=H, max_tokens_per_rank=48, **wire)
     torch.manual_seed(0)
     layer = MoELayer(H, F, E, K, params_dtype=dt, device=dev, ep_group=g, aux_loss_coeff=1e-2,
-                     z_loss_coeff=1e-3)
+                     z_loss_coeff=1e-3, **(dict(precision="fp8-blockwise") if wire8 else {}))
     static_x = torch.zeros((T, H), dtype=dt, device=dev, requires_grad=True)
     static_dout = torch.zeros((T, H), dtype=dt, device=dev)
 
@@ -559,6 +563,12 @@ def check_layer_cuda_graph(ctx):
         raise AssertionError("two replays with different tokens gave the same output")
 
 
+def check_layer_fp8_wire_cuda_graph(ctx):
+    # the tokens quantized in the dispatch kernel, then into staging rows first
+    check_layer_cuda_graph(ctx, wire8=True, in_dispatch=1)
+    check_layer_cuda_graph(ctx, wire8=True, in_dispatch=0)
+
+
 def check_nvlink_needs_one_node(ctx):
     """Run with NET_ENV (every rank its own NCCL host): making an nvlink group
     fails on every rank with an error that says why, rather than waiting, and
@@ -573,7 +583,7 @@ def check_nvlink_needs_one_node(ctx):
 
 
 GPU_CHECKS = {f.__name__[len("check_"):]: f for f in (
-    check_layer_cuda_graph, check_nvlink_needs_one_node)}
+    check_layer_cuda_graph, check_layer_fp8_wire_cuda_graph, check_nvlink_needs_one_node)}
 
 
 def cpu_checks():

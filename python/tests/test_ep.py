@@ -33,7 +33,7 @@ GPUS = torch.cuda.device_count() if torch.cuda.is_available() else 0
 # GPU backend ids: (moeflow.ep backend, environment of the rank processes)
 GPU_BACKENDS = {"reference": ("reference", None), "nccl": ("nccl", None),
                 "nvlink": ("nvlink", None), "nccl-net": ("nccl", ep_worker.NET_ENV)}
-GPU_EXTRA = {"nvlink": ["layer_cuda_graph"]}  # checks of one backend only
+GPU_EXTRA = {"nvlink": ["layer_cuda_graph", "layer_fp8_wire_cuda_graph"]}  # one backend's only
 
 
 @functools.lru_cache(maxsize=None)
@@ -100,6 +100,22 @@ def test_gpu_one_rank_fp8_from_16bit_tokens(backend):
 def test_gpu_nvlink_layer_step_in_one_cuda_graph(world):
     _skip_gpu(world, "nvlink")
     _assert_passed(_results(world, "nvlink", True), "layer_cuda_graph")
+    _assert_passed(_results(world, "nvlink", True), "layer_fp8_wire_cuda_graph")
+
+
+def test_gpu_one_rank_nvlink_layer_step_in_one_cuda_graph():
+    """On one GPU (a process group of one rank): the EP layer's training step
+    in one CUDA graph with a bf16 group, and with FP8 on the wire (the
+    tokens quantized in the dispatch kernel, and quantized first)."""
+    if GPUS < 1 or not hasattr(_C, "EpGroup"):
+        pytest.skip("needs a CUDA device and a moeflow build with moeflow._C.EpGroup")
+    checks = ["layer_cuda_graph", "layer_fp8_wire_cuda_graph"]
+    try:
+        results = ep_worker.run(1, checks, backend="nvlink", cuda=True, deadline_s=300.0)
+    except Exception as e:  # noqa: BLE001
+        results = {"<setup>": [f"{type(e).__name__}: {e}"]}
+    for check in checks:
+        _assert_passed(results, check)
 
 
 @pytest.mark.parametrize("world", [2, 3])
