@@ -4,8 +4,10 @@ columnwise=True)``, the wgrad's operand layout) and both from one read
 (``quantize_rowwise_columnwise``), the tensorwise codes of expert groups
 (``quantize_group_rows``: x read twice; with ``transposed``, the codes and
 their transpose from the second pass; with the amax given, that pass
-alone) and the codes' transpose (``transpose_codes``, the tensorwise
-wgrad's operands), in GB/s of the
+alone), the codes' transpose (``transpose_codes``, the tensorwise
+wgrad's operands) and the columnwise codes of FP8 rows
+(``requantize_columnwise``, against dequantizing them into bf16 rows and
+quantizing those columnwise), in GB/s of the
 bytes each moves, against a device copy (``torch.Tensor.copy_``) timed in
 the same process.
 
@@ -40,6 +42,7 @@ def main():
         real = (offsets[1:] - offsets[:-1] - 16).to(torch.int32)
         codes = mf.quantize_group_rows(x, offsets, real)[0]
         amax = x[:1].abs().max().float().reshape(1)  # any amax: the pass's cost
+        rq, rs = mf.quantize(x, "e4m3", "1x128")  # FP8 rows as codes (FP8 on the wire)
         ops = [("copy", lambda: dst.copy_(x), 2 * M * K * 2),
                ("rowwise", lambda: mf.quantize(x, "e4m3", "1x128"), one),
                ("columnwise", lambda: mf.quantize(x, "e4m3", "1x128", columnwise=True), one),
@@ -52,7 +55,13 @@ def main():
                ("tensorwise_codes_t",
                 lambda: mf.quantize_group_rows(x, offsets, real, transposed=True, amax=amax),
                 M * K * 2 + 2 * M * K),
-               ("transpose_codes", lambda: mf.transpose_codes(codes), 2 * M * K)]
+               ("transpose_codes", lambda: mf.transpose_codes(codes), 2 * M * K),
+               # the columnwise codes of FP8 rows: one kernel, or their bf16 rows first
+               ("requantize_columnwise", lambda: mf.requantize_columnwise(rq, rs),
+                2 * M * K + M * K // 128 * 8),
+               ("dequantize_then_columnwise",
+                lambda: mf.quantize_rowwise_columnwise(mf.dequantize(rq, rs), rowwise=False),
+                2 * M * K + M * K // 128 * 8)]
         res = {}
         for op, fn, nbytes in ops:
             ms = bench_ms(fn)
@@ -62,7 +71,7 @@ def main():
             f"{op} {r['ms']:.3f} ms {r['GBps']:.0f} GB/s ({r['GBps'] / copy:.0%} of copy)"
             for op, r in res.items()), flush=True)
         out["shapes"][name] = res
-        del x, dst, codes, amax
+        del x, dst, codes, amax, rq, rs
         torch.cuda.empty_cache()
     if args.json:
         with open(args.json, "w") as f:

@@ -70,6 +70,20 @@ void quantize_rowwise_columnwise(TensorView x, const QuantizeConfig& config, Ten
                                  TensorView scales, TensorView q_t, TensorView scales_t,
                                  cudaStream_t stream = nullptr);
 
+// The columnwise 1x128 codes of rows held as FP8 codes: q_t / scales_t
+// exactly as quantize_rowwise_columnwise(dequantize(q, scales) into
+// `dtype`, config, {}, {}, q_t, scales_t) writes them, without the 16-bit
+// rows (each value rounded to dtype as dequantize rounds it). q [M,K]
+// float8_e4m3 / e5m2 rowwise 1x128 codes (stride(1) == 1), scales [M,
+// nb(K)] float32 contiguous, dtype bfloat16 / float16; config and q_t,
+// scales_t as quantize_rowwise_columnwise's (kBlock1x128, columnwise
+// false). CUDA: one kernel, q read once (128 x 128 tiles where K % 8 == 0,
+// q's rows are 8-byte and q_t's 16-byte aligned, else per 1x128 block); no
+// sync, graph-capturable.
+void requantize_columnwise(TensorView q, TensorView scales, DType dtype,
+                           const QuantizeConfig& config, TensorView q_t, TensorView scales_t,
+                           cudaStream_t stream = nullptr);
+
 // Workspace bytes quantize needs on CUDA for this shape and config (0 unless
 // kTensorwise; at most 4 KiB; 0 in a build without CUDA).
 size_t quantize_workspace_bytes(int64_t rows, int64_t cols, const QuantizeConfig& config);

@@ -1,6 +1,6 @@
 """The FP8 quantization and FP8 GEMM ops of moeflow.ops (re-exported there):
 quantize, quantize_group_rows, quantize_rowwise_columnwise, transpose_codes,
-dequantize, grouped_gemm_fp8_forward / _wgrad."""
+dequantize, requantize_columnwise, grouped_gemm_fp8_forward / _wgrad."""
 from __future__ import annotations
 
 from typing import Optional, Tuple
@@ -100,6 +100,26 @@ def quantize_rowwise_columnwise(x: torch.Tensor, fp8_format: str = "e4m3",
     _C.quantize_rowwise_columnwise(x, fp8_format, bool(pow2_scales), q, scales, q_t, scales_t,
                                    _stream(x))
     return q, scales, q_t, scales_t
+
+
+def requantize_columnwise(q: torch.Tensor, scales: torch.Tensor,
+                          dtype: torch.dtype = torch.bfloat16, fp8_format: str = "e4m3",
+                          pow2_scales: bool = False) -> Tuple[torch.Tensor, torch.Tensor]:
+    """The columnwise 1x128 codes of FP8 rows q [M, K] (float8_e4m3fn /
+    float8_e5m2, rowwise 1x128 scales [M, ceil(K/128)]): (q_t, scales_t)
+    exactly as ``quantize_rowwise_columnwise(dequantize(q, scales,
+    dtype=dtype), rowwise=False)`` returns them (scales_t the same transposed
+    view), without the 16-bit rows. dtype: bfloat16 or float16 (the rows'
+    rounding). On the device, one kernel, no sync; not differentiable."""
+    if dtype not in (torch.bfloat16, torch.float16):
+        raise ValueError(f"dtype must be torch.bfloat16 or torch.float16, got {dtype}")
+    M, K = q.shape
+    dt = _FP8.get(fp8_format, torch.float8_e4m3fn)
+    q_t = torch.empty((K, M), dtype=dt, device=q.device)
+    scales_t = torch.empty(((M + 127) // 128, K), dtype=torch.float32, device=q.device).t()
+    _C.requantize_columnwise(q, scales, dtype == torch.float16, fp8_format, bool(pow2_scales),
+                             q_t, scales_t, _stream(q))
+    return q_t, scales_t
 
 
 def transpose_codes(q: torch.Tensor) -> torch.Tensor:

@@ -158,9 +158,9 @@ class QuantizedDispatchSource(DispatchSource):
     recipe): the dispatch quantizes the tokens and the received 1x128 codes
     and scales are FC1's input as they arrive (``forward_blockwise``). The
     rows FC1's weight gradient reads come from those codes: dequantized
-    (``rows16``, a 16-bit wgrad) or dequantized and quantized columnwise (an
-    FP8 wgrad). The rows' gradient goes home in the group's
-    ``backward_dtype``."""
+    (``rows16``, a 16-bit wgrad) or, for an FP8 wgrad, their columnwise
+    codes (``requantize_columnwise``: those of the dequantized rows). The
+    rows' gradient goes home in the group's ``backward_dtype``."""
     codes_only = True
 
     def forward_blockwise(self, x, probs, transposed=False):
@@ -171,8 +171,8 @@ class QuantizedDispatchSource(DispatchSource):
         s = h.row_scales
         if not transposed:
             return q, s, None
-        _, _, q_t, s_t = _fp8_ops.quantize_rowwise_columnwise(self.rows16(q, s, x.dtype),
-                                                              rowwise=False)
+        # the columnwise codes of the rows rows16() gives, without writing them
+        q_t, s_t = _fp8_ops.requantize_columnwise(q, s, x.dtype)
         return q, s, None, (q_t, s_t)
 
     @staticmethod

@@ -31,7 +31,8 @@ import torch
 from . import _C, _mlp_io
 from ._fp8_ops import (_FP8, dequantize, grouped_gemm_fp8_forward,  # noqa: F401
                        grouped_gemm_fp8_wgrad, quantize, quantize_group_rows,
-                       quantize_rowwise_columnwise, transpose_codes)
+                       quantize_rowwise_columnwise, requantize_columnwise,
+                       transpose_codes)
 from ._mlp_node import _GroupedMlp
 from ._ops_common import (_empty, _float32, _grad_enabled, _int32, _int64,  # noqa: F401
                           _plan_sizes, _rows, _stream, _uint8)
@@ -40,7 +41,8 @@ from ._router_ops import (RouterOutput, apply_capacity, router, router_logits,  
 
 __all__ = [
     "RouterOutput", "router", "router_logits", "apply_capacity", "update_expert_bias",
-    "quantize", "quantize_rowwise_columnwise", "dequantize", "transpose_codes", "Plan",
+    "quantize", "quantize_rowwise_columnwise", "dequantize", "requantize_columnwise",
+    "transpose_codes", "Plan",
     "permute", "permute_quantize", "unpermute", "unpermute_backward_quantize", "grouped_mlp",
     "activation_quantize", "WgradStore"
 ]

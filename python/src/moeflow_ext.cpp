@@ -268,6 +268,17 @@ NB_MODULE(_C, m) {
       nb::arg("x"), nb::arg("fp8_format"), nb::arg("pow2_scales"), nb::arg("q").none(),
       nb::arg("scales").none(), nb::arg("q_t"), nb::arg("scales_t"), nb::arg("stream") = 0);
   m.def(
+      "requantize_columnwise",
+      [](const Array& q, const Array& scales, bool half_rows, const std::string& fmt, bool pow2,
+         const Array& q_t, const Array& scales_t, uintptr_t s) {
+        requantize_columnwise(rows_of(q, "q"), view_of(scales, "scales"),
+                              half_rows ? DType::kFloat16 : DType::kBFloat16,
+                              quantize_config(fmt, "1x128", pow2, false), rows_of(q_t, "q_t"),
+                              rows_of(scales_t, "scales_t"), stream_of(s));
+      },
+      nb::arg("q"), nb::arg("scales"), nb::arg("half_rows"), nb::arg("fp8_format"),
+      nb::arg("pow2_scales"), nb::arg("q_t"), nb::arg("scales_t"), nb::arg("stream") = 0);
+  m.def(
       "dequantize",
       [](const Array& q, const Array& scales, const std::string& fmt, const std::string& scaling,
          bool pow2, bool columnwise, const Array& out, uintptr_t s) {

@@ -345,3 +345,25 @@ def test_quantize_group_rows_is_the_real_rows_quantized(device, fmt):
     same = (a_q.view(torch.uint8) == wq.view(torch.uint8)).float().mean().item()
     assert same > 0.995, same
     assert (a_q.view(torch.uint8)[~data.to(device)] == 0).all()
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_requantize_columnwise_is_dequantize_then_columnwise(device, dtype):
+    """requantize_columnwise: the columnwise codes of FP8 rows, bit for bit
+    quantize_rowwise_columnwise of the rows dequantize gives (NaN codes,
+    a zero row, partial tiles), in the same transposed scale layout."""
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(200, 264, generator=g) * torch.logspace(-8, 8, 200).unsqueeze(1)
+    x[7] = 0
+    q, s = mf.quantize(x.to(device), "e4m3", "1x128")
+    q = q.view(torch.uint8)
+    q[3, 5] = 0x7F  # a NaN code
+    q = q.view(torch.float8_e4m3fn)
+    q_t, s_t = mf.requantize_columnwise(q, s, dtype)
+    _, _, w_t, ws_t = mf.quantize_rowwise_columnwise(mf.dequantize(q, s, dtype=dtype),
+                                                     rowwise=False)
+    assert torch.equal(q_t.view(torch.uint8), w_t.view(torch.uint8))
+    assert torch.equal(s_t, ws_t) and s_t.stride() == ws_t.stride()
+    with pytest.raises(ValueError, match="dtype must be"):
+        mf.requantize_columnwise(q, s, torch.float32)

@@ -127,6 +127,37 @@ void quantize_rowwise_columnwise(TensorView x, const QuantizeConfig& config, Ten
 #endif
 }
 
+void requantize_columnwise(TensorView q, TensorView scales, DType dtype,
+                           const QuantizeConfig& config, TensorView q_t, TensorView scales_t,
+                           cudaStream_t stream) {
+  check_config(config);
+  MOEFLOW_CHECK(config.scaling == QuantScaling::kBlock1x128 && !config.columnwise,
+                "requantize_columnwise: config must be kBlock1x128 with columnwise false (q_t is "
+                "the columnwise output)");
+  MOEFLOW_CHECK(dtype == DType::kBFloat16 || dtype == DType::kFloat16,
+                "requantize_columnwise: dtype (the 16-bit rows' dtype) must be bfloat16 or "
+                "float16, got ",
+                dtype_name(dtype));
+  detail::expect_defined(q, "q");
+  MOEFLOW_CHECK(q.ndim == 2, "q must be [M,K], got ", q.str());
+  const Device dev = q.device;
+  const int64_t M = q.shape[0], K = q.shape[1];
+  detail::expect(q, "q", rows_of({DType::kFloat8E4M3, DType::kFloat8E5M2}, M, K, dev));
+  detail::expect(scales, "scales", Expect{{DType::kFloat32}, {M, nblocks(K)}, dev});
+  detail::expect(q_t, "q_t ([K,M])", rows_of({config.out}, K, M, dev));
+  Expect st{{DType::kFloat32}, {K, nblocks(M)}, dev};
+  st.contiguous = false;
+  detail::expect(scales_t, "scales_t ([K, ceil(M/128)])", st);
+  if (dev.is_cpu()) return cpu::requantize_columnwise(q, scales, dtype, config, q_t, scales_t);
+#ifdef MOEFLOW_WITH_CUDA
+  detail::cuda_set_device(dev.index);
+  cuda::requantize_columnwise(q, scales, dtype, config, q_t, scales_t, stream);
+#else
+  (void)stream;
+  MOEFLOW_CHECK(false, "this moeflow was built without CUDA");
+#endif
+}
+
 void dequantize(TensorView q, TensorView scales, const QuantizeConfig& config, TensorView out,
                 cudaStream_t stream) {
   check_config(config);

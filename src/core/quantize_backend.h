@@ -146,6 +146,9 @@ void quantize(TensorView x, const QuantizeConfig& config, TensorView q, TensorVi
 void quantize_rowwise_columnwise(TensorView x, const QuantizeConfig& config, TensorView q,
                                  TensorView scales, TensorView q_t, TensorView scales_t);
 void dequantize(TensorView q, TensorView scales, const QuantizeConfig& config, TensorView out);
+// requantize_columnwise (moeflow/quantize.h), arguments checked: the composition.
+void requantize_columnwise(TensorView q, TensorView scales, DType dtype,
+                           const QuantizeConfig& config, TensorView q_t, TensorView scales_t);
 void transpose_codes(TensorView q, TensorView q_t);
 // float32 -> fp8 code (e4m3 or e5m2) by the policy: round to nearest even,
 // saturate to +-max (inf included), NaN -> 0x7F. Software; exposed for tests.
@@ -161,6 +164,9 @@ void quantize_rowwise_columnwise(TensorView x, const QuantizeConfig& config, Ten
                                  cudaStream_t stream);
 void dequantize(TensorView q, TensorView scales, const QuantizeConfig& config, TensorView out,
                 cudaStream_t stream);
+void requantize_columnwise(TensorView q, TensorView scales, DType dtype,
+                           const QuantizeConfig& config, TensorView q_t, TensorView scales_t,
+                           cudaStream_t stream);
 void transpose_codes(TensorView q, TensorView q_t, cudaStream_t stream);
 }  // namespace cuda
 

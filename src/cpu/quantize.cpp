@@ -121,6 +121,15 @@ void quantize_rowwise_columnwise(TensorView x, const QuantizeConfig& config, Ten
       out[c * scales_t.strides[0] + b * scales_t.strides[1]] = s[c * nb + b];
 }
 
+void requantize_columnwise(TensorView q, TensorView scales, DType dtype,
+                           const QuantizeConfig& config, TensorView q_t, TensorView scales_t) {
+  Tensor rows = Tensor::empty({q.shape[0], q.shape[1]}, dtype, Device::cpu());
+  QuantizeConfig codes = config;
+  codes.out = q.dtype;
+  cpu::dequantize(q, scales, codes, rows);
+  cpu::quantize_rowwise_columnwise(rows, config, TensorView{}, TensorView{}, q_t, scales_t);
+}
+
 void dequantize(TensorView q, TensorView scales, const QuantizeConfig& config, TensorView out) {
   const bool e4m3 = config.out == DType::kFloat8E4M3;
   const int64_t R = q.shape[0], C = q.shape[1];

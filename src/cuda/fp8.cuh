@@ -190,6 +190,19 @@ __device__ __forceinline__ void load_chunk(const T* src, int64_t cl, int64_t col
   }
 }
 
+// dequantize's rounding of a product formed exactly in double: once, to
+// nearest even; NaN as the 16-bit type's canonical NaN (0x7FFF).
+template <typename T>
+__device__ __forceinline__ T dequant_round16(double d) {
+  if (d != d) {
+    if constexpr (std::is_same<T, __half>::value)
+      return __ushort_as_half(0x7FFF);
+    else
+      return __ushort_as_bfloat16(0x7FFF);
+  }
+  return from_float<T>(quant::round_to_odd_float(d));
+}
+
 // Stores lane l's 16 codes at columns [cl, cl + 16) of an fp8 row (VEC: as one
 // 16-byte store; the row is 16-byte aligned and its length a multiple of 16).
 template <bool VEC>

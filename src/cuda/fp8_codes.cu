@@ -11,6 +11,7 @@
 
 #include "core/quantize_backend.h"
 #include "cuda/common.cuh"
+#include "cuda/fp8.cuh"
 
 namespace moeflow::cuda {
 namespace {
@@ -27,10 +28,7 @@ __device__ __forceinline__ void store_out(T* p, double d) {
     else
       *p = static_cast<float>(d);
   } else {
-    if (d != d)
-      *reinterpret_cast<uint16_t*>(p) = 0x7FFF;
-    else
-      *p = from_float<T>(quant::round_to_odd_float(d));
+    *p = dequant_round16<T>(d);
   }
 }
 

@@ -78,6 +78,24 @@ struct PermutedColumns {
   }
 };
 
+// requantize_columnwise, per element: q(r,c) = rows[c][r], rows the 16-bit
+// T values dequantize makes of FP8 codes with 1x128 rowwise scales.
+template <typename T>
+struct CodesColumns {
+  const uint8_t* codes;
+  int64_t stride;
+  const float* scales;
+  int64_t nb;
+  bool e4m3;
+  __device__ __forceinline__ void prepare() {}
+  __device__ __forceinline__ bool skip(int64_t /*c0*/) const { return false; }
+  __device__ __forceinline__ float at(int64_t r, int64_t c) const {
+    const double s = scales[c * nb + r / kBlock];
+    return to_float(
+        dequant_round16<T>(static_cast<double>(quant::fp8_value(codes[c * stride + r], e4m3)) * s));
+  }
+};
+
 struct Dst {
   uint8_t* q;
   int64_t q_stride;  // elements (bytes) between rows of q
@@ -285,10 +303,21 @@ struct Gather {
   const int64_t* total_rows;
 };
 
+// With q set (requantize_columnwise) row m of x is not read: its values are
+// dequantize's of FP8 row m, code times the row's 1x128 scale rounded once
+// to T.
+struct Codes {
+  const uint8_t* q = nullptr;
+  int64_t q_stride = 0;
+  const float* scales = nullptr;  // [M, nb]
+  int64_t nb = 0;
+  bool e4m3 = true;
+};
+
 template <typename T, bool E4M3>
 __global__ void __launch_bounds__(kThreads, 4)
     quantize_1x128_tile_kernel(const T* x, int64_t x_stride, int64_t M, int64_t K, Dst row,
-                               DstCol col, Gather gather) {
+                               DstCol col, Gather gather, Codes codes) {
   static_assert(sizeof(T) == 2 && kThreads == 2 * kTile, "thread layout");
   constexpr int kVec = 8;  // elements per 16-byte piece
   __shared__ __align__(16) T tile[kTile * kTilePitch];
@@ -311,7 +340,24 @@ __global__ void __launch_bounds__(kThreads, 4)
       const int r = p / (kTile / kVec), c = (p % (kTile / kVec)) * kVec;
       uint4 v = make_uint4(0, 0, 0, 0);
       const int64_t sr = src_row[r];
-      if (sr >= 0 && k0 + c < K) v = *reinterpret_cast<const uint4*>(x + sr * x_stride + k0 + c);
+      if (sr >= 0 && k0 + c < K) {
+        if (codes.q == nullptr) {
+          v = *reinterpret_cast<const uint4*>(x + sr * x_stride + k0 + c);
+        } else {  // 8 codes and their block's scale
+          const uint2 b = *reinterpret_cast<const uint2*>(codes.q + sr * codes.q_stride + k0 + c);
+          const double s = codes.scales[sr * codes.nb + (k0 + c) / kTile];
+          uint32_t w[kVec / 2];
+#pragma unroll
+          for (int j = 0; j < kVec; ++j) {
+            const auto code = static_cast<uint8_t>((j < 4 ? b.x : b.y) >> (8 * (j % 4)));
+            const T e =
+                dequant_round16<T>(static_cast<double>(quant::fp8_value(code, codes.e4m3)) * s);
+            const uint32_t bits = reinterpret_cast<const uint16_t&>(e);
+            w[j / 2] = j % 2 == 0 ? bits : w[j / 2] | bits << 16;
+          }
+          v = make_uint4(w[0], w[1], w[2], w[3]);
+        }
+      }
       *reinterpret_cast<uint4*>(tile + r * kTilePitch + c) = v;
     }
     __syncthreads();
@@ -475,12 +521,12 @@ bool tile_ok(const TensorView& x, const TensorView& q, const TensorView& q_t) {
 // M: x's rows, or with gather the rows of the permuted buffer.
 template <typename T, bool E4M3>
 void launch_tile(const TensorView& x, int64_t M, const Dst& row, const DstCol& col,
-                 const Gather& gather, cudaStream_t stream) {
+                 const Gather& gather, cudaStream_t stream, const Codes& codes = {}) {
   const int64_t K = x.shape[1];
   const int64_t tiles = ceil_div(M, int64_t{kTile}) * ceil_div(K, int64_t{kTile});
   if (tiles == 0) return;
   quantize_1x128_tile_kernel<T, E4M3><<<capped_grid(tiles, 1), kThreads, 0, stream>>>(
-      static_cast<const T*>(x.data), x.strides[0], M, K, row, col, gather);
+      static_cast<const T*>(x.data), x.strides[0], M, K, row, col, gather, codes);
   MOEFLOW_CUDA_LAUNCH_CHECK();
 }
 
@@ -591,6 +637,42 @@ void quantize_rowwise_columnwise(TensorView x, const QuantizeConfig& config, Ten
           <<<capped_grid(K * nb, kWarps), kThreads, 0, stream>>>(src, dst, nb, col.s0, col.s1);
       MOEFLOW_CUDA_LAUNCH_CHECK();
     });
+  });
+}
+
+void requantize_columnwise(TensorView q, TensorView scales, DType dtype,
+                           const QuantizeConfig& config, TensorView q_t, TensorView scales_t,
+                           cudaStream_t stream) {
+  const int64_t M = q.shape[0], K = q.shape[1];
+  if (M * K == 0) return;
+  const DstCol col{static_cast<uint8_t*>(q_t.data), q_t.strides[0],
+                   static_cast<float*>(scales_t.data), scales_t.strides[0], scales_t.strides[1]};
+  const Codes codes{static_cast<const uint8_t*>(q.data), q.strides[0],
+                    static_cast<const float*>(scales.data), scales.shape[1],
+                    q.dtype == DType::kFloat8E4M3};
+  const TensorView shape(nullptr, dtype, q.device, {M, K});  // (x: not read)
+  // the tile kernel: 8 codes per load, q_t's rows 16-byte aligned
+  const bool tile = K % 8 == 0 && reinterpret_cast<uintptr_t>(q.data) % 8 == 0 &&
+                    (M <= 1 || q.strides[0] % 8 == 0) && aligned16(q_t.data) &&
+                    q_t.strides[0] % 16 == 0;
+  with_float_type(dtype, [&](auto t) {
+    using T = decltype(t);
+    if constexpr (sizeof(T) == 2) {
+      with_fp8_format(config.out == DType::kFloat8E4M3, [&](auto fmt) {
+        constexpr bool E4M3 = decltype(fmt)::value;
+        if (tile) {
+          launch_tile<T, E4M3>(shape, M, Dst{nullptr, 0, 0, 0, nullptr, config.pow2_scales}, col,
+                               Gather{}, stream, codes);
+          return;
+        }
+        const CodesColumns<T> src{codes.q, codes.q_stride, codes.scales, codes.nb, codes.e4m3};
+        const Dst dst{col.q, col.q_stride, K, M, col.scales, config.pow2_scales};
+        const int64_t nb = ceil_div(M, int64_t{kBlock});
+        quantize_1x128_kernel<CodesColumns<T>, E4M3>
+            <<<capped_grid(K * nb, kWarps), kThreads, 0, stream>>>(src, dst, nb, col.s0, col.s1);
+        MOEFLOW_CUDA_LAUNCH_CHECK();
+      });
+    }
   });
 }
 
