@@ -20,7 +20,8 @@
 // permute_quantize's columnwise form (declared in
 // core/permute_quantize_backend.h) runs the 1x128 tile kernel below with
 // its rows gathered from the tokens through plan.row_token, or the simple
-// 1x128 kernel on a gathered source.
+// 1x128 kernel on a gathered source; requantize_columnwise the same kernels
+// with the rows dequantized from FP8 codes as they are loaded.
 // Everything works in q coordinates (columnwise reads x through swapped
 // strides). x / scale is __fdiv_rn's quotient (the vector and tile kernels
 // get it from Fp8Divider, fp8.cuh), the conversion cvt.rn.satfinite, NaN is
