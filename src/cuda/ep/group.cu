@@ -88,7 +88,7 @@ EpTuning resolve_tuning(const EpOptions& o, int world, int rank, int64_t row_byt
   t.nvl_bulk_copies = o.nvlink_bulk_copies;
   if (const char* v = std::getenv("MOEFLOW_NVL_TMA")) t.nvl_bulk_copies = std::atoi(v) != 0;
   // ep_dispatch_quantize: in the dispatch kernel when a token has several
-  // rows to store (docs/ep.md, "FP8 from 16-bit tokens")
+  // rows to store (docs/ep.md, "How a token moves")
   t.nvl_quantize_in_dispatch =
       o.nvlink_quantize_in_dispatch < 0 ? o.topk >= 4 : o.nvlink_quantize_in_dispatch != 0;
   if (const char* v = std::getenv("MOEFLOW_NVL_QUANTIZE"))
