@@ -185,7 +185,7 @@ void run_dispatch_bench(const DispatchBenchOptions& opt) {
               dispatch(next());
             },
             stream, opt.timing.warmup, opt.timing.iters);
-      if (opt.fp8)  // the same, quantized by the dispatch (ep_dispatch_quantize)
+      if (opt.fp8)  // the same through ep_dispatch_quantize (the group's path)
         rr.fused_quant_ms = median_ms(
             [&] {
               const Routing& rt = next();
@@ -305,7 +305,8 @@ void run_dispatch_bench(const DispatchBenchOptions& opt) {
                    format_time(rr.quant_dispatch_ms * 1e3), T / rr.quant_dispatch_ms / 1e3);
       if (rr.fused_quant_ms > 0)
         fmt::print(
-            "          from bf16 tokens, quantized by the dispatch (ep_dispatch_quantize): "
+            "          from bf16 tokens through ep_dispatch_quantize (nvlink: in the dispatch "
+            "kernel or quantized first, EpOptions::nvlink_quantize_in_dispatch): "
             "{:>10}, {:.2f} M tokens/s\n",
             format_time(rr.fused_quant_ms * 1e3), T / rr.fused_quant_ms / 1e3);
       fmt::print("          dispatch: {:.2f} M tokens/s per rank\n", T / rr.dispatch_ms / 1e3);
