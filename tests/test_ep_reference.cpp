@@ -5,6 +5,7 @@
 // bad input.
 #include <cstring>
 
+#include "core/ep_backend.h"
 #include "core/ep_layout.h"
 #include "moeflow/ep_reference.h"
 #include "test_util.h"
@@ -473,6 +474,30 @@ TEST(EpReference, BadInputErrors) {
             std::string::npos);
   EXPECT_NE(message_of([&] { ep_reference::dispatch(in, EpConfig{1, 4, 1, 0, -1}, h); })
                 .find("exceed EpConfig.max_tokens_per_rank=0"),
+            std::string::npos);
+}
+
+// The device backends' options (checked at group creation, before any GPU
+// work): a value out of range names the field.
+TEST(EpOptionsCheck, OutOfRangeNamesTheField) {
+  EpOptions o;
+  o.num_experts = 8;
+  o.topk = 2;
+  o.hidden = 128;
+  o.max_tokens_per_rank = 16;
+  EXPECT_EQ(message_of([&] { check_ep_options(o, 2); }), "no error");
+  for (const int v : {-1, 0, 1}) {
+    o.nvlink_quantize_in_dispatch = v;
+    EXPECT_EQ(message_of([&] { check_ep_options(o, 2); }), "no error") << v;
+  }
+  o.nvlink_quantize_in_dispatch = 2;
+  EXPECT_NE(message_of([&] {
+              check_ep_options(o, 2);
+            }).find("nvlink_quantize_in_dispatch must be -1 (auto), 0 or 1, got 2"),
+            std::string::npos);
+  o.nvlink_quantize_in_dispatch = -1;
+  o.nvlink_recv_regions = 0;
+  EXPECT_NE(message_of([&] { check_ep_options(o, 2); }).find("nvlink_recv_regions must be in"),
             std::string::npos);
 }
 

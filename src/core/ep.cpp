@@ -82,6 +82,9 @@ void check_ep_options(const EpOptions& o, int world) {
   MOEFLOW_CHECK(o.nvlink_blocks >= 2, "nvlink_blocks must be >= 2, got ", o.nvlink_blocks);
   MOEFLOW_CHECK(o.nvlink_recv_regions >= 1 && o.nvlink_recv_regions <= 16,
                 "nvlink_recv_regions must be in [1, 16], got ", o.nvlink_recv_regions);
+  MOEFLOW_CHECK(o.nvlink_quantize_in_dispatch >= -1 && o.nvlink_quantize_in_dispatch <= 1,
+                "nvlink_quantize_in_dispatch must be -1 (auto), 0 or 1, got ",
+                o.nvlink_quantize_in_dispatch);
   MOEFLOW_CHECK(o.max_tokens_per_rank >= 0, "max_tokens_per_rank must be >= 0, got ",
                 o.max_tokens_per_rank);
   MOEFLOW_CHECK(dtype_is_arith_float(o.dtype) || o.dtype == DType::kFloat8E4M3 ||
