@@ -3,6 +3,8 @@ called many times on tiny CUDA tensors (so that the GPU is never what
 waits), once through moeflow.ops (autograd function, output allocation,
 argument checks) and once straight through moeflow._C with outputs
 allocated beforehand. Reports microseconds per call and the difference.
+Where moeflow.ops has a node in C++ (moeflow._autograd: Plan, permute,
+unpermute), a second row times its Python node ("(Python node)").
 
     PYTHONPATH=build/python:bench python3 bench/py_overhead.py [--json FILE]
 """
@@ -86,11 +88,29 @@ def main():
         ("unpermute_grad", lambda: mf.unpermute(y_g, plan), cases[4][2]),
         ("router_nograd", lambda: mf.router(logits, K), cases[0][2]),
     ]
+    if mf._nodes is not None:
+        nodes = mf._nodes
+
+        def py_plan():
+            mf._nodes = None
+            try:
+                return mf.Plan(r.topk_ids, E, 16)
+            finally:
+                mf._nodes = nodes
+
+        cases += [
+            ("Plan (Python node)", py_plan, cases[1][2]),
+            ("permute (Python node)", lambda: mf._Permute.apply(x, r.probs, plan, None),
+             cases[2][2]),
+            ("unpermute_grad (Python node)", lambda: mf._Unpermute.apply(y_g, None, plan),
+             cases[4][2]),
+        ]
+    out["cpp_nodes"] = mf._nodes is not None
     for name, py, c in cases:
         with torch.set_grad_enabled(name != "router_nograd"):
             tp, tc = per_call_us(py), per_call_us(c)
         out["ops"][name] = {"python_us": tp, "cpp_us": tc, "overhead_us": tp - tc}
-        print(f"{name:14s} moeflow.ops {tp:6.1f} us/call, _C {tc:6.1f} us/call, "
+        print(f"{name:28s} moeflow.ops {tp:6.1f} us/call, _C {tc:6.1f} us/call, "
               f"overhead {tp - tc:5.1f} us", flush=True)
     if args.json:
         with open(args.json, "w") as f:

@@ -4,6 +4,8 @@ queries to the C++ side."""
 from __future__ import annotations
 
 import functools
+import os
+import warnings
 
 import torch
 
@@ -19,6 +21,27 @@ def _stream(t: torch.Tensor) -> int:
     if _raw_stream is not None:  # no Stream object made: the op's hot path
         return _raw_stream(t.get_device())
     return torch.cuda.current_stream(t.device).cuda_stream
+
+
+def _load_nodes():
+    """moeflow._autograd, the C++ autograd nodes (plan build, permute,
+    unpermute), or None: not built (no torch at build time), or turned off
+    with MOEFLOW_TORCH_NODES=0. The ops then use their Python nodes, with
+    the same results bit for bit."""
+    if os.environ.get("MOEFLOW_TORCH_NODES", "1") == "0":
+        return None
+    try:
+        from . import _autograd
+    except ModuleNotFoundError:
+        return None
+    except ImportError as e:  # built, but not loadable with this torch
+        warnings.warn(f"moeflow: the C++ autograd nodes do not load ({e}); using the Python "
+                      "ones (rebuild moeflow against this torch)", RuntimeWarning)
+        return None
+    return _autograd
+
+
+_nodes = _load_nodes()
 
 
 # The hot paths' torch names as module globals. An op whose inputs need no

@@ -35,7 +35,7 @@ from ._fp8_ops import (_FP8, dequantize, grouped_gemm_fp8_forward,  # noqa: F401
                        transpose_codes)
 from ._mlp_node import _GroupedMlp
 from ._ops_common import (_empty, _float32, _grad_enabled, _int32, _int64,  # noqa: F401
-                          _plan_sizes, _rows, _stream, _uint8)
+                          _nodes, _plan_sizes, _rows, _stream, _uint8)
 from ._router_ops import (RouterOutput, apply_capacity, router, router_logits,  # noqa: F401
                           update_expert_bias)
 
@@ -68,29 +68,32 @@ class Plan:
                  capacity_rows: int = -1, *, _mask: bool = False):
         if topk_ids.dim() != 2:
             raise ValueError(f"topk_ids must be [T, K], got shape {tuple(topk_ids.shape)}")
-        ids = topk_ids.contiguous()
-        T, K = ids.shape
+        T, K = topk_ids.shape
         E = int(num_experts)
         if _mask and K != E:
-            raise ValueError(f"routing_mask must be [T, num_experts={E}], got {tuple(ids.shape)}")
-        dev = ids.device
+            raise ValueError(f"routing_mask must be [T, num_experts={E}], got {tuple(topk_ids.shape)}")
         align = int(align)
-        cap, ws = _plan_sizes(T, K, E, align, capacity_rows)
         self.num_tokens, self.topk, self.num_experts, self.align = T, K, E, align
-        self.capacity_rows = cap
+        self._capacity_arg = capacity_rows
         # Two allocations holding the plan's tensors (every one of them is
         # written by the build: no zero fill needed); the C++ plan reads the
         # two buffers, the tensors are views made when first read.
+        if _nodes is not None:  # one C++ call: allocate and build
+            self._ref = ref = _nodes.build_plan(topk_ids, E, align, capacity_rows, _mask)
+            self.capacity_rows = ref.capacity_rows
+            self._buffers = (ref.buffer64, ref.buffer32)
+            self._workspace = ref.workspace
+            return
+        ids = topk_ids.contiguous()
+        dev = ids.device
+        cap, ws = _plan_sizes(T, K, E, align, capacity_rows)
+        self.capacity_rows = cap
         b64 = _empty(E + 1 + T * K + 1, dtype=_int64, device=dev)
         b32 = _empty(2 * E + 2 * cap + 2, dtype=_int32, device=dev)
         self._buffers = (b64, b32)
         self._workspace = _empty(ws, dtype=_uint8, device=dev) if ws else None
-        self._capacity_arg = capacity_rows
-        self._plan_view = view = _C.PlanView.from_buffers(T, K, E, align, capacity_rows, b64, b32)
-        # Registered for _release_plan_views (the ref leaves the set with the plan).
-        _live_plans.add(_weakref(self, _live_plans_discard))
         build = _C.build_plan_from_mask if _mask else _C.build_plan
-        build(ids, view, self._workspace, _stream(ids))
+        build(ids, self._view, self._workspace, _stream(ids))
 
     def __getattr__(self, name: str):
         # Reached only for an attribute not set: those made on first use.
@@ -104,10 +107,12 @@ class Plan:
                     self._buffers[1].split_with_sizes([E, E, cap, cap, 1, 1])
                 self._t_expert_row_offsets, self._t_dest_row = offs, dest.view(T, K)
                 self._t_total_rows = total
-            elif name == "_plan_view":  # released at exit (_release_plan_views): made again
+            elif name == "_plan_view":  # made on first use, and again after _release_plan_views
                 self._plan_view = _C.PlanView.from_buffers(
                     self.num_tokens, self.topk, self.num_experts, self.align,
                     self._capacity_arg, *self._buffers)
+                # Registered for _release_plan_views (the ref leaves the set with the plan).
+                _live_plans.add(_weakref(self, _live_plans_discard))
             if name in d:
                 return d[name]
         raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
@@ -203,6 +208,8 @@ def permute(x: torch.Tensor, plan: Plan, probs: Optional[torch.Tensor] = None,
     per-token ``scales`` [T, S] of any dtype (e.g. float32 1x128 block
     scales): they travel with the rows, and a third output, the rows'
     scales [capacity, S] (0 on pad rows), is returned."""
+    if scales is None and _nodes is not None:
+        return _nodes.permute(x, probs, plan._ref)
     if _grad_enabled() and (x.requires_grad or (probs is not None and probs.requires_grad)
                             or (scales is not None and scales.requires_grad)):
         return _Permute.apply(x, probs, plan, scales)
@@ -320,6 +327,8 @@ def unpermute(y: torch.Tensor, plan: Plan,
     """rows [capacity, H] -> out [T, H]: each token's rows summed in float32
     in a fixed order (bitwise deterministic), weighted by probs [T, K] float32
     when given (differentiable), written in y's dtype."""
+    if _nodes is not None:
+        return _nodes.unpermute(y, probs, plan._ref)
     if _grad_enabled() and (y.requires_grad or (probs is not None and probs.requires_grad)):
         return _Unpermute.apply(y, probs, plan)
     return _Unpermute.forward(None, y, probs, plan)

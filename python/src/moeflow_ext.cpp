@@ -26,6 +26,7 @@
 #include "moeflow/plan.h"
 #include "moeflow/quantize.h"
 #include "moeflow/version.h"
+#include "plan_buffers.h"
 
 namespace nb = nanobind;
 using namespace moeflow;
@@ -43,20 +44,8 @@ struct PyPlan {
 
 Tensor adopt(const TensorView& v, const std::vector<int64_t>& shape, DType dtype,
              const char* name) {
-  MOEFLOW_CHECK(v.dtype == dtype, "plan.", name, ": expected dtype ", dtype_name(dtype), ", got ",
-                dtype_name(v.dtype));
-  MOEFLOW_CHECK(v.sizes() == shape, "plan.", name, ": expected shape ",
-                TensorView(nullptr, dtype, v.device, shape).shape_str(), ", got ", v.shape_str());
   // PyPlan::keep holds the arrays: a non-null owner that frees nothing.
-  return Tensor::adopt(v, std::shared_ptr<void>(v.data, [](void*) {}));
-}
-
-PlanConfig plan_config(int E, int align, int64_t capacity) {
-  PlanConfig c;
-  c.num_experts = E;
-  c.align = align;
-  c.capacity_rows = capacity;
-  return c;
+  return adopt_plan_view(v, shape, dtype, name, std::shared_ptr<void>(v.data, [](void*) {}));
 }
 
 PyPlan make_plan(int64_t T, int K, int E, int align, int64_t capacity, const Array& tpe,
@@ -93,51 +82,13 @@ PyPlan make_plan(int64_t T, int K, int E, int align, int64_t capacity, const Arr
   return p;
 }
 
-// The plan over two flat buffers, split as moeflow.Plan splits them:
-// int64 [E+1 + T*K + 1] = expert_row_offsets, dest_row, total_rows; int32
-// [2E + 2*capacity + 2] = tokens_per_expert, padded_tokens_per_expert,
-// row_token, row_k, overflow, invalid_ids. (Two arrays to read per plan
-// instead of nine.)
+// The plan over moeflow.Plan's two flat buffers (plan_buffers.h). (Two
+// arrays to read per plan instead of nine.)
 PyPlan make_plan_from_buffers(int64_t T, int K, int E, int align, int64_t capacity,
                               const Array& buf64, const Array& buf32) {
-  const PlanConfig c = plan_config(E, align, capacity);
-  const int64_t cap = plan_capacity_rows(T, K, c);
-  const TensorView b64 = view_of(buf64, "buffer64");
-  const TensorView b32 = view_of(buf32, "buffer32");
-  const int64_t n64 = E + 1 + T * K + 1, n32 = 2 * E + 2 * cap + 2;
-  MOEFLOW_CHECK(b64.dtype == DType::kInt64 && b64.ndim == 1 && b64.shape[0] == n64,
-                "buffer64 must be int64 [", n64, "], got ", b64.str());
-  MOEFLOW_CHECK(b32.dtype == DType::kInt32 && b32.ndim == 1 && b32.shape[0] == n32,
-                "buffer32 must be int32 [", n32, "] on ", b64.device.str(), ", got ", b32.str());
-  MOEFLOW_CHECK(b32.device == b64.device, "buffer32 must be on ", b64.device.str(), ", got ",
-                b32.str());
   PyPlan p;
-  RoutingPlan& r = p.plan;
-  r.capacity_rows = cap;
-  r.config = c;
-  r.config.capacity_rows = cap;
-  r.num_tokens = T;
-  r.topk = K;
-  r.device = b64.device;
-  int64_t o64 = 0, o32 = 0;
-  auto part = [&](const TensorView& b, int64_t& off, std::vector<int64_t> shape, DType dt,
-                  const char* name) {
-    int64_t n = 1;
-    for (int64_t d : shape) n *= d;
-    const TensorView v(static_cast<char*>(b.data) + off * static_cast<int64_t>(dtype_size(dt)),
-                       dt, b.device, shape);
-    off += n;
-    return adopt(v, shape, dt, name);
-  };
-  r.expert_row_offsets = part(b64, o64, {E + 1}, DType::kInt64, "expert_row_offsets");
-  r.dest_row = part(b64, o64, {T, K}, DType::kInt64, "dest_row");
-  r.total_rows = part(b64, o64, {1}, DType::kInt64, "total_rows");
-  r.tokens_per_expert = part(b32, o32, {E}, DType::kInt32, "tokens_per_expert");
-  r.padded_tokens_per_expert = part(b32, o32, {E}, DType::kInt32, "padded_tokens_per_expert");
-  r.row_token = part(b32, o32, {cap}, DType::kInt32, "row_token");
-  r.row_k = part(b32, o32, {cap}, DType::kInt32, "row_k");
-  r.overflow = part(b32, o32, {1}, DType::kInt32, "overflow");
-  r.invalid_ids = part(b32, o32, {1}, DType::kInt32, "invalid_ids");
+  p.plan = plan_over_buffers(T, K, E, align, capacity, view_of(buf64, "buffer64"),
+                             view_of(buf32, "buffer32"));
   p.keep = {buf64, buf32};
   return p;
 }

@@ -1,0 +1,94 @@
+// The RoutingPlan over moeflow.Plan's two flat buffers, shared by the
+// extensions (moeflow._C and the torch autograd nodes of moeflow._autograd).
+// Plain C++: no binding library.
+//
+//   buffer64 int64 [E+1 + T*K + 1]      expert_row_offsets, dest_row, total_rows
+//   buffer32 int32 [2E + 2*capacity + 2] tokens_per_expert, padded_tokens_per_expert,
+//                                        row_token, row_k, overflow, invalid_ids
+//
+// The plan's tensors view the buffers without owning them: the caller keeps
+// the buffers alive as long as the plan.
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <vector>
+
+#include "moeflow/error.h"
+#include "moeflow/plan.h"
+#include "moeflow/tensor.h"
+
+namespace moeflow::python {
+
+inline PlanConfig plan_config(int E, int align, int64_t capacity) {
+  PlanConfig c;
+  c.num_experts = E;
+  c.align = align;
+  c.capacity_rows = capacity;
+  return c;
+}
+
+// The buffers' lengths for a plan of these sizes (capacity resolved).
+inline int64_t plan_buffer64_size(int64_t T, int K, int E) {
+  return E + 1 + T * K + 1;
+}
+inline int64_t plan_buffer32_size(int E, int64_t capacity_rows) {
+  return 2 * E + 2 * capacity_rows + 2;
+}
+
+// A Tensor over v that frees nothing (`owner` holds no memory), checked
+// against the shape and dtype the plan needs.
+inline Tensor adopt_plan_view(const TensorView& v, const std::vector<int64_t>& shape, DType dtype,
+                              const char* name, const std::shared_ptr<void>& owner) {
+  MOEFLOW_CHECK(v.dtype == dtype, "plan.", name, ": expected dtype ", dtype_name(dtype), ", got ",
+                dtype_name(v.dtype));
+  MOEFLOW_CHECK(v.sizes() == shape, "plan.", name, ": expected shape ",
+                TensorView(nullptr, dtype, v.device, shape).shape_str(), ", got ", v.shape_str());
+  return Tensor::adopt(v, owner);
+}
+
+// The plan of T tokens, top-k K, E experts over the two buffers (checked:
+// dtypes, lengths, one device).
+inline RoutingPlan plan_over_buffers(int64_t T, int K, int E, int align, int64_t capacity,
+                                     const TensorView& b64, const TensorView& b32) {
+  const PlanConfig c = plan_config(E, align, capacity);
+  const int64_t cap = plan_capacity_rows(T, K, c);
+  const int64_t n64 = plan_buffer64_size(T, K, E), n32 = plan_buffer32_size(E, cap);
+  MOEFLOW_CHECK(b64.dtype == DType::kInt64 && b64.ndim == 1 && b64.shape[0] == n64,
+                "buffer64 must be int64 [", n64, "], got ", b64.str());
+  MOEFLOW_CHECK(b32.dtype == DType::kInt32 && b32.ndim == 1 && b32.shape[0] == n32,
+                "buffer32 must be int32 [", n32, "] on ", b64.device.str(), ", got ", b32.str());
+  MOEFLOW_CHECK(b32.device == b64.device, "buffer32 must be on ", b64.device.str(), ", got ",
+                b32.str());
+  RoutingPlan r;
+  r.capacity_rows = cap;
+  r.config = c;
+  r.config.capacity_rows = cap;
+  r.num_tokens = T;
+  r.topk = K;
+  r.device = b64.device;
+  // One owner for the nine views: it holds nothing (the buffers' owner does).
+  const std::shared_ptr<void> owner(b64.data, [](void*) {});
+  int64_t o64 = 0, o32 = 0;
+  auto part = [&](const TensorView& b, int64_t& off, std::vector<int64_t> shape, DType dt,
+                  const char* name) {
+    int64_t n = 1;
+    for (int64_t d : shape) n *= d;
+    const TensorView v(static_cast<char*>(b.data) + off * static_cast<int64_t>(dtype_size(dt)), dt,
+                       b.device, shape);
+    off += n;
+    return adopt_plan_view(v, shape, dt, name, owner);
+  };
+  r.expert_row_offsets = part(b64, o64, {E + 1}, DType::kInt64, "expert_row_offsets");
+  r.dest_row = part(b64, o64, {T, K}, DType::kInt64, "dest_row");
+  r.total_rows = part(b64, o64, {1}, DType::kInt64, "total_rows");
+  r.tokens_per_expert = part(b32, o32, {E}, DType::kInt32, "tokens_per_expert");
+  r.padded_tokens_per_expert = part(b32, o32, {E}, DType::kInt32, "padded_tokens_per_expert");
+  r.row_token = part(b32, o32, {cap}, DType::kInt32, "row_token");
+  r.row_k = part(b32, o32, {cap}, DType::kInt32, "row_k");
+  r.overflow = part(b32, o32, {1}, DType::kInt32, "overflow");
+  r.invalid_ids = part(b32, o32, {1}, DType::kInt32, "invalid_ids");
+  return r;
+}
+
+}  // namespace moeflow::python

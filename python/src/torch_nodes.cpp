@@ -1,0 +1,321 @@
+// moeflow._autograd: torch autograd nodes in C++ for the ops whose Python
+// nodes cost most of a call's host time (the routing plan's build, permute,
+// unpermute). Built against the torch found at build time (its headers,
+// libtorch and its pybind11); moeflow.ops uses it when it imports and falls
+// back to the Python nodes of moeflow/ops.py otherwise. Same semantics,
+// outputs and gradients as those, bit for bit (tests/test_torch_nodes.py).
+//
+// Outputs are allocated with torch (the caching allocator), every kernel
+// runs on torch's current stream of the input's device, nothing
+// synchronises with the host: graph-capturable as the Python nodes.
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/zeros.h>
+#include <torch/csrc/autograd/custom_function.h>
+#include <torch/csrc/utils/pybind.h>
+#if MOEFLOW_WITH_CUDA
+#include <c10/cuda/CUDAStream.h>
+#endif
+
+#include <cstdint>
+#include <optional>
+#include <vector>
+
+#include "moeflow/error.h"
+#include "moeflow/permute.h"
+#include "moeflow/plan.h"
+#include "plan_buffers.h"
+
+namespace py = pybind11;
+using torch::autograd::AutogradContext;
+using torch::autograd::variable_list;
+
+namespace moeflow::python {
+namespace {
+
+DType dtype_of(const at::Tensor& t, const char* name) {
+  switch (t.scalar_type()) {
+    case at::kFloat:
+      return DType::kFloat32;
+    case at::kHalf:
+      return DType::kFloat16;
+    case at::kBFloat16:
+      return DType::kBFloat16;
+    case at::kDouble:
+      return DType::kFloat64;
+    case at::kFloat8_e4m3fn:
+      return DType::kFloat8E4M3;
+    case at::kFloat8_e5m2:
+      return DType::kFloat8E5M2;
+    case at::kInt:
+      return DType::kInt32;
+    case at::kLong:
+      return DType::kInt64;
+    case at::kByte:
+      return DType::kUInt8;
+    case at::kBool:
+      return DType::kBool;
+    default:
+      MOEFLOW_CHECK(false, name, ": unsupported dtype ", c10::toString(t.scalar_type()),
+                    "; moeflow takes float32/16/64, bfloat16, float8 e4m3fn/e5m2, int32/64, "
+                    "uint8, bool");
+  }
+  return DType::kFloat32;
+}
+
+// A view of t with its strides (the C++ API checks the layouts it needs).
+TensorView view_of(const at::Tensor& t, const char* name) {
+  MOEFLOW_CHECK(t.defined(), name, ": a tensor is required");
+  MOEFLOW_CHECK(t.dim() <= kMaxDims, name, ": at most ", kMaxDims, " dimensions, got ", t.dim());
+  TensorView v;
+  v.data = t.data_ptr();
+  v.dtype = dtype_of(t, name);
+  if (t.is_cuda())
+    v.device = Device::cuda(t.get_device());
+  else
+    MOEFLOW_CHECK(t.is_cpu(), name, ": tensors must be on the CPU or a CUDA device, got ",
+                  t.device().str());
+  v.ndim = static_cast<int>(t.dim());
+  for (int d = 0; d < v.ndim; ++d) {
+    v.shape[d] = t.size(d);
+    v.strides[d] = t.stride(d);
+  }
+  return v;
+}
+
+TensorView opt_view(const at::Tensor& t, const char* name) {
+  return t.defined() ? view_of(t, name) : TensorView{};
+}
+
+// torch's current stream on t's device (nullptr on the CPU).
+cudaStream_t stream_of(const at::Tensor& t) {
+#if MOEFLOW_WITH_CUDA
+  if (t.is_cuda()) return c10::cuda::getCurrentCUDAStream(t.get_device()).stream();
+#endif
+  (void)t;
+  return nullptr;
+}
+
+// x itself when its rows have unit-stride elements, else a contiguous copy
+// (moeflow.ops._rows).
+at::Tensor rows(const at::Tensor& t) {
+  if (t.dim() && t.stride(-1) == 1) return t;
+  if (t.numel() == 0) return at::empty(t.sizes(), t.options());
+  return t.contiguous();
+}
+
+std::optional<at::Tensor> contiguous_or_none(const std::optional<at::Tensor>& t) {
+  if (t && t->defined()) return t->contiguous();
+  return std::nullopt;
+}
+
+// One routing plan: moeflow.Plan's two buffers (plan_buffers.h), its
+// workspace and sizes, and the RoutingPlan over the buffers.
+struct PlanRef {
+  at::Tensor buffer64, buffer32, workspace;
+  int64_t num_tokens = 0, capacity_arg = -1;
+  int64_t topk = 0, num_experts = 0, align = 1;
+  RoutingPlan plan;
+
+  PlanRef(at::Tensor b64, at::Tensor b32, at::Tensor ws, int64_t T, int64_t K, int64_t E, int64_t a,
+          int64_t capacity)
+      : buffer64(std::move(b64)),
+        buffer32(std::move(b32)),
+        workspace(std::move(ws)),
+        num_tokens(T),
+        capacity_arg(capacity),
+        topk(K),
+        num_experts(E),
+        align(a),
+        plan(plan_over_buffers(T, static_cast<int>(K), static_cast<int>(E), static_cast<int>(a),
+                               capacity, view_of(buffer64, "buffer64"),
+                               view_of(buffer32, "buffer32"))) {}
+
+  // What a backward needs to make the plan again (a node cannot hold a
+  // PlanRef: saved_data takes IValues).
+  void save(AutogradContext* ctx) const {
+    ctx->saved_data["plan64"] = buffer64;
+    ctx->saved_data["plan32"] = buffer32;
+    ctx->saved_data["plan"] =
+        std::vector<int64_t>{num_tokens, topk, num_experts, align, capacity_arg};
+  }
+  static RoutingPlan load(AutogradContext* ctx) {
+    const auto dims = ctx->saved_data["plan"].toIntVector();
+    return plan_over_buffers(dims[0], static_cast<int>(dims[1]), static_cast<int>(dims[2]),
+                             static_cast<int>(dims[3]), dims[4],
+                             view_of(ctx->saved_data["plan64"].toTensor(), "buffer64"),
+                             view_of(ctx->saved_data["plan32"].toTensor(), "buffer32"));
+  }
+};
+
+// Allocates a plan's buffers on ids' device and builds it there
+// (moeflow.Plan).
+PlanRef build(const at::Tensor& topk_ids, int64_t E, int64_t align, int64_t capacity,
+              bool from_mask) {
+  MOEFLOW_CHECK(topk_ids.dim() == 2, from_mask ? "routing_mask" : "topk_ids",
+                " must be [T, K], got ", topk_ids.dim(), " dimensions");
+  const at::Tensor ids = topk_ids.contiguous();
+  const int64_t T = ids.size(0), K = ids.size(1);
+  const PlanConfig c = plan_config(static_cast<int>(E), static_cast<int>(align), capacity);
+  const int64_t cap = plan_capacity_rows(T, static_cast<int>(K), c);
+  const size_t ws_bytes = plan_workspace_bytes(T, static_cast<int>(K), c);
+  const auto opts = ids.options();
+  PlanRef p(
+      at::empty({plan_buffer64_size(T, static_cast<int>(K), static_cast<int>(E))},
+                opts.dtype(at::kLong)),
+      at::empty({plan_buffer32_size(static_cast<int>(E), cap)}, opts.dtype(at::kInt)),
+      ws_bytes ? at::empty({static_cast<int64_t>(ws_bytes)}, opts.dtype(at::kByte)) : at::Tensor(),
+      T, K, E, align, capacity);
+  const TensorView ws = opt_view(p.workspace, "workspace");
+  if (from_mask)
+    build_plan_from_mask(view_of(ids, "routing_mask"), p.plan, ws, stream_of(ids));
+  else
+    build_plan(view_of(ids, "topk_ids"), p.plan, ws, stream_of(ids));
+  return p;
+}
+
+// permute: x [T, H] -> rows [capacity, H] and, with probs, row probs
+// [capacity] float32. moeflow.ops._Permute.
+struct PermuteNode : torch::autograd::Function<PermuteNode> {
+  static variable_list forward(AutogradContext* ctx, const at::Tensor& x,
+                               const std::optional<at::Tensor>& probs_arg, const PlanRef* ref) {
+    const RoutingPlan& plan = ref->plan;
+    const at::Tensor probs = probs_arg.value_or(at::Tensor());
+    const at::Tensor xr = rows(x);
+    at::Tensor y = at::empty({plan.capacity_rows, x.size(1)}, x.options());
+    at::Tensor pp;
+    if (probs.defined()) pp = at::empty({plan.capacity_rows}, x.options().dtype(at::kFloat));
+    PermuteExtras e;
+    e.probs = opt_view(probs, "probs");
+    e.permuted_probs = opt_view(pp, "permuted_probs");
+    permute(view_of(xr, "x"), plan, view_of(y, "y"), e, stream_of(x));
+    if (ctx) {
+      ctx->set_materialize_grads(false);
+      ref->save(ctx);
+      ctx->saved_data["x"] = std::vector<int64_t>{
+          x.size(0), x.size(1), static_cast<int64_t>(x.scalar_type()), probs.defined()};
+    }
+    if (!pp.defined()) return {y};  // (a node's outputs are defined tensors)
+    return {y, pp};
+  }
+
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    at::Tensor dy = grads[0], dpp = grads.size() > 1 ? grads[1] : at::Tensor();
+    if (!dy.defined() && !dpp.defined()) return {at::Tensor(), at::Tensor(), at::Tensor()};
+    const RoutingPlan plan = PlanRef::load(ctx);
+    const auto meta = ctx->saved_data["x"].toIntVector();
+    const auto x_dtype = static_cast<at::ScalarType>(meta[2]);
+    const auto opts = (dy.defined() ? dy : dpp).options();
+    if (!dy.defined()) dy = at::zeros({plan.capacity_rows, meta[1]}, opts.dtype(x_dtype));
+    const at::Tensor dyr = rows(dy);
+    at::Tensor dx = at::empty({meta[0], meta[1]}, dy.options());
+    at::Tensor dprobs;
+    if (meta[3] && ctx->needs_input_grad(1) && dpp.defined()) {  // probs given: edge 1
+      dpp = dpp.contiguous();
+      dprobs = at::empty({plan.num_tokens, plan.topk}, opts.dtype(at::kFloat));
+    } else {
+      dpp = at::Tensor();
+    }
+    permute_backward(view_of(dyr, "dy"), plan, view_of(dx, "dx"), opt_view(dpp, "dpermuted_probs"),
+                     opt_view(dprobs, "dprobs"), stream_of(dy));
+    return {dx, dprobs, at::Tensor()};
+  }
+};
+
+// unpermute: rows [capacity, H] -> out [T, H], weighted by probs [T, K].
+// moeflow.ops._Unpermute.
+struct UnpermuteNode : torch::autograd::Function<UnpermuteNode> {
+  static at::Tensor forward(AutogradContext* ctx, const at::Tensor& y,
+                            const std::optional<at::Tensor>& probs_arg, const PlanRef* ref) {
+    const RoutingPlan& plan = ref->plan;
+    const at::Tensor probs = probs_arg.value_or(at::Tensor());
+    at::Tensor out = at::empty({plan.num_tokens, y.size(1)}, y.options());
+    const at::Tensor yr = rows(y);
+    unpermute(view_of(yr, "y"), plan, view_of(out, "out"), opt_view(probs, "merge_probs"),
+              stream_of(y));
+    if (ctx) {
+      ref->save(ctx);
+      std::vector<int64_t> meta(yr.sizes().begin(), yr.sizes().end());
+      meta.push_back(static_cast<int64_t>(yr.scalar_type()));
+      ctx->saved_data["y"] = meta;
+      // The backward reads y only for the probs' gradient. (needs_input_grad
+      // counts tensor inputs only: probs is edge 1 when given.)
+      const bool dprobs = probs.defined() && ctx->needs_input_grad(1);
+      ctx->save_for_backward({dprobs ? yr : at::Tensor(), probs});
+    }
+    return out;
+  }
+
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    const RoutingPlan plan = PlanRef::load(ctx);
+    const variable_list saved = ctx->get_saved_variables();
+    const at::Tensor& y = saved[0];
+    const at::Tensor& probs = saved[1];
+    auto meta = ctx->saved_data["y"].toIntVector();
+    const auto dtype = static_cast<at::ScalarType>(meta.back());
+    meta.pop_back();
+    const at::Tensor dout = rows(grads[0]);
+    at::Tensor dy = at::empty(meta, dout.options().dtype(dtype));
+    at::Tensor dprobs;
+    if (y.defined())
+      dprobs = at::empty({plan.num_tokens, plan.topk}, dout.options().dtype(at::kFloat));
+    unpermute_backward(view_of(dout, "dout"), plan, opt_view(y, "y_fwd"), opt_view(probs, "probs"),
+                       view_of(dy, "dy"), opt_view(dprobs, "dprobs"), stream_of(dout));
+    return {dy, dprobs, at::Tensor()};
+  }
+};
+
+// Whether the call records an autograd node (else the forward runs alone:
+// no node to make).
+bool wants_node(const at::Tensor& x, const std::optional<at::Tensor>& probs) {
+  return at::GradMode::is_enabled() && (x.requires_grad() || (probs && probs->requires_grad()));
+}
+
+py::tuple permute_op(const at::Tensor& x, const std::optional<at::Tensor>& probs_arg,
+                     const PlanRef& ref) {
+  const std::optional<at::Tensor> probs = contiguous_or_none(probs_arg);
+  variable_list out = wants_node(x, probs) ? PermuteNode::apply(x, probs, &ref)
+                                           : PermuteNode::forward(nullptr, x, probs, &ref);
+  return py::make_tuple(out[0], out.size() > 1 ? out[1] : at::Tensor());
+}
+
+at::Tensor unpermute_op(const at::Tensor& y, const std::optional<at::Tensor>& probs_arg,
+                        const PlanRef& ref) {
+  const std::optional<at::Tensor> probs = contiguous_or_none(probs_arg);
+  return wants_node(y, probs) ? UnpermuteNode::apply(y, probs, &ref)
+                              : UnpermuteNode::forward(nullptr, y, probs, &ref);
+}
+
+}  // namespace
+}  // namespace moeflow::python
+
+PYBIND11_MODULE(_autograd, m) {
+  using namespace moeflow::python;
+  m.doc() = "moeflow's torch autograd nodes in C++ (plan build, permute, unpermute)";
+  // moeflow errors as moeflow.Error (the type moeflow._C registers), held
+  // for the process's life once imported (read-only after this).
+  static PyObject* error_type =
+      py::object(py::module_::import("moeflow._C").attr("Error")).release().ptr();
+  py::register_exception_translator([](std::exception_ptr p) {
+    try {
+      if (p) std::rethrow_exception(p);
+    } catch (const moeflow::Error& e) {
+      PyErr_SetString(error_type, e.what());
+    }
+  });
+
+  py::class_<PlanRef>(m, "PlanRef", "A routing plan's buffers, workspace and sizes")
+      .def_readonly("buffer64", &PlanRef::buffer64)
+      .def_readonly("buffer32", &PlanRef::buffer32)
+      .def_readonly("workspace", &PlanRef::workspace)
+      .def_property_readonly("capacity_rows",
+                             [](const PlanRef& p) { return p.plan.capacity_rows; });
+  m.def("build_plan", &build, py::arg("topk_ids"), py::arg("num_experts"), py::arg("align"),
+        py::arg("capacity_rows"), py::arg("from_mask"),
+        "Allocates a plan's buffers and workspace on topk_ids' device and builds the plan "
+        "there (moeflow.Plan)");
+  m.def("permute", &permute_op, py::arg("x"), py::arg("probs"), py::arg("plan"),
+        "moeflow.ops.permute without scales: (rows, row_probs or None)");
+  m.def("unpermute", &unpermute_op, py::arg("y"), py::arg("probs"), py::arg("plan"),
+        "moeflow.ops.unpermute");
+}

@@ -1,0 +1,216 @@
+"""moeflow._autograd, the C++ autograd nodes of the plan build, permute and
+unpermute, against the Python nodes of moeflow.ops (_Permute, _Unpermute and
+the Python plan build): the same outputs and gradients bit for bit, on the
+CPU and, when there is one, a CUDA GPU. A build with torch installed has
+the module: its absence fails here."""
+import pytest
+
+torch = pytest.importorskip("torch")
+import moeflow  # noqa: E402
+import moeflow.ops as mf  # noqa: E402
+from moeflow import _autograd, _ops_common  # noqa: E402
+
+DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
+
+
+@pytest.fixture
+def python_plans(monkeypatch):
+    """Plans built by the Python path (ops._nodes None while constructing)."""
+    def make(*args, **kw):
+        monkeypatch.setattr(mf, "_nodes", None)
+        try:
+            return mf.Plan(*args, **kw)
+        finally:
+            monkeypatch.setattr(mf, "_nodes", _autograd)
+    return make
+
+
+def routing(T, K, E, device, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.stack([torch.randperm(E, generator=g)[:K] for _ in range(T)]).to(torch.int32)
+    ids[torch.rand((T, K), generator=g) < 0.2] = -1
+    return ids.to(device), torch.rand((T, K), generator=g).to(device)
+
+
+def test_the_ops_use_the_cpp_nodes():
+    assert _ops_common._nodes is _autograd and mf._nodes is _autograd
+
+
+PLAN_FIELDS = ["tokens_per_expert", "padded_tokens_per_expert", "expert_row_offsets", "dest_row",
+               "total_rows", "overflow", "invalid_ids"]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("align,capacity", [(1, -1), (16, -1), (16, 48)])
+@pytest.mark.parametrize("mask", [False, True], ids=["ids", "mask"])
+def test_plan_build_is_the_python_build(device, align, capacity, mask, python_plans):
+    T, K, E = 40, 2, 6
+    ids, _ = routing(T, K, E, device)
+    if mask:
+        m = torch.zeros(T, E, dtype=torch.bool, device=device)
+        m.scatter_(1, ids.clamp(min=0).long(), ids >= 0)
+        a, b = mf.Plan.from_mask(m, align, capacity), python_plans(m, E, align, capacity, _mask=True)
+    else:
+        a, b = mf.Plan(ids, E, align, capacity), python_plans(ids, E, align, capacity)
+    assert a.capacity_rows == b.capacity_rows and "_ref" in a.__dict__
+    for f in PLAN_FIELDS:
+        assert torch.equal(getattr(a, f), getattr(b, f)), f
+    total = int(a.total_rows.item())
+    assert torch.equal(a.row_token[:total], b.row_token[:total])
+    assert torch.equal(a.row_k[:total], b.row_k[:total])
+    if capacity != -1:
+        assert int(a.overflow.item()) > 0  # the case drops slots
+
+
+def run_permute(op, x, probs, plan, gy, gp):
+    """Runs op (the C++ node or _Permute.apply), a loss over what it returns
+    (gy/gp None: that output left out of the loss), and returns the
+    outputs and the inputs' gradients."""
+    x = x.detach().clone().requires_grad_(x.requires_grad)
+    p = None if probs is None else probs.detach().clone().requires_grad_(probs.requires_grad)
+    y, pp = op(x, plan, p)
+    loss = 0
+    if gy is not None:
+        loss = loss + (y.float() * gy).sum()
+    if gp is not None and pp is not None:
+        loss = loss + (pp * gp).sum()
+    if torch.is_tensor(loss) and loss.requires_grad:
+        loss.backward()
+    return [y, pp, x.grad, None if p is None else p.grad]
+
+
+def cpp_permute(x, plan, p):
+    return mf.permute(x, plan, p)
+
+
+def py_permute(x, plan, p):
+    if x.requires_grad or (p is not None and p.requires_grad):
+        return mf._Permute.apply(x, p, plan, None)[:2]
+    return mf._Permute.forward(None, x, p, plan, None)[:2]
+
+
+def assert_same(a, b):
+    for u, v in zip(a, b):
+        assert (u is None) == (v is None)
+        if u is not None:
+            assert u.dtype == v.dtype and u.shape == v.shape
+            assert torch.equal(u, v)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("probs", [None, "const", "grad"])
+@pytest.mark.parametrize("x_grad", [True, False])
+@pytest.mark.parametrize("loss", ["both", "rows", "probs"])
+def test_permute_node_is_the_python_node(device, dtype, probs, x_grad, loss):
+    T, K, E, H = 37, 2, 5, 24
+    ids, pr = routing(T, K, E, device, seed=1)
+    plan = mf.Plan(ids, E, 16)
+    x = torch.randn(T, H, device=device).to(dtype).requires_grad_(x_grad)
+    p = None if probs is None else pr.requires_grad_(probs == "grad")
+    gy = torch.randn(plan.capacity_rows, H, device=device) if loss != "probs" else None
+    gp = torch.randn(plan.capacity_rows, device=device) if loss != "rows" else None
+    a = run_permute(cpp_permute, x, p, plan, gy, gp)
+    b = run_permute(py_permute, x, p, plan, gy, gp)
+    total = int(plan.total_rows.item())
+    a[0], b[0] = a[0][:total], b[0][:total]  # rows past total_rows are not written
+    if a[1] is not None:
+        a[1], b[1] = a[1][:total], b[1][:total]
+    assert_same(a, b)
+    if x_grad and loss != "probs":
+        assert a[2] is not None
+
+
+def run_unpermute(op, y, probs, plan, g):
+    y = y.detach().clone().requires_grad_(y.requires_grad)
+    p = None if probs is None else probs.detach().clone().requires_grad_(probs.requires_grad)
+    out = op(y, plan, p)
+    if out.requires_grad:
+        (out.float() * g).sum().backward()
+    return [out, y.grad, None if p is None else p.grad]
+
+
+def py_unpermute(y, plan, p):
+    if y.requires_grad or (p is not None and p.requires_grad):
+        return mf._Unpermute.apply(y, p, plan)
+    return mf._Unpermute.forward(None, y, p, plan)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("probs", [None, "const", "grad"])
+@pytest.mark.parametrize("y_grad", [True, False])
+def test_unpermute_node_is_the_python_node(device, dtype, probs, y_grad):
+    T, K, E, H = 33, 3, 7, 16
+    ids, pr = routing(T, K, E, device, seed=2)
+    plan = mf.Plan(ids, E, 16)
+    total = int(plan.total_rows.item())
+    y = torch.zeros(plan.capacity_rows, H, device=device, dtype=dtype)
+    y[:total] = torch.randn(total, H, device=device).to(dtype)
+    y.requires_grad_(y_grad)
+    p = None if probs is None else pr.requires_grad_(probs == "grad")
+    g = torch.randn(T, H, device=device)
+    a = run_unpermute(mf.unpermute, y, p, plan, g)
+    b = run_unpermute(py_unpermute, y, p, plan, g)
+    if a[1] is not None:  # the rows' gradient past total_rows is not written
+        a[1], b[1] = a[1][:total], b[1][:total]
+    assert_same(a, b)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_strided_rows_and_a_retained_graph(device):
+    T, K, E, H = 20, 2, 4, 16
+    ids, pr = routing(T, K, E, device, seed=3)
+    plan = mf.Plan(ids, E, 16)
+    base = torch.randn(T, 2 * H, device=device)
+    x = base[:, :H].requires_grad_(False).clone().requires_grad_(True)
+    xs = x.t().contiguous().t()  # column-major: rows not unit-stride, copied by the node
+    p = pr.clone().requires_grad_(True)
+    y, pp = mf.permute(xs, plan, p)
+    out = mf.unpermute(y, plan, p)
+    g = torch.randn_like(out)
+    out.backward(g, retain_graph=True)
+    g1 = (x.grad.clone(), p.grad.clone())
+    x.grad = p.grad = None
+    out.backward(g)
+    assert torch.equal(g1[0], x.grad) and torch.equal(g1[1], p.grad)
+    # against the Python nodes
+    x2, p2 = x.detach().clone().requires_grad_(True), pr.clone().requires_grad_(True)
+    y2, _ = mf._Permute.apply(x2.t().contiguous().t(), p2, plan, None)
+    mf._Unpermute.apply(y2, p2, plan).backward(g)
+    assert torch.equal(x2.grad, x.grad) and torch.equal(p2.grad, p.grad)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_unpermute_saves_through_saved_tensor_hooks(device):
+    """The node's saved tensors (the rows for the probs' gradient, the
+    probs) go through saved-tensor hooks, as activation offloading needs;
+    without a probs gradient the rows are not saved."""
+    T, K, E, H = 16, 2, 4, 8
+    ids, pr = routing(T, K, E, device, seed=4)
+    plan = mf.Plan(ids, E, 16)
+    y = torch.randn(plan.capacity_rows, H, device=device, requires_grad=True)
+    for p_grad, n_saved in ((True, 2), (False, 1)):
+        seen = []
+        p = pr.clone().requires_grad_(p_grad)
+        with torch.autograd.graph.saved_tensors_hooks(lambda t: seen.append(t) or t, lambda t: t):
+            out = mf.unpermute(y, plan, p)
+        assert len(seen) == n_saved, (p_grad, len(seen))
+        assert any(s.data_ptr() == p.data_ptr() for s in seen)
+        out.sum().backward()
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_errors_name_the_argument(device):
+    ids, pr = routing(8, 2, 4, device)
+    plan = mf.Plan(ids, 4, 16)
+    with pytest.raises(moeflow.Error, match="x"):
+        mf.permute(torch.zeros(9, 16, device=device), plan)  # 9 tokens, the plan has 8
+    with pytest.raises(moeflow.Error, match="probs"):
+        mf.permute(torch.zeros(8, 16, device=device), plan, pr[:, :1])
+    with pytest.raises(moeflow.Error, match="y"):
+        mf.unpermute(torch.zeros(plan.capacity_rows + 1, 16, device=device), plan)
+    with pytest.raises(moeflow.Error, match="unsupported dtype"):
+        mf.permute(torch.zeros(8, 16, device=device, dtype=torch.complex64), plan)
+    with pytest.raises(moeflow.Error, match="align"):
+        mf.Plan(ids, 4, 3)
