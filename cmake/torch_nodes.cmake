@@ -34,7 +34,8 @@ if(NOT MOEFLOW_BUILD_TORCH_NODES STREQUAL "OFF")
                    NO_DEFAULT_PATH REQUIRED)
       list(APPEND _moeflow_torch_paths ${_moeflow_torch_lib_${_lib}})
     endforeach()
-    Python_add_library(_autograd MODULE WITH_SOABI python/src/torch_nodes.cpp)
+    Python_add_library(_autograd MODULE WITH_SOABI python/src/torch_nodes.cpp
+                       python/src/torch_router_node.cpp python/src/torch_mlp.cpp)
     # torch's headers need C++20 from torch 2.10 on; the rest of moeflow stays C++17.
     set_target_properties(_autograd PROPERTIES CXX_STANDARD 20 CXX_VISIBILITY_PRESET hidden
                           LIBRARY_OUTPUT_DIRECTORY ${CMAKE_BINARY_DIR}/python/moeflow

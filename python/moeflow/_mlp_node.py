@@ -7,7 +7,7 @@ from __future__ import annotations
 import torch
 
 from . import _C
-from ._ops_common import _grad_into, _may_drop_early, _rows, _stream, _take_held
+from ._ops_common import _grad_into, _may_drop_early, _nodes, _rows, _stream, _take_held
 
 
 def _add_grad(p: torch.Tensor, g: torch.Tensor) -> None:
@@ -37,13 +37,16 @@ class _GroupedMlp(torch.autograd.Function):
             x, row_probs = source.forward(x, probs)
             if offsets is None:
                 offsets, real_rows = source.groups()
-        rows = x.shape[0]
-        y = x.new_empty(rows, fc2.shape[1])
-        h = x.new_empty(rows, fc1.shape[1])
-        a = x.new_empty(rows, fc2.shape[2])
-        s = _stream(x)
-        _C.grouped_mlp_forward(x, fc1, fc2, bias1, bias2, offsets, real_rows, row_probs, *cfg,
-                               y, h, a, s)
+        if _nodes is not None:  # the outputs allocated by the C++ call
+            y, h, a = _nodes.grouped_mlp_forward(x, fc1, fc2, bias1, bias2, offsets, real_rows,
+                                                 row_probs, *cfg)
+        else:
+            rows = x.shape[0]
+            y = x.new_empty(rows, fc2.shape[1])
+            h = x.new_empty(rows, fc1.shape[1])
+            a = x.new_empty(rows, fc2.shape[2])
+            _C.grouped_mlp_forward(x, fc1, fc2, bias1, bias2, offsets, real_rows, row_probs,
+                                   *cfg, y, h, a, _stream(x))
         out, kept = y, None
         if sink is not None:
             if opts[1]:

@@ -25,7 +25,7 @@ def _stream(t: torch.Tensor) -> int:
 
 def _load_nodes():
     """moeflow._autograd, the C++ autograd nodes (plan build, permute,
-    unpermute), or None: not built (no torch at build time), or turned off
+    unpermute, router; the grouped MLP's forward call), or None: not built (no torch at build time), or turned off
     with MOEFLOW_TORCH_NODES=0. The ops then use their Python nodes, with
     the same results bit for bit."""
     if os.environ.get("MOEFLOW_TORCH_NODES", "1") == "0":

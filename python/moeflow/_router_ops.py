@@ -7,8 +7,8 @@ from typing import NamedTuple, Optional, Tuple
 import torch
 
 from . import _C
-from ._ops_common import (_empty, _grad_enabled, _int32, _router_ws_bytes, _stream, _tuple_new,
-                          _uint8)
+from ._ops_common import (_empty, _grad_enabled, _int32, _nodes, _router_ws_bytes, _stream,
+                          _tuple_new, _uint8)
 
 
 class RouterOutput(NamedTuple):
@@ -131,6 +131,12 @@ def router(logits: torch.Tensor, topk: int, *, score_function: str = "softmax",
                        f"shape {tuple(logits.shape)}")
     if seq_aux_loss_coeff and cu_seqlens is None:
         raise _C.Error("seq_aux_loss_coeff needs cu_seqlens ([S+1] int32, the sequences)")
+    if _nodes is not None:  # the node in C++ (moeflow._autograd)
+        return _tuple_new(RouterOutput, _nodes.router(
+            logits, int(topk), str(score_function), bool(pre_softmax), int(num_groups or 0),
+            int(group_topk or 0), 1.0 if topk_scaling_factor is None else float(topk_scaling_factor),
+            float(aux_loss_coeff), float(z_loss_coeff), float(seq_aux_loss_coeff), expert_bias,
+            padding_mask, cu_seqlens))
     cfg = (int(logits.shape[1]), int(topk), str(score_function), bool(pre_softmax),
            int(num_groups or 0), int(group_topk or 0),
            1.0 if topk_scaling_factor is None else float(topk_scaling_factor),

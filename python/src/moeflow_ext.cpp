@@ -19,6 +19,7 @@
 #include <vector>
 
 #include "arrays.h"
+#include "mlp_config.h"
 #include "moeflow/grouped_gemm.h"
 #include "moeflow/grouped_mlp.h"
 #include "moeflow/moeflow.h"
@@ -91,29 +92,6 @@ PyPlan make_plan_from_buffers(int64_t T, int K, int E, int align, int64_t capaci
                              view_of(buf32, "buffer32"));
   p.keep = {buf64, buf32};
   return p;
-}
-
-Activation activation_of(const std::string& s) {
-  if (s == "swiglu") return Activation::kSwiGLU;
-  if (s == "geglu") return Activation::kGeGLU;
-  if (s == "clamped_quick_geglu") return Activation::kClampedQuickGeGLU;
-  if (s == "gelu") return Activation::kGelu;
-  if (s == "relu") return Activation::kRelu;
-  if (s == "squared_relu") return Activation::kSquaredRelu;
-  MOEFLOW_CHECK(false, "activation: expected swiglu, geglu, clamped_quick_geglu, gelu, relu or ",
-                "squared_relu, got '", s, "'");
-  return Activation::kSwiGLU;
-}
-
-GroupedMlpConfig mlp_config(const std::string& act, int glu_interleave, float alpha, float limit,
-                            float offset) {
-  GroupedMlpConfig c;
-  c.activation = activation_of(act);
-  c.glu_interleave = glu_interleave;
-  c.params.alpha = alpha;
-  c.params.limit = limit;
-  c.params.offset = offset;
-  return c;
 }
 
 GroupedMlpWeights mlp_weights(const Array& fc1, const Array& fc2, const std::optional<Array>& b1,

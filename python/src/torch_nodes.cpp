@@ -1,113 +1,26 @@
 // moeflow._autograd: torch autograd nodes in C++ for the ops whose Python
 // nodes cost most of a call's host time (the routing plan's build, permute,
-// unpermute). Built against the torch found at build time (its headers,
-// libtorch and its pybind11); moeflow.ops uses it when it imports and falls
-// back to the Python nodes of moeflow/ops.py otherwise. Same semantics,
-// outputs and gradients as those, bit for bit (tests/test_torch_nodes.py).
+// unpermute here; the router in torch_router_node.cpp). Built against the torch found at build time
+// (its headers, libtorch and its pybind11); moeflow.ops uses it when it imports and falls back to
+// the Python nodes of moeflow/ops.py otherwise. Same semantics, outputs and gradients as those, bit
+// for bit (tests/test_torch_nodes.py).
 //
 // Outputs are allocated with torch (the caching allocator), every kernel
 // runs on torch's current stream of the input's device, nothing
 // synchronises with the host: graph-capturable as the Python nodes.
-#include <ATen/core/Tensor.h>
-#include <ATen/ops/empty.h>
 #include <ATen/ops/zeros.h>
-#include <torch/csrc/autograd/custom_function.h>
-#include <torch/csrc/utils/pybind.h>
-#if MOEFLOW_WITH_CUDA
-#include <c10/cuda/CUDAStream.h>
-#endif
 
 #include <cstdint>
 #include <optional>
 #include <vector>
 
-#include "moeflow/error.h"
 #include "moeflow/permute.h"
 #include "moeflow/plan.h"
 #include "plan_buffers.h"
-
-namespace py = pybind11;
-using torch::autograd::AutogradContext;
-using torch::autograd::variable_list;
+#include "torch_common.h"
 
 namespace moeflow::python {
 namespace {
-
-DType dtype_of(const at::Tensor& t, const char* name) {
-  switch (t.scalar_type()) {
-    case at::kFloat:
-      return DType::kFloat32;
-    case at::kHalf:
-      return DType::kFloat16;
-    case at::kBFloat16:
-      return DType::kBFloat16;
-    case at::kDouble:
-      return DType::kFloat64;
-    case at::kFloat8_e4m3fn:
-      return DType::kFloat8E4M3;
-    case at::kFloat8_e5m2:
-      return DType::kFloat8E5M2;
-    case at::kInt:
-      return DType::kInt32;
-    case at::kLong:
-      return DType::kInt64;
-    case at::kByte:
-      return DType::kUInt8;
-    case at::kBool:
-      return DType::kBool;
-    default:
-      MOEFLOW_CHECK(false, name, ": unsupported dtype ", c10::toString(t.scalar_type()),
-                    "; moeflow takes float32/16/64, bfloat16, float8 e4m3fn/e5m2, int32/64, "
-                    "uint8, bool");
-  }
-  return DType::kFloat32;
-}
-
-// A view of t with its strides (the C++ API checks the layouts it needs).
-TensorView view_of(const at::Tensor& t, const char* name) {
-  MOEFLOW_CHECK(t.defined(), name, ": a tensor is required");
-  MOEFLOW_CHECK(t.dim() <= kMaxDims, name, ": at most ", kMaxDims, " dimensions, got ", t.dim());
-  TensorView v;
-  v.data = t.data_ptr();
-  v.dtype = dtype_of(t, name);
-  if (t.is_cuda())
-    v.device = Device::cuda(t.get_device());
-  else
-    MOEFLOW_CHECK(t.is_cpu(), name, ": tensors must be on the CPU or a CUDA device, got ",
-                  t.device().str());
-  v.ndim = static_cast<int>(t.dim());
-  for (int d = 0; d < v.ndim; ++d) {
-    v.shape[d] = t.size(d);
-    v.strides[d] = t.stride(d);
-  }
-  return v;
-}
-
-TensorView opt_view(const at::Tensor& t, const char* name) {
-  return t.defined() ? view_of(t, name) : TensorView{};
-}
-
-// torch's current stream on t's device (nullptr on the CPU).
-cudaStream_t stream_of(const at::Tensor& t) {
-#if MOEFLOW_WITH_CUDA
-  if (t.is_cuda()) return c10::cuda::getCurrentCUDAStream(t.get_device()).stream();
-#endif
-  (void)t;
-  return nullptr;
-}
-
-// x itself when its rows have unit-stride elements, else a contiguous copy
-// (moeflow.ops._rows).
-at::Tensor rows(const at::Tensor& t) {
-  if (t.dim() && t.stride(-1) == 1) return t;
-  if (t.numel() == 0) return at::empty(t.sizes(), t.options());
-  return t.contiguous();
-}
-
-std::optional<at::Tensor> contiguous_or_none(const std::optional<at::Tensor>& t) {
-  if (t && t->defined()) return t->contiguous();
-  return std::nullopt;
-}
 
 // One routing plan: moeflow.Plan's two buffers (plan_buffers.h), its
 // workspace and sizes, and the RoutingPlan over the buffers.
@@ -188,7 +101,7 @@ struct PermuteNode : torch::autograd::Function<PermuteNode> {
     PermuteExtras e;
     e.probs = opt_view(probs, "probs");
     e.permuted_probs = opt_view(pp, "permuted_probs");
-    permute(view_of(xr, "x"), plan, view_of(y, "y"), e, stream_of(x));
+    permute(rows_of(xr, "x"), plan, view_of(y, "y"), e, stream_of(x));
     if (ctx) {
       ctx->set_materialize_grads(false);
       ref->save(ctx);
@@ -216,7 +129,7 @@ struct PermuteNode : torch::autograd::Function<PermuteNode> {
     } else {
       dpp = at::Tensor();
     }
-    permute_backward(view_of(dyr, "dy"), plan, view_of(dx, "dx"), opt_view(dpp, "dpermuted_probs"),
+    permute_backward(rows_of(dyr, "dy"), plan, view_of(dx, "dx"), opt_view(dpp, "dpermuted_probs"),
                      opt_view(dprobs, "dprobs"), stream_of(dy));
     return {dx, dprobs, at::Tensor()};
   }
@@ -231,7 +144,7 @@ struct UnpermuteNode : torch::autograd::Function<UnpermuteNode> {
     const at::Tensor probs = probs_arg.value_or(at::Tensor());
     at::Tensor out = at::empty({plan.num_tokens, y.size(1)}, y.options());
     const at::Tensor yr = rows(y);
-    unpermute(view_of(yr, "y"), plan, view_of(out, "out"), opt_view(probs, "merge_probs"),
+    unpermute(rows_of(yr, "y"), plan, view_of(out, "out"), opt_view(probs, "merge_probs"),
               stream_of(y));
     if (ctx) {
       ref->save(ctx);
@@ -259,7 +172,8 @@ struct UnpermuteNode : torch::autograd::Function<UnpermuteNode> {
     at::Tensor dprobs;
     if (y.defined())
       dprobs = at::empty({plan.num_tokens, plan.topk}, dout.options().dtype(at::kFloat));
-    unpermute_backward(view_of(dout, "dout"), plan, opt_view(y, "y_fwd"), opt_view(probs, "probs"),
+    unpermute_backward(rows_of(dout, "dout"), plan,
+                       y.defined() ? rows_of(y, "y_fwd") : TensorView{}, opt_view(probs, "probs"),
                        view_of(dy, "dy"), opt_view(dprobs, "dprobs"), stream_of(dout));
     return {dy, dprobs, at::Tensor()};
   }
@@ -291,7 +205,7 @@ at::Tensor unpermute_op(const at::Tensor& y, const std::optional<at::Tensor>& pr
 
 PYBIND11_MODULE(_autograd, m) {
   using namespace moeflow::python;
-  m.doc() = "moeflow's torch autograd nodes in C++ (plan build, permute, unpermute)";
+  m.doc() = "moeflow's torch autograd nodes in C++ (plan build, permute, unpermute, router)";
   // moeflow errors as moeflow.Error (the type moeflow._C registers), held
   // for the process's life once imported (read-only after this).
   static PyObject* error_type =
@@ -318,4 +232,6 @@ PYBIND11_MODULE(_autograd, m) {
         "moeflow.ops.permute without scales: (rows, row_probs or None)");
   m.def("unpermute", &unpermute_op, py::arg("y"), py::arg("probs"), py::arg("plan"),
         "moeflow.ops.unpermute");
+  bind_router_node(m);
+  bind_mlp(m);
 }

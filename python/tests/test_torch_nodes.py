@@ -214,3 +214,103 @@ def test_errors_name_the_argument(device):
         mf.permute(torch.zeros(8, 16, device=device, dtype=torch.complex64), plan)
     with pytest.raises(moeflow.Error, match="align"):
         mf.Plan(ids, 4, 3)
+
+
+ROUTER_CASES = {
+    "softmax": dict(),
+    "softmax pre, aux": dict(pre_softmax=True, aux_loss_coeff=1e-2),
+    "sigmoid groups bias, all losses": dict(score_function="sigmoid", num_groups=4, group_topk=2,
+                                            bias=True, aux_loss_coeff=1e-2, z_loss_coeff=1e-3,
+                                            seq_aux_loss_coeff=1e-2, scaling=2.5),
+    "softmax z, padding": dict(z_loss_coeff=1e-3, mask=True),
+    "sigmoid seq, padding": dict(score_function="sigmoid", seq_aux_loss_coeff=1e-2, mask=True),
+}
+
+
+def run_router(use_nodes, monkeypatch, logits, K, case, loss_parts):
+    from moeflow import _router_ops
+    monkeypatch.setattr(_router_ops, "_nodes", _autograd if use_nodes else None)
+    T, E = logits.shape
+    dev = logits.device
+    kw = {k: v for k, v in case.items() if k not in ("bias", "mask", "scaling")}
+    if case.get("bias"):
+        kw["expert_bias"] = torch.linspace(-0.1, 0.1, E, device=dev)
+    if case.get("mask"):
+        kw["padding_mask"] = (torch.arange(T, device=dev) % 5) == 3
+    if case.get("scaling"):
+        kw["topk_scaling_factor"] = case["scaling"]
+    if kw.get("seq_aux_loss_coeff"):
+        kw["cu_seqlens"] = torch.tensor([0, 7, T], dtype=torch.int32, device=dev)
+    lg = logits.detach().clone().requires_grad_(True)
+    r = mf.router(lg, K, **kw)
+    loss = 0
+    if "probs" in loss_parts:
+        loss = loss + (r.probs * torch.linspace(0.5, 1.5, K, device=dev, dtype=r.probs.dtype)).sum()
+    for name in ("aux_loss", "z_loss", "seq_aux_loss"):
+        if name in loss_parts and getattr(r, name) is not None:
+            loss = loss + getattr(r, name) * 3
+    if torch.is_tensor(loss):
+        loss.backward()
+    return list(r) + [lg.grad]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("case", list(ROUTER_CASES))
+@pytest.mark.parametrize("loss_parts", [("probs", "aux_loss", "z_loss", "seq_aux_loss"),
+                                        ("probs",), ("aux_loss", "z_loss", "seq_aux_loss")],
+                         ids=["all", "probs", "losses"])
+def test_router_node_is_the_python_node(device, case, loss_parts, monkeypatch):
+    T, E, K = 29, 16, 4
+    g = torch.Generator().manual_seed(5)
+    logits = torch.randn(T, E, generator=g).to(device)
+    logits[2, 3] = float("nan")  # counted in nonfinite
+    a = run_router(True, monkeypatch, logits, K, ROUTER_CASES[case], loss_parts)
+    b = run_router(False, monkeypatch, logits, K, ROUTER_CASES[case], loss_parts)
+    assert_same(a, b)
+    assert a[-1] is not None or loss_parts == ("aux_loss", "z_loss", "seq_aux_loss")
+    assert int(a[6].item()) == 1
+
+
+def test_router_node_float64_gradcheck(monkeypatch):
+    """float64 logits on the CPU through the C++ node: autograd's gradient
+    check (the choice held fixed; the losses with their coefficients)."""
+    T, E, K = 6, 8, 2
+    g = torch.Generator().manual_seed(6)
+    logits = torch.randn(T, E, generator=g, dtype=torch.float64, requires_grad=True)
+
+    def f(lg):
+        r = mf.router(lg, K, score_function="sigmoid", aux_loss_coeff=0.1, z_loss_coeff=0.01)
+        return r.probs, r.aux_loss, r.z_loss
+
+    assert torch.autograd.gradcheck(f, (logits,))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("real_rows", [True, False])
+@pytest.mark.parametrize("bias", [True, False])
+def test_mlp_forward_call_is_the_c_call(device, real_rows, bias, monkeypatch):
+    """grouped_mlp's node allocating its forward outputs in C++
+    (_autograd.grouped_mlp_forward) or through torch.empty + _C: the same
+    outputs and gradients bit for bit."""
+    from moeflow import _mlp_node
+    T, K, E, H, F = 24, 2, 3, 32, 16
+    ids, pr = routing(T, K, E, device, seed=7)
+    plan = mf.Plan(ids, E, 16)
+    g = torch.Generator().manual_seed(8)
+    x = torch.randn(T, H, generator=g).to(device, torch.bfloat16)
+    w1 = (torch.randn(E, 2 * F, H, generator=g) * 0.1).to(device, torch.bfloat16)
+    w2 = (torch.randn(E, H, F, generator=g) * 0.1).to(device, torch.bfloat16)
+    b1 = (torch.randn(E, 2 * F, generator=g) * 0.1).to(device, torch.bfloat16) if bias else None
+    dout = torch.randn(T, H, generator=g).to(device, torch.bfloat16)
+    runs = []
+    for nodes in (_autograd, None):
+        monkeypatch.setattr(_mlp_node, "_nodes", nodes)
+        ps = [t.detach().clone().requires_grad_(True) if t is not None else None
+              for t in (x, w1, w2, b1, pr)]
+        rows, rp = mf.permute(ps[0], plan, ps[4])
+        kw = dict(plan=plan) if real_rows else dict(offsets=plan.expert_row_offsets)
+        y = mf.grouped_mlp(rows, ps[1], ps[2], bias1=ps[3], probs=rp, **kw)
+        out = mf.unpermute(y, plan)
+        out.backward(dout)
+        runs.append([out] + [p.grad for p in ps if p is not None])
+    assert_same(*runs)
