@@ -79,21 +79,39 @@ struct PermutedColumns {
   }
 };
 
-// requantize_columnwise, per element: q(r,c) = rows[c][r], rows the 16-bit
-// T values dequantize makes of FP8 codes with 1x128 rowwise scales.
+// FP8 rows with 1x128 rowwise scales, read as the 16-bit T values
+// dequantize makes of them: code times its block's scale, rounded once
+// (requantize_columnwise's source).
+struct Codes {
+  const uint8_t* q = nullptr;
+  int64_t q_stride = 0;
+  const float* scales = nullptr;  // [M, nb]
+  int64_t nb = 0;
+  bool e4m3 = true;
+  // row m's block k / 128 scale
+  __device__ __forceinline__ double scale(int64_t m, int64_t k) const {
+    return scales[m * nb + k / kBlock];
+  }
+  // a code of a block whose scale is s
+  template <typename T>
+  __device__ __forceinline__ T value(uint8_t code, double s) const {
+    return dequant_round16<T>(static_cast<double>(quant::fp8_value(code, e4m3)) * s);
+  }
+  template <typename T>
+  __device__ __forceinline__ T at(int64_t m, int64_t k) const {
+    return value<T>(q[m * q_stride + k], scale(m, k));
+  }
+};
+
+// requantize_columnwise, per element: q(r,c) = rows[c][r] of the codes'
+// rows (the per-block path, where the tile kernel cannot load 8 codes).
 template <typename T>
 struct CodesColumns {
-  const uint8_t* codes;
-  int64_t stride;
-  const float* scales;
-  int64_t nb;
-  bool e4m3;
+  Codes codes;
   __device__ __forceinline__ void prepare() {}
   __device__ __forceinline__ bool skip(int64_t /*c0*/) const { return false; }
   __device__ __forceinline__ float at(int64_t r, int64_t c) const {
-    const double s = scales[c * nb + r / kBlock];
-    return to_float(
-        dequant_round16<T>(static_cast<double>(quant::fp8_value(codes[c * stride + r], e4m3)) * s));
+    return to_float(codes.at<T>(c, r));
   }
 };
 
@@ -304,17 +322,6 @@ struct Gather {
   const int64_t* total_rows;
 };
 
-// With q set (requantize_columnwise) row m of x is not read: its values are
-// dequantize's of FP8 row m, code times the row's 1x128 scale rounded once
-// to T.
-struct Codes {
-  const uint8_t* q = nullptr;
-  int64_t q_stride = 0;
-  const float* scales = nullptr;  // [M, nb]
-  int64_t nb = 0;
-  bool e4m3 = true;
-};
-
 template <typename T, bool E4M3>
 __global__ void __launch_bounds__(kThreads, 4)
     quantize_1x128_tile_kernel(const T* x, int64_t x_stride, int64_t M, int64_t K, Dst row,
@@ -346,13 +353,12 @@ __global__ void __launch_bounds__(kThreads, 4)
           v = *reinterpret_cast<const uint4*>(x + sr * x_stride + k0 + c);
         } else {  // 8 codes and their block's scale
           const uint2 b = *reinterpret_cast<const uint2*>(codes.q + sr * codes.q_stride + k0 + c);
-          const double s = codes.scales[sr * codes.nb + (k0 + c) / kTile];
+          const double s = codes.scale(sr, k0 + c);
           uint32_t w[kVec / 2];
 #pragma unroll
           for (int j = 0; j < kVec; ++j) {
             const auto code = static_cast<uint8_t>((j < 4 ? b.x : b.y) >> (8 * (j % 4)));
-            const T e =
-                dequant_round16<T>(static_cast<double>(quant::fp8_value(code, codes.e4m3)) * s);
+            const T e = codes.value<T>(code, s);
             const uint32_t bits = reinterpret_cast<const uint16_t&>(e);
             w[j / 2] = j % 2 == 0 ? bits : w[j / 2] | bits << 16;
           }
@@ -666,7 +672,7 @@ void requantize_columnwise(TensorView q, TensorView scales, DType dtype,
                                Gather{}, stream, codes);
           return;
         }
-        const CodesColumns<T> src{codes.q, codes.q_stride, codes.scales, codes.nb, codes.e4m3};
+        const CodesColumns<T> src{codes};
         const Dst dst{col.q, col.q_stride, K, M, col.scales, config.pow2_scales};
         const int64_t nb = ceil_div(M, int64_t{kBlock});
         quantize_1x128_kernel<CodesColumns<T>, E4M3>
