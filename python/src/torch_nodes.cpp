@@ -94,6 +94,7 @@ struct PermuteNode : torch::autograd::Function<PermuteNode> {
                                const std::optional<at::Tensor>& probs_arg, const PlanRef* ref) {
     const RoutingPlan& plan = ref->plan;
     const at::Tensor probs = probs_arg.value_or(at::Tensor());
+    MOEFLOW_CHECK(x.dim() == 2, "x must be [T, H], got ", x.dim(), " dimensions");
     const at::Tensor xr = rows(x);
     at::Tensor y = at::empty({plan.capacity_rows, x.size(1)}, x.options());
     at::Tensor pp;
@@ -142,6 +143,7 @@ struct UnpermuteNode : torch::autograd::Function<UnpermuteNode> {
                             const std::optional<at::Tensor>& probs_arg, const PlanRef* ref) {
     const RoutingPlan& plan = ref->plan;
     const at::Tensor probs = probs_arg.value_or(at::Tensor());
+    MOEFLOW_CHECK(y.dim() == 2, "y must be [capacity, H], got ", y.dim(), " dimensions");
     at::Tensor out = at::empty({plan.num_tokens, y.size(1)}, y.options());
     const at::Tensor yr = rows(y);
     unpermute(rows_of(yr, "y"), plan, view_of(out, "out"), opt_view(probs, "merge_probs"),

@@ -212,6 +212,10 @@ def test_errors_name_the_argument(device):
         mf.unpermute(torch.zeros(plan.capacity_rows + 1, 16, device=device), plan)
     with pytest.raises(moeflow.Error, match="unsupported dtype"):
         mf.permute(torch.zeros(8, 16, device=device, dtype=torch.complex64), plan)
+    with pytest.raises(moeflow.Error, match=r"x must be \[T, H\], got 1"):
+        mf.permute(torch.zeros(8, device=device), plan)
+    with pytest.raises(moeflow.Error, match=r"y must be \[capacity, H\], got 3"):
+        mf.unpermute(torch.zeros(plan.capacity_rows, 2, 8, device=device), plan)
     with pytest.raises(moeflow.Error, match="align"):
         mf.Plan(ids, 4, 3)
 
