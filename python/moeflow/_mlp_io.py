@@ -16,7 +16,7 @@ from __future__ import annotations
 import torch
 
 from . import _C
-from ._ops_common import _empty, _float32, _stream
+from ._ops_common import _empty, _float32, _nodes, _stream
 
 
 def columnwise_codes(x, plan, fp8_format="e4m3", pow2_scales=False):
@@ -50,6 +50,8 @@ class PermuteSource:
     def forward(self, x, probs):
         plan, cap = self.plan, self.plan.capacity_rows
         self.x_meta = (x.shape, x.dtype)
+        if _nodes is not None:  # (inside the node's forward: grad off, no node recorded)
+            return _nodes.permute(x, probs, plan._ref)
         rows = x.new_empty(cap, x.shape[1])
         row_probs = None if probs is None else _empty(cap, dtype=_float32, device=x.device)
         _C.permute(x, plan._view, rows, None if probs is None else probs.contiguous(), row_probs,
@@ -59,6 +61,8 @@ class PermuteSource:
     def rows(self, x):
         """forward's rows again from the same tokens (a gather: the same
         bits; pad rows zero)."""
+        if _nodes is not None:
+            return _nodes.permute(x, None, self.plan._ref)[0]
         rows = x.new_empty(self.plan.capacity_rows, x.shape[1])
         _C.permute(x, self.plan._view, rows, None, None, None, None, _stream(x))
         return rows
@@ -102,6 +106,9 @@ class PermuteSource:
     def backward(self, d_rows, d_row_probs, want_dx):
         plan = self.plan
         shape, dtype = self.x_meta
+        if _nodes is not None and dtype == d_rows.dtype:
+            dx, dprobs = _nodes.permute_backward(d_rows, d_row_probs, plan._ref)
+            return (dx if want_dx else None), dprobs
         dx = d_rows.new_empty(shape, dtype=dtype)
         dprobs = None
         if d_row_probs is not None:
@@ -120,11 +127,15 @@ class UnpermuteSink:
         self.plan = plan
 
     def forward(self, y, probs):
+        if _nodes is not None:
+            return _nodes.unpermute(y, None, self.plan._ref), None
         out = y.new_empty(self.plan.num_tokens, y.shape[1])
         _C.unpermute(y, self.plan._view, out, None, _stream(y))
         return out, None
 
     def backward(self, dout, probs, kept, rows_shape):
+        if _nodes is not None:
+            return _nodes.unpermute_backward(dout, rows_shape[0], self.plan._ref), None
         dy = dout.new_empty(rows_shape)
         _C.unpermute_backward(dout, self.plan._view, None, None, dy, None, _stream(dout))
         return dy, None

@@ -12,6 +12,7 @@
 
 #include <cstdint>
 #include <optional>
+#include <utility>
 #include <vector>
 
 #include "moeflow/permute.h"
@@ -87,6 +88,38 @@ PlanRef build(const at::Tensor& topk_ids, int64_t E, int64_t align, int64_t capa
   return p;
 }
 
+// permute's gradient: dy [capacity, H] -> dx [T, H] in dy's dtype and,
+// with dpp [capacity] (the row probs' gradient), dprobs [T, K] float32.
+std::pair<at::Tensor, at::Tensor> permute_grad(const at::Tensor& dy_in, const at::Tensor& dpp_in,
+                                               const RoutingPlan& plan) {
+  const at::Tensor dy = rows(dy_in);
+  at::Tensor dx = at::empty({plan.num_tokens, dy.size(1)}, dy.options());
+  at::Tensor dpp, dprobs;
+  if (dpp_in.defined()) {
+    dpp = dpp_in.contiguous();
+    dprobs = at::empty({plan.num_tokens, plan.topk}, dy.options().dtype(at::kFloat));
+  }
+  permute_backward(rows_of(dy, "dy"), plan, view_of(dx, "dx"), opt_view(dpp, "dpermuted_probs"),
+                   opt_view(dprobs, "dprobs"), stream_of(dy));
+  return {dx, dprobs};
+}
+
+// unpermute's gradient: dout [T, H] -> dy [rows, H] of `dtype` (pad rows
+// zero) and, with the forward's rows y, dprobs [T, K] float32.
+std::pair<at::Tensor, at::Tensor> unpermute_grad(const at::Tensor& dout_in, const at::Tensor& y,
+                                                 const at::Tensor& probs, int64_t rows_n,
+                                                 at::ScalarType dtype, const RoutingPlan& plan) {
+  const at::Tensor dout = rows(dout_in);
+  at::Tensor dy = at::empty({rows_n, dout.size(1)}, dout.options().dtype(dtype));
+  at::Tensor dprobs;
+  if (y.defined())
+    dprobs = at::empty({plan.num_tokens, plan.topk}, dout.options().dtype(at::kFloat));
+  unpermute_backward(rows_of(dout, "dout"), plan, y.defined() ? rows_of(y, "y_fwd") : TensorView{},
+                     opt_view(probs, "probs"), view_of(dy, "dy"), opt_view(dprobs, "dprobs"),
+                     stream_of(dout));
+  return {dy, dprobs};
+}
+
 // permute: x [T, H] -> rows [capacity, H] and, with probs, row probs
 // [capacity] float32. moeflow.ops._Permute.
 struct PermuteNode : torch::autograd::Function<PermuteNode> {
@@ -118,20 +151,12 @@ struct PermuteNode : torch::autograd::Function<PermuteNode> {
     if (!dy.defined() && !dpp.defined()) return {at::Tensor(), at::Tensor(), at::Tensor()};
     const RoutingPlan plan = PlanRef::load(ctx);
     const auto meta = ctx->saved_data["x"].toIntVector();
-    const auto x_dtype = static_cast<at::ScalarType>(meta[2]);
-    const auto opts = (dy.defined() ? dy : dpp).options();
-    if (!dy.defined()) dy = at::zeros({plan.capacity_rows, meta[1]}, opts.dtype(x_dtype));
-    const at::Tensor dyr = rows(dy);
-    at::Tensor dx = at::empty({meta[0], meta[1]}, dy.options());
-    at::Tensor dprobs;
-    if (meta[3] && ctx->needs_input_grad(1) && dpp.defined()) {  // probs given: edge 1
-      dpp = dpp.contiguous();
-      dprobs = at::empty({plan.num_tokens, plan.topk}, opts.dtype(at::kFloat));
-    } else {
-      dpp = at::Tensor();
-    }
-    permute_backward(rows_of(dyr, "dy"), plan, view_of(dx, "dx"), opt_view(dpp, "dpermuted_probs"),
-                     opt_view(dprobs, "dprobs"), stream_of(dy));
+    if (!dy.defined())
+      dy = at::zeros({plan.capacity_rows, meta[1]},
+                     dpp.options().dtype(static_cast<at::ScalarType>(meta[2])));
+    // probs given (meta[3]): they are edge 1
+    if (!(meta[3] && ctx->needs_input_grad(1))) dpp = at::Tensor();
+    auto [dx, dprobs] = permute_grad(dy, dpp, plan);
     return {dx, dprobs, at::Tensor()};
   }
 };
@@ -150,9 +175,8 @@ struct UnpermuteNode : torch::autograd::Function<UnpermuteNode> {
               stream_of(y));
     if (ctx) {
       ref->save(ctx);
-      std::vector<int64_t> meta(yr.sizes().begin(), yr.sizes().end());
-      meta.push_back(static_cast<int64_t>(yr.scalar_type()));
-      ctx->saved_data["y"] = meta;
+      ctx->saved_data["y"] =
+          std::vector<int64_t>{yr.size(0), yr.size(1), static_cast<int64_t>(yr.scalar_type())};
       // The backward reads y only for the probs' gradient. (needs_input_grad
       // counts tensor inputs only: probs is edge 1 when given.)
       const bool dprobs = probs.defined() && ctx->needs_input_grad(1);
@@ -164,19 +188,9 @@ struct UnpermuteNode : torch::autograd::Function<UnpermuteNode> {
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
     const RoutingPlan plan = PlanRef::load(ctx);
     const variable_list saved = ctx->get_saved_variables();
-    const at::Tensor& y = saved[0];
-    const at::Tensor& probs = saved[1];
-    auto meta = ctx->saved_data["y"].toIntVector();
-    const auto dtype = static_cast<at::ScalarType>(meta.back());
-    meta.pop_back();
-    const at::Tensor dout = rows(grads[0]);
-    at::Tensor dy = at::empty(meta, dout.options().dtype(dtype));
-    at::Tensor dprobs;
-    if (y.defined())
-      dprobs = at::empty({plan.num_tokens, plan.topk}, dout.options().dtype(at::kFloat));
-    unpermute_backward(rows_of(dout, "dout"), plan,
-                       y.defined() ? rows_of(y, "y_fwd") : TensorView{}, opt_view(probs, "probs"),
-                       view_of(dy, "dy"), opt_view(dprobs, "dprobs"), stream_of(dout));
+    const auto meta = ctx->saved_data["y"].toIntVector();  // rows, H, dtype
+    auto [dy, dprobs] = unpermute_grad(grads[0], saved[0], saved[1], meta[0],
+                                       static_cast<at::ScalarType>(meta[2]), plan);
     return {dy, dprobs, at::Tensor()};
   }
 };
@@ -234,6 +248,25 @@ PYBIND11_MODULE(_autograd, m) {
         "moeflow.ops.permute without scales: (rows, row_probs or None)");
   m.def("unpermute", &unpermute_op, py::arg("y"), py::arg("probs"), py::arg("plan"),
         "moeflow.ops.unpermute");
+  // The gradients alone, for the grouped MLP node's permute source and
+  // unpermute sink (moeflow/_mlp_io.py).
+  m.def(
+      "permute_backward",
+      [](const at::Tensor& dy, const std::optional<at::Tensor>& dpp, const PlanRef& ref) {
+        auto [dx, dprobs] = permute_grad(dy, dpp.value_or(at::Tensor()), ref.plan);
+        return py::make_tuple(dx, dprobs);
+      },
+      py::arg("dy"), py::arg("dpermuted_probs"), py::arg("plan"),
+      "(dx [T, H] in dy's dtype, dprobs [T, K] float32 or None)");
+  m.def(
+      "unpermute_backward",
+      [](const at::Tensor& dout, int64_t rows_n, const PlanRef& ref) {
+        return unpermute_grad(dout, at::Tensor(), at::Tensor(), rows_n, dout.scalar_type(),
+                              ref.plan)
+            .first;
+      },
+      py::arg("dout"), py::arg("rows"), py::arg("plan"),
+      "unweighted unpermute's dy [rows, H] in dout's dtype");
   bind_router_node(m);
   bind_mlp(m);
 }

@@ -318,3 +318,31 @@ def test_mlp_forward_call_is_the_c_call(device, real_rows, bias, monkeypatch):
         out.backward(dout)
         runs.append([out] + [p.grad for p in ps if p is not None])
     assert_same(*runs)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("recompute_permute", [True, False])
+def test_mlp_permute_source_and_unpermute_sink_are_the_c_calls(device, recompute_permute,
+                                                                monkeypatch):
+    """grouped_mlp(permute=True, unpermute=True): the node's permute and
+    unpermute, forward and backward, through moeflow._autograd or through
+    _C: the same output and gradients bit for bit."""
+    from moeflow import _mlp_io, _mlp_node
+    T, K, E, H, F = 21, 2, 3, 32, 16
+    ids, pr = routing(T, K, E, device, seed=9)
+    plan = mf.Plan(ids, E, 16)
+    g = torch.Generator().manual_seed(10)
+    x = torch.randn(T, H, generator=g).to(device, torch.bfloat16)
+    w1 = (torch.randn(E, 2 * F, H, generator=g) * 0.1).to(device, torch.bfloat16)
+    w2 = (torch.randn(E, H, F, generator=g) * 0.1).to(device, torch.bfloat16)
+    dout = torch.randn(T, H, generator=g).to(device, torch.bfloat16)
+    runs = []
+    for nodes in (_autograd, None):
+        monkeypatch.setattr(_mlp_io, "_nodes", nodes)
+        monkeypatch.setattr(_mlp_node, "_nodes", nodes)
+        ps = [t.detach().clone().requires_grad_(True) for t in (x, w1, w2, pr)]
+        out = mf.grouped_mlp(ps[0], ps[1], ps[2], plan=plan, probs=ps[3], permute=True,
+                             unpermute=True, recompute_permute=recompute_permute)
+        out.backward(dout)
+        runs.append([out] + [p.grad for p in ps])
+    assert_same(*runs)
