@@ -27,7 +27,7 @@ if(NOT MOEFLOW_BUILD_TORCH_NODES STREQUAL "OFF")
     set(_moeflow_torch_paths "")
     foreach(_lib ${_moeflow_torch_libs})
       find_library(_moeflow_torch_lib_${_lib} NAMES ${_lib} PATHS ${_moeflow_torch_dir}/lib
-                   NO_DEFAULT_PATH)
+                   NO_DEFAULT_PATH NO_CACHE)
       if(_moeflow_torch_lib_${_lib})
         list(APPEND _moeflow_torch_paths ${_moeflow_torch_lib_${_lib}})
       endif()
@@ -56,7 +56,8 @@ if(NOT MOEFLOW_BUILD_TORCH_NODES STREQUAL "OFF")
                           INSTALL_RPATH "$ORIGIN/../torch/lib")
     target_include_directories(_autograd SYSTEM PRIVATE
       ${_moeflow_torch_dir}/include ${_moeflow_torch_dir}/include/torch/csrc/api/include)
-    target_compile_definitions(_autograd PRIVATE _GLIBCXX_USE_CXX11_ABI=1)
+    target_compile_definitions(_autograd PRIVATE _GLIBCXX_USE_CXX11_ABI=1
+                               MOEFLOW_TORCH_VERSION="${_moeflow_torch_version}")
     target_link_libraries(_autograd PRIVATE moeflow ${_moeflow_torch_paths})
     if(CMAKE_SYSTEM_NAME STREQUAL "Linux")
       target_link_options(_autograd PRIVATE "LINKER:--exclude-libs,ALL")

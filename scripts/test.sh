@@ -45,9 +45,24 @@ if grep -q '^MOEFLOW_BUILD_PYTHON:STRING=OFF' build/CMakeCache.txt 2>/dev/null |
   "$py" -c "import nanobind" >/dev/null 2>&1 || fail "$py cannot import nanobind: the Python package was not built"
   fail "the Python package was not built (no build/python/moeflow/_C*.so; was -DMOEFLOW_BUILD_PYTHON=OFF given?)"
 fi
+# The torch autograd nodes in C++ are built wherever the torch imported has
+# the C++11 ABI and its headers (cmake/torch_nodes.cmake): their absence
+# there is a broken build, not a reason to test the Python nodes alone.
+if "$py" -c "import os, sys, torch; sys.exit(not (torch._C._GLIBCXX_USE_CXX11_ABI and os.path.exists(os.path.join(os.path.dirname(torch.__file__), 'include/torch/csrc/autograd/custom_function.h'))))" >/dev/null 2>&1 &&
+   ! grep -q '^MOEFLOW_BUILD_TORCH_NODES:STRING=OFF' build/CMakeCache.txt 2>/dev/null &&
+   ! ls build/python/moeflow/_autograd*.so >/dev/null 2>&1; then
+  fail "moeflow._autograd was not built although $py's torch could build it (see the CMake output: 'moeflow: no torch autograd nodes in C++ (...)')"
+fi
 env=(PYTHONPATH="$PWD/build/python${PYTHONPATH:+:$PYTHONPATH}")
 # megatron-core's sources for the moeflow.megatron tests (scripts/setup.sh)
 [ -d "$venv/mcore/megatron/core" ] && env+=(MCORE_PATH="$venv/mcore")
 [ "$gpu" = 1 ] || env+=(CUDA_VISIBLE_DEVICES=)
 env "${env[@]}" "$py" -c "import moeflow; print('test: Python package', moeflow.build_info())"
 env "${env[@]}" "$py" -m pytest -q -rs python/tests
+# The Python autograd nodes (what an install without moeflow._autograd runs):
+# the ops' and the layer's tests once more with them.
+if ls build/python/moeflow/_autograd*.so >/dev/null 2>&1; then
+  env "${env[@]}" MOEFLOW_TORCH_NODES=0 "$py" -m pytest -q -rs python/tests/test_torch.py \
+    python/tests/test_router.py python/tests/test_layer.py python/tests/test_layer_routing.py \
+    python/tests/test_torch_nodes.py
+fi

@@ -38,6 +38,11 @@ def _load_nodes():
         warnings.warn(f"moeflow: the C++ autograd nodes do not load ({e}); using the Python "
                       "ones (rebuild moeflow against this torch)", RuntimeWarning)
         return None
+    if _autograd.torch_version != torch.__version__:  # torch's C++ ABI is per version
+        warnings.warn(f"moeflow: the C++ autograd nodes were built against torch "
+                      f"{_autograd.torch_version}, this is {torch.__version__}; using the "
+                      "Python ones (rebuild moeflow against this torch)", RuntimeWarning)
+        return None
     return _autograd
 
 

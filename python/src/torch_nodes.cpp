@@ -27,21 +27,16 @@ namespace {
 // workspace and sizes, and the RoutingPlan over the buffers.
 struct PlanRef {
   at::Tensor buffer64, buffer32, workspace;
-  int64_t num_tokens = 0, capacity_arg = -1;
-  int64_t topk = 0, num_experts = 0, align = 1;
+  int64_t capacity_arg = -1;  // as given (-1: the worst case)
   RoutingPlan plan;
 
-  PlanRef(at::Tensor b64, at::Tensor b32, at::Tensor ws, int64_t T, int64_t K, int64_t E, int64_t a,
-          int64_t capacity)
+  PlanRef(at::Tensor b64, at::Tensor b32, at::Tensor ws, int64_t T, int64_t K, int64_t E,
+          int64_t align, int64_t capacity)
       : buffer64(std::move(b64)),
         buffer32(std::move(b32)),
         workspace(std::move(ws)),
-        num_tokens(T),
         capacity_arg(capacity),
-        topk(K),
-        num_experts(E),
-        align(a),
-        plan(plan_over_buffers(T, static_cast<int>(K), static_cast<int>(E), static_cast<int>(a),
+        plan(plan_over_buffers(T, static_cast<int>(K), static_cast<int>(E), static_cast<int>(align),
                                capacity, view_of(buffer64, "buffer64"),
                                view_of(buffer32, "buffer32"))) {}
 
@@ -50,8 +45,8 @@ struct PlanRef {
   void save(AutogradContext* ctx) const {
     ctx->saved_data["plan64"] = buffer64;
     ctx->saved_data["plan32"] = buffer32;
-    ctx->saved_data["plan"] =
-        std::vector<int64_t>{num_tokens, topk, num_experts, align, capacity_arg};
+    ctx->saved_data["plan"] = std::vector<int64_t>{plan.num_tokens, plan.topk, plan.num_experts(),
+                                                   plan.align(), capacity_arg};
   }
   static RoutingPlan load(AutogradContext* ctx) {
     const auto dims = ctx->saved_data["plan"].toIntVector();
@@ -129,13 +124,14 @@ struct PermuteNode : torch::autograd::Function<PermuteNode> {
     const at::Tensor probs = probs_arg.value_or(at::Tensor());
     MOEFLOW_CHECK(x.dim() == 2, "x must be [T, H], got ", x.dim(), " dimensions");
     const at::Tensor xr = rows(x);
+    const TensorView xv = rows_of(xr, "x");  // (checked before y is made of its dtype)
     at::Tensor y = at::empty({plan.capacity_rows, x.size(1)}, x.options());
     at::Tensor pp;
     if (probs.defined()) pp = at::empty({plan.capacity_rows}, x.options().dtype(at::kFloat));
     PermuteExtras e;
     e.probs = opt_view(probs, "probs");
     e.permuted_probs = opt_view(pp, "permuted_probs");
-    permute(rows_of(xr, "x"), plan, view_of(y, "y"), e, stream_of(x));
+    permute(xv, plan, view_of(y, "y"), e, stream_of(x));
     if (ctx) {
       ctx->set_materialize_grads(false);
       ref->save(ctx);
@@ -169,17 +165,19 @@ struct UnpermuteNode : torch::autograd::Function<UnpermuteNode> {
     const RoutingPlan& plan = ref->plan;
     const at::Tensor probs = probs_arg.value_or(at::Tensor());
     MOEFLOW_CHECK(y.dim() == 2, "y must be [capacity, H], got ", y.dim(), " dimensions");
-    at::Tensor out = at::empty({plan.num_tokens, y.size(1)}, y.options());
     const at::Tensor yr = rows(y);
-    unpermute(rows_of(yr, "y"), plan, view_of(out, "out"), opt_view(probs, "merge_probs"),
-              stream_of(y));
+    const TensorView yv = rows_of(yr, "y");
+    at::Tensor out = at::empty({plan.num_tokens, y.size(1)}, y.options());
+    unpermute(yv, plan, view_of(out, "out"), opt_view(probs, "merge_probs"), stream_of(y));
     if (ctx) {
       ref->save(ctx);
       ctx->saved_data["y"] =
           std::vector<int64_t>{yr.size(0), yr.size(1), static_cast<int64_t>(yr.scalar_type())};
-      // The backward reads y only for the probs' gradient. (needs_input_grad
-      // counts tensor inputs only: probs is edge 1 when given.)
-      const bool dprobs = probs.defined() && ctx->needs_input_grad(1);
+      // The backward reads y only for the probs' gradient. (Whether probs
+      // require grad, not needs_input_grad: in a forward that runs again
+      // inside a backward, checkpointing's recompute, needs_input_grad also
+      // reflects that backward's inputs and the saved set would differ.)
+      const bool dprobs = probs.defined() && probs.requires_grad();
       ctx->save_for_backward({dprobs ? yr : at::Tensor(), probs});
     }
     return out;
@@ -222,6 +220,8 @@ at::Tensor unpermute_op(const at::Tensor& y, const std::optional<at::Tensor>& pr
 PYBIND11_MODULE(_autograd, m) {
   using namespace moeflow::python;
   m.doc() = "moeflow's torch autograd nodes in C++ (plan build, permute, unpermute, router)";
+  // The torch this module was built against (moeflow.ops loads it only under that torch).
+  m.attr("torch_version") = MOEFLOW_TORCH_VERSION;
   // moeflow errors as moeflow.Error (the type moeflow._C registers), held
   // for the process's life once imported (read-only after this).
   static PyObject* error_type =

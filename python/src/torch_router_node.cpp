@@ -149,10 +149,6 @@ struct RouterNode : torch::autograd::Function<RouterNode> {
   }
 };
 
-at::Tensor contiguous_or_undefined(const std::optional<at::Tensor>& t) {
-  return t && t->defined() ? t->contiguous() : at::Tensor();
-}
-
 // moeflow.ops.router: (topk_ids, probs, tokens_per_expert, aux_loss, z_loss,
 // seq_aux_loss, nonfinite), the losses None where their coefficient is 0.
 py::tuple router_op(const at::Tensor& logits, int64_t topk, const std::string& score_function,
@@ -168,9 +164,9 @@ py::tuple router_op(const at::Tensor& logits, int64_t topk, const std::string& s
       static_cast<int>(logits.size(1)), static_cast<int>(topk), score_function, pre_softmax,
       static_cast<int>(num_groups), static_cast<int>(group_topk), static_cast<float>(scaling),
       static_cast<float>(aux_coeff), static_cast<float>(z_coeff), static_cast<float>(seq_coeff));
-  call.bias = contiguous_or_undefined(expert_bias);
-  call.mask = contiguous_or_undefined(padding_mask);
-  call.cu = contiguous_or_undefined(cu_seqlens);
+  call.bias = contiguous_or_none(expert_bias).value_or(at::Tensor());
+  call.mask = contiguous_or_none(padding_mask).value_or(at::Tensor());
+  call.cu = contiguous_or_none(cu_seqlens).value_or(at::Tensor());
   const variable_list out = at::GradMode::is_enabled() && logits.requires_grad()
                                 ? RouterNode::apply(logits, &call)
                                 : RouterNode::forward(nullptr, logits, &call);

@@ -1,16 +1,33 @@
-"""moeflow._autograd, the C++ autograd nodes of the plan build, permute and
-unpermute, against the Python nodes of moeflow.ops (_Permute, _Unpermute and
-the Python plan build): the same outputs and gradients bit for bit, on the
-CPU and, when there is one, a CUDA GPU. A build with torch installed has
-the module: its absence fails here."""
+"""moeflow._autograd, the C++ autograd nodes of the plan build, permute,
+unpermute and the router, against the Python nodes of moeflow.ops (_Permute,
+_Unpermute, _Router and the Python plan build): the same outputs and
+gradients bit for bit, on the CPU and, when there is one, a CUDA GPU. The
+ops use the C++ nodes in every test here, whatever MOEFLOW_TORCH_NODES says
+(scripts/test.sh fails where torch could have built the module and it is
+missing)."""
+import os
+
 import pytest
 
 torch = pytest.importorskip("torch")
 import moeflow  # noqa: E402
 import moeflow.ops as mf  # noqa: E402
-from moeflow import _autograd, _ops_common  # noqa: E402
+from moeflow import _mlp_io, _mlp_node, _ops_common, _router_ops  # noqa: E402
+
+try:
+    from moeflow import _autograd
+except ImportError:
+    pytest.skip("moeflow._autograd not built (no torch with the C++11 ABI and its headers at "
+                "build time)", allow_module_level=True)
 
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
+NODE_MODULES = (mf, _router_ops, _mlp_io, _mlp_node)
+
+
+@pytest.fixture(autouse=True)
+def cpp_nodes(monkeypatch):
+    for m in NODE_MODULES:
+        monkeypatch.setattr(m, "_nodes", _autograd)
 
 
 @pytest.fixture
@@ -33,7 +50,11 @@ def routing(T, K, E, device, seed=0):
 
 
 def test_the_ops_use_the_cpp_nodes():
-    assert _ops_common._nodes is _autograd and mf._nodes is _autograd
+    """By default, unless MOEFLOW_TORCH_NODES=0 (or another torch than the
+    module's: a warning and the Python nodes)."""
+    off = os.environ.get("MOEFLOW_TORCH_NODES", "1") == "0"
+    assert _autograd.torch_version == torch.__version__
+    assert _ops_common._nodes is (None if off else _autograd)
 
 
 PLAN_FIELDS = ["tokens_per_expert", "padded_tokens_per_expert", "expert_row_offsets", "dest_row",
@@ -204,13 +225,13 @@ def test_unpermute_saves_through_saved_tensor_hooks(device):
 def test_errors_name_the_argument(device):
     ids, pr = routing(8, 2, 4, device)
     plan = mf.Plan(ids, 4, 16)
-    with pytest.raises(moeflow.Error, match="x"):
+    with pytest.raises(moeflow.Error, match=r"^moeflow: x must be .* got float32 \[9,16\]"):
         mf.permute(torch.zeros(9, 16, device=device), plan)  # 9 tokens, the plan has 8
-    with pytest.raises(moeflow.Error, match="probs"):
+    with pytest.raises(moeflow.Error, match=r"^moeflow: probs must be .* got float32 \[8,1\]"):
         mf.permute(torch.zeros(8, 16, device=device), plan, pr[:, :1])
-    with pytest.raises(moeflow.Error, match="y"):
+    with pytest.raises(moeflow.Error, match=r"^moeflow: y must be "):
         mf.unpermute(torch.zeros(plan.capacity_rows + 1, 16, device=device), plan)
-    with pytest.raises(moeflow.Error, match="unsupported dtype"):
+    with pytest.raises(moeflow.Error, match=r"^moeflow: x: unsupported dtype ComplexFloat"):
         mf.permute(torch.zeros(8, 16, device=device, dtype=torch.complex64), plan)
     with pytest.raises(moeflow.Error, match=r"x must be \[T, H\], got 1"):
         mf.permute(torch.zeros(8, device=device), plan)
@@ -232,7 +253,6 @@ ROUTER_CASES = {
 
 
 def run_router(use_nodes, monkeypatch, logits, K, case, loss_parts):
-    from moeflow import _router_ops
     monkeypatch.setattr(_router_ops, "_nodes", _autograd if use_nodes else None)
     T, E = logits.shape
     dev = logits.device
@@ -296,7 +316,6 @@ def test_mlp_forward_call_is_the_c_call(device, real_rows, bias, monkeypatch):
     """grouped_mlp's node allocating its forward outputs in C++
     (_autograd.grouped_mlp_forward) or through torch.empty + _C: the same
     outputs and gradients bit for bit."""
-    from moeflow import _mlp_node
     T, K, E, H, F = 24, 2, 3, 32, 16
     ids, pr = routing(T, K, E, device, seed=7)
     plan = mf.Plan(ids, E, 16)
@@ -327,7 +346,6 @@ def test_mlp_permute_source_and_unpermute_sink_are_the_c_calls(device, recompute
     """grouped_mlp(permute=True, unpermute=True): the node's permute and
     unpermute, forward and backward, through moeflow._autograd or through
     _C: the same output and gradients bit for bit."""
-    from moeflow import _mlp_io, _mlp_node
     T, K, E, H, F = 21, 2, 3, 32, 16
     ids, pr = routing(T, K, E, device, seed=9)
     plan = mf.Plan(ids, E, 16)
@@ -346,3 +364,44 @@ def test_mlp_permute_source_and_unpermute_sink_are_the_c_calls(device, recompute
         out.backward(dout)
         runs.append([out] + [p.grad for p in ps])
     assert_same(*runs)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("op", ["permute", "unpermute", "router"])
+def test_checkpointed_node_under_autograd_grad_of_one_input(device, op):
+    """A node's forward run again by non-reentrant checkpointing inside
+    autograd.grad for one input (what pipeline schedules that split input
+    and weight gradients do) saves what its first run saved, and gives the
+    gradient of the uncheckpointed op."""
+    from torch.utils.checkpoint import checkpoint
+    T, K, E, H = 18, 2, 4, 8
+    ids, pr = routing(T, K, E, device, seed=11)
+    plan = mf.Plan(ids, E, 16)
+    g = torch.Generator().manual_seed(12)
+    if op == "permute":
+        a = torch.randn(T, H, generator=g).to(device)
+
+        def f(a, p):
+            y, pp = mf.permute(a, plan, p)
+            return (y.sum(1) * pp).sum()
+    elif op == "unpermute":
+        a = torch.randn(plan.capacity_rows, H, generator=g).to(device)
+
+        def f(a, p):
+            return (mf.unpermute(a, plan, p) ** 2).sum()
+    else:
+        a = torch.randn(T, E, generator=g).to(device)
+
+        def f(a, p):
+            r = mf.router(a * p.sum(), K, aux_loss_coeff=0.1)
+            return (r.probs ** 2).sum() + r.aux_loss
+    for wrt in (0, 1):
+        ins = [a.clone().requires_grad_(True), pr.clone().requires_grad_(True)]
+        out = checkpoint(f, *ins, use_reentrant=False)
+        got = torch.autograd.grad(out, [ins[wrt]])[0]
+        ins2 = [a.clone().requires_grad_(True), pr.clone().requires_grad_(True)]
+        want = torch.autograd.grad(f(*ins2), [ins2[wrt]])[0]
+        if op == "unpermute" and wrt == 0:  # rows past total_rows: not written
+            total = int(plan.total_rows.item())
+            got, want = got[:total], want[:total]
+        assert torch.equal(got, want), (op, wrt)
