@@ -16,7 +16,8 @@
   entry points (moe_permute_with_probs, moe_permute_and_pad_with_probs,
   moe_unpermute; mask form) on moeflow's ops.
 - ``moeflow.build_info()``: what this build contains (CUDA backend or CPU
-  only, CUDA and NCCL versions, CUDA architectures).
+  only, CUDA and NCCL versions, CUDA architectures, the torch the C++
+  autograd nodes were built against).
 """
 import importlib.util as _util
 
@@ -32,9 +33,25 @@ if _util.find_spec("torch") is not None:
     except ImportError:
         pass
 
-from ._C import Error, __version__, build_info, cuda_device_count  # noqa: E402,F401
+from ._C import Error, __version__, cuda_device_count  # noqa: E402,F401
+from ._C import build_info as _cpp_build_info  # noqa: E402
 
 __all__ = ["Error", "MoELayer", "__version__", "build_info", "cuda_device_count"]
+
+
+def build_info() -> dict:
+    """What this build contains: version, cuda_backend, cuda_version,
+    nccl_version, cuda_archs, and torch_nodes: the torch version the C++
+    autograd nodes (moeflow._autograd) were built against, or None when
+    they were not built (moeflow.ops then runs its Python nodes; docs/python.md,
+    "Host cost")."""
+    info = _cpp_build_info()
+    try:
+        from . import _autograd
+        info["torch_nodes"] = _autograd.torch_version
+    except ImportError:
+        info["torch_nodes"] = None
+    return info
 
 
 def __getattr__(name):

@@ -54,6 +54,7 @@ def test_the_ops_use_the_cpp_nodes():
     module's: a warning and the Python nodes)."""
     off = os.environ.get("MOEFLOW_TORCH_NODES", "1") == "0"
     assert _autograd.torch_version == torch.__version__
+    assert moeflow.build_info()["torch_nodes"] == torch.__version__
     assert _ops_common._nodes is (None if off else _autograd)
 
 
