@@ -1,9 +1,12 @@
 // moeflow._autograd: torch autograd nodes in C++ for the ops whose Python
-// nodes cost most of a call's host time (the routing plan's build, permute,
-// unpermute here; the router in torch_router_node.cpp). Built against the torch found at build time
-// (its headers, libtorch and its pybind11); moeflow.ops uses it when it imports and falls back to
-// the Python nodes of moeflow/ops.py otherwise. Same semantics, outputs and gradients as those, bit
-// for bit (tests/test_torch_nodes.py).
+// nodes cost most of a call's host time. Here: the routing plan's build,
+// permute and unpermute (and their gradients as plain calls, for the grouped
+// MLP node's source and sink); the router in torch_router_node.cpp, the
+// grouped MLP's forward call in torch_mlp.cpp. Built against the torch found
+// at build time (its headers, libtorch and its pybind11: cmake/torch_nodes.cmake);
+// moeflow.ops uses it when it loads and falls back to the Python nodes of
+// moeflow/ops.py otherwise, with the same outputs and gradients bit for bit
+// (python/tests/test_torch_nodes.py).
 //
 // Outputs are allocated with torch (the caching allocator), every kernel
 // runs on torch's current stream of the input's device, nothing
