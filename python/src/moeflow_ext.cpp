@@ -18,6 +18,7 @@
 #include <string>
 #include <vector>
 
+#include "api_table.h"
 #include "arrays.h"
 #include "mlp_config.h"
 #include "moeflow/grouped_gemm.h"
@@ -142,6 +143,10 @@ NB_MODULE(_C, m) {
       "DLPack";
   m.attr("__version__") = MOEFLOW_VERSION_STRING;
   nb::exception<Error>(m, "Error", PyExc_RuntimeError);
+  // The entry points moeflow._autograd calls (api_table.h): static storage,
+  // as long as the process.
+  static const ApiTable api = make_api_table();
+  m.attr("_api") = nb::capsule(&api, kApiCapsule);
   m.def("cuda_device_count", &cuda_device_count);
   m.def(
       "build_info",

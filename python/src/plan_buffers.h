@@ -48,11 +48,14 @@ inline Tensor adopt_plan_view(const TensorView& v, const std::vector<int64_t>& s
 }
 
 // The plan of T tokens, top-k K, E experts over the two buffers (checked:
-// dtypes, lengths, one device).
-inline RoutingPlan plan_over_buffers(int64_t T, int K, int E, int align, int64_t capacity,
-                                     const TensorView& b64, const TensorView& b32) {
+// dtypes, lengths, one device). capacity_rows: the library's
+// plan_capacity_rows, or the same taken from moeflow._C (api_table.h).
+inline RoutingPlan plan_over_buffers(
+    int64_t T, int K, int E, int align, int64_t capacity, const TensorView& b64,
+    const TensorView& b32,
+    int64_t (*capacity_rows)(int64_t, int, const PlanConfig&) = &plan_capacity_rows) {
   const PlanConfig c = plan_config(E, align, capacity);
-  const int64_t cap = plan_capacity_rows(T, K, c);
+  const int64_t cap = capacity_rows(T, K, c);
   const int64_t n64 = plan_buffer64_size(T, K, E), n32 = plan_buffer32_size(E, cap);
   MOEFLOW_CHECK(b64.dtype == DType::kInt64 && b64.ndim == 1 && b64.shape[0] == n64,
                 "buffer64 must be int64 [", n64, "], got ", b64.str());

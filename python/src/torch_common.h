@@ -12,6 +12,7 @@
 
 #include <optional>
 
+#include "api_table.h"
 #include "moeflow/error.h"
 #include "moeflow/tensor.h"
 
@@ -109,6 +110,10 @@ inline std::optional<at::Tensor> contiguous_or_none(const std::optional<at::Tens
   if (t && t->defined()) return t->contiguous();
   return std::nullopt;
 }
+
+// The entry points of moeflow._C (set once, when moeflow._autograd is
+// imported; torch_nodes.cpp).
+const ApiTable& api();
 
 // The router's node (torch_router_node.cpp) and the grouped MLP's forward
 // (torch_mlp.cpp).

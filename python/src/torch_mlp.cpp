@@ -38,7 +38,7 @@ py::tuple mlp_forward(const at::Tensor& x_in, const at::Tensor& fc1, const at::T
   GroupLayout g;
   g.offsets = view_of(offsets, "offsets");
   g.real_rows = opt_view(real_rows, "real_rows");
-  grouped_mlp_forward(
+  api().grouped_mlp_forward(
       rows_of(x, "x"), w, g, opt_view(probs, "probs"),
       mlp_config(activation, static_cast<int>(glu_interleave), static_cast<float>(alpha),
                  static_cast<float>(limit), static_cast<float>(offset)),

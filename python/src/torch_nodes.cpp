@@ -41,7 +41,7 @@ struct PlanRef {
         capacity_arg(capacity),
         plan(plan_over_buffers(T, static_cast<int>(K), static_cast<int>(E), static_cast<int>(align),
                                capacity, view_of(buffer64, "buffer64"),
-                               view_of(buffer32, "buffer32"))) {}
+                               view_of(buffer32, "buffer32"), api().plan_capacity_rows)) {}
 
   // What a backward needs to make the plan again (a node cannot hold a
   // PlanRef: saved_data takes IValues).
@@ -53,10 +53,10 @@ struct PlanRef {
   }
   static RoutingPlan load(AutogradContext* ctx) {
     const auto dims = ctx->saved_data["plan"].toIntVector();
-    return plan_over_buffers(dims[0], static_cast<int>(dims[1]), static_cast<int>(dims[2]),
-                             static_cast<int>(dims[3]), dims[4],
-                             view_of(ctx->saved_data["plan64"].toTensor(), "buffer64"),
-                             view_of(ctx->saved_data["plan32"].toTensor(), "buffer32"));
+    return plan_over_buffers(
+        dims[0], static_cast<int>(dims[1]), static_cast<int>(dims[2]), static_cast<int>(dims[3]),
+        dims[4], view_of(ctx->saved_data["plan64"].toTensor(), "buffer64"),
+        view_of(ctx->saved_data["plan32"].toTensor(), "buffer32"), api().plan_capacity_rows);
   }
 };
 
@@ -69,8 +69,8 @@ PlanRef build(const at::Tensor& topk_ids, int64_t E, int64_t align, int64_t capa
   const at::Tensor ids = topk_ids.contiguous();
   const int64_t T = ids.size(0), K = ids.size(1);
   const PlanConfig c = plan_config(static_cast<int>(E), static_cast<int>(align), capacity);
-  const int64_t cap = plan_capacity_rows(T, static_cast<int>(K), c);
-  const size_t ws_bytes = plan_workspace_bytes(T, static_cast<int>(K), c);
+  const int64_t cap = api().plan_capacity_rows(T, static_cast<int>(K), c);
+  const size_t ws_bytes = api().plan_workspace_bytes(T, static_cast<int>(K), c);
   const auto opts = ids.options();
   PlanRef p(
       at::empty({plan_buffer64_size(T, static_cast<int>(K), static_cast<int>(E))},
@@ -80,9 +80,9 @@ PlanRef build(const at::Tensor& topk_ids, int64_t E, int64_t align, int64_t capa
       T, K, E, align, capacity);
   const TensorView ws = opt_view(p.workspace, "workspace");
   if (from_mask)
-    build_plan_from_mask(view_of(ids, "routing_mask"), p.plan, ws, stream_of(ids));
+    api().build_plan_from_mask(view_of(ids, "routing_mask"), p.plan, ws, stream_of(ids));
   else
-    build_plan(view_of(ids, "topk_ids"), p.plan, ws, stream_of(ids));
+    api().build_plan(view_of(ids, "topk_ids"), p.plan, ws, stream_of(ids));
   return p;
 }
 
@@ -97,8 +97,9 @@ std::pair<at::Tensor, at::Tensor> permute_grad(const at::Tensor& dy_in, const at
     dpp = dpp_in.contiguous();
     dprobs = at::empty({plan.num_tokens, plan.topk}, dy.options().dtype(at::kFloat));
   }
-  permute_backward(rows_of(dy, "dy"), plan, view_of(dx, "dx"), opt_view(dpp, "dpermuted_probs"),
-                   opt_view(dprobs, "dprobs"), stream_of(dy));
+  api().permute_backward(rows_of(dy, "dy"), plan, view_of(dx, "dx"),
+                         opt_view(dpp, "dpermuted_probs"), opt_view(dprobs, "dprobs"),
+                         stream_of(dy));
   return {dx, dprobs};
 }
 
@@ -112,9 +113,9 @@ std::pair<at::Tensor, at::Tensor> unpermute_grad(const at::Tensor& dout_in, cons
   at::Tensor dprobs;
   if (y.defined())
     dprobs = at::empty({plan.num_tokens, plan.topk}, dout.options().dtype(at::kFloat));
-  unpermute_backward(rows_of(dout, "dout"), plan, y.defined() ? rows_of(y, "y_fwd") : TensorView{},
-                     opt_view(probs, "probs"), view_of(dy, "dy"), opt_view(dprobs, "dprobs"),
-                     stream_of(dout));
+  api().unpermute_backward(
+      rows_of(dout, "dout"), plan, y.defined() ? rows_of(y, "y_fwd") : TensorView{},
+      opt_view(probs, "probs"), view_of(dy, "dy"), opt_view(dprobs, "dprobs"), stream_of(dout));
   return {dy, dprobs};
 }
 
@@ -134,7 +135,7 @@ struct PermuteNode : torch::autograd::Function<PermuteNode> {
     PermuteExtras e;
     e.probs = opt_view(probs, "probs");
     e.permuted_probs = opt_view(pp, "permuted_probs");
-    permute(xv, plan, view_of(y, "y"), e, stream_of(x));
+    api().permute(xv, plan, view_of(y, "y"), e, stream_of(x));
     if (ctx) {
       ctx->set_materialize_grads(false);
       ref->save(ctx);
@@ -171,7 +172,7 @@ struct UnpermuteNode : torch::autograd::Function<UnpermuteNode> {
     const at::Tensor yr = rows(y);
     const TensorView yv = rows_of(yr, "y");
     at::Tensor out = at::empty({plan.num_tokens, y.size(1)}, y.options());
-    unpermute(yv, plan, view_of(out, "out"), opt_view(probs, "merge_probs"), stream_of(y));
+    api().unpermute(yv, plan, view_of(out, "out"), opt_view(probs, "merge_probs"), stream_of(y));
     if (ctx) {
       ref->save(ctx);
       ctx->saved_data["y"] =
@@ -217,7 +218,15 @@ at::Tensor unpermute_op(const at::Tensor& y, const std::optional<at::Tensor>& pr
                               : UnpermuteNode::forward(nullptr, y, probs, &ref);
 }
 
+// moeflow._C's entry points, set once by the module's import (read-only after).
+const ApiTable* g_api = nullptr;
+
 }  // namespace
+
+const ApiTable& api() {
+  return *g_api;
+}
+
 }  // namespace moeflow::python
 
 PYBIND11_MODULE(_autograd, m) {
@@ -227,8 +236,12 @@ PYBIND11_MODULE(_autograd, m) {
   m.attr("torch_version") = MOEFLOW_TORCH_VERSION;
   // moeflow errors as moeflow.Error (the type moeflow._C registers), held
   // for the process's life once imported (read-only after this).
-  static PyObject* error_type =
-      py::object(py::module_::import("moeflow._C").attr("Error")).release().ptr();
+  const py::module_ c_module = py::module_::import("moeflow._C");
+  static PyObject* error_type = py::object(c_module.attr("Error")).release().ptr();
+  g_api = static_cast<const ApiTable*>(PyCapsule_Import(kApiCapsule, 0));
+  if (!g_api) throw py::error_already_set();
+  if (g_api->version != kApiVersion)
+    throw py::import_error("moeflow._autograd and moeflow._C come from different builds");
   py::register_exception_translator([](std::exception_ptr p) {
     try {
       if (p) std::rethrow_exception(p);

@@ -87,7 +87,7 @@ struct RouterNode : torch::autograd::Function<RouterNode> {
       call->seq_tpe = at::empty({S, c.num_experts}, i32);
     }
     if (logits.is_cuda()) {
-      const size_t n = router_workspace_bytes(T, c, S);
+      const size_t n = api().router_workspace_bytes(T, c, S);
       if (n) ws = at::empty({static_cast<int64_t>(n)}, opts.dtype(at::kByte));
     }
     RouterOutputs out;
@@ -101,8 +101,8 @@ struct RouterNode : torch::autograd::Function<RouterNode> {
     out.nonfinite = view_of(call->nonfinite, "nonfinite");
     const RouterTokenInfo tokens{opt_view(call->mask, "padding_mask"),
                                  opt_view(call->cu, "cu_seqlens")};
-    router_forward(view_of(logits, "logits"), c, out, opt_view(call->bias, "expert_bias"),
-                   opt_view(ws, "workspace"), stream_of(logits), tokens);
+    api().router_forward(view_of(logits, "logits"), c, out, opt_view(call->bias, "expert_bias"),
+                         opt_view(ws, "workspace"), stream_of(logits), tokens);
     if (ctx) {
       ctx->set_materialize_grads(false);
       ctx->saved_data["cfg"] = pack(c);
@@ -142,9 +142,9 @@ struct RouterNode : torch::autograd::Function<RouterNode> {
     g.dz_loss = one_view(dz, "dz_loss");
     g.dseq_aux_loss = one_view(dseq, "dseq_aux_loss");
     const RouterTokenInfo tokens{opt_view(mask, "padding_mask"), opt_view(cu, "cu_seqlens")};
-    router_backward(view_of(logits, "logits"), view_of(ids, "topk_ids"),
-                    opt_view(tpe, "tokens_per_expert"), g, c, view_of(dlogits, "dlogits"),
-                    stream_of(logits), tokens, opt_view(seq_tpe, "seq_tokens_per_expert"));
+    api().router_backward(view_of(logits, "logits"), view_of(ids, "topk_ids"),
+                          opt_view(tpe, "tokens_per_expert"), g, c, view_of(dlogits, "dlogits"),
+                          stream_of(logits), tokens, opt_view(seq_tpe, "seq_tokens_per_expert"));
     return {dlogits, at::Tensor()};
   }
 };
