@@ -310,6 +310,19 @@ def test_router_node_float64_gradcheck(monkeypatch):
     assert torch.autograd.gradcheck(f, (logits,))
 
 
+def mlp_case(T, K, E, H, F, device, seed):
+    """A plan, its probs, bf16 tokens, FC1 / FC2 weights, an FC1 bias and an
+    output gradient."""
+    ids, pr = routing(T, K, E, device, seed=seed)
+    g = torch.Generator().manual_seed(seed + 1)
+
+    def bf16(*shape, scale=1.0):
+        return (torch.randn(*shape, generator=g) * scale).to(device, torch.bfloat16)
+
+    return (mf.Plan(ids, E, 16), pr, bf16(T, H), bf16(E, 2 * F, H, scale=0.1),
+            bf16(E, H, F, scale=0.1), bf16(E, 2 * F, scale=0.1), bf16(T, H))
+
+
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("real_rows", [True, False])
 @pytest.mark.parametrize("bias", [True, False])
@@ -317,15 +330,8 @@ def test_mlp_forward_call_is_the_c_call(device, real_rows, bias, monkeypatch):
     """grouped_mlp's node allocating its forward outputs in C++
     (_autograd.grouped_mlp_forward) or through torch.empty + _C: the same
     outputs and gradients bit for bit."""
-    T, K, E, H, F = 24, 2, 3, 32, 16
-    ids, pr = routing(T, K, E, device, seed=7)
-    plan = mf.Plan(ids, E, 16)
-    g = torch.Generator().manual_seed(8)
-    x = torch.randn(T, H, generator=g).to(device, torch.bfloat16)
-    w1 = (torch.randn(E, 2 * F, H, generator=g) * 0.1).to(device, torch.bfloat16)
-    w2 = (torch.randn(E, H, F, generator=g) * 0.1).to(device, torch.bfloat16)
-    b1 = (torch.randn(E, 2 * F, generator=g) * 0.1).to(device, torch.bfloat16) if bias else None
-    dout = torch.randn(T, H, generator=g).to(device, torch.bfloat16)
+    plan, pr, x, w1, w2, b1, dout = mlp_case(24, 2, 3, 32, 16, device, seed=7)
+    b1 = b1 if bias else None
     runs = []
     for nodes in (_autograd, None):
         monkeypatch.setattr(_mlp_node, "_nodes", nodes)
@@ -347,14 +353,7 @@ def test_mlp_permute_source_and_unpermute_sink_are_the_c_calls(device, recompute
     """grouped_mlp(permute=True, unpermute=True): the node's permute and
     unpermute, forward and backward, through moeflow._autograd or through
     _C: the same output and gradients bit for bit."""
-    T, K, E, H, F = 21, 2, 3, 32, 16
-    ids, pr = routing(T, K, E, device, seed=9)
-    plan = mf.Plan(ids, E, 16)
-    g = torch.Generator().manual_seed(10)
-    x = torch.randn(T, H, generator=g).to(device, torch.bfloat16)
-    w1 = (torch.randn(E, 2 * F, H, generator=g) * 0.1).to(device, torch.bfloat16)
-    w2 = (torch.randn(E, H, F, generator=g) * 0.1).to(device, torch.bfloat16)
-    dout = torch.randn(T, H, generator=g).to(device, torch.bfloat16)
+    plan, pr, x, w1, w2, _, dout = mlp_case(21, 2, 3, 32, 16, device, seed=9)
     runs = []
     for nodes in (_autograd, None):
         monkeypatch.setattr(_mlp_io, "_nodes", nodes)
