@@ -98,6 +98,13 @@ def parse_args():
     ap.add_argument("--fp8-wire", action="store_true",
                     help="with --precision fp8-blockwise: an FP8 group, the tokens dispatched "
                          "as their 1x128 e4m3 codes (quantized by the dispatch)")
+    ap.add_argument("--fp8-wgrad", action="store_true",
+                    help="with an FP8 precision: the weight gradients as FP8 GEMMs too "
+                         "(MoELayer's fp8_wgrad; needs --align 128)")
+    ap.add_argument("--fp8-weight-cache", action="store_true",
+                    help="with an FP8 precision: the weights' codes kept while the weights do "
+                         "not change (MoELayer's fp8_weight_cache): the steady state of "
+                         "micro-batches between optimizer steps")
     ap.add_argument("--combine-wire", choices=("float32", "bfloat16"), default="float32",
                     help="moeflow's combine wire dtype (moeflow.ep.Group's combine_wire_dtype)")
     ap.add_argument("--capacity-factor", type=float,
@@ -119,6 +126,8 @@ def parse_args():
     args = ap.parse_args()
     if args.fp8_wire and args.precision != "fp8-blockwise":
         ap.error("--fp8-wire needs --precision fp8-blockwise")
+    if (args.fp8_wgrad or args.fp8_weight_cache) and args.precision == "bf16":
+        ap.error("--fp8-wgrad and --fp8-weight-cache need an FP8 --precision")
     names = args.case or ["all"]
     args.cases = list(CASES) if "all" in names else list(dict.fromkeys(names))
     return args
@@ -325,7 +334,8 @@ def run_ours(d, args, name, moeflow):
                              load_balancing_type="aux_loss" if args.aux_loss_coeff else "none",
                              aux_loss_coeff=args.aux_loss_coeff, align=args.align,
                              params_dtype=torch.bfloat16, device=d.dev, ep_group=group,
-                             precision=args.precision)
+                             precision=args.precision, fp8_wgrad=args.fp8_wgrad,
+                             fp8_weight_cache=args.fp8_weight_cache)
     layer.train()
     rw = getattr(layer, "router_weight", None)
     if rw is not None and tuple(rw.shape) == (E, H):
@@ -455,6 +465,8 @@ def main():
             sys.exit(f"py_layer_ep: case {name}: {E} experts do not split over {d.world} ranks")
     meta = {"device": torch.cuda.get_device_name(d.dev), "world": d.world,
             "torch": torch.__version__, "backend": args.backend, "combine_wire": args.combine_wire,
+            "precision": args.precision, "fp8_wire": args.fp8_wire, "fp8_wgrad": args.fp8_wgrad,
+            "fp8_weight_cache": args.fp8_weight_cache,
             "capacity_factor": args.capacity_factor, "warmup": args.warmup,
             "iters": args.iters, "aux_loss_coeff": args.aux_loss_coeff,
             "timing": "median per rank over the timed steps, then the slowest rank; "
