@@ -80,7 +80,7 @@ void graph_replay(int W, bool simulated, bool quantize = false, int in_dispatch 
     auto step = [&] {
       if (quantize) {
         const EpDispatchResult res = ep_dispatch_quantize(g, x, id, pr, qc, st);
-        dequantize(res.x, res.scales, qc, y, st);
+        dequantize(res.x, res.scales, qc, y, {}, st);
         ep_combine(g, res.handle, y, true, out, st);
         return;
       }

@@ -6,6 +6,7 @@
 // first and the gaps of strided outputs must stay untouched. Also: graph
 // capture + replay of the two-kernel tensorwise path, device errors;
 // transpose_codes against the CPU reference; quantize_rowwise_columnwise;
+// dequantize over the rows a device count names;
 // quotients on and next to the fp8 rounding boundaries; quantize_group_rows.
 #include <cuda_runtime.h>
 
@@ -322,6 +323,36 @@ TEST_F(GpuQuantize, RowwiseColumnwiseBadInput) {
 
 // transpose_codes against the CPU reference: stacked and single matrices,
 // 16-byte rows and odd sizes (partial tiles), q_t poisoned first.
+// dequantize with rows_used on the device: the CPU's rows, the rest of the
+// poisoned output untouched; counts past M and below 0 clamped.
+TEST_F(GpuQuantize, DequantizeRowsUsedMatchesCpu) {
+  const int64_t M = 517, K = 384;
+  Tensor x = make_input(M, K, K, DType::kBFloat16, 77);
+  for (QuantScaling sc : {QuantScaling::kBlock1x128, QuantScaling::kBlock128x128})
+    for (DType cd : {DType::kInt32, DType::kInt64}) {
+      const QuantizeConfig cfg{DType::kFloat8E4M3, sc, false, false};
+      Tensor q = make_tensor({M, K}, cfg.out);
+      Tensor s = make_tensor(scales_shape(M, K, sc), DType::kFloat32);
+      quantize(x, cfg, q, s);
+      const Tensor q_dev = q.to(kGpu), s_dev = s.to(kGpu);
+      for (int64_t n : {int64_t{0}, int64_t{1}, int64_t{300}, M, M + 100, int64_t{-1}}) {
+        SCOPED_TRACE("scaling " + std::to_string(int(sc)) + " " + dtype_name(cd) + " n " +
+                     std::to_string(n));
+        Tensor count = make_tensor({1}, cd);
+        if (cd == DType::kInt64)
+          *count.data_ptr<int64_t>() = n;
+        else
+          *count.data_ptr<int32_t>() = static_cast<int32_t>(n);
+        Tensor want = poisoned({M, K}, DType::kBFloat16, Device::cpu());
+        dequantize(q, s, cfg, want, count);
+        Tensor got = poisoned({M, K}, DType::kBFloat16, kGpu);
+        dequantize(q_dev, s_dev, cfg, got, count.to(kGpu));
+        MOEFLOW_CUDA_CHECK(cudaDeviceSynchronize());
+        ASSERT_TRUE(bytes_equal(got.to(Device::cpu()), want));
+      }
+    }
+}
+
 TEST_F(GpuQuantize, TransposeCodesMatchesCpu) {
   const std::vector<std::vector<int64_t>> shapes = {
       {1, 1, 1}, {3, 130, 70}, {2, 128, 256}, {1, 64, 48}, {5, 17, 200}, {2, 256, 7168 / 16},

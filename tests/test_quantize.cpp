@@ -570,6 +570,35 @@ TEST(Quantize, DequantizeRoundsOnce) {
   EXPECT_EQ(at(deq(0xFE, 3e38f, DType::kBFloat16), 0), -INFINITY);
 }
 
+// dequantize with rows_used: the first n rows as the whole dequantize writes
+// them, the rest untouched; n clamped to [0, M]; int32 and int64 counts.
+TEST(Quantize, DequantizeRowsUsed) {
+  const int64_t M = 300, K = 260;
+  Tensor x = make_tensor({M, K}, DType::kFloat32);
+  fill_random(x, 5, -3.0f, 3.0f);
+  for (QuantScaling sc : kScalings) {
+    const QuantizeConfig cfg{kE4, sc, false, false};
+    Quantized r = run(x, cfg);
+    Tensor full = poisoned({M, K}, DType::kBFloat16);
+    dequantize(r.q, r.scales, cfg, full);
+    for (int64_t n : {int64_t{0}, int64_t{1}, int64_t{129}, M - 1, M, M + 7, int64_t{-3}})
+      for (DType cd : {DType::kInt32, DType::kInt64}) {
+        SCOPED_TRACE("scaling " + std::to_string(int(sc)) + " n " + std::to_string(n) + " " +
+                     dtype_name(cd));
+        Tensor count = make_tensor({1}, cd);
+        if (cd == DType::kInt64)
+          *count.data_ptr<int64_t>() = n;
+        else
+          *count.data_ptr<int32_t>() = static_cast<int32_t>(n);
+        Tensor o = poisoned({M, K}, DType::kBFloat16);
+        dequantize(r.q, r.scales, cfg, o, count);
+        const int64_t used = std::min(M, std::max<int64_t>(n, 0));
+        ASSERT_EQ(std::memcmp(o.data_ptr<uint16_t>(), full.data_ptr<uint16_t>(), used * K * 2), 0);
+        for (int64_t i = used * K; i < M * K; ++i) ASSERT_EQ(o.data_ptr<uint16_t>()[i], 0xFFFF);
+      }
+  }
+}
+
 TEST(Quantize, BadInput) {
   Tensor x = make_tensor({4, 200}, DType::kFloat32);
   fill_random(x, 1);
@@ -640,6 +669,23 @@ TEST(Quantize, BadInput) {
               dequantize(q, make_tensor({2, 4}, DType::kFloat32), cfg, out);
             }).find("scales must be float32 [4,2]"),
             std::string::npos);
+  EXPECT_NE(msg([&] {
+              dequantize(q, s, cfg, out, make_tensor({1}, DType::kFloat32));
+            }).find("rows_used must be int32 or int64 [1]"),
+            std::string::npos);
+  EXPECT_NE(msg([&] {
+              dequantize(q, s, cfg, out, make_tensor({2}, DType::kInt64));
+            }).find("rows_used must be int32 or int64 [1]"),
+            std::string::npos);
+  {
+    QuantizeConfig colw = cfg;
+    colw.columnwise = true;
+    Tensor qc = make_tensor({200, 4}, kE4), sc = make_tensor({200, 1}, DType::kFloat32);
+    EXPECT_NE(msg([&] {
+                dequantize(qc, sc, colw, out, make_tensor({1}, DType::kInt64));
+              }).find("rows_used needs a rowwise dequantize"),
+              std::string::npos);
+  }
   EXPECT_EQ(quantize_workspace_bytes(4, 200, cfg), 0u);
 }
 

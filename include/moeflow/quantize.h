@@ -89,11 +89,15 @@ void requantize_columnwise(TensorView q, TensorView scales, DType dtype,
 size_t quantize_workspace_bytes(int64_t rows, int64_t cols, const QuantizeConfig& config);
 
 // The inverse: out[m,k] = q[m,k] * scale of its block (columnwise: q[k,m]).
-//   q:      [R,C] config.out (as quantize wrote it); stride(1) == 1.
-//   scales: float32, contiguous, the shape quantize uses for q.
-//   out:    [M,K] float32/float16/bfloat16 (the layout of quantize's x); stride(1) == 1.
+//   q:         [R,C] config.out (as quantize wrote it); stride(1) == 1.
+//   scales:    float32, contiguous, the shape quantize uses for q.
+//   out:       [M,K] float32/float16/bfloat16 (the layout of quantize's x); stride(1) == 1.
+//   rows_used: optional int32/int64 [1] on out's device, rowwise only: only
+//              rows [0, min(max(n, 0), M)) are dequantized; out's other rows
+//              are left as they are (e.g. the rows of a capacity-sized receive
+//              buffer that hold tokens). Read on the device (no sync).
 void dequantize(TensorView q, TensorView scales, const QuantizeConfig& config, TensorView out,
-                cudaStream_t stream = nullptr);
+                TensorView rows_used = {}, cudaStream_t stream = nullptr);
 
 // Per-matrix transpose of FP8 codes, or of their float32 block scales: q
 // [G, R, C] -> q_t [G, C, R], q_t[g][c][r] = q[g][r][c], the values as they

@@ -194,13 +194,17 @@ def grouped_gemm_fp8_wgrad(dc_t: torch.Tensor, dc_t_scales: torch.Tensor, a_t: t
 
 
 def dequantize(q: torch.Tensor, scales: torch.Tensor, scaling: str = "1x128",
-               columnwise: bool = False, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+               columnwise: bool = False, dtype: torch.dtype = torch.bfloat16,
+               rows_used: Optional[torch.Tensor] = None) -> torch.Tensor:
     """The inverse of :func:`quantize`: out [M, K] in ``dtype`` (x's layout,
-    also for ``columnwise``), q * scale rounded once."""
+    also for ``columnwise``), q * scale rounded once. ``rows_used``
+    (optional int32 / int64 [1] on q's device, rowwise only): only the first
+    that many rows are dequantized, read on the device; out's other rows are
+    left uninitialised (e.g. the rows past a receive buffer's tokens)."""
     fmt = "e5m2" if q.dtype == torch.float8_e5m2 else "e4m3"
     R, C = q.shape
     M, K = (C, R) if columnwise else (R, C)
     out = torch.empty((M, K), dtype=dtype, device=q.device)
     _C.dequantize(_rows(q), scales.contiguous(), fmt, scaling, False, bool(columnwise), out,
-                  _stream(q))
+                  rows_used, _stream(q))
     return out

@@ -186,10 +186,11 @@ class QuantizedDispatchSource(DispatchSource):
         q_t, s_t = _fp8_ops.requantize_columnwise(q, s, x.dtype)
         return q, s, None, (q_t, s_t)
 
-    @staticmethod
-    def rows16(q, s, dtype):
+    def rows16(self, q, s, dtype):
+        # the rows the groups hold only (the buffer is sized for the worst case);
+        # the GEMMs never read the rows past them
         from . import _fp8_ops
-        return _fp8_ops.dequantize(q, s, dtype=dtype)
+        return _fp8_ops.dequantize(q, s, dtype=dtype, rows_used=self.args[3].total_rows)
 
 
 class CombineSink:

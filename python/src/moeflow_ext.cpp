@@ -215,13 +215,15 @@ NB_MODULE(_C, m) {
   m.def(
       "dequantize",
       [](const Array& q, const Array& scales, const std::string& fmt, const std::string& scaling,
-         bool pow2, bool columnwise, const Array& out, uintptr_t s) {
+         bool pow2, bool columnwise, const Array& out, const std::optional<Array>& rows_used,
+         uintptr_t s) {
         dequantize(rows_of(q, "q"), view_of(scales, "scales"),
                    quantize_config(fmt, scaling, pow2, columnwise), rows_of(out, "out"),
-                   stream_of(s));
+                   opt_view(rows_used, "rows_used"), stream_of(s));
       },
       nb::arg("q"), nb::arg("scales"), nb::arg("fp8_format"), nb::arg("scaling"),
-      nb::arg("pow2_scales"), nb::arg("columnwise"), nb::arg("out"), nb::arg("stream") = 0);
+      nb::arg("pow2_scales"), nb::arg("columnwise"), nb::arg("out"),
+      nb::arg("rows_used").none() = nb::none(), nb::arg("stream") = 0);
   m.def(
       "transpose_codes",
       [](const Array& q, const Array& q_t, uintptr_t s) {

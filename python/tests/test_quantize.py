@@ -57,6 +57,26 @@ def test_quantize_matches_the_policy(device, fmt, scaling, dtype):
 
 
 @pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("count_dtype", [torch.int32, torch.int64])
+def test_dequantize_rows_used(device, count_dtype):
+    """Only the first rows_used rows (a device count, clamped to [0, M]) are
+    written, as the whole dequantize writes them."""
+    x = torch.randn(300, 256).to(device, torch.bfloat16)
+    q, s = mf.quantize(x, "e4m3", "1x128")
+    full = mf.dequantize(q, s)
+    for n in (0, 1, 129, 300, 400, -2):
+        count = torch.tensor([n], dtype=count_dtype, device=device)
+        out = mf.dequantize(q, s, rows_used=count)
+        used = min(max(n, 0), 300)
+        assert torch.equal(out[:used], full[:used]), n
+    with pytest.raises(mf._C.Error, match=r"rows_used must be int32 or int64 \[1\]"):
+        mf.dequantize(q, s, rows_used=torch.zeros(2, dtype=torch.int64, device=device))
+    with pytest.raises(mf._C.Error, match="rows_used needs a rowwise dequantize"):
+        mf.dequantize(q.t().contiguous(), torch.ones(256, 3, device=device), columnwise=True,
+                      rows_used=torch.zeros(1, dtype=torch.int64, device=device))
+
+
+@pytest.mark.parametrize("device", DEVICES)
 def test_columnwise_is_the_rowwise_of_the_transpose(device):
     x = torch.randn(130, 260).to(device, torch.bfloat16)
     q, s = mf.quantize(x, "e4m3", "1x128", columnwise=True)

@@ -159,7 +159,7 @@ void requantize_columnwise(TensorView q, TensorView scales, DType dtype,
 }
 
 void dequantize(TensorView q, TensorView scales, const QuantizeConfig& config, TensorView out,
-                cudaStream_t stream) {
+                TensorView rows_used, cudaStream_t stream) {
   check_config(config);
   detail::expect_defined(out, "out");
   MOEFLOW_CHECK(out.ndim == 2, "out must be [M,K], got ", out.str());
@@ -171,10 +171,14 @@ void dequantize(TensorView q, TensorView scales, const QuantizeConfig& config, T
                  rows_of({config.out}, R, C, dev));
   detail::expect(scales, "scales",
                  Expect{{DType::kFloat32}, scales_shape(R, C, config.scaling), dev});
-  if (dev.is_cpu()) return cpu::dequantize(q, scales, config, out);
+  if (rows_used.defined()) {
+    MOEFLOW_CHECK(!config.columnwise, "rows_used needs a rowwise dequantize (columnwise false)");
+    detail::expect(rows_used, "rows_used", Expect{{DType::kInt32, DType::kInt64}, {1}, dev});
+  }
+  if (dev.is_cpu()) return cpu::dequantize(q, scales, config, out, rows_used);
 #ifdef MOEFLOW_WITH_CUDA
   detail::cuda_set_device(dev.index);
-  cuda::dequantize(q, scales, config, out, stream);
+  cuda::dequantize(q, scales, config, out, rows_used, stream);
 #else
   (void)stream;
   MOEFLOW_CHECK(false, "this moeflow was built without CUDA");

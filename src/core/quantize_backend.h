@@ -145,7 +145,8 @@ namespace cpu {
 void quantize(TensorView x, const QuantizeConfig& config, TensorView q, TensorView scales);
 void quantize_rowwise_columnwise(TensorView x, const QuantizeConfig& config, TensorView q,
                                  TensorView scales, TensorView q_t, TensorView scales_t);
-void dequantize(TensorView q, TensorView scales, const QuantizeConfig& config, TensorView out);
+void dequantize(TensorView q, TensorView scales, const QuantizeConfig& config, TensorView out,
+                TensorView rows_used = {});
 // requantize_columnwise (moeflow/quantize.h), arguments checked: the composition.
 void requantize_columnwise(TensorView q, TensorView scales, DType dtype,
                            const QuantizeConfig& config, TensorView q_t, TensorView scales_t);
@@ -163,7 +164,7 @@ void quantize_rowwise_columnwise(TensorView x, const QuantizeConfig& config, Ten
                                  TensorView scales, TensorView q_t, TensorView scales_t,
                                  cudaStream_t stream);
 void dequantize(TensorView q, TensorView scales, const QuantizeConfig& config, TensorView out,
-                cudaStream_t stream);
+                TensorView rows_used, cudaStream_t stream);
 void requantize_columnwise(TensorView q, TensorView scales, DType dtype,
                            const QuantizeConfig& config, TensorView q_t, TensorView scales_t,
                            cudaStream_t stream);

@@ -130,9 +130,16 @@ void requantize_columnwise(TensorView q, TensorView scales, DType dtype,
   cpu::quantize_rowwise_columnwise(rows, config, TensorView{}, TensorView{}, q_t, scales_t);
 }
 
-void dequantize(TensorView q, TensorView scales, const QuantizeConfig& config, TensorView out) {
+void dequantize(TensorView q, TensorView scales, const QuantizeConfig& config, TensorView out,
+                TensorView rows_used) {
   const bool e4m3 = config.out == DType::kFloat8E4M3;
-  const int64_t R = q.shape[0], C = q.shape[1];
+  int64_t R = q.shape[0];
+  const int64_t C = q.shape[1];
+  if (rows_used.defined()) {
+    const int64_t n = rows_used.dtype == DType::kInt64 ? *static_cast<const int64_t*>(rows_used.data)
+                                                        : *static_cast<const int32_t*>(rows_used.data);
+    R = std::min(R, std::max<int64_t>(n, 0));
+  }
   const auto* qv = static_cast<const uint8_t*>(q.data);
   const auto* sv = static_cast<const float*>(scales.data);
   const int64_t nbc = scales.ndim == 2 ? scales.shape[1] : 0;

@@ -1,6 +1,7 @@
 // CUDA dequantize and transpose_codes (policy: moeflow/quantize.h):
 //   dequantize:      one thread per element, the product formed exactly in
-//                    double and rounded once to the output dtype.
+//                    double and rounded once to the output dtype; with
+//                    rows_used, the threads past its rows return at once.
 //   transpose_codes: 64 x 64-byte tiles through shared memory, 16-byte
 //                    loads, byte gathers, 16-byte stores where aligned;
 //                    float32 scale grids (small): one thread per element.
@@ -35,7 +36,13 @@ __device__ __forceinline__ void store_out(T* p, double d) {
 template <typename T, bool E4M3>
 __global__ void __launch_bounds__(kThreads)
     dequantize_kernel(const uint8_t* q, int64_t q_stride, int64_t R, int64_t C, const float* scales,
-                      QuantScaling scaling, int64_t nbc, T* out, int64_t orow, int64_t ocol) {
+                      QuantScaling scaling, int64_t nbc, T* out, int64_t orow, int64_t ocol,
+                      const void* rows_used, bool rows_used64) {
+  if (rows_used != nullptr) {  // the rows in use, read on the device
+    const int64_t n = rows_used64 ? *static_cast<const int64_t*>(rows_used)
+                                  : *static_cast<const int32_t*>(rows_used);
+    R = min(R, max(n, int64_t{0}));
+  }
   for (int64_t i = static_cast<int64_t>(blockIdx.x) * kThreads + threadIdx.x; i < R * C;
        i += static_cast<int64_t>(gridDim.x) * kThreads) {
     const int64_t r = i / C, c = i % C;
@@ -114,7 +121,7 @@ __global__ void __launch_bounds__(kThreads)
 }  // namespace
 
 void dequantize(TensorView q, TensorView scales, const QuantizeConfig& config, TensorView out,
-                cudaStream_t stream) {
+                TensorView rows_used, cudaStream_t stream) {
   const int64_t R = q.shape[0], C = q.shape[1];
   if (R * C == 0) return;
   const int64_t nbc = scales.ndim == 2 ? scales.shape[1] : 0;
@@ -127,7 +134,7 @@ void dequantize(TensorView q, TensorView scales, const QuantizeConfig& config, T
       dequantize_kernel<T, E4M3><<<capped_grid(R * C, kThreads * 4), kThreads, 0, stream>>>(
           static_cast<const uint8_t*>(q.data), q.strides[0], R, C,
           static_cast<const float*>(scales.data), config.scaling, nbc, static_cast<T*>(out.data),
-          orow, ocol);
+          orow, ocol, rows_used.data, rows_used.dtype == DType::kInt64);
       MOEFLOW_CUDA_LAUNCH_CHECK();
     });
   });
