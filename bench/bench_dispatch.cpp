@@ -181,7 +181,7 @@ void run_dispatch_bench(const DispatchBenchOptions& opt) {
       if (opt.fp8)  // from bf16 tokens: their 1x128 quantization, then the FP8 dispatch
         rr.quant_dispatch_ms = median_ms(
             [&] {
-              quantize(xb, QuantizeConfig{}, x, sc, {}, stream);
+              quantize(xb, QuantizeConfig{}, x, sc, {}, {}, stream);
               dispatch(next());
             },
             stream, opt.timing.warmup, opt.timing.iters);

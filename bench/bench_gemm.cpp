@@ -213,10 +213,11 @@ void run_gemm_bench(const GemmBenchOptions& opt) {
       Tensor ws_w = Tensor::empty(
           {static_cast<int64_t>(std::max<size_t>(1, quantize_workspace_bytes(E * N, K, qw_cfg)))},
           DType::kUInt8, dev);
-      quantize(a, qa_cfg, qa, sa, ws_a, stream);
+      quantize(a, qa_cfg, qa, sa, ws_a, {}, stream);
       quantize(TensorView(w.data(), DType::kBFloat16, dev, {E * N, K}), qw_cfg,
                TensorView(qw.data(), DType::kFloat8E4M3, dev, {E * N, K}),
-               TensorView(sw.data(), DType::kFloat32, dev, {E * N / 128, K / 128}), ws_w, stream);
+               TensorView(sw.data(), DType::kFloat32, dev, {E * N / 128, K / 128}), ws_w, {},
+               stream);
       const auto [f8, bf] = paired(
           [&] { grouped_gemm_fp8_forward(qa, sa, qw, sw, layout, out, stream); },
           [&] { grouped_gemm_forward(a, GroupedWeights::from_stacked(w), layout, out, stream); });
@@ -239,9 +240,9 @@ void run_gemm_bench(const GemmBenchOptions& opt) {
                                          quantize_workspace_bytes(E * N, K, tw_cfg));
         Tensor ws = Tensor::empty({static_cast<int64_t>(std::max<size_t>(1, ws_bytes))},
                                   DType::kUInt8, dev);
-        quantize(a, tw_cfg, ta, tsa, ws, stream);
+        quantize(a, tw_cfg, ta, tsa, ws, {}, stream);
         quantize(TensorView(w.data(), DType::kBFloat16, dev, {E * N, K}), tw_cfg,
-                 TensorView(tw.data(), DType::kFloat8E4M3, dev, {E * N, K}), tsw, ws, stream);
+                 TensorView(tw.data(), DType::kFloat8E4M3, dev, {E * N, K}), tsw, ws, {}, stream);
         for (const int promote : {4, 0}) {
           GemmOptions o;
           o.fp8_promote = promote;
@@ -293,8 +294,8 @@ void run_gemm_bench(const GemmBenchOptions& opt) {
                  ap = Tensor::empty({mp, K}, DType::kBFloat16, dev);
           fill_uniform(dcp, 5, -1.0f, 1.0f, stream);
           fill_uniform(ap, 6, -1.0f, 1.0f, stream);
-          quantize(dcp, col_cfg, dct, dcs, {}, stream);
-          quantize(ap, col_cfg, at, as, {}, stream);
+          quantize(dcp, col_cfg, dct, dcs, {}, {}, stream);
+          quantize(ap, col_cfg, at, as, {}, {}, stream);
           MOEFLOW_CUDA_CHECK(cudaStreamSynchronize(stream));
         }
         // Slice-major scales ([nb, N] read through a transposed view).
@@ -346,8 +347,8 @@ void run_gemm_bench(const GemmBenchOptions& opt) {
                                         quantize_workspace_bytes(M, K, tcol));
             Tensor ws =
                 Tensor::empty({static_cast<int64_t>(std::max<size_t>(1, wsb))}, DType::kUInt8, dev);
-            quantize(dc, tcol, tdc, tdcs, ws, stream);
-            quantize(a, tcol, ta, tas, ws, stream);
+            quantize(dc, tcol, tdc, tdcs, ws, {}, stream);
+            quantize(a, tcol, ta, tas, ws, {}, stream);
             const auto [tw8, twb] = paired(
                 [&] {
                   grouped_gemm_fp8_wgrad(tdc, tdcs, ta, tas, layout,

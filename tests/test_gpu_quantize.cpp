@@ -323,6 +323,36 @@ TEST_F(GpuQuantize, RowwiseColumnwiseBadInput) {
 
 // transpose_codes against the CPU reference: stacked and single matrices,
 // 16-byte rows and odd sizes (partial tiles), q_t poisoned first.
+// quantize (1x128 rowwise, both kernels: 16-byte rows and a strided x) with
+// rows_used on the device: the CPU's codes and scales, the rest untouched.
+TEST_F(GpuQuantize, QuantizeRowsUsedMatchesCpu) {
+  const int64_t M = 517, K = 384, nb = 3;
+  for (int64_t ldx : {K, K + 3}) {  // vector kernel; the simple kernel
+    Tensor x_host = make_input(M, K, ldx, DType::kBFloat16, 91);
+    const Tensor x_dev = x_host.to(kGpu);
+    const QuantizeConfig cfg{DType::kFloat8E4M3, QuantScaling::kBlock1x128, false, false};
+    for (DType cd : {DType::kInt32, DType::kInt64})
+      for (int64_t n : {int64_t{0}, int64_t{1}, int64_t{300}, M, M + 100, int64_t{-1}}) {
+        SCOPED_TRACE("ld " + std::to_string(ldx) + " " + dtype_name(cd) + " n " +
+                     std::to_string(n));
+        Tensor count = make_tensor({1}, cd);
+        if (cd == DType::kInt64)
+          *count.data_ptr<int64_t>() = n;
+        else
+          *count.data_ptr<int32_t>() = static_cast<int32_t>(n);
+        Tensor q_cpu = poisoned({M, K}, cfg.out, Device::cpu());
+        Tensor s_cpu = poisoned({M, nb}, DType::kFloat32, Device::cpu());
+        quantize(rows_view(x_host, M, K), cfg, q_cpu, s_cpu, {}, count);
+        Tensor q_dev = poisoned({M, K}, cfg.out, kGpu);
+        Tensor s_dev = poisoned({M, nb}, DType::kFloat32, kGpu);
+        quantize(rows_view(x_dev, M, K), cfg, q_dev, s_dev, {}, count.to(kGpu));
+        MOEFLOW_CUDA_CHECK(cudaDeviceSynchronize());
+        ASSERT_TRUE(bytes_equal(q_dev.to(Device::cpu()), q_cpu));
+        ASSERT_TRUE(bytes_equal(s_dev.to(Device::cpu()), s_cpu));
+      }
+  }
+}
+
 // dequantize with rows_used on the device: the CPU's rows, the rest of the
 // poisoned output untouched; counts past M and below 0 clamped.
 TEST_F(GpuQuantize, DequantizeRowsUsedMatchesCpu) {
@@ -413,12 +443,12 @@ TEST_F(GpuQuantize, TensorwiseGraphCaptureReplay) {
     Tensor ws = Tensor::empty({static_cast<int64_t>(quantize_workspace_bytes(M, K, cfg))},
                               DType::kUInt8, kGpu);
     copy(make_input(M, K, K, DType::kBFloat16, 5), x_g, stream);
-    quantize(x_g, cfg, q_g, s_g, ws, stream);  // warm-up (module load outside the capture)
+    quantize(x_g, cfg, q_g, s_g, ws, {}, stream);  // warm-up (module load outside the capture)
     MOEFLOW_CUDA_CHECK(cudaStreamSynchronize(stream));
 
     cudaGraph_t graph;
     MOEFLOW_CUDA_CHECK(cudaStreamBeginCapture(stream, cudaStreamCaptureModeGlobal));
-    quantize(x_g, cfg, q_g, s_g, ws, stream);
+    quantize(x_g, cfg, q_g, s_g, ws, {}, stream);
     MOEFLOW_CUDA_CHECK(cudaStreamEndCapture(stream, &graph));
     cudaGraphExec_t exec;
     MOEFLOW_CUDA_CHECK(cudaGraphInstantiate(&exec, graph, 0));

@@ -599,6 +599,33 @@ TEST(Quantize, DequantizeRowsUsed) {
   }
 }
 
+// quantize with rows_used (1x128 rowwise): the first n rows' codes and
+// scales as the whole quantize writes them, the rest untouched.
+TEST(Quantize, QuantizeRowsUsed) {
+  const int64_t M = 300, K = 260, nb = 3;
+  Tensor x = make_tensor({M, K}, DType::kBFloat16);
+  fill_random(x, 9, -3.0f, 3.0f);
+  const QuantizeConfig cfg{kE4, QuantScaling::kBlock1x128, false, false};
+  Quantized full = run(x, cfg);
+  for (int64_t n : {int64_t{0}, int64_t{1}, int64_t{129}, M, M + 7, int64_t{-3}})
+    for (DType cd : {DType::kInt32, DType::kInt64}) {
+      SCOPED_TRACE("n " + std::to_string(n) + " " + dtype_name(cd));
+      Tensor count = make_tensor({1}, cd);
+      if (cd == DType::kInt64)
+        *count.data_ptr<int64_t>() = n;
+      else
+        *count.data_ptr<int32_t>() = static_cast<int32_t>(n);
+      Tensor q = poisoned({M, K}, kE4), s = poisoned({M, nb}, DType::kFloat32);
+      quantize(x, cfg, q, s, {}, count);
+      const int64_t used = std::min(M, std::max<int64_t>(n, 0));
+      ASSERT_EQ(std::memcmp(q.data_ptr<uint8_t>(), full.q.data_ptr<uint8_t>(), used * K), 0);
+      ASSERT_EQ(std::memcmp(s.data_ptr<float>(), full.scales.data_ptr<float>(), used * nb * 4), 0);
+      for (int64_t i = used * K; i < M * K; ++i) ASSERT_EQ(q.data_ptr<uint8_t>()[i], 0xFF);
+      for (int64_t i = used * nb * 4; i < M * nb * 4; ++i)
+        ASSERT_EQ(reinterpret_cast<const uint8_t*>(s.data_ptr<float>())[i], 0xFF);
+    }
+}
+
 TEST(Quantize, BadInput) {
   Tensor x = make_tensor({4, 200}, DType::kFloat32);
   fill_random(x, 1);
@@ -684,6 +711,18 @@ TEST(Quantize, BadInput) {
     EXPECT_NE(msg([&] {
                 dequantize(qc, sc, colw, out, make_tensor({1}, DType::kInt64));
               }).find("rows_used needs a rowwise dequantize"),
+              std::string::npos);
+  }
+  EXPECT_NE(msg([&] {
+              quantize(x, cfg, q, s, {}, make_tensor({1}, DType::kFloat32));
+            }).find("rows_used must be int32 or int64 [1]"),
+            std::string::npos);
+  {
+    const QuantizeConfig blocks{kE4, QuantScaling::kBlock128x128, false, false};
+    EXPECT_NE(msg([&] {
+                quantize(x, blocks, q, make_tensor({1, 2}, DType::kFloat32), {},
+                         make_tensor({1}, DType::kInt64));
+              }).find("rows_used needs a rowwise kBlock1x128 quantize"),
               std::string::npos);
   }
   EXPECT_EQ(quantize_workspace_bytes(4, 200, cfg), 0u);

@@ -52,10 +52,13 @@ struct QuantizeConfig {
 //   workspace: CUDA kTensorwise only: uint8 of >= quantize_workspace_bytes()
 //              bytes on x's device (the per-block amax pass writes it; no zeroing
 //              needed). Ignored otherwise.
+//   rows_used: optional int32/int64 [1] on x's device, kBlock1x128 rowwise
+//              only: only rows [0, min(max(n, 0), M)) are quantized; q's and
+//              scales' other rows are left as they are. Read on the device.
 // CUDA kTensorwise runs two kernels (amax partials, then quantize); the
 // others one kernel. All views on one device.
 void quantize(TensorView x, const QuantizeConfig& config, TensorView q, TensorView scales,
-              TensorView workspace = {}, cudaStream_t stream = nullptr);
+              TensorView workspace = {}, TensorView rows_used = {}, cudaStream_t stream = nullptr);
 
 // Both orientations of kBlock1x128 in one read of x: q / scales exactly as
 // quantize(x, config) writes them (rowwise) and q_t / scales_t as

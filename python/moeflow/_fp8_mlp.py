@@ -30,12 +30,17 @@ def _quantize(t: torch.Tensor, scaling: str) -> Tuple[torch.Tensor, torch.Tensor
 def quantize_rows(t: torch.Tensor, recipe: str, offsets: torch.Tensor,
                   real_rows: Optional[torch.Tensor],
                   amax: Optional[torch.Tensor] = None) -> Tuple[torch.Tensor, torch.Tensor]:
-    """A GEMM's A operand [rows, K]: e4m3 codes and [rows, K/128] scales, or
-    for fp8-tensorwise one scale [1]: the amax of the groups' real rows only
-    (pad rows and the rows past the groups are never read and may hold
-    anything; their codes are 0), or ``amax`` when given (that amax)."""
+    """A GEMM's A operand [rows, K]: e4m3 codes and [rows, K/128] scales of
+    the rows up to offsets[-1] (the codes and scales past it are left
+    unwritten), or for fp8-tensorwise one scale [1]: the amax of the groups'
+    real rows only (pad rows and the rows past the groups are never read and
+    may hold anything; their codes are 0), or ``amax`` when given (that
+    amax)."""
     if recipe == "fp8-blockwise":
-        return _quantize(t, "1x128")
+        # the rows up to the groups' end only (an EP receive buffer is sized
+        # for the worst case); the GEMMs never read the rows past it
+        return ops.quantize(t, "e4m3", "1x128",
+                            rows_used=offsets[-1:] if offsets is not None else None)
     return ops.quantize_group_rows(t, offsets, real_rows, amax=amax)
 
 

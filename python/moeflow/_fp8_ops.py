@@ -21,15 +21,18 @@ def _scale_shape(rows: int, cols: int, scaling: str) -> Tuple[int, ...]:
 
 
 def quantize(x: torch.Tensor, fp8_format: str = "e4m3", scaling: str = "1x128",
-             pow2_scales: bool = False, columnwise: bool = False
-             ) -> Tuple[torch.Tensor, torch.Tensor]:
+             pow2_scales: bool = False, columnwise: bool = False,
+             rows_used: Optional[torch.Tensor] = None) -> Tuple[torch.Tensor, torch.Tensor]:
     """FP8 quantization (moeflow/quantize.h has the exact policy): x [M, K]
     float32 / float16 / bfloat16 -> (q, scales), x ~= q * scale of its block.
     ``fp8_format`` "e4m3" (torch.float8_e4m3fn) or "e5m2"; ``scaling``
     "tensorwise" (scales [1]), "1x128" (activations: [M, ceil(K/128)]) or
     "128x128" (weights: [ceil(M/128), ceil(K/128)]); ``pow2_scales`` rounds
     the scales up to powers of two; ``columnwise`` quantizes x^T (q [K, M],
-    the blocks along M). On the device, no sync; not differentiable."""
+    the blocks along M). ``rows_used`` (optional int32 / int64 [1] on x's
+    device, rowwise "1x128" only): only the first that many rows are
+    quantized, read on the device; q's and scales' other rows are left
+    uninitialised. On the device, no sync; not differentiable."""
     if x.dim() != 2:
         raise _C.Error(f"x must be [M, K], got shape {tuple(x.shape)}")
     x = _rows(x.detach())
@@ -42,7 +45,7 @@ def quantize(x: torch.Tensor, fp8_format: str = "e4m3", scaling: str = "1x128",
         n = _C.quantize_workspace_bytes(M, K, fp8_format, scaling, pow2_scales, columnwise)
         ws = torch.empty(n, dtype=torch.uint8, device=x.device) if n else None
     _C.quantize(x, fp8_format, scaling, bool(pow2_scales), bool(columnwise), q, scales, ws,
-                _stream(x))
+                rows_used, _stream(x))
     return q, scales
 
 

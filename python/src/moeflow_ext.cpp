@@ -183,13 +183,15 @@ NB_MODULE(_C, m) {
       "quantize",
       [](const Array& x, const std::string& fmt, const std::string& scaling, bool pow2,
          bool columnwise, const Array& q, const Array& scales, const std::optional<Array>& ws,
-         uintptr_t s) {
+         const std::optional<Array>& rows_used, uintptr_t s) {
         quantize(rows_of(x, "x"), quantize_config(fmt, scaling, pow2, columnwise), rows_of(q, "q"),
-                 view_of(scales, "scales"), opt_view(ws, "workspace"), stream_of(s));
+                 view_of(scales, "scales"), opt_view(ws, "workspace"),
+                 opt_view(rows_used, "rows_used"), stream_of(s));
       },
       nb::arg("x"), nb::arg("fp8_format"), nb::arg("scaling"), nb::arg("pow2_scales"),
       nb::arg("columnwise"), nb::arg("q"), nb::arg("scales"),
-      nb::arg("workspace").none() = nb::none(), nb::arg("stream") = 0);
+      nb::arg("workspace").none() = nb::none(), nb::arg("rows_used").none() = nb::none(),
+      nb::arg("stream") = 0);
   m.def(
       "quantize_rowwise_columnwise",
       [](const Array& x, const std::string& fmt, bool pow2, const std::optional<Array>& q,

@@ -77,6 +77,23 @@ def test_dequantize_rows_used(device, count_dtype):
 
 
 @pytest.mark.parametrize("device", DEVICES)
+def test_quantize_rows_used(device):
+    """1x128 rowwise: only the first rows_used rows' codes and scales are
+    written, as the whole quantize writes them."""
+    x = torch.randn(300, 256).to(device, torch.bfloat16)
+    q_full, s_full = mf.quantize(x, "e4m3", "1x128")
+    for n in (0, 1, 129, 300, 400, -2):
+        q, s = mf.quantize(x, "e4m3", "1x128",
+                           rows_used=torch.tensor([n], dtype=torch.int64, device=device))
+        used = min(max(n, 0), 300)
+        assert torch.equal(q[:used].view(torch.uint8), q_full[:used].view(torch.uint8)), n
+        assert torch.equal(s[:used], s_full[:used]), n
+    with pytest.raises(mf._C.Error, match="rows_used needs a rowwise kBlock1x128 quantize"):
+        mf.quantize(x, "e4m3", "128x128", rows_used=torch.zeros(1, dtype=torch.int64,
+                                                                 device=device))
+
+
+@pytest.mark.parametrize("device", DEVICES)
 def test_columnwise_is_the_rowwise_of_the_transpose(device):
     x = torch.randn(130, 260).to(device, torch.bfloat16)
     q, s = mf.quantize(x, "e4m3", "1x128", columnwise=True)

@@ -127,7 +127,7 @@ Operand quantize_rows(TensorView src, const GroupedMlpFp8Scratch& s, const Fp8Di
   if (recipe == Fp8Recipe::kTensorwise)
     quantize_group_rows(src, groups, rows_of(recipe), o.codes, o.scales, stream);
   else
-    quantize(src, rows_1x128(), o.codes, o.scales, {}, stream);
+    quantize(src, rows_1x128(), o.codes, o.scales, {}, {}, stream);
   return o;
 }
 
@@ -266,10 +266,12 @@ void grouped_mlp_fp8_weights(const GroupedMlpWeights& w, const GroupedMlpFp8Weig
   }
   const QuantizeConfig blocks{DType::kFloat8E4M3, QuantScaling::kBlock128x128, false, false};
   // [E*N, K] blocks never straddle two experts (N % 128 == 0).
-  quantize(flat(w.fc1, DType::kBFloat16, E * N1, H), blocks, flat(q.fc1, DType::kFloat8E4M3, E * N1, H),
-           flat(q.fc1_scales, DType::kFloat32, E * N1 / kB, H / kB), {}, stream);
-  quantize(flat(w.fc2, DType::kBFloat16, E * H, F), blocks, flat(q.fc2, DType::kFloat8E4M3, E * H, F),
-           flat(q.fc2_scales, DType::kFloat32, E * H / kB, F / kB), {}, stream);
+  quantize(flat(w.fc1, DType::kBFloat16, E * N1, H), blocks,
+           flat(q.fc1, DType::kFloat8E4M3, E * N1, H),
+           flat(q.fc1_scales, DType::kFloat32, E * N1 / kB, H / kB), {}, {}, stream);
+  quantize(flat(w.fc2, DType::kBFloat16, E * H, F), blocks,
+           flat(q.fc2, DType::kFloat8E4M3, E * H, F),
+           flat(q.fc2_scales, DType::kFloat32, E * H / kB, F / kB), {}, {}, stream);
   transpose_codes(q.fc1, q.fc1_t, stream);
   transpose_codes(q.fc1_scales, q.fc1_t_scales, stream);
   transpose_codes(q.fc2, q.fc2_t, stream);

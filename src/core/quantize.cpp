@@ -60,7 +60,7 @@ size_t quantize_workspace_bytes(int64_t rows, int64_t cols, const QuantizeConfig
 }
 
 void quantize(TensorView x, const QuantizeConfig& config, TensorView q, TensorView scales,
-              TensorView workspace, cudaStream_t stream) {
+              TensorView workspace, TensorView rows_used, cudaStream_t stream) {
   check_config(config);
   detail::expect_defined(x, "x");
   MOEFLOW_CHECK(x.ndim == 2, "x must be [M,K], got ", x.str());
@@ -72,7 +72,12 @@ void quantize(TensorView x, const QuantizeConfig& config, TensorView q, TensorVi
                  rows_of({config.out}, R, C, dev));
   detail::expect(scales, "scales",
                  Expect{{DType::kFloat32}, scales_shape(R, C, config.scaling), dev});
-  if (dev.is_cpu()) return cpu::quantize(x, config, q, scales);
+  if (rows_used.defined()) {
+    MOEFLOW_CHECK(config.scaling == QuantScaling::kBlock1x128 && !config.columnwise,
+                  "rows_used needs a rowwise kBlock1x128 quantize");
+    detail::expect(rows_used, "rows_used", Expect{{DType::kInt32, DType::kInt64}, {1}, dev});
+  }
+  if (dev.is_cpu()) return cpu::quantize(x, config, q, scales, rows_used);
 #ifdef MOEFLOW_WITH_CUDA
   const size_t need = cuda::quantize_workspace_bytes(M, K, config);
   if (need > 0) {
@@ -81,7 +86,7 @@ void quantize(TensorView x, const QuantizeConfig& config, TensorView q, TensorVi
                   " bytes (quantize_workspace_bytes), got ", workspace.nbytes());
   }
   detail::cuda_set_device(dev.index);
-  cuda::quantize(x, config, q, scales, workspace, stream);
+  cuda::quantize(x, config, q, scales, workspace, rows_used, stream);
 #else
   (void)workspace;
   (void)stream;

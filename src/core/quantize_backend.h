@@ -142,7 +142,8 @@ MOEFLOW_QHD float round_to_odd_float(double d) {
 }  // namespace quant
 
 namespace cpu {
-void quantize(TensorView x, const QuantizeConfig& config, TensorView q, TensorView scales);
+void quantize(TensorView x, const QuantizeConfig& config, TensorView q, TensorView scales,
+              TensorView rows_used = {});
 void quantize_rowwise_columnwise(TensorView x, const QuantizeConfig& config, TensorView q,
                                  TensorView scales, TensorView q_t, TensorView scales_t);
 void dequantize(TensorView q, TensorView scales, const QuantizeConfig& config, TensorView out,
@@ -159,7 +160,7 @@ uint8_t float_to_fp8(float v, bool e4m3);
 namespace cuda {
 size_t quantize_workspace_bytes(int64_t rows, int64_t cols, const QuantizeConfig& config);
 void quantize(TensorView x, const QuantizeConfig& config, TensorView q, TensorView scales,
-              TensorView workspace, cudaStream_t stream);
+              TensorView workspace, TensorView rows_used, cudaStream_t stream);
 void quantize_rowwise_columnwise(TensorView x, const QuantizeConfig& config, TensorView q,
                                  TensorView scales, TensorView q_t, TensorView scales_t,
                                  cudaStream_t stream);

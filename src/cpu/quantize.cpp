@@ -59,12 +59,22 @@ float amax_of(const Source& s, int64_t r0, int64_t r1, int64_t c0, int64_t c1) {
   return m;
 }
 
+// The rows a rows_used count names: min(max(n, 0), rows), or rows without one.
+int64_t rows_used_of(TensorView rows_used, int64_t rows) {
+  if (!rows_used.defined()) return rows;
+  const int64_t n = rows_used.dtype == DType::kInt64 ? *static_cast<const int64_t*>(rows_used.data)
+                                                     : *static_cast<const int32_t*>(rows_used.data);
+  return std::min(rows, std::max<int64_t>(n, 0));
+}
+
 }  // namespace
 
-void quantize(TensorView x, const QuantizeConfig& config, TensorView q, TensorView scales) {
+void quantize(TensorView x, const QuantizeConfig& config, TensorView q, TensorView scales,
+              TensorView rows_used) {
   const bool e4m3 = config.out == DType::kFloat8E4M3;
   const Source s = source_of(x, config.columnwise);
   const int64_t R = q.shape[0], C = q.shape[1];
+  const int64_t rows = rows_used_of(rows_used, R);
   auto* qv = static_cast<uint8_t*>(q.data);
   auto* sv = static_cast<float*>(scales.data);
   // Quantizes q rows [r0,r1) x cols [c0,c1) with `scale`.
@@ -82,7 +92,7 @@ void quantize(TensorView x, const QuantizeConfig& config, TensorView q, TensorVi
     }
     case QuantScaling::kBlock1x128: {
       const int64_t nb = scales.shape[1];
-      for (int64_t r = 0; r < R; ++r)
+      for (int64_t r = 0; r < rows; ++r)
         for (int64_t b = 0; b < nb; ++b) {
           const int64_t c0 = b * kBlock, c1 = std::min(C, c0 + kBlock);
           const float scale =
@@ -133,13 +143,8 @@ void requantize_columnwise(TensorView q, TensorView scales, DType dtype,
 void dequantize(TensorView q, TensorView scales, const QuantizeConfig& config, TensorView out,
                 TensorView rows_used) {
   const bool e4m3 = config.out == DType::kFloat8E4M3;
-  int64_t R = q.shape[0];
+  const int64_t R = rows_used_of(rows_used, q.shape[0]);
   const int64_t C = q.shape[1];
-  if (rows_used.defined()) {
-    const int64_t n = rows_used.dtype == DType::kInt64 ? *static_cast<const int64_t*>(rows_used.data)
-                                                        : *static_cast<const int32_t*>(rows_used.data);
-    R = std::min(R, std::max<int64_t>(n, 0));
-  }
   const auto* qv = static_cast<const uint8_t*>(q.data);
   const auto* sv = static_cast<const float*>(scales.data);
   const int64_t nbc = scales.ndim == 2 ? scales.shape[1] : 0;

@@ -121,6 +121,14 @@ struct Dst {
   int64_t R, C;
   float* scales;
   bool pow2;
+  const void* rows_used = nullptr;  // optional int32 / int64 count of the rows to write (1x128)
+  bool rows_used64 = false;
+  __device__ __forceinline__ int64_t rows() const {
+    if (rows_used == nullptr) return R;
+    const int64_t n = rows_used64 ? *static_cast<const int64_t*>(rows_used)
+                                  : *static_cast<const int32_t*>(rows_used);
+    return min(R, max(n, int64_t{0}));
+  }
 };
 
 __device__ __forceinline__ float warp_amax(float m) {
@@ -160,7 +168,7 @@ __global__ void __launch_bounds__(kThreads)
     quantize_1x128_kernel(S src, Dst dst, int64_t nb, int64_t ss0, int64_t ss1) {
   constexpr int kPerLane = kBlock / kWarpSize;
   const int lane = threadIdx.x % kWarpSize;
-  const int64_t items = dst.R * nb;
+  const int64_t items = dst.rows() * nb;
   src.prepare();
   for (int64_t item = static_cast<int64_t>(blockIdx.x) * kWarps + threadIdx.x / kWarpSize;
        item < items; item += static_cast<int64_t>(gridDim.x) * kWarps) {
@@ -192,7 +200,7 @@ __global__ void __launch_bounds__(kThreads, 6)
     quantize_1x128_vec_kernel(const T* x, int64_t x_stride, Dst dst, int64_t nb, int64_t chunks) {
   constexpr int64_t kChunk = int64_t{kFp8PerLane} * kWarpSize;
   const int lane = threadIdx.x % kWarpSize;
-  const int64_t items = dst.R * chunks;
+  const int64_t items = dst.rows() * chunks;
   for (int64_t item = static_cast<int64_t>(blockIdx.x) * kWarps + threadIdx.x / kWarpSize;
        item < items; item += static_cast<int64_t>(gridDim.x) * kWarps) {
     const int64_t r = item / chunks, cl = (item % chunks) * kChunk + int64_t{lane} * kFp8PerLane;
@@ -545,12 +553,18 @@ size_t quantize_workspace_bytes(int64_t rows, int64_t cols, const QuantizeConfig
 }
 
 void quantize(TensorView x, const QuantizeConfig& config, TensorView q, TensorView scales,
-              TensorView workspace, cudaStream_t stream) {
+              TensorView workspace, TensorView rows_used, cudaStream_t stream) {
   const int64_t R = q.shape[0], C = q.shape[1];
   const int64_t xr = config.columnwise ? 1 : x.strides[0];
   const int64_t xc = config.columnwise ? x.strides[0] : 1;
-  Dst dst{static_cast<uint8_t*>(q.data),    q.strides[0],      R, C,
-          static_cast<float*>(scales.data), config.pow2_scales};
+  Dst dst{static_cast<uint8_t*>(q.data),
+          q.strides[0],
+          R,
+          C,
+          static_cast<float*>(scales.data),
+          config.pow2_scales,
+          rows_used.data,
+          rows_used.dtype == DType::kInt64};
   with_float_type(x.dtype, [&](auto t) {
     using T = decltype(t);
     const Src<T> src{static_cast<const T*>(x.data), xr, xc};
@@ -636,7 +650,8 @@ void quantize_rowwise_columnwise(TensorView x, const QuantizeConfig& config, Ten
           return;
         }
       }
-      if (q.data != nullptr) cuda::quantize(x, config, q, scales, TensorView{}, stream);
+      if (q.data != nullptr)
+        cuda::quantize(x, config, q, scales, TensorView{}, TensorView{}, stream);
       const Src<T> src{static_cast<const T*>(x.data), 1, x.strides[0]};
       const Dst dst{col.q, col.q_stride, K, M, col.scales, config.pow2_scales};
       const int64_t nb = ceil_div(M, int64_t{kBlock});

@@ -637,7 +637,7 @@ EpDispatchResult ep_dispatch_quantize_staged(EpGroup& group, TensorView x, Tenso
   const TensorView q(g.quant_x.data(), g.opt.dtype, g.quant_x.device(), {T, H});
   const TensorView s(g.quant_scales.data(), DType::kFloat32, g.quant_x.device(),
                      {T, g.opt.scale_cols});
-  moeflow::quantize(x, quant, q, s, TensorView{}, stream);
+  moeflow::quantize(x, quant, q, s, TensorView{}, TensorView{}, stream);
   if (g.opt.backend == EpBackend::kNvlink)
     return ep_nvlink_dispatch(group, q, ids, probs, s, nullptr, stream);
   return ep_nccl_dispatch(group, q, ids, probs, s, stream);
