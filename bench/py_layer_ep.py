@@ -244,14 +244,17 @@ def measure(d, fwd, params, x, dy, warmup, iters):
 def profile_step(d, args, label, fwd, params, x, dy):
     """With --profile: one step on every rank under torch.profiler; rank 0
     prints the sum of its kernel times against the step's wall time, and the
-    largest kernels (bench/py_layer.py's helpers)."""
+    largest kernels (bench/py_layer.py's helpers), and returns them for the
+    row (``profile_rank0``; None without --profile and on the other ranks).
+    The kernels that wait for the other ranks (the first collective's)
+    include that wait: the ranks enter the profiler at different times."""
     if not args.profile:
-        return
+        return None
     try:
         from py_layer import kernel_sum_ms  # imports moeflow
     except ImportError as e:
         log(d, f"--profile skipped for {label}: bench/py_layer.py does not import ({e})")
-        return
+        return None
     grads = list(params) + [x]
 
     def step():
@@ -267,12 +270,14 @@ def profile_step(d, args, label, fwd, params, x, dy):
     total, by_name = kernel_sum_ms(step, trace)
     for p in grads:
         p.grad = None
+    top = sorted(by_name.items(), key=lambda kv: -kv[1])[:args.top]
     if d.rank == 0:
         print(f"[profile {label} W={d.world}] kernels of one step (rank 0): {total:.2f} ms",
               file=sys.stderr, flush=True)
-        for name, t in sorted(by_name.items(), key=lambda kv: -kv[1])[:args.top]:
+        for name, t in top:
             print(f"  {t:8.3f} ms  {name}", file=sys.stderr, flush=True)
     d.sync()
+    return {"kernels_ms": total, "top_ms": [[n, t] for n, t in top]} if d.rank == 0 else None
 
 
 def summarise(per_rank):
@@ -345,7 +350,7 @@ def run_ours(d, args, name, moeflow):
         log(d, "note: moeflow's layer has no [E, H] router_weight: its own initialisation")
     del w
     res = measure(d, layer, layer.parameters(), x, dy, args.warmup, args.iters)
-    profile_step(d, args, f"moeflow_{name}", layer, layer.parameters(), x, dy)
+    prof = profile_step(d, args, f"moeflow_{name}", layer, layer.parameters(), x, dy)
     # Slots dropped for want of receive rows (none expected: worst-case capacity).
     ov = getattr(layer, "last_ep_overflow", None)
     # What moeflow holds outside torch's allocator after the steps: the group's
@@ -363,7 +368,7 @@ def run_ours(d, args, name, moeflow):
     if destroy is not None:  # every rank together, no handle left
         destroy()
     del group
-    return res, n_local
+    return res, n_local, prof
 
 
 # -- megatron -----------------------------------------------------------------------------
@@ -386,10 +391,10 @@ def run_megatron(d, args, name, experts):
         return out.view(T, H)
 
     res = measure(d, fwd, layer.parameters(), x, dy, args.warmup, args.iters)
-    profile_step(d, args, f"megatron-{experts}_{name}", fwd, layer.parameters(), x, dy)
+    prof = profile_step(d, args, f"megatron-{experts}_{name}", fwd, layer.parameters(), x, dy)
     n_local = sum(p.numel() for p in layer.parameters())
     layer = x = dy = None  # noqa: F841 (fwd holds layer: dropped with it)
-    return res, n_local
+    return res, n_local, prof
 
 
 # -- output ------------------------------------------------------------------------------
@@ -487,7 +492,7 @@ def main():
             log(d, f"case {name} W={d.world}: moeflow (backend {args.backend}): "
                    f"{args.warmup} warm-up + {args.iters} timed steps")
             try:
-                res, n = run_ours(d, args, name, moeflow)
+                res, n, prof = run_ours(d, args, name, moeflow)
             except Exception:
                 print(f"py_layer_ep: rank {d.rank}: moeflow failed on case {name}:\n"
                       f"{traceback.format_exc()}", file=sys.stderr, flush=True)
@@ -499,6 +504,8 @@ def main():
             r["ep_buffers_MiB"] = max(v[6] for v in per_rank)
             r["capacity_factor"] = args.capacity_factor
             r["params_per_rank"] = n
+            if prof is not None:
+                r["profile_rank0"] = prof
             rows.append(r)
             write_json(d, args, meta, rows)
             log(d, f"  moeflow: step {r['step_ms']:.2f} ms, fwd {r['fwd_ms']:.2f} ms, "
@@ -530,9 +537,9 @@ def main():
             for name in args.cases:
                 for v in variants:
                     log(d, f"case {name} W={d.world}: megatron-core {version} ({v} experts)")
-                    err, res, n = None, None, 0
+                    err, res, n, prof = None, None, 0, None
                     try:
-                        res, n = run_megatron(d, args, name, v)
+                        res, n, prof = run_megatron(d, args, name, v)
                     except Exception as e:
                         err = f"{type(e).__name__}: {e}"
                         print(f"py_layer_ep: rank {d.rank}: megatron ({v}) failed on case "
@@ -544,6 +551,8 @@ def main():
                     else:
                         r.update(summarise(d.gather(res)))
                         r["params_per_rank"] = n
+                        if prof is not None:
+                            r["profile_rank0"] = prof
                         log(d, f"  megatron ({v}): step {r['step_ms']:.2f} ms, fwd "
                                f"{r['fwd_ms']:.2f} ms, back to back "
                                f"{r['back_to_back_ms']:.2f} ms, peak {fmt_mem(r)} GiB "
