@@ -173,6 +173,7 @@ class GroupedMlpFp8(torch.autograd.Function):
         probs = None if probs is None else probs.detach()
         x_t = None  # x's columnwise codes and scales (FC1's FP8 wgrad), instead of x
         xq = None  # x's rowwise codes and scales (FC1's input)
+        x_codes = (None, None)  # codes from the wire kept for FC1's 16-bit wgrad, instead of x
         want_x_t = wgrad8 and ctx is not None and fc1.requires_grad
         # FC1's 16-bit weight gradient reads the rows: kept from here, or
         # permuted again from the tokens in backward (recompute_permute).
@@ -192,8 +193,12 @@ class GroupedMlpFp8(torch.autograd.Function):
             got = source.forward_blockwise(x, probs, want_x_t)
             xq, xs, probs = got[:3]
             x_t = got[3] if want_x_t else None
-            # a 16-bit FC1 wgrad over codes that came over the wire: their rows
-            x = source.rows16(xq, xs, tokens.dtype) if wire8 and rows16 else None
+            # A 16-bit FC1 wgrad over codes that came over the wire reads them
+            # dequantized in backward: the dispatch's handle holds the codes
+            # until then anyway, so keeping 16-bit rows would only add memory.
+            x = None
+            if wire8 and rows16:
+                x_codes = (xq, xs)
         else:
             if source is not None:  # the experts' rows and each row's prob
                 x, probs = source.forward(x, probs)
@@ -228,6 +233,7 @@ class GroupedMlpFp8(torch.autograd.Function):
             ctx.set_materialize_grads(False)
             ctx.cfg, ctx.recipe, ctx.main, ctx.plan, ctx.cache = cfg, recipe, main, plan, cache
             ctx.wgrad8, ctx.source, ctx.into_grad = wgrad8, source, into_grad
+            ctx.rows_dtype = tokens.dtype
             # the rows for FC1's 16-bit wgrad, or the tokens (recompute_permute)
             saved_x = (tokens if again else x) if rows16 else None
             x_t = x_t if x_t is not None else (None, None)
@@ -237,7 +243,7 @@ class GroupedMlpFp8(torch.autograd.Function):
             ctx.held = [h, a_t[0]] if _may_drop_early() else None
             ctx.save_for_backward(saved_x, fc1, fc2, p, offsets, real_rows,
                                   None if ctx.held else h, *x_t,
-                                  None if ctx.held else a_t[0], a_t[1])
+                                  None if ctx.held else a_t[0], a_t[1], *x_codes)
         if plan is None:
             return y
         out = y.new_empty(plan.num_tokens, y.shape[1])
@@ -248,7 +254,8 @@ class GroupedMlpFp8(torch.autograd.Function):
     def backward(ctx, dy):
         if dy is None:
             return (None,) * 5
-        x, fc1, fc2, probs, offsets, real_rows, h, xq_t, xs_t, aq_t, as_t = ctx.saved_tensors
+        (x, fc1, fc2, probs, offsets, real_rows, h, xq_t, xs_t, aq_t, as_t, xq_w,
+         xs_w) = ctx.saved_tensors
         # [h, a's codes], dropped after FC2's weight gradient
         held = _take_held(ctx, (h, aq_t))
         h, aq_t = held
@@ -345,8 +352,12 @@ class GroupedMlpFp8(torch.autograd.Function):
                 ops.grouped_gemm_fp8_wgrad(dh_q[2], dh_q[3], xq_t, xs_t, offsets, real_rows,
                                            out=g, accumulate=acc)
             else:
-                rows_x = x if ctx.source is None or not ctx.source.recompute else \
-                    ctx.source.rows(x)
+                if xq_w is not None:  # the wire's codes, dequantized for this GEMM only
+                    rows_x = ctx.source.rows16(xq_w, xs_w, ctx.rows_dtype)
+                elif ctx.source is None or not ctx.source.recompute:
+                    rows_x = x
+                else:
+                    rows_x = ctx.source.rows(x)
                 _C.grouped_mlp_backward_wgrad(None, rows_x, offsets, real_rows, None, None, d_h,
                                               g, None, None, None, acc, s)
             return None if acc else g

@@ -136,5 +136,35 @@ def check_layer_fp8_wire(ctx):
            lambda: MoELayer(128, 128, 2 * ctx.world, 2, ep_group=g, device=ctx.device))
 
 
+def check_fp8_wire_keeps_codes(ctx, H=128, F=128):
+    """With FP8 on the wire and a 16-bit FC1 weight gradient, what the
+    layer's forward saves for backward holds the received rows as their
+    codes (which the dispatch's handle holds anyway), not dequantized as 16-bit rows:
+    every saved tensor of the rows' shape [capacity, H] is FP8, but for y
+    (FC2's output, which the combine's backward reads)."""
+    W, r, dev = ctx.world, ctx.rank, ctx.device
+    E, K, dt = 2 * W, 2, torch.bfloat16
+    T_list = tokens(W, 9, 0, 5)
+    g = ctx.group(num_experts=E, topk=K, hidden_size=H, max_tokens_per_rank=max(T_list),
+                  dtype=torch.float8_e4m3fn, scale_cols=1, backward_dtype=dt)
+    layer = MoELayer(H, F, E, K, device=dev, ep_group=g, params_dtype=dt,
+                     precision="fp8-blockwise")
+    x = make_inputs(T_list, E, K, H, dt, "random", 14)[r]["x"].float().to(dev)
+    x.requires_grad_()
+    saved = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+        out = layer(x)
+    rows = [t for t in saved if t.dim() == 2 and tuple(t.shape) == (g.capacity_rows, H)]
+    fp8 = [t for t in rows if t.dtype == torch.float8_e4m3fn]
+    wide = [t for t in rows if t.dtype != torch.float8_e4m3fn]
+    if len(fp8) != 1 or len(wide) > 1:
+        raise AssertionError(f"saved [capacity, H] tensors: {[t.dtype for t in rows]}, want "
+                             f"the codes and at most y")
+    out.backward(torch.ones_like(out))
+    if not torch.isfinite(layer.fc1_weight.grad.float()).all():
+        raise AssertionError("fc1_weight.grad is not finite")
+
+
 CHECKS = {f.__name__[len("check_"):]: f for f in (
-    check_layer, check_mlp_node_is_the_chained_ops, check_layer_fp8, check_layer_fp8_wire)}
+    check_layer, check_mlp_node_is_the_chained_ops, check_layer_fp8, check_layer_fp8_wire,
+    check_fp8_wire_keeps_codes)}
