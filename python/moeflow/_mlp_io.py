@@ -168,8 +168,8 @@ class QuantizedDispatchSource(DispatchSource):
     """DispatchSource of an FP8 group (FP8 on the wire, the blockwise
     recipe): the dispatch quantizes the tokens and the received 1x128 codes
     and scales are FC1's input as they arrive (``forward_blockwise``). The
-    rows FC1's weight gradient reads come from those codes: dequantized
-    (``rows16``, a 16-bit wgrad) or, for an FP8 wgrad, their columnwise
+    rows FC1's weight gradient reads come from those codes: dequantized in
+    backward (``rows16``, a 16-bit wgrad) or, for an FP8 wgrad, their columnwise
     codes (``requantize_columnwise``: those of the dequantized rows). The
     rows' gradient goes home in the group's ``backward_dtype``."""
     codes_only = True

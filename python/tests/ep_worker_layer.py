@@ -1,7 +1,8 @@
 """The expert-parallel MoELayer's checks for ep_worker.py (run by
 test_ep.py): the EP layer against the single-device one on all the tokens,
 its grouped-MLP node (dispatch, MLP, combine in one autograd node) against
-the chained ops bit for bit, and the same layer in FP8."""
+the chained ops bit for bit, and the same layer in FP8 (with FP8 on the
+wire: what its forward keeps for backward)."""
 import os
 import tempfile
 
