@@ -335,11 +335,7 @@ TEST_F(GpuQuantize, QuantizeRowsUsedMatchesCpu) {
       for (int64_t n : {int64_t{0}, int64_t{1}, int64_t{300}, M, M + 100, int64_t{-1}}) {
         SCOPED_TRACE("ld " + std::to_string(ldx) + " " + dtype_name(cd) + " n " +
                      std::to_string(n));
-        Tensor count = make_tensor({1}, cd);
-        if (cd == DType::kInt64)
-          *count.data_ptr<int64_t>() = n;
-        else
-          *count.data_ptr<int32_t>() = static_cast<int32_t>(n);
+        const Tensor count = count_tensor(n, cd);
         Tensor q_cpu = poisoned({M, K}, cfg.out, Device::cpu());
         Tensor s_cpu = poisoned({M, nb}, DType::kFloat32, Device::cpu());
         quantize(rows_view(x_host, M, K), cfg, q_cpu, s_cpu, {}, count);
@@ -368,11 +364,7 @@ TEST_F(GpuQuantize, DequantizeRowsUsedMatchesCpu) {
       for (int64_t n : {int64_t{0}, int64_t{1}, int64_t{300}, M, M + 100, int64_t{-1}}) {
         SCOPED_TRACE("scaling " + std::to_string(int(sc)) + " " + dtype_name(cd) + " n " +
                      std::to_string(n));
-        Tensor count = make_tensor({1}, cd);
-        if (cd == DType::kInt64)
-          *count.data_ptr<int64_t>() = n;
-        else
-          *count.data_ptr<int32_t>() = static_cast<int32_t>(n);
+        const Tensor count = count_tensor(n, cd);
         Tensor want = poisoned({M, K}, DType::kBFloat16, Device::cpu());
         dequantize(q, s, cfg, want, count);
         Tensor got = poisoned({M, K}, DType::kBFloat16, kGpu);

@@ -461,11 +461,7 @@ TEST(Quantize, DequantizeRowsUsed) {
       for (DType cd : {DType::kInt32, DType::kInt64}) {
         SCOPED_TRACE("scaling " + std::to_string(int(sc)) + " n " + std::to_string(n) + " " +
                      dtype_name(cd));
-        Tensor count = make_tensor({1}, cd);
-        if (cd == DType::kInt64)
-          *count.data_ptr<int64_t>() = n;
-        else
-          *count.data_ptr<int32_t>() = static_cast<int32_t>(n);
+        const Tensor count = count_tensor(n, cd);
         Tensor o = poisoned({M, K}, DType::kBFloat16);
         dequantize(r.q, r.scales, cfg, o, count);
         const int64_t used = std::min(M, std::max<int64_t>(n, 0));
@@ -486,11 +482,7 @@ TEST(Quantize, QuantizeRowsUsed) {
   for (int64_t n : {int64_t{0}, int64_t{1}, int64_t{129}, M, M + 7, int64_t{-3}})
     for (DType cd : {DType::kInt32, DType::kInt64}) {
       SCOPED_TRACE("n " + std::to_string(n) + " " + dtype_name(cd));
-      Tensor count = make_tensor({1}, cd);
-      if (cd == DType::kInt64)
-        *count.data_ptr<int64_t>() = n;
-      else
-        *count.data_ptr<int32_t>() = static_cast<int32_t>(n);
+      const Tensor count = count_tensor(n, cd);
       Tensor q = poisoned({M, K}, kE4), s = poisoned({M, nb}, DType::kFloat32);
       quantize(x, cfg, q, s, {}, count);
       const int64_t used = std::min(M, std::max<int64_t>(n, 0));

@@ -47,6 +47,16 @@ inline Tensor poisoned(const std::vector<int64_t>& shape, DType dtype,
 
 // FP8 blocks: how many 128-wide blocks cover n, and the scales' shape of a
 // quantized [R,C] matrix (moeflow/quantize.h).
+// A [1] int32 / int64 tensor on the host holding n (a device count's value).
+inline Tensor count_tensor(int64_t n, DType dtype) {
+  Tensor t = make_tensor({1}, dtype);
+  if (dtype == DType::kInt64)
+    *t.data_ptr<int64_t>() = n;
+  else
+    *t.data_ptr<int32_t>() = static_cast<int32_t>(n);
+  return t;
+}
+
 inline int64_t blocks128(int64_t n) { return (n + 127) / 128; }
 inline std::vector<int64_t> scales_shape(int64_t R, int64_t C, QuantScaling s) {
   if (s == QuantScaling::kTensorwise) return {1};
