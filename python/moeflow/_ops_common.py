@@ -62,8 +62,10 @@ _tuple_new = tuple.__new__
 # Shape-only queries to the C++ side (pure functions of their arguments),
 # memoised so that an op's hot path makes no extra C++ call.
 _router_ws_bytes = functools.lru_cache(maxsize=256)(lambda *a: _C.router_workspace_bytes(*a))
+# (capacity_rows, workspace bytes, the int64 buffer's parts, the int32
+# buffer's parts) of a moeflow.Plan (python/src/plan_buffers.h states the layout)
 _plan_sizes = functools.lru_cache(maxsize=256)(
-    lambda *a: (_C.plan_capacity_rows(*a), _C.plan_workspace_bytes(*a)))
+    lambda *a: tuple(tuple(v) if isinstance(v, list) else v for v in _C.plan_buffer_layout(*a)))
 
 
 def _rows(t: torch.Tensor) -> torch.Tensor:

@@ -86,10 +86,10 @@ class Plan:
             return
         ids = topk_ids.contiguous()
         dev = ids.device
-        cap, ws = _plan_sizes(T, K, E, align, capacity_rows)
+        cap, ws, parts64, parts32 = _plan_sizes(T, K, E, align, capacity_rows)
         self.capacity_rows = cap
-        b64 = _empty(E + 1 + T * K + 1, dtype=_int64, device=dev)
-        b32 = _empty(2 * E + 2 * cap + 2, dtype=_int32, device=dev)
+        b64 = _empty(sum(parts64), dtype=_int64, device=dev)
+        b32 = _empty(sum(parts32), dtype=_int32, device=dev)
         self._buffers = (b64, b32)
         self._workspace = _empty(ws, dtype=_uint8, device=dev) if ws else None
         build = _C.build_plan_from_mask if _mask else _C.build_plan
@@ -100,11 +100,13 @@ class Plan:
         d = self.__dict__
         if "_buffers" in d:
             if name.startswith("_t_") and "_t_dest_row" not in d:  # views of the two buffers
-                T, K, E, cap = self.num_tokens, self.topk, self.num_experts, self.capacity_rows
-                offs, dest, total = self._buffers[0].split_with_sizes([E + 1, T * K, 1])
+                T, K = self.num_tokens, self.topk
+                _, _, parts64, parts32 = _plan_sizes(T, K, self.num_experts, self.align,
+                                                     self._capacity_arg)
+                offs, dest, total = self._buffers[0].split_with_sizes(parts64)
                 (self._t_tokens_per_expert, self._t_padded_tokens_per_expert, self._t_row_token,
                  self._t_row_k, self._t_overflow, self._t_invalid_ids) = \
-                    self._buffers[1].split_with_sizes([E, E, cap, cap, 1, 1])
+                    self._buffers[1].split_with_sizes(parts32)
                 self._t_expert_row_offsets, self._t_dest_row = offs, dest.view(T, K)
                 self._t_total_rows = total
             elif name == "_plan_view":  # made on first use, and again after _release_plan_views

@@ -295,6 +295,18 @@ NB_MODULE(_C, m) {
       nb::arg("num_tokens"), nb::arg("topk"), nb::arg("num_experts"), nb::arg("align"),
       nb::arg("capacity_rows"));
   m.def(
+      "plan_buffer_layout",
+      [](int64_t T, int K, int E, int align, int64_t capacity) {
+        const PlanConfig c = plan_config(E, align, capacity);
+        const int64_t cap = plan_capacity_rows(T, K, c);
+        return nb::make_tuple(cap, plan_workspace_bytes(T, K, c), plan_buffer64_parts(T, K, E),
+                              plan_buffer32_parts(E, cap));
+      },
+      nb::arg("num_tokens"), nb::arg("topk"), nb::arg("num_experts"), nb::arg("align"),
+      nb::arg("capacity_rows"),
+      "(capacity_rows, workspace bytes, the int64 buffer's parts, the int32 buffer's parts) of "
+      "moeflow.Plan's two buffers (python/src/plan_buffers.h)");
+  m.def(
       "plan_workspace_bytes",
       [](int64_t T, int K, int E, int align, int64_t capacity) {
         return plan_workspace_bytes(T, K, plan_config(E, align, capacity));

@@ -28,12 +28,26 @@ inline PlanConfig plan_config(int E, int align, int64_t capacity) {
   return c;
 }
 
-// The buffers' lengths for a plan of these sizes (capacity resolved).
+// The parts of the two buffers, in the order above, for a plan of these
+// sizes (capacity resolved): the one statement of the layout (moeflow.Plan
+// reads it through moeflow._C.plan_buffer_layout).
+inline std::vector<int64_t> plan_buffer64_parts(int64_t T, int K, int E) {
+  return {E + 1, T * K, 1};  // expert_row_offsets, dest_row, total_rows
+}
+inline std::vector<int64_t> plan_buffer32_parts(int E, int64_t capacity_rows) {
+  // tokens_per_expert, padded_tokens_per_expert, row_token, row_k, overflow, invalid_ids
+  return {E, E, capacity_rows, capacity_rows, 1, 1};
+}
+inline int64_t sum_of(const std::vector<int64_t>& parts) {
+  int64_t n = 0;
+  for (int64_t p : parts) n += p;
+  return n;
+}
 inline int64_t plan_buffer64_size(int64_t T, int K, int E) {
-  return E + 1 + T * K + 1;
+  return sum_of(plan_buffer64_parts(T, K, E));
 }
 inline int64_t plan_buffer32_size(int E, int64_t capacity_rows) {
-  return 2 * E + 2 * capacity_rows + 2;
+  return sum_of(plan_buffer32_parts(E, capacity_rows));
 }
 
 // A Tensor over v that frees nothing (`owner` holds no memory), checked
@@ -72,25 +86,32 @@ inline RoutingPlan plan_over_buffers(
   r.device = b64.device;
   // One owner for the nine views: it holds nothing (the buffers' owner does).
   const std::shared_ptr<void> owner(b64.data, [](void*) {});
+  // Part i of a buffer starts after parts 0..i-1 (plan_buffer*_parts).
+  const std::vector<int64_t> p64 = plan_buffer64_parts(T, K, E), p32 = plan_buffer32_parts(E, cap);
+  size_t i64 = 0, i32 = 0;
   int64_t o64 = 0, o32 = 0;
-  auto part = [&](const TensorView& b, int64_t& off, std::vector<int64_t> shape, DType dt,
-                  const char* name) {
-    int64_t n = 1;
-    for (int64_t d : shape) n *= d;
+  auto part = [&](const TensorView& b, const std::vector<int64_t>& parts, size_t& i, int64_t& off,
+                  std::vector<int64_t> shape, DType dt, const char* name) {
     const TensorView v(static_cast<char*>(b.data) + off * static_cast<int64_t>(dtype_size(dt)), dt,
                        b.device, shape);
-    off += n;
+    off += parts[i++];
     return adopt_plan_view(v, shape, dt, name, owner);
   };
-  r.expert_row_offsets = part(b64, o64, {E + 1}, DType::kInt64, "expert_row_offsets");
-  r.dest_row = part(b64, o64, {T, K}, DType::kInt64, "dest_row");
-  r.total_rows = part(b64, o64, {1}, DType::kInt64, "total_rows");
-  r.tokens_per_expert = part(b32, o32, {E}, DType::kInt32, "tokens_per_expert");
-  r.padded_tokens_per_expert = part(b32, o32, {E}, DType::kInt32, "padded_tokens_per_expert");
-  r.row_token = part(b32, o32, {cap}, DType::kInt32, "row_token");
-  r.row_k = part(b32, o32, {cap}, DType::kInt32, "row_k");
-  r.overflow = part(b32, o32, {1}, DType::kInt32, "overflow");
-  r.invalid_ids = part(b32, o32, {1}, DType::kInt32, "invalid_ids");
+  auto part64 = [&](std::vector<int64_t> shape, const char* name) {
+    return part(b64, p64, i64, o64, std::move(shape), DType::kInt64, name);
+  };
+  auto part32 = [&](std::vector<int64_t> shape, const char* name) {
+    return part(b32, p32, i32, o32, std::move(shape), DType::kInt32, name);
+  };
+  r.expert_row_offsets = part64({E + 1}, "expert_row_offsets");
+  r.dest_row = part64({T, K}, "dest_row");
+  r.total_rows = part64({1}, "total_rows");
+  r.tokens_per_expert = part32({E}, "tokens_per_expert");
+  r.padded_tokens_per_expert = part32({E}, "padded_tokens_per_expert");
+  r.row_token = part32({cap}, "row_token");
+  r.row_k = part32({cap}, "row_k");
+  r.overflow = part32({1}, "overflow");
+  r.invalid_ids = part32({1}, "invalid_ids");
   return r;
 }
 
