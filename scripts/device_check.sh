@@ -31,6 +31,9 @@
 #              installed from ./.wheels (its
 #              wheel; the folder is ignored by git) into a folder outside the
 #              checkout (2+ GPUs)
+#   pyepfp8    bench/py_layer_ep.py under torchrun on every GPU: the EP layer in
+#              bf16, and in blockwise FP8 with FP8 on the wire (defaults; the
+#              weights' codes cached; with FP8 weight gradients) (2+ GPUs)
 #
 # Default: build test multigpu permute gemm mlp dispatch.
 # The PyTorch peers of permute and the all-to-all come from peers.py and
@@ -128,8 +131,10 @@ for s in "${steps[@]}"; do
         mcore=/tmp/moeflow-mcore
         ls .wheels/megatron_core-*.whl > /dev/null 2>&1 &&
           python3 -m pip install -q --no-deps --no-index --target "$mcore" .wheels/megatron_core-*.whl
-        MCORE_PATH="$mcore" PYTHONPATH=build/python timeout 400 python3 -m pytest -q -rs python/tests/test_ep.py \
-          python/tests/test_megatron.py -k "gpu or megatron" > "$OUT/pytest_ep.log" 2>&1 || fail "python ep"
+        # the worlds of every GPU here (all worlds 2..4 take over 10 minutes on 4 GPUs)
+        MCORE_PATH="$mcore" PYTHONPATH=build/python timeout 500 python3 -m pytest -q -rs python/tests/test_ep.py \
+          python/tests/test_megatron.py -k "(gpu and ${ngpu}-) or test_gpu_one_rank or megatron" \
+          > "$OUT/pytest_ep.log" 2>&1 || fail "python ep"
         tail -5 "$OUT/pytest_ep.log"
         # the peer once; ours also with a receive budget of 1.25 T K rows (memory)
         for run in "nvlink both" "nvlink ours 1.25" "nccl ours"; do
@@ -143,6 +148,25 @@ for s in "${steps[@]}"; do
         done
       else
         echo "SKIPPED: pyep needs 2+ GPUs ($ngpu here)"
+      fi
+      ;;
+    pyepfp8)
+      if [ "$ngpu" -ge 2 ]; then
+        # the EP layer in FP8 (FP8 on the wire) beside the bf16 one: the defaults,
+        # the weights' codes cached (micro-batches), and FP8 weight gradients too
+        for run in "bf16" "fp8" "fp8 --fp8-weight-cache" \
+                   "fp8 --fp8-weight-cache --fp8-wgrad --align 128"; do
+          set -- $run
+          tag=$(echo "$run" | tr -d ' -' | cut -c1-24)
+          extra=("${@:2}")
+          [ "$1" = fp8 ] && extra=(--precision fp8-blockwise --fp8-wire "${extra[@]}")
+          PYTHONPATH=build/python:bench PYTHONUNBUFFERED=1 timeout 300 torchrun \
+            --nproc-per-node="$ngpu" bench/py_layer_ep.py --impl ours "${extra[@]}" \
+            --json "$OUT/py_layer_ep_${tag}_w${ngpu}.json" 2>&1 | grep -v "^W1" | tail -8 ||
+            fail "py_layer_ep $tag"
+        done
+      else
+        echo "SKIPPED: pyepfp8 needs 2+ GPUs ($ngpu here)"
       fi
       ;;
     python)
