@@ -321,8 +321,6 @@ TEST_F(GpuQuantize, RowwiseColumnwiseBadInput) {
             std::string::npos);
 }
 
-// transpose_codes against the CPU reference: stacked and single matrices,
-// 16-byte rows and odd sizes (partial tiles), q_t poisoned first.
 // quantize (1x128 rowwise, both kernels: 16-byte rows and a strided x) with
 // rows_used on the device: the CPU's codes and scales, the rest untouched.
 TEST_F(GpuQuantize, QuantizeRowsUsedMatchesCpu) {
@@ -341,7 +339,8 @@ TEST_F(GpuQuantize, QuantizeRowsUsedMatchesCpu) {
         quantize(rows_view(x_host, M, K), cfg, q_cpu, s_cpu, {}, count);
         Tensor q_dev = poisoned({M, K}, cfg.out, kGpu);
         Tensor s_dev = poisoned({M, nb}, DType::kFloat32, kGpu);
-        quantize(rows_view(x_dev, M, K), cfg, q_dev, s_dev, {}, count.to(kGpu));
+        const Tensor count_dev = count.to(kGpu);  // alive until the kernel ran
+        quantize(rows_view(x_dev, M, K), cfg, q_dev, s_dev, {}, count_dev);
         MOEFLOW_CUDA_CHECK(cudaDeviceSynchronize());
         ASSERT_TRUE(bytes_equal(q_dev.to(Device::cpu()), q_cpu));
         ASSERT_TRUE(bytes_equal(s_dev.to(Device::cpu()), s_cpu));
@@ -368,13 +367,16 @@ TEST_F(GpuQuantize, DequantizeRowsUsedMatchesCpu) {
         Tensor want = poisoned({M, K}, DType::kBFloat16, Device::cpu());
         dequantize(q, s, cfg, want, count);
         Tensor got = poisoned({M, K}, DType::kBFloat16, kGpu);
-        dequantize(q_dev, s_dev, cfg, got, count.to(kGpu));
+        const Tensor count_dev = count.to(kGpu);  // alive until the kernel ran
+        dequantize(q_dev, s_dev, cfg, got, count_dev);
         MOEFLOW_CUDA_CHECK(cudaDeviceSynchronize());
         ASSERT_TRUE(bytes_equal(got.to(Device::cpu()), want));
       }
     }
 }
 
+// transpose_codes against the CPU reference: stacked and single matrices,
+// 16-byte rows and odd sizes (partial tiles), q_t poisoned first.
 TEST_F(GpuQuantize, TransposeCodesMatchesCpu) {
   const std::vector<std::vector<int64_t>> shapes = {
       {1, 1, 1}, {3, 130, 70}, {2, 128, 256}, {1, 64, 48}, {5, 17, 200}, {2, 256, 7168 / 16},

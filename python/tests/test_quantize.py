@@ -6,6 +6,7 @@ import pytest
 
 torch = pytest.importorskip("torch")
 import moeflow.ops as mf  # noqa: E402
+from moeflow._ops_common import _stream  # noqa: E402
 
 DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
     not torch.cuda.is_available(), reason="no CUDA device (torch.cuda.is_available() is False)"))]
@@ -69,6 +70,10 @@ def test_dequantize_rows_used(device, count_dtype):
         out = mf.dequantize(q, s, rows_used=count)
         used = min(max(n, 0), 300)
         assert torch.equal(out[:used], full[:used]), n
+        # into a poisoned output: the rows past the count stay as they were
+        out = torch.full((300, 256), -7.0, dtype=torch.bfloat16, device=device)
+        mf._C.dequantize(q, s, "e4m3", "1x128", False, False, out, count, _stream(q))
+        assert torch.equal(out[:used], full[:used]) and (out[used:] == -7.0).all(), n
     with pytest.raises(mf._C.Error, match=r"rows_used must be int32 or int64 \[1\]"):
         mf.dequantize(q, s, rows_used=torch.zeros(2, dtype=torch.int64, device=device))
     with pytest.raises(mf._C.Error, match="rows_used needs a rowwise dequantize"):
@@ -83,11 +88,17 @@ def test_quantize_rows_used(device):
     x = torch.randn(300, 256).to(device, torch.bfloat16)
     q_full, s_full = mf.quantize(x, "e4m3", "1x128")
     for n in (0, 1, 129, 300, 400, -2):
-        q, s = mf.quantize(x, "e4m3", "1x128",
-                           rows_used=torch.tensor([n], dtype=torch.int64, device=device))
+        count = torch.tensor([n], dtype=torch.int64, device=device)
+        q, s = mf.quantize(x, "e4m3", "1x128", rows_used=count)
         used = min(max(n, 0), 300)
         assert torch.equal(q[:used].view(torch.uint8), q_full[:used].view(torch.uint8)), n
         assert torch.equal(s[:used], s_full[:used]), n
+        # into poisoned outputs: the rows past the count stay as they were
+        q = torch.full((300, 256), 0x7F, dtype=torch.uint8, device=device).view(q_full.dtype)
+        s = torch.full((300, 2), -1.0, device=device)
+        mf._C.quantize(x, "e4m3", "1x128", False, False, q, s, None, count, _stream(x))
+        assert torch.equal(q[:used].view(torch.uint8), q_full[:used].view(torch.uint8)), n
+        assert (q[used:].view(torch.uint8) == 0x7F).all() and (s[used:] == -1.0).all(), n
     with pytest.raises(mf._C.Error, match="rows_used needs a rowwise kBlock1x128 quantize"):
         mf.quantize(x, "e4m3", "128x128", rows_used=torch.zeros(1, dtype=torch.int64,
                                                                  device=device))
