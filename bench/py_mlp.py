@@ -41,7 +41,7 @@ def main():
     ap.add_argument("--fp8-weight-cache", action="store_true",
                     help="FP8 recipes: also time them with fp8_weight_cache=True, the weights "
                          "unchanged (steady: quantized once) and new in every step (cleared: "
-                         "quantized once a step, the transposed codes from those)")
+                         "quantized once a step, blockwise both orientations from one read)")
     ap.add_argument("--fp8-wgrad", action="store_true",
                     help="also time fp8_wgrad=True (weight gradients in FP8): fp8-blockwise on "
                          "the same rows with each expert padded to 128, beside the recipe "

@@ -299,10 +299,10 @@ TEST_F(GpuQuantize, RowwiseColumnwiseBadInput) {
   Tensor st = Tensor::empty({256, 2}, DType::kFloat32, kGpu);
   const QuantizeConfig cfg{};
   QuantizeConfig bad = cfg;
-  bad.scaling = QuantScaling::kBlock128x128;
+  bad.scaling = QuantScaling::kTensorwise;
   EXPECT_NE(message_of([&] {
               quantize_rowwise_columnwise(x, bad, q, s, qt, st);
-            }).find("config.scaling must be kBlock1x128"),
+            }).find("config.scaling must be kBlock1x128 or kBlock128x128"),
             std::string::npos);
   bad = cfg;
   bad.columnwise = true;

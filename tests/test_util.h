@@ -58,6 +58,30 @@ inline Tensor count_tensor(int64_t n, DType dtype) {
 }
 
 inline int64_t blocks128(int64_t n) { return (n + 127) / 128; }
+
+// Expert weights for FP8 tests, [G, M, ld]: magnitudes 2^-30 .. 2^12 by matrix and 64-row band, NaN
+// / inf / -0 sprinkled, one all-zero block row, gap columns 30000 (never read).
+inline Tensor fp8_weights(int64_t G, int64_t M, int64_t K, int64_t ld, DType dt, uint32_t seed) {
+  Tensor x = make_tensor({G, M, ld}, dt);
+  std::mt19937 rng(seed);
+  std::uniform_real_distribution<float> uni(-1.0f, 1.0f);
+  for (int64_t g = 0; g < G; ++g)
+    for (int64_t m = 0; m < M; ++m)
+      for (int64_t k = 0; k < ld; ++k) {
+        const int e = dt == DType::kFloat32 ? static_cast<int>((g * 7 + m / 64) % 43) - 30
+                                            : static_cast<int>((g * 7 + m / 64) % 20) - 10;
+        float v = std::ldexp(uni(rng), e);
+        const uint32_t p = rng() % 2000;
+        if (p == 0) v = NAN;
+        if (p == 1) v = INFINITY;
+        if (p == 2) v = -INFINITY;
+        if (p == 3) v = -0.0f;
+        if (m >= 128 && m < 256) v = 0.0f;
+        if (k >= K) v = 30000.0f;
+        detail::store_float(x.data(), dt, (g * M + m) * ld + k, v);
+      }
+  return x;
+}
 inline std::vector<int64_t> scales_shape(int64_t R, int64_t C, QuantScaling s) {
   if (s == QuantScaling::kTensorwise) return {1};
   if (s == QuantScaling::kBlock1x128) return {R, blocks128(C)};

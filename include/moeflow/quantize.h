@@ -60,15 +60,24 @@ struct QuantizeConfig {
 void quantize(TensorView x, const QuantizeConfig& config, TensorView q, TensorView scales,
               TensorView workspace = {}, TensorView rows_used = {}, cudaStream_t stream = nullptr);
 
-// Both orientations of kBlock1x128 in one read of x: q / scales exactly as
-// quantize(x, config) writes them (rowwise) and q_t / scales_t as
-// quantize(x, config with columnwise = true) writes them: q_t [K,M] (rows
-// may be strided), scales_t [K, nb(M)] float32 with any strides (e.g. the
-// transpose of a contiguous [nb(M), K]: the layout grouped_gemm_fp8_wgrad
-// reads fastest). q and scales may both be undefined (columnwise only).
-// config.scaling must be kBlock1x128 and config.columnwise false. CUDA: one
+// Both orientations in one read of x, for the backward GEMMs' operands.
+// kBlock1x128 (activations): q / scales exactly as quantize(x, config)
+// writes them (rowwise) and q_t / scales_t as quantize(x, config with
+// columnwise = true) writes them: q_t [K,M] (rows may be strided), scales_t
+// [K, nb(M)] float32 with any strides (e.g. the transpose of a contiguous
+// [nb(M), K]: the layout grouped_gemm_fp8_wgrad reads fastest). CUDA: one
 // kernel for 16-bit x with K % 8 == 0 and 16-byte aligned rows (x, q, q_t),
-// else quantize's kernels; no sync, graph-capturable.
+// else quantize's kernels.
+// kBlock128x128 (expert weights): x [M,K] or G matrices [G,M,K], each with
+// its own block grid; q [G,M,K] and scales [G, nb(M), nb(K)] as quantize
+// writes each matrix, q_t [G,K,M] and scales_t [G, nb(K), nb(M)] as
+// quantize(columnwise) writes it: W^T's codes for the dgrad, which are W's
+// codes and scale grid transposed (transpose_codes of q and scales, without
+// writing q). Scales contiguous; q's and q_t's rows may be strided. CUDA:
+// one kernel for x with K % 8 == 0 and 16-byte aligned rows, else two
+// kernels per matrix.
+// q and scales may both be undefined (columnwise only). config.columnwise
+// must be false. No sync, graph-capturable.
 void quantize_rowwise_columnwise(TensorView x, const QuantizeConfig& config, TensorView q,
                                  TensorView scales, TensorView q_t, TensorView scales_t,
                                  cudaStream_t stream = nullptr);

@@ -68,19 +68,19 @@ def quantize_weight(w: torch.Tensor, recipe: str,
         q, s = ops.quantize_group_rows(flat)
         q = q.view(E, N, K)
         return (ops.transpose_codes(q) if transpose else q), s
+    if transpose:  # W^T's codes straight from W: one read, no W codes written
+        _, _, q_t, s_t = ops.quantize_rowwise_columnwise(w.detach(), rowwise=False,
+                                                         scaling="128x128")
+        return q_t, s_t
     q, s = _quantize(flat, "128x128")
-    s = s.view(E, N // 128, K // 128)
-    q = q.view(E, N, K)
-    if transpose:
-        return ops.transpose_codes(q), s.transpose(1, 2).contiguous()
-    return q, s.contiguous()
+    return q.view(E, N, K), s.view(E, N // 128, K // 128)
 
 
 _CACHE = "_moeflow_fp8_codes"  # the attribute of a weight that holds its cached codes
 
 
-def weight_codes(w: torch.Tensor, recipe: str, transpose: bool,
-                 cache: bool) -> Tuple[torch.Tensor, torch.Tensor]:
+def weight_codes(w: torch.Tensor, recipe: str, transpose: bool, cache: bool,
+                 both: bool = False) -> Tuple[torch.Tensor, torch.Tensor]:
     """quantize_weight(w, recipe, transpose), or with ``cache`` the codes kept
     on the weight itself (attribute ``_moeflow_fp8_codes``) while the weight
     is unchanged: same storage, shape and version counter (an optimizer's
@@ -89,8 +89,9 @@ def weight_codes(w: torch.Tensor, recipe: str, transpose: bool,
     then call :func:`clear_weight_cache`); not while a CUDA graph is being
     captured (the graph quantizes, so replays follow the weights). The
     transposed codes are made from the cached ones (the same values as
-    quantizing W^T: the blocks only move). Costs 1 byte per weight element
-    per orientation."""
+    quantizing W^T: the blocks only move), or with ``both`` (a forward whose
+    backward will run the dgrads) cached with W's from the same read.
+    Costs 1 byte per weight element per orientation."""
     if not cache or (w.is_cuda and torch.cuda.is_current_stream_capturing()):
         # Under CUDA-graph capture the lookup would run once, on the host:
         # the graph quantizes instead, so that every replay sees the weights.
@@ -101,6 +102,10 @@ def weight_codes(w: torch.Tensor, recipe: str, transpose: bool,
         held = (key, {})
         setattr(w, _CACHE, held)
     codes = held[1]
+    if recipe == "fp8-blockwise" and not codes and both:
+        # The backward's dgrad will want W^T's codes too: both from one read.
+        q, s, q_t, s_t = ops.quantize_rowwise_columnwise(w.detach(), scaling="128x128")
+        codes[False], codes[True] = (q, s), (q_t, s_t)
     if transpose not in codes:
         if transpose and False in codes:
             q, s = codes[False]
@@ -121,11 +126,13 @@ def clear_weight_cache(*weights: torch.Tensor) -> None:
 
 def _gemm(a: torch.Tensor, w: torch.Tensor, recipe: str, offsets: torch.Tensor,
           real_rows: Optional[torch.Tensor], transpose: bool, cache: bool,
-          out: Optional[torch.Tensor] = None, amax: Optional[torch.Tensor] = None) -> torch.Tensor:
+          out: Optional[torch.Tensor] = None, amax: Optional[torch.Tensor] = None,
+          both: bool = False) -> torch.Tensor:
     """out[rows of e] = a @ W_e^T (transpose: a @ W_e), both operands in FP8
-    (out: optional, rows may be strided; amax: a's, when already computed)."""
+    (out: optional, rows may be strided; amax: a's, when already computed;
+    both: as :func:`weight_codes`')."""
     aq, a_s = quantize_rows(a, recipe, offsets, real_rows, amax)
-    wq, w_s = weight_codes(w, recipe, transpose, cache)
+    wq, w_s = weight_codes(w, recipe, transpose, cache, both)
     return ops.grouped_gemm_fp8_forward(aq, a_s, wq, w_s, offsets, real_rows, out=out)
 
 
@@ -208,11 +215,12 @@ class GroupedMlpFp8(torch.autograd.Function):
         if offsets is None:  # the groups are the dispatch's (known from here on)
             offsets, real_rows = source.groups()
         if xq is not None:
-            w1q, w1s = weight_codes(fc1, recipe, False, cache)
+            w1q, w1s = weight_codes(fc1, recipe, False, cache, ctx is not None)
             h = ops.grouped_gemm_fp8_forward(xq, xs, w1q, w1s, offsets, real_rows)
             del xq, xs
         else:
-            h = _gemm(x, fc1, recipe, offsets, real_rows, False, cache)  # bf16 [rows, N1]
+            h = _gemm(x, fc1, recipe, offsets, real_rows, False, cache,  # bf16 [rows, N1]
+                      both=ctx is not None)
         p = None if probs is None else probs.detach().contiguous()
         # Tensorwise FP8 wgrad: a's codes as FC2's forward reads them, transposed
         # in the same pass, are the ones its weight gradient needs (kept to
@@ -226,7 +234,7 @@ class GroupedMlpFp8(torch.autograd.Function):
                                       scaling="1x128" if recipe == "fp8-blockwise"
                                       else "tensorwise", transposed=keep_a_t)
         aq, a_s = got[0], got[1]
-        w2q, w2s = weight_codes(fc2, recipe, False, cache)
+        w2q, w2s = weight_codes(fc2, recipe, False, cache, ctx is not None)
         y = ops.grouped_gemm_fp8_forward(aq, a_s, w2q, w2s, offsets, real_rows)
         del aq
         if ctx is not None:

@@ -78,30 +78,52 @@ def quantize_group_rows(x: torch.Tensor, offsets: Optional[torch.Tensor] = None,
 
 
 def quantize_rowwise_columnwise(x: torch.Tensor, fp8_format: str = "e4m3",
-                                pow2_scales: bool = False, rowwise: bool = True
+                                pow2_scales: bool = False, rowwise: bool = True,
+                                scaling: str = "1x128"
                                 ) -> Tuple[Optional[torch.Tensor], Optional[torch.Tensor],
                                            torch.Tensor, torch.Tensor]:
-    """Both 1x128 orientations of x [M, K] (16-bit or float32) from one read:
-    (q, scales) exactly as ``quantize(x, fp8_format, "1x128")`` and (q_t,
-    scales_t) as ``quantize(x, fp8_format, "1x128", columnwise=True)``, except
-    that scales_t [K, ceil(M/128)] is the transposed view of a contiguous
+    """Both orientations of x from one read: (q, scales) exactly as
+    ``quantize(x, fp8_format, scaling)`` and (q_t, scales_t) as ``quantize(x,
+    fp8_format, scaling, columnwise=True)``. ``rowwise=False``: only the
+    columnwise pair (q and scales are None). On the device, one kernel, no
+    sync; not differentiable.
+
+    ``scaling="1x128"`` (activations): x [M, K] (16-bit or float32);
+    scales_t [K, ceil(M/128)] is the transposed view of a contiguous
     [ceil(M/128), K] buffer: the layout ``grouped_gemm_fp8_wgrad`` reads
-    fastest (``.contiguous()`` gives quantize's layout). ``rowwise=False``:
-    only the columnwise pair (q and scales are None). On the device, one
-    kernel, no sync; not differentiable."""
-    if x.dim() != 2:
-        raise _C.Error(f"x must be [M, K], got shape {tuple(x.shape)}")
+    fastest (``.contiguous()`` gives quantize's layout).
+
+    ``scaling="128x128"`` (expert weights): x [M, K] or [G, M, K], each
+    matrix with its own block grid: q [G, M, K], scales [G, ceil(M/128),
+    ceil(K/128)], and q_t [G, K, M], scales_t [G, ceil(K/128), ceil(M/128)]:
+    the codes of each matrix transposed, which are ``transpose_codes(q)``
+    and the scale grid transposed (what an FP8 dgrad reads), contiguous."""
+    if scaling not in ("1x128", "128x128"):
+        raise _C.Error(f"scaling must be '1x128' or '128x128', got {scaling!r}")
+    if x.dim() != 2 and not (scaling == "128x128" and x.dim() == 3):
+        raise _C.Error(f"x must be [M, K]{' or [G, M, K]' if scaling == '128x128' else ''}, "
+                       f"got shape {tuple(x.shape)}")
     x = _rows(x.detach())
-    M, K = x.shape
+    M, K = x.shape[-2:]
+    lead = tuple(x.shape[:-2])
     dt = _FP8.get(fp8_format, torch.float8_e4m3fn)
+    nb = lambda n: -(-n // 128)  # noqa: E731
     q = scales = None
-    if rowwise:
-        q = torch.empty((M, K), dtype=dt, device=x.device)
-        scales = torch.empty(_scale_shape(M, K, "1x128"), dtype=torch.float32, device=x.device)
-    q_t = torch.empty((K, M), dtype=dt, device=x.device)
-    scales_t = torch.empty(((M + 127) // 128, K), dtype=torch.float32, device=x.device).t()
+    if scaling == "128x128":
+        if rowwise:
+            q = torch.empty(lead + (M, K), dtype=dt, device=x.device)
+            scales = torch.empty(lead + (nb(M), nb(K)), dtype=torch.float32, device=x.device)
+        q_t = torch.empty(lead + (K, M), dtype=dt, device=x.device)
+        scales_t = torch.empty(lead + (nb(K), nb(M)), dtype=torch.float32, device=x.device)
+    else:
+        if rowwise:
+            q = torch.empty((M, K), dtype=dt, device=x.device)
+            scales = torch.empty(_scale_shape(M, K, "1x128"), dtype=torch.float32,
+                                 device=x.device)
+        q_t = torch.empty((K, M), dtype=dt, device=x.device)
+        scales_t = torch.empty((nb(M), K), dtype=torch.float32, device=x.device).t()
     _C.quantize_rowwise_columnwise(x, fp8_format, bool(pow2_scales), q, scales, q_t, scales_t,
-                                   _stream(x))
+                                   _stream(x), scaling)
     return q, scales, q_t, scales_t
 
 

@@ -195,14 +195,16 @@ NB_MODULE(_C, m) {
   m.def(
       "quantize_rowwise_columnwise",
       [](const Array& x, const std::string& fmt, bool pow2, const std::optional<Array>& q,
-         const std::optional<Array>& scales, const Array& q_t, const Array& scales_t, uintptr_t s) {
-        quantize_rowwise_columnwise(rows_of(x, "x"), quantize_config(fmt, "1x128", pow2, false),
+         const std::optional<Array>& scales, const Array& q_t, const Array& scales_t, uintptr_t s,
+         const std::string& scaling) {
+        quantize_rowwise_columnwise(rows_of(x, "x"), quantize_config(fmt, scaling, pow2, false),
                                     q && q->is_valid() ? rows_of(*q, "q") : TensorView{},
                                     opt_view(scales, "scales"), rows_of(q_t, "q_t"),
                                     rows_of(scales_t, "scales_t"), stream_of(s));
       },
       nb::arg("x"), nb::arg("fp8_format"), nb::arg("pow2_scales"), nb::arg("q").none(),
-      nb::arg("scales").none(), nb::arg("q_t"), nb::arg("scales_t"), nb::arg("stream") = 0);
+      nb::arg("scales").none(), nb::arg("q_t"), nb::arg("scales_t"), nb::arg("stream") = 0,
+      nb::arg("scaling") = "1x128");
   m.def(
       "requantize_columnwise",
       [](const Array& q, const Array& scales, bool half_rows, const std::string& fmt, bool pow2,

@@ -151,6 +151,39 @@ def test_transpose_codes_is_the_columnwise_quantization(device, shape):
 
 
 @pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("shape", [(3, 256, 384), (2, 130, 200), (2, 136, 70), (200, 136)])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_weights_both_ways_are_each_matrix_and_its_transpose(device, shape, dtype):
+    """scaling="128x128": each matrix quantized on its own grid, and W^T's
+    codes and scales those of the matrix transposed (what the dgrad reads)."""
+    x = torch.randn(*shape).to(device, dtype)
+    x.view(-1)[7] = float("inf")
+    R, C = shape[-2:]
+    q, s, q_t, s_t = mf.quantize_rowwise_columnwise(x, "e4m3", scaling="128x128")
+    lead = shape[:-2]
+    nb = lambda n: -(-n // 128)  # noqa: E731
+    assert q.shape == shape and s.shape == lead + (nb(R), nb(C))
+    assert q_t.shape == lead + (C, R) and s_t.shape == lead + (nb(C), nb(R))
+    assert s_t.is_contiguous() and q_t.is_contiguous()
+    for g, m in enumerate(x.reshape(-1, R, C)):
+        want_q, want_s = mf.quantize(m, "e4m3", "128x128")
+        assert torch.equal(q.reshape(-1, R, C)[g].view(torch.uint8), want_q.view(torch.uint8))
+        assert torch.equal(s.reshape(-1, nb(R), nb(C))[g], want_s)
+        want_t = mf.transpose_codes(want_q)
+        assert torch.equal(q_t.reshape(-1, C, R)[g].view(torch.uint8), want_t.view(torch.uint8))
+        assert torch.equal(s_t.reshape(-1, nb(C), nb(R))[g], want_s.t())
+    none, none2, q_t2, s_t2 = mf.quantize_rowwise_columnwise(x, "e4m3", rowwise=False,
+                                                             scaling="128x128")
+    assert none is None and none2 is None
+    assert torch.equal(q_t2.view(torch.uint8), q_t.view(torch.uint8)) and torch.equal(s_t2, s_t)
+    with pytest.raises(mf._C.Error, match="scaling must be"):
+        mf.quantize_rowwise_columnwise(x, scaling="tensorwise")
+    if x.dim() == 3:
+        with pytest.raises(mf._C.Error, match=r"x must be \[M, K\], got"):
+            mf.quantize_rowwise_columnwise(x)  # 1x128 takes rows only
+
+
+@pytest.mark.parametrize("device", DEVICES)
 def test_pow2_scales(device):
     x = torch.randn(4, 256).to(device)
     _, s = mf.quantize(x, "e4m3", "1x128", pow2_scales=True)

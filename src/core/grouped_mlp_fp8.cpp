@@ -124,10 +124,14 @@ QuantizeConfig rows_of(Fp8Recipe recipe) {
 Operand quantize_rows(TensorView src, const GroupedMlpFp8Scratch& s, const Fp8Dims& d,
                       const GroupLayout& groups, Fp8Recipe recipe, cudaStream_t stream) {
   const Operand o = scratch_for(s, d, src.shape[1], recipe);
-  if (recipe == Fp8Recipe::kTensorwise)
+  if (recipe == Fp8Recipe::kTensorwise) {
     quantize_group_rows(src, groups, rows_of(recipe), o.codes, o.scales, stream);
-  else
-    quantize(src, rows_1x128(), o.codes, o.scales, {}, {}, stream);
+  } else {
+    // The rows up to offsets[E] only: the GEMMs read no row past the groups.
+    const TensorView used(static_cast<int64_t*>(groups.offsets.data) + d.experts, DType::kInt64,
+                          groups.offsets.device, {1});
+    quantize(src, rows_1x128(), o.codes, o.scales, {}, used, stream);
+  }
   return o;
 }
 
@@ -207,7 +211,7 @@ void quantize_group_rows(TensorView x, const GroupLayout& groups, const Quantize
   const int64_t E = check_group_rows(x, groups, config, q, scale, q_t, "quantize_group_rows");
   if (x.device.is_cpu()) return cpu::quantize_group_rows(groups, E, x, config, q, scale, q_t);
 #ifdef MOEFLOW_WITH_CUDA
-  detail::cuda_set_device(x.device.index);
+  const detail::DeviceGuard device_guard(x.device.index);
   cuda::quantize_group_rows(groups, E, x, config, q, scale, q_t, stream);
 #else
   (void)stream;
@@ -225,7 +229,7 @@ void quantize_group_rows_with_amax(TensorView x, const GroupLayout& groups,
     return cpu::quantize_group_rows_with_amax(groups, E, x, config, amax.data_ptr<float>()[0], q,
                                               scale, q_t);
 #ifdef MOEFLOW_WITH_CUDA
-  detail::cuda_set_device(x.device.index);
+  const detail::DeviceGuard device_guard(x.device.index);
   cuda::quantize_group_rows_with_amax(groups, E, x, config, amax, q, scale, q_t, stream);
 #else
   (void)stream;
@@ -264,18 +268,10 @@ void grouped_mlp_fp8_weights(const GroupedMlpWeights& w, const GroupedMlpFp8Weig
                     flat(q.fc2_t_scales, DType::kFloat32, 1, 1), stream);
     return;
   }
+  // Each weight's codes both ways from one read of it.
   const QuantizeConfig blocks{DType::kFloat8E4M3, QuantScaling::kBlock128x128, false, false};
-  // [E*N, K] blocks never straddle two experts (N % 128 == 0).
-  quantize(flat(w.fc1, DType::kBFloat16, E * N1, H), blocks,
-           flat(q.fc1, DType::kFloat8E4M3, E * N1, H),
-           flat(q.fc1_scales, DType::kFloat32, E * N1 / kB, H / kB), {}, {}, stream);
-  quantize(flat(w.fc2, DType::kBFloat16, E * H, F), blocks,
-           flat(q.fc2, DType::kFloat8E4M3, E * H, F),
-           flat(q.fc2_scales, DType::kFloat32, E * H / kB, F / kB), {}, {}, stream);
-  transpose_codes(q.fc1, q.fc1_t, stream);
-  transpose_codes(q.fc1_scales, q.fc1_t_scales, stream);
-  transpose_codes(q.fc2, q.fc2_t, stream);
-  transpose_codes(q.fc2_scales, q.fc2_t_scales, stream);
+  quantize_rowwise_columnwise(w.fc1, blocks, q.fc1, q.fc1_scales, q.fc1_t, q.fc1_t_scales, stream);
+  quantize_rowwise_columnwise(w.fc2, blocks, q.fc2, q.fc2_scales, q.fc2_t, q.fc2_t_scales, stream);
 }
 
 void grouped_mlp_fp8_forward(TensorView x, const GroupedMlpFp8Weights& q,

@@ -85,7 +85,7 @@ void quantize(TensorView x, const QuantizeConfig& config, TensorView q, TensorVi
     MOEFLOW_CHECK(workspace.nbytes() >= need, "workspace must hold >= ", need,
                   " bytes (quantize_workspace_bytes), got ", workspace.nbytes());
   }
-  detail::cuda_set_device(dev.index);
+  const detail::DeviceGuard device_guard(dev.index);
   cuda::quantize(x, config, q, scales, workspace, rows_used, stream);
 #else
   (void)workspace;
@@ -94,37 +94,77 @@ void quantize(TensorView x, const QuantizeConfig& config, TensorView q, TensorVi
 #endif
 }
 
+namespace {
+
+// quantize_rowwise_columnwise's kBlock128x128 arguments: x [M,K] or [G,M,K].
+void check_both_ways_128x128(const QuantizeConfig& config, TensorView x, TensorView q,
+                             TensorView scales, TensorView q_t, TensorView scales_t) {
+  MOEFLOW_CHECK(x.ndim == 2 || x.ndim == 3, "x must be [M,K] or [G,M,K] (kBlock128x128), got ",
+                x.str());
+  const Device dev = x.device;
+  const bool grouped = x.ndim == 3;
+  const int64_t G = grouped ? x.shape[0] : 1;
+  const int64_t M = x.shape[x.ndim - 2], K = x.shape[x.ndim - 1];
+  const auto shape = [&](int64_t r, int64_t c) {
+    return grouped ? std::vector<int64_t>{G, r, c} : std::vector<int64_t>{r, c};
+  };
+  const auto rows = [&](const std::vector<DType>& dtypes, int64_t r, int64_t c) {
+    Expect e{dtypes, shape(r, c), dev};
+    e.contiguous = false;
+    e.inner_unit = true;
+    return e;
+  };
+  detail::expect(x, "x", rows(kArithFloats, M, K));
+  if (q.defined()) {
+    detail::expect(q, "q", rows({config.out}, M, K));
+    detail::expect(scales, "scales", Expect{{DType::kFloat32}, shape(nblocks(M), nblocks(K)), dev});
+  }
+  detail::expect(q_t, grouped ? "q_t ([G,K,M])" : "q_t ([K,M])", rows({config.out}, K, M));
+  detail::expect(scales_t,
+                 grouped ? "scales_t ([G, ceil(K/128), ceil(M/128)])"
+                         : "scales_t ([ceil(K/128), ceil(M/128)])",
+                 Expect{{DType::kFloat32}, shape(nblocks(K), nblocks(M)), dev});
+}
+
+}  // namespace
+
 void quantize_rowwise_columnwise(TensorView x, const QuantizeConfig& config, TensorView q,
                                  TensorView scales, TensorView q_t, TensorView scales_t,
                                  cudaStream_t stream) {
   check_config(config);
-  MOEFLOW_CHECK(config.scaling == QuantScaling::kBlock1x128,
-                "quantize_rowwise_columnwise: config.scaling must be kBlock1x128, got ",
-                static_cast<int>(config.scaling));
+  MOEFLOW_CHECK(
+      config.scaling == QuantScaling::kBlock1x128 || config.scaling == QuantScaling::kBlock128x128,
+      "quantize_rowwise_columnwise: config.scaling must be kBlock1x128 or "
+      "kBlock128x128, got ",
+      static_cast<int>(config.scaling));
   MOEFLOW_CHECK(!config.columnwise,
                 "quantize_rowwise_columnwise: config.columnwise must be false (both "
                 "orientations are written), got true");
   detail::expect_defined(x, "x");
-  MOEFLOW_CHECK(x.ndim == 2, "x must be [M,K], got ", x.str());
-  const Device dev = x.device;
-  const int64_t M = x.shape[0], K = x.shape[1];
-  detail::expect(x, "x", rows_of(kArithFloats, M, K, dev));
   MOEFLOW_CHECK(q.defined() == scales.defined(),
                 "quantize_rowwise_columnwise: give both q and scales, or neither (columnwise "
                 "only), got q ",
                 q.defined() ? "defined" : "undefined", " and scales ",
                 scales.defined() ? "defined" : "undefined");
-  if (q.defined()) {
-    detail::expect(q, "q", rows_of({config.out}, M, K, dev));
-    detail::expect(scales, "scales", Expect{{DType::kFloat32}, {M, nblocks(K)}, dev});
+  const Device dev = x.device;
+  if (config.scaling == QuantScaling::kBlock128x128) {
+    check_both_ways_128x128(config, x, q, scales, q_t, scales_t);
+  } else {
+    MOEFLOW_CHECK(x.ndim == 2, "x must be [M,K], got ", x.str());
+    const int64_t M = x.shape[0], K = x.shape[1];
+    detail::expect(x, "x", rows_of(kArithFloats, M, K, dev));
+    if (q.defined()) {
+      detail::expect(q, "q", rows_of({config.out}, M, K, dev));
+      detail::expect(scales, "scales", Expect{{DType::kFloat32}, {M, nblocks(K)}, dev});
+    }
+    detail::expect(q_t, "q_t ([K,M])", rows_of({config.out}, K, M, dev));
+    Expect st{{DType::kFloat32}, {K, nblocks(M)}, dev};
+    st.contiguous = false;
+    detail::expect(scales_t, "scales_t ([K, ceil(M/128)])", st);
   }
-  detail::expect(q_t, "q_t ([K,M])", rows_of({config.out}, K, M, dev));
-  Expect st{{DType::kFloat32}, {K, nblocks(M)}, dev};
-  st.contiguous = false;
-  detail::expect(scales_t, "scales_t ([K, ceil(M/128)])", st);
   if (dev.is_cpu()) return cpu::quantize_rowwise_columnwise(x, config, q, scales, q_t, scales_t);
 #ifdef MOEFLOW_WITH_CUDA
-  detail::cuda_set_device(dev.index);
+  const detail::DeviceGuard device_guard(dev.index);
   cuda::quantize_rowwise_columnwise(x, config, q, scales, q_t, scales_t, stream);
 #else
   (void)stream;
@@ -155,7 +195,7 @@ void requantize_columnwise(TensorView q, TensorView scales, DType dtype,
   detail::expect(scales_t, "scales_t ([K, ceil(M/128)])", st);
   if (dev.is_cpu()) return cpu::requantize_columnwise(q, scales, dtype, config, q_t, scales_t);
 #ifdef MOEFLOW_WITH_CUDA
-  detail::cuda_set_device(dev.index);
+  const detail::DeviceGuard device_guard(dev.index);
   cuda::requantize_columnwise(q, scales, dtype, config, q_t, scales_t, stream);
 #else
   (void)stream;
@@ -182,7 +222,7 @@ void dequantize(TensorView q, TensorView scales, const QuantizeConfig& config, T
   }
   if (dev.is_cpu()) return cpu::dequantize(q, scales, config, out, rows_used);
 #ifdef MOEFLOW_WITH_CUDA
-  detail::cuda_set_device(dev.index);
+  const detail::DeviceGuard device_guard(dev.index);
   cuda::dequantize(q, scales, config, out, rows_used, stream);
 #else
   (void)stream;
@@ -209,7 +249,7 @@ void transpose_codes(TensorView q, TensorView q_t, cudaStream_t stream) {
                 "transpose_codes: q and q_t must not overlap (no in-place transpose)");
   if (dev.is_cpu()) return cpu::transpose_codes(q, q_t);
 #ifdef MOEFLOW_WITH_CUDA
-  detail::cuda_set_device(dev.index);
+  const detail::DeviceGuard device_guard(dev.index);
   cuda::transpose_codes(q, q_t, stream);
 #else
   (void)stream;

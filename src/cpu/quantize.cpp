@@ -119,6 +119,32 @@ void quantize(TensorView x, const QuantizeConfig& config, TensorView q, TensorVi
 
 void quantize_rowwise_columnwise(TensorView x, const QuantizeConfig& config, TensorView q,
                                  TensorView scales, TensorView q_t, TensorView scales_t) {
+  if (config.scaling == QuantScaling::kBlock128x128) {
+    // Each matrix quantized rowwise, then columnwise (x^T's codes and grid).
+    const bool grouped = x.ndim == 3;
+    const int64_t G = grouped ? x.shape[0] : 1;
+    const int64_t M = x.shape[x.ndim - 2], K = x.shape[x.ndim - 1];
+    const int64_t nbm = (M + quant::kBlock - 1) / quant::kBlock;
+    const int64_t nbk = (K + quant::kBlock - 1) / quant::kBlock;
+    const auto matrix = [&](TensorView v, int64_t g, int64_t r, int64_t c) {
+      const int64_t gs = grouped ? v.strides[0] : 0;
+      return TensorView::strided(static_cast<char*>(v.data) + g * gs * dtype_size(v.dtype), v.dtype,
+                                 v.device, {r, c}, {v.strides[v.ndim - 2], 1});
+    };
+    QuantizeConfig col = config;
+    col.columnwise = true;
+    for (int64_t g = 0; g < G; ++g) {
+      const TensorView xg = matrix(x, g, M, K);
+      if (q.defined())
+        cpu::quantize(xg, config, matrix(q, g, M, K),
+                      TensorView(static_cast<float*>(scales.data) + g * nbm * nbk, DType::kFloat32,
+                                 Device::cpu(), {nbm, nbk}));
+      cpu::quantize(xg, col, matrix(q_t, g, K, M),
+                    TensorView(static_cast<float*>(scales_t.data) + g * nbm * nbk, DType::kFloat32,
+                               Device::cpu(), {nbk, nbm}));
+    }
+    return;
+  }
   if (q.defined()) cpu::quantize(x, config, q, scales);
   QuantizeConfig col = config;
   col.columnwise = true;

@@ -1,19 +1,14 @@
 // CUDA FP8 quantize and quantize_rowwise_columnwise (policy:
 // moeflow/quantize.h; shared scalar math: core/quantize_backend.h;
-// dequantize and transpose_codes: fp8_codes.cu).
-// Rowwise with 16-byte rows (x's and q's rows 16-byte aligned, C a multiple
-// of 16; the layout of activations and weights), the vector kernels:
-//   kBlock1x128:   one warp per 512-column chunk of a row, 16 columns a
-//                  lane (16-byte loads and stores), 8 lanes per block.
-//   kBlock128x128: one thread block per 128x128 block, the block's values
-//                  held in registers (8 rows x 8 columns a thread): one read
-//                  of x, amax over the block, then convert and store.
+// dequantize and transpose_codes: fp8_codes.cu; the 128x128 blocks of
+// weights: quantize_weights.cu).
+// Rowwise 1x128 with 16-byte rows (x's and q's rows 16-byte aligned, C a
+// multiple of 16; the layout of activations), the vector kernel: one warp
+// per 512-column chunk of a row, 16 columns a lane (16-byte loads and
+// stores), 8 lanes per block.
 // Otherwise (columnwise, strided or odd shapes), simple kernels:
 //   kBlock1x128:   one warp per 1x128 block of q (4 elements a lane), warp
 //                  shuffle amax, then convert and store.
-//   kBlock128x128: one thread block per 128x128 block of q: amax over the
-//                  block (shared memory reduction), then a second pass that
-//                  converts and stores.
 //   kTensorwise:   kernel 1 writes per-block amax partials into the
 //                  workspace; kernel 2 reduces them (every block, in the same
 //                  way), writes the scale and converts. No atomics, no memset.
@@ -34,32 +29,19 @@
 #include "core/quantize_backend.h"
 #include "cuda/common.cuh"
 #include "cuda/fp8.cuh"
+#include "cuda/quantize_blocks.cuh"
 
 namespace moeflow::cuda {
 namespace {
 
-using quant::kBlock;
+using namespace qblock;
 
-constexpr int kThreads = 256;
-constexpr int kWarps = kThreads / kWarpSize;
 constexpr int64_t kMaxPartials = 1024;
 constexpr int64_t kElemsPerPartial = 2048;
 
 int64_t num_partials(int64_t n) {
   return std::min(kMaxPartials, std::max<int64_t>(1, ceil_div(n, kElemsPerPartial)));
 }
-
-// The input element of q(r,c): x[r*xr + c*xc].
-template <typename T>
-struct Src {
-  const T* x;
-  int64_t xr, xc;
-  __device__ __forceinline__ void prepare() {}
-  __device__ __forceinline__ bool skip(int64_t /*c0*/) const { return false; }
-  __device__ __forceinline__ float at(int64_t r, int64_t c) const {
-    return to_float(x[r * xr + c * xc]);
-  }
-};
 
 // permute_quantize's columnwise form, per element: q(r,c) = rows[c][r], rows
 // = x gathered by row_token, zero where a row holds no slot or c >= total
@@ -115,54 +97,6 @@ struct CodesColumns {
   }
 };
 
-struct Dst {
-  uint8_t* q;
-  int64_t q_stride;  // elements (bytes) between rows of q
-  int64_t R, C;
-  float* scales;
-  bool pow2;
-  const void* rows_used = nullptr;  // optional int32 / int64 count of the rows to write (1x128)
-  bool rows_used64 = false;
-  __device__ __forceinline__ int64_t rows() const {
-    if (rows_used == nullptr) return R;
-    const int64_t n = rows_used64 ? *static_cast<const int64_t*>(rows_used)
-                                  : *static_cast<const int32_t*>(rows_used);
-    return min(R, max(n, int64_t{0}));
-  }
-};
-
-__device__ __forceinline__ float warp_amax(float m) {
-#pragma unroll
-  for (int o = kWarpSize / 2; o > 0; o >>= 1)
-    m = quant::amax_join(m, __shfl_xor_sync(0xFFFFFFFFu, m, o));
-  return m;
-}
-
-// amax over the block's threads; every thread gets it. Reuses `smem` (kWarps floats).
-__device__ __forceinline__ float block_amax(float m, float* smem) {
-  const int lane = threadIdx.x % kWarpSize, warp = threadIdx.x / kWarpSize;
-  m = warp_amax(m);
-  __syncthreads();  // smem free from a previous use
-  if (lane == 0) smem[warp] = m;
-  __syncthreads();
-  m = lane < kWarps ? smem[lane] : 0.0f;
-  return warp_amax(m);
-}
-
-// The max of `m` over the block's threads; every thread gets it. Reuses `smem`.
-__device__ __forceinline__ uint32_t block_max_bits(uint32_t m, float* smem) {
-  const int lane = threadIdx.x % kWarpSize, warp = threadIdx.x / kWarpSize;
-#pragma unroll
-  for (int o = kWarpSize / 2; o > 0; o >>= 1) m = max(m, __shfl_xor_sync(0xFFFFFFFFu, m, o));
-  __syncthreads();  // smem free from a previous use
-  if (lane == 0) smem[warp] = __uint_as_float(m);
-  __syncthreads();
-  m = lane < kWarps ? __float_as_uint(smem[lane]) : 0u;
-#pragma unroll
-  for (int o = kWarpSize / 2; o > 0; o >>= 1) m = max(m, __shfl_xor_sync(0xFFFFFFFFu, m, o));
-  return m;
-}
-
 template <typename S, bool E4M3>
 __global__ void __launch_bounds__(kThreads)
     quantize_1x128_kernel(S src, Dst dst, int64_t nb, int64_t ss0, int64_t ss1) {
@@ -210,92 +144,6 @@ __global__ void __launch_bounds__(kThreads, 6)
     const float scale = quantize_chunk<E4M3>(v, dst.pow2, w);
     store_codes<true>(dst.q + r * dst.q_stride, cl, dst.C, w);
     if (cl < dst.C && lane % kFp8LanesPerBlock == 0) dst.scales[r * nb + cl / kBlock] = scale;
-  }
-}
-
-// 8 consecutive values of a 16-byte aligned row as floats.
-template <typename T>
-__device__ __forceinline__ void load8(const T* p, float (&v)[8]) {
-  constexpr int kVecs = 8 * sizeof(T) / 16;
-  uint4 raw[kVecs];
-#pragma unroll
-  for (int i = 0; i < kVecs; ++i) raw[i] = reinterpret_cast<const uint4*>(p)[i];
-  const T* e = reinterpret_cast<const T*>(raw);
-#pragma unroll
-  for (int j = 0; j < 8; ++j) v[j] = to_float(e[j]);
-}
-
-// kBlock128x128, rowwise, 16-byte rows: thread t holds columns [8 (t % 16),
-// +8) of rows t / 16 + 16 i (i < 8) of the block; out-of-matrix values are
-// 0 (they leave the amax as it is) and are not stored.
-template <typename T, bool E4M3>
-__global__ void __launch_bounds__(kThreads, 2)
-    quantize_128x128_vec_kernel(const T* x, int64_t x_stride, Dst dst, int64_t nbr, int64_t nbc) {
-  static_assert(kThreads == 256 && kBlock == 128, "thread layout");
-  __shared__ float smem[kWarps];
-  const int cc = threadIdx.x % 16, rg = threadIdx.x / 16;
-  for (int64_t item = blockIdx.x; item < nbr * nbc; item += gridDim.x) {
-    const int64_t r0 = (item / nbc) * kBlock + rg, c = (item % nbc) * kBlock + 8 * cc;
-    const bool col_in = c < dst.C;
-    float v[8][8];
-    uint32_t mb = 0;
-#pragma unroll
-    for (int i = 0; i < 8; ++i) {
-      const int64_t r = r0 + 16 * i;
-      if (col_in && r < dst.R) {
-        load8(x + r * x_stride + c, v[i]);
-      } else {
-#pragma unroll
-        for (int j = 0; j < 8; ++j) v[i][j] = 0.0f;
-      }
-#pragma unroll
-      for (int j = 0; j < 8; ++j) mb = max(mb, abs_bits(v[i][j]));
-    }
-    mb = block_max_bits(mb, smem);  // the same in every thread
-    const bool finite = mb < kFp8NonFinite;
-    float m = __uint_as_float(mb);
-    if (!finite) {  // the amax of the finite values (block-uniform branch)
-      m = 0.0f;
-#pragma unroll
-      for (int i = 0; i < 8; ++i)
-#pragma unroll
-        for (int j = 0; j < 8; ++j) m = fmaxf(m, finite_abs(v[i][j]));
-      m = block_amax(m, smem);
-    }
-    const float scale = quant::scale_of(m, E4M3, dst.pow2);
-    const Fp8Divider div(scale, finite);
-    if (threadIdx.x == 0) dst.scales[item] = scale;
-#pragma unroll
-    for (int i = 0; i < 8; ++i) {
-      const int64_t r = r0 + 16 * i;
-      if (!col_in || r >= dst.R) continue;
-      uint32_t w[2];
-      fp8_codes<E4M3>(v[i], div, w);
-      *reinterpret_cast<uint2*>(dst.q + r * dst.q_stride + c) = make_uint2(w[0], w[1]);
-    }
-  }
-}
-
-template <typename T, bool E4M3>
-__global__ void __launch_bounds__(kThreads)
-    quantize_128x128_kernel(Src<T> src, Dst dst, int64_t nbr, int64_t nbc) {
-  __shared__ float smem[kWarps];
-  for (int64_t item = blockIdx.x; item < nbr * nbc; item += gridDim.x) {
-    const int64_t r0 = (item / nbc) * kBlock, c0 = (item % nbc) * kBlock;
-    const int64_t rows = min(static_cast<int64_t>(kBlock), dst.R - r0);
-    const int64_t cols = min(static_cast<int64_t>(kBlock), dst.C - c0);
-    float m = 0.0f;
-    for (int64_t i = threadIdx.x; i < rows * kBlock; i += kThreads) {
-      const int64_t c = i % kBlock;
-      if (c < cols) m = quant::amax_join(m, quant::amax_term(src.at(r0 + i / kBlock, c0 + c)));
-    }
-    const float scale = quant::scale_of(block_amax(m, smem), E4M3, dst.pow2);
-    if (threadIdx.x == 0) dst.scales[item] = scale;
-    for (int64_t i = threadIdx.x; i < rows * kBlock; i += kThreads) {
-      const int64_t r = r0 + i / kBlock, c = i % kBlock;
-      if (c < cols)
-        dst.q[r * dst.q_stride + c0 + c] = to_fp8<E4M3>(__fdiv_rn(src.at(r, c0 + c), scale));
-    }
   }
 }
 
@@ -611,21 +459,9 @@ void quantize(TensorView x, const QuantizeConfig& config, TensorView q, TensorVi
           MOEFLOW_CUDA_LAUNCH_CHECK();
           return;
         }
-        case QuantScaling::kBlock128x128: {
-          const int64_t nbr = scales.shape[0], nbc = scales.shape[1];
-          if (nbr * nbc == 0) return;
-          if (vec && C % 8 == 0) {
-            quantize_128x128_vec_kernel<T, E4M3>
-                <<<capped_grid(nbr * nbc, 1), kThreads, 0, stream>>>(src.x, x.strides[0], dst, nbr,
-                                                                     nbc);
-            MOEFLOW_CUDA_LAUNCH_CHECK();
-            return;
-          }
-          quantize_128x128_kernel<T, E4M3>
-              <<<capped_grid(nbr * nbc, 1), kThreads, 0, stream>>>(src, dst, nbr, nbc);
-          MOEFLOW_CUDA_LAUNCH_CHECK();
+        case QuantScaling::kBlock128x128:
+          quantize_128x128(x, config, dst, scales.shape[0], scales.shape[1], stream);
           return;
-        }
       }
     });
   });
@@ -634,6 +470,8 @@ void quantize(TensorView x, const QuantizeConfig& config, TensorView q, TensorVi
 void quantize_rowwise_columnwise(TensorView x, const QuantizeConfig& config, TensorView q,
                                  TensorView scales, TensorView q_t, TensorView scales_t,
                                  cudaStream_t stream) {
+  if (config.scaling == QuantScaling::kBlock128x128)
+    return quantize_128x128_both_ways(x, config, q, scales, q_t, scales_t, stream);
   const int64_t M = x.shape[0], K = x.shape[1];
   if (M * K == 0) return;
   const DstCol col{static_cast<uint8_t*>(q_t.data), q_t.strides[0],
