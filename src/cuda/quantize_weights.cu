@@ -4,8 +4,9 @@
 // codes from one read of the weight.
 //   The vector kernel (16-byte rows: x's rows 16-byte aligned, C a multiple
 //   of 8): one thread block per 128 x 128 block of a matrix, its values held
-//   in registers (thread t: columns [8 (t % 16), +8) of rows t / 16 + 16 i,
-//   i < 8): one read of x, the block's amax, then the codes. Both ways, the
+//   in registers as loaded (thread t: columns [8 (t % 16), +8) of rows
+//   t / 16 + 16 i, i < 8; 16-bit x: 32 registers, four blocks per SM): one
+//   read of x, the block's amax from the values' bits, then the codes. Both ways, the
 //   codes also go to a 16 KB tile in shared memory (swizzled words), and
 //   each thread reads 16 words of one word column (4 W^T rows x 16 codes),
 //   transposes them in registers (byte permutes) and stores 16 bytes to
@@ -57,10 +58,55 @@ __device__ __forceinline__ void transpose4x4(uint32_t a, uint32_t b, uint32_t c,
   out[3] = __byte_perm(t2, t3, 0x7632);
 }
 
+// A thread's piece of a row: 8 values of x as they were loaded (16-bit:
+// one 16-byte vector; float32: two), kept raw until the codes are made so
+// that a block of 128 x 128 costs 32 registers a thread (16-bit x).
+template <typename T>
+struct Piece8 {
+  static constexpr int kVecs = 8 * static_cast<int>(sizeof(T)) / 16;
+  uint4 r[kVecs];
+  __device__ __forceinline__ void load(const T* p) {
+#pragma unroll
+    for (int i = 0; i < kVecs; ++i) r[i] = reinterpret_cast<const uint4*>(p)[i];
+  }
+  __device__ __forceinline__ void zero() {
+#pragma unroll
+    for (int i = 0; i < kVecs; ++i) r[i] = make_uint4(0, 0, 0, 0);
+  }
+  __device__ __forceinline__ void values(float (&v)[8]) const {
+    const T* e = reinterpret_cast<const T*>(r);
+#pragma unroll
+    for (int j = 0; j < 8; ++j) v[j] = to_float(e[j]);
+  }
+  // The max of |v|'s bits: it orders the finite values (its float is their
+  // max) and is kNonFinite or above when an inf or NaN is present.
+  static constexpr uint32_t kNonFinite = sizeof(T) == 2 ? kNonFinite16<T> : kFp8NonFinite;
+  __device__ __forceinline__ uint32_t max_abs_bits() const {
+    const uint32_t* w = reinterpret_cast<const uint32_t*>(r);
+    uint32_t m = 0;
+    if constexpr (sizeof(T) == 2) {
+#pragma unroll
+      for (int i = 0; i < 4; ++i) m = __vmaxu2(m, w[i] & 0x7FFF7FFFu);
+      return max(m & 0xFFFFu, m >> 16);
+    } else {
+#pragma unroll
+      for (int i = 0; i < 8; ++i) m = max(m, w[i] & 0x7FFFFFFFu);
+      return m;
+    }
+  }
+  static __device__ __forceinline__ float float_of(uint32_t bits) {
+    if constexpr (sizeof(T) == 2)
+      return float_of_bits16<T>(bits);
+    else
+      return __uint_as_float(bits);
+  }
+};
+
 template <typename T, bool E4M3, bool kBoth>
-__global__ void __launch_bounds__(kThreads, 2)
+__global__ void __launch_bounds__(kThreads, sizeof(T) == 2 ? 3 : 2)
     quantize_128x128_vec_kernel(const T* x, Blocks128 p) {
   static_assert(kThreads == 256 && kBlock == 128, "thread layout");
+  using P = Piece8<T>;
   __shared__ float smem[kWarps];
   __shared__ __align__(16) uint32_t tile[kBoth ? kBlock * 32 : 4];
   const int cc = threadIdx.x % 16, rg = threadIdx.x / 16;
@@ -70,31 +116,32 @@ __global__ void __launch_bounds__(kThreads, 2)
     const T* xg = x + g * p.x_gs;
     const int64_t r0 = br * kBlock + rg, c = bc * kBlock + 8 * cc;
     const bool col_in = c < p.C;
-    float v[8][8];
+    P piece[8];
     uint32_t mb = 0;
 #pragma unroll
     for (int i = 0; i < 8; ++i) {
       const int64_t r = r0 + 16 * i;
-      if (col_in && r < p.R) {
-        load8(xg + r * p.x_rs + c, v[i]);
-      } else {
-#pragma unroll
-        for (int j = 0; j < 8; ++j) v[i][j] = 0.0f;
-      }
-#pragma unroll
-      for (int j = 0; j < 8; ++j) mb = max(mb, abs_bits(v[i][j]));
+      if (col_in && r < p.R)
+        piece[i].load(xg + r * p.x_rs + c);
+      else
+        piece[i].zero();  // 0 leaves the amax as it is
     }
+#pragma unroll
+    for (int i = 0; i < 8; ++i) mb = max(mb, piece[i].max_abs_bits());
     // The same in every thread. Its barriers also keep this block's tile
     // writes below behind the previous block's tile reads.
     mb = block_max_bits(mb, smem);
-    const bool finite = mb < kFp8NonFinite;
-    float m = __uint_as_float(mb);
+    const bool finite = mb < P::kNonFinite;
+    float m = P::float_of(mb);
     if (!finite) {  // the amax of the finite values (block-uniform branch)
       m = 0.0f;
 #pragma unroll
-      for (int i = 0; i < 8; ++i)
+      for (int i = 0; i < 8; ++i) {
+        float v[8];
+        piece[i].values(v);
 #pragma unroll
-        for (int j = 0; j < 8; ++j) m = fmaxf(m, finite_abs(v[i][j]));
+        for (int j = 0; j < 8; ++j) m = fmaxf(m, finite_abs(v[j]));
+      }
       m = block_amax(m, smem);
     }
     const float scale = quant::scale_of(m, E4M3, p.pow2);
@@ -106,8 +153,10 @@ __global__ void __launch_bounds__(kThreads, 2)
 #pragma unroll
     for (int i = 0; i < 8; ++i) {
       const int64_t r = r0 + 16 * i;
+      float v[8];
+      piece[i].values(v);
       uint32_t w[2];
-      fp8_codes<E4M3>(v[i], div, w);
+      fp8_codes<E4M3>(v, div, w);
       if (p.q != nullptr && col_in && r < p.R)
         *reinterpret_cast<uint2*>(p.q + g * p.q_gs + r * p.q_rs + c) = make_uint2(w[0], w[1]);
       if constexpr (kBoth)  // words 2 cc, 2 cc + 1 stay adjacent under the swizzle
