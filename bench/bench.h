@@ -70,6 +70,14 @@ struct MlpBenchOptions {
 };
 void run_mlp_bench(const MlpBenchOptions& opt);
 
+struct QuantizeBenchOptions {
+  std::vector<std::string> cases;  // dsv3 mixtral qwen3-30b (default: all)
+  Device device;
+  TimingOptions timing;
+  std::string json_path;
+};
+void run_quantize_bench(const QuantizeBenchOptions& opt);
+
 struct RunOptions {
   std::string preset = "tiny";
   int align = 16;

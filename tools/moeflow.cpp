@@ -147,6 +147,15 @@ int main(int argc, char** argv) {
   bmlp->add_option("--iters", mopt.timing.iters, "timed runs per op (median)")
       ->capture_default_str();
 
+  auto* bquant = bench->add_subcommand(
+      "quantize", "FP8 quantization: activations 1x128, expert weights 128x128 and W^T's codes");
+  bench::QuantizeBenchOptions qopt;
+  bquant->add_option("--device", device, device_help)->check(device_check);
+  bquant->add_option("--case", qopt.cases, "dsv3 mixtral qwen3-30b (default: all)");
+  bquant->add_option("--json", qopt.json_path, "also write the results as JSON to this file");
+  bquant->add_option("--iters", qopt.timing.iters, "timed runs per op (median)")
+      ->capture_default_str();
+
   CLI11_PARSE(app, argc, argv);
   try {
     const Device dev = bench::parse_device(device);
@@ -185,6 +194,16 @@ int main(int argc, char** argv) {
       return 0;
 #else
       MOEFLOW_CHECK(false, "bench mlp needs the CUDA backend (built without CUDA)");
+#endif
+    }
+    if (*bquant) {
+#ifdef MOEFLOW_WITH_CUDA
+      MOEFLOW_CHECK(qopt.timing.iters > 0, "--iters must be > 0; got ", qopt.timing.iters);
+      qopt.device = dev;
+      bench::run_quantize_bench(qopt);
+      return 0;
+#else
+      MOEFLOW_CHECK(false, "bench quantize needs the CUDA backend (built without CUDA)");
 #endif
     }
     if (*bdisp) {
