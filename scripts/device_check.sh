@@ -7,7 +7,7 @@
 #   test       ctest: cpu and gpu labels
 #   multigpu   ctest -L multigpu (2+ GPUs), NCCL_NVLS_ENABLE=0
 #   memcheck   compute-sanitizer memcheck on the single-GPU tests' main cases
-#   racecheck  compute-sanitizer racecheck on the plan kernels
+#   racecheck  compute-sanitizer racecheck on the plan kernels and the weights' quantize
 #   sanitize-ep  memcheck + racecheck on the EP tests (2+ GPUs)
 #   permute    moeflow bench permute + the PyTorch permute peers
 #   gemm       moeflow bench gemm + torch._grouped_mm (bench/peers_gemm.py)
@@ -74,13 +74,13 @@ for s in "${steps[@]}"; do
       ;;
     memcheck)
       compute-sanitizer --tool memcheck --error-exitcode 9 build/tests/test_gpu \
-        --gtest_filter='Gpu.*:*GpuGemm.BadOffsets*:*GpuGemm.Graph*:*GpuGemm.ForwardDgradWgradMatchCpu/Auto:*GpuGemm.WgradHalfPrecision*/Auto:GpuMlp.*:GpuRouter.*:GpuRouterPaths.*:GpuPermuteQuantize.*:GpuQuantize.*:GpuGemmFp8.*' \
+        --gtest_filter='Gpu.*:*GpuGemm.BadOffsets*:*GpuGemm.Graph*:*GpuGemm.ForwardDgradWgradMatchCpu/Auto:*GpuGemm.WgradHalfPrecision*/Auto:GpuMlp.*:GpuRouter.*:GpuRouterPaths.*:GpuPermuteQuantize.*:GpuQuantize.*:GpuQuantizeWeights.*:GpuGemmFp8.*' \
         > "$OUT/memcheck.log" 2>&1 || fail memcheck
       tail -3 "$OUT/memcheck.log"
       ;;
     racecheck)
       compute-sanitizer --tool racecheck --error-exitcode 9 build/tests/test_gpu \
-        --gtest_filter='Gpu.Plan*' > "$OUT/racecheck.log" 2>&1 || fail racecheck
+        --gtest_filter='Gpu.Plan*:GpuQuantizeWeights.*' > "$OUT/racecheck.log" 2>&1 || fail racecheck
       tail -3 "$OUT/racecheck.log"
       ;;
     sanitize-ep)
