@@ -34,7 +34,10 @@ TEST_F(GpuQuantizeWeights, BothWaysMatchesCpuBitwise) {
   const std::vector<Case> cases = {
       {3, 256, 384, 0, 0},   // whole blocks, 16-byte rows everywhere
       {2, 384, 200, 8, 16},  // partial column blocks, strided rows
-      {2, 130, 264, 0, 4},   // partial row blocks; q_t's rows not 16-byte aligned
+      {2, 130, 264, 0, 4},   // partial row blocks; q_t's rows not 16-byte aligned (and q's
+                             // not 8-byte: rowwise, the fallback)
+      {2, 130, 264, 0, 14},  // q_t's rows 16-byte aligned with a partial last row block
+                             // (W^T alone: the vector kernel's short stores)
       {1, 136, 136, 0, 0},   // partial blocks both ways
       {2, 130, 201, 0, 0},   // K odd: the fallback
       {2, 64, 128, 1, 0},    // x's rows not 16-byte aligned: the fallback

@@ -74,8 +74,8 @@ void quantize(TensorView x, const QuantizeConfig& config, TensorView q, TensorVi
 // quantize(columnwise) writes it: W^T's codes for the dgrad, which are W's
 // codes and scale grid transposed (transpose_codes of q and scales, without
 // writing q). Scales contiguous; q's and q_t's rows may be strided. CUDA:
-// one kernel for x with K % 8 == 0 and 16-byte aligned rows, else two
-// kernels per matrix.
+// one kernel for x with K % 8 == 0 and 16-byte aligned rows (and q's rows
+// 8-byte aligned), else two kernels per matrix.
 // q and scales may both be undefined (columnwise only). config.columnwise
 // must be false. No sync, graph-capturable.
 void quantize_rowwise_columnwise(TensorView x, const QuantizeConfig& config, TensorView q,

@@ -483,30 +483,3 @@ def test_empty_permute_and_unpermute_take_expanded_gradients(device):
                     requires_grad=True)
     mf.unpermute(y, plan).sum().backward()
     assert y.grad is not None and y.grad.shape == y.shape
-
-
-@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2+ CUDA devices")
-def test_ops_on_another_gpu_leave_the_current_device():
-    """An op on cuda:1's tensors runs there and leaves torch's current device
-    (cuda:0) as it was: the next torch allocation still lands on cuda:0."""
-    torch.cuda.set_device(0)
-    T, K, E, H = 64, 2, 4, 256
-    ids, probs = routing(T, K, E, "cuda:1")
-    x = torch.randn(T, H, device="cuda:1", requires_grad=True)
-    plan = mf.Plan(ids, E, align=16)
-    assert torch.cuda.current_device() == 0
-    y, _ = mf.permute(x, plan, probs)
-    assert torch.cuda.current_device() == 0
-    q, s, q_t, s_t = mf.quantize_rowwise_columnwise(x.detach(), scaling="128x128")
-    assert torch.cuda.current_device() == 0
-    out = mf.unpermute(y, plan)
-    out.sum().backward()
-    assert torch.cuda.current_device() == 0
-    assert torch.empty(1, device="cuda").device.index == 0
-    # the results are the CPU's
-    plan_c = mf.Plan(ids.cpu(), E, align=16)
-    y_c, _ = mf.permute(x.detach().cpu(), plan_c, probs.cpu())
-    assert torch.equal(y.detach().cpu(), y_c)
-    q_c, _, q_tc, _ = mf.quantize_rowwise_columnwise(x.detach().cpu(), scaling="128x128")
-    assert torch.equal(q.cpu().view(torch.uint8), q_c.view(torch.uint8))
-    assert torch.equal(q_t.cpu().view(torch.uint8), q_tc.view(torch.uint8))

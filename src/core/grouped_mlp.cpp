@@ -131,7 +131,7 @@ void fc1_forward(TensorView x, const GroupedMlpWeights& w, const Dims& d, const 
     cpu::mlp_fc1_epilogue(r, h, w.bias1, probs, c.activation, c.params, c.glu_interleave, a);
   } else {
 #ifdef MOEFLOW_WITH_CUDA
-    const detail::DeviceGuard device_guard(d.dev.index);
+    detail::cuda_set_device(d.dev.index);
     MlpFc1Call call;
     call.x = x;
     call.w1 = d.fc1.stacked;  // (undefined with separate tensors: not fusable)
@@ -280,7 +280,7 @@ void grouped_mlp_backward_fc1_dgrad(TensorView d_h, const GroupedMlpWeights& w,
   detail::expect(d_h, "d_h", Expect{{d.dtype}, {d.rows, d.n1}, d.dev});
   MOEFLOW_CHECK(d_h.is_contiguous(), "d_h must be contiguous");
 #ifdef MOEFLOW_WITH_CUDA
-  const detail::DeviceGuard device_guard(d.dev.is_cuda() ? d.dev.index : -1);
+  if (d.dev.is_cuda()) detail::cuda_set_device(d.dev.index);
 #endif
   grouped_gemm_dgrad(d_h, d.fc1, groups, dx, c.gemm, stream);
 }
@@ -305,7 +305,7 @@ void grouped_mlp_recompute_activation(TensorView h, const GroupLayout& groups, T
     cpu::mlp_fc1_epilogue(r, h, {}, probs, c.activation, c.params, c.glu_interleave, a);
   } else {
 #ifdef MOEFLOW_WITH_CUDA
-    const detail::DeviceGuard device_guard(h.device.index);
+    detail::cuda_set_device(h.device.index);
     cuda::mlp_fc1_epilogue(r, h, {}, probs, c.activation, c.params, c.glu_interleave, a, stream);
 #else
     (void)stream;
@@ -375,7 +375,7 @@ void grouped_mlp_activation_quantize(TensorView h, const GroupLayout& groups, Te
     return;
   }
 #ifdef MOEFLOW_WITH_CUDA
-  const detail::DeviceGuard device_guard(h.device.index);
+  detail::cuda_set_device(h.device.index);
   if (tw)
     cuda::mlp_activation_quantize_tensorwise(r, h, probs, c.activation, c.params, c.glu_interleave,
                                              quant.out == DType::kFloat8E4M3, quant.pow2_scales,
@@ -423,7 +423,7 @@ void grouped_mlp_activation_backward(TensorView h, const GroupLayout& groups, Te
       d_h_amax.data_ptr<float>()[0] = cpu::group_rows_amax(groups, r.num_groups, d_h);
   } else {
 #ifdef MOEFLOW_WITH_CUDA
-    const detail::DeviceGuard device_guard(h.device.index);
+    detail::cuda_set_device(h.device.index);
     cuda::mlp_dglu(r, h, d_h, probs, c.activation, c.params, c.glu_interleave, f, dprobs, stream,
                    d_h_amax);
 #else

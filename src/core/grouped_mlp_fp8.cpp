@@ -211,7 +211,7 @@ void quantize_group_rows(TensorView x, const GroupLayout& groups, const Quantize
   const int64_t E = check_group_rows(x, groups, config, q, scale, q_t, "quantize_group_rows");
   if (x.device.is_cpu()) return cpu::quantize_group_rows(groups, E, x, config, q, scale, q_t);
 #ifdef MOEFLOW_WITH_CUDA
-  const detail::DeviceGuard device_guard(x.device.index);
+  detail::cuda_set_device(x.device.index);
   cuda::quantize_group_rows(groups, E, x, config, q, scale, q_t, stream);
 #else
   (void)stream;
@@ -229,7 +229,7 @@ void quantize_group_rows_with_amax(TensorView x, const GroupLayout& groups,
     return cpu::quantize_group_rows_with_amax(groups, E, x, config, amax.data_ptr<float>()[0], q,
                                               scale, q_t);
 #ifdef MOEFLOW_WITH_CUDA
-  const detail::DeviceGuard device_guard(x.device.index);
+  detail::cuda_set_device(x.device.index);
   cuda::quantize_group_rows_with_amax(groups, E, x, config, amax, q, scale, q_t, stream);
 #else
   (void)stream;

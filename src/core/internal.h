@@ -21,20 +21,8 @@ void cuda_fill_uniform(void* dst, DType dtype, int64_t n, uint64_t seed, float l
 void cuda_stream_sync(cudaStream_t stream);
 int cuda_count() noexcept;
 std::string cuda_error_string(int code);
-// Makes `device` current for this thread while the guard lives, then makes
-// the caller's device current again (the public functions hold one, so that
-// a call on another GPU's tensors leaves the caller's device as it was).
-// device < 0: does nothing.
-class DeviceGuard {
- public:
-  explicit DeviceGuard(int device);
-  ~DeviceGuard();
-  DeviceGuard(const DeviceGuard&) = delete;
-  DeviceGuard& operator=(const DeviceGuard&) = delete;
-
- private:
-  int previous_ = -1;  // the device to make current again; -1: none
-};
+// Makes `device` current for this thread (the public functions call this once).
+void cuda_set_device(int device);
 
 // --- Host scalar conversions (round to nearest even, as CUDA's _rn) ---------
 float bf16_to_float(uint16_t v);

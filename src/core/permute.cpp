@@ -28,9 +28,8 @@ static Expect rows_of(const std::vector<DType>& dtypes, int64_t rows, int64_t hi
 }
 
 #ifdef MOEFLOW_WITH_CUDA
-// The plan's device made current until the guard goes.
-static detail::DeviceGuard select_device(const RoutingPlan& plan) {
-  return detail::DeviceGuard(plan.device.is_cuda() ? plan.device.index : -1);
+static void select_device(const RoutingPlan& plan) {
+  if (plan.device.is_cuda()) detail::cuda_set_device(plan.device.index);
 }
 #endif
 
@@ -60,7 +59,7 @@ void permute(TensorView x, const RoutingPlan& plan, TensorView y, const PermuteE
   }
   if (dev.is_cpu()) return cpu::permute(x, plan, y, extras);
 #ifdef MOEFLOW_WITH_CUDA
-  const auto device_guard = select_device(plan);
+  select_device(plan);
   cuda::permute(x, plan, y, extras, stream);
 #else
   (void)stream;
@@ -89,7 +88,7 @@ static void run_unpermute(TensorView y, const RoutingPlan& plan, TensorView out,
   }
   if (dev.is_cpu()) return cpu::unpermute(y, plan, out, weights, row_vals, slot_vals);
 #ifdef MOEFLOW_WITH_CUDA
-  const auto device_guard = select_device(plan);
+  select_device(plan);
   cuda::unpermute(y, plan, out, weights, row_vals, slot_vals, stream);
 #else
   (void)stream;
@@ -130,7 +129,7 @@ void unpermute_backward(TensorView dout, const RoutingPlan& plan, TensorView y_f
   }
   if (dev.is_cpu()) return cpu::unpermute_backward(dout, plan, y_fwd, probs, dy, dprobs);
 #ifdef MOEFLOW_WITH_CUDA
-  const auto device_guard = select_device(plan);
+  select_device(plan);
   cuda::unpermute_backward(dout, plan, y_fwd, probs, dy, dprobs, stream);
 #else
   (void)stream;

@@ -92,7 +92,7 @@ static void run_build(const RoutingInput& in, RoutingPlan& plan, TensorView work
     MOEFLOW_CHECK(workspace.nbytes() >= need, "workspace must hold >= ", need,
                   " bytes (plan_workspace_bytes), got ", workspace.nbytes());
   }
-  const detail::DeviceGuard device_guard(plan.device.index);
+  detail::cuda_set_device(plan.device.index);
   cuda::build_plan(in, plan, workspace, stream);
 #else
   (void)workspace;

@@ -101,9 +101,8 @@ static void expect_float(const TensorView& v, const char* name, std::vector<int6
 }
 
 #ifdef MOEFLOW_WITH_CUDA
-// dev made current until the guard goes.
-static detail::DeviceGuard select_device(Device dev) {
-  return detail::DeviceGuard(dev.is_cuda() ? dev.index : -1);
+static void select_device(Device dev) {
+  if (dev.is_cuda()) detail::cuda_set_device(dev.index);
 }
 #endif
 
@@ -169,7 +168,7 @@ void router_forward(TensorView logits, const RouterConfig& config, const RouterO
                   " bytes (router_workspace_bytes), got ", workspace.nbytes());
   }
   a.workspace = workspace;
-  const auto device_guard = select_device(dev);
+  select_device(dev);
   cuda::router_forward(a, stream);
 #else
   (void)workspace;
@@ -216,7 +215,7 @@ void router_backward(TensorView logits, TensorView topk_ids, TensorView tokens_p
   a.num_sequences = S;
   if (dev.is_cpu()) return cpu::router_backward(a);
 #ifdef MOEFLOW_WITH_CUDA
-  const auto device_guard = select_device(dev);
+  select_device(dev);
   cuda::router_backward(a, stream);
 #else
   (void)stream;
@@ -235,7 +234,7 @@ void router_update_expert_bias(TensorView tokens_per_expert, TensorView expert_b
   MOEFLOW_CHECK(std::isfinite(rate), "rate must be finite, got ", rate);
   if (dev.is_cpu()) return cpu::router_update_expert_bias(tokens_per_expert, expert_bias, rate);
 #ifdef MOEFLOW_WITH_CUDA
-  const auto device_guard = select_device(dev);
+  select_device(dev);
   cuda::router_update_expert_bias(tokens_per_expert, expert_bias, rate, stream);
 #else
   (void)stream;
@@ -262,7 +261,7 @@ void router_split_bf16(TensorView src, const Bf16SplitLayout& layout, TensorView
              dev});
   if (dev.is_cpu()) return cpu::router_split_bf16(src, layout, dst);
 #ifdef MOEFLOW_WITH_CUDA
-  const auto device_guard = select_device(dev);
+  select_device(dev);
   cuda::router_split_bf16(src, layout, dst, stream);
 #else
   (void)stream;
@@ -341,7 +340,7 @@ void router_apply_capacity(TensorView topk_ids, TensorView probs,
                   " bytes (router_capacity_workspace_bytes), got ", workspace.nbytes());
   }
   a.workspace = workspace;
-  const auto device_guard = select_device(dev);
+  select_device(dev);
   cuda::router_apply_capacity(a, stream);
 #else
   (void)workspace;

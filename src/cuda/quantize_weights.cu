@@ -5,7 +5,7 @@
 //   The vector kernel (16-byte rows: x's rows 16-byte aligned, C a multiple
 //   of 8): one thread block per 128 x 128 block of a matrix, its values held
 //   in registers as loaded (thread t: columns [8 (t % 16), +8) of rows
-//   t / 16 + 16 i, i < 8; 16-bit x: 32 registers, four blocks per SM): one
+//   t / 16 + 16 i, i < 8; 16-bit x: 32 registers, three blocks per SM): one
 //   read of x, the block's amax from the values' bits, then the codes. Both ways, the
 //   codes also go to a 16 KB tile in shared memory (swizzled words), and
 //   each thread reads 16 words of one word column (4 W^T rows x 16 codes),

@@ -13,7 +13,7 @@
 namespace moeflow::detail {
 
 void* cuda_alloc(size_t bytes, int device) {
-  const DeviceGuard guard(device);
+  cuda_set_device(device);
   void* p = nullptr;
   cudaError_t err = cudaMalloc(&p, bytes);
   MOEFLOW_CHECK(err == cudaSuccess, "cudaMalloc of ", bytes, " bytes on cuda:", device,
@@ -85,17 +85,10 @@ std::string cuda_error_string(int code) {
   return cudaGetErrorString(static_cast<cudaError_t>(code));
 }
 
-DeviceGuard::DeviceGuard(int device) {
-  if (device < 0) return;
+void cuda_set_device(int device) {
   int current = -1;
   MOEFLOW_CUDA_CHECK(cudaGetDevice(&current));
-  if (current == device) return;
-  MOEFLOW_CUDA_CHECK(cudaSetDevice(device));
-  previous_ = current;
-}
-
-DeviceGuard::~DeviceGuard() {
-  if (previous_ >= 0) cudaSetDevice(previous_);  // (a destructor does not throw)
+  if (current != device) MOEFLOW_CUDA_CHECK(cudaSetDevice(device));
 }
 
 }  // namespace moeflow::detail
