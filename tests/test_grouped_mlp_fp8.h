@@ -57,8 +57,9 @@ inline Fp8Inputs fp8_inputs(uint32_t seed, int64_t rows, const std::vector<int64
   return in;
 }
 
-inline Fp8MlpResult run_fp8_mlp(Device dev, uint32_t seed,
-                                Fp8Recipe recipe = Fp8Recipe::kBlockwise) {
+// stream: where the MLP's ops run (the copies and fills on the default one).
+inline Fp8MlpResult run_fp8_mlp(Device dev, uint32_t seed, Fp8Recipe recipe = Fp8Recipe::kBlockwise,
+                                cudaStream_t stream = nullptr) {
   const int64_t E = 3, H = 256, F = 128, N1 = 2 * F, rows = 192;
   Fp8MlpResult r;
   r.offsets = {0, 48, 48, 176};
@@ -95,18 +96,19 @@ inline Fp8MlpResult run_fp8_mlp(Device dev, uint32_t seed,
   scratch.codes = codes;
   scratch.scales = scales;
 
-  grouped_mlp_fp8_weights(w, q);
+  grouped_mlp_fp8_weights(w, q, stream);
   Tensor y = poisoned({rows, H}, bf, dev), h = poisoned({rows, N1}, bf, dev);
-  grouped_mlp_fp8_forward(xd, q, g, pd, cfg, y, h, scratch);
+  grouped_mlp_fp8_forward(xd, q, g, pd, cfg, y, h, scratch, stream);
   Tensor d_h = poisoned({rows, N1}, bf, dev), dx = poisoned({rows, H}, bf, dev);
   Tensor dprobs = poisoned({rows}, f32, dev);
-  grouped_mlp_fp8_backward_dgrad(dyd, q, g, pd, cfg, h, dx, d_h, dprobs, scratch);
+  grouped_mlp_fp8_backward_dgrad(dyd, q, g, pd, cfg, h, dx, d_h, dprobs, scratch, stream);
 
   Tensor y16 = poisoned({rows, H}, bf, dev), h16 = poisoned({rows, N1}, bf, dev);
   Tensor a16 = poisoned({rows, F}, bf, dev), dh16 = poisoned({rows, N1}, bf, dev);
   Tensor dx16 = poisoned({rows, H}, bf, dev), dp16 = poisoned({rows}, f32, dev);
-  grouped_mlp_forward(xd, w, g, pd, cfg, y16, GroupedMlpSaved{h16, a16});
-  grouped_mlp_backward_dgrad(dyd, w, g, pd, cfg, GroupedMlpSaved{h16, {}}, dx16, dh16, dp16);
+  grouped_mlp_forward(xd, w, g, pd, cfg, y16, GroupedMlpSaved{h16, a16}, stream);
+  grouped_mlp_backward_dgrad(dyd, w, g, pd, cfg, GroupedMlpSaved{h16, {}}, dx16, dh16, dp16,
+                             stream);
   const Device cpu = Device::cpu();
   r.y = y.to(cpu), r.h = h.to(cpu), r.d_h = d_h.to(cpu), r.dx = dx.to(cpu);
   r.dprobs = dprobs.to(cpu), r.y16 = y16.to(cpu), r.dx16 = dx16.to(cpu), r.dprobs16 = dp16.to(cpu);

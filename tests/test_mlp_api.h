@@ -65,9 +65,10 @@ inline double rel_norm_error(const std::vector<double>& got, const std::vector<d
   return den == 0 ? std::sqrt(num) : std::sqrt(num / den);
 }
 
-// gemm: the GEMMs' kernel choice and tuning (GPU runs of every kernel).
+// gemm: the GEMMs' kernel choice and tuning (GPU runs of every kernel);
+// stream: where the MLP's ops run (the copies and fills on the default one).
 inline void run_mlp_api_case(const MlpApiCase& cs, Device dev, uint32_t seed,
-                             const GemmOptions& gemm = {}) {
+                             const GemmOptions& gemm = {}, cudaStream_t stream = nullptr) {
   SCOPED_TRACE("act=" + std::to_string(static_cast<int>(cs.act)) +
                " il=" + std::to_string(cs.interleave) + (cs.bias ? " bias" : "") +
                (cs.probs ? " probs" : "") + (cs.separate ? " separate" : "") + " on " + dev.str());
@@ -174,7 +175,7 @@ inline void run_mlp_api_case(const MlpApiCase& cs, Device dev, uint32_t seed,
   };
   Tensor y = poisoned({rows, H}, dt), h = poisoned({rows, N1}, dt), a = poisoned({rows, F}, dt);
   const TensorView pv = cs.probs ? TensorView(p_d) : TensorView{};
-  grouped_mlp_forward(x_d, w, layout, pv, c, y, GroupedMlpSaved{h, a});
+  grouped_mlp_forward(x_d, w, layout, pv, c, y, GroupedMlpSaved{h, a}, stream);
   // The reference gradients at the pre-activation the device saved (h is
   // checked against the float64 forward below): the backward is a function of
   // saved.h, and a kinked activation (ReLU, the clamps) evaluated at the
@@ -188,7 +189,7 @@ inline void run_mlp_api_case(const MlpApiCase& cs, Device dev, uint32_t seed,
   Tensor dx = poisoned({rows, H}, dt), d_h = poisoned({rows, N1}, dt),
          dprobs = poisoned({rows}, DType::kFloat32);
   grouped_mlp_backward_dgrad(dy_d, w, layout, pv, c, GroupedMlpSaved{h, a}, dx, d_h,
-                             cs.probs ? TensorView(dprobs) : TensorView{});
+                             cs.probs ? TensorView(dprobs) : TensorView{}, stream);
   // Keeping only h: backward_dgrad without saved.a gives the same bits, and
   // a recomputed from h is the forward's a (bitwise on the CPU, within the
   // tolerance on the GPU, where the forward's a may come from the fused FC1).
@@ -196,7 +197,7 @@ inline void run_mlp_api_case(const MlpApiCase& cs, Device dev, uint32_t seed,
     Tensor dx2 = poisoned({rows, H}, dt), d_h2 = poisoned({rows, N1}, dt),
            dprobs2 = poisoned({rows}, DType::kFloat32);
     grouped_mlp_backward_dgrad(dy_d, w, layout, pv, c, GroupedMlpSaved{h, {}}, dx2, d_h2,
-                               cs.probs ? TensorView(dprobs2) : TensorView{});
+                               cs.probs ? TensorView(dprobs2) : TensorView{}, stream);
     EXPECT_TRUE(bytes_equal(dx2.to(Device::cpu()), dx.to(Device::cpu()))) << "dx without saved.a";
     EXPECT_TRUE(bytes_equal(d_h2.to(Device::cpu()), d_h.to(Device::cpu())))
         << "d_h without saved.a";
@@ -204,7 +205,7 @@ inline void run_mlp_api_case(const MlpApiCase& cs, Device dev, uint32_t seed,
       EXPECT_TRUE(bytes_equal(dprobs2.to(Device::cpu()), dprobs.to(Device::cpu())))
           << "dprobs without saved.a";
     Tensor a2 = poisoned({rows, F}, dt);
-    grouped_mlp_recompute_activation(h, layout, pv, c, a2);
+    grouped_mlp_recompute_activation(h, layout, pv, c, a2, stream);
     if (dev.is_cpu()) EXPECT_TRUE(bytes_equal(a2, a)) << "recomputed a";
     std::vector<double> a_want(saved_ref.a);
     if (cs.probs)
@@ -225,9 +226,9 @@ inline void run_mlp_api_case(const MlpApiCase& cs, Device dev, uint32_t seed,
     grads.dw1 = TensorView{};
     grads.dw2 = TensorView{};
   }
-  grouped_mlp_backward_wgrad(dy_d, x_d, layout, GroupedMlpSaved{h, a}, d_h, grads, gemm);
+  grouped_mlp_backward_wgrad(dy_d, x_d, layout, GroupedMlpSaved{h, a}, d_h, grads, gemm, stream);
   grads.accumulate = true;  // twice the gradient
-  grouped_mlp_backward_wgrad(dy_d, x_d, layout, GroupedMlpSaved{h, a}, d_h, grads, gemm);
+  grouped_mlp_backward_wgrad(dy_d, x_d, layout, GroupedMlpSaved{h, a}, d_h, grads, gemm, stream);
 
   const double tol = gemm_tolerance(dt) * 2;  // two chained bf16 GEMMs
   auto host = [](const Tensor& t) { return t.to(Device::cpu()); };

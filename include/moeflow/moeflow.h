@@ -1,4 +1,9 @@
 // The whole public API of moeflow.
+//
+// Every op runs on the device of its tensors (an EP op on its group's) and
+// enqueues on the stream given, which must belong to that device (nullptr:
+// that device's default stream). It leaves the caller's current device as
+// it was (docs/architecture.md).
 #pragma once
 
 #include "moeflow/activation.h"

@@ -230,6 +230,41 @@ def test_all_tokens_to_one_expert_top1(device, pre_softmax):
     assert int(tpe[5]) == 64 and int(tpe.sum()) == 64
 
 
+@pytest.mark.skipif(not HAS_CUDA or torch.cuda.device_count() < 2, reason="needs 2+ CUDA devices")
+@pytest.mark.parametrize("shared_expert", [False, True])
+def test_layer_on_another_gpu_leaves_the_current_device(shared_expert):
+    """The layer on cuda:1 with cuda:0 current, run on a side stream of
+    cuda:1 (a kernel launched on another device into it fails): its results
+    are the reference's and cuda:0's (bitwise), and torch's current device
+    is still cuda:0 after forward and backward (the next allocation lands
+    there)."""
+    torch.cuda.set_device(0)
+    kw = dict(shared_expert_ffn_hidden_size=48) if shared_expert else {}
+    runs = []
+    for dev in ("cuda:1", "cuda:0"):
+        layer = make_layer(dev, dtype=torch.bfloat16, E=8, K=2, **kw)
+        x = rand_x(dev, torch.bfloat16, 96).requires_grad_(True)
+        side = torch.cuda.Stream(device=dev)
+        side.wait_stream(torch.cuda.current_stream(dev))
+        with torch.cuda.stream(side):  # makes `dev` current, `side` its stream
+            torch.cuda.set_device(0)   # cuda:0 current again; cuda:1's stream stays `side`
+            out = layer(x)
+            assert torch.cuda.current_device() == 0
+            out.float().square().sum().backward()
+            assert torch.cuda.current_device() == 0
+            assert torch.empty(1, device="cuda").device.index == 0
+        torch.cuda.current_stream(dev).wait_stream(side)
+        runs.append([out.detach().cpu(), x.grad.cpu()] +
+                    [p.grad.cpu() for p in (layer.router_weight, layer.fc1_weight,
+                                            layer.fc2_weight)])
+    for one, zero in zip(*runs):
+        assert torch.equal(one, zero)
+    if not shared_expert:
+        check_layer(make_layer("cuda:1", dtype=torch.bfloat16, E=8, K=2),
+                    rand_x("cuda:1", torch.bfloat16, 96))
+        assert torch.cuda.current_device() == 0
+
+
 @pytest.mark.parametrize("device", DEVICES)
 def test_one_token(device):
     layer = make_layer(device, K=2)

@@ -61,6 +61,7 @@ void check_combine(EpGroup& group, const EpHandle& handle, TensorView y, const c
 
 void combine(EpGroup& group, const EpHandle& handle, TensorView y, bool weighted, TensorView out,
              cudaStream_t stream) {
+  const detail::DeviceGuard device_guard(group.device());
   if (is_nvlink(group)) return cuda::ep_nvlink_combine(group, handle, y, weighted, out, stream);
   cuda::ep_nccl_combine(group, handle, y, weighted, out, stream);
 }
@@ -153,6 +154,7 @@ EpDispatchResult ep_dispatch(EpGroup& group, TensorView x, TensorView ids, Tenso
     detail::expect(scales, "scales", Expect{{o.scale_dtype}, {T, o.scale_cols}, group.device()});
     MOEFLOW_CHECK(scales.is_contiguous(), "scales must be contiguous");
   }
+  const detail::DeviceGuard device_guard(group.device());
   if (is_nvlink(group))
     return cuda::ep_nvlink_dispatch(group, x, ids, probs, scales, nullptr, stream);
   return cuda::ep_nccl_dispatch(group, x, ids, probs, scales, stream);
@@ -177,6 +179,7 @@ EpDispatchResult ep_dispatch_quantize(EpGroup& group, TensorView x, TensorView i
                 " of float32 (the 1x128 scales), got scale_cols=", o.scale_cols, " of ",
                 dtype_name(o.scale_dtype));
   check_dispatch(group, x, {DType::kBFloat16, DType::kFloat16}, ids, probs);
+  const detail::DeviceGuard device_guard(group.device());
   if (is_nvlink(group)) {
     MOEFLOW_CHECK(H <= 16384,
                   "ep_dispatch_quantize on the nvlink backend needs hidden <= 16384, got ", H);
@@ -219,6 +222,7 @@ void ep_combine_backward(EpGroup& group, const EpHandle& handle, TensorView dout
     detail::expect(dprobs, "dprobs", Expect{{DType::kFloat32}, {T, K}, dev});
     MOEFLOW_CHECK(dprobs.is_contiguous(), "dprobs must be contiguous");
   }
+  const detail::DeviceGuard device_guard(group.device());
   if (!is_nvlink(group))
     return cuda::ep_nccl_combine_backward(group, handle, dout, y, weighted, grad_y, dprobs,
                                           stream);

@@ -132,7 +132,7 @@ GroupedGemmCall make_call(GroupedGemmCall::Op op, TensorView a, TensorView b, Te
 void run(const GroupedGemmCall& call, Device dev, cudaStream_t stream) {
   if (dev.is_cpu()) return cpu::grouped_gemm(call);
 #ifdef MOEFLOW_WITH_CUDA
-  detail::cuda_set_device(dev.index);
+  const detail::DeviceGuard device_guard(dev);
   cuda::grouped_gemm(call, stream);
 #else
   (void)stream;
@@ -311,7 +311,7 @@ void grouped_gemm_fp8_forward(TensorView a, TensorView a_scales, TensorView w, T
   Fp8GemmCall call{a, a_scales, w, w_scales, c, groups, options};
   if (dev.is_cpu()) return cpu::grouped_gemm_fp8_forward(call);
 #ifdef MOEFLOW_WITH_CUDA
-  detail::cuda_set_device(dev.index);
+  const detail::DeviceGuard device_guard(dev);
   cuda::grouped_gemm_fp8_forward(call, stream);
 #else
   (void)stream;
@@ -368,7 +368,7 @@ void grouped_gemm_fp8_wgrad(TensorView dc_t, TensorView dc_t_scales, TensorView 
   Fp8WgradCall call{dc_t, dc_t_scales, a_t, a_t_scales, dw, groups, accumulate, options};
   if (dev.is_cpu()) return cpu::grouped_gemm_fp8_wgrad(call);
 #ifdef MOEFLOW_WITH_CUDA
-  detail::cuda_set_device(dev.index);
+  const detail::DeviceGuard device_guard(dev);
   cuda::grouped_gemm_fp8_wgrad(call, stream);
 #else
   (void)stream;

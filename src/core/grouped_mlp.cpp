@@ -131,7 +131,7 @@ void fc1_forward(TensorView x, const GroupedMlpWeights& w, const Dims& d, const 
     cpu::mlp_fc1_epilogue(r, h, w.bias1, probs, c.activation, c.params, c.glu_interleave, a);
   } else {
 #ifdef MOEFLOW_WITH_CUDA
-    detail::cuda_set_device(d.dev.index);
+    const detail::DeviceGuard device_guard(d.dev);
     MlpFc1Call call;
     call.x = x;
     call.w1 = d.fc1.stacked;  // (undefined with separate tensors: not fusable)
@@ -191,6 +191,7 @@ void grouped_mlp_forward(TensorView x, const GroupedMlpWeights& w, const GroupLa
   detail::expect(y, "y", Expect{{d.dtype}, {d.rows, d.hidden}, d.dev});
   if (probs.defined()) detail::expect(probs, "probs", Expect{{DType::kFloat32}, {d.rows}, d.dev});
   const MlpRows r = rows_of(groups, d);
+  const detail::DeviceGuard device_guard(d.dev);
   fc1_forward(x, w, d, groups, probs, c, saved.a, saved.h, stream);
   grouped_gemm_forward(saved.a, d.fc2, groups, y, c.gemm, stream);
   if (w.bias2.defined()) {
@@ -220,6 +221,7 @@ void grouped_mlp_backward_dgrad(TensorView dy, const GroupedMlpWeights& w,
   }
   const int64_t esz = static_cast<int64_t>(dtype_size(d.dtype));
   const MlpRows r = rows_of(groups, d);
+  const detail::DeviceGuard device_guard(d.dev);
 #ifdef MOEFLOW_WITH_CUDA
   if (d.dev.is_cuda()) {
     // Experimental (off by default, slower today): FC2 dgrad with the dGLU
@@ -279,9 +281,6 @@ void grouped_mlp_backward_fc1_dgrad(TensorView d_h, const GroupedMlpWeights& w,
   const Dims d = check_weights(dx, w, c, groups);
   detail::expect(d_h, "d_h", Expect{{d.dtype}, {d.rows, d.n1}, d.dev});
   MOEFLOW_CHECK(d_h.is_contiguous(), "d_h must be contiguous");
-#ifdef MOEFLOW_WITH_CUDA
-  if (d.dev.is_cuda()) detail::cuda_set_device(d.dev.index);
-#endif
   grouped_gemm_dgrad(d_h, d.fc1, groups, dx, c.gemm, stream);
 }
 
@@ -305,7 +304,7 @@ void grouped_mlp_recompute_activation(TensorView h, const GroupLayout& groups, T
     cpu::mlp_fc1_epilogue(r, h, {}, probs, c.activation, c.params, c.glu_interleave, a);
   } else {
 #ifdef MOEFLOW_WITH_CUDA
-    detail::cuda_set_device(h.device.index);
+    const detail::DeviceGuard device_guard(h.device);
     cuda::mlp_fc1_epilogue(r, h, {}, probs, c.activation, c.params, c.glu_interleave, a, stream);
 #else
     (void)stream;
@@ -375,7 +374,7 @@ void grouped_mlp_activation_quantize(TensorView h, const GroupLayout& groups, Te
     return;
   }
 #ifdef MOEFLOW_WITH_CUDA
-  detail::cuda_set_device(h.device.index);
+  const detail::DeviceGuard device_guard(h.device);
   if (tw)
     cuda::mlp_activation_quantize_tensorwise(r, h, probs, c.activation, c.params, c.glu_interleave,
                                              quant.out == DType::kFloat8E4M3, quant.pow2_scales,
@@ -423,7 +422,7 @@ void grouped_mlp_activation_backward(TensorView h, const GroupLayout& groups, Te
       d_h_amax.data_ptr<float>()[0] = cpu::group_rows_amax(groups, r.num_groups, d_h);
   } else {
 #ifdef MOEFLOW_WITH_CUDA
-    detail::cuda_set_device(h.device.index);
+    const detail::DeviceGuard device_guard(h.device);
     cuda::mlp_dglu(r, h, d_h, probs, c.activation, c.params, c.glu_interleave, f, dprobs, stream,
                    d_h_amax);
 #else
@@ -460,6 +459,9 @@ void grouped_mlp_backward_wgrad(TensorView dy, TensorView x, const GroupLayout& 
   const int64_t rows = x.defined() ? x.shape[0] : (dy.defined() ? dy.shape[0] : d_h.shape[0]);
   const MlpRows r{groups, E, rows};
   const DType data_dtype = x.defined() ? x.dtype : dy.defined() ? dy.dtype : d_h.dtype;
+  const detail::DeviceGuard device_guard(x.defined()    ? x.device
+                                         : dy.defined() ? dy.device
+                                                        : d_h.device);
   // Each weight gradient: stacked, E separate tensors, or not asked for;
   // float32 or the weights' dtype (that of x and dy).
   auto grad_of = [&](TensorView stacked, const GroupedWeights& experts, const char* name) {

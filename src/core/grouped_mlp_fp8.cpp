@@ -211,7 +211,7 @@ void quantize_group_rows(TensorView x, const GroupLayout& groups, const Quantize
   const int64_t E = check_group_rows(x, groups, config, q, scale, q_t, "quantize_group_rows");
   if (x.device.is_cpu()) return cpu::quantize_group_rows(groups, E, x, config, q, scale, q_t);
 #ifdef MOEFLOW_WITH_CUDA
-  detail::cuda_set_device(x.device.index);
+  const detail::DeviceGuard device_guard(x.device);
   cuda::quantize_group_rows(groups, E, x, config, q, scale, q_t, stream);
 #else
   (void)stream;
@@ -229,7 +229,7 @@ void quantize_group_rows_with_amax(TensorView x, const GroupLayout& groups,
     return cpu::quantize_group_rows_with_amax(groups, E, x, config, amax.data_ptr<float>()[0], q,
                                               scale, q_t);
 #ifdef MOEFLOW_WITH_CUDA
-  detail::cuda_set_device(x.device.index);
+  const detail::DeviceGuard device_guard(x.device);
   cuda::quantize_group_rows_with_amax(groups, E, x, config, amax, q, scale, q_t, stream);
 #else
   (void)stream;
@@ -253,6 +253,7 @@ void grouped_mlp_fp8_weights(const GroupedMlpWeights& w, const GroupedMlpFp8Weig
   const auto flat = [&](TensorView v, DType dt, int64_t r, int64_t c) {
     return TensorView(v.data, dt, dev, {r, c});
   };
+  const detail::DeviceGuard device_guard(dev);
   if (q.recipe == Fp8Recipe::kTensorwise) {
     // One scale per weight: the amax of all its experts.
     const QuantizeConfig tw = rows_of(q.recipe);
@@ -283,6 +284,7 @@ void grouped_mlp_fp8_forward(TensorView x, const GroupedMlpFp8Weights& q,
   detail::expect(x, "x", rows_expect(DType::kBFloat16, d.rows, d.hidden, d.dev));
   detail::expect(y, "y", rows_expect(DType::kBFloat16, d.rows, d.hidden, d.dev));
   check_common(d, groups, probs, c, h);
+  const detail::DeviceGuard device_guard(d.dev);
   const Operand xq = quantize_rows(x, scratch, d, groups, q.recipe, stream);
   grouped_gemm_fp8_forward(xq.codes, xq.scales, q.fc1, q.fc1_scales, groups, h, c.gemm, stream);
   const Operand aq = scratch_for(scratch, d, d.ffn, q.recipe);
@@ -315,6 +317,7 @@ void grouped_mlp_fp8_backward_dgrad(TensorView dy, const GroupedMlpFp8Weights& q
   }
   // d(a) = dy W2 straight into d_h's last F columns; the activation's
   // backward turns d_h into d(h) in place.
+  const detail::DeviceGuard device_guard(d.dev);
   const Operand dyq = quantize_rows(dy, scratch, d, groups, q.recipe, stream);
   const TensorView d_a = TensorView::strided(
       static_cast<uint8_t*>(d_h.data) + (d.n1 - d.ffn) * 2, DType::kBFloat16, d.dev,
@@ -389,6 +392,7 @@ void grouped_mlp_fp8_backward_wgrad(TensorView x, TensorView dy, const GroupLayo
                 "scratch.scales must be float32 with >= ",
                 tw ? "2 (tensorwise)" : "(H + N1) x ceil(rows/128)", " = ", need_scales,
                 " elements, got ", scratch.scales.str());
+  const detail::DeviceGuard device_guard(d.dev);
   if (tw) {
     // One scale per operand: rowwise codes staged after the two transposed
     // operands, then transposed into their places; scales[0] and [1].

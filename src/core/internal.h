@@ -21,8 +21,25 @@ void cuda_fill_uniform(void* dst, DType dtype, int64_t n, uint64_t seed, float l
 void cuda_stream_sync(cudaStream_t stream);
 int cuda_count() noexcept;
 std::string cuda_error_string(int code);
-// Makes `device` current for this thread (the public functions call this once).
-void cuda_set_device(int device);
+// Makes `device` current for this thread for the guard's life, then the
+// thread's previous device again. Every public function that touches a CUDA
+// device holds one over its whole body, so kernels, copies, fills and
+// allocations go to the arguments' device and the caller's current device is
+// left as it was. The previous device is made current again only if its
+// primary context is active: switching back to a device the caller never
+// used would create a context there (PyTorch's guard does the same). A CPU
+// device does nothing. Nested guards on the same device cost one
+// cudaGetDevice each.
+class DeviceGuard {
+ public:
+  explicit DeviceGuard(Device device);
+  ~DeviceGuard();
+  DeviceGuard(const DeviceGuard&) = delete;
+  DeviceGuard& operator=(const DeviceGuard&) = delete;
+
+ private:
+  int previous_ = -1;  // the device to make current again; -1: nothing to undo
+};
 
 // --- Host scalar conversions (round to nearest even, as CUDA's _rn) ---------
 float bf16_to_float(uint16_t v);

@@ -15,8 +15,9 @@ void cuda_fill_uniform(void*, DType, int64_t, uint64_t, float, float, cudaStream
 void cuda_stream_sync(cudaStream_t) { no_cuda(); }
 int cuda_count() noexcept { return 0; }
 std::string cuda_error_string(int code) { return "CUDA error " + std::to_string(code); }
-void cuda_set_device(int) {
-  no_cuda();
+DeviceGuard::DeviceGuard(Device device) {
+  if (device.is_cuda()) no_cuda();
 }
+DeviceGuard::~DeviceGuard() = default;
 
 }  // namespace moeflow::detail

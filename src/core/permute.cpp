@@ -27,12 +27,6 @@ static Expect rows_of(const std::vector<DType>& dtypes, int64_t rows, int64_t hi
   return e;
 }
 
-#ifdef MOEFLOW_WITH_CUDA
-static void select_device(const RoutingPlan& plan) {
-  if (plan.device.is_cuda()) detail::cuda_set_device(plan.device.index);
-}
-#endif
-
 void permute(TensorView x, const RoutingPlan& plan, TensorView y, const PermuteExtras& extras,
              cudaStream_t stream) {
   check_built(plan);
@@ -59,7 +53,7 @@ void permute(TensorView x, const RoutingPlan& plan, TensorView y, const PermuteE
   }
   if (dev.is_cpu()) return cpu::permute(x, plan, y, extras);
 #ifdef MOEFLOW_WITH_CUDA
-  select_device(plan);
+  const detail::DeviceGuard device_guard(plan.device);
   cuda::permute(x, plan, y, extras, stream);
 #else
   (void)stream;
@@ -88,7 +82,7 @@ static void run_unpermute(TensorView y, const RoutingPlan& plan, TensorView out,
   }
   if (dev.is_cpu()) return cpu::unpermute(y, plan, out, weights, row_vals, slot_vals);
 #ifdef MOEFLOW_WITH_CUDA
-  select_device(plan);
+  const detail::DeviceGuard device_guard(plan.device);
   cuda::unpermute(y, plan, out, weights, row_vals, slot_vals, stream);
 #else
   (void)stream;
@@ -129,7 +123,7 @@ void unpermute_backward(TensorView dout, const RoutingPlan& plan, TensorView y_f
   }
   if (dev.is_cpu()) return cpu::unpermute_backward(dout, plan, y_fwd, probs, dy, dprobs);
 #ifdef MOEFLOW_WITH_CUDA
-  select_device(plan);
+  const detail::DeviceGuard device_guard(plan.device);
   cuda::unpermute_backward(dout, plan, y_fwd, probs, dy, dprobs, stream);
 #else
   (void)stream;

@@ -105,7 +105,7 @@ void permute_quantize_columnwise(TensorView x, const RoutingPlan& plan, TensorVi
   }
   if (dev.is_cpu()) return cpu::permute_quantize_columnwise(x, plan, y, y_scales, config);
 #ifdef MOEFLOW_WITH_CUDA
-  detail::cuda_set_device(dev.index);
+  const detail::DeviceGuard device_guard(dev);
   cuda::permute_quantize_columnwise(x, plan, y, y_scales, config, stream);
 #else
   (void)stream;
@@ -145,7 +145,7 @@ void unpermute_backward_quantize(TensorView dout, const RoutingPlan& plan, Tenso
     return cpu::unpermute_backward_quantize(dout, plan, probs, dy, dy_scales, config);
   }
 #ifdef MOEFLOW_WITH_CUDA
-  detail::cuda_set_device(dev.index);
+  const detail::DeviceGuard device_guard(dev);
   if (tensor)
     return cuda::permute_quantize_tensorwise(dout, plan, probs, dy, dy_scales, dy_t, config, {}, {},
                                              stream);
@@ -197,7 +197,7 @@ void permute_quantize(TensorView x, const RoutingPlan& plan, TensorView y, Tenso
     return cpu::permute_quantize(x, plan, y, y_scales, config, extras);
   }
 #ifdef MOEFLOW_WITH_CUDA
-  detail::cuda_set_device(dev.index);
+  const detail::DeviceGuard device_guard(dev);
   if (tensor)
     return cuda::permute_quantize_tensorwise(x, plan, {}, y, y_scales, y_t, config, extras.probs,
                                              extras.permuted_probs, stream);

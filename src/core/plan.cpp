@@ -86,13 +86,13 @@ static void run_build(const RoutingInput& in, RoutingPlan& plan, TensorView work
     return;
   }
 #ifdef MOEFLOW_WITH_CUDA
+  const detail::DeviceGuard device_guard(plan.device);
   size_t need = cuda::plan_workspace_bytes(in.num_tokens, in.topk, plan.config);
   if (need > 0) {
     detail::expect(workspace, "workspace", Expect{{DType::kUInt8}, {-1}, plan.device});
     MOEFLOW_CHECK(workspace.nbytes() >= need, "workspace must hold >= ", need,
                   " bytes (plan_workspace_bytes), got ", workspace.nbytes());
   }
-  detail::cuda_set_device(plan.device.index);
   cuda::build_plan(in, plan, workspace, stream);
 #else
   (void)workspace;

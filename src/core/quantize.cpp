@@ -79,13 +79,13 @@ void quantize(TensorView x, const QuantizeConfig& config, TensorView q, TensorVi
   }
   if (dev.is_cpu()) return cpu::quantize(x, config, q, scales, rows_used);
 #ifdef MOEFLOW_WITH_CUDA
+  const detail::DeviceGuard device_guard(dev);
   const size_t need = cuda::quantize_workspace_bytes(M, K, config);
   if (need > 0) {
     detail::expect(workspace, "workspace", Expect{{DType::kUInt8}, {-1}, dev});
     MOEFLOW_CHECK(workspace.nbytes() >= need, "workspace must hold >= ", need,
                   " bytes (quantize_workspace_bytes), got ", workspace.nbytes());
   }
-  detail::cuda_set_device(dev.index);
   cuda::quantize(x, config, q, scales, workspace, rows_used, stream);
 #else
   (void)workspace;
@@ -164,7 +164,7 @@ void quantize_rowwise_columnwise(TensorView x, const QuantizeConfig& config, Ten
   }
   if (dev.is_cpu()) return cpu::quantize_rowwise_columnwise(x, config, q, scales, q_t, scales_t);
 #ifdef MOEFLOW_WITH_CUDA
-  detail::cuda_set_device(dev.index);
+  const detail::DeviceGuard device_guard(dev);
   cuda::quantize_rowwise_columnwise(x, config, q, scales, q_t, scales_t, stream);
 #else
   (void)stream;
@@ -195,7 +195,7 @@ void requantize_columnwise(TensorView q, TensorView scales, DType dtype,
   detail::expect(scales_t, "scales_t ([K, ceil(M/128)])", st);
   if (dev.is_cpu()) return cpu::requantize_columnwise(q, scales, dtype, config, q_t, scales_t);
 #ifdef MOEFLOW_WITH_CUDA
-  detail::cuda_set_device(dev.index);
+  const detail::DeviceGuard device_guard(dev);
   cuda::requantize_columnwise(q, scales, dtype, config, q_t, scales_t, stream);
 #else
   (void)stream;
@@ -222,7 +222,7 @@ void dequantize(TensorView q, TensorView scales, const QuantizeConfig& config, T
   }
   if (dev.is_cpu()) return cpu::dequantize(q, scales, config, out, rows_used);
 #ifdef MOEFLOW_WITH_CUDA
-  detail::cuda_set_device(dev.index);
+  const detail::DeviceGuard device_guard(dev);
   cuda::dequantize(q, scales, config, out, rows_used, stream);
 #else
   (void)stream;
@@ -249,7 +249,7 @@ void transpose_codes(TensorView q, TensorView q_t, cudaStream_t stream) {
                 "transpose_codes: q and q_t must not overlap (no in-place transpose)");
   if (dev.is_cpu()) return cpu::transpose_codes(q, q_t);
 #ifdef MOEFLOW_WITH_CUDA
-  detail::cuda_set_device(dev.index);
+  const detail::DeviceGuard device_guard(dev);
   cuda::transpose_codes(q, q_t, stream);
 #else
   (void)stream;

@@ -100,12 +100,6 @@ static void expect_float(const TensorView& v, const char* name, std::vector<int6
   detail::expect(v, name, Expect{{logits.dtype}, std::move(shape), logits.device});
 }
 
-#ifdef MOEFLOW_WITH_CUDA
-static void select_device(Device dev) {
-  if (dev.is_cuda()) detail::cuda_set_device(dev.index);
-}
-#endif
-
 size_t router_workspace_bytes(int64_t num_tokens, const RouterConfig& config,
                               int64_t num_sequences) {
   check_config(config);
@@ -168,7 +162,7 @@ void router_forward(TensorView logits, const RouterConfig& config, const RouterO
                   " bytes (router_workspace_bytes), got ", workspace.nbytes());
   }
   a.workspace = workspace;
-  select_device(dev);
+  const detail::DeviceGuard device_guard(dev);
   cuda::router_forward(a, stream);
 #else
   (void)workspace;
@@ -215,7 +209,7 @@ void router_backward(TensorView logits, TensorView topk_ids, TensorView tokens_p
   a.num_sequences = S;
   if (dev.is_cpu()) return cpu::router_backward(a);
 #ifdef MOEFLOW_WITH_CUDA
-  select_device(dev);
+  const detail::DeviceGuard device_guard(dev);
   cuda::router_backward(a, stream);
 #else
   (void)stream;
@@ -234,7 +228,7 @@ void router_update_expert_bias(TensorView tokens_per_expert, TensorView expert_b
   MOEFLOW_CHECK(std::isfinite(rate), "rate must be finite, got ", rate);
   if (dev.is_cpu()) return cpu::router_update_expert_bias(tokens_per_expert, expert_bias, rate);
 #ifdef MOEFLOW_WITH_CUDA
-  select_device(dev);
+  const detail::DeviceGuard device_guard(dev);
   cuda::router_update_expert_bias(tokens_per_expert, expert_bias, rate, stream);
 #else
   (void)stream;
@@ -261,7 +255,7 @@ void router_split_bf16(TensorView src, const Bf16SplitLayout& layout, TensorView
              dev});
   if (dev.is_cpu()) return cpu::router_split_bf16(src, layout, dst);
 #ifdef MOEFLOW_WITH_CUDA
-  select_device(dev);
+  const detail::DeviceGuard device_guard(dev);
   cuda::router_split_bf16(src, layout, dst, stream);
 #else
   (void)stream;
@@ -340,7 +334,7 @@ void router_apply_capacity(TensorView topk_ids, TensorView probs,
                   " bytes (router_capacity_workspace_bytes), got ", workspace.nbytes());
   }
   a.workspace = workspace;
-  select_device(dev);
+  const detail::DeviceGuard device_guard(dev);
   cuda::router_apply_capacity(a, stream);
 #else
   (void)workspace;

@@ -117,6 +117,7 @@ Tensor Tensor::adopt(const TensorView& view, std::shared_ptr<void> owner) {
 
 Tensor Tensor::zeros(const std::vector<int64_t>& shape, DType dtype, Device device) {
   Tensor t = empty(shape, dtype, device);
+  const detail::DeviceGuard device_guard(device);  // the fill and the wait on its device
   fill_bytes(t, 0);
   if (device.is_cuda()) detail::cuda_stream_sync(nullptr);
   return t;
@@ -141,6 +142,7 @@ void copy(TensorView src, TensorView dst, cudaStream_t stream) {
     return;
   }
   bool sync = src.device.is_cpu() || dst.device.is_cpu();
+  const detail::DeviceGuard device_guard(dst.device.is_cuda() ? dst.device : src.device);
   detail::cuda_copy(dst.data, src.data, bytes, stream, sync);
 }
 
@@ -151,6 +153,7 @@ void fill_bytes(TensorView dst, uint8_t byte, cudaStream_t stream) {
   if (dst.device.is_cpu()) {
     std::memset(dst.data, byte, bytes);
   } else {
+    const detail::DeviceGuard device_guard(dst.device);
     detail::cuda_fill(dst.data, byte, bytes, stream);
   }
 }
@@ -169,6 +172,7 @@ void fill_uniform(TensorView dst, uint64_t seed, float lo, float hi, cudaStream_
       detail::store_float(dst.data, dst.dtype, i,
                           detail::uniform_at(seed, static_cast<uint64_t>(i), lo, hi));
   } else {
+    const detail::DeviceGuard device_guard(dst.device);
     detail::cuda_fill_uniform(dst.data, dst.dtype, n, seed, lo, hi, stream);
   }
 }

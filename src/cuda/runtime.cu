@@ -1,19 +1,68 @@
 // Thin shims over the CUDA runtime used by the core (allocation, copies,
 // fills, device selection), so that only src/cuda includes CUDA headers.
+#include <cuda.h>
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
 
 #include <algorithm>
 #include <type_traits>
+#include <utility>
 
 #include "core/fill.h"
 #include "core/internal.h"
 
 namespace moeflow::detail {
 
+namespace {
+// Whether `device`'s primary context is active (created and not released),
+// through the driver's entry points (no link-time dependency on libcuda).
+// When the driver cannot say, it answers yes: the caller's device is restored.
+bool primary_context_active(int device) noexcept {
+  using GetFn = CUresult (*)(CUdevice*, int);
+  using StateFn = CUresult (*)(CUdevice, unsigned int*, int*);
+  static const auto fns = [] {
+    void* get = nullptr;
+    void* state = nullptr;
+    cudaDriverEntryPointQueryResult q1{}, q2{};
+    if (cudaGetDriverEntryPointByVersion("cuDeviceGet", &get, 2000, cudaEnableDefault, &q1) !=
+            cudaSuccess ||
+        q1 != cudaDriverEntryPointSuccess)
+      get = nullptr;
+    if (cudaGetDriverEntryPointByVersion("cuDevicePrimaryCtxGetState", &state, 7000,
+                                         cudaEnableDefault, &q2) != cudaSuccess ||
+        q2 != cudaDriverEntryPointSuccess)
+      state = nullptr;
+    if (get == nullptr || state == nullptr) cudaGetLastError();  // this query's own error
+    return std::pair<GetFn, StateFn>{reinterpret_cast<GetFn>(get),
+                                     reinterpret_cast<StateFn>(state)};
+  }();
+  if (fns.first == nullptr || fns.second == nullptr) return true;
+  CUdevice dev = 0;
+  unsigned int flags = 0;
+  int active = 0;
+  if (fns.first(&dev, device) != CUDA_SUCCESS) return true;
+  if (fns.second(dev, &flags, &active) != CUDA_SUCCESS) return true;
+  return active != 0;
+}
+}  // namespace
+
+DeviceGuard::DeviceGuard(Device device) {
+  if (!device.is_cuda()) return;
+  int current = -1;
+  MOEFLOW_CUDA_CHECK(cudaGetDevice(&current));
+  if (current == device.index) return;
+  MOEFLOW_CUDA_CHECK(cudaSetDevice(device.index));
+  previous_ = current;
+}
+
+DeviceGuard::~DeviceGuard() {
+  if (previous_ < 0 || !primary_context_active(previous_)) return;
+  if (cudaSetDevice(previous_) != cudaSuccess) cudaGetLastError();
+}
+
 void* cuda_alloc(size_t bytes, int device) {
-  cuda_set_device(device);
+  const DeviceGuard guard(Device::cuda(device));
   void* p = nullptr;
   cudaError_t err = cudaMalloc(&p, bytes);
   MOEFLOW_CHECK(err == cudaSuccess, "cudaMalloc of ", bytes, " bytes on cuda:", device,
@@ -22,10 +71,11 @@ void* cuda_alloc(size_t bytes, int device) {
 }
 
 void cuda_free(void* ptr, int device) noexcept {
-  int current = 0;
-  if (cudaGetDevice(&current) == cudaSuccess && current != device) cudaSetDevice(device);
+  int current = -1;
+  const bool switched = cudaGetDevice(&current) == cudaSuccess && current != device &&
+                        cudaSetDevice(device) == cudaSuccess;
   cudaFree(ptr);
-  if (current != device) cudaSetDevice(current);
+  if (switched && primary_context_active(current)) cudaSetDevice(current);
 }
 
 void cuda_copy(void* dst, const void* src, size_t bytes, cudaStream_t stream, bool sync) {
@@ -83,12 +133,6 @@ int cuda_count() noexcept {
 
 std::string cuda_error_string(int code) {
   return cudaGetErrorString(static_cast<cudaError_t>(code));
-}
-
-void cuda_set_device(int device) {
-  int current = -1;
-  MOEFLOW_CUDA_CHECK(cudaGetDevice(&current));
-  if (current != device) MOEFLOW_CUDA_CHECK(cudaSetDevice(device));
 }
 
 }  // namespace moeflow::detail

@@ -21,6 +21,7 @@
 #include <thread>
 
 #include "core/ep_backend.h"
+#include "core/internal.h"
 #include "cuda/ep/group.h"
 #include "moeflow/ep_reference.h"
 
@@ -473,14 +474,8 @@ std::unique_ptr<EpGroup> EpGroup::from_unique_id(const std::array<char, 128>& id
                                                  int device) {
   MOEFLOW_CHECK(world_size >= 1 && rank >= 0 && rank < world_size,
                 "rank must be in [0, world_size=", world_size, "), got ", rank);
-  int prev = 0;
-  MOEFLOW_CUDA_CHECK(cudaGetDevice(&prev));
-  if (device >= 0 && device != prev) {
-    MOEFLOW_CUDA_CHECK(cudaSetDevice(device));
-    struct Restore {
-      int d;
-      ~Restore() { cudaSetDevice(d); }
-    } restore{prev};
+  if (device >= 0) {  // the caller's device is current again afterwards
+    const detail::DeviceGuard guard(Device::cuda(device));
     return from_unique_id(id, rank, world_size, options, -1);
   }
   ncclUniqueId uid;
@@ -509,7 +504,7 @@ std::vector<std::unique_ptr<EpGroup>> EpGroup::create_local(const std::vector<in
   MOEFLOW_NCCL_CHECK(ncclCommInitAll(comms.data(), n, devices.data()));
   std::vector<std::unique_ptr<EpGroup>> groups;
   for (int i = 0; i < n; ++i) {
-    MOEFLOW_CUDA_CHECK(cudaSetDevice(devices[i]));
+    const detail::DeviceGuard guard(Device::cuda(devices[i]));
     auto impl = std::make_unique<Impl>();
     impl->init(comms[i], true, options);
     groups.push_back(std::unique_ptr<EpGroup>(new EpGroup(std::move(impl))));
@@ -546,7 +541,7 @@ std::vector<std::unique_ptr<EpGroup>> EpGroup::create_simulated(int world_size, 
                 "queue; the "
                 "maximum is 32) in the environment before CUDA starts, got ",
                 conn ? conn : "(unset: 8)");
-  MOEFLOW_CUDA_CHECK(cudaSetDevice(device));
+  const detail::DeviceGuard guard(Device::cuda(device));
   sim_streams(device);  // the pool first, before anything else makes streams
   void* bar = nullptr;
   MOEFLOW_CUDA_CHECK(cudaMalloc(&bar, 2 * sizeof(unsigned)));
