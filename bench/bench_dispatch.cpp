@@ -9,17 +9,29 @@
 // bitwise the reference's), also timed against an all-to-all of the bf16
 // token rows coming home (the stricter comparison: what a combine that sums
 // in bf16 would move); then again with the bfloat16 wire
-// (EpOptions::combine_wire_dtype: the partials rounded, bf16 rows). Both backends send a token's only slot on a rank as
-// that slot's bf16 row instead of a float32 partial. The nvlink backend (--backend nvlink) moves
-// the same bytes over the links; it also reports the token rows its own SMs store (own slots' rows,
-// the peers' stages, the peers' rows expanded here): at a few SMs that store traffic, not the
-// links, bounds the dispatch. The routing metadata (K ids + K probs per row) is sent too but not
-// counted.
+// (EpOptions::combine_wire_dtype: the partials rounded, bf16 rows). Both backends send a token's
+// only slot on a rank as that slot's bf16 row instead of a float32 partial. The nvlink backend
+// (--backend nvlink) moves the same bytes over the links; it also reports the token rows its own
+// SMs store (own slots' rows, the peers' stages, the peers' rows expanded here): at a few SMs that
+// store traffic, not the links, bounds the dispatch. The routing metadata (K ids + K probs per row)
+// is sent too but not counted.
+//
+// Ceilings, measured first in the same run: the peer copy (every rank copying
+// to every peer at once, cudaMemcpyPeerAsync: the link rate with all links
+// busy) and a device copy of 1 GiB on each GPU. The physical bound of a
+// dispatch is the larger of its bytes out at the peer-copy rate (link) and
+// the rows its SMs store at the device-copy rate (local: the two overlap at
+// best); of a combine with the bf16 wire, its bytes out at the peer-copy rate.
 #include <fmt/format.h>
 #include <nccl.h>
 
 #include <algorithm>
+#include <condition_variable>
+#include <exception>
 #include <fstream>
+#include <functional>
+#include <mutex>
+#include <thread>
 
 #include "bench/bench.h"
 #include "bench/presets.h"
@@ -31,15 +43,21 @@ namespace moeflow::bench {
 namespace {
 
 // Median of per-iteration times (ms) of fn on this rank's stream; every rank
-// runs the same number of iterations (fn is collective).
-double median_ms(const std::function<void()>& fn, cudaStream_t stream, int warmup, int iters) {
-  for (int i = 0; i < warmup; ++i) fn();
+// runs the same number of iterations (fn is collective). `before` runs on
+// the host before each iteration, outside the timed span.
+double median_ms(const std::function<void()>& fn, cudaStream_t stream, int warmup, int iters,
+                 const std::function<void()>& before = {}) {
+  for (int i = 0; i < warmup; ++i) {
+    if (before) before();
+    fn();
+  }
   MOEFLOW_CUDA_CHECK(cudaStreamSynchronize(stream));
   cudaEvent_t a, b;
   MOEFLOW_CUDA_CHECK(cudaEventCreate(&a));
   MOEFLOW_CUDA_CHECK(cudaEventCreate(&b));
   std::vector<double> t;
   for (int i = 0; i < iters; ++i) {
+    if (before) before();
     MOEFLOW_CUDA_CHECK(cudaEventRecord(a, stream));
     fn();
     MOEFLOW_CUDA_CHECK(cudaEventRecord(b, stream));
@@ -54,6 +72,105 @@ double median_ms(const std::function<void()>& fn, cudaStream_t stream, int warmu
   return t[t.size() / 2];
 }
 
+// Every thread waits until all `n` have arrived (reusable).
+class Barrier {
+ public:
+  explicit Barrier(int n) : n_(n) {}
+  void wait() {
+    std::unique_lock<std::mutex> lock(m_);
+    const long gen = gen_;
+    if (++arrived_ == n_) {
+      arrived_ = 0;
+      ++gen_;
+      cv_.notify_all();
+      return;
+    }
+    cv_.wait(lock, [&] { return gen_ != gen; });
+  }
+
+ private:
+  std::mutex m_;
+  std::condition_variable cv_;
+  int n_, arrived_ = 0;
+  long gen_ = 0;
+};
+
+struct Ceilings {
+  std::vector<double> peer_GBps;  // per rank: bytes out per second, every peer at once
+  std::vector<double> copy_GBps;  // per rank: bytes copied per second (read + write of them)
+};
+
+// The copy ceilings of the ranks' GPUs: each rank copies 256 MiB split over its
+// peers (all ranks at once, each iteration started together), and 1 GiB
+// within its own memory. Medians per rank.
+Ceilings measure_ceilings(const std::vector<int>& devs, int warmup, int iters) {
+  const int W = static_cast<int>(devs.size());
+  Ceilings c{std::vector<double>(W, 0.0), std::vector<double>(W, 0.0)};
+  const size_t peer_bytes = size_t{256} << 20, copy_bytes = size_t{1} << 30;
+  const size_t per_peer = W > 1 ? peer_bytes / (W - 1) / 256 * 256 : 0;
+  for (int a = 0; a < W; ++a)
+    for (int b = 0; b < W; ++b) {
+      if (a == b) continue;
+      int can = 0;
+      MOEFLOW_CUDA_CHECK(cudaDeviceCanAccessPeer(&can, devs[a], devs[b]));
+      if (!can) continue;
+      MOEFLOW_CUDA_CHECK(cudaSetDevice(devs[a]));
+      const cudaError_t e = cudaDeviceEnablePeerAccess(devs[b], 0);
+      if (e == cudaErrorPeerAccessAlreadyEnabled)
+        cudaGetLastError();
+      else
+        MOEFLOW_CUDA_CHECK(e);
+    }
+  std::vector<Tensor> src(W), dst(W), recv(W);  // recv[q]: W-1 slots of per_peer bytes on q
+  for (int r = 0; r < W; ++r) {
+    const Device d = Device::cuda(devs[r]);
+    src[r] = Tensor::empty({static_cast<int64_t>(copy_bytes)}, DType::kUInt8, d);
+    dst[r] = Tensor::empty({static_cast<int64_t>(copy_bytes)}, DType::kUInt8, d);
+    fill_bytes(src[r], 0x3C);
+    if (W > 1)
+      recv[r] = Tensor::empty({static_cast<int64_t>(per_peer * (W - 1))}, DType::kUInt8, d);
+  }
+  Barrier barrier(W);
+  std::vector<std::thread> threads;
+  std::vector<std::exception_ptr> errors(W);
+  for (int r = 0; r < W; ++r)
+    threads.emplace_back([&, r] {
+      try {
+        MOEFLOW_CUDA_CHECK(cudaSetDevice(devs[r]));
+        cudaStream_t stream;
+        MOEFLOW_CUDA_CHECK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+        if (W > 1) {  // each iteration started on every rank together
+          const double ms = median_ms(
+              [&] {
+                for (int q = 0; q < W; ++q) {
+                  if (q == r) continue;
+                  const int slot = r < q ? r : r - 1;  // this rank's slot on q
+                  MOEFLOW_CUDA_CHECK(
+                      cudaMemcpyPeerAsync(recv[q].data_ptr<uint8_t>() + slot * per_peer, devs[q],
+                                          src[r].data_ptr<uint8_t>(), devs[r], per_peer, stream));
+                }
+              },
+              stream, warmup, iters, [&] { barrier.wait(); });
+          c.peer_GBps[r] = static_cast<double>(per_peer) * (W - 1) / ms / 1e6;
+        }
+        const double ms = median_ms(
+            [&] {
+              MOEFLOW_CUDA_CHECK(cudaMemcpyAsync(dst[r].data(), src[r].data(), copy_bytes,
+                                                 cudaMemcpyDeviceToDevice, stream));
+            },
+            stream, warmup, iters);
+        c.copy_GBps[r] = static_cast<double>(copy_bytes) / ms / 1e6;
+        MOEFLOW_CUDA_CHECK(cudaStreamDestroy(stream));
+      } catch (...) {
+        errors[r] = std::current_exception();
+      }
+    });
+  for (auto& t : threads) t.join();
+  for (auto& e : errors)
+    if (e) std::rethrow_exception(e);
+  return c;
+}
+
 }  // namespace
 
 void run_dispatch_bench(const DispatchBenchOptions& opt) {
@@ -64,6 +181,12 @@ void run_dispatch_bench(const DispatchBenchOptions& opt) {
   std::vector<int> devs;
   for (int r = 0; r < W; ++r) devs.push_back(r);
   nlohmann::json all = nlohmann::json::array();
+  const Ceilings ceil = measure_ceilings(devs, 2, std::max(opt.timing.iters, 5));
+  for (int r = 0; r < W; ++r)
+    fmt::print(
+        "ceilings, rank {}: peer copy {:.0f} GB/s out (to every peer at once), device copy "
+        "{:.0f} GB/s (1 GiB)\n",
+        r, ceil.peer_GBps[r], ceil.copy_GBps[r]);
   for (const std::string& name : opt.presets) {
     const Preset& p = find_preset(name);
     const int64_t T = opt.tokens > 0 ? opt.tokens : p.num_tokens;
@@ -324,6 +447,20 @@ void run_dispatch_bench(const DispatchBenchOptions& opt) {
           "          combine sends {:.1f} MB (float32 partials, bf16 rows of one-slot tokens), "
           "{:.1f} GB/s\n",
           rr.wire_back_bytes / 1e6, rr.wire_back_bytes / rr.combine_ms / 1e6);
+      // The physical bounds (ms): bytes out at the peer-copy rate, rows stored at the copy rate.
+      const double link_ms = W > 1 ? rr.out_bytes / ceil.peer_GBps[r] / 1e6 : 0.0;
+      const double local_ms = rr.link_bytes / ceil.copy_GBps[r] / 1e6;
+      const double bound_ms = std::max(link_ms, local_ms);
+      const double back_link_ms = W > 1 ? rr.wire_back_bytes_bf16 / ceil.peer_GBps[r] / 1e6 : 0.0;
+      if (W > 1)
+        fmt::print(
+            "          bound: dispatch {} (link {}, local {}), dispatch at {:.2f}x it; combine "
+            "with the bf16 wire {} (link){}\n",
+            format_time(bound_ms * 1e3), format_time(link_ms * 1e3), format_time(local_ms * 1e3),
+            bound_ms / rr.dispatch_ms, format_time(back_link_ms * 1e3),
+            rr.combine_bf16_ms > 0
+                ? fmt::format(", combine at {:.2f}x it", back_link_ms / rr.combine_bf16_ms)
+                : std::string());
       if (rr.combine_bf16_ms > 0 && W > 1)
         fmt::print(
             "          combine, bf16 wire: {:>10}, sends {:.1f} MB, {:.1f} GB/s (a2a of the bf16 "
@@ -362,7 +499,15 @@ void run_dispatch_bench(const DispatchBenchOptions& opt) {
                      {"routings", opt.routings},
                      {"sm_store_bytes", rr.link_bytes},
                      {"out_bytes", rr.out_bytes},
-                     {"back_bytes", rr.back_bytes}});
+                     {"back_bytes", rr.back_bytes},
+                     {"peer_copy_GBps", ceil.peer_GBps[r]},
+                     {"device_copy_GBps", ceil.copy_GBps[r]},
+                     {"dispatch_link_bound_us", link_ms * 1e3},
+                     {"dispatch_local_bound_us", local_ms * 1e3},
+                     {"dispatch_vs_bound", bound_ms / rr.dispatch_ms},
+                     {"combine_bf16_wire_link_bound_us", back_link_ms * 1e3},
+                     {"combine_bf16_wire_vs_bound",
+                      rr.combine_bf16_ms > 0 ? back_link_ms / rr.combine_bf16_ms : 0.0}});
     }
     std::fflush(stdout);
   }
