@@ -6,6 +6,7 @@
 // GPU 0.
 #include <cuda_runtime.h>
 
+#include "moeflow/ep.h"
 #include "test_grouped_mlp_fp8.h"
 #include "test_mlp_api.h"
 #include "test_util.h"
@@ -125,6 +126,41 @@ TEST_F(MultiGpuDevice, PlanPermuteQuantizeRunOnTheirTensorsDevice) {
   EXPECT_TRUE(bytes_equal(u1.to(Device::cpu()), u0.to(Device::cpu())));
   EXPECT_TRUE(bytes_equal(z1.to(Device::cpu()), Tensor::zeros({1000}, DType::kFloat32)));
   ASSERT_EQ(current_device(), 0);
+}
+
+// EP groups made and destroyed with GPU 0 current: create_local over GPUs 1
+// and 0, and from the communicator of a GPU-1 group (the new group lives on
+// the communicator's GPU).
+TEST_F(MultiGpuDevice, EpGroupsLiveOnTheirGpuAndLeaveTheCallersDevice) {
+  EpOptions opt;
+  opt.num_experts = 4;
+  opt.topk = 2;
+  opt.hidden = 64;
+  opt.max_tokens_per_rank = 16;
+  {
+    auto pair = EpGroup::create_local({1, 0}, opt);
+    EXPECT_EQ(pair[0]->device(), kGpu1);
+    EXPECT_EQ(pair[1]->device(), kGpu0);
+    EXPECT_EQ(current_device(), 0);
+  }
+  EXPECT_EQ(current_device(), 0);
+  auto owner = EpGroup::create_local({1}, opt);
+  ASSERT_EQ(current_device(), 0);
+  {
+    auto g = EpGroup::from_comm(owner[0]->nccl_comm(), opt);
+    EXPECT_EQ(g->device(), kGpu1);
+    EXPECT_EQ(current_device(), 0);
+    // a dispatch and combine on it, from GPU 0 (one rank: every slot stays)
+    Tensor x = Tensor::zeros({16, 64}, DType::kBFloat16, kGpu1);
+    Tensor ids = random_topk(16, 2, 4, 3).to(kGpu1);
+    Tensor probs = Tensor::zeros({16, 2}, DType::kFloat32, kGpu1);
+    EpDispatchResult d = ep_dispatch(*g, x, ids, probs, stream_);
+    Tensor out = poisoned({16, 64}, DType::kBFloat16, kGpu1);
+    ep_combine(*g, d.handle, d.x, false, out, stream_);
+    EXPECT_EQ(current_device(), 0);
+    EXPECT_TRUE(bytes_equal(out.to(Device::cpu()), Tensor::zeros({16, 64}, DType::kBFloat16)));
+  }
+  EXPECT_EQ(current_device(), 0);
 }
 
 }  // namespace

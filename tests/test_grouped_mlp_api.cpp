@@ -269,6 +269,16 @@ TEST(GroupedMlpApi, BadInputIsRejected) {
               grouped_mlp_backward_dgrad(y, w, g, {}, cfg, {h, a}, x, h, dprobs);
             }).find("probs"),
             std::string::npos);
+  // wgrad: x, dy and d_h on one device (dy named on another: nothing is read)
+  Tensor dw1 = make_tensor({2, 48, 40}, DType::kFloat32),
+         db2 = make_tensor({2, 40}, DType::kFloat32);
+  TensorView dy_elsewhere = y;
+  dy_elsewhere.device = Device::cuda(0);
+  EXPECT_NE(message_of([&] {
+              grouped_mlp_backward_wgrad(dy_elsewhere, x, g, {h, a}, h,
+                                         GroupedMlpGrads{dw1, {}, {}, db2, false});
+            }).find("dy must be on cpu (x's device), got cuda:0"),
+            std::string::npos);
 }
 
 // d(h)'s amax beside the activation's backward, and the codes from it.

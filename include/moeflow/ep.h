@@ -148,8 +148,9 @@ struct EpOptions {
 
 class EpGroup {
  public:
-  // From an existing communicator (not owned, not destroyed). The current CUDA
-  // device must be the rank's GPU. Destroy the groups of every rank before
+  // From an existing communicator (not owned, not destroyed). The group lives
+  // on the communicator's GPU (ncclCommCuDevice); the current device is left
+  // as it was. Destroy the groups of every rank before
   // any rank destroys the communicator (their registered buffers and windows
   // are released through it, with the peers' NCCL proxies).
   static std::unique_ptr<EpGroup> from_comm(ncclComm* comm, const EpOptions& options);

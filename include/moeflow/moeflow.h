@@ -3,7 +3,7 @@
 // Every op runs on the device of its tensors (an EP op on its group's) and
 // enqueues on the stream given, which must belong to that device (nullptr:
 // that device's default stream). It leaves the caller's current device as
-// it was (docs/architecture.md).
+// it was, unless that device has no CUDA context yet (docs/architecture.md).
 #pragma once
 
 #include "moeflow/activation.h"

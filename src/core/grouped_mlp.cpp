@@ -459,9 +459,11 @@ void grouped_mlp_backward_wgrad(TensorView dy, TensorView x, const GroupLayout& 
   const int64_t rows = x.defined() ? x.shape[0] : (dy.defined() ? dy.shape[0] : d_h.shape[0]);
   const MlpRows r{groups, E, rows};
   const DType data_dtype = x.defined() ? x.dtype : dy.defined() ? dy.dtype : d_h.dtype;
-  const detail::DeviceGuard device_guard(x.defined()    ? x.device
-                                         : dy.defined() ? dy.device
-                                                        : d_h.device);
+  const Device dev = x.defined() ? x.device : dy.defined() ? dy.device : d_h.device;
+  for (const auto& [v, name] : {std::pair{x, "x"}, std::pair{dy, "dy"}, std::pair{d_h, "d_h"}})
+    MOEFLOW_CHECK(!v.defined() || v.device == dev, name, " must be on ", dev.str(), " (",
+                  x.defined() ? "x" : "dy", "'s device), got ", v.device.str());
+  const detail::DeviceGuard device_guard(dev);
   // Each weight gradient: stacked, E separate tensors, or not asked for;
   // float32 or the weights' dtype (that of x and dy).
   auto grad_of = [&](TensorView stacked, const GroupedWeights& experts, const char* name) {

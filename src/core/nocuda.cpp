@@ -19,5 +19,9 @@ DeviceGuard::DeviceGuard(Device device) {
   if (device.is_cuda()) no_cuda();
 }
 DeviceGuard::~DeviceGuard() = default;
+int exchange_device(int) noexcept {
+  return -1;
+}
+void restore_device(int) noexcept {}
 
 }  // namespace moeflow::detail

@@ -25,15 +25,13 @@ bool primary_context_active(int device) noexcept {
     void* get = nullptr;
     void* state = nullptr;
     cudaDriverEntryPointQueryResult q1{}, q2{};
-    if (cudaGetDriverEntryPointByVersion("cuDeviceGet", &get, 2000, cudaEnableDefault, &q1) !=
-            cudaSuccess ||
-        q1 != cudaDriverEntryPointSuccess)
-      get = nullptr;
-    if (cudaGetDriverEntryPointByVersion("cuDevicePrimaryCtxGetState", &state, 7000,
-                                         cudaEnableDefault, &q2) != cudaSuccess ||
-        q2 != cudaDriverEntryPointSuccess)
-      state = nullptr;
-    if (get == nullptr || state == nullptr) cudaGetLastError();  // this query's own error
+    const cudaError_t e1 =
+        cudaGetDriverEntryPointByVersion("cuDeviceGet", &get, 2000, cudaEnableDefault, &q1);
+    const cudaError_t e2 = cudaGetDriverEntryPointByVersion("cuDevicePrimaryCtxGetState", &state,
+                                                            7000, cudaEnableDefault, &q2);
+    if (e1 != cudaSuccess || e2 != cudaSuccess) cudaGetLastError();  // these queries' own error
+    if (e1 != cudaSuccess || q1 != cudaDriverEntryPointSuccess) get = nullptr;
+    if (e2 != cudaSuccess || q2 != cudaDriverEntryPointSuccess) state = nullptr;
     return std::pair<GetFn, StateFn>{reinterpret_cast<GetFn>(get),
                                      reinterpret_cast<StateFn>(state)};
   }();
@@ -47,18 +45,40 @@ bool primary_context_active(int device) noexcept {
 }
 }  // namespace
 
+int exchange_device(int device) noexcept {
+  int current = -1;
+  if (cudaGetDevice(&current) != cudaSuccess) {
+    cudaGetLastError();
+    return -1;
+  }
+  if (current == device) return -1;
+  if (cudaSetDevice(device) != cudaSuccess) {
+    cudaGetLastError();
+    return -1;
+  }
+  return current;
+}
+
+void restore_device(int previous) noexcept {
+  if (previous < 0 || !primary_context_active(previous)) return;
+  if (cudaSetDevice(previous) != cudaSuccess) cudaGetLastError();
+}
+
 DeviceGuard::DeviceGuard(Device device) {
   if (!device.is_cuda()) return;
   int current = -1;
   MOEFLOW_CUDA_CHECK(cudaGetDevice(&current));
   if (current == device.index) return;
-  MOEFLOW_CUDA_CHECK(cudaSetDevice(device.index));
+  const cudaError_t e = cudaSetDevice(device.index);
+  if (e != cudaSuccess) {
+    cudaGetLastError();  // not left pending for a later, unrelated check
+    MOEFLOW_CHECK(false, "cannot make cuda:", device.index, " current: ", cudaGetErrorString(e));
+  }
   previous_ = current;
 }
 
 DeviceGuard::~DeviceGuard() {
-  if (previous_ < 0 || !primary_context_active(previous_)) return;
-  if (cudaSetDevice(previous_) != cudaSuccess) cudaGetLastError();
+  restore_device(previous_);
 }
 
 void* cuda_alloc(size_t bytes, int device) {
@@ -71,11 +91,9 @@ void* cuda_alloc(size_t bytes, int device) {
 }
 
 void cuda_free(void* ptr, int device) noexcept {
-  int current = -1;
-  const bool switched = cudaGetDevice(&current) == cudaSuccess && current != device &&
-                        cudaSetDevice(device) == cudaSuccess;
-  cudaFree(ptr);
-  if (switched && primary_context_active(current)) cudaSetDevice(current);
+  const int previous = exchange_device(device);
+  if (cudaFree(ptr) != cudaSuccess) cudaGetLastError();
+  restore_device(previous);
 }
 
 void cuda_copy(void* dst, const void* src, size_t bytes, cudaStream_t stream, bool sync) {

@@ -140,12 +140,10 @@ EpGroup::Impl::~Impl() {
   // Work of this group may still run (NCCL on the nccl stream, kernels on the
   // callers' streams): let it finish before buffers are deregistered and
   // freed (cudaFree would have waited; ncclMemFree does not).
-  int cur = -1;
+  // Everything below on the group's device; the caller's is current again at the end.
+  const int cur = detail::exchange_device(device);
   // (after a timeout the work of a caller's communicator never ends: not waited for)
-  if (!aborted && cudaGetDevice(&cur) == cudaSuccess && cudaSetDevice(device) == cudaSuccess) {
-    cudaDeviceSynchronize();
-    cudaSetDevice(cur);
-  }
+  if (!aborted) cudaDeviceSynchronize();
   EpStreams& st = streams;
   for (cudaEvent_t e : {st.ev_start, st.ev_counts, st.ev_fork, st.ev_join, st.ev_scales})
     if (e) cudaEventDestroy(e);
@@ -175,6 +173,7 @@ EpGroup::Impl::~Impl() {
     else
       ncclMemFree(nvl->base);
   }
+  detail::restore_device(cur);
 }
 
 void EpGroup::Impl::init(ncclComm_t c, bool owns, const EpOptions& o) {
@@ -454,6 +453,9 @@ const std::vector<int64_t>& EpGroup::last_recv_rows() const {
 
 std::unique_ptr<EpGroup> EpGroup::from_comm(ncclComm* comm, const EpOptions& options) {
   MOEFLOW_CHECK(comm != nullptr, "comm must be an NCCL communicator, got null");
+  int dev = -1;
+  MOEFLOW_NCCL_CHECK(ncclCommCuDevice(comm, &dev));
+  const detail::DeviceGuard guard(Device::cuda(dev));  // the group lives on the comm's GPU
   auto impl = std::make_unique<Impl>();
   impl->init(comm, false, options);
   if (options.backend == EpBackend::kNvlink) impl->init_nvlink();
@@ -501,7 +503,10 @@ std::vector<std::unique_ptr<EpGroup>> EpGroup::create_local(const std::vector<in
   MOEFLOW_CHECK(n >= 1 && n <= cuda_device_count(), "create_local needs 1..", cuda_device_count(),
                 " devices, got ", n);
   std::vector<ncclComm_t> comms(n);
-  MOEFLOW_NCCL_CHECK(ncclCommInitAll(comms.data(), n, devices.data()));
+  {  // NCCL switches devices and back to the one current: one of the group's
+    const detail::DeviceGuard guard(Device::cuda(devices[0]));
+    MOEFLOW_NCCL_CHECK(ncclCommInitAll(comms.data(), n, devices.data()));
+  }
   std::vector<std::unique_ptr<EpGroup>> groups;
   for (int i = 0; i < n; ++i) {
     const detail::DeviceGuard guard(Device::cuda(devices[i]));
@@ -545,7 +550,7 @@ std::vector<std::unique_ptr<EpGroup>> EpGroup::create_simulated(int world_size, 
   sim_streams(device);  // the pool first, before anything else makes streams
   void* bar = nullptr;
   MOEFLOW_CUDA_CHECK(cudaMalloc(&bar, 2 * sizeof(unsigned)));
-  std::shared_ptr<void> shared_bar(bar, [](void* p) { cudaFree(p); });
+  std::shared_ptr<void> shared_bar(bar, [device](void* p) { detail::cuda_free(p, device); });
   MOEFLOW_CUDA_CHECK(cudaMemset(bar, 0, 2 * sizeof(unsigned)));
   std::vector<std::unique_ptr<EpGroup>> groups;
   std::vector<uint8_t*> bases;
