@@ -30,12 +30,6 @@ std::string cuda_error_string(int code);
 // used would create a context there (PyTorch's guard does the same). A CPU
 // device does nothing. Nested guards on the same device cost one
 // cudaGetDevice each.
-// The same for destructors, without exceptions: exchange_device makes
-// `device` current and returns the previous device (-1 if `device` was
-// current already or the switch failed); restore_device(previous) makes it
-// current again under the guard's rule.
-int exchange_device(int device) noexcept;
-void restore_device(int previous) noexcept;
 class DeviceGuard {
  public:
   explicit DeviceGuard(Device device);
@@ -46,6 +40,12 @@ class DeviceGuard {
  private:
   int previous_ = -1;  // the device to make current again; -1: nothing to undo
 };
+// The same for destructors, without exceptions: exchange_device makes
+// `device` current and returns the previous device (-1 if `device` was
+// current already or the switch failed); restore_device(previous) makes it
+// current again under the guard's rule.
+int exchange_device(int device) noexcept;
+void restore_device(int previous) noexcept;
 
 // --- Host scalar conversions (round to nearest even, as CUDA's _rn) ---------
 float bf16_to_float(uint16_t v);
