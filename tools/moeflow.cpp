@@ -106,7 +106,9 @@ int main(int argc, char** argv) {
       ->capture_default_str();
 
   auto* bdisp = bench->add_subcommand(
-      "dispatch", "expert-parallel dispatch/combine over the GPUs of this host (nccl or nvlink)");
+      "dispatch",
+      "expert-parallel dispatch/combine over the GPUs of this host (nccl or nvlink), against a "
+      "bare NCCL all-to-all and the bound of the peer-copy and device-copy rates");
   bench::DispatchBenchOptions dopt;
   std::vector<std::string> disp_presets;
   bdisp->add_option("--preset", disp_presets, "presets (default: dsv3 mixtral)")
