@@ -454,7 +454,19 @@ class MoELayer(ExpertCheckpointMixin, torch.nn.Module):
         expert's, or zero) and stay out of the losses and counts.
         ``cu_seqlens`` ([S+1] int32, packed sequences) for the per-sequence
         aux loss; without it a [B, S, H] input is B sequences of S tokens and
-        a [T, H] input one sequence."""
+        a [T, H] input one sequence.
+
+        Under ``torch.compile`` the layer runs eagerly as one unit: one graph
+        break per call, the code around it compiled (``fullgraph=True`` is
+        refused; docs/python.md)."""
+        if torch.compiler.is_compiling():
+            # The ops are CUDA extensions Dynamo cannot trace: one break here
+            # instead of one per op (torch._dynamo is loaded by then).
+            return torch.compiler.disable(MoELayer._forward)(self, x, padding_mask, cu_seqlens)
+        return self._forward(x, padding_mask, cu_seqlens)
+
+    def _forward(self, x: torch.Tensor, padding_mask: Optional[torch.Tensor],
+                 cu_seqlens: Optional[torch.Tensor]) -> torch.Tensor:
         if x.shape[-1] != self.hidden_size:
             raise ValueError(f"x must be [..., {self.hidden_size}], got {tuple(x.shape)}")
         shape = x.shape

@@ -409,3 +409,50 @@ def test_no_host_sync_cuda():
     finally:
         torch.cuda.set_sync_debug_mode("default")
     torch.cuda.synchronize()
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_torch_compile_one_graph_break(device):
+    """A block with the layer inside compiles: the layer runs eagerly as one
+    unit (one graph break, no warning per op), results and gradients equal
+    to eager; fullgraph=True is refused with Dynamo's error."""
+    import warnings
+
+    dynamo = pytest.importorskip("torch._dynamo")
+    dt = dtype_of(device)
+
+    class Block(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.norm = torch.nn.LayerNorm(64, device=device, dtype=dt)
+            self.moe = make_layer(device, aux_loss_coeff=1e-2, shared_expert_ffn_hidden_size=32)
+            self.proj = torch.nn.Linear(64, 64, device=device, dtype=dt)
+
+        def forward(self, x):
+            return self.proj(x + self.moe(self.norm(x)))
+
+    block = Block()
+    x = rand_x(device, dt, 48).reshape(3, 16, 64)
+
+    def step(fn):
+        xi = x.clone().requires_grad_(True)
+        for p in block.parameters():
+            p.grad = None
+        out = fn(xi)
+        out.float().square().sum().backward()
+        return [out, xi.grad] + [p.grad for p in block.parameters()]
+
+    want = step(block)
+    dynamo.reset()
+    explained = dynamo.explain(block)(x)
+    assert explained.graph_break_count == 1, [str(b.reason)[:200] for b in explained.break_reasons]
+    dynamo.reset()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        got = step(torch.compile(block, backend="aot_eager"))
+    assert not [w for w in caught if "moeflow" in str(w.message)]
+    for g, w in zip(got, want):
+        assert g is not None and torch.equal(g, w)
+    dynamo.reset()
+    with pytest.raises(Exception, match="disable"):
+        torch.compile(block, backend="aot_eager", fullgraph=True)(x)
