@@ -420,6 +420,10 @@ def main():
                     choices=["fp8-tensorwise", "fp8-blockwise"],
                     help="also time the layer with FP8 expert GEMMs (repeatable)")
     ap.add_argument("--fp8-wgrad", action="store_true", help="FP8 layers: fp8_wgrad=True")
+    ap.add_argument("--compile", action="store_true",
+                    help="also time both layers under torch.compile (Inductor; moeflow's with "
+                         "fullgraph=True, the torch composite's with its graph breaks), "
+                         "A B B A against the eager step")
     ap.add_argument("--fp8-weight-cache", action="store_true",
                     help="FP8 layers: fp8_weight_cache=True")
     ap.add_argument("--ablate-fused-quantize", action="store_true",
@@ -501,6 +505,23 @@ def main():
                     "moeflow_rows_kept": mf_rows_kept_fwd}
         res = {}
         steps = [("torch", torch_step), ("moeflow", mf_step)]
+        if args.compile:
+            torch._dynamo.reset()
+            mf_compiled = torch.compile(layer, fullgraph=True)
+            torch_compiled = torch.compile(torch_layer)
+
+            def mf_compiled_step():
+                clear()
+                mf_compiled(x).backward(dy)
+
+            def torch_compiled_step():
+                clear()
+                o, aux = torch_compiled(layer, x, K, topts)
+                torch.autograd.backward([o, aux], [dy, torch.ones((), device=dev)])
+
+            steps += [("moeflow_compiled", mf_compiled_step), ("moeflow_c1", mf_step),
+                      ("moeflow_c2", mf_step), ("moeflow_compiled_2", mf_compiled_step),
+                      ("torch_compiled", torch_compiled_step)]
         fp8_layers = []
         for prec in args.precision:
             layer8 = moeflow.MoELayer(H, Fd, E, K, aux_loss_coeff=AUX, align=args.align,
@@ -594,6 +615,16 @@ def main():
             line += ("; rows kept / permuted again (A B B A): " + ", ".join(
                 f"{a:.2f} / {b:.2f} ms" for a, b in ab) + f", rows kept: saved "
                 f"{r['saved_MiB']:.0f} MiB, peak extra {r['peak_extra_MiB']:.0f} MiB")
+        if "moeflow_compiled" in res:
+            ab = [(res["moeflow_compiled" + i]["fwd_bwd_ms"],
+                   res["moeflow_c" + (i[1:] if i else "1")]["fwd_bwd_ms"]) for i in ("", "_2")]
+            tc = res["torch_compiled"]
+            line += ("; torch.compile: moeflow compiled / eager (A B B A): " + ", ".join(
+                f"{a:.2f} / {b:.2f} ms" for a, b in ab) +
+                f", peak extra {res['moeflow_compiled']['peak_extra_MiB']:.0f} MiB; torch "
+                f"composite compiled {tc['fwd_bwd_ms']:.2f} ms "
+                f"({tc['fwd_bwd_ms'] / ab[0][0]:.2f}x moeflow compiled), peak extra "
+                f"{tc['peak_extra_MiB']:.0f} MiB")
         if "moeflow_torch_split" in res:
             ab = [(res["moeflow_torch_split" + i]["fwd_bwd_ms"],
                    res["moeflow_s" + (i[1:] if i else "1")]["fwd_bwd_ms"]) for i in ("", "_2")]

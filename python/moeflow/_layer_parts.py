@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING, Optional
 
 import torch
 
-from . import ops
+from . import _compiled, ops
 from ._checkpoint import _GATED
 
 if TYPE_CHECKING:
@@ -82,12 +82,16 @@ class SharedExpertMLP(torch.nn.Module):
             for v, w in ((v1, w1), (v2, w2)):
                 g = getattr(w, "main_grad", None)
                 v.main_grad = None if g is None else g.view(v.shape)
-        offsets = torch.arange(2, dtype=torch.int64, device=x.device) * T  # [0, T], no sync
-        y = ops.grouped_mlp(x, v1, v2, offsets=offsets, activation=layer.activation,
-                            alpha=layer.activation_alpha, limit=layer.activation_limit,
-                            offset=layer.activation_offset, accumulate_into_main_grad=fusion,
-                            recompute_activation=layer.recompute_activation,
-                            wgrad_store=layer._wgrad_store, _grad_params=(w1, w2, None, None))
+        if torch.compiler.is_compiling():  # traced: the custom operator (docs/python.md)
+            cfg = (layer.activation, 0) + layer._mlp_cfg()[2:]  # halves, never interleaved
+            y = _compiled.experts(x, None, None, v1, v2, None, None, 1, 1, cfg)
+        else:
+            offsets = torch.arange(2, dtype=torch.int64, device=x.device) * T  # [0, T], no sync
+            y = ops.grouped_mlp(x, v1, v2, offsets=offsets, activation=layer.activation,
+                                alpha=layer.activation_alpha, limit=layer.activation_limit,
+                                offset=layer.activation_offset, accumulate_into_main_grad=fusion,
+                                recompute_activation=layer.recompute_activation,
+                                wgrad_store=layer._wgrad_store, _grad_params=(w1, w2, None, None))
         if self.gate_weight is not None:
             y = y * torch.sigmoid(torch.nn.functional.linear(x, self.gate_weight))
         return y

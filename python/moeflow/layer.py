@@ -45,7 +45,7 @@ from typing import Dict, List, Optional, Union
 
 import torch
 
-from . import ops
+from . import _compiled, ops
 from . import ep as _ep
 from ._checkpoint import _GATED, ExpertCheckpointMixin
 from ._layer_parts import MoEAuxLossAutoScaler, SharedExpertMLP
@@ -413,10 +413,10 @@ class MoELayer(ExpertCheckpointMixin, torch.nn.Module):
             self.loss_scale.fill_(float(scale))
 
     def _route(self, logits: torch.Tensor, padding_mask: Optional[torch.Tensor],
-               cu_seqlens: Optional[torch.Tensor]):
+               cu_seqlens: Optional[torch.Tensor], impl=ops):
         with_losses = self.training and torch.is_grad_enabled()
         seq = self.seq_aux_loss_coeff if with_losses else 0.0
-        return ops.router(
+        return impl.router(
             logits, self.topk, score_function=self.score_function,
             pre_softmax=self.pre_softmax, num_groups=self.num_groups,
             group_topk=self.group_topk, topk_scaling_factor=self.topk_scaling_factor,
@@ -456,17 +456,23 @@ class MoELayer(ExpertCheckpointMixin, torch.nn.Module):
         aux loss; without it a [B, S, H] input is B sequences of S tokens and
         a [T, H] input one sequence.
 
-        Under ``torch.compile`` the layer runs eagerly as one unit: one graph
-        break per call, the code around it compiled (``fullgraph=True`` is
-        refused; docs/python.md)."""
+        Under ``torch.compile`` the layer joins the graph through torch
+        custom operators (``fullgraph=True`` works), or where its
+        configuration has none (FP8, ``ep_group``, ``capacity_factor``,
+        delayed or fused weight gradients) runs eagerly as one unit: one
+        graph break (docs/python.md, "torch.compile")."""
         if torch.compiler.is_compiling():
-            # The ops are CUDA extensions Dynamo cannot trace: one break here
-            # instead of one per op (torch._dynamo is loaded by then).
+            if _compiled.unsupported(self) is None:
+                return self._forward(x, padding_mask, cu_seqlens, _compiled)
+            # One break here instead of one per op (torch._dynamo is loaded by then).
             return torch.compiler.disable(MoELayer._forward)(self, x, padding_mask, cu_seqlens)
         return self._forward(x, padding_mask, cu_seqlens)
 
     def _forward(self, x: torch.Tensor, padding_mask: Optional[torch.Tensor],
-                 cu_seqlens: Optional[torch.Tensor]) -> torch.Tensor:
+                 cu_seqlens: Optional[torch.Tensor], traced=None) -> torch.Tensor:
+        # traced: the _compiled module while Dynamo traces (its custom
+        # operators stand for moeflow.ops), else None
+        impl = ops if traced is None else traced
         if x.shape[-1] != self.hidden_size:
             raise ValueError(f"x must be [..., {self.hidden_size}], got {tuple(x.shape)}")
         shape = x.shape
@@ -485,7 +491,7 @@ class MoELayer(ExpertCheckpointMixin, torch.nn.Module):
         xe = x2.to(self.fc1_weight.dtype)
         shared, side = None, None
         if self.shared_experts is not None:
-            if self.shared_expert_overlap and xe.is_cuda:
+            if self.shared_expert_overlap and xe.is_cuda and traced is None:
                 # The shared expert on a side stream, beside the routed path
                 # (its backward runs on that stream too).
                 main = torch.cuda.current_stream(xe.device)
@@ -497,8 +503,8 @@ class MoELayer(ExpertCheckpointMixin, torch.nn.Module):
             else:
                 shared = self.shared_experts(xe, self)
 
-        logits = ops.router_logits(x2, self.router_weight)  # [T, E] float32
-        routed = self._route(logits, mask, cu)
+        logits = impl.router_logits(x2, self.router_weight)  # [T, E] float32
+        routed = self._route(logits, mask, cu, impl)
         probs = routed.probs
         losses = {}
         for name, loss in (("aux_loss", routed.aux_loss), ("z_loss", routed.z_loss),
@@ -514,8 +520,8 @@ class MoELayer(ExpertCheckpointMixin, torch.nn.Module):
                 if self.local_tokens_per_expert is not None:
                     self.local_tokens_per_expert.add_(routed.tokens_per_expert)
                 else:
-                    ops.update_expert_bias(routed.tokens_per_expert, self.expert_bias,
-                                           self.expert_bias_update_rate)
+                    impl.update_expert_bias(routed.tokens_per_expert, self.expert_bias,
+                                            self.expert_bias_update_rate)
 
         ids = routed.topk_ids
         if self.capacity_factor is not None:
@@ -524,6 +530,9 @@ class MoELayer(ExpertCheckpointMixin, torch.nn.Module):
                 self.token_drop_policy)
         if self.ep_group is not None:
             out = self._experts_ep(xe, ids, probs)
+        elif traced is not None:
+            out = traced.experts(xe, ids, probs, self.fc1_weight, self.fc2_weight, None, None,
+                                 self.num_experts, self.align, self._mlp_cfg())
         else:
             out = self._experts(xe, ids, probs)
         if shared is not None:
@@ -532,6 +541,11 @@ class MoELayer(ExpertCheckpointMixin, torch.nn.Module):
                 shared.record_stream(torch.cuda.current_stream(xe.device))
             out = out + shared
         return out.to(x.dtype).reshape(shape)
+
+    def _mlp_cfg(self) -> tuple:
+        """The MLP's activation: (name, GLU interleave, alpha, limit, offset)."""
+        return (self.activation, int(self.glu_interleave), float(self.activation_alpha),
+                float(self.activation_limit), float(self.activation_offset))
 
     def _mlp(self, rows: torch.Tensor, **groups) -> torch.Tensor:
         """The grouped expert MLP of the local experts over ``rows``, its

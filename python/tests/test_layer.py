@@ -411,48 +411,121 @@ def test_no_host_sync_cuda():
     torch.cuda.synchronize()
 
 
-@pytest.mark.parametrize("device", DEVICES)
-def test_torch_compile_one_graph_break(device):
-    """A block with the layer inside compiles: the layer runs eagerly as one
-    unit (one graph break, no warning per op), results and gradients equal
-    to eager; fullgraph=True is refused with Dynamo's error."""
-    import warnings
 
-    dynamo = pytest.importorskip("torch._dynamo")
+# torch.compile: a block with the layer inside against the same block eager,
+# two training steps, every output, gradient and buffer bit for bit.
+COMPILE_CONFIGS = [
+    dict(aux_loss_coeff=1e-2, z_loss_coeff=1e-3, shared_expert_ffn_hidden_size=32,
+         shared_expert_gate=True),
+    dict(E=16, K=4, score_function="sigmoid", use_expert_bias=True, num_groups=4, group_topk=2,
+         topk_scaling_factor=2.5),
+    dict(load_balancing_type="seq_aux_loss", aux_loss_coeff=1e-2, pre_softmax=True,
+         _mask=True, _seq=True),
+    dict(activation="geglu", glu_interleave=8, shared_expert_ffn_hidden_size=32),
+]
+
+
+def _compile_block(device, kw):
+    import copy
+
+    kw = dict(kw)
+    masked, packed = kw.pop("_mask", False), kw.pop("_seq", False)
     dt = dtype_of(device)
 
     class Block(torch.nn.Module):
         def __init__(self):
             super().__init__()
             self.norm = torch.nn.LayerNorm(64, device=device, dtype=dt)
-            self.moe = make_layer(device, aux_loss_coeff=1e-2, shared_expert_ffn_hidden_size=32)
-            self.proj = torch.nn.Linear(64, 64, device=device, dtype=dt)
+            self.moe = make_layer(device, **kw)
 
-        def forward(self, x):
-            return self.proj(x + self.moe(self.norm(x)))
+        def forward(self, x, mask, cu):
+            return self.moe(self.norm(x), padding_mask=mask, cu_seqlens=cu) * 2
 
-    block = Block()
-    x = rand_x(device, dt, 48).reshape(3, 16, 64)
+    g = torch.Generator().manual_seed(5)
+    x = torch.randn(3, 16, 64, generator=g).to(device, dt)
+    mask = (torch.rand(3, 16, generator=g) < 0.2).to(device) if masked else None
+    cu = torch.tensor([0, 10, 30, 48], dtype=torch.int32, device=device) if packed else None
+    eager = Block()
+    return eager, copy.deepcopy(eager), (x, mask, cu)
 
-    def step(fn):
-        xi = x.clone().requires_grad_(True)
-        for p in block.parameters():
-            p.grad = None
-        out = fn(xi)
-        out.float().square().sum().backward()
-        return [out, xi.grad] + [p.grad for p in block.parameters()]
 
-    want = step(block)
+def _train_step(block, fn, inputs):
+    x, mask, cu = inputs
+    x = x.clone().requires_grad_(True)
+    for p in block.parameters():
+        p.grad = None
+    out = fn(x, mask, cu)
+    out.float().square().sum().backward()
+    return ([out.detach().clone(), x.grad] + [p.grad for p in block.parameters()]
+            + [b.clone() for b in block.buffers()])
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("kw", COMPILE_CONFIGS)
+def test_torch_compile_fullgraph(device, kw):
+    """The layer compiles into the graph (its torch custom operators),
+    fullgraph=True, with the eager results bit for bit over two steps (the
+    expert bias updated in place by the first)."""
+    dynamo = pytest.importorskip("torch._dynamo")
+    eager, twin, inputs = _compile_block(device, kw)
     dynamo.reset()
-    explained = dynamo.explain(block)(x)
+    compiled = torch.compile(twin, backend="aot_eager", fullgraph=True)
+    for _ in range(2):
+        want, got = _train_step(eager, eager, inputs), _train_step(twin, compiled, inputs)
+        assert len(got) == len(want)
+        for g, w in zip(got, want):
+            assert g is not None and torch.equal(g, w)
+
+
+@pytest.mark.skipif(not HAS_CUDA, reason="no CUDA device (torch.cuda.is_available() is False)")
+@pytest.mark.parametrize("mode", [None, "reduce-overhead"])
+def test_torch_compile_inductor_cuda(mode):
+    """Inductor (and its CUDA graphs) around the layer's operators: the same
+    bits as eager for the layer's output and every gradient."""
+    dynamo = pytest.importorskip("torch._dynamo")
+    layer = make_layer("cuda", aux_loss_coeff=1e-2, shared_expert_ffn_hidden_size=32)
+    import copy
+    twin = copy.deepcopy(layer)
+    dynamo.reset()
+    compiled = torch.compile(twin, mode=mode, fullgraph=True)
+    g = torch.Generator().manual_seed(9)
+    for step in range(3):
+        x = torch.randn(96, 64, generator=g).to("cuda", torch.bfloat16)
+        dout = torch.randn(96, 64, generator=g).to("cuda")
+        res = []
+        for mod, fn in ((layer, layer), (twin, compiled)):
+            xi = x.clone().requires_grad_(True)
+            for p in mod.parameters():
+                p.grad = None
+            out = fn(xi)
+            (out.float() * dout).sum().backward()
+            res.append([out.detach().clone(), xi.grad.clone()]
+                       + [p.grad.clone() for p in mod.parameters()])
+        for got, want in zip(res[1], res[0]):
+            assert torch.equal(got, want), step
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_torch_compile_other_configs_one_graph_break(device):
+    """A configuration without the custom-operator path (here
+    capacity_factor) runs eagerly as one unit under torch.compile: one graph
+    break, no warning per op, the eager results; fullgraph=True is refused."""
+    import warnings
+
+    dynamo = pytest.importorskip("torch._dynamo")
+    eager, twin, inputs = _compile_block(device, dict(capacity_factor=1.0,
+                                                      aux_loss_coeff=1e-2))
+    want = _train_step(eager, eager, inputs)
+    dynamo.reset()
+    explained = dynamo.explain(twin)(*inputs)
     assert explained.graph_break_count == 1, [str(b.reason)[:200] for b in explained.break_reasons]
     dynamo.reset()
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        got = step(torch.compile(block, backend="aot_eager"))
+        got = _train_step(twin, torch.compile(twin, backend="aot_eager"), inputs)
     assert not [w for w in caught if "moeflow" in str(w.message)]
     for g, w in zip(got, want):
         assert g is not None and torch.equal(g, w)
     dynamo.reset()
     with pytest.raises(Exception, match="disable"):
-        torch.compile(block, backend="aot_eager", fullgraph=True)(x)
+        torch.compile(twin, backend="aot_eager", fullgraph=True)(*inputs)
