@@ -290,19 +290,21 @@ def _(x, ids, probs, fc1, fc2, bias1, bias2, num_experts, align, activation, glu
             x.new_empty((rows if probs is not None else 0,), dtype=_f32))
 
 
-@torch.library.custom_op("moeflow::experts_backward", mutates_args=())
-def _experts_backward(dout: Tensor, x: Tensor, ids: Optional[Tensor], probs: Optional[Tensor],
-                      fc1: Tensor, fc2: Tensor, bias1: Optional[Tensor], bias2: Optional[Tensor],
-                      plan64: Tensor, plan32: Tensor, h: Tensor, row_probs: Tensor,
-                      num_experts: int, align: int, activation: str, glu_interleave: int,
-                      alpha: float, limit: float, offset: float
-                      ) -> Tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
-    """(dx, dprobs, dfc1, dfc2, dbias1, dbias2): the eager node's backward
-    (moeflow.ops.grouped_mlp with permute and unpermute) in its order: FC2's
-    dgrad with the activation's backward, FC2's weight gradient on the
-    recomputed activation, FC1's dgrad and the permute's backward, FC1's
-    weight gradient on the tokens permuted again. Empty tensors stand for
-    the gradients of absent inputs."""
+# The backward in two operators, in the eager node's order: FC2's side reads
+# h for the last time, so that a compiled backward frees it (a graph input
+# past its last use) before dx and FC1's weight gradient are allocated, as
+# the eager node drops it.
+@torch.library.custom_op("moeflow::experts_backward_fc2", mutates_args=())
+def _experts_backward_fc2(dout: Tensor, ids: Optional[Tensor], probs: Optional[Tensor],
+                          fc1: Tensor, fc2: Tensor, bias1: Optional[Tensor],
+                          bias2: Optional[Tensor], plan64: Tensor, plan32: Tensor, h: Tensor,
+                          row_probs: Tensor, num_experts: int, align: int, activation: str,
+                          glu_interleave: int, alpha: float, limit: float, offset: float
+                          ) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
+    """(d_h, the rows' probs' gradient, dfc2, dbias2): the unpermute's
+    backward, FC2's dgrad with the activation's backward, FC2's weight
+    gradient on the recomputed activation. Empty tensors stand for absent
+    ones."""
     cfg = (activation, glu_interleave, alpha, limit, offset)
     s, dev = _stream(h), h.device
     offsets, real_rows, view = _groups(ids, num_experts, align, plan64, plan32)
@@ -314,16 +316,43 @@ def _experts_backward(dout: Tensor, x: Tensor, ids: Optional[Tensor], probs: Opt
     else:
         dy = dout.contiguous()
     d_h = torch.empty_like(h)
-    d_rp = None if rp is None else torch.empty(R, dtype=_f32, device=dev)
+    d_rp = torch.empty(R if rp is not None else 0, dtype=_f32, device=dev)
     _C.grouped_mlp_backward_dgrad(dy, fc1, fc2, bias1, bias2, offsets, real_rows, rp, *cfg, h,
-                                  None, d_h, d_rp, s)
+                                  None, d_h, None if rp is None else d_rp, s)
     a = d_h.new_empty(R, fc2.shape[2])
     _C.grouped_mlp_recompute_activation(h, offsets, real_rows, rp, *cfg, a, s)
     g2 = torch.empty_like(fc2)
     db2 = None if bias2 is None else torch.empty(bias2.shape, dtype=_f32, device=dev)
     _C.grouped_mlp_backward_wgrad(dy, None, offsets, real_rows, None, a, None, None, g2, None, db2,
                                   False, s)
-    del dy, a
+    return d_h, d_rp, g2, _bias_grad(db2, bias2, h)
+
+
+def _bias_grad(db, b, like):
+    return like.new_empty(0) if db is None else db.to(b.dtype)
+
+
+@_experts_backward_fc2.register_fake
+def _(dout, ids, probs, fc1, fc2, bias1, bias2, plan64, plan32, h, row_probs, *cfg):
+    return (torch.empty_like(h), h.new_empty((h.shape[0] if probs is not None else 0,),
+                                             dtype=_f32),
+            torch.empty_like(fc2), h.new_empty((0,)) if bias2 is None else torch.empty_like(bias2))
+
+
+@torch.library.custom_op("moeflow::experts_backward_fc1", mutates_args=())
+def _experts_backward_fc1(d_h: Tensor, d_row_probs: Tensor, x: Tensor, ids: Optional[Tensor],
+                          probs: Optional[Tensor], fc1: Tensor, fc2: Tensor,
+                          bias1: Optional[Tensor], plan64: Tensor, plan32: Tensor,
+                          num_experts: int, align: int, activation: str, glu_interleave: int,
+                          alpha: float, limit: float, offset: float
+                          ) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
+    """(dx, dprobs, dfc1, dbias1): FC1's dgrad and the permute's backward,
+    then FC1's weight gradient on the tokens permuted again."""
+    cfg = (activation, glu_interleave, alpha, limit, offset)
+    s, dev = _stream(d_h), d_h.device
+    offsets, real_rows, view = _groups(ids, num_experts, align, plan64, plan32)
+    R = d_h.shape[0]
+    d_rp = d_row_probs if probs is not None else None
     dx_rows = d_h.new_empty(R, fc1.shape[2])
     _C.grouped_mlp_backward_fc1_dgrad(d_h, fc1, fc2, offsets, real_rows, *cfg, dx_rows, s)
     dprobs = torch.empty(0, dtype=_f32, device=dev)
@@ -341,24 +370,15 @@ def _experts_backward(dout: Tensor, x: Tensor, ids: Optional[Tensor], probs: Opt
     db1 = None if bias1 is None else torch.empty(bias1.shape, dtype=_f32, device=dev)
     _C.grouped_mlp_backward_wgrad(None, x_rows, offsets, real_rows, None, None, d_h, g1, None, db1,
                                   None, False, s)
-
-    def bias_grad(db, b):
-        return torch.empty(0, dtype=h.dtype, device=dev) if db is None else db.to(b.dtype)
-
-    return dx, dprobs, g1, g2, bias_grad(db1, bias1), bias_grad(db2, bias2)
+    return dx, dprobs, g1, _bias_grad(db1, bias1, d_h)
 
 
-@_experts_backward.register_fake
-def _(dout, x, ids, probs, fc1, fc2, bias1, bias2, plan64, plan32, h, row_probs, *cfg):
-    def like(t, dtype=None):
-        if t is None:
-            return h.new_empty((0,), dtype=dtype)
-        return torch.empty_like(t, dtype=dtype)
-
-    dprobs = (h.new_empty(tuple(ids.shape), dtype=_f32) if ids is not None and probs is not None
-              else h.new_empty((0,), dtype=_f32))
-    return (torch.empty_like(x), dprobs, torch.empty_like(fc1), torch.empty_like(fc2),
-            like(bias1), like(bias2))
+@_experts_backward_fc1.register_fake
+def _(d_h, d_row_probs, x, ids, probs, fc1, fc2, bias1, plan64, plan32, *cfg):
+    dprobs = (d_h.new_empty(tuple(ids.shape), dtype=_f32) if ids is not None and probs is not None
+              else d_h.new_empty((0,), dtype=_f32))
+    return (torch.empty_like(x), dprobs, torch.empty_like(fc1),
+            d_h.new_empty((0,)) if bias1 is None else torch.empty_like(bias1))
 
 
 def _experts_setup(ctx, inputs, output):
@@ -370,8 +390,11 @@ def _experts_setup(ctx, inputs, output):
 
 def _experts_grad(ctx, dout, *unused):
     x, ids, probs, fc1, fc2, bias1, bias2, plan64, plan32, h, row_probs = ctx.saved_tensors
-    dx, dprobs, g1, g2, gb1, gb2 = _experts_backward(dout, x, ids, probs, fc1, fc2, bias1, bias2,
-                                                     plan64, plan32, h, row_probs, *ctx.cfg)
+    d_h, d_rp, g2, gb2 = _experts_backward_fc2(dout, ids, probs, fc1, fc2, bias1, bias2, plan64,
+                                               plan32, h, row_probs, *ctx.cfg)
+    del h, row_probs
+    dx, dprobs, g1, gb1 = _experts_backward_fc1(d_h, d_rp, x, ids, probs, fc1, fc2, bias1, plan64,
+                                                plan32, *ctx.cfg)
     return (dx, None, None if probs is None else dprobs, g1, g2,
             None if bias1 is None else gb1, None if bias2 is None else gb2) + (None,) * 7
 
