@@ -216,7 +216,9 @@ def main():
     align = 128 if args.fp8_wgrad and args.precision == "fp8-blockwise" else 16
     precision = dict(precision=args.precision, fp8_wgrad=args.fp8_wgrad, align=align)
     c = dict(CONFIGS[args.config])
-    if args.steps:
+    if args.steps is not None:
+        if args.steps < 1:
+            ap.error(f"--steps must be >= 1, got {args.steps}")
         c["steps"] = args.steps
     device = torch.device(args.device or ("cuda" if args.config == "gpu" else "cpu"))
     if device.type == "cuda" and not torch.cuda.is_available():

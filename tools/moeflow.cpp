@@ -3,8 +3,10 @@
 // dispatch | mlp`. Arguments are checked here (presets, devices, alignments)
 // so that a typo fails at once with the list of valid values.
 #include <fmt/format.h>
+#include <unistd.h>
 
 #include <CLI/CLI.hpp>
+#include <filesystem>
 
 #include "bench/bench.h"
 #include "bench/presets.h"
@@ -29,6 +31,19 @@ int main(int argc, char** argv) {
         return "must be auto, cpu, cuda or cuda:N (N a GPU index), got '" + s + "'";
       },
       "auto|cpu|cuda|cuda:N", "device");
+  // --json: its folder must exist and be writable before a long benchmark runs
+  const CLI::Validator json_check(
+      [](std::string& path) -> std::string {
+        const std::filesystem::path parent = std::filesystem::path(path).parent_path();
+        const std::string dir = parent.empty() ? "." : parent.string();
+        std::error_code ec;
+        if (!std::filesystem::is_directory(dir, ec))
+          return "cannot write '" + path + "': folder '" + dir + "' does not exist";
+        if (access(dir.c_str(), W_OK) != 0)
+          return "cannot write '" + path + "': folder '" + dir + "' is not writable";
+        return "";
+      },
+      "FILE", "json");
   const auto align_check = CLI::IsMember({1, 16, 32, 64, 128, 256});
   const auto preset_check = CLI::IsMember(bench::preset_names());
   app.add_option("--device", device, device_help)->check(device_check)->capture_default_str();
@@ -50,12 +65,14 @@ int main(int argc, char** argv) {
   bool no_backward = false;
   run->add_flag("--no-backward", no_backward,
                 "forward only (the backward checks are reported as SKIPPED)");
-  run->add_flag("--ep", run_opt.ep,
-                "the layer step with expert parallelism over every visible GPU (at least 2: "
-                "dispatch, expert MLP, combine, and their backward), checked against the layer "
-                "without it");
+  auto* ep_flag =
+      run->add_flag("--ep", run_opt.ep,
+                    "the layer step with expert parallelism over every visible GPU (at least 2: "
+                    "dispatch, expert MLP, combine, and their backward), checked against the layer "
+                    "without it");
   run->add_option("--backend", run_opt.ep_backend, "with --ep: nccl or nvlink")
       ->check(CLI::IsMember({"nccl", "nvlink"}))
+      ->needs(ep_flag)
       ->capture_default_str();
 
   auto* bench = app.add_subcommand("bench", "benchmarks against the device ceilings");
@@ -72,7 +89,8 @@ int main(int argc, char** argv) {
       ->capture_default_str();
   std::string dtype = "bf16";
   bperm->add_option("--dtype", dtype, "bf16, fp16 or fp32")->capture_default_str();
-  bperm->add_option("--json", bopt.json_path, "also write the results as JSON to this file");
+  bperm->add_option("--json", bopt.json_path, "also write the results as JSON to this file")
+      ->check(json_check);
   bperm->add_option("--iters", bopt.timing.iters, "timed runs per op (median)")
       ->capture_default_str();
 
@@ -101,7 +119,8 @@ int main(int argc, char** argv) {
       ->check(CLI::Range(int64_t{1}, int64_t{1} << 24));
   bgemm->add_option("--sweep-k", gopt.sweep_k, "K in the sweep")->capture_default_str();
   bgemm->add_option("--sweep-n", gopt.sweep_n, "N in the sweep")->capture_default_str();
-  bgemm->add_option("--json", gopt.json_path, "also write the results as JSON to this file");
+  bgemm->add_option("--json", gopt.json_path, "also write the results as JSON to this file")
+      ->check(json_check);
   bgemm->add_option("--iters", gopt.timing.iters, "timed runs per op (median)")
       ->capture_default_str();
 
@@ -136,7 +155,8 @@ int main(int argc, char** argv) {
   bdisp->add_flag(
       "--no-sweep", [&](int64_t) { dopt.sweep = false; },
       "skip the pieces / SM-count sweep (only the default configuration)");
-  bdisp->add_option("--json", dopt.json_path, "also write the results as JSON to this file");
+  bdisp->add_option("--json", dopt.json_path, "also write the results as JSON to this file")
+      ->check(json_check);
   bdisp->add_option("--iters", dopt.timing.iters, "timed runs per op (median)")
       ->capture_default_str();
 
@@ -145,7 +165,8 @@ int main(int argc, char** argv) {
   bench::MlpBenchOptions mopt;
   bmlp->add_option("--device", device, device_help)->check(device_check);
   bmlp->add_option("--case", mopt.cases, "dsv3 mixtral qwen3-30b (default: all)");
-  bmlp->add_option("--json", mopt.json_path, "also write the results as JSON to this file");
+  bmlp->add_option("--json", mopt.json_path, "also write the results as JSON to this file")
+      ->check(json_check);
   bmlp->add_option("--iters", mopt.timing.iters, "timed runs per op (median)")
       ->capture_default_str();
 
@@ -154,7 +175,8 @@ int main(int argc, char** argv) {
   bench::QuantizeBenchOptions qopt;
   bquant->add_option("--device", device, device_help)->check(device_check);
   bquant->add_option("--case", qopt.cases, "dsv3 mixtral qwen3-30b (default: all)");
-  bquant->add_option("--json", qopt.json_path, "also write the results as JSON to this file");
+  bquant->add_option("--json", qopt.json_path, "also write the results as JSON to this file")
+      ->check(json_check);
   bquant->add_option("--iters", qopt.timing.iters, "timed runs per op (median)")
       ->capture_default_str();
 

@@ -17,6 +17,47 @@ _EXPERT_PARAMS = ("fc1_weight", "fc2_weight")
 _GLU_METADATA_KEY = "moeflow.glu_interleave"  # safetensors metadata: the FC1 row order
 
 
+# megatron-core's MoELayer keys (0.19: TopKRouter, TEGroupedMLP or
+# SequentialMLP experts, SharedExpertMLP) -> MoELayer's
+_MEGATRON_KEYS = (
+    (re.compile(r"router\.weight"), "router_weight"),
+    (re.compile(r"router\.expert_bias"), "expert_bias"),
+    (re.compile(r"experts\.linear_fc([12])\.weight([0-9]+)"), r"fc\1_weight\2"),
+    (re.compile(r"experts\.local_experts\.([0-9]+)\.linear_fc([12])\.weight"), r"fc\2_weight\1"),
+)
+# training state of router features MoELayer does not have (global aux loss,
+# quantile balancing) and TransformerEngine's per-module state: dropped
+_MEGATRON_DROPPED = re.compile(r"(router\.(global_tokens_per_expert|ga_steps|qb_\w+)"
+                               r"|.*_extra_state)")
+
+
+def megatron_state_dict(state_dict: Dict[str, torch.Tensor],
+                        prefix: str = "") -> Dict[str, torch.Tensor]:
+    """A megatron-core MoELayer's state dict with MoELayer's keys: the keys
+    under ``prefix`` (e.g. "decoder.layers.3.mlp."), without it;
+    ``router.weight`` -> ``router_weight``, ``router.expert_bias`` ->
+    ``expert_bias``, ``experts.linear_fc1.weight<i>`` (TEGroupedMLP) or
+    ``experts.local_experts.<i>.linear_fc1.weight`` (SequentialMLP) ->
+    ``fc1_weight<i>`` (likewise fc2; the per-expert layout, GLU rows as
+    halves as Megatron keeps them), ``shared_experts.*`` as they are.
+    TransformerEngine's ``_extra_state`` and the router's global-aux-loss and
+    quantile-balancing buffers are dropped; any other key is kept, so that
+    ``load_state_dict(strict=True)`` reports it."""
+    out = {}
+    for key, value in state_dict.items():
+        if not key.startswith(prefix):
+            continue
+        key = key[len(prefix):]
+        if _MEGATRON_DROPPED.fullmatch(key):
+            continue
+        for pattern, repl in _MEGATRON_KEYS:
+            if pattern.fullmatch(key):
+                key = pattern.sub(repl, key)
+                break
+        out[key] = value
+    return out
+
+
 def _glu_file_rows(n_rows: int, g: int) -> torch.Tensor:
     """idx [n_rows]: row i of a GLU weight in row order g is row idx[i] of the
     halves order ([gate; up]); as canonical_row in src/core/checkpoint.cpp."""
@@ -43,6 +84,13 @@ class ExpertCheckpointMixin:
     only some experts (expert parallelism) has ``expert_range`` = [first,
     last) of the ``num_experts`` global ones: per-expert keys use the global
     ids, and a whole checkpoint loads its slice."""
+
+    def load_megatron_state_dict(self, state_dict: Dict[str, torch.Tensor], prefix: str = "",
+                                 strict: bool = True):
+        """Loads a megatron-core MoELayer's state dict (the keys under
+        ``prefix``), its keys renamed by :func:`megatron_state_dict`.
+        Returns load_state_dict's result."""
+        return self.load_state_dict(megatron_state_dict(state_dict, prefix), strict=strict)
 
     def _local_range(self) -> Tuple[int, int]:
         return tuple(getattr(self, "expert_range", (0, self.num_experts)))

@@ -260,13 +260,25 @@ def router_logits(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     bf16 x runs on bf16 tensor cores with the weight (and in backward the
     logits' gradient) split into three exact bf16 parts: float32's accuracy
     (docs/python.md, "The router GEMM")."""
-    return _RouterLogits.apply(x, weight)
+    _check_router_gemm(x, weight)
+    return _RouterLogits.apply(x, weight.contiguous())
+
+
+def _check_router_gemm(x: torch.Tensor, weight: torch.Tensor) -> None:
+    if x.dim() != 2 or not x.is_floating_point():
+        raise ValueError(f"x must be floating-point [T, H], got {x.dtype} {tuple(x.shape)}")
+    if weight.dim() != 2 or weight.dtype != torch.float32 or weight.shape[1] != x.shape[1]:
+        raise ValueError(f"weight must be float32 [E, H={x.shape[1]}] (one row per expert), "
+                         f"got {weight.dtype} {tuple(weight.shape)}")
+    if weight.device != x.device:
+        raise ValueError(f"weight must be on x's device {x.device}, got {weight.device}")
 
 
 def _router_logits_float32(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """router_logits through float32 GEMMs on a float32 copy of x whatever
     x's dtype (the path of float16 / float32 tokens; benchmarks compare)."""
-    return _RouterLogits.apply(x, weight, False)
+    _check_router_gemm(x, weight)
+    return _RouterLogits.apply(x, weight.contiguous(), False)
 
 
 def update_expert_bias(tokens_per_expert: torch.Tensor, expert_bias: torch.Tensor,

@@ -41,16 +41,27 @@ Options follow Megatron-Core's config (the names in brackets):
 from __future__ import annotations
 
 import math
+import operator
 from typing import Dict, List, Optional, Union
 
 import torch
 
-from . import _compiled, ops
+from . import _C, _compiled, ops
 from . import ep as _ep
-from ._checkpoint import _GATED, ExpertCheckpointMixin
+from ._checkpoint import _GATED, ExpertCheckpointMixin, megatron_state_dict  # noqa: F401
 from ._layer_parts import MoEAuxLossAutoScaler, SharedExpertMLP
 
 __all__ = ["MoELayer", "MoEAuxLossAutoScaler", "SharedExpertMLP"]
+
+
+def _integer(value, name: str) -> int:
+    """value as an int, where it is one (an int, a numpy or 0-dim integer):
+    a float or anything else is refused, naming the argument."""
+    try:
+        return operator.index(value)
+    except TypeError:
+        raise TypeError(f"{name} must be an integer, got {value!r} "
+                        f"({type(value).__name__})") from None
 
 
 class MoELayer(ExpertCheckpointMixin, torch.nn.Module):
@@ -105,7 +116,8 @@ class MoELayer(ExpertCheckpointMixin, torch.nn.Module):
     autograd on and both count).
 
     ``last_tokens_per_expert`` ([E] int32, detached) holds the last forward's
-    per-expert slot counts, ``last_nonfinite`` ([1] int32) its tokens with a
+    per-expert slot counts (with ``capacity_factor``, the slots kept: these
+    are the counts the expert bias balances, as in Megatron-Core), ``last_nonfinite`` ([1] int32) its tokens with a
     NaN / inf router logit (a NaN logit is never chosen). Nothing in forward or backward synchronises with
     the host.
 
@@ -198,6 +210,9 @@ class MoELayer(ExpertCheckpointMixin, torch.nn.Module):
     ``load_safetensors(path)`` do the same through moeflow's C++ safetensors
     code (``moeflow._C``); the file's metadata records the GLU row order.
     All conversions copy bytes: round trips are bitwise exact.
+    ``load_megatron_state_dict(sd, prefix=...)`` loads a megatron-core
+    MoELayer's keys (``router.weight``, ``experts.linear_fc1.weight<i>``, ...;
+    :func:`megatron_state_dict` renames them).
     """
 
     def __init__(self, hidden_size: int, ffn_hidden_size: int, num_experts: int, topk: int, *,
@@ -221,7 +236,9 @@ class MoELayer(ExpertCheckpointMixin, torch.nn.Module):
                  device: Optional[Union[torch.device, str]] = None,
                  ep_group: Optional["_ep.Group"] = None):
         super().__init__()
-        H, F, E, K = int(hidden_size), int(ffn_hidden_size), int(num_experts), int(topk)
+        H, F, E, K = (_integer(v, n) for v, n in ((hidden_size, "hidden_size"),
+                                                  (ffn_hidden_size, "ffn_hidden_size"),
+                                                  (num_experts, "num_experts"), (topk, "topk")))
         if min(H, F, E) <= 0:
             raise ValueError(f"hidden_size, ffn_hidden_size and num_experts must be > 0, got "
                              f"{H}, {F}, {E}")
@@ -230,9 +247,27 @@ class MoELayer(ExpertCheckpointMixin, torch.nn.Module):
         if activation not in ops._ACTIVATIONS:
             raise ValueError(f"activation must be one of {ops._ACTIVATIONS}, got {activation!r}")
         gated = activation in _GATED
-        if glu_interleave and (not gated or F % glu_interleave):
-            raise ValueError(f"glu_interleave={glu_interleave} needs a gated activation and "
-                             f"ffn_hidden_size ({F}) a multiple of it")
+        glu_interleave = _integer(glu_interleave, "glu_interleave")
+        if glu_interleave < 0 or (glu_interleave and (not gated or F % glu_interleave)):
+            raise ValueError(f"glu_interleave must be 0 or, with a gated activation, a positive "
+                             f"divisor of ffn_hidden_size={F}; got {glu_interleave} with "
+                             f"activation {activation!r}")
+        num_groups = _integer(num_groups or 0, "num_groups")
+        group_topk = _integer(group_topk or 0, "group_topk")
+        if num_groups:
+            room = group_topk * (E // num_groups) if num_groups > 0 else 0
+            if (num_groups < 0 or E % num_groups or not 1 <= group_topk <= num_groups
+                    or K % group_topk or K > room):
+                raise ValueError(
+                    f"group-limited routing needs num_groups dividing num_experts={E}, "
+                    f"group_topk in [1, num_groups], topk a multiple of group_topk and at most "
+                    f"group_topk * num_experts / num_groups; got num_groups={num_groups}, "
+                    f"group_topk={group_topk}, topk={K}")
+        elif group_topk:
+            raise ValueError(f"group_topk needs num_groups > 0, got group_topk={group_topk} "
+                             f"with num_groups={num_groups}")
+        if _integer(align, "align") not in (1, 16, 32, 64, 128, 256):
+            raise ValueError(f"align must be one of 1, 16, 32, 64, 128, 256, got {align}")
         if score_function not in ("softmax", "sigmoid"):
             raise ValueError(f"score_function must be 'softmax' or 'sigmoid', got "
                              f"{score_function!r}")
@@ -473,8 +508,10 @@ class MoELayer(ExpertCheckpointMixin, torch.nn.Module):
         # traced: the _compiled module while Dynamo traces (its custom
         # operators stand for moeflow.ops), else None
         impl = ops if traced is None else traced
-        if x.shape[-1] != self.hidden_size:
+        if x.dim() == 0 or x.shape[-1] != self.hidden_size:
             raise ValueError(f"x must be [..., {self.hidden_size}], got {tuple(x.shape)}")
+        if not x.is_floating_point():
+            raise TypeError(f"x must be a floating-point tensor, got {x.dtype}")
         shape = x.shape
         x2 = x.reshape(-1, self.hidden_size)
         mask = None
@@ -513,21 +550,25 @@ class MoELayer(ExpertCheckpointMixin, torch.nn.Module):
                 probs = MoEAuxLossAutoScaler.apply(probs, loss, self.loss_scale)
                 losses[name] = loss.detach()
         self.last_losses = losses
-        self.last_tokens_per_expert = routed.tokens_per_expert.detach()
         self.last_nonfinite = routed.nonfinite
-        if self.use_expert_bias and self.training and torch.is_grad_enabled():
-            with torch.no_grad():
-                if self.local_tokens_per_expert is not None:
-                    self.local_tokens_per_expert.add_(routed.tokens_per_expert)
-                else:
-                    impl.update_expert_bias(routed.tokens_per_expert, self.expert_bias,
-                                            self.expert_bias_update_rate)
-
-        ids = routed.topk_ids
+        ids, tpe = routed.topk_ids, routed.tokens_per_expert
         if self.capacity_factor is not None:
             ids, self.last_dropped = ops.apply_capacity(
                 ids, routed.probs.detach(), self.num_experts, self.capacity_factor,
                 self.token_drop_policy)
+            # What each expert keeps, min(count, capacity): the counts the
+            # bias and the logs see, as Megatron counts the dropped routing map.
+            cap = _C.router_capacity(ids.shape[0], self.topk, self.num_experts,
+                                     self.capacity_factor, 0)
+            tpe = torch.clamp(tpe, max=cap)
+        self.last_tokens_per_expert = tpe.detach()
+        if self.use_expert_bias and self.training and torch.is_grad_enabled():
+            with torch.no_grad():
+                if self.local_tokens_per_expert is not None:
+                    self.local_tokens_per_expert.add_(tpe)
+                else:
+                    impl.update_expert_bias(tpe, self.expert_bias, self.expert_bias_update_rate)
+
         if self.ep_group is not None:
             out = self._experts_ep(xe, ids, probs)
         elif traced is not None:

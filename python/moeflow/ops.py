@@ -33,6 +33,7 @@ from ._fp8_ops import (_FP8, dequantize, grouped_gemm_fp8_forward,  # noqa: F401
                        grouped_gemm_fp8_wgrad, quantize, quantize_group_rows,
                        quantize_rowwise_columnwise, requantize_columnwise,
                        transpose_codes)
+from ._checkpoint import _GATED
 from ._mlp_node import _GroupedMlp
 from ._ops_common import (_empty, _float32, _grad_enabled, _int32, _int64,  # noqa: F401
                           _nodes, _plan_sizes, _rows, _stream, _uint8)
@@ -565,6 +566,7 @@ def grouped_mlp(x: torch.Tensor, fc1: torch.Tensor, fc2: torch.Tensor, *,
                                      or (probs is not None and probs.requires_grad))):
             return _fp8_mlp.GroupedMlpFp8.forward(None, x, fc1, fc2, probs, args)
         return _fp8_mlp.GroupedMlpFp8.apply(x, fc1, fc2, probs, args)
+    _check_mlp_shapes(x, fc1, fc2, activation, plan, offsets, probs, permute, _ep is not None)
     if not (_grad_enabled() and (x.requires_grad or fc1.requires_grad or fc2.requires_grad
                                  or (bias1 is not None and bias1.requires_grad)
                                  or (bias2 is not None and bias2.requires_grad)
@@ -577,6 +579,38 @@ def grouped_mlp(x: torch.Tensor, fc1: torch.Tensor, fc2: torch.Tensor, *,
         plan, permute, unpermute, _ep, recompute_permute) + (
         bool(accumulate_into_grad) and _grad_params is None,)
     return _GroupedMlp.apply(x, fc1, fc2, bias1, bias2, probs, (offsets, real_rows, cfg, opts))
+
+
+def _check_mlp_shapes(x, fc1, fc2, activation, plan, offsets, probs, permute, ep):
+    """The 16-bit path's weights against each other, x and the groups, each
+    named (before the C++ checks, which name the library's parameters; the
+    FP8 recipes check theirs in _fp8_mlp.check)."""
+    if fc1.dim() != 3 or fc2.dim() != 3:
+        raise ValueError(f"fc1 and fc2 must be [E, N1, H] and [E, H, F], got shapes "
+                         f"{tuple(fc1.shape)} and {tuple(fc2.shape)}")
+    E, N1, H = fc1.shape
+    F = fc2.shape[2]
+    gated = activation in _GATED
+    if fc2.shape[0] != E or fc2.shape[1] != H or N1 != (2 * F if gated else F):
+        raise ValueError(f"fc2 must be [E, H, F] matching fc1 [E, {'2F' if gated else 'F'}, H] "
+                         f"({activation}): got fc1 {tuple(fc1.shape)}, fc2 {tuple(fc2.shape)}")
+    if x.dim() != 2 or x.shape[1] != H:
+        raise ValueError(f"x must be [rows, H={H}] (fc1's H), got shape {tuple(x.shape)}")
+    if ep:
+        return
+    groups = plan.num_experts if plan is not None else \
+        offsets.shape[0] - 1 if offsets is not None and offsets.dim() == 1 else None
+    if groups is not None and groups != E:
+        raise ValueError(f"fc1 and fc2 must hold one weight per group: {groups} "
+                         f"({'the plan' if plan is not None else 'offsets'}), got E={E}")
+    if plan is not None and not permute:
+        if x.shape[0] != plan.capacity_rows:
+            raise ValueError(f"x must be the plan's rows [capacity_rows={plan.capacity_rows}, "
+                             f"H] (permute's output), got shape {tuple(x.shape)}")
+        if probs is not None and tuple(probs.shape) != (plan.capacity_rows,):
+            raise ValueError(f"probs must be the rows' probs [capacity_rows="
+                             f"{plan.capacity_rows}] (permute's), got shape "
+                             f"{tuple(probs.shape)}")
 
 
 def _io(plan, permute, unpermute, ep, recompute_permute=False):

@@ -539,3 +539,52 @@ def test_torch_compile_other_configs_one_graph_break(device):
     dynamo.reset()
     with pytest.raises(Exception, match="disable"):
         torch.compile(twin, backend="aot_eager", fullgraph=True)(*inputs)
+
+
+def test_bad_options_and_inputs_are_named():
+    """Options are checked at construction under the layer's own names, and
+    bad inputs are refused at the call (nothing reaches the kernels)."""
+    for kw, match in ((dict(num_groups=3, group_topk=2), "num_groups=3"),
+                      (dict(num_groups=4, group_topk=5), "group_topk=5"),
+                      (dict(num_groups=8, group_topk=1), "topk=2"),  # room 1 < topk 2
+                      (dict(group_topk=2), "group_topk needs num_groups"),
+                      (dict(align=7), "align must be one of"),
+                      (dict(glu_interleave=-2), "glu_interleave"),
+                      (dict(glu_interleave=5), "glu_interleave")):
+        with pytest.raises(ValueError, match=match):
+            make_layer("cpu", **kw)
+    with pytest.raises(TypeError, match="hidden_size must be an integer"):
+        make_layer("cpu", H=64.5)
+    layer = make_layer("cpu")
+    with pytest.raises(TypeError, match="floating-point"):
+        layer(torch.zeros(4, 64, dtype=torch.int64))
+    with pytest.raises(ValueError, match=r"x must be \[\.\.\., 64\]"):
+        layer(torch.tensor(1.0))
+
+
+@pytest.mark.parametrize("experts", ["TEGroupedMLP", "SequentialMLP"])
+def test_load_megatron_state_dict(experts):
+    """A megatron-core MoELayer's keys (under a model prefix, with TE's
+    _extra_state) load into the layer: router, expert bias, experts and the
+    shared expert, bitwise."""
+    src = make_layer("cpu", score_function="sigmoid", use_expert_bias=True,
+                     shared_expert_ffn_hidden_size=32)
+    with torch.no_grad():
+        src.expert_bias.uniform_(-1, 1)
+    prefix = "decoder.layers.3.mlp."
+    mega = {prefix + "router.weight": src.router_weight.detach().clone(),
+            prefix + "router.expert_bias": src.expert_bias.clone(),
+            prefix + "experts.linear_fc1._extra_state": torch.zeros(0),
+            "decoder.layers.2.mlp.router.weight": torch.zeros(1)}  # another layer's: ignored
+    for name, w in (("linear_fc1", src.fc1_weight), ("linear_fc2", src.fc2_weight)):
+        for e in range(src.num_experts):
+            key = (f"experts.{name}.weight{e}" if experts == "TEGroupedMLP"
+                   else f"experts.local_experts.{e}.{name}.weight")
+            mega[prefix + key] = w[e].detach().clone()
+    for k, v in src.shared_experts.state_dict().items():
+        mega[prefix + "shared_experts." + k] = v.clone()
+    dst = make_layer("cpu", score_function="sigmoid", use_expert_bias=True,
+                     shared_expert_ffn_hidden_size=32, seed=1)
+    dst.load_megatron_state_dict(mega, prefix=prefix)  # strict: every key used, none missing
+    for (n, a), (_, b) in zip(src.state_dict().items(), dst.state_dict().items()):
+        assert torch.equal(a, b), n

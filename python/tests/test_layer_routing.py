@@ -240,6 +240,38 @@ def test_layer_capacity(device, policy):
         assert err < TOL, f"{name}: relative error {err:.2e}"
 
 
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("update", ["forward", "step"])
+def test_layer_capacity_expert_bias_counts_kept_slots(device, update):
+    """With capacity, the expert bias balances the slots each expert keeps
+    (Megatron-Core counts the dropped routing map), and
+    last_tokens_per_expert reports them."""
+    rate = 1.0
+    layer = make_layer(device, score_function="sigmoid", use_expert_bias=True,
+                       expert_bias_update_rate=rate, expert_bias_update=update,
+                       capacity_factor=0.75)
+    x = rand_x(device, dtype_of(device), 64)
+    x[:, 0] = x[:, 0].abs() + 1
+    with torch.no_grad():
+        layer.router_weight[1, 0] = 1.0  # expert 1 over capacity
+        bias0 = layer.expert_bias.clone()
+    layer(x).sum().backward()
+    logits = tnf.linear(x.float().cpu(), layer.router_weight.detach().float().cpu())
+    ids, probs, *_ = ref_router(logits, layer.topk, score_function="sigmoid",
+                                expert_bias=bias0.cpu())
+    kept, n = ref_capacity(ids, probs.detach(), layer.num_experts, 0.75, "probs")
+    assert n > 0
+    want_counts = torch.bincount(kept[kept >= 0].long(), minlength=layer.num_experts)
+    routed_counts = torch.bincount(ids.reshape(-1).long(), minlength=layer.num_experts)
+    assert not torch.equal(want_counts, routed_counts)  # the drop changed the counts
+    assert torch.equal(layer.last_tokens_per_expert.cpu().long(), want_counts)
+    if update == "step":
+        assert torch.equal(layer.local_tokens_per_expert.cpu().long(), want_counts)
+        layer.update_expert_bias()
+    want = bias0.cpu() + rate * torch.sign(want_counts.float().mean() - want_counts.float())
+    assert torch.equal(layer.expert_bias.cpu(), want)
+
 def test_layer_routing_bad_config():
     with pytest.raises(ValueError, match="load_balancing_type"):
         make_layer("cpu", load_balancing_type="sinkhorn")

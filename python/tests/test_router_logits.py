@@ -131,3 +131,18 @@ def test_gradients_only_where_wanted(device):
     mf.router_logits(x, w).sum().backward()
     assert x.grad is None and w.grad is not None
     torch.testing.assert_close(w.grad, x.float().sum(0).expand(8, -1), rtol=1e-6, atol=1e-4)
+
+
+def test_bad_arguments_are_named():
+    x = torch.randn(16, 64).to(torch.bfloat16)
+    for w, match in ((torch.randn(64, 8), r"weight must be float32 \[E, H=64\]"),  # [H, E]
+                     (torch.randn(8, 64, dtype=torch.float64), "weight must be float32"),
+                     (torch.randn(8, 64, 2)[..., 0], None)):  # a strided view: accepted
+        if match is None:
+            torch.testing.assert_close(mf.router_logits(x, w), x.float() @ w.t(), rtol=1e-5,
+                                       atol=1e-5)
+        else:
+            with pytest.raises(ValueError, match=match):
+                mf.router_logits(x, w)
+    with pytest.raises(ValueError, match=r"x must be floating-point \[T, H\]"):
+        mf.router_logits(x.view(4, 4, 64), torch.randn(8, 64))

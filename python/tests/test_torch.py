@@ -168,6 +168,21 @@ def test_errors_are_clear():
         mf.grouped_mlp(torch.zeros(1, 8, dtype=torch.float16), torch.zeros(1, 8, 8),
                        torch.zeros(1, 8, 4), offsets=torch.zeros(2, dtype=torch.int64),
                        activation="swish")
+    # grouped_mlp's shapes, each named: the weights, the plan's experts, its rows
+    T, H, F = 8, 16, 8
+    x = torch.randn(T, H, dtype=torch.float16)
+    rows, rp = mf.permute(x, plan, torch.rand(T, 2))
+    fc1, fc2 = torch.zeros(4, 2 * F, H, dtype=torch.float16), torch.zeros(4, H, F, dtype=torch.float16)
+    assert mf.grouped_mlp(rows, fc1, fc2, plan=plan, probs=rp).shape == rows.shape
+    for args, match in (((rows, fc1[:2], fc2[:2]), r"one weight per group: 4 \(the plan\), got E=2"),
+                        ((rows, fc1, torch.zeros(4, H, 2 * F, dtype=torch.float16)),
+                         r"fc2 must be \[E, H, F\] matching fc1 \[E, 2F, H\]"),
+                        ((rows[:5], fc1, fc2), r"x must be the plan's rows \[capacity_rows="),
+                        ((rows[:, :8], fc1, fc2), r"x must be \[rows, H=16\]")):
+        with pytest.raises(ValueError, match=match):
+            mf.grouped_mlp(*args, plan=plan, probs=rp)
+    with pytest.raises(ValueError, match=r"probs must be the rows' probs"):
+        mf.grouped_mlp(rows, fc1, fc2, plan=plan, probs=rp[:3])
 
 
 @pytest.mark.parametrize("device", DEVICES)
