@@ -11,6 +11,7 @@ at the end that it fell (exit status 1 if not).
     PYTHONPATH=build/python .venv/bin/python examples/train_moe.py            # tiny, CPU
     PYTHONPATH=build/python python3 examples/train_moe.py --config gpu        # larger, CUDA
     ... --config tiny-fp8 --precision fp8-blockwise|fp8-tensorwise [--fp8-wgrad]  # FP8 experts
+    ... --compile [BACKEND]   # each block through torch.compile (fullgraph in bf16)
 
 On the CPU the experts run through moeflow's CPU reference backend (bf16
 experts, float32 elsewhere; bf16 throughout on CUDA); everything else is
@@ -194,6 +195,10 @@ def main():
                     help="moeflow.ep backend (default: nvlink on CUDA, reference on the CPU)")
     ap.add_argument("--uneven-tokens", action="store_true",
                     help="rank r trains on batch - r sequences a step (at least 1)")
+    ap.add_argument("--compile", nargs="?", const="inductor", metavar="BACKEND",
+                    help="compile each block with torch.compile (default backend inductor); "
+                         "bf16 without expert parallelism as one graph (fullgraph=True: the "
+                         "MoE layer joins it), else with one graph break at the layer")
     ap.add_argument("--precision", choices=("bf16", "fp8-blockwise", "fp8-tensorwise"),
                     default="bf16", help="the experts' GEMMs (MoELayer(precision=...); FP8 "
                     "needs --config tiny-fp8 or gpu on the CPU or a Hopper GPU)")
@@ -251,6 +256,12 @@ def main():
 
     model = MoETransformer(c, dtype, expert_dtype, device, group, precision)
     experts, replicated = model.expert_parameters(), model.replicated_parameters()
+    if args.compile:
+        # MoELayer has custom operators for torch.compile in bf16 on one device;
+        # FP8 or expert parallelism run it eagerly (one graph break).
+        whole = args.precision == "bf16" and group is None
+        for b in model.blocks:
+            b.compile(backend=args.compile, fullgraph=whole)
     if group is not None:
         broadcast_parameters(replicated)
     opt = torch.optim.AdamW(model.parameters(), lr=c["lr"], weight_decay=0.0, eps=1e-6)

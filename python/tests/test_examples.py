@@ -48,6 +48,16 @@ def test_train_moe_loss_falls():
 
 
 @pytest.mark.skipif(not HAS_TORCH, reason="examples/train_moe.py needs torch (not installed)")
+def test_train_moe_compiled_loss_falls():
+    # Each block through torch.compile with fullgraph=True (the MoE layer's
+    # custom operators in the graph; aot_eager: no C++ toolchain needed).
+    r = run_python([str(EXAMPLES / "train_moe.py"), "--steps", "60", "--device", "cpu",
+                    "--compile", "aot_eager"])
+    check_clean(r)
+    assert "train_moe: PASS" in r.stdout, r.stdout
+
+
+@pytest.mark.skipif(not HAS_TORCH, reason="examples/train_moe.py needs torch (not installed)")
 @pytest.mark.parametrize("precision", ["fp8-blockwise", "fp8-tensorwise"])
 def test_train_moe_fp8_experts_loss_falls(precision):
     # The experts in an FP8 recipe with FP8 weight gradients (the CPU runs the
