@@ -116,10 +116,11 @@ class MoELayer(ExpertCheckpointMixin, torch.nn.Module):
     autograd on and both count).
 
     ``last_tokens_per_expert`` ([E] int32, detached) holds the last forward's
-    per-expert slot counts (with ``capacity_factor``, the slots kept: these
-    are the counts the expert bias balances, as in Megatron-Core), ``last_nonfinite`` ([1] int32) its tokens with a
-    NaN / inf router logit (a NaN logit is never chosen). Nothing in forward or backward synchronises with
-    the host.
+    per-expert slot counts (with ``capacity_factor``, the slots kept: the
+    counts the expert bias balances, as in Megatron-Core),
+    ``last_nonfinite`` ([1] int32) its tokens with a NaN / inf router logit
+    (a NaN logit is never chosen). Nothing in forward or backward
+    synchronises with the host.
 
     Shared expert (``shared_expert_ffn_hidden_size`` > 0, Megatron's
     moe_shared_expert_intermediate_size): a :class:`SharedExpertMLP` that
