@@ -16,6 +16,7 @@ from torch import Tensor
 
 from . import _C
 from ._ops_common import _plan_sizes, _router_ws_bytes, _stream
+from . import _router_ops
 from ._router_ops import RouterOutput, _mm_f32, _split_bf16, _sum3
 
 _f32, _i32, _i64 = torch.float32, torch.int32, torch.int64
@@ -25,7 +26,6 @@ def unsupported(layer) -> Optional[str]:
     """Why the layer's configuration has no compiled path (None: it has one)."""
     for reason, off in (("precision other than bf16", layer.precision == "bf16"),
                         ("ep_group", layer.ep_group is None),
-                        ("capacity_factor", layer.capacity_factor is None),
                         ("delay_wgrad_compute", not layer.delay_wgrad_compute),
                         ("gradient_accumulation_fusion", not layer.gradient_accumulation_fusion)):
         if not off:
@@ -213,6 +213,25 @@ def _(tokens_per_expert, expert_bias, rate):
 def update_expert_bias(tokens_per_expert: Tensor, expert_bias: Tensor, rate: float) -> Tensor:
     _update_expert_bias(tokens_per_expert, expert_bias, float(rate))
     return expert_bias
+
+
+@torch.library.custom_op("moeflow::apply_capacity", mutates_args=())
+def _apply_capacity(topk_ids: Tensor, probs: Tensor, num_experts: int, capacity_factor: float,
+                    drop_policy: str) -> Tuple[Tensor, Tensor]:
+    return _router_ops.apply_capacity(topk_ids, probs, num_experts, capacity_factor, drop_policy)
+
+
+@_apply_capacity.register_fake
+def _(topk_ids, probs, num_experts, capacity_factor, drop_policy):
+    return (topk_ids.new_empty(tuple(topk_ids.shape), dtype=_i32),
+            topk_ids.new_empty((1,), dtype=_i32))
+
+
+def apply_capacity(topk_ids: Tensor, probs: Optional[Tensor], num_experts: int,
+                   capacity_factor: float, drop_policy: str = "probs") -> Tuple[Tensor, Tensor]:
+    """ops.apply_capacity's signature and result (probs given, as the layer does)."""
+    return _apply_capacity(topk_ids, probs.detach(), int(num_experts), float(capacity_factor),
+                           str(drop_policy))
 
 
 # --- the experts: plan, permute, grouped MLP, unpermute (one node) ----------

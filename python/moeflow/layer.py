@@ -46,12 +46,20 @@ from typing import Dict, List, Optional, Union
 
 import torch
 
-from . import _C, _compiled, ops
+from . import _compiled, ops
 from . import ep as _ep
 from ._checkpoint import _GATED, ExpertCheckpointMixin, megatron_state_dict  # noqa: F401
 from ._layer_parts import MoEAuxLossAutoScaler, SharedExpertMLP
 
 __all__ = ["MoELayer", "MoEAuxLossAutoScaler", "SharedExpertMLP"]
+
+
+def expert_capacity(num_tokens: int, topk: int, num_experts: int, capacity_factor: float) -> int:
+    """The slots an expert keeps with ``capacity_factor``: Megatron-Core's
+    ceil(num_tokens * topk / num_experts * capacity_factor) in double
+    precision (router.h's router_capacity, in Python so that Dynamo traces
+    it)."""
+    return max(math.ceil(num_tokens * topk / num_experts * capacity_factor), 0)
 
 
 def _integer(value, name: str) -> int:
@@ -494,9 +502,8 @@ class MoELayer(ExpertCheckpointMixin, torch.nn.Module):
 
         Under ``torch.compile`` the layer joins the graph through torch
         custom operators (``fullgraph=True`` works), or where its
-        configuration has none (FP8, ``ep_group``, ``capacity_factor``,
-        delayed or fused weight gradients) runs eagerly as one unit: one
-        graph break (docs/python.md, "torch.compile")."""
+        configuration has none (FP8, ``ep_group``, delayed or fused weight
+        gradients) runs eagerly as one unit: one graph break (docs/python.md, "torch.compile")."""
         if torch.compiler.is_compiling():
             if _compiled.unsupported(self) is None:
                 return self._forward(x, padding_mask, cu_seqlens, _compiled)
@@ -554,14 +561,13 @@ class MoELayer(ExpertCheckpointMixin, torch.nn.Module):
         self.last_nonfinite = routed.nonfinite
         ids, tpe = routed.topk_ids, routed.tokens_per_expert
         if self.capacity_factor is not None:
-            ids, self.last_dropped = ops.apply_capacity(
+            ids, self.last_dropped = impl.apply_capacity(
                 ids, routed.probs.detach(), self.num_experts, self.capacity_factor,
                 self.token_drop_policy)
             # What each expert keeps, min(count, capacity): the counts the
             # bias and the logs see, as Megatron counts the dropped routing map.
-            cap = _C.router_capacity(ids.shape[0], self.topk, self.num_experts,
-                                     self.capacity_factor, 0)
-            tpe = torch.clamp(tpe, max=cap)
+            tpe = torch.clamp(tpe, max=expert_capacity(ids.shape[0], self.topk,
+                                                       self.num_experts, self.capacity_factor))
         self.last_tokens_per_expert = tpe.detach()
         if self.use_expert_bias and self.training and torch.is_grad_enabled():
             with torch.no_grad():

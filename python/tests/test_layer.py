@@ -422,6 +422,8 @@ COMPILE_CONFIGS = [
     dict(load_balancing_type="seq_aux_loss", aux_loss_coeff=1e-2, pre_softmax=True,
          _mask=True, _seq=True),
     dict(activation="geglu", glu_interleave=8, shared_expert_ffn_hidden_size=32),
+    dict(score_function="sigmoid", use_expert_bias=True, capacity_factor=0.75,
+         token_drop_policy="position"),
 ]
 
 
@@ -456,6 +458,7 @@ def _train_step(block, fn, inputs):
         p.grad = None
     out = fn(x, mask, cu)
     out.float().square().sum().backward()
+    block.moe.backward_dw()  # the weight gradients of delay_wgrad_compute
     return ([out.detach().clone(), x.grad] + [p.grad for p in block.parameters()]
             + [b.clone() for b in block.buffers()])
 
@@ -518,12 +521,13 @@ def test_torch_compile_inductor_cuda(mode, shared):
 @pytest.mark.parametrize("device", DEVICES)
 def test_torch_compile_other_configs_one_graph_break(device):
     """A configuration without the custom-operator path (here
-    capacity_factor) runs eagerly as one unit under torch.compile: one graph
-    break, no warning per op, the eager results; fullgraph=True is refused."""
+    delay_wgrad_compute) runs eagerly as one unit under torch.compile: one
+    graph break, no warning per op, the eager results; fullgraph=True is
+    refused."""
     import warnings
 
     dynamo = pytest.importorskip("torch._dynamo")
-    eager, twin, inputs = _compile_block(device, dict(capacity_factor=1.0,
+    eager, twin, inputs = _compile_block(device, dict(delay_wgrad_compute=True,
                                                       aux_loss_coeff=1e-2))
     want = _train_step(eager, eager, inputs)
     dynamo.reset()
@@ -588,3 +592,13 @@ def test_load_megatron_state_dict(experts):
     dst.load_megatron_state_dict(mega, prefix=prefix)  # strict: every key used, none missing
     for (n, a), (_, b) in zip(src.state_dict().items(), dst.state_dict().items()):
         assert torch.equal(a, b), n
+
+
+
+def test_expert_capacity_matches_the_library():
+    from moeflow import _C
+    from moeflow.layer import expert_capacity
+    for T in (0, 1, 7, 100, 4096, 8191, 65536):
+        for K, E in ((1, 1), (2, 8), (8, 256), (6, 64), (4, 3)):
+            for cf in (0.1, 0.75, 1.0, 1.1, 1.25, 1.3333333, 2.0):
+                assert expert_capacity(T, K, E, cf) == _C.router_capacity(T, K, E, cf), (T, K, E, cf)
