@@ -6,17 +6,17 @@ says which do not), the layer calls these instead of moeflow.ops: each is a
 backward registered, so the layer joins the compiled graph, ``fullgraph=True``
 included. They call the same kernels in the same order as the eager path,
 so results and gradients are the same bits (docs/python.md, "torch.compile").
-Shapes are static: a new token count is a new graph."""
-from __future__ import annotations
+Shapes are static: a new token count is a new graph.
 
+No ``from __future__ import annotations`` here: torch < 2.7 infers an
+operator's schema from its evaluated annotations only."""
 from typing import List, Optional, Tuple
 
 import torch
 from torch import Tensor
 
-from . import _C
+from . import _C, _router_ops
 from ._ops_common import _plan_sizes, _router_ws_bytes, _stream
-from . import _router_ops
 from ._router_ops import RouterOutput, _mm_f32, _split_bf16, _sum3
 
 _f32, _i32, _i64 = torch.float32, torch.int32, torch.int64
@@ -61,7 +61,7 @@ def _router_logits_backward(dlogits: Tensor, x: Tensor, weight: Tensor) -> Tuple
 
 @_router_logits_backward.register_fake
 def _(dlogits, x, weight):
-    return torch.empty_like(x), torch.empty_like(weight)
+    return x.new_empty(x.shape), weight.new_empty(weight.shape)  # contiguous, as the real ones
 
 
 def _router_logits_setup(ctx, inputs, output):
@@ -155,7 +155,7 @@ def _router_backward(logits: Tensor, ids: Tensor, counts: Tensor, padding_mask: 
 
 @_router_backward.register_fake
 def _(logits, *args):
-    return torch.empty_like(logits)
+    return logits.new_empty(logits.shape)
 
 
 def _router_setup(ctx, inputs, output):
@@ -190,7 +190,9 @@ def router(logits: Tensor, topk: int, *, score_function: str = "softmax",
     E = logits.shape[1]
     ids, probs, counts, aux, z, seq, _ = _router(
         logits, None if expert_bias is None else expert_bias.detach(),
-        padding_mask, cu_seqlens, E, int(topk), str(score_function), bool(pre_softmax),
+        None if padding_mask is None else padding_mask.contiguous(),
+        None if cu_seqlens is None else cu_seqlens.contiguous(), E, int(topk),
+        str(score_function), bool(pre_softmax),
         int(num_groups or 0), int(group_topk or 0),
         1.0 if topk_scaling_factor is None else float(topk_scaling_factor),
         float(aux_loss_coeff), float(z_loss_coeff), float(seq_aux_loss_coeff))
@@ -334,13 +336,13 @@ def _experts_backward_fc2(dout: Tensor, ids: Optional[Tensor], probs: Optional[T
         _C.unpermute_backward(dout.contiguous(), view, None, None, dy, None, s)
     else:
         dy = dout.contiguous()
-    d_h = torch.empty_like(h)
+    d_h = h.new_empty(h.shape)
     d_rp = torch.empty(R if rp is not None else 0, dtype=_f32, device=dev)
     _C.grouped_mlp_backward_dgrad(dy, fc1, fc2, bias1, bias2, offsets, real_rows, rp, *cfg, h,
                                   None, d_h, None if rp is None else d_rp, s)
     a = d_h.new_empty(R, fc2.shape[2])
     _C.grouped_mlp_recompute_activation(h, offsets, real_rows, rp, *cfg, a, s)
-    g2 = torch.empty_like(fc2)
+    g2 = fc2.new_empty(fc2.shape)
     db2 = None if bias2 is None else torch.empty(bias2.shape, dtype=_f32, device=dev)
     _C.grouped_mlp_backward_wgrad(dy, None, offsets, real_rows, None, a, None, None, g2, None, db2,
                                   False, s)
@@ -353,9 +355,10 @@ def _bias_grad(db, b, like):
 
 @_experts_backward_fc2.register_fake
 def _(dout, ids, probs, fc1, fc2, bias1, bias2, plan64, plan32, h, row_probs, *cfg):
-    return (torch.empty_like(h), h.new_empty((h.shape[0] if probs is not None else 0,),
-                                             dtype=_f32),
-            torch.empty_like(fc2), h.new_empty((0,)) if bias2 is None else torch.empty_like(bias2))
+    return (h.new_empty(h.shape), h.new_empty((h.shape[0] if probs is not None else 0,),
+                                              dtype=_f32),
+            fc2.new_empty(fc2.shape),
+            h.new_empty((0,)) if bias2 is None else bias2.new_empty(bias2.shape))
 
 
 @torch.library.custom_op("moeflow::experts_backward_fc1", mutates_args=())
@@ -385,7 +388,7 @@ def _experts_backward_fc1(d_h: Tensor, d_row_probs: Tensor, x: Tensor, ids: Opti
         _C.permute(x, view, x_rows, None, None, None, None, s)
     else:
         dx, x_rows = dx_rows, x
-    g1 = torch.empty_like(fc1)
+    g1 = fc1.new_empty(fc1.shape)
     db1 = None if bias1 is None else torch.empty(bias1.shape, dtype=_f32, device=dev)
     _C.grouped_mlp_backward_wgrad(None, x_rows, offsets, real_rows, None, None, d_h, g1, None, db1,
                                   None, False, s)
@@ -396,8 +399,8 @@ def _experts_backward_fc1(d_h: Tensor, d_row_probs: Tensor, x: Tensor, ids: Opti
 def _(d_h, d_row_probs, x, ids, probs, fc1, fc2, bias1, plan64, plan32, *cfg):
     dprobs = (d_h.new_empty(tuple(ids.shape), dtype=_f32) if ids is not None and probs is not None
               else d_h.new_empty((0,), dtype=_f32))
-    return (torch.empty_like(x), dprobs, torch.empty_like(fc1),
-            d_h.new_empty((0,)) if bias1 is None else torch.empty_like(bias1))
+    return (x.new_empty(x.shape), dprobs, fc1.new_empty(fc1.shape),
+            d_h.new_empty((0,)) if bias1 is None else bias1.new_empty(bias1.shape))
 
 
 def _experts_setup(ctx, inputs, output):
@@ -427,5 +430,5 @@ def experts(x: Tensor, ids: Optional[Tensor], probs: Optional[Tensor], fc1: Tens
     """ops.grouped_mlp(x, ..., plan=Plan(ids, num_experts, align), probs=probs,
     permute=True, unpermute=True) [T, H]; ids None: ops.grouped_mlp on x as
     one group (offsets [0, T])."""
-    return _experts(x, ids, probs, fc1, fc2, bias1, bias2, int(num_experts), int(align),
-                    *cfg)[0]
+    return _experts(x.contiguous(), ids, probs, fc1, fc2, bias1, bias2, int(num_experts),
+                    int(align), *cfg)[0]

@@ -54,6 +54,9 @@ from ._layer_parts import MoEAuxLossAutoScaler, SharedExpertMLP
 __all__ = ["MoELayer", "MoEAuxLossAutoScaler", "SharedExpertMLP"]
 
 
+_LOSSES = ("aux_loss", "z_loss", "seq_aux_loss")  # the router's, in _loss_stats' order
+
+
 def expert_capacity(num_tokens: int, topk: int, num_experts: int, capacity_factor: float) -> int:
     """The slots an expert keeps with ``capacity_factor``: Megatron-Core's
     ceil(num_tokens * topk / num_experts * capacity_factor) in double
@@ -106,9 +109,12 @@ class MoELayer(ExpertCheckpointMixin, torch.nn.Module):
     none), attached to the router probabilities with
     :class:`MoEAuxLossAutoScaler`: ``out.backward()`` includes their
     gradients, times the loss scale (``set_loss_scale``, default 1.0).
-    Their values, coefficients included, are kept detached on the device in
+    Their values, coefficients included, are kept on the device in
     ``last_losses`` ({"aux_loss": t, "seq_aux_loss": t, "z_loss": t}, the
-    ones computed).
+    ones configured; those of the last training forward with autograd on;
+    {} in eval mode). The ``last_*`` statistics are views of buffers that
+    the next forward overwrites in place (clone to keep them), so that a
+    compiled forward records them too, activation checkpointing included.
 
     Expert bias (``use_expert_bias``, sigmoid scoring only): a float32 [E]
     buffer ``expert_bias`` added to the scores for the expert choice only
@@ -424,10 +430,15 @@ class MoELayer(ExpertCheckpointMixin, torch.nn.Module):
         # The backward scale of the auxiliary losses (read at backward time).
         self.register_buffer("loss_scale", torch.ones((), dtype=torch.float32, device=device),
                              persistent=False)
-        self.last_losses: Dict[str, torch.Tensor] = {}
-        self.last_tokens_per_expert: Optional[torch.Tensor] = None
-        self.last_dropped: Optional[torch.Tensor] = None
-        self.last_nonfinite: Optional[torch.Tensor] = None
+        # The last forward's statistics (last_tokens_per_expert, ...), written
+        # in place, so that a forward traced by torch.compile records them
+        # without rebinding attributes, which Dynamo refuses under activation
+        # checkpointing: [E] counts, non-finite tokens, dropped slots; the
+        # losses in _LOSSES' order.
+        self.register_buffer("_stats", torch.zeros(E + 2, dtype=torch.int32, device=device),
+                             persistent=False)
+        self.register_buffer("_loss_stats", torch.zeros(len(_LOSSES), dtype=torch.float32,
+                                                        device=device), persistent=False)
         # Checkpoint format of state_dict() (see the class docstring).
         self.state_dict_layout = "grouped"
         self.state_dict_glu_interleave: Optional[int] = None
@@ -551,24 +562,22 @@ class MoELayer(ExpertCheckpointMixin, torch.nn.Module):
         logits = impl.router_logits(x2, self.router_weight)  # [T, E] float32
         routed = self._route(logits, mask, cu, impl)
         probs = routed.probs
-        losses = {}
-        for name, loss in (("aux_loss", routed.aux_loss), ("z_loss", routed.z_loss),
-                           ("seq_aux_loss", routed.seq_aux_loss)):
+        E = self.num_experts
+        for i, loss in enumerate((routed.aux_loss, routed.z_loss, routed.seq_aux_loss)):
             if loss is not None:
                 probs = MoEAuxLossAutoScaler.apply(probs, loss, self.loss_scale)
-                losses[name] = loss.detach()
-        self.last_losses = losses
-        self.last_nonfinite = routed.nonfinite
+                self._loss_stats[i].copy_(loss.detach())
+        self._stats[E:E + 1].copy_(routed.nonfinite)
         ids, tpe = routed.topk_ids, routed.tokens_per_expert
         if self.capacity_factor is not None:
-            ids, self.last_dropped = impl.apply_capacity(
-                ids, routed.probs.detach(), self.num_experts, self.capacity_factor,
-                self.token_drop_policy)
+            ids, dropped = impl.apply_capacity(ids, routed.probs.detach(), E,
+                                               self.capacity_factor, self.token_drop_policy)
+            self._stats[E + 1:].copy_(dropped)
             # What each expert keeps, min(count, capacity): the counts the
             # bias and the logs see, as Megatron counts the dropped routing map.
-            tpe = torch.clamp(tpe, max=expert_capacity(ids.shape[0], self.topk,
-                                                       self.num_experts, self.capacity_factor))
-        self.last_tokens_per_expert = tpe.detach()
+            tpe = torch.clamp(tpe, max=expert_capacity(ids.shape[0], self.topk, E,
+                                                       self.capacity_factor))
+        self._stats[:E].copy_(tpe)
         if self.use_expert_bias and self.training and torch.is_grad_enabled():
             with torch.no_grad():
                 if self.local_tokens_per_expert is not None:
@@ -642,6 +651,33 @@ class MoELayer(ExpertCheckpointMixin, torch.nn.Module):
         # Permute, MLP and unpermute in one autograd node: its backward frees
         # each rows' gradient as soon as it is read.
         return self._mlp(xe, plan=plan, probs=probs, permute=True, unpermute=True)
+
+    @property
+    def last_tokens_per_expert(self) -> torch.Tensor:
+        """[E] int32: the last forward's slots per expert (the slots kept,
+        with capacity_factor). A view the next forward overwrites."""
+        return self._stats[:self.num_experts]
+
+    @property
+    def last_nonfinite(self) -> torch.Tensor:
+        """[1] int32: the last forward's tokens with a NaN / inf router logit."""
+        return self._stats[self.num_experts:self.num_experts + 1]
+
+    @property
+    def last_dropped(self) -> Optional[torch.Tensor]:
+        """[1] int32: the slots the last forward dropped (None without
+        capacity_factor)."""
+        return None if self.capacity_factor is None else self._stats[self.num_experts + 1:]
+
+    @property
+    def last_losses(self) -> Dict[str, torch.Tensor]:
+        """The auxiliary losses of the last training forward with autograd
+        on, coefficients included ({} in eval mode; zeros before the first):
+        0-dim float32 views the next such forward overwrites."""
+        if not self.training:
+            return {}
+        coeff = (self.aux_loss_coeff, self.z_loss_coeff, self.seq_aux_loss_coeff)
+        return {name: self._loss_stats[i] for i, name in enumerate(_LOSSES) if coeff[i]}
 
     @torch.no_grad()
     def update_expert_bias(self, tokens_per_expert: Optional[torch.Tensor] = None) -> None:
