@@ -17,7 +17,7 @@ from torch import Tensor
 
 from . import _C, _router_ops
 from ._ops_common import _plan_sizes, _router_ws_bytes, _stream
-from ._router_ops import RouterOutput, _mm_f32, _split_bf16, _sum3
+from ._router_ops import RouterOutput
 
 _f32, _i32, _i64 = torch.float32, torch.int32, torch.int64
 
@@ -35,11 +35,13 @@ def unsupported(layer) -> Optional[str]:
 
 # --- the gating GEMM (ops.router_logits) ------------------------------------
 
+def _split(x: Tensor, weight: Tensor) -> bool:
+    return x.dtype == torch.bfloat16 and weight.dtype == _f32
+
+
 @torch.library.custom_op("moeflow::router_logits", mutates_args=())
 def _router_logits(x: Tensor, weight: Tensor) -> Tensor:
-    if x.dtype != torch.bfloat16 or weight.dtype != _f32:
-        return torch.nn.functional.linear(x.float(), weight)
-    return _sum3(_mm_f32(x, _split_bf16(weight, "012", False).t()), weight.shape[0], 1)
+    return _router_ops._logits_forward(x, weight, _split(x, weight))
 
 
 @_router_logits.register_fake
@@ -49,14 +51,7 @@ def _(x, weight):
 
 @torch.library.custom_op("moeflow::router_logits_backward", mutates_args=())
 def _router_logits_backward(dlogits: Tensor, x: Tensor, weight: Tensor) -> Tuple[Tensor, Tensor]:
-    if x.dtype != torch.bfloat16 or weight.dtype != _f32:
-        return (dlogits @ weight).to(x.dtype), dlogits.t() @ x.float()
-    dlogits = dlogits.contiguous()
-    a = _split_bf16(dlogits, "0001", True)
-    w4 = _split_bf16(weight, "0120", False)
-    dx = _mm_f32(a, w4).to(x.dtype) if not a.is_cuda else torch.mm(a, w4)
-    dw = _sum3(_mm_f32(_split_bf16(dlogits, "012", True).t(), x), weight.shape[0], 0)
-    return dx, dw
+    return _router_ops._logits_backward(dlogits, x, weight, _split(x, weight), True, True)
 
 
 @_router_logits_backward.register_fake

@@ -222,35 +222,45 @@ class _RouterLogits(torch.autograd.Function):
     def forward(ctx, x, weight, split=True):
         ctx.save_for_backward(x, weight)  # x in its own dtype: no float32 copy kept
         ctx.split = split = split and x.dtype == torch.bfloat16 and weight.dtype == torch.float32
-        if not split:
-            return torch.nn.functional.linear(x.float(), weight)
-        # The split is made again in backward (E x H, small) rather than kept.
-        return _sum3(_mm_f32(x, _split_bf16(weight, "012", False).t()),
-                     weight.shape[0], 1)
+        return _logits_forward(x, weight, split)
 
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, dlogits):
         x, weight = ctx.saved_tensors
-        dx = dw = None
-        if not ctx.split:
-            if ctx.needs_input_grad[0]:
-                dx = (dlogits @ weight).to(x.dtype)
-            if ctx.needs_input_grad[1]:
-                dw = dlogits.t() @ x.float()
-            return dx, dw, None
-        E = weight.shape[0]
-        dlogits = dlogits.contiguous()
-        if ctx.needs_input_grad[0]:
-            # dx = d0 (w0 + w1 + w2) + d1 w0 in one bf16 GEMM over K = 4E,
-            # float32 accumulation, rounded once to bf16 (what is left out,
-            # d1 (w1 + w2) + d2 w, is below 2^-16 of the terms).
-            w4 = _split_bf16(weight, "0120", False)
-            a = _split_bf16(dlogits, "0001", True)
-            dx = _mm_f32(a, w4).to(x.dtype) if not a.is_cuda else torch.mm(a, w4)
-        if ctx.needs_input_grad[1]:
-            dw = _sum3(_mm_f32(_split_bf16(dlogits, "012", True).t(), x), E, 0)
+        dx, dw = _logits_backward(dlogits, x, weight, ctx.split, *ctx.needs_input_grad[:2])
         return dx, dw, None
+
+
+def _logits_forward(x: torch.Tensor, weight: torch.Tensor, split: bool) -> torch.Tensor:
+    """The gating GEMM: through the weight's bf16 split (bf16 x), else float32."""
+    if not split:
+        return torch.nn.functional.linear(x.float(), weight)
+    # The split is made again in backward (E x H, small) rather than kept.
+    return _sum3(_mm_f32(x, _split_bf16(weight, "012", False).t()), weight.shape[0], 1)
+
+
+def _logits_backward(dlogits: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, split: bool,
+                     want_dx: bool, want_dw: bool):
+    """(dx, dw) of _logits_forward (None where not wanted)."""
+    dx = dw = None
+    if not split:
+        if want_dx:
+            dx = (dlogits @ weight).to(x.dtype)
+        if want_dw:
+            dw = dlogits.t() @ x.float()
+        return dx, dw
+    dlogits = dlogits.contiguous()
+    if want_dx:
+        # dx = d0 (w0 + w1 + w2) + d1 w0 in one bf16 GEMM over K = 4E,
+        # float32 accumulation, rounded once to bf16 (what is left out,
+        # d1 (w1 + w2) + d2 w, is below 2^-16 of the terms).
+        w4 = _split_bf16(weight, "0120", False)
+        a = _split_bf16(dlogits, "0001", True)
+        dx = _mm_f32(a, w4).to(x.dtype) if not a.is_cuda else torch.mm(a, w4)
+    if want_dw:
+        dw = _sum3(_mm_f32(_split_bf16(dlogits, "012", True).t(), x), weight.shape[0], 0)
+    return dx, dw
 
 
 def router_logits(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
